@@ -1,0 +1,347 @@
+/*
+ * moeflow.h — the one public header of moeflow, an expert-parallel (EP) Mixture-of-Experts runtime.
+ *
+ * Pure C11: no CUDA types, fixed-width integers only. Streams cross as `mf_stream_t` (a
+ * `cudaStream_t` cast to `void *` on the CUDA backend, ignored by the CPU backend).
+ *
+ * Dimension legend (DESIGN.md): T tokens on this rank in this call, S capacity (max tokens per rank
+ * per call), H hidden, I expert intermediate size, E global experts, R ranks, L = E / R local
+ * experts, K top-k. Shapes are row-major, innermost last: `[T, H]`.
+ *
+ * Model of use. A *group* of R ranks shares a symmetric heap. With the `local` transport the group
+ * lives in one process and holds R *comm* handles, one per virtual rank; each rank is driven by its
+ * own host thread. Calls marked *collective* must be made by every rank of the group, in the same
+ * order, each from its own thread. A *layer* (`mf_moe_t`) belongs to one comm.
+ *
+ * Memory. Every tensor crosses as a non-owning descriptor (`mf_tensor_t`); its memory is the
+ * backend's (host memory for MF_BACKEND_CPU, device memory of the group's device for
+ * MF_BACKEND_CUDA) and contiguous, row-major. The library keeps no pointer to it after the call
+ * returns, except for expert weights (see mf_moe_set_weights), which it borrows.
+ *
+ * Errors. Every function returns an `mf_result_t`. On failure `mf_last_error()` (per thread) names
+ * the violated condition, outputs are left untouched, and nothing was printed: the library never
+ * prints, exits or aborts. Faults found by device code (out-of-range ids in a device tensor, a peer
+ * that never arrives) are reported by the next call on that comm or by mf_comm_get_async_error().
+ */
+#ifndef MOEFLOW_H
+#define MOEFLOW_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------------------------------------
+ * Version
+ * ------------------------------------------------------------------------------------------- */
+#define MOEFLOW_VERSION_MAJOR 0
+#define MOEFLOW_VERSION_MINOR 1
+#define MOEFLOW_VERSION_PATCH 0
+#define MOEFLOW_VERSION_CODE \
+    (MOEFLOW_VERSION_MAJOR * 10000 + MOEFLOW_VERSION_MINOR * 100 + MOEFLOW_VERSION_PATCH)
+/* Version of the config-struct layouts; stored in every config's `version` field by its INIT. */
+#define MF_API_VERSION 1
+
+/* The library's MOEFLOW_VERSION_CODE (may differ from the header's if linked against another). */
+int32_t mf_get_version(void);
+
+/* ---------------------------------------------------------------------------------------------
+ * Results and errors
+ * ------------------------------------------------------------------------------------------- */
+typedef enum mf_result {
+    MF_SUCCESS = 0,
+    MF_ERR_INVALID_ARGUMENT = 1, /* a value, shape, dtype, pointer or id is outside the contract */
+    MF_ERR_INVALID_USAGE = 2,    /* wrong call order, wrong magic/size/version, broken comm */
+    MF_ERR_OUT_OF_MEMORY = 3,    /* host or device allocation failed */
+    MF_ERR_CAPACITY = 4,         /* a user-set capacity was exceeded; nothing was written */
+    MF_ERR_TIMEOUT = 5,          /* a wait on a peer expired; the message names rank and phase */
+    MF_ERR_CUDA = 6,             /* a CUDA runtime/driver call failed */
+    MF_ERR_NCCL = 7,             /* an NCCL call failed */
+    MF_ERR_SYSTEM = 8,           /* an operating-system call failed (threads, clocks) */
+    MF_ERR_NOT_SUPPORTED = 9,    /* valid request this build or backend cannot serve */
+    MF_ERR_INTERNAL = 10         /* a bug in moeflow: please report the message */
+} mf_result_t;
+
+/* A static string naming `result` ("MF_ERR_TIMEOUT: ..."); never NULL. */
+const char *mf_result_string(mf_result_t result);
+
+/* The message of the last failed call made by this thread ("" if none); valid until the next call
+ * into moeflow from this thread. */
+const char *mf_last_error(void);
+
+/* ---------------------------------------------------------------------------------------------
+ * Enums
+ * ------------------------------------------------------------------------------------------- */
+typedef enum mf_backend {
+    MF_BACKEND_CPU = 0,  /* plain C11 host backend: the oracle; tensors in host memory */
+    MF_BACKEND_CUDA = 1, /* sm_90a; tensors in device memory */
+    MF_BACKEND_AUTO = 2  /* CUDA when this build has it and a device is present, else CPU */
+} mf_backend_t;
+
+typedef enum mf_transport {
+    MF_TRANSPORT_LOCAL = 0 /* R virtual ranks in one process (one GPU, or the host) */
+} mf_transport_t;
+
+typedef enum mf_dtype {
+    MF_DTYPE_BF16 = 0,     /* bfloat16, stored as uint16_t */
+    MF_DTYPE_FP8_E4M3 = 1, /* OCP E4M3 "fn" (max 448, no inf), stored as uint8_t */
+    MF_DTYPE_FP32 = 2,
+    MF_DTYPE_INT32 = 3
+} mf_dtype_t;
+
+/* Layout of dispatch output / grouped-GEMM input (docs/LAYOUTS.md). */
+typedef enum mf_layout {
+    /* Contiguous: rows of local expert e are [offsets[e], offsets[e] + counts[e]); every segment
+     * start is a multiple of block_m; rows [offsets[e] + counts[e], offsets[e+1]) are padding,
+     * marked by source (-1, -1, -1). For prefill. */
+    MF_LAYOUT_EXPERT_MAJOR = 0,
+    /* Masked: [L, C, H] with C = expert capacity (R * S by default) and a count per expert; fixed
+     * shapes, CUDA-graph safe. Rows at or past counts[e] are not written. For decode. */
+    MF_LAYOUT_MASKED = 1
+} mf_layout_t;
+
+/* ---------------------------------------------------------------------------------------------
+ * Tensors: non-owning descriptors of contiguous row-major memory
+ * ------------------------------------------------------------------------------------------- */
+#define MF_MAX_DIMS 4
+
+typedef struct mf_tensor {
+    void *data;                 /* first element; may be NULL only where a field says optional */
+    int32_t dtype;              /* mf_dtype_t */
+    int32_t ndim;               /* 0..MF_MAX_DIMS */
+    int64_t dims[MF_MAX_DIMS];  /* dims[0] outermost */
+} mf_tensor_t;
+
+/* ---------------------------------------------------------------------------------------------
+ * Opaque handles and the stream
+ * ------------------------------------------------------------------------------------------- */
+typedef struct mf_group *mf_group_t; /* R ranks and their symmetric heaps */
+typedef struct mf_comm *mf_comm_t;   /* one rank of a group */
+typedef struct mf_moe *mf_moe_t;     /* one MoE layer on one rank */
+typedef void *mf_stream_t;           /* cudaStream_t on CUDA; ignored (pass NULL) on CPU */
+
+/* ---------------------------------------------------------------------------------------------
+ * Group and comm
+ * ------------------------------------------------------------------------------------------- */
+#define MF_GROUP_CONFIG_MAGIC 0x6d666772u /* "mfgr" */
+#define MF_MAX_RANKS 64
+
+typedef struct mf_group_config {
+    uint32_t size;       /* sizeof(mf_group_config_t) */
+    uint32_t magic;      /* MF_GROUP_CONFIG_MAGIC */
+    uint32_t version;    /* MF_API_VERSION */
+    int32_t backend;     /* mf_backend_t */
+    int32_t transport;   /* mf_transport_t */
+    int32_t num_ranks;   /* R, 1..MF_MAX_RANKS */
+    int32_t device;      /* CUDA device ordinal (CUDA backend); ignored by CPU */
+    int32_t num_sms;     /* SMs each rank's peer-waiting kernels may use; 0 = num_sms / R */
+    int64_t timeout_ms;  /* bound on every wait for a peer; 0 = MF_TIMEOUT_MS env or 30000 */
+} mf_group_config_t;
+
+#define MF_GROUP_CONFIG_INIT                                                                     \
+    {                                                                                            \
+        sizeof(mf_group_config_t), MF_GROUP_CONFIG_MAGIC, MF_API_VERSION, MF_BACKEND_AUTO,       \
+            MF_TRANSPORT_LOCAL, 1, 0, 0, 0                                                       \
+    }
+
+/* 1 if `backend` can be used by this build on this machine (a CUDA build finds a device), else 0. */
+int32_t mf_backend_available(mf_backend_t backend);
+
+/* Creates a group of `config->num_ranks` ranks and its comms. Not collective (one call for the
+ * whole local group), blocking, not graph-capturable. The caller owns *group (mf_group_destroy). */
+mf_result_t mf_group_create(const mf_group_config_t *config, mf_group_t *group);
+
+/* The comm of `rank`; owned by the group (valid until mf_group_destroy). */
+mf_result_t mf_group_get_comm(mf_group_t group, int32_t rank, mf_comm_t *comm);
+
+/* The backend the group resolved to (MF_BACKEND_AUTO never comes back). */
+mf_result_t mf_group_get_backend(mf_group_t group, mf_backend_t *backend);
+
+/* Destroys the group, its comms and heaps. Call once, after every rank's layers are destroyed and
+ * no rank is inside a call. NULL is a no-op. */
+mf_result_t mf_group_destroy(mf_group_t group);
+
+mf_result_t mf_comm_get_rank(mf_comm_t comm, int32_t *rank);
+mf_result_t mf_comm_get_size(mf_comm_t comm, int32_t *num_ranks);
+
+/* Reports, and clears, the first fault that device code of this comm raised since the last report
+ * (MF_SUCCESS if none); mf_last_error() then describes it. Blocking: synchronises the comm's last
+ * stream. Not collective. */
+mf_result_t mf_comm_get_async_error(mf_comm_t comm);
+
+/* ---------------------------------------------------------------------------------------------
+ * MoE layer
+ * ------------------------------------------------------------------------------------------- */
+#define MF_MOE_CONFIG_MAGIC 0x6d666d65u /* "mfme" */
+
+typedef struct mf_moe_config {
+    uint32_t size;                /* sizeof(mf_moe_config_t) */
+    uint32_t magic;               /* MF_MOE_CONFIG_MAGIC */
+    uint32_t version;             /* MF_API_VERSION */
+    int32_t num_experts;          /* E; a multiple of R */
+    int32_t num_topk;             /* K, 1..MF_MAX_TOPK */
+    int32_t hidden;               /* H; a multiple of 128 for FP8, of 8 for BF16 */
+    int32_t intermediate;         /* I; a multiple of 128 for FP8, of 8 for BF16 */
+    int32_t max_tokens_per_rank;  /* S; every call has T <= S */
+    int32_t dtype;                /* MF_DTYPE_BF16 or MF_DTYPE_FP8_E4M3: weights, dispatch payload */
+    int32_t layout;               /* mf_layout_t of dispatch output and expert compute */
+    int32_t block_m;              /* EXPERT_MAJOR segment alignment; 0 = 128 */
+    int32_t expert_capacity;      /* MASKED: rows per local expert (C); 0 = R * S (worst case) */
+    int32_t max_recv_rows;        /* EXPERT_MAJOR: rows of the receive tensor; 0 = worst case */
+    int32_t ue8m0_scales;         /* 1: activation scales rounded up to powers of two */
+    int32_t profile;              /* 1: record per-phase times (mf_moe_get_phase_times) */
+} mf_moe_config_t;
+
+#define MF_MAX_TOPK 32
+
+#define MF_MOE_CONFIG_INIT                                                                       \
+    {                                                                                            \
+        sizeof(mf_moe_config_t), MF_MOE_CONFIG_MAGIC, MF_API_VERSION, 0, 0, 0, 0, 0,             \
+            MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, 0, 0, 0, 0, 0                                 \
+    }
+
+/* What a layer resolved its defaults to, for sizing dispatch outputs. */
+typedef struct mf_moe_info {
+    int32_t num_ranks;          /* R */
+    int32_t rank;               /* this rank */
+    int32_t num_local_experts;  /* L = E / R */
+    int32_t first_expert;       /* global id of local expert 0: rank * L */
+    int32_t block_m;            /* EXPERT_MAJOR segment alignment */
+    int32_t expert_capacity;    /* MASKED rows per expert (C) */
+    int32_t max_recv_rows;      /* EXPERT_MAJOR receive rows */
+    int64_t heap_bytes;         /* this rank's symmetric heap (shared by all layers of the comm) */
+} mf_moe_info_t;
+
+/* Creates a layer on `comm`. Collective over the group, blocking, not graph-capturable. Grows the
+ * comm's symmetric heap if this layer needs more than earlier layers (all layers of a comm share
+ * one workspace). The caller owns *moe. Errors: INVALID_ARGUMENT (bad config values, E % R != 0,
+ * H or I not a multiple of 128 for FP8), INVALID_USAGE (bad magic/size/version), OUT_OF_MEMORY. */
+mf_result_t mf_moe_create(mf_comm_t comm, const mf_moe_config_t *config, mf_moe_t *moe);
+
+mf_result_t mf_moe_get_info(mf_moe_t moe, mf_moe_info_t *info);
+
+/* Destroys the layer. Not collective; no call on it may be in flight. NULL is a no-op. */
+mf_result_t mf_moe_destroy(mf_moe_t moe);
+
+/* This rank's L local experts' weights (local expert l is global expert first_expert + l). */
+typedef struct mf_moe_weights {
+    mf_tensor_t w13;        /* [L, 2I, H]: rows [0, I) gate, [I, 2I) up; the layer's dtype */
+    mf_tensor_t w13_scales; /* FP8: [L, 2I/128, H/128] fp32, one per 128x128 block; BF16: unused */
+    mf_tensor_t w2;         /* [L, H, I]; the layer's dtype */
+    mf_tensor_t w2_scales;  /* FP8: [L, H/128, I/128] fp32; BF16: unused */
+} mf_moe_weights_t;
+
+/* Sets this rank's expert weights. The layer BORROWS the memory: it must stay valid and unchanged
+ * until the layer is destroyed or the weights are set again. Not collective, non-blocking, not
+ * graph-capturable. */
+mf_result_t mf_moe_set_weights(mf_moe_t moe, const mf_moe_weights_t *weights);
+
+typedef struct mf_moe_forward_in {
+    mf_tensor_t x;            /* [T, H] BF16, T <= S (T = 0 allowed) */
+    mf_tensor_t topk_ids;     /* [T, K] int32 in [-1, E); -1 skips; a token's ids are distinct */
+    mf_tensor_t topk_weights; /* [T, K] fp32 */
+} mf_moe_forward_in_t;
+
+typedef struct mf_moe_forward_out {
+    mf_tensor_t y;            /* [T, H] BF16: sum over k of topk_weights * expert(x) */
+} mf_moe_forward_out_t;
+
+/* The whole layer: dispatch, W13 -> SwiGLU -> W2 on the local experts, combine.
+ * Collective, blocking on CPU / asynchronous on `stream` (CUDA), graph-capturable on CUDA.
+ * Errors: INVALID_ARGUMENT (shapes, dtypes, NULL data, T > S, ids outside [-1, E) or repeated in a
+ * token when the ids are host memory), INVALID_USAGE (weights not set, comm broken), CAPACITY,
+ * TIMEOUT. */
+mf_result_t mf_moe_forward(mf_moe_t moe, const mf_moe_forward_in_t *in,
+                           const mf_moe_forward_out_t *out, mf_stream_t stream);
+
+/* Phases of mf_moe_forward, for profiling. */
+typedef enum mf_phase {
+    MF_PHASE_PREPARE = 0,  /* quantise and publish this rank's tokens and routing */
+    MF_PHASE_DISPATCH = 1, /* wait for the peers, plan, gather the routed rows */
+    MF_PHASE_W13 = 2,      /* grouped W13 GEMM and SwiGLU (+ FP8 requantisation) */
+    MF_PHASE_W2 = 3,       /* grouped W2 GEMM and the return of partials to the token owners */
+    MF_PHASE_COMBINE = 4,  /* wait for the peers, weighted K-sum into y */
+    MF_NUM_PHASES = 5
+} mf_phase_t;
+
+typedef struct mf_phase_times {
+    double us[MF_NUM_PHASES]; /* microseconds per phase (waits on peers included) */
+    double total_us;
+} mf_phase_times_t;
+
+/* Per-phase times of this layer's last mf_moe_forward; needs config.profile = 1 (else
+ * INVALID_USAGE). CPU: wall clock; CUDA: device events, so the call synchronises with that
+ * forward. Not collective, blocking. */
+mf_result_t mf_moe_get_phase_times(mf_moe_t moe, mf_phase_times_t *times);
+
+/* ---------------------------------------------------------------------------------------------
+ * Communication only: dispatch and combine, for engines that bring their own expert GEMMs.
+ * On one comm, mf_dispatch and mf_combine alternate; mf_combine uses the routing of the
+ * mf_dispatch before it on the same layer.
+ * ------------------------------------------------------------------------------------------- */
+typedef struct mf_dispatch_in {
+    mf_tensor_t x;        /* [T, H] BF16; sent as the layer's dtype (FP8: quantised 1x128 here) */
+    mf_tensor_t topk_ids; /* [T, K] int32, as in mf_moe_forward */
+} mf_dispatch_in_t;
+
+typedef struct mf_dispatch_out {
+    /* EXPERT_MAJOR: [max_recv_rows, H]; MASKED: [L, C, H]. The layer's dtype. */
+    mf_tensor_t recv_x;
+    /* FP8: [max_recv_rows, H/128] / [L, C, H/128] fp32 scales of recv_x; BF16: unused. */
+    mf_tensor_t recv_scales;
+    /* [max_recv_rows, 3] / [L, C, 3] int32: (source rank, source token, k) of each row, rank-major
+     * then token then k; EXPERT_MAJOR padding rows read (-1, -1, -1). */
+    mf_tensor_t recv_src;
+    /* [L] int32: rows received per local expert. */
+    mf_tensor_t expert_counts;
+    /* EXPERT_MAJOR: [L + 1] int32 segment starts, multiples of block_m; MASKED: unused. */
+    mf_tensor_t expert_offsets;
+} mf_dispatch_out_t;
+
+/* Moves every (token, k) with a local expert of some rank to that rank, in the layer's layout.
+ * Collective, blocking on CPU / asynchronous on CUDA, graph-capturable on CUDA. */
+mf_result_t mf_dispatch(mf_moe_t moe, const mf_dispatch_in_t *in, const mf_dispatch_out_t *out,
+                        mf_stream_t stream);
+
+typedef struct mf_combine_in {
+    /* Expert outputs, BF16, in the layout and row order of the preceding dispatch's recv_x:
+     * [max_recv_rows, H] / [L, C, H]. */
+    mf_tensor_t expert_out;
+    mf_tensor_t topk_weights; /* [T, K] fp32 of this rank's tokens (T of the preceding dispatch) */
+} mf_combine_in_t;
+
+typedef struct mf_combine_out {
+    mf_tensor_t y; /* [T, H] BF16: bf16(sum over k ascending of w[t,k] * expert_out row of (t,k)) */
+} mf_combine_out_t;
+
+/* Returns every expert output row to its token's rank and sums the K rows of each token there.
+ * Collective, blocking on CPU / asynchronous on CUDA, graph-capturable on CUDA. */
+mf_result_t mf_combine(mf_moe_t moe, const mf_combine_in_t *in, const mf_combine_out_t *out,
+                       mf_stream_t stream);
+
+/* ---------------------------------------------------------------------------------------------
+ * Numerics helpers (host; the same conversions every backend uses)
+ * ------------------------------------------------------------------------------------------- */
+/* float -> E4M3: round to nearest even, saturate to +-448 (inf too), NaN -> 0x7f | sign. */
+uint8_t mf_fp8_e4m3_from_float(float x);
+float mf_fp8_e4m3_to_float(uint8_t x);
+/* float -> bf16: round to nearest even; NaN stays NaN. */
+uint16_t mf_bf16_from_float(float x);
+float mf_bf16_to_float(uint16_t x);
+
+/* Block-quantises a BF16 matrix (or a batch of them) to FP8 E4M3 with one fp32 scale per block:
+ *   in     [..., M, N] BF16, N a multiple of 128 (and M of 128 when block_rows = 128)
+ *   out    [..., M, N] FP8
+ *   scales [..., M / block_rows, N / 128] fp32
+ * block_rows = 1 (activations, 1x128) or 128 (weights, 128x128); ue8m0 = 1 rounds scales up to
+ * powers of two. Host memory; not collective; blocking. */
+mf_result_t mf_quantize_fp8(const mf_tensor_t *in, const mf_tensor_t *out, const mf_tensor_t *scales,
+                            int32_t block_rows, int32_t ue8m0);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOEFLOW_H */

@@ -1,0 +1,356 @@
+/*
+ * moe.c — MoE layers: creation (a setup collective that sizes the comm's shared symmetric heap),
+ * weights, and the host-side validation of every data-path call before it reaches the backend.
+ *
+ * What is checked here, once, for every backend: NULLs, config headers, shapes and dtypes of every
+ * tensor, T <= S, call order (weights set; dispatch/combine alternate; the comm not broken). What
+ * only the CPU backend can check here: topk_ids values, because they are host memory there; on
+ * CUDA they are device memory and the kernels check them (DESIGN.md "Bad input and faults").
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "core/internal.h"
+#include "core/tensor.h"
+#include "core/numerics.h"
+
+/* ---- symmetric heap layout ---------------------------------------------------------------- */
+
+void mf__heap_layout_init(mf__heap_layout_t *h, const mf_moe_config_t *c) {
+    size_t S = (size_t)c->max_tokens_per_rank, H = (size_t)c->hidden, K = (size_t)c->num_topk;
+    size_t x_elem = c->dtype == MF_DTYPE_FP8_E4M3 ? 1 : 2;
+    size_t off = 0;
+#define MF__REGION(field, bytes)                 \
+    do {                                         \
+        h->field = off;                          \
+        off = mf__align_up(off + (bytes), MF__HEAP_ALIGN); \
+    } while (0)
+    MF__REGION(meta, sizeof(int32_t));
+    MF__REGION(x, S * H * x_elem);
+    MF__REGION(scales, c->dtype == MF_DTYPE_FP8_E4M3 ? S * (H / MF__QUANT_BLOCK) * sizeof(float) : 0);
+    MF__REGION(ids, S * K * sizeof(int32_t));
+    MF__REGION(weights, S * K * sizeof(float));
+    MF__REGION(combine, S * K * H * sizeof(uint16_t));
+#undef MF__REGION
+    h->bytes = off;
+}
+
+/* ---- creation ----------------------------------------------------------------------------- */
+
+static mf_result_t mf__check_config_header(const mf_moe_config_t *c, const char *fn) {
+    if (c->size != sizeof(mf_moe_config_t) || c->magic != MF_MOE_CONFIG_MAGIC)
+        return mf__error(MF_ERR_INVALID_USAGE,
+                         "%s: config header is wrong (size %u, magic 0x%x); initialise it with "
+                         "MF_MOE_CONFIG_INIT",
+                         fn, c->size, c->magic);
+    if (c->version != MF_API_VERSION)
+        return mf__error(MF_ERR_INVALID_USAGE, "%s: config version %u, library expects %d", fn,
+                         c->version, MF_API_VERSION);
+    return MF_SUCCESS;
+}
+
+/* Validates `in` and writes it with defaults resolved to `out`. */
+static mf_result_t mf__resolve_config(const mf_moe_config_t *in, int32_t R, mf_moe_config_t *out) {
+    const char *fn = "mf_moe_create";
+    MF_CHECK(mf__check_config_header(in, fn));
+    mf_moe_config_t c = *in;
+    MF_REQUIRE(c.num_experts >= 1, "%s: num_experts (E) is %d, must be >= 1", fn, c.num_experts);
+    MF_REQUIRE(c.num_experts % R == 0, "%s: num_experts (E = %d) must be a multiple of the ranks (R = %d)",
+               fn, c.num_experts, R);
+    MF_REQUIRE(c.num_topk >= 1 && c.num_topk <= MF_MAX_TOPK && c.num_topk <= c.num_experts,
+               "%s: num_topk (K = %d) must be in [1, min(E = %d, %d)]", fn, c.num_topk, c.num_experts,
+               MF_MAX_TOPK);
+    MF_REQUIRE(c.max_tokens_per_rank >= 1, "%s: max_tokens_per_rank (S) is %d, must be >= 1", fn,
+               c.max_tokens_per_rank);
+    MF_REQUIRE(c.dtype == MF_DTYPE_BF16 || c.dtype == MF_DTYPE_FP8_E4M3,
+               "%s: dtype must be MF_DTYPE_BF16 or MF_DTYPE_FP8_E4M3, got %d", fn, c.dtype);
+    int32_t mult = c.dtype == MF_DTYPE_FP8_E4M3 ? MF__QUANT_BLOCK : MF__VEC_ELEMS_BF16;
+    MF_REQUIRE(c.hidden >= 1 && c.hidden % mult == 0, "%s: hidden (H = %d) must be a positive multiple of %d for %s",
+               fn, c.hidden, mult, mf__dtype_name(c.dtype));
+    MF_REQUIRE(c.intermediate >= 1 && c.intermediate % mult == 0,
+               "%s: intermediate (I = %d) must be a positive multiple of %d for %s", fn, c.intermediate,
+               mult, mf__dtype_name(c.dtype));
+    MF_REQUIRE(c.layout == MF_LAYOUT_EXPERT_MAJOR || c.layout == MF_LAYOUT_MASKED,
+               "%s: layout %d is not MF_LAYOUT_EXPERT_MAJOR or MF_LAYOUT_MASKED", fn, c.layout);
+    MF_REQUIRE(c.block_m >= 0 && c.block_m <= 4096, "%s: block_m %d is outside [0, 4096]", fn, c.block_m);
+    MF_REQUIRE(c.expert_capacity >= 0, "%s: expert_capacity %d is negative", fn, c.expert_capacity);
+    MF_REQUIRE(c.max_recv_rows >= 0, "%s: max_recv_rows %d is negative", fn, c.max_recv_rows);
+    MF_REQUIRE(c.ue8m0_scales == 0 || c.ue8m0_scales == 1, "%s: ue8m0_scales must be 0 or 1", fn);
+    MF_REQUIRE(c.profile == 0 || c.profile == 1, "%s: profile must be 0 or 1", fn);
+
+    int64_t L = c.num_experts / R, S = c.max_tokens_per_rank, K = c.num_topk;
+    if (!c.block_m) c.block_m = MF__DEFAULT_BLOCK_M;
+    /* A token's ids are distinct, so an expert receives at most one row per token: R * S. */
+    int64_t worst_per_expert = (int64_t)R * S;
+    if (!c.expert_capacity) c.expert_capacity = (int32_t)(worst_per_expert < INT32_MAX ? worst_per_expert : INT32_MAX);
+    /* EXPERT_MAJOR worst case: every (token, k) lands here, and every segment is padded. */
+    int64_t routed = (int64_t)R * S * (K < L ? K : L);
+    int64_t worst_rows = routed + L * (c.block_m - 1);
+    int64_t cap_rows = L * mf__ceil_div(worst_per_expert, c.block_m) * c.block_m;
+    if (cap_rows < worst_rows) worst_rows = cap_rows;
+    MF_REQUIRE(worst_rows < INT32_MAX, "%s: the receive tensor would need %lld rows; set max_recv_rows",
+               fn, (long long)worst_rows);
+    if (!c.max_recv_rows) c.max_recv_rows = (int32_t)worst_rows;
+    *out = c;
+    return MF_SUCCESS;
+}
+
+mf_result_t mf_moe_create(mf_comm_t comm, const mf_moe_config_t *config, mf_moe_t *moe) {
+    mf__clear_error();
+    MF_REQUIRE(comm && config && moe, "mf_moe_create: comm, config and moe must not be NULL");
+    mf_group_t g = comm->group;
+    if (comm->broken)
+        return mf__error(MF_ERR_INVALID_USAGE, "mf_moe_create: the comm of rank %d is broken by an earlier timeout",
+                         comm->rank);
+
+    /* Resolve locally; every rank then checks that all ranks asked for the same layer. */
+    mf_moe_config_t c;
+    memset(&c, 0, sizeof c);
+    mf_result_t res = mf__resolve_config(config, g->num_ranks, &c);
+    g->setup_config[comm->rank] = c;
+    g->setup_result[comm->rank] = res;
+    char why[512];
+    strncpy(why, mf_last_error(), sizeof why - 1);
+    why[sizeof why - 1] = '\0';
+
+    /* Barrier 1: every rank has resolved its config and left any earlier heap use behind. */
+    MF_CHECK(mf__host_barrier_wait(g->setup_barrier, g->timeout_ms, comm->rank, "mf_moe_create"));
+    if (res != MF_SUCCESS) return mf__error(res, "%s", why);
+    for (int32_t r = 0; r < g->num_ranks; r++) {
+        if (g->setup_result[r] != MF_SUCCESS)
+            return mf__error(MF_ERR_INVALID_ARGUMENT, "mf_moe_create: rank %d rejected its config", r);
+        if (memcmp(&g->setup_config[r], &g->setup_config[0], sizeof c) != 0)
+            return mf__error(MF_ERR_INVALID_ARGUMENT,
+                             "mf_moe_create: rank %d's config differs from rank 0's; every rank must "
+                             "create the same layer", r);
+    }
+
+    mf_moe_t m = mf__calloc(1, sizeof *m);
+    mf__heap_layout_t heap;
+    mf__heap_layout_init(&heap, &c);
+    res = m ? MF_SUCCESS : mf__error(MF_ERR_OUT_OF_MEMORY, "mf_moe_create: out of host memory");
+    if (res == MF_SUCCESS && comm->heap_bytes < heap.bytes) {
+        void *base = NULL;
+        res = g->ops->heap_resize(comm, heap.bytes, &base);
+        if (res == MF_SUCCESS) {
+            g->heap_base[comm->rank] = base;
+            comm->heap_bytes = heap.bytes;
+        }
+    }
+    if (res == MF_SUCCESS) {
+        m->comm = comm;
+        m->config = c;
+        m->heap = heap;
+        m->info.num_ranks = g->num_ranks;
+        m->info.rank = comm->rank;
+        m->info.num_local_experts = c.num_experts / g->num_ranks;
+        m->info.first_expert = comm->rank * m->info.num_local_experts;
+        m->info.block_m = c.block_m;
+        m->info.expert_capacity = c.expert_capacity;
+        m->info.max_recv_rows = c.max_recv_rows;
+        m->info.heap_bytes = (int64_t)comm->heap_bytes;
+        res = g->ops->moe_init(m);
+    }
+    g->create_result[comm->rank] = res;
+    strncpy(why, mf_last_error(), sizeof why - 1);
+
+    /* Barrier 2: every rank's new heap base is in the peer table, and every result is known. */
+    mf_result_t bres = mf__host_barrier_wait(g->setup_barrier, g->timeout_ms, comm->rank, "mf_moe_create");
+    for (int32_t r = 0; bres == MF_SUCCESS && res == MF_SUCCESS && r < g->num_ranks; r++)
+        if (g->create_result[r] != MF_SUCCESS) {
+            g->ops->moe_fini(m);
+            res = mf__error(MF_ERR_INVALID_USAGE, "mf_moe_create: rank %d failed to create its layer", r);
+            strncpy(why, mf_last_error(), sizeof why - 1);
+        }
+    if (bres != MF_SUCCESS || res != MF_SUCCESS) {
+        if (m && res == MF_SUCCESS) g->ops->moe_fini(m);
+        mf__free(m);
+        return bres != MF_SUCCESS ? bres : mf__error(res, "%s", why);
+    }
+    *moe = m;
+    return MF_SUCCESS;
+}
+
+mf_result_t mf_moe_get_info(mf_moe_t moe, mf_moe_info_t *info) {
+    mf__clear_error();
+    MF_REQUIRE(moe && info, "mf_moe_get_info: moe and info must not be NULL");
+    *info = moe->info;
+    info->heap_bytes = (int64_t)moe->comm->heap_bytes;
+    return MF_SUCCESS;
+}
+
+mf_result_t mf_moe_destroy(mf_moe_t moe) {
+    mf__clear_error();
+    if (!moe) return MF_SUCCESS;
+    if (moe->comm->pending_dispatch == moe) moe->comm->pending_dispatch = NULL;
+    moe->comm->group->ops->moe_fini(moe);
+    mf__free(moe);
+    return MF_SUCCESS;
+}
+
+/* ---- weights ------------------------------------------------------------------------------ */
+
+mf_result_t mf_moe_set_weights(mf_moe_t moe, const mf_moe_weights_t *w) {
+    mf__clear_error();
+    MF_REQUIRE(moe && w, "mf_moe_set_weights: moe and weights must not be NULL");
+    const mf_moe_config_t *c = &moe->config;
+    int64_t L = moe->info.num_local_experts, H = c->hidden, I = c->intermediate, B = MF__QUANT_BLOCK;
+    MF_CHECK(mf__check_tensor(&w->w13, "weights.w13", c->dtype, 3, MF__DIMS(L, 2 * I, H), 0));
+    MF_CHECK(mf__check_tensor(&w->w2, "weights.w2", c->dtype, 3, MF__DIMS(L, H, I), 0));
+    if (c->dtype == MF_DTYPE_FP8_E4M3) {
+        MF_CHECK(mf__check_tensor(&w->w13_scales, "weights.w13_scales", MF_DTYPE_FP32, 3,
+                                  MF__DIMS(L, 2 * I / B, H / B), 0));
+        MF_CHECK(mf__check_tensor(&w->w2_scales, "weights.w2_scales", MF_DTYPE_FP32, 3,
+                                  MF__DIMS(L, H / B, I / B), 0));
+    }
+    mf_moe_weights_t saved = moe->weights;
+    int32_t saved_set = moe->weights_set;
+    moe->weights = *w;
+    moe->weights_set = 1;
+    if (moe->comm->group->ops->set_weights) {
+        mf_result_t res = moe->comm->group->ops->set_weights(moe);
+        if (res != MF_SUCCESS) {
+            moe->weights = saved;
+            moe->weights_set = saved_set;
+            return res;
+        }
+    }
+    return MF_SUCCESS;
+}
+
+/* ---- data-path validation ----------------------------------------------------------------- */
+
+static mf_result_t mf__check_usable(mf_moe_t moe, const char *fn) {
+    if (moe->comm->broken)
+        return mf__error(MF_ERR_INVALID_USAGE,
+                         "%s: the comm of rank %d is broken by an earlier timeout; destroy the group",
+                         fn, moe->comm->rank);
+    return MF_SUCCESS;
+}
+
+/* x [T, H] bf16 and topk_ids [T, K] int32 with T <= S; host ids checked when the backend is CPU. */
+static mf_result_t mf__check_tokens(mf_moe_t moe, const mf_tensor_t *x, const mf_tensor_t *ids,
+                                    const char *fn, int64_t *T_out) {
+    const mf_moe_config_t *c = &moe->config;
+    char name[64];
+    MF_REQUIRE(x->ndim == 2, "%s: x must be [T, H], got %d dims", fn, x->ndim);
+    int64_t T = x->dims[0];
+    MF_REQUIRE(T >= 0 && T <= c->max_tokens_per_rank,
+               "%s: T = %lld tokens is outside [0, max_tokens_per_rank S = %d]", fn, (long long)T,
+               c->max_tokens_per_rank);
+    snprintf(name, sizeof name, "%s x", fn);
+    MF_CHECK(mf__check_tensor(x, name, MF_DTYPE_BF16, 2, MF__DIMS(T, c->hidden), 0));
+    snprintf(name, sizeof name, "%s topk_ids", fn);
+    MF_CHECK(mf__check_tensor(ids, name, MF_DTYPE_INT32, 2, MF__DIMS(T, c->num_topk), 0));
+    if (moe->comm->group->backend == MF_BACKEND_CPU) {
+        const int32_t *id = (const int32_t *)ids->data;
+        int32_t K = c->num_topk;
+        for (int64_t t = 0; t < T; t++)
+            for (int32_t k = 0; k < K; k++) {
+                int32_t e = id[t * K + k];
+                MF_REQUIRE(e >= -1 && e < c->num_experts,
+                           "%s: topk_ids[%lld, %d] = %d is outside [-1, E = %d)", fn, (long long)t, k, e,
+                           c->num_experts);
+                for (int32_t j = 0; j < k && e >= 0; j++)
+                    MF_REQUIRE(id[t * K + j] != e,
+                               "%s: token %lld repeats expert %d (topk_ids[%lld, %d] and [%lld, %d])", fn,
+                               (long long)t, e, (long long)t, j, (long long)t, k);
+            }
+    }
+    *T_out = T;
+    return MF_SUCCESS;
+}
+
+mf_result_t mf_moe_forward(mf_moe_t moe, const mf_moe_forward_in_t *in, const mf_moe_forward_out_t *out,
+                           mf_stream_t stream) {
+    const char *fn = "mf_moe_forward";
+    mf__clear_error();
+    MF_REQUIRE(moe && in && out, "%s: moe, in and out must not be NULL", fn);
+    MF_CHECK(mf__check_usable(moe, fn));
+    if (!moe->weights_set)
+        return mf__error(MF_ERR_INVALID_USAGE, "%s: weights are not set (call mf_moe_set_weights first)", fn);
+    if (moe->comm->pending_dispatch)
+        return mf__error(MF_ERR_INVALID_USAGE, "%s: an mf_dispatch on this comm awaits its mf_combine", fn);
+    int64_t T;
+    MF_CHECK(mf__check_tokens(moe, &in->x, &in->topk_ids, fn, &T));
+    const mf_moe_config_t *c = &moe->config;
+    MF_CHECK(mf__check_tensor(&in->topk_weights, "mf_moe_forward topk_weights", MF_DTYPE_FP32, 2,
+                              MF__DIMS(T, c->num_topk), 0));
+    MF_CHECK(mf__check_tensor(&out->y, "mf_moe_forward y", MF_DTYPE_BF16, 2, MF__DIMS(T, c->hidden), 0));
+    return moe->comm->group->ops->forward(moe, in, out, stream);
+}
+
+mf_result_t mf_dispatch(mf_moe_t moe, const mf_dispatch_in_t *in, const mf_dispatch_out_t *out,
+                        mf_stream_t stream) {
+    const char *fn = "mf_dispatch";
+    mf__clear_error();
+    MF_REQUIRE(moe && in && out, "%s: moe, in and out must not be NULL", fn);
+    MF_CHECK(mf__check_usable(moe, fn));
+    if (moe->comm->pending_dispatch)
+        return mf__error(MF_ERR_INVALID_USAGE,
+                         "%s: the previous mf_dispatch on this comm has not been combined yet", fn);
+    int64_t T;
+    MF_CHECK(mf__check_tokens(moe, &in->x, &in->topk_ids, fn, &T));
+    const mf_moe_config_t *c = &moe->config;
+    int64_t L = moe->info.num_local_experts, H = c->hidden, B = MF__QUANT_BLOCK;
+    int fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
+    if (c->layout == MF_LAYOUT_EXPERT_MAJOR) {
+        int64_t rows = c->max_recv_rows;
+        MF_CHECK(mf__check_tensor(&out->recv_x, "mf_dispatch recv_x", c->dtype, 2, MF__DIMS(rows, H), 0));
+        if (fp8)
+            MF_CHECK(mf__check_tensor(&out->recv_scales, "mf_dispatch recv_scales", MF_DTYPE_FP32, 2,
+                                      MF__DIMS(rows, H / B), 0));
+        MF_CHECK(mf__check_tensor(&out->recv_src, "mf_dispatch recv_src", MF_DTYPE_INT32, 2, MF__DIMS(rows, 3), 0));
+        MF_CHECK(mf__check_tensor(&out->expert_offsets, "mf_dispatch expert_offsets", MF_DTYPE_INT32, 1,
+                                  MF__DIMS(L + 1), 0));
+    } else {
+        int64_t C = c->expert_capacity;
+        MF_CHECK(mf__check_tensor(&out->recv_x, "mf_dispatch recv_x", c->dtype, 3, MF__DIMS(L, C, H), 0));
+        if (fp8)
+            MF_CHECK(mf__check_tensor(&out->recv_scales, "mf_dispatch recv_scales", MF_DTYPE_FP32, 3,
+                                      MF__DIMS(L, C, H / B), 0));
+        MF_CHECK(mf__check_tensor(&out->recv_src, "mf_dispatch recv_src", MF_DTYPE_INT32, 3, MF__DIMS(L, C, 3), 0));
+    }
+    MF_CHECK(mf__check_tensor(&out->expert_counts, "mf_dispatch expert_counts", MF_DTYPE_INT32, 1, MF__DIMS(L), 0));
+    mf_result_t res = moe->comm->group->ops->dispatch(moe, in, out, stream);
+    if (res == MF_SUCCESS) {
+        moe->comm->pending_dispatch = moe;
+        moe->dispatch_T = (int32_t)T;
+    }
+    return res;
+}
+
+mf_result_t mf_combine(mf_moe_t moe, const mf_combine_in_t *in, const mf_combine_out_t *out,
+                       mf_stream_t stream) {
+    const char *fn = "mf_combine";
+    mf__clear_error();
+    MF_REQUIRE(moe && in && out, "%s: moe, in and out must not be NULL", fn);
+    MF_CHECK(mf__check_usable(moe, fn));
+    if (moe->comm->pending_dispatch != moe)
+        return mf__error(MF_ERR_INVALID_USAGE, "%s: no mf_dispatch on this layer awaits a combine", fn);
+    const mf_moe_config_t *c = &moe->config;
+    int64_t L = moe->info.num_local_experts, H = c->hidden, T = moe->dispatch_T;
+    if (c->layout == MF_LAYOUT_EXPERT_MAJOR)
+        MF_CHECK(mf__check_tensor(&in->expert_out, "mf_combine expert_out", MF_DTYPE_BF16, 2,
+                                  MF__DIMS(c->max_recv_rows, H), 0));
+    else
+        MF_CHECK(mf__check_tensor(&in->expert_out, "mf_combine expert_out", MF_DTYPE_BF16, 3,
+                                  MF__DIMS(L, c->expert_capacity, H), 0));
+    MF_CHECK(mf__check_tensor(&in->topk_weights, "mf_combine topk_weights (T of the dispatch)", MF_DTYPE_FP32,
+                              2, MF__DIMS(T, c->num_topk), 0));
+    MF_CHECK(mf__check_tensor(&out->y, "mf_combine y (T of the dispatch)", MF_DTYPE_BF16, 2, MF__DIMS(T, H), 0));
+    mf_result_t res = moe->comm->group->ops->combine(moe, in, out, stream);
+    moe->comm->pending_dispatch = NULL;
+    return res;
+}
+
+mf_result_t mf_moe_get_phase_times(mf_moe_t moe, mf_phase_times_t *times) {
+    mf__clear_error();
+    MF_REQUIRE(moe && times, "mf_moe_get_phase_times: moe and times must not be NULL");
+    if (!moe->config.profile)
+        return mf__error(MF_ERR_INVALID_USAGE,
+                         "mf_moe_get_phase_times: the layer was created with profile = 0");
+    if (!moe->comm->group->ops->get_phase_times)
+        return mf__error(MF_ERR_NOT_SUPPORTED, "mf_moe_get_phase_times: backend has no profiler");
+    return moe->comm->group->ops->get_phase_times(moe, times);
+}

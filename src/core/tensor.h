@@ -1,0 +1,17 @@
+/*
+ * tensor.h — checks of public tensor descriptors (see tensor.c).
+ */
+#ifndef MF_CORE_TENSOR_H
+#define MF_CORE_TENSOR_H
+
+#include "core/internal.h"
+
+/* Checks dtype, ndim, dims (a negative entry in `dims` matches any size) and, unless
+ * `data_optional`, that data is non-NULL when the tensor has elements. */
+mf_result_t mf__check_tensor(const mf_tensor_t *t, const char *name, int32_t dtype, int32_t ndim,
+                             const int64_t *dims, int32_t data_optional);
+int64_t mf__tensor_numel(const mf_tensor_t *t);
+
+#define MF__DIMS(...) ((const int64_t[]){__VA_ARGS__})
+
+#endif /* MF_CORE_TENSOR_H */

@@ -1,0 +1,385 @@
+/*
+ * backend.c — the CPU backend: the oracle every other backend is judged against. Plain C11; each
+ * virtual rank runs on the caller's thread; ranks meet only through the symmetric heaps and the
+ * epoch signals of the local transport (no lock around whole operations).
+ *
+ * One forward on rank r, DESIGN.md's unfused dataflow:
+ *   prepare   publish T, x (FP8 1x128 + scales, or BF16), topk ids and weights in r's heap
+ *   dispatch  signal + wait (phase DISPATCH); plan from every rank's ids; gather the routed rows
+ *             from the peers' heaps into the layer's receive buffer, in the configured layout
+ *   w13       per local expert: W13 GEMM, h = silu(g) * u, FP8 1x128 requant (or BF16 rounding)
+ *   w2        W2 GEMM, rounded to BF16, written into the token owner's combine slot (token, k)
+ *   combine   signal + wait (phase COMBINE); y[t] = bf16(sum over k ascending of w * slot[t, k])
+ * Buffer reuse without clearing: a rank publishes call n+1 only after the COMBINE wait of call n,
+ * which every peer reaches only after it finished reading the publications of call n; a peer
+ * writes my combine slots for call n+1 only after the DISPATCH wait of n+1, which I reach only
+ * after summing call n. mf_dispatch / mf_combine follow the same two phases.
+ */
+#include <string.h>
+#include <time.h>
+
+#include "core/numerics.h"
+#include "core/quant.h"
+#include "cpu/gemm.h"
+#include "plan/plan.h"
+#include "transport/local.h"
+
+typedef struct mf__cpu_moe {
+    mf__plan_t plan;
+    /* Receive buffer of mf_moe_forward, in the layer's layout: rows = max_recv_rows or L * C. */
+    void *recv_x;       /* [rows, H] FP8 or BF16 */
+    float *recv_scales; /* [rows, H/128] (FP8) */
+    /* Row-chunk scratch of the expert MLP. */
+    float *a;           /* [MF__CPU_ROWS, max(H, I)] decoded operand */
+    float *a_scales;    /* [MF__CPU_ROWS, max(H, I)/128] */
+    float *c;           /* [MF__CPU_ROWS, max(2I, H)] GEMM output */
+    uint8_t *hq;        /* [MF__CPU_ROWS, I] requantised h (FP8) */
+    uint16_t *part;     /* [H] one W2 partial rounded to BF16 */
+    float *acc;         /* [H] combine accumulator */
+    mf_phase_times_t times;
+} mf__cpu_moe_t;
+
+static double mf__now_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec * 1e-3;
+}
+
+/* Pointer to region `offset` of rank r's heap. */
+static uint8_t *mf__heap(mf_moe_t moe, int32_t r, size_t offset) {
+    return (uint8_t *)moe->comm->group->heap_base[r] + offset;
+}
+
+/* ---- group / comm / heap ------------------------------------------------------------------ */
+
+static int32_t mf__cpu_available(void) { return 1; }
+static mf_result_t mf__cpu_group_init(mf_group_t g) { (void)g; return MF_SUCCESS; }
+static void mf__cpu_group_fini(mf_group_t g) { (void)g; }
+
+static mf_result_t mf__cpu_comm_init(mf_comm_t comm) {
+    void *sig = mf__calloc(1, MF__SIGNAL_BYTES);
+    if (!sig) return mf__error(MF_ERR_OUT_OF_MEMORY, "cpu backend: out of host memory for rank %d's signals", comm->rank);
+    comm->group->signal_base[comm->rank] = sig;
+    return MF_SUCCESS;
+}
+
+static void mf__cpu_comm_fini(mf_comm_t comm) {
+    mf_group_t g = comm->group;
+    mf__free(g->signal_base[comm->rank]);
+    mf__free(g->heap_base[comm->rank]);
+    g->signal_base[comm->rank] = g->heap_base[comm->rank] = NULL;
+}
+
+static mf_result_t mf__cpu_heap_resize(mf_comm_t comm, size_t bytes, void **base) {
+    void *p = mf__calloc(1, bytes);
+    if (!p) return mf__error(MF_ERR_OUT_OF_MEMORY, "cpu backend: out of host memory for a %zu-byte heap", bytes);
+    mf__free(comm->group->heap_base[comm->rank]);
+    *base = p;
+    return MF_SUCCESS;
+}
+
+static mf_result_t mf__cpu_get_async_error(mf_comm_t comm) {
+    (void)comm; /* every CPU fault is reported synchronously */
+    return MF_SUCCESS;
+}
+
+/* ---- layer -------------------------------------------------------------------------------- */
+
+static void mf__cpu_moe_fini(mf_moe_t moe) {
+    mf__cpu_moe_t *s = moe->backend_state;
+    if (!s) return;
+    mf__plan_fini(&s->plan);
+    mf__free(s->recv_x);
+    mf__free(s->recv_scales);
+    mf__free(s->a);
+    mf__free(s->a_scales);
+    mf__free(s->c);
+    mf__free(s->hq);
+    mf__free(s->part);
+    mf__free(s->acc);
+    mf__free(s);
+    moe->backend_state = NULL;
+}
+
+static mf_result_t mf__cpu_moe_init(mf_moe_t moe) {
+    const mf_moe_config_t *c = &moe->config;
+    mf__cpu_moe_t *s = mf__calloc(1, sizeof *s);
+    if (!s) return mf__error(MF_ERR_OUT_OF_MEMORY, "cpu backend: out of host memory");
+    moe->backend_state = s;
+    mf_result_t res = mf__plan_init(&s->plan, c, moe->info.num_ranks, moe->info.rank);
+    if (res != MF_SUCCESS) {
+        mf__cpu_moe_fini(moe);
+        return res;
+    }
+    int64_t H = c->hidden, I = c->intermediate, KMAX = H > I ? H : I, NMAX = 2 * I > H ? 2 * I : H;
+    int64_t rows = c->layout == MF_LAYOUT_MASKED ? (int64_t)moe->info.num_local_experts * c->expert_capacity
+                                                 : c->max_recv_rows;
+    int fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
+    s->recv_x = mf__malloc((size_t)(rows * H) * (fp8 ? 1 : 2));
+    s->recv_scales = fp8 ? mf__malloc((size_t)(rows * (H / MF__QUANT_BLOCK)) * sizeof(float)) : NULL;
+    s->a = mf__malloc((size_t)(MF__CPU_ROWS * KMAX) * sizeof(float));
+    s->a_scales = mf__malloc((size_t)(MF__CPU_ROWS * mf__ceil_div(KMAX, MF__QUANT_BLOCK)) * sizeof(float));
+    s->c = mf__malloc((size_t)(MF__CPU_ROWS * NMAX) * sizeof(float));
+    s->hq = mf__malloc((size_t)(MF__CPU_ROWS * I));
+    s->part = mf__malloc((size_t)H * sizeof(uint16_t));
+    s->acc = mf__malloc((size_t)H * sizeof(float));
+    if (!s->recv_x || (fp8 && !s->recv_scales) || !s->a || !s->a_scales || !s->c || !s->hq || !s->part ||
+        !s->acc) {
+        mf__cpu_moe_fini(moe);
+        return mf__error(MF_ERR_OUT_OF_MEMORY, "cpu backend: out of host memory for a %lld-row receive buffer",
+                         (long long)rows);
+    }
+    return MF_SUCCESS;
+}
+
+static mf_result_t mf__cpu_get_phase_times(mf_moe_t moe, mf_phase_times_t *times) {
+    *times = ((mf__cpu_moe_t *)moe->backend_state)->times;
+    return MF_SUCCESS;
+}
+
+/* ---- prepare: publish this rank's tokens -------------------------------------------------- */
+
+static void mf__cpu_publish(mf_moe_t moe, const mf_tensor_t *x, const mf_tensor_t *ids, const float *weights) {
+    const mf_moe_config_t *c = &moe->config;
+    int32_t r = moe->comm->rank, T = (int32_t)x->dims[0], K = c->num_topk;
+    int64_t H = c->hidden;
+    *(int32_t *)mf__heap(moe, r, moe->heap.meta) = T;
+    const uint16_t *xs = (const uint16_t *)x->data;
+    if (c->dtype == MF_DTYPE_FP8_E4M3) {
+        uint8_t *q = mf__heap(moe, r, moe->heap.x);
+        float *sc = (float *)mf__heap(moe, r, moe->heap.scales);
+        mf__quant_1x128_bf16(xs, (int64_t)T * H, c->ue8m0_scales, q, sc);
+    } else if (T) {
+        memcpy(mf__heap(moe, r, moe->heap.x), xs, (size_t)(T * H) * 2);
+    }
+    if (T) {
+        memcpy(mf__heap(moe, r, moe->heap.ids), ids->data, (size_t)T * K * sizeof(int32_t));
+        if (weights) memcpy(mf__heap(moe, r, moe->heap.weights), weights, (size_t)T * K * sizeof(float));
+    }
+}
+
+/* ---- dispatch: plan + gather -------------------------------------------------------------- */
+
+/* Waits for every rank's publication and builds the plan; on a capacity error, every rank waits
+ * until all have stopped reading the publications before returning it. */
+static mf_result_t mf__cpu_exchange_and_plan(mf_moe_t moe) {
+    mf__cpu_moe_t *s = moe->backend_state;
+    mf_comm_t comm = moe->comm;
+    int32_t R = comm->group->num_ranks;
+    MF_CHECK(mf__local_wait(comm, MF__PHASE_DISPATCH, mf__local_arrive(comm, MF__PHASE_DISPATCH)));
+    const int32_t *ids[MF_MAX_RANKS];
+    int32_t T[MF_MAX_RANKS];
+    for (int32_t r = 0; r < R; r++) {
+        T[r] = *(const int32_t *)mf__heap(moe, r, moe->heap.meta);
+        ids[r] = (const int32_t *)mf__heap(moe, r, moe->heap.ids);
+    }
+    mf_result_t res = mf__plan_build(&s->plan, moe->config.num_topk, ids, T);
+    if (res != MF_SUCCESS) {
+        char why[512];
+        strncpy(why, mf_last_error(), sizeof why - 1);
+        why[sizeof why - 1] = '\0';
+        MF_CHECK(mf__local_wait(comm, MF__PHASE_ABORT, mf__local_arrive(comm, MF__PHASE_ABORT)));
+        return mf__error(res, "%s", why);
+    }
+    return MF_SUCCESS;
+}
+
+/* Copies every planned row from its owner's heap into recv_x (+ scales) and writes recv_src. */
+static void mf__cpu_gather(mf_moe_t moe, void *recv_x, float *recv_scales, int32_t *recv_src) {
+    const mf__plan_t *p = &((mf__cpu_moe_t *)moe->backend_state)->plan;
+    const mf_moe_config_t *c = &moe->config;
+    int fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
+    size_t row_bytes = (size_t)c->hidden * (fp8 ? 1 : 2), nsc = (size_t)c->hidden / MF__QUANT_BLOCK;
+    for (int32_t e = 0; e < p->num_local; e++) {
+        int64_t end = p->layout == MF_LAYOUT_MASKED ? p->offsets[e] + p->counts[e] : p->offsets[e + 1];
+        for (int64_t row = p->offsets[e]; row < end; row++) {
+            const int32_t *src = p->src + 3 * row;
+            if (recv_src) memcpy(recv_src + 3 * row, src, 3 * sizeof(int32_t));
+            if (src[0] < 0) continue; /* EXPERT_MAJOR padding: marked, payload not written */
+            memcpy((uint8_t *)recv_x + row * row_bytes, mf__heap(moe, src[0], moe->heap.x) + src[1] * row_bytes,
+                   row_bytes);
+            if (fp8)
+                memcpy(recv_scales + row * nsc,
+                       (const float *)mf__heap(moe, src[0], moe->heap.scales) + src[1] * nsc, nsc * sizeof(float));
+        }
+    }
+}
+
+/* ---- combine: the owner's K-sum ----------------------------------------------------------- */
+
+/* Writes one BF16 partial row into its token owner's combine slot (token, k). */
+static void mf__cpu_return_row(mf_moe_t moe, const int32_t *src, const uint16_t *row) {
+    const mf_moe_config_t *c = &moe->config;
+    uint16_t *slots = (uint16_t *)mf__heap(moe, src[0], moe->heap.combine);
+    memcpy(slots + ((int64_t)src[1] * c->num_topk + src[2]) * c->hidden, row, (size_t)c->hidden * 2);
+}
+
+/* Waits for every rank's partials, then y[t] = bf16(sum over k ascending of w[t,k] * slot[t,k]). */
+static mf_result_t mf__cpu_sum(mf_moe_t moe, int32_t T, const float *w, uint16_t *y) {
+    mf__cpu_moe_t *s = moe->backend_state;
+    mf_comm_t comm = moe->comm;
+    MF_CHECK(mf__local_wait(comm, MF__PHASE_COMBINE, mf__local_arrive(comm, MF__PHASE_COMBINE)));
+    const mf_moe_config_t *c = &moe->config;
+    int32_t K = c->num_topk;
+    int64_t H = c->hidden;
+    const int32_t *ids = (const int32_t *)mf__heap(moe, comm->rank, moe->heap.ids);
+    const uint16_t *slots = (const uint16_t *)mf__heap(moe, comm->rank, moe->heap.combine);
+    for (int32_t t = 0; t < T; t++) {
+        for (int64_t h = 0; h < H; h++) s->acc[h] = 0.0f;
+        for (int32_t k = 0; k < K; k++) {
+            if (ids[t * K + k] < 0) continue;
+            float wk = w[t * K + k];
+            const uint16_t *part = slots + ((int64_t)t * K + k) * H;
+            for (int64_t h = 0; h < H; h++) s->acc[h] += wk * mf__bf16_to_float(part[h]);
+        }
+        for (int64_t h = 0; h < H; h++) y[t * H + h] = mf__bf16_from_float(s->acc[h]);
+    }
+    return MF_SUCCESS;
+}
+
+/* ---- experts: W13 -> SwiGLU -> W2 --------------------------------------------------------- */
+
+/* Decodes `m` receive rows starting at `row` into s->a (fp32) and s->a_scales. */
+static void mf__cpu_load_rows(mf_moe_t moe, int64_t row, int64_t m) {
+    mf__cpu_moe_t *s = moe->backend_state;
+    const mf_moe_config_t *c = &moe->config;
+    int64_t H = c->hidden, nsc = H / MF__QUANT_BLOCK;
+    for (int64_t i = 0; i < m; i++) {
+        float *a = s->a + i * H;
+        if (c->dtype == MF_DTYPE_FP8_E4M3) {
+            const uint8_t *q = (const uint8_t *)s->recv_x + (row + i) * H;
+            const float *lut = mf__cpu_fp8_table();
+            for (int64_t h = 0; h < H; h++) a[h] = lut[q[h]];
+            memcpy(s->a_scales + i * nsc, s->recv_scales + (row + i) * nsc, (size_t)nsc * sizeof(float));
+        } else {
+            const uint16_t *b = (const uint16_t *)s->recv_x + (row + i) * H;
+            for (int64_t h = 0; h < H; h++) a[h] = mf__bf16_to_float(b[h]);
+        }
+    }
+}
+
+/* h = silu(gate) * up from s->c ([m, 2I]), rounded per the layer's dtype, into s->a (+ scales). */
+static void mf__cpu_swiglu(mf_moe_t moe, int64_t m) {
+    mf__cpu_moe_t *s = moe->backend_state;
+    const mf_moe_config_t *c = &moe->config;
+    int64_t I = c->intermediate;
+    for (int64_t i = 0; i < m; i++) {
+        const float *g = s->c + i * 2 * I, *u = g + I;
+        float *h = s->a + i * I;
+        for (int64_t j = 0; j < I; j++) h[j] = mf__silu(g[j]) * u[j];
+        if (c->dtype == MF_DTYPE_FP8_E4M3) {
+            uint8_t *q = s->hq + i * I;
+            mf__quant_1x128_f32(h, I, c->ue8m0_scales, q, s->a_scales + i * (I / MF__QUANT_BLOCK));
+            const float *lut = mf__cpu_fp8_table();
+            for (int64_t j = 0; j < I; j++) h[j] = lut[q[j]];
+        } else {
+            for (int64_t j = 0; j < I; j++) h[j] = mf__bf16_to_float(mf__bf16_from_float(h[j]));
+        }
+    }
+}
+
+static void mf__cpu_experts(mf_moe_t moe, double *t_w13, double *t_w2) {
+    mf__cpu_moe_t *s = moe->backend_state;
+    const mf__plan_t *p = &s->plan;
+    const mf_moe_config_t *c = &moe->config;
+    const mf_moe_weights_t *w = &moe->weights;
+    int64_t H = c->hidden, I = c->intermediate;
+    int fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
+    size_t esz = fp8 ? 1 : 2;
+    for (int32_t e = 0; e < p->num_local; e++) {
+        mf__cpu_weight_t w13 = {(const uint8_t *)w->w13.data + (size_t)e * 2 * I * H * esz,
+                                fp8 ? (const float *)w->w13_scales.data + (size_t)e * (2 * I / MF__QUANT_BLOCK) * (H / MF__QUANT_BLOCK) : NULL,
+                                fp8};
+        mf__cpu_weight_t w2 = {(const uint8_t *)w->w2.data + (size_t)e * H * I * esz,
+                               fp8 ? (const float *)w->w2_scales.data + (size_t)e * (H / MF__QUANT_BLOCK) * (I / MF__QUANT_BLOCK) : NULL,
+                               fp8};
+        for (int64_t j = 0; j < p->counts[e]; j += MF__CPU_ROWS) {
+            int64_t m = p->counts[e] - j < MF__CPU_ROWS ? p->counts[e] - j : MF__CPU_ROWS;
+            int64_t row = mf__plan_row(p, e, (int32_t)j);
+            double t0 = mf__now_us();
+            mf__cpu_load_rows(moe, row, m);
+            mf__cpu_gemm_nt(s->a, s->a_scales, m, &w13, 2 * I, H, s->c);
+            mf__cpu_swiglu(moe, m);
+            double t1 = mf__now_us();
+            mf__cpu_gemm_nt(s->a, s->a_scales, m, &w2, H, I, s->c);
+            for (int64_t i = 0; i < m; i++) {
+                for (int64_t h = 0; h < H; h++) s->part[h] = mf__bf16_from_float(s->c[i * H + h]);
+                mf__cpu_return_row(moe, p->src + 3 * (row + i), s->part);
+            }
+            *t_w13 += t1 - t0;
+            *t_w2 += mf__now_us() - t1;
+        }
+    }
+}
+
+/* ---- entry points ------------------------------------------------------------------------- */
+
+static mf_result_t mf__cpu_forward(mf_moe_t moe, const mf_moe_forward_in_t *in, const mf_moe_forward_out_t *out,
+                                   mf_stream_t stream) {
+    (void)stream;
+    mf__cpu_moe_t *s = moe->backend_state;
+    mf_phase_times_t *pt = &s->times;
+    double t0 = mf__now_us();
+    mf__cpu_publish(moe, &in->x, &in->topk_ids, (const float *)in->topk_weights.data);
+    double t1 = mf__now_us();
+    MF_CHECK(mf__cpu_exchange_and_plan(moe));
+    mf__cpu_gather(moe, s->recv_x, s->recv_scales, NULL);
+    double t2 = mf__now_us(), w13 = 0, w2 = 0;
+    mf__cpu_experts(moe, &w13, &w2);
+    double t3 = mf__now_us();
+    MF_CHECK(mf__cpu_sum(moe, (int32_t)in->x.dims[0], (const float *)in->topk_weights.data, (uint16_t *)out->y.data));
+    double t4 = mf__now_us();
+    pt->us[MF_PHASE_PREPARE] = t1 - t0;
+    pt->us[MF_PHASE_DISPATCH] = t2 - t1;
+    pt->us[MF_PHASE_W13] = w13;
+    pt->us[MF_PHASE_W2] = (t3 - t2) - w13;
+    pt->us[MF_PHASE_COMBINE] = t4 - t3;
+    pt->total_us = t4 - t0;
+    return MF_SUCCESS;
+}
+
+static mf_result_t mf__cpu_dispatch(mf_moe_t moe, const mf_dispatch_in_t *in, const mf_dispatch_out_t *out,
+                                    mf_stream_t stream) {
+    (void)stream;
+    mf__cpu_moe_t *s = moe->backend_state;
+    mf__cpu_publish(moe, &in->x, &in->topk_ids, NULL);
+    MF_CHECK(mf__cpu_exchange_and_plan(moe));
+    mf__cpu_gather(moe, out->recv_x.data, (float *)out->recv_scales.data, (int32_t *)out->recv_src.data);
+    int32_t L = s->plan.num_local;
+    memcpy(out->expert_counts.data, s->plan.counts, (size_t)L * sizeof(int32_t));
+    if (moe->config.layout == MF_LAYOUT_EXPERT_MAJOR)
+        memcpy(out->expert_offsets.data, s->plan.offsets, (size_t)(L + 1) * sizeof(int32_t));
+    return MF_SUCCESS;
+}
+
+static mf_result_t mf__cpu_combine(mf_moe_t moe, const mf_combine_in_t *in, const mf_combine_out_t *out,
+                                   mf_stream_t stream) {
+    (void)stream;
+    const mf__plan_t *p = &((mf__cpu_moe_t *)moe->backend_state)->plan;
+    int64_t H = moe->config.hidden;
+    const uint16_t *eo = (const uint16_t *)in->expert_out.data;
+    for (int32_t e = 0; e < p->num_local; e++)
+        for (int32_t j = 0; j < p->counts[e]; j++) {
+            int64_t row = mf__plan_row(p, e, j);
+            mf__cpu_return_row(moe, p->src + 3 * row, eo + row * H);
+        }
+    return mf__cpu_sum(moe, moe->dispatch_T, (const float *)in->topk_weights.data, (uint16_t *)out->y.data);
+}
+
+const mf__backend_ops_t mf__cpu_backend = {
+    .name = "cpu",
+    .available = mf__cpu_available,
+    .group_init = mf__cpu_group_init,
+    .group_fini = mf__cpu_group_fini,
+    .comm_init = mf__cpu_comm_init,
+    .comm_fini = mf__cpu_comm_fini,
+    .heap_resize = mf__cpu_heap_resize,
+    .moe_init = mf__cpu_moe_init,
+    .moe_fini = mf__cpu_moe_fini,
+    .set_weights = NULL,
+    .forward = mf__cpu_forward,
+    .dispatch = mf__cpu_dispatch,
+    .combine = mf__cpu_combine,
+    .get_async_error = mf__cpu_get_async_error,
+    .get_phase_times = mf__cpu_get_phase_times,
+};

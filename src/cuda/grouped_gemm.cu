@@ -1,0 +1,204 @@
+/*
+ * grouped_gemm.cu — host launchers of the grouped expert GEMMs (cuda/grouped_gemm.h): argument
+ * checks, the persistent grid, and one kernel launch each. The kernels are in
+ * kernels/sm90_grouped_gemm.cuh; the lab dev/cuda/gemm_lab.cu validates them against the CPU
+ * oracle and times them.
+ *
+ * The launchers never synchronise and never allocate, so they are CUDA-graph capturable. On
+ * first use per device and kernel they raise the kernel's dynamic shared-memory limit and read
+ * its occupancy (host-only calls, cached in a per-device table; concurrent first calls from
+ * several rank threads just do the same idempotent work twice).
+ *
+ * Shape support: FP8 needs H and I multiples of 128 (the scale blocks); BF16 needs H and I
+ * multiples of 8 (16-byte rows); tails of the 64-row, 128/256-column and 64-element K tiles are
+ * masked in the kernels. Every data pointer must be 16-byte aligned, every scale pointer 4-byte.
+ */
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <atomic>
+
+/* internal.h is a C header without C++ guards: its functions (mf__error) have C linkage. */
+extern "C" {
+#include "core/internal.h"
+}
+#include "cuda/grouped_gemm.h"
+#include "cuda/kernels/sm90_grouped_gemm.cuh"
+
+#define MF__GEMM_MAX_DEVICES 64
+#define MF__DATA_ALIGN 16 /* 16-byte cp.async loads and stores */
+
+/* Evaluates a CUDA runtime call; on failure clears the error and returns MF_ERR_CUDA naming it. */
+#define MF__CUDA_CHECK(call, who)                                                                  \
+    do {                                                                                           \
+        cudaError_t mf__e = (call);                                                                \
+        if (mf__e != cudaSuccess) {                                                                \
+            (void)cudaGetLastError();                                                              \
+            return mf__error(MF_ERR_CUDA, "%s: %s failed: %s", who, #call, cudaGetErrorString(mf__e)); \
+        }                                                                                          \
+    } while (0)
+
+namespace {
+
+enum { kKernelW13Bf16, kKernelW13Fp8, kKernelW2Bf16, kKernelW2Fp8, kNumKernels };
+
+/* Blocks per SM of each kernel on each device (0 = not yet configured). */
+std::atomic<int> g_blocks_per_sm[kNumKernels][MF__GEMM_MAX_DEVICES];
+
+/* Grid size of a persistent launch of `kernel`: SMs x resident blocks per SM (first use per device
+ * also raises the kernel's dynamic shared-memory limit). */
+template <typename Params>
+mf_result_t persistent_grid(void (*kernel)(Params), int which, const char *who, int *blocks) {
+    int dev = 0, sms = 0;
+    MF__CUDA_CHECK(cudaGetDevice(&dev), who);
+    MF__CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), who);
+    int per_sm = dev >= 0 && dev < MF__GEMM_MAX_DEVICES ? g_blocks_per_sm[which][dev].load() : 0;
+    if (per_sm == 0) {
+        MF__CUDA_CHECK(cudaFuncSetAttribute((const void *)kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            mf__gemm::kSmemBytes),
+                       who);
+        MF__CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, mf__gemm::kThreads,
+                                                                     mf__gemm::kSmemBytes),
+                       who);
+        if (per_sm < 1)
+            return mf__error(MF_ERR_CUDA, "%s: the kernel (%d threads, %d bytes of shared memory) fits no SM of device %d",
+                             who, mf__gemm::kThreads, mf__gemm::kSmemBytes, dev);
+        if (dev >= 0 && dev < MF__GEMM_MAX_DEVICES) g_blocks_per_sm[which][dev].store(per_sm);
+    }
+    *blocks = sms * per_sm;
+    return MF_SUCCESS;
+}
+
+bool aligned(const void *p, uintptr_t a) { return ((uintptr_t)p % a) == 0; }
+
+/* Checks shared by both GEMMs. */
+mf_result_t check_common(const char *who, const mf__gemm_segments_t *seg, int32_t dtype, int32_t H, int32_t I) {
+    MF_REQUIRE(seg, "%s: seg must not be NULL", who);
+    MF_REQUIRE(seg->num_experts >= 0 && seg->max_rows_per_expert >= 0,
+               "%s: num_experts (%d) and max_rows_per_expert (%d) must be >= 0", who, seg->num_experts,
+               seg->max_rows_per_expert);
+    MF_REQUIRE(seg->num_experts == 0 || (seg->counts && seg->offsets), "%s: counts and offsets must not be NULL", who);
+    MF_REQUIRE(H > 0 && I > 0, "%s: H (%d) and I (%d) must be positive", who, H, I);
+    if (dtype == MF_DTYPE_FP8_E4M3) {
+        if (H % MF__QUANT_BLOCK || I % MF__QUANT_BLOCK)
+            return mf__error(MF_ERR_NOT_SUPPORTED, "%s: FP8 needs H (%d) and I (%d) to be multiples of %d", who, H, I,
+                             MF__QUANT_BLOCK);
+    } else if (dtype == MF_DTYPE_BF16) {
+        if (H % MF__VEC_ELEMS_BF16 || I % MF__VEC_ELEMS_BF16)
+            return mf__error(MF_ERR_NOT_SUPPORTED, "%s: BF16 needs H (%d) and I (%d) to be multiples of %d", who, H, I,
+                             MF__VEC_ELEMS_BF16);
+    } else {
+        return mf__error(MF_ERR_NOT_SUPPORTED, "%s: dtype %d is not BF16 or FP8 E4M3", who, dtype);
+    }
+    return MF_SUCCESS;
+}
+
+mf_result_t check_data(const char *who, const char *name, const void *p) {
+    MF_REQUIRE(p, "%s: %s must not be NULL", who, name);
+    MF_REQUIRE(aligned(p, MF__DATA_ALIGN), "%s: %s (%p) must be %d-byte aligned", who, name, p, MF__DATA_ALIGN);
+    return MF_SUCCESS;
+}
+
+mf_result_t check_scales(const char *who, const char *name, const float *p) {
+    MF_REQUIRE(p, "%s: %s must not be NULL for FP8", who, name);
+    MF_REQUIRE(aligned(p, sizeof(float)), "%s: %s (%p) must be 4-byte aligned", who, name, (const void *)p);
+    return MF_SUCCESS;
+}
+
+/* Tiles of the largest possible problem: a bound for the grid (never more blocks than tiles). */
+int64_t max_tiles(const mf__gemm_segments_t *seg, int32_t col_tiles) {
+    return (int64_t)seg->num_experts * mf__ceil_div(seg->max_rows_per_expert, mf__gemm::kBlockM) * col_tiles;
+}
+
+} /* namespace */
+
+mf_result_t mf__cuda_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, int32_t ue8m0, mf__gemm_operand_t a,
+                                mf__gemm_operand_t w13, int32_t H, int32_t I, void *h, float *h_scales,
+                                cudaStream_t stream) {
+    static const char *who = "mf__cuda_w13_swiglu";
+    MF_CHECK(check_common(who, seg, dtype, H, I));
+    const bool fp8 = dtype == MF_DTYPE_FP8_E4M3;
+    MF_CHECK(check_data(who, "a.data", a.data));
+    MF_CHECK(check_data(who, "w13.data", w13.data));
+    MF_CHECK(check_data(who, "h", h));
+    if (fp8) {
+        MF_CHECK(check_scales(who, "a.scales", a.scales));
+        MF_CHECK(check_scales(who, "w13.scales", w13.scales));
+        MF_CHECK(check_scales(who, "h_scales", h_scales));
+    }
+    const int32_t col_tiles = (int32_t)mf__ceil_div(I, mf__gemm::kW13BlockN);
+    const int64_t tiles = max_tiles(seg, col_tiles);
+    if (tiles == 0) return MF_SUCCESS;
+
+    mf__gemm::w13_params p;
+    p.seg = *seg;
+    p.a = (const uint8_t *)a.data;
+    p.a_scales = a.scales;
+    p.w = (const uint8_t *)w13.data;
+    p.w_scales = w13.scales;
+    p.h = (uint8_t *)h;
+    p.h_scales = h_scales;
+    p.H = H;
+    p.I = I;
+    p.ue8m0 = ue8m0 ? 1 : 0;
+
+    void (*kernel)(mf__gemm::w13_params) =
+        fp8 ? mf__gemm::sm90_w13_swiglu_kernel<true> : mf__gemm::sm90_w13_swiglu_kernel<false>;
+    int blocks = 0;
+    MF_CHECK(persistent_grid(kernel, fp8 ? kKernelW13Fp8 : kKernelW13Bf16, who, &blocks));
+    if (tiles < blocks) blocks = (int)tiles;
+    kernel<<<blocks, mf__gemm::kThreads, mf__gemm::kSmemBytes, stream>>>(p);
+    MF__CUDA_CHECK(cudaGetLastError(), who);
+    return MF_SUCCESS;
+}
+
+mf_result_t mf__cuda_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__gemm_operand_t h, mf__gemm_operand_t w2,
+                        int32_t H, int32_t I, uint16_t *out, const mf__gemm_return_t *ret, cudaStream_t stream) {
+    static const char *who = "mf__cuda_w2";
+    MF_CHECK(check_common(who, seg, dtype, H, I));
+    const bool fp8 = dtype == MF_DTYPE_FP8_E4M3;
+    MF_CHECK(check_data(who, "h.data", h.data));
+    MF_CHECK(check_data(who, "w2.data", w2.data));
+    if (fp8) {
+        MF_CHECK(check_scales(who, "h.scales", h.scales));
+        MF_CHECK(check_scales(who, "w2.scales", w2.scales));
+    }
+    if (ret) {
+        MF_REQUIRE(ret->src, "%s: ret->src must not be NULL", who);
+        MF_REQUIRE(ret->num_topk > 0, "%s: ret->num_topk (%d) must be positive", who, ret->num_topk);
+        for (int r = 0; r < MF_MAX_RANKS; r++)
+            MF_REQUIRE(aligned(ret->slots[r], MF__DATA_ALIGN), "%s: ret->slots[%d] (%p) must be %d-byte aligned", who,
+                       r, (void *)ret->slots[r], MF__DATA_ALIGN);
+    } else {
+        MF_CHECK(check_data(who, "out", out));
+    }
+    const int32_t col_tiles = (int32_t)mf__ceil_div(H, mf__gemm::kW2BlockN);
+    const int64_t tiles = max_tiles(seg, col_tiles);
+    if (tiles == 0) return MF_SUCCESS;
+
+    mf__gemm::w2_params p;
+    p.seg = *seg;
+    p.h = (const uint8_t *)h.data;
+    p.h_scales = h.scales;
+    p.w = (const uint8_t *)w2.data;
+    p.w_scales = w2.scales;
+    p.out = out;
+    if (ret) {
+        p.ret = *ret;
+        p.use_ret = 1;
+    } else {
+        memset(&p.ret, 0, sizeof p.ret);
+        p.use_ret = 0;
+    }
+    p.H = H;
+    p.I = I;
+
+    void (*kernel)(mf__gemm::w2_params) = fp8 ? mf__gemm::sm90_w2_kernel<true> : mf__gemm::sm90_w2_kernel<false>;
+    int blocks = 0;
+    MF_CHECK(persistent_grid(kernel, fp8 ? kKernelW2Fp8 : kKernelW2Bf16, who, &blocks));
+    if (tiles < blocks) blocks = (int)tiles;
+    kernel<<<blocks, mf__gemm::kThreads, mf__gemm::kSmemBytes, stream>>>(p);
+    MF__CUDA_CHECK(cudaGetLastError(), who);
+    return MF_SUCCESS;
+}

@@ -1,0 +1,57 @@
+/*
+ * grouped_gemm.h — host launchers of the CUDA backend's grouped expert GEMMs (CUDA C++ linkage,
+ * included only by .cu files). The kernels live in kernels/sm90_*.cuh; the dev/cuda lab holds
+ * their variants and validate-then-bench mains.
+ *
+ * Dimension legend: H hidden, I intermediate, L local experts, rows = receive rows of this rank.
+ * Rows of local expert e are [offsets[e], offsets[e] + counts[e]) of the receive tensor (both
+ * layouts: MASKED has offsets[e] = e * C). counts/offsets are DEVICE memory, read by the kernels:
+ * no host synchronisation, CUDA-graph capturable. Rows past counts[e] are never read or written.
+ *
+ * Numerics (DESIGN.md): fp32 accumulation; FP8: for each 128-wide K block the partial sum of
+ * E4M3 x E4M3 products is scaled by a_scale[row, kb] * w_scale[n / 128, kb] and added into the
+ * fp32 accumulator. W13: gate = rows [0, I) and up = rows [I, 2I) of the expert's [2I, H] weight;
+ * h = silu(gate) * up in fp32; FP8: h requantised 1x128 along I with mf__fp8_block_scale and
+ * mf__fp8_from_float (numerics.h), BF16: h rounded with mf__bf16_from_float. W2: out = h . W2^T,
+ * rounded to BF16 and written either to out[row] or, when `ret` is given, to the token owner's
+ * combine slot ret->slots[rank] + (token * K + k) * H with (rank, token, k) = ret->src[row].
+ */
+#ifndef MF_CUDA_GROUPED_GEMM_H
+#define MF_CUDA_GROUPED_GEMM_H
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "core/internal.h"
+
+typedef struct mf__gemm_segments {
+    const int32_t *counts;       /* [L] device: rows of each expert */
+    const int32_t *offsets;      /* [L + 1] device: first receive row of each expert */
+    int32_t num_experts;         /* L */
+    int32_t max_rows_per_expert; /* host bound on counts[e], for sizing grids (C or R * S) */
+} mf__gemm_segments_t;
+
+typedef struct mf__gemm_operand {
+    const void *data;     /* rows x cols, FP8 (uint8) or BF16 (uint16), row-major */
+    const float *scales;  /* FP8 activations: [rows, cols / 128]; FP8 weights: [L, N/128, K/128] */
+} mf__gemm_operand_t;
+
+/* Where W2 sends its BF16 rows when not to a local `out`. */
+typedef struct mf__gemm_return {
+    uint16_t *slots[MF_MAX_RANKS]; /* combine slots [S, K, H] of every rank (peer pointers) */
+    const int32_t *src;            /* [rows, 3] device: (rank, token, k) of each receive row */
+    int32_t num_topk;              /* K */
+} mf__gemm_return_t;
+
+/* h[rows, I] (+ h_scales [rows, I/128] for FP8) = swiglu(a[rows, H] . w13[e]^T) per expert. */
+mf_result_t mf__cuda_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, int32_t ue8m0,
+                                mf__gemm_operand_t a, mf__gemm_operand_t w13, int32_t H, int32_t I,
+                                void *h, float *h_scales, cudaStream_t stream);
+
+/* out = bf16(h[rows, I] . w2[e]^T) per expert: into out[rows, H] when `ret` is NULL, else into
+ * the owners' combine slots. */
+mf_result_t mf__cuda_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__gemm_operand_t h,
+                        mf__gemm_operand_t w2, int32_t H, int32_t I, uint16_t *out,
+                        const mf__gemm_return_t *ret, cudaStream_t stream);
+
+#endif /* MF_CUDA_GROUPED_GEMM_H */

@@ -1,0 +1,297 @@
+/*
+ * movement.cuh — the CUDA kernels that move tokens: publish (quantise + copy into my heap),
+ * the routing plan (count, offsets, fill), gather (pull routed rows from the peers' heaps into the
+ * receive tensor), return (expert outputs into the owners' combine slots) and the owner's K-sum.
+ *
+ * Dimension legend: T tokens on this rank, S capacity, H hidden, E experts, R ranks, L local
+ * experts, K top-k, C masked expert capacity. Every kernel reads peers only through the peer table
+ * (`heap[R]`), so it runs unchanged on every transport. All of them match the CPU backend bit for
+ * bit: same per-element functions (numerics.h), same row order, same fixed-order K-sum with
+ * separate fp32 multiply and add (no contraction into FMA).
+ */
+#ifndef MF_CUDA_MOVEMENT_CUH
+#define MF_CUDA_MOVEMENT_CUH
+
+#include <stdint.h>
+
+#include "core/numerics.h"
+#include "cuda/kernels/sync.cuh"
+
+/* Offsets of the symmetric-heap regions (mf__heap_layout_t) and the peer table. */
+typedef struct mf__heap_view {
+    uint8_t *heap[MF_MAX_RANKS];
+    unsigned long long meta, x, scales, ids, weights, combine;
+    int32_t num_ranks, rank;
+} mf__heap_view_t;
+
+/* ---- publish ------------------------------------------------------------------------------ */
+
+typedef struct mf__publish_params {
+    const uint16_t *x;     /* [T, H] bf16 */
+    const int32_t *ids;    /* [T, K] */
+    const float *weights;  /* [T, K] or NULL */
+    int32_t T, H, K, E, fp8, ue8m0;
+    uint8_t *heap;         /* my heap */
+    unsigned long long meta, x_off, scales_off, ids_off, weights_off;
+    mf__fault_sink_t sink;
+} mf__publish_params_t;
+
+/* One block per token (grid >= 1; block 0 also writes T). */
+__global__ void __launch_bounds__(kMfPublishThreads) mf__publish_kernel(mf__publish_params_t p) {
+    const int32_t t = blockIdx.x, tid = threadIdx.x, lane = tid % kMfWarp, warp = tid / kMfWarp;
+    if (t == 0 && tid == 0) *(int32_t *)(p.heap + p.meta) = p.T;
+    if (t >= p.T) return;
+
+    /* Routing: validate, then copy; a bad or repeated id becomes -1 and raises a fault. */
+    if (tid < p.K) {
+        const int32_t *row = p.ids + (size_t)t * p.K;
+        int32_t id = row[tid];
+        if (id < -1 || id >= p.E) {
+            mf__raise(p.sink, MF_ERR_INVALID_ARGUMENT, kMfFaultBadId, MF__PHASE_DISPATCH, -1, t, tid, id);
+            id = -1;
+        }
+        for (int32_t j = 0; j < tid && id >= 0; j++)
+            if (row[j] == id) {
+                mf__raise(p.sink, MF_ERR_INVALID_ARGUMENT, kMfFaultDupId, MF__PHASE_DISPATCH, -1, t, tid, id);
+                id = -1;
+            }
+        ((int32_t *)(p.heap + p.ids_off))[(size_t)t * p.K + tid] = id;
+        if (p.weights) ((float *)(p.heap + p.weights_off))[(size_t)t * p.K + tid] = p.weights[(size_t)t * p.K + tid];
+    }
+
+    const uint16_t *xr = p.x + (size_t)t * p.H;
+    if (!p.fp8) {
+        const uint4 *src = (const uint4 *)xr;
+        uint4 *dst = (uint4 *)(p.heap + p.x_off + (size_t)t * p.H * 2);
+        for (int32_t i = tid; i < p.H / 8; i += blockDim.x) dst[i] = src[i];
+        return;
+    }
+    /* FP8 1x128: one warp per 128-wide block, 4 values per lane. */
+    uint8_t *q = p.heap + p.x_off + (size_t)t * p.H;
+    float *scales = (float *)(p.heap + p.scales_off) + (size_t)t * (p.H / MF__QUANT_BLOCK);
+    for (int32_t b = warp; b < p.H / MF__QUANT_BLOCK; b += blockDim.x / kMfWarp) {
+        uint2 raw = *(const uint2 *)(xr + b * MF__QUANT_BLOCK + lane * 4);
+        float v[4] = {mf__bf16_to_float((uint16_t)(raw.x & 0xffff)), mf__bf16_to_float((uint16_t)(raw.x >> 16)),
+                      mf__bf16_to_float((uint16_t)(raw.y & 0xffff)), mf__bf16_to_float((uint16_t)(raw.y >> 16))};
+        float amax = 0.0f;
+        for (int i = 0; i < 4; i++) {
+            float a = fabsf(v[i]);
+            amax = a > amax ? a : amax; /* NaN never wins, as on the CPU */
+        }
+        for (int off = kMfWarp / 2; off > 0; off /= 2) {
+            float o = __shfl_xor_sync(0xffffffffu, amax, off);
+            amax = o > amax ? o : amax;
+        }
+        float scale, inv;
+        mf__fp8_block_scale(amax, p.ue8m0, &scale, &inv);
+        uint32_t packed = 0;
+        for (int i = 0; i < 4; i++) packed |= (uint32_t)mf__fp8_from_float(__fmul_rn(v[i], inv)) << (8 * i);
+        *(uint32_t *)(q + b * MF__QUANT_BLOCK + lane * 4) = packed;
+        if (lane == 0) scales[b] = scale;
+    }
+}
+
+/* ---- plan --------------------------------------------------------------------------------- */
+
+typedef struct mf__plan_params {
+    mf__heap_view_t view;
+    int32_t K, L, first_expert, layout, block_m, capacity, max_rows;
+    int32_t *counts;  /* [L] */
+    int32_t *offsets; /* [L + 1] */
+    int32_t *src;     /* [rows, 3] */
+    mf__fault_sink_t sink;
+} mf__plan_params_t;
+
+__device__ __forceinline__ int32_t mf__block_sum(int32_t v, int32_t *smem) {
+    for (int off = kMfWarp / 2; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+    if (threadIdx.x % kMfWarp == 0) smem[threadIdx.x / kMfWarp] = v;
+    __syncthreads();
+    int32_t total = 0;
+    for (int w = 0; w < (int)(blockDim.x / kMfWarp); w++) total += smem[w];
+    __syncthreads();
+    return total;
+}
+
+/* One block per local expert: rows routed to it from every rank. */
+__global__ void __launch_bounds__(kMfPlanThreads) mf__plan_count_kernel(mf__plan_params_t p) {
+    __shared__ int32_t smem[kMfPlanThreads / kMfWarp];
+    const int32_t e = blockIdx.x, target = p.first_expert + e;
+    int32_t n = 0;
+    for (int32_t r = 0; r < p.view.num_ranks; r++) {
+        int32_t entries = *(const int32_t *)(p.view.heap[r] + p.view.meta) * p.K;
+        const int32_t *ids = (const int32_t *)(p.view.heap[r] + p.view.ids);
+        for (int32_t i = threadIdx.x; i < entries; i += blockDim.x) n += ids[i] == target;
+    }
+    n = mf__block_sum(n, smem);
+    if (threadIdx.x == 0) p.counts[e] = n;
+}
+
+/* One thread: segment offsets and the capacity check; an overflow raises a fault and clamps the
+ * counts so that nothing is ever written out of bounds. */
+__global__ void mf__plan_offsets_kernel(mf__plan_params_t p) {
+    if (threadIdx.x != 0) return;
+    int32_t run = 0;
+    for (int32_t e = 0; e < p.L; e++) {
+        int32_t c = p.counts[e];
+        if (p.layout == MF_LAYOUT_MASKED) {
+            if (c > p.capacity) {
+                mf__raise(p.sink, MF_ERR_CAPACITY, kMfFaultCapacity, MF__PHASE_DISPATCH, -1, p.first_expert + e,
+                          c, p.capacity);
+                c = p.capacity;
+            }
+            p.offsets[e] = e * p.capacity;
+        } else {
+            int32_t padded = (c + p.block_m - 1) / p.block_m * p.block_m;
+            if (run + padded > p.max_rows) {
+                mf__raise(p.sink, MF_ERR_CAPACITY, kMfFaultCapacity, MF__PHASE_DISPATCH, -2, p.first_expert + e,
+                          (long long)run + padded, p.max_rows);
+                c = c < p.max_rows - run ? c : p.max_rows - run;
+                padded = (c + p.block_m - 1) / p.block_m * p.block_m;
+                padded = padded < p.max_rows - run ? padded : p.max_rows - run;
+            }
+            p.offsets[e] = run;
+            run += padded;
+        }
+        p.counts[e] = c;
+    }
+    p.offsets[p.L] = p.layout == MF_LAYOUT_MASKED ? p.L * p.capacity : run;
+}
+
+/* One block per local expert: its rows in rank-major, token, k order; then padding markers. */
+__global__ void __launch_bounds__(kMfPlanThreads) mf__plan_fill_kernel(mf__plan_params_t p) {
+    __shared__ int32_t warp_base[kMfPlanThreads / kMfWarp];
+    const int32_t e = blockIdx.x, target = p.first_expert + e, lane = threadIdx.x % kMfWarp,
+                  warp = threadIdx.x / kMfWarp, nwarps = blockDim.x / kMfWarp;
+    const int32_t count = p.counts[e], row0 = p.offsets[e];
+    int32_t base = 0;
+    for (int32_t r = 0; r < p.view.num_ranks && base < count; r++) {
+        int32_t entries = *(const int32_t *)(p.view.heap[r] + p.view.meta) * p.K;
+        const int32_t *ids = (const int32_t *)(p.view.heap[r] + p.view.ids);
+        for (int32_t chunk = 0; chunk < entries && base < count; chunk += blockDim.x) {
+            int32_t i = chunk + threadIdx.x;
+            bool hit = i < entries && ids[i] == target;
+            uint32_t ballot = __ballot_sync(0xffffffffu, hit);
+            if (lane == 0) warp_base[warp] = __popc(ballot);
+            __syncthreads();
+            int32_t before = 0, total = 0;
+            for (int32_t w = 0; w < nwarps; w++) {
+                before += w < warp ? warp_base[w] : 0;
+                total += warp_base[w];
+            }
+            int32_t pos = base + before + __popc(ballot & ((1u << lane) - 1u));
+            if (hit && pos < count) {
+                int32_t *s = p.src + 3 * (size_t)(row0 + pos);
+                s[0] = r;
+                s[1] = i / p.K;
+                s[2] = i % p.K;
+            }
+            base += total;
+            __syncthreads();
+        }
+    }
+    if (p.layout == MF_LAYOUT_EXPERT_MAJOR)
+        for (int32_t j = count + threadIdx.x; j < p.offsets[e + 1] - row0; j += blockDim.x) {
+            int32_t *s = p.src + 3 * (size_t)(row0 + j);
+            s[0] = s[1] = s[2] = -1;
+        }
+}
+
+/* ---- gather and return: one warp per row, grid-stride over every expert's rows ------------ */
+
+typedef struct mf__move_params {
+    mf__heap_view_t view;
+    int32_t K, L, H, fp8, layout;
+    const int32_t *counts, *offsets, *src;
+    /* gather */
+    uint8_t *recv_x;       /* [rows, H] payload */
+    float *recv_scales;    /* [rows, H/128] (FP8) */
+    int32_t *recv_src;     /* [rows, 3] copy for the caller, or NULL */
+    /* return */
+    const uint16_t *expert_out; /* [rows, H] bf16 */
+} mf__move_params_t;
+
+__device__ __forceinline__ void mf__copy_row16(uint8_t *dst, const uint8_t *src, size_t bytes, int32_t lane) {
+    const uint4 *s = (const uint4 *)src;
+    uint4 *d = (uint4 *)dst;
+    for (size_t i = lane; i < bytes / 16; i += kMfWarp) d[i] = s[i];
+}
+
+__global__ void __launch_bounds__(kMfMoveThreads) mf__gather_kernel(mf__move_params_t p) {
+    const int32_t lane = threadIdx.x % kMfWarp;
+    const int32_t gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / kMfWarp;
+    const int32_t nwarps = gridDim.x * blockDim.x / kMfWarp;
+    const size_t row_bytes = (size_t)p.H * (p.fp8 ? 1 : 2);
+    const int32_t nsc = p.H / MF__QUANT_BLOCK;
+    for (int32_t e = 0; e < p.L; e++) {
+        const int32_t count = p.counts[e], row0 = p.offsets[e];
+        const int32_t span = p.layout == MF_LAYOUT_EXPERT_MAJOR ? p.offsets[e + 1] - row0 : count;
+        for (int32_t j = gwarp; j < span; j += nwarps) {
+            const size_t row = (size_t)row0 + j;
+            const int32_t *s = p.src + 3 * row;
+            if (j >= count) { /* EXPERT_MAJOR padding: only the marker */
+                if (p.recv_src && lane < 3) p.recv_src[3 * row + lane] = -1;
+                continue;
+            }
+            const int32_t r = s[0], t = s[1];
+            if (p.recv_src && lane < 3) p.recv_src[3 * row + lane] = s[lane];
+            mf__copy_row16(p.recv_x + row * row_bytes, p.view.heap[r] + p.view.x + (size_t)t * row_bytes, row_bytes,
+                           lane);
+            if (p.fp8) {
+                const float *ss = (const float *)(p.view.heap[r] + p.view.scales) + (size_t)t * nsc;
+                for (int32_t i = lane; i < nsc; i += kMfWarp) p.recv_scales[row * nsc + i] = ss[i];
+            }
+        }
+    }
+}
+
+__global__ void __launch_bounds__(kMfMoveThreads) mf__return_kernel(mf__move_params_t p) {
+    const int32_t lane = threadIdx.x % kMfWarp;
+    const int32_t gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / kMfWarp;
+    const int32_t nwarps = gridDim.x * blockDim.x / kMfWarp;
+    const size_t row_bytes = (size_t)p.H * 2;
+    for (int32_t e = 0; e < p.L; e++) {
+        const int32_t count = p.counts[e], row0 = p.offsets[e];
+        for (int32_t j = gwarp; j < count; j += nwarps) {
+            const size_t row = (size_t)row0 + j;
+            const int32_t *s = p.src + 3 * row;
+            uint8_t *slot = p.view.heap[s[0]] + p.view.combine + ((size_t)s[1] * p.K + s[2]) * row_bytes;
+            mf__copy_row16(slot, (const uint8_t *)(p.expert_out + row * p.H), row_bytes, lane);
+        }
+    }
+}
+
+/* ---- the owner's K-sum -------------------------------------------------------------------- */
+
+typedef struct mf__sum_params {
+    const uint8_t *heap;  /* my heap: ids and combine slots */
+    unsigned long long ids, combine;
+    const float *weights; /* [T, K] */
+    uint16_t *y;          /* [T, H] */
+    int32_t T, H, K;
+} mf__sum_params_t;
+
+/* One block per token; each thread owns 8 columns at a time (16-byte loads and stores). */
+__global__ void __launch_bounds__(kMfSumThreads) mf__sum_kernel(mf__sum_params_t p) {
+    const int32_t t = blockIdx.x;
+    const int32_t *ids = (const int32_t *)(p.heap + p.ids) + (size_t)t * p.K;
+    const uint16_t *slots = (const uint16_t *)(p.heap + p.combine) + (size_t)t * p.K * p.H;
+    for (int32_t c = threadIdx.x; c < p.H / 8; c += blockDim.x) {
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int32_t k = 0; k < p.K; k++) {
+            if (ids[k] < 0) continue;
+            const float w = p.weights[(size_t)t * p.K + k];
+            uint4 v = *(const uint4 *)(slots + (size_t)k * p.H + c * 8);
+            const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+            for (int i = 0; i < 8; i++) {
+                uint16_t b = (uint16_t)(words[i / 2] >> (16 * (i % 2)));
+                acc[i] = __fadd_rn(acc[i], __fmul_rn(w, mf__bf16_to_float(b)));
+            }
+        }
+        uint32_t out[4];
+        for (int i = 0; i < 4; i++)
+            out[i] = (uint32_t)mf__bf16_from_float(acc[2 * i]) | ((uint32_t)mf__bf16_from_float(acc[2 * i + 1]) << 16);
+        *(uint4 *)(p.y + (size_t)t * p.H + c * 8) = make_uint4(out[0], out[1], out[2], out[3]);
+    }
+}
+
+#endif /* MF_CUDA_MOVEMENT_CUH */

@@ -1,0 +1,615 @@
+/*
+ * test_cuda.c — the CUDA suite (make test-gpu): every CUDA path against the CPU backend on the
+ * same inputs, on R virtual ranks of one GPU.
+ *
+ *   bitwise     publish/quantisation, plan, dispatch (both layouts, FP8 and BF16 payloads) and
+ *               combine: recv rows, scales, sources, counts, offsets and y compared bit for bit
+ *   diff        the whole layer against the CPU backend and the naive reference
+ *   awkward     T = 0, idle ranks, one hot expert, -1 drops, repeated calls, deepseek-v3 shapes
+ *   graphs      every rank's forward captured once and replayed 100 times on new inputs
+ *   faults      a rank that never calls (timeout), device ids out of range or repeated
+ */
+#include <cuda_runtime_api.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../harness.h"
+#include "../problem.h"
+#include "../ref.h"
+
+#define CUDA_OK(call)                                                                                 \
+    do {                                                                                              \
+        cudaError_t e_ = (call);                                                                      \
+        if (e_ != cudaSuccess) MFT_FAIL("%s failed: %s", #call, cudaGetErrorString(e_));             \
+    } while (0)
+
+/* Device copy of a host array (bytes may be 0). */
+static void *to_dev(const void *host, size_t bytes) {
+    void *d = NULL;
+    if (cudaMalloc(&d, bytes ? bytes : 16) != cudaSuccess) return NULL;
+    if (bytes && host && cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice) != cudaSuccess) return NULL;
+    return d;
+}
+
+/* ---- the layer against the CPU backend and the reference ---------------------------------- */
+
+typedef struct layer_case {
+    int32_t R, E, K, H, I, T, S, dtype, layout, routing, hot, iters;
+    double drop;
+    const int32_t *T_of_rank;
+    uint64_t seed;
+} layer_case_t;
+
+static int run_layer_case(const layer_case_t *c) {
+    mfp_spec_t spec;
+    memset(&spec, 0, sizeof spec);
+    spec.R = c->R, spec.E = c->E, spec.K = c->K, spec.H = c->H, spec.I = c->I;
+    spec.S = c->S ? c->S : (c->T ? c->T : 1);
+    spec.T_per_rank = c->T;
+    spec.T_of_rank = c->T_of_rank;
+    spec.dtype = c->dtype, spec.layout = c->layout, spec.routing = c->routing;
+    spec.zipf_s = 1.2, spec.hot_expert = c->hot, spec.drop_prob = c->drop, spec.seed = c->seed;
+    mfp_problem_t p;
+    MFT_CHECK(mfp_generate(&spec, &p) == 0);
+    uint16_t *y_gpu[MF_MAX_RANKS], *y_cpu[MF_MAX_RANKS], *y_ref[MF_MAX_RANKS];
+    int64_t total = 0;
+    for (int32_t r = 0; r < c->R; r++) {
+        size_t n = (size_t)p.T[r] * c->H;
+        total += (int64_t)n;
+        y_gpu[r] = mft_alloc(n * 2);
+        y_cpu[r] = mft_alloc(n * 2);
+        y_ref[r] = mft_alloc(n * 2);
+        mft_poison(y_gpu[r], n * 2);
+    }
+    char err[512] = "";
+    mf_result_t res = mfp_run_forward(&p, MF_BACKEND_CUDA, c->iters ? c->iters : 2, 20000, y_gpu, NULL, err, sizeof err);
+    MFT_CHECK_MSG(res == MF_SUCCESS, "cuda run failed: %s", err);
+    res = mfp_run_forward(&p, MF_BACKEND_CPU, 1, 0, y_cpu, NULL, err, sizeof err);
+    MFT_CHECK_MSG(res == MF_SUCCESS, "cpu run failed: %s", err);
+    MFT_CHECK(mfref_layer(&p.ref, y_ref) == 0);
+    double worst_cpu = 0, worst_ref = 0, bound = c->dtype == MF_DTYPE_FP8_E4M3 ? 1e-3 : 1e-5;
+    for (int32_t r = 0; r < c->R; r++) {
+        int64_t n = (int64_t)p.T[r] * c->H;
+        double d_cpu = mfref_diff_bf16(y_gpu[r], y_cpu[r], n), d_ref = mfref_diff_bf16(y_gpu[r], y_ref[r], n);
+        worst_cpu = d_cpu > worst_cpu ? d_cpu : worst_cpu;
+        worst_ref = d_ref > worst_ref ? d_ref : worst_ref;
+    }
+    mft_verbose("  R=%d E=%d K=%d H=%d I=%d T=%d %s %s: diff vs cpu %.3g, vs ref %.3g (%lld values)\n", c->R, c->E,
+                c->K, c->H, c->I, c->T, c->dtype == MF_DTYPE_FP8_E4M3 ? "fp8" : "bf16",
+                c->layout == MF_LAYOUT_MASKED ? "masked" : "expert_major", worst_cpu, worst_ref, (long long)total);
+    MFT_CHECK_MSG(worst_cpu < bound && worst_ref < bound, "diff vs cpu %.3g, vs reference %.3g, bound %.0e", worst_cpu,
+                  worst_ref, bound);
+    for (int32_t r = 0; r < c->R; r++) {
+        free(y_gpu[r]);
+        free(y_cpu[r]);
+        free(y_ref[r]);
+    }
+    mfp_free(&p);
+    return 0;
+}
+
+static int cuda_layer_ranks(void) {
+    const int32_t Rs[] = {1, 2, 4, 8};
+    for (int i = 0; i < 4; i++)
+        for (int32_t dtype = 0; dtype < 2; dtype++)
+            for (int32_t layout = 0; layout < 2; layout++) {
+                layer_case_t c = {Rs[i], 16, 4, 256, 256, 24, 0, dtype, layout, MFP_ROUTING_UNIFORM, 0, 2, 0.05,
+                                  NULL, 100 + (uint64_t)i};
+                if (run_layer_case(&c)) return mft_fail(__FILE__, __LINE__, "R=%d dtype %d layout %d", Rs[i], dtype, layout);
+            }
+    return 0;
+}
+
+static int cuda_layer_awkward(void) {
+    const int32_t idle[8] = {5, 0, 17, 0, 1, 0, 0, 32};
+    layer_case_t cases[] = {
+        /* T = 0 everywhere, T = 1, T = S with one hot expert, idle ranks, zipf, H/I not tile multiples */
+        {4, 8, 2, 256, 128, 0, 4, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 2, 0, NULL, 1},
+        {4, 8, 2, 256, 128, 1, 1, MF_DTYPE_BF16, MF_LAYOUT_MASKED, MFP_ROUTING_UNIFORM, 0, 2, 0, NULL, 2},
+        {8, 16, 4, 128, 256, 32, 32, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_HOT, 3, 3, 0, NULL, 3},
+        {8, 16, 4, 128, 256, 32, 32, MF_DTYPE_BF16, MF_LAYOUT_MASKED, MFP_ROUTING_HOT, 9, 3, 0, NULL, 4},
+        {8, 16, 6, 256, 128, 0, 32, MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED, MFP_ROUTING_ZIPF, 0, 2, 0.1, idle, 5},
+        {8, 16, 6, 256, 128, 0, 32, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_ZIPF, 0, 2, 0.1, idle, 6},
+        {2, 4, 2, 200, 72, 9, 9, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 2, 0, NULL, 7},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        if (run_layer_case(&cases[i])) return mft_fail(__FILE__, __LINE__, "awkward case %zu", i);
+    return 0;
+}
+
+/* The deepseek-v3 preset: E = 256, K = 8, H = 7168, I = 2048, FP8, R = 8, T = 128 per rank. */
+static int cuda_layer_deepseek(void) {
+    layer_case_t c = {8, 256, 8, 7168, 2048, 128, 128, MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED, MFP_ROUTING_UNIFORM, 0, 2,
+                      0, NULL, 42};
+    if (run_layer_case(&c)) return 1;
+    c.layout = MF_LAYOUT_EXPERT_MAJOR;
+    c.routing = MFP_ROUTING_ZIPF;
+    c.iters = 1;
+    return run_layer_case(&c);
+}
+
+/* ---- dispatch and combine, bit for bit ----------------------------------------------------- */
+
+typedef struct comm_out {
+    /* per rank, host copies */
+    uint8_t *recv_x[MF_MAX_RANKS];
+    float *recv_scales[MF_MAX_RANKS];
+    int32_t *recv_src[MF_MAX_RANKS], *counts[MF_MAX_RANKS], *offsets[MF_MAX_RANKS];
+    uint16_t *y[MF_MAX_RANKS];
+    int64_t rows;
+} comm_out_t;
+
+typedef struct comm_run {
+    const mfp_problem_t *p;
+    mf_group_t group;
+    int32_t backend, layout, rounds;
+    comm_out_t *out;
+} comm_run_t;
+
+/* Expert output of a received row, a function of its source only: the same on every backend. */
+static uint16_t identity_value(const int32_t *src, int64_t h) {
+    uint64_t v = mft_hash4((uint64_t)src[0], (uint64_t)src[1], (uint64_t)src[2], (uint64_t)h);
+    return mf_bf16_from_float((float)((int64_t)(v % 2001) - 1000) / 256.0f);
+}
+
+static int comm_rank(int32_t rank, void *arg) {
+    comm_run_t *run = arg;
+    const mfp_problem_t *p = run->p;
+    const mfp_spec_t *s = &p->spec;
+    int cuda = run->backend == MF_BACKEND_CUDA;
+    mf_comm_t comm;
+    mf_moe_t moe;
+    MFT_CHECK_OK(mf_group_get_comm(run->group, rank, &comm));
+    mf_moe_config_t cfg = MF_MOE_CONFIG_INIT;
+    cfg.num_experts = s->E, cfg.num_topk = s->K, cfg.hidden = s->H, cfg.intermediate = s->I;
+    cfg.max_tokens_per_rank = s->S, cfg.dtype = s->dtype, cfg.layout = run->layout;
+    MFT_CHECK_OK(mf_moe_create(comm, &cfg, &moe));
+    mf_moe_info_t info;
+    MFT_CHECK_OK(mf_moe_get_info(moe, &info));
+    int64_t L = info.num_local_experts, H = s->H, T = p->T[rank], K = s->K;
+    int64_t rows = run->layout == MF_LAYOUT_MASKED ? L * info.expert_capacity : info.max_recv_rows;
+    size_t esz = s->dtype == MF_DTYPE_FP8_E4M3 ? 1 : 2, nsc = (size_t)H / 128;
+    comm_out_t *o = run->out;
+    o->rows = rows;
+    o->recv_x[rank] = mft_alloc((size_t)rows * H * esz);
+    o->recv_scales[rank] = mft_alloc((size_t)rows * nsc * 4 + 4);
+    o->recv_src[rank] = mft_alloc((size_t)rows * 12);
+    o->counts[rank] = mft_alloc((size_t)L * 4);
+    o->offsets[rank] = mft_alloc((size_t)(L + 1) * 4);
+    o->y[rank] = mft_alloc((size_t)T * H * 2 + 2);
+    uint16_t *eo = mft_alloc((size_t)rows * H * 2);
+    /* Buffers: host on CPU, device on CUDA (then copied back). */
+    void *x = p->x[rank], *ids = p->topk_ids[rank], *w = p->topk_weights[rank];
+    void *rx = o->recv_x[rank], *rs = o->recv_scales[rank], *rsrc = o->recv_src[rank], *cnt = o->counts[rank],
+         *off = o->offsets[rank], *y = o->y[rank], *deo = eo;
+    cudaStream_t stream = NULL;
+    if (cuda) {
+        CUDA_OK(cudaSetDevice(0));
+        CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        x = to_dev(x, (size_t)T * H * 2), ids = to_dev(ids, (size_t)T * K * 4), w = to_dev(w, (size_t)T * K * 4);
+        rx = to_dev(NULL, (size_t)rows * H * esz), rs = to_dev(NULL, (size_t)rows * nsc * 4 + 4);
+        rsrc = to_dev(NULL, (size_t)rows * 12), cnt = to_dev(NULL, (size_t)L * 4), off = to_dev(NULL, (size_t)(L + 1) * 4);
+        y = to_dev(NULL, (size_t)T * H * 2 + 2), deo = to_dev(NULL, (size_t)rows * H * 2);
+        MFT_CHECK(x && ids && w && rx && rs && rsrc && cnt && off && y && deo);
+    }
+    for (int32_t round = 0; round < run->rounds; round++) {
+        mf_dispatch_in_t din = {mft_t2(x, MF_DTYPE_BF16, T, H), mft_t2(ids, MF_DTYPE_INT32, T, K)};
+        mf_dispatch_out_t dout;
+        memset(&dout, 0, sizeof dout);
+        if (run->layout == MF_LAYOUT_MASKED) {
+            dout.recv_x = mft_t3(rx, s->dtype, L, info.expert_capacity, H);
+            dout.recv_scales = mft_t3(rs, MF_DTYPE_FP32, L, info.expert_capacity, H / 128);
+            dout.recv_src = mft_t3(rsrc, MF_DTYPE_INT32, L, info.expert_capacity, 3);
+        } else {
+            dout.recv_x = mft_t2(rx, s->dtype, rows, H);
+            dout.recv_scales = mft_t2(rs, MF_DTYPE_FP32, rows, H / 128);
+            dout.recv_src = mft_t2(rsrc, MF_DTYPE_INT32, rows, 3);
+            dout.expert_offsets = mft_t1(off, MF_DTYPE_INT32, L + 1);
+        }
+        dout.expert_counts = mft_t1(cnt, MF_DTYPE_INT32, L);
+        MFT_CHECK_OK(mf_dispatch(moe, &din, &dout, stream));
+        if (cuda) {
+            CUDA_OK(cudaStreamSynchronize(stream));
+            CUDA_OK(cudaMemcpy(o->recv_x[rank], rx, (size_t)rows * H * esz, cudaMemcpyDeviceToHost));
+            CUDA_OK(cudaMemcpy(o->recv_scales[rank], rs, (size_t)rows * nsc * 4, cudaMemcpyDeviceToHost));
+            CUDA_OK(cudaMemcpy(o->recv_src[rank], rsrc, (size_t)rows * 12, cudaMemcpyDeviceToHost));
+            CUDA_OK(cudaMemcpy(o->counts[rank], cnt, (size_t)L * 4, cudaMemcpyDeviceToHost));
+            CUDA_OK(cudaMemcpy(o->offsets[rank], off, (size_t)(L + 1) * 4, cudaMemcpyDeviceToHost));
+        }
+        /* Expert outputs: the identity of each valid row's source. */
+        for (int64_t e = 0; e < L; e++) {
+            int64_t row0 = run->layout == MF_LAYOUT_MASKED ? e * info.expert_capacity : o->offsets[rank][e];
+            for (int64_t j = 0; j < o->counts[rank][e]; j++)
+                for (int64_t h = 0; h < H; h++)
+                    eo[(row0 + j) * H + h] = identity_value(o->recv_src[rank] + 3 * (row0 + j), h + round);
+        }
+        if (cuda) CUDA_OK(cudaMemcpy(deo, eo, (size_t)rows * H * 2, cudaMemcpyHostToDevice));
+        mf_combine_in_t cin = {run->layout == MF_LAYOUT_MASKED ? mft_t3(deo, MF_DTYPE_BF16, L, info.expert_capacity, H)
+                                                               : mft_t2(deo, MF_DTYPE_BF16, rows, H),
+                               mft_t2(w, MF_DTYPE_FP32, T, K)};
+        mf_combine_out_t cout = {mft_t2(y, MF_DTYPE_BF16, T, H)};
+        MFT_CHECK_OK(mf_combine(moe, &cin, &cout, stream));
+        if (cuda) {
+            CUDA_OK(cudaStreamSynchronize(stream));
+            CUDA_OK(cudaMemcpy(o->y[rank], y, (size_t)T * H * 2, cudaMemcpyDeviceToHost));
+        }
+    }
+    MFT_CHECK_OK(mf_moe_destroy(moe));
+    if (cuda) {
+        void *bufs[] = {x, ids, w, rx, rs, rsrc, cnt, off, y, deo};
+        for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
+        cudaStreamDestroy(stream);
+    }
+    free(eo);
+    return 0;
+}
+
+static int run_comm(const mfp_problem_t *p, int32_t backend, int32_t layout, comm_out_t *out) {
+    mf_group_config_t gc = MF_GROUP_CONFIG_INIT;
+    gc.backend = backend;
+    gc.num_ranks = p->spec.R;
+    gc.timeout_ms = 20000;
+    comm_run_t run = {p, NULL, backend, layout, 3, out};
+    MFT_CHECK_OK(mf_group_create(&gc, &run.group));
+    int rc = mft_run_ranks(p->spec.R, comm_rank, &run);
+    MFT_CHECK_OK(mf_group_destroy(run.group));
+    return rc;
+}
+
+static int compare_comm(const mfp_problem_t *p, int32_t layout, const comm_out_t *a, const comm_out_t *b) {
+    const mfp_spec_t *s = &p->spec;
+    int32_t L = p->L;
+    size_t esz = s->dtype == MF_DTYPE_FP8_E4M3 ? 1 : 2, nsc = (size_t)s->H / 128;
+    int64_t cap = layout == MF_LAYOUT_MASKED ? a->rows / L : 0;
+    for (int32_t r = 0; r < s->R; r++) {
+        for (int32_t e = 0; e < L; e++) {
+            MFT_CHECK_MSG(a->counts[r][e] == b->counts[r][e], "rank %d expert %d: counts %d vs %d", r, e,
+                          a->counts[r][e], b->counts[r][e]);
+            int64_t row0 = layout == MF_LAYOUT_MASKED ? e * cap : a->offsets[r][e];
+            int64_t end = layout == MF_LAYOUT_MASKED ? row0 + a->counts[r][e] : a->offsets[r][e + 1];
+            if (layout == MF_LAYOUT_EXPERT_MAJOR)
+                MFT_CHECK_MSG(a->offsets[r][e + 1] == b->offsets[r][e + 1], "rank %d offsets[%d] %d vs %d", r, e + 1,
+                              a->offsets[r][e + 1], b->offsets[r][e + 1]);
+            for (int64_t row = row0; row < end; row++) {
+                MFT_CHECK_MSG(!memcmp(a->recv_src[r] + 3 * row, b->recv_src[r] + 3 * row, 12),
+                              "rank %d row %lld: src (%d,%d,%d) vs (%d,%d,%d)", r, (long long)row,
+                              a->recv_src[r][3 * row], a->recv_src[r][3 * row + 1], a->recv_src[r][3 * row + 2],
+                              b->recv_src[r][3 * row], b->recv_src[r][3 * row + 1], b->recv_src[r][3 * row + 2]);
+                if (a->recv_src[r][3 * row] < 0) continue;
+                MFT_CHECK_MSG(!memcmp(a->recv_x[r] + row * s->H * esz, b->recv_x[r] + row * s->H * esz, s->H * esz),
+                              "rank %d row %lld: payload differs", r, (long long)row);
+                if (esz == 1)
+                    MFT_CHECK_MSG(!memcmp(a->recv_scales[r] + row * nsc, b->recv_scales[r] + row * nsc, nsc * 4),
+                                  "rank %d row %lld: scales differ", r, (long long)row);
+            }
+        }
+        MFT_CHECK_MSG(!memcmp(a->y[r], b->y[r], (size_t)p->T[r] * s->H * 2), "rank %d: combined y differs", r);
+    }
+    return 0;
+}
+
+static void free_comm(comm_out_t *o, int32_t R) {
+    for (int32_t r = 0; r < R; r++) {
+        free(o->recv_x[r]);
+        free(o->recv_scales[r]);
+        free(o->recv_src[r]);
+        free(o->counts[r]);
+        free(o->offsets[r]);
+        free(o->y[r]);
+    }
+}
+
+static int comm_case(int32_t R, int32_t dtype, int32_t layout, int32_t routing, const int32_t *T_of_rank,
+                     uint64_t seed) {
+    mfp_spec_t spec;
+    memset(&spec, 0, sizeof spec);
+    spec.R = R, spec.E = 4 * R, spec.K = 3, spec.H = 256, spec.I = 128, spec.S = 20, spec.T_per_rank = 20;
+    spec.T_of_rank = T_of_rank, spec.dtype = dtype, spec.layout = layout, spec.routing = routing;
+    spec.zipf_s = 1.2, spec.hot_expert = 1, spec.drop_prob = 0.1, spec.seed = seed;
+    mfp_problem_t p;
+    MFT_CHECK(mfp_generate(&spec, &p) == 0);
+    comm_out_t cpu, gpu;
+    memset(&cpu, 0, sizeof cpu);
+    memset(&gpu, 0, sizeof gpu);
+    MFT_CHECK(run_comm(&p, MF_BACKEND_CPU, layout, &cpu) == 0);
+    MFT_CHECK(run_comm(&p, MF_BACKEND_CUDA, layout, &gpu) == 0);
+    int rc = compare_comm(&p, layout, &cpu, &gpu);
+    free_comm(&cpu, R);
+    free_comm(&gpu, R);
+    mfp_free(&p);
+    return rc;
+}
+
+static int cuda_comm_bitwise(void) {
+    const int32_t Rs[] = {1, 2, 4, 8};
+    const int32_t idle[8] = {20, 0, 3, 0, 20, 1, 0, 7};
+    for (int i = 0; i < 4; i++)
+        for (int32_t dtype = 0; dtype < 2; dtype++)
+            for (int32_t layout = 0; layout < 2; layout++) {
+                if (comm_case(Rs[i], dtype, layout, MFP_ROUTING_UNIFORM, NULL, 10 + (uint64_t)i))
+                    return mft_fail(__FILE__, __LINE__, "R=%d dtype %d layout %d", Rs[i], dtype, layout);
+                if (Rs[i] == 8 && comm_case(8, dtype, layout, MFP_ROUTING_HOT, idle, 20))
+                    return mft_fail(__FILE__, __LINE__, "hot expert, idle ranks, dtype %d layout %d", dtype, layout);
+            }
+    return 0;
+}
+
+/* ---- CUDA graphs: capture once, replay 100 times on new inputs ------------------------------ */
+
+#define GRAPH_REPLAYS 100
+
+typedef struct graph_run {
+    mfp_problem_t *p;        /* weights shared; inputs redrawn per replay from seed 1000 + i */
+    mfp_problem_t *inputs;   /* [GRAPH_REPLAYS] problems holding only the inputs of each replay */
+    mf_group_t group;
+    uint16_t **y;            /* [GRAPH_REPLAYS * R] */
+} graph_run_t;
+
+static int graph_rank(int32_t rank, void *arg) {
+    graph_run_t *g = arg;
+    const mfp_spec_t *s = &g->p->spec;
+    int64_t T = s->T_per_rank, H = s->H, K = s->K, I = s->I, L = g->p->L;
+    size_t esz = s->dtype == MF_DTYPE_FP8_E4M3 ? 1 : 2;
+    CUDA_OK(cudaSetDevice(0));
+    cudaStream_t stream;
+    CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    mf_comm_t comm;
+    mf_moe_t moe;
+    MFT_CHECK_OK(mf_group_get_comm(g->group, rank, &comm));
+    mf_moe_config_t cfg = MF_MOE_CONFIG_INIT;
+    cfg.num_experts = s->E, cfg.num_topk = s->K, cfg.hidden = s->H, cfg.intermediate = s->I;
+    cfg.max_tokens_per_rank = s->S, cfg.dtype = s->dtype, cfg.layout = s->layout;
+    MFT_CHECK_OK(mf_moe_create(comm, &cfg, &moe));
+    mf_moe_weights_t w;
+    memset(&w, 0, sizeof w);
+    w.w13 = mft_t3(to_dev(g->p->w13[rank], (size_t)L * 2 * I * H * esz), s->dtype, L, 2 * I, H);
+    w.w2 = mft_t3(to_dev(g->p->w2[rank], (size_t)L * H * I * esz), s->dtype, L, H, I);
+    if (esz == 1) {
+        w.w13_scales = mft_t3(to_dev(g->p->w13_scales[rank], (size_t)L * (2 * I / 128) * (H / 128) * 4), MF_DTYPE_FP32,
+                              L, 2 * I / 128, H / 128);
+        w.w2_scales = mft_t3(to_dev(g->p->w2_scales[rank], (size_t)L * (H / 128) * (I / 128) * 4), MF_DTYPE_FP32, L,
+                             H / 128, I / 128);
+    }
+    MFT_CHECK_OK(mf_moe_set_weights(moe, &w));
+    void *x = to_dev(NULL, (size_t)T * H * 2), *ids = to_dev(NULL, (size_t)T * K * 4), *wt = to_dev(NULL, (size_t)T * K * 4),
+         *y = to_dev(NULL, (size_t)T * H * 2);
+    MFT_CHECK(x && ids && wt && y);
+    mf_moe_forward_in_t in = {mft_t2(x, MF_DTYPE_BF16, T, H), mft_t2(ids, MF_DTYPE_INT32, T, K),
+                              mft_t2(wt, MF_DTYPE_FP32, T, K)};
+    mf_moe_forward_out_t out = {mft_t2(y, MF_DTYPE_BF16, T, H)};
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    mf_result_t res = mf_moe_forward(moe, &in, &out, stream);
+    CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    MFT_CHECK_OK(res);
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int32_t i = 0; i < GRAPH_REPLAYS; i++) {
+        const mfp_problem_t *q = &g->inputs[i];
+        CUDA_OK(cudaMemcpyAsync(x, q->x[rank], (size_t)T * H * 2, cudaMemcpyHostToDevice, stream));
+        CUDA_OK(cudaMemcpyAsync(ids, q->topk_ids[rank], (size_t)T * K * 4, cudaMemcpyHostToDevice, stream));
+        CUDA_OK(cudaMemcpyAsync(wt, q->topk_weights[rank], (size_t)T * K * 4, cudaMemcpyHostToDevice, stream));
+        CUDA_OK(cudaGraphLaunch(exec, stream));
+        CUDA_OK(cudaMemcpyAsync(g->y[i * s->R + rank], y, (size_t)T * H * 2, cudaMemcpyDeviceToHost, stream));
+    }
+    CUDA_OK(cudaStreamSynchronize(stream));
+    MFT_CHECK_OK(mf_comm_get_async_error(comm));
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    MFT_CHECK_OK(mf_moe_destroy(moe));
+    void *bufs[] = {x, ids, wt, y, w.w13.data, w.w2.data, w.w13_scales.data, w.w2_scales.data};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
+    cudaStreamDestroy(stream);
+    return 0;
+}
+
+static int graph_case(int32_t dtype, int32_t layout) {
+    mfp_spec_t spec;
+    memset(&spec, 0, sizeof spec);
+    spec.R = 4, spec.E = 16, spec.K = 4, spec.H = 256, spec.I = 256, spec.S = 16, spec.T_per_rank = 16;
+    spec.dtype = dtype, spec.layout = layout, spec.routing = MFP_ROUTING_ZIPF, spec.zipf_s = 1.0, spec.drop_prob = 0.05;
+    spec.seed = 7;
+    mfp_problem_t p;
+    MFT_CHECK(mfp_generate(&spec, &p) == 0);
+    graph_run_t g = {&p, mft_alloc(sizeof(mfp_problem_t) * GRAPH_REPLAYS), NULL,
+                     mft_alloc(sizeof(uint16_t *) * GRAPH_REPLAYS * spec.R)};
+    /* Each replay's inputs: the same weights (shared problem), new activations and routing. */
+    for (int32_t i = 0; i < GRAPH_REPLAYS; i++) {
+        spec.seed = 1000 + (uint64_t)i;
+        MFT_CHECK(mfp_generate(&spec, &g.inputs[i]) == 0);
+        for (int32_t r = 0; r < spec.R; r++) g.y[i * spec.R + r] = mft_alloc((size_t)spec.T_per_rank * spec.H * 2);
+    }
+    mf_group_config_t gc = MF_GROUP_CONFIG_INIT;
+    gc.backend = MF_BACKEND_CUDA, gc.num_ranks = spec.R, gc.timeout_ms = 20000;
+    MFT_CHECK_OK(mf_group_create(&gc, &g.group));
+    MFT_CHECK(mft_run_ranks(spec.R, graph_rank, &g) == 0);
+    MFT_CHECK_OK(mf_group_destroy(g.group));
+    /* Oracle: the CPU backend with the shared weights and replay i's inputs. */
+    uint16_t *y_cpu[MF_MAX_RANKS];
+    for (int32_t r = 0; r < spec.R; r++) y_cpu[r] = mft_alloc((size_t)spec.T_per_rank * spec.H * 2);
+    double bound = dtype == MF_DTYPE_FP8_E4M3 ? 1e-3 : 1e-5, worst = 0;
+    for (int32_t i = 0; i < GRAPH_REPLAYS; i++) {
+        /* The shared weights with replay i's inputs (same shapes: T is fixed). */
+        for (int32_t r = 0; r < spec.R; r++) {
+            size_t T = (size_t)spec.T_per_rank;
+            memcpy(p.x[r], g.inputs[i].x[r], T * spec.H * 2);
+            memcpy(p.topk_ids[r], g.inputs[i].topk_ids[r], T * spec.K * 4);
+            memcpy(p.topk_weights[r], g.inputs[i].topk_weights[r], T * spec.K * 4);
+        }
+        char err[512];
+        MFT_CHECK_MSG(mfp_run_forward(&p, MF_BACKEND_CPU, 1, 0, y_cpu, NULL, err, sizeof err) == MF_SUCCESS, "%s", err);
+        for (int32_t r = 0; r < spec.R; r++) {
+            double d = mfref_diff_bf16(g.y[i * spec.R + r], y_cpu[r], (int64_t)spec.T_per_rank * spec.H);
+            worst = d > worst ? d : worst;
+            MFT_CHECK_MSG(d < bound, "replay %d rank %d: diff %.3g vs cpu", i, r, d);
+        }
+    }
+    mft_verbose("  graph replays (dtype %d layout %d): worst diff %.3g over %d replays\n", dtype, layout, worst,
+                GRAPH_REPLAYS);
+    for (int32_t i = 0; i < GRAPH_REPLAYS; i++) {
+        mfp_free(&g.inputs[i]);
+        for (int32_t r = 0; r < spec.R; r++) free(g.y[i * spec.R + r]);
+    }
+    for (int32_t r = 0; r < spec.R; r++) free(y_cpu[r]);
+    free(g.inputs);
+    free(g.y);
+    mfp_free(&p);
+    return 0;
+}
+
+static int cuda_graph_replay(void) {
+    if (graph_case(MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED)) return 1;
+    return graph_case(MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR);
+}
+
+/* ---- faults -------------------------------------------------------------------------------- */
+
+/* A layer on every rank of a CUDA group; only the ranks in `callers` run a forward. */
+typedef struct fault_run {
+    mf_group_t group;
+    const mfp_problem_t *p;
+    int32_t callers;        /* bit mask */
+    const int32_t *bad_ids; /* rank 0's ids override, or NULL */
+    mf_result_t async[MF_MAX_RANKS];
+    char msg[MF_MAX_RANKS][512];
+    uint16_t *y[MF_MAX_RANKS];
+    mf_result_t next_call[MF_MAX_RANKS];
+} fault_run_t;
+
+static int fault_rank(int32_t rank, void *arg) {
+    fault_run_t *f = arg;
+    const mfp_spec_t *s = &f->p->spec;
+    int64_t T = f->p->T[rank], H = s->H, K = s->K, I = s->I, L = f->p->L;
+    size_t esz = s->dtype == MF_DTYPE_FP8_E4M3 ? 1 : 2;
+    CUDA_OK(cudaSetDevice(0));
+    cudaStream_t stream;
+    CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    mf_comm_t comm;
+    mf_moe_t moe;
+    MFT_CHECK_OK(mf_group_get_comm(f->group, rank, &comm));
+    mf_moe_config_t cfg = MF_MOE_CONFIG_INIT;
+    cfg.num_experts = s->E, cfg.num_topk = s->K, cfg.hidden = s->H, cfg.intermediate = s->I;
+    cfg.max_tokens_per_rank = s->S, cfg.dtype = s->dtype, cfg.layout = s->layout;
+    MFT_CHECK_OK(mf_moe_create(comm, &cfg, &moe));
+    mf_moe_weights_t w;
+    memset(&w, 0, sizeof w);
+    w.w13 = mft_t3(to_dev(f->p->w13[rank], (size_t)L * 2 * I * H * esz), s->dtype, L, 2 * I, H);
+    w.w2 = mft_t3(to_dev(f->p->w2[rank], (size_t)L * H * I * esz), s->dtype, L, H, I);
+    MFT_CHECK_OK(mf_moe_set_weights(moe, &w));
+    const int32_t *host_ids = rank == 0 && f->bad_ids ? f->bad_ids : f->p->topk_ids[rank];
+    void *x = to_dev(f->p->x[rank], (size_t)T * H * 2), *ids = to_dev(host_ids, (size_t)T * K * 4),
+         *wt = to_dev(f->p->topk_weights[rank], (size_t)T * K * 4), *y = to_dev(NULL, (size_t)T * H * 2);
+    mf_moe_forward_in_t in = {mft_t2(x, MF_DTYPE_BF16, T, H), mft_t2(ids, MF_DTYPE_INT32, T, K),
+                              mft_t2(wt, MF_DTYPE_FP32, T, K)};
+    mf_moe_forward_out_t out = {mft_t2(y, MF_DTYPE_BF16, T, H)};
+    if (f->callers & (1 << rank)) MFT_CHECK_OK(mf_moe_forward(moe, &in, &out, stream));
+    f->async[rank] = mf_comm_get_async_error(comm);
+    snprintf(f->msg[rank], sizeof f->msg[rank], "%s", mf_last_error());
+    f->y[rank] = mft_alloc((size_t)T * H * 2 + 2);
+    CUDA_OK(cudaMemcpy(f->y[rank], y, (size_t)T * H * 2, cudaMemcpyDeviceToHost));
+    f->next_call[rank] = (f->callers & (1 << rank)) ? mf_moe_forward(moe, &in, &out, stream) : MF_SUCCESS;
+    cudaStreamSynchronize(stream);
+    MFT_CHECK_OK(mf_moe_destroy(moe));
+    void *bufs[] = {x, ids, wt, y, w.w13.data, w.w2.data};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
+    cudaStreamDestroy(stream);
+    return 0;
+}
+
+static int fault_problem(mfp_problem_t *p, int32_t R) {
+    mfp_spec_t spec;
+    memset(&spec, 0, sizeof spec);
+    spec.R = R, spec.E = 8, spec.K = 2, spec.H = 128, spec.I = 128, spec.S = 8, spec.T_per_rank = 8;
+    spec.dtype = MF_DTYPE_BF16, spec.layout = MF_LAYOUT_EXPERT_MAJOR, spec.seed = 3;
+    return mfp_generate(&spec, p);
+}
+
+/* Rank 1 never calls: rank 0's wait expires and reports the phase and the missing rank. */
+static int cuda_timeout(void) {
+    mfp_problem_t p;
+    MFT_CHECK(fault_problem(&p, 2) == 0);
+    fault_run_t f;
+    memset(&f, 0, sizeof f);
+    f.p = &p;
+    f.callers = 1;
+    mf_group_config_t gc = MF_GROUP_CONFIG_INIT;
+    gc.backend = MF_BACKEND_CUDA, gc.num_ranks = 2, gc.timeout_ms = 300;
+    MFT_CHECK_OK(mf_group_create(&gc, &f.group));
+    MFT_CHECK(mft_run_ranks(2, fault_rank, &f) == 0);
+    MFT_CHECK_OK(mf_group_destroy(f.group));
+    mft_verbose("  rank 0: %s: %s\n", mft_result_name(f.async[0]), f.msg[0]);
+    MFT_CHECK_EQ_INT(f.async[0], MF_ERR_TIMEOUT);
+    MFT_CHECK_MSG(mft_contains_ci(f.msg[0], "dispatch") && mft_contains_ci(f.msg[0], "rank 1"), "message: %s", f.msg[0]);
+    MFT_CHECK_EQ_INT(f.async[1], MF_SUCCESS);
+    MFT_CHECK(f.next_call[0] == MF_ERR_INVALID_USAGE || f.next_call[0] == MF_ERR_TIMEOUT);
+    for (int r = 0; r < 2; r++) free(f.y[r]);
+    mfp_free(&p);
+    return 0;
+}
+
+/* Out-of-range and repeated device ids: no write out of bounds, treated as -1, reported. */
+static int cuda_bad_ids(void) {
+    mfp_problem_t p;
+    MFT_CHECK(fault_problem(&p, 2) == 0);
+    int32_t T = p.T[0], K = p.spec.K;
+    int32_t *bad = mft_alloc((size_t)T * K * 4);
+    memcpy(bad, p.topk_ids[0], (size_t)T * K * 4);
+    bad[1 * K + 0] = p.spec.E + 5;  /* out of range */
+    bad[2 * K + 1] = -7;             /* out of range */
+    bad[3 * K + 1] = bad[3 * K + 0]; /* repeated */
+    fault_run_t f;
+    memset(&f, 0, sizeof f);
+    f.p = &p;
+    f.callers = 3;
+    f.bad_ids = bad;
+    mf_group_config_t gc = MF_GROUP_CONFIG_INIT;
+    gc.backend = MF_BACKEND_CUDA, gc.num_ranks = 2, gc.timeout_ms = 20000;
+    MFT_CHECK_OK(mf_group_create(&gc, &f.group));
+    MFT_CHECK(mft_run_ranks(2, fault_rank, &f) == 0);
+    MFT_CHECK_OK(mf_group_destroy(f.group));
+    mft_verbose("  rank 0: %s: %s\n", mft_result_name(f.async[0]), f.msg[0]);
+    MFT_CHECK_EQ_INT(f.async[0], MF_ERR_INVALID_ARGUMENT);
+    MFT_CHECK_MSG(mft_contains_ci(f.msg[0], "topk_ids"), "message: %s", f.msg[0]);
+    MFT_CHECK_EQ_INT(f.async[1], MF_SUCCESS);
+    /* The result equals the CPU layer with those ids dropped (-1). */
+    for (int32_t i = 0; i < T * K; i++)
+        if (bad[i] < -1 || bad[i] >= p.spec.E) bad[i] = -1;
+    bad[3 * K + 1] = -1;
+    memcpy(p.topk_ids[0], bad, (size_t)T * K * 4);
+    uint16_t *y_cpu[2] = {mft_alloc((size_t)T * p.spec.H * 2), mft_alloc((size_t)p.T[1] * p.spec.H * 2)};
+    char err[512];
+    MFT_CHECK_MSG(mfp_run_forward(&p, MF_BACKEND_CPU, 1, 0, y_cpu, NULL, err, sizeof err) == MF_SUCCESS, "%s", err);
+    for (int r = 0; r < 2; r++) {
+        double d = mfref_diff_bf16(f.y[r], y_cpu[r], (int64_t)p.T[r] * p.spec.H);
+        MFT_CHECK_MSG(d < 1e-5, "rank %d: diff %.3g vs the cpu layer with the bad ids dropped", r, d);
+        free(y_cpu[r]);
+        free(f.y[r]);
+    }
+    free(bad);
+    mfp_free(&p);
+    return 0;
+}
+
+/* A small config for compute-sanitizer (make test-gpu runs it under memcheck and racecheck). */
+static int cuda_small(void) {
+    layer_case_t c = {2, 4, 2, 128, 128, 5, 8, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 2, 0,
+                      NULL, 9};
+    if (run_layer_case(&c)) return 1;
+    c.dtype = MF_DTYPE_BF16, c.layout = MF_LAYOUT_MASKED;
+    if (run_layer_case(&c)) return 1;
+    return comm_case(2, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, NULL, 9);
+}
+
+const mft_test_t mft_tests_cuda[] = {
+    {"cuda_small", cuda_small, 120},
+    {"cuda_comm_bitwise", cuda_comm_bitwise, 300},
+    {"cuda_layer_ranks", cuda_layer_ranks, 300},
+    {"cuda_layer_awkward", cuda_layer_awkward, 300},
+    {"cuda_graph_replay", cuda_graph_replay, 300},
+    {"cuda_timeout", cuda_timeout, 60},
+    {"cuda_bad_ids", cuda_bad_ids, 60},
+    {"cuda_layer_deepseek", cuda_layer_deepseek, 400},
+    {NULL, NULL, 0},
+};

@@ -1,0 +1,728 @@
+/*
+ * problem.c — seeded random EP MoE problems and the driver that runs them through the public API
+ * (problem.h), shared by the tests and the `moeflow` CLI.
+ *
+ * Generation. One splitmix64 stream per purpose: expert e's weights from (seed, e), rank r's tokens
+ * and routing from (seed, r), the zipf popularity order from (seed). Weight streams are independent,
+ * so several threads draw them and the result does not depend on how many.
+ *
+ * Running. mfp_run creates a local group, one thread per rank; every thread creates its layer
+ * (collective), sets its weights and calls mf_moe_forward warmup + iters times, each call started
+ * together with the other ranks' (a barrier that a failing rank breaks, so nobody waits on a rank
+ * that has left). On CUDA every thread copies its inputs and weights to the device first and its y
+ * back at the end. The first failure wins: its code and its thread's mf_last_error() are returned.
+ */
+#include "problem.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#if MF_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+#define MFP_QBLOCK 128            /* FP8 weight blocks are 128 x 128 */
+#define MFP_MAX_GEN_THREADS 16    /* threads drawing weights */
+#define MFP_MIN_WEIGHT 0.05       /* topk_weights are drawn from [MIN, MIN + 1) then normalised */
+#define MFP_MIN_ALLOC 64          /* bytes: every per-rank array exists, even for T = 0 */
+#define MFP_ERRLEN 512
+#define MFP_MAX_K 64              /* K the generator accepts (above MF_MAX_TOPK, for misuse tests) */
+
+/* Stream tags: different purposes never share a stream. */
+enum { TAG_W13 = 1, TAG_W2 = 2, TAG_INPUT = 3, TAG_ZIPF = 4 };
+
+/* ---- random numbers ------------------------------------------------------------------------- */
+
+static uint64_t splitmix64(uint64_t *s) {
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static uint64_t stream_seed(uint64_t seed, uint64_t tag, uint64_t index) {
+    uint64_t s = seed ^ (tag << 56) ^ (index * 0xd1b54a32d192ed03ull);
+    return splitmix64(&s);
+}
+
+static double uniform01(uint64_t *s) { return (double)(splitmix64(s) >> 11) * 0x1.0p-53; }
+
+/* Roughly N(0, 1): four 16-bit uniforms on [-1, 1) summed (variance 4/3), rescaled. */
+static float normal_ish(uint64_t *s) {
+    uint64_t b = splitmix64(s);
+    double sum = 0.0;
+    for (int i = 0; i < 4; i++, b >>= 16) sum += ((double)(b & 0xffff) - 32767.5) / 32768.0;
+    return (float)(sum * 0.8660254037844386); /* sqrt(3/4) */
+}
+
+/* bf16 of v, never zero. */
+static uint16_t bf16_nonzero(float v) {
+    uint16_t b = mf_bf16_from_float(v);
+    return (b & 0x7fff) ? b : mf_bf16_from_float(v < 0 ? -1e-3f : 1e-3f);
+}
+
+/* ---- weights -------------------------------------------------------------------------------- */
+
+/* rows x cols bf16, U(-1, 1) * sqrt(3 / cols): two values per 64-bit draw. */
+static void draw_matrix(uint64_t seed, uint16_t *w, int64_t n, int32_t fan_in) {
+    const float bound = (float)sqrt(3.0 / fan_in);
+    for (int64_t i = 0; i < n; i += 2) {
+        uint64_t b = splitmix64(&seed);
+        w[i] = bf16_nonzero((float)((int32_t)(uint32_t)b * 0x1.0p-31) * bound);
+        if (i + 1 < n) w[i + 1] = bf16_nonzero((float)((int32_t)(uint32_t)(b >> 32) * 0x1.0p-31) * bound);
+    }
+}
+
+typedef struct gen_job {
+    mfp_problem_t *p;
+    pthread_mutex_t mu;
+    int32_t next_expert;
+    int failed;
+} gen_job_t;
+
+/* Draws expert e into its rank's arrays; FP8 through a bf16 scratch of [2I * H] (W13, then W2). */
+static int draw_expert(mfp_problem_t *p, int32_t e, uint16_t *scratch) {
+    const mfp_spec_t *s = &p->spec;
+    const int32_t r = e / p->L, l = e % p->L, H = s->H, I = s->I;
+    const int64_t n13 = 2LL * I * H, n2 = (int64_t)H * I;
+    const uint64_t seed13 = stream_seed(s->seed, TAG_W13, (uint64_t)e);
+    const uint64_t seed2 = stream_seed(s->seed, TAG_W2, (uint64_t)e);
+    if (s->dtype == MF_DTYPE_BF16) {
+        draw_matrix(seed13, (uint16_t *)p->w13[r] + l * n13, n13, H);
+        draw_matrix(seed2, (uint16_t *)p->w2[r] + l * n2, n2, I);
+        return 0;
+    }
+    const int64_t sb13 = (2LL * I / MFP_QBLOCK) * (H / MFP_QBLOCK), sb2 = sb13 / 2;
+    mf_tensor_t in = {scratch, MF_DTYPE_BF16, 2, {2 * I, H}};
+    mf_tensor_t out = {(uint8_t *)p->w13[r] + l * n13, MF_DTYPE_FP8_E4M3, 2, {2 * I, H}};
+    mf_tensor_t sc = {p->w13_scales[r] + l * sb13, MF_DTYPE_FP32, 2, {2 * I / MFP_QBLOCK, H / MFP_QBLOCK}};
+    draw_matrix(seed13, scratch, n13, H);
+    if (mf_quantize_fp8(&in, &out, &sc, MFP_QBLOCK, 0) != MF_SUCCESS) return -1;
+    mf_tensor_t in2 = {scratch, MF_DTYPE_BF16, 2, {H, I}};
+    mf_tensor_t out2 = {(uint8_t *)p->w2[r] + l * n2, MF_DTYPE_FP8_E4M3, 2, {H, I}};
+    mf_tensor_t sc2 = {p->w2_scales[r] + l * sb2, MF_DTYPE_FP32, 2, {H / MFP_QBLOCK, I / MFP_QBLOCK}};
+    draw_matrix(seed2, scratch, n2, I);
+    return mf_quantize_fp8(&in2, &out2, &sc2, MFP_QBLOCK, 0) == MF_SUCCESS ? 0 : -1;
+}
+
+/* Takes experts from the job until none is left or one failed. */
+static void *gen_worker(void *arg) {
+    gen_job_t *job = arg;
+    const mfp_spec_t *s = &job->p->spec;
+    uint16_t *scratch = NULL;
+    int ok = 1;
+    if (s->dtype == MF_DTYPE_FP8_E4M3) {
+        scratch = malloc(sizeof(uint16_t) * 2 * (size_t)s->I * s->H);
+        ok = scratch != NULL;
+    }
+    for (;;) {
+        pthread_mutex_lock(&job->mu);
+        if (!ok) job->failed = 1;
+        int32_t e = job->failed ? s->E : job->next_expert++;
+        pthread_mutex_unlock(&job->mu);
+        if (e >= s->E) break;
+        ok = draw_expert(job->p, e, scratch) == 0;
+    }
+    free(scratch);
+    return NULL;
+}
+
+static int draw_weights(mfp_problem_t *p) {
+    gen_job_t job = {.p = p};
+    pthread_mutex_init(&job.mu, NULL);
+    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    int n = ncpu < 1 ? 1 : ncpu > MFP_MAX_GEN_THREADS ? MFP_MAX_GEN_THREADS : (int)ncpu;
+    if (n > p->spec.E) n = p->spec.E;
+    pthread_t th[MFP_MAX_GEN_THREADS];
+    int started = 0;
+    for (; started < n - 1; started++)
+        if (pthread_create(&th[started], NULL, gen_worker, &job) != 0) break;
+    gen_worker(&job); /* this thread works too; fewer threads only make it slower */
+    for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
+    pthread_mutex_destroy(&job.mu);
+    return job.failed ? -1 : 0;
+}
+
+/* ---- inputs --------------------------------------------------------------------------------- */
+
+/* 1 if e is among ids[0, n). */
+static int has_id(const int32_t *ids, int32_t n, int32_t e) {
+    for (int32_t i = 0; i < n; i++)
+        if (ids[i] == e) return 1;
+    return 0;
+}
+
+/* K distinct ids for one token into ids[K]; popularity[E] holds the zipf weights (ZIPF only). */
+static void draw_routing(const mfp_spec_t *s, const double *popularity, uint64_t *st, int32_t *ids) {
+    const int32_t E = s->E, K = s->K;
+    int32_t k0 = 0;
+    if (s->routing == MFP_ROUTING_HOT) { /* the hot expert at a random k, the others uniform */
+        int32_t at = (int32_t)(uniform01(st) * K);
+        for (int32_t k = 0; k < K; k++) ids[k] = -2;
+        ids[at] = s->hot_expert;
+        for (int32_t k = 0; k < K; k++)
+            while (ids[k] == -2) {
+                int32_t e = (int32_t)(uniform01(st) * E);
+                if (!has_id(ids, K, e)) ids[k] = e;
+            }
+        k0 = K;
+    }
+    if (s->routing == MFP_ROUTING_ZIPF) { /* without replacement: take the chosen mass out */
+        double left = 0.0;
+        for (int32_t e = 0; e < E; e++) left += popularity[e];
+        for (int32_t k = 0; k < K; k++) {
+            double u = uniform01(st) * left, acc = 0.0;
+            int32_t pick = -1;
+            for (int32_t e = 0; e < E; e++) {
+                if (has_id(ids, k, e)) continue;
+                pick = e; /* the last unused expert if rounding leaves u past the end */
+                acc += popularity[e];
+                if (u < acc) break;
+            }
+            ids[k] = pick;
+            left -= popularity[pick];
+        }
+        k0 = K;
+    }
+    for (int32_t k = k0; k < K; k++) { /* uniform: rejection of repeats */
+        int32_t e;
+        do e = (int32_t)(uniform01(st) * E);
+        while (has_id(ids, k, e));
+        ids[k] = e;
+    }
+}
+
+/* Zipf weight of every expert: 1 / (place + 1)^s, places shuffled from the seed. */
+static double *zipf_popularity(const mfp_spec_t *s) {
+    double *pop = malloc(sizeof(double) * (size_t)s->E);
+    int32_t *place = malloc(sizeof(int32_t) * (size_t)s->E);
+    if (!pop || !place) {
+        free(pop);
+        free(place);
+        return NULL;
+    }
+    uint64_t st = stream_seed(s->seed, TAG_ZIPF, 0);
+    for (int32_t e = 0; e < s->E; e++) place[e] = e;
+    for (int32_t e = s->E - 1; e > 0; e--) { /* Fisher-Yates */
+        int32_t j = (int32_t)(uniform01(&st) * (e + 1)), t = place[e];
+        place[e] = place[j];
+        place[j] = t;
+    }
+    for (int32_t e = 0; e < s->E; e++) pop[e] = pow(place[e] + 1.0, -s->zipf_s);
+    free(place);
+    return pop;
+}
+
+static void free_inputs(mfp_problem_t *p) {
+    for (int32_t r = 0; p->x && r < p->spec.R; r++) {
+        free(p->x[r]);
+        free(p->topk_ids[r]);
+        free(p->topk_weights[r]);
+        p->x[r] = NULL;
+        p->topk_ids[r] = NULL;
+        p->topk_weights[r] = NULL;
+    }
+}
+
+static void fill_ref_view(mfp_problem_t *p) {
+    const mfp_spec_t *s = &p->spec;
+    mfref_problem_t v = {
+        .R = s->R, .E = s->E, .K = s->K, .H = s->H, .I = s->I, .dtype = s->dtype, .ue8m0 = s->ue8m0,
+        .T = p->T,
+        .x = (const uint16_t *const *)p->x,
+        .topk_ids = (const int32_t *const *)p->topk_ids,
+        .topk_weights = (const float *const *)p->topk_weights,
+        .w13 = (const void *const *)p->w13,
+        .w13_scales = (const float *const *)p->w13_scales,
+        .w2 = (const void *const *)p->w2,
+        .w2_scales = (const float *const *)p->w2_scales,
+    };
+    p->ref = v;
+}
+
+/* (Re)allocates and draws every rank's x, ids and weights for the current p->T. */
+static int draw_inputs(mfp_problem_t *p, uint64_t seed) {
+    const mfp_spec_t *s = &p->spec;
+    const int32_t H = s->H, K = s->K;
+    double *pop = NULL;
+    if (s->routing == MFP_ROUTING_ZIPF && !(pop = zipf_popularity(s))) return -1;
+    free_inputs(p);
+    int rc = 0;
+    for (int32_t r = 0; r < s->R && rc == 0; r++) {
+        const size_t T = (size_t)p->T[r];
+        p->x[r] = malloc(sizeof(uint16_t) * T * H + MFP_MIN_ALLOC);
+        p->topk_ids[r] = malloc(sizeof(int32_t) * T * K + MFP_MIN_ALLOC);
+        p->topk_weights[r] = malloc(sizeof(float) * T * K + MFP_MIN_ALLOC);
+        if (!p->x[r] || !p->topk_ids[r] || !p->topk_weights[r]) {
+            rc = -1;
+            break;
+        }
+        uint64_t st = stream_seed(seed, TAG_INPUT, (uint64_t)r);
+        for (size_t t = 0; t < T; t++) { /* token by token: a prefix of tokens is seed-stable */
+            uint16_t *x = p->x[r] + t * H;
+            int32_t *ids = p->topk_ids[r] + t * K;
+            float *w = p->topk_weights[r] + t * K;
+            for (int32_t h = 0; h < H; h++) x[h] = bf16_nonzero(normal_ish(&st));
+            draw_routing(s, pop, &st, ids);
+            double sum = 0.0, wd[MFP_MAX_K];
+            for (int32_t k = 0; k < K; k++) {
+                if (uniform01(&st) < s->drop_prob) ids[k] = -1;
+                sum += wd[k] = MFP_MIN_WEIGHT + uniform01(&st);
+            }
+            for (int32_t k = 0; k < K; k++) w[k] = (float)(wd[k] / sum);
+        }
+    }
+    free(pop);
+    fill_ref_view(p);
+    return rc;
+}
+
+/* ---- problem -------------------------------------------------------------------------------- */
+
+static int valid_spec(const mfp_spec_t *s) {
+    if (s->R < 1 || s->R > MF_MAX_RANKS || s->E < s->R || s->E % s->R) return 0;
+    if (s->K < 1 || s->K > s->E || s->K > MFP_MAX_K || s->H < 1 || s->I < 1) return 0;
+    if (s->dtype != MF_DTYPE_BF16 && s->dtype != MF_DTYPE_FP8_E4M3) return 0;
+    if (s->dtype == MF_DTYPE_FP8_E4M3 && (s->H % MFP_QBLOCK || s->I % MFP_QBLOCK)) return 0;
+    if (s->routing < MFP_ROUTING_UNIFORM || s->routing > MFP_ROUTING_HOT) return 0;
+    if (s->routing == MFP_ROUTING_HOT && (s->hot_expert < 0 || s->hot_expert >= s->E)) return 0;
+    if (s->routing == MFP_ROUTING_ZIPF && !(s->zipf_s >= 0.0)) return 0;
+    if (!(s->drop_prob >= 0.0 && s->drop_prob <= 1.0)) return 0;
+    if (s->T_per_rank < 0) return 0;
+    for (int32_t r = 0; s->T_of_rank && r < s->R; r++)
+        if (s->T_of_rank[r] < 0) return 0;
+    return 1;
+}
+
+int mfp_generate(const mfp_spec_t *spec, mfp_problem_t *p) {
+    if (!p) return -1;
+    memset(p, 0, sizeof *p);
+    if (!spec || !valid_spec(spec)) return -1;
+    mfp_spec_t *s = &p->spec;
+    *s = *spec;
+    s->T_of_rank = NULL; /* the caller's array is not kept; p->T holds the values */
+    p->L = s->E / s->R;
+    const size_t R = (size_t)s->R, esize = s->dtype == MF_DTYPE_BF16 ? 2 : 1;
+    p->T = calloc(R, sizeof *p->T);
+    p->x = calloc(R, sizeof *p->x);
+    p->topk_ids = calloc(R, sizeof *p->topk_ids);
+    p->topk_weights = calloc(R, sizeof *p->topk_weights);
+    p->w13 = calloc(R, sizeof *p->w13);
+    p->w2 = calloc(R, sizeof *p->w2);
+    p->w13_scales = calloc(R, sizeof *p->w13_scales);
+    p->w2_scales = calloc(R, sizeof *p->w2_scales);
+    if (!p->T || !p->x || !p->topk_ids || !p->topk_weights || !p->w13 || !p->w2 ||
+        !p->w13_scales || !p->w2_scales)
+        goto fail;
+    int32_t maxT = 0;
+    for (size_t r = 0; r < R; r++) {
+        p->T[r] = spec->T_of_rank ? spec->T_of_rank[r] : spec->T_per_rank;
+        if (p->T[r] > maxT) maxT = p->T[r];
+    }
+    if (s->S <= 0) s->S = maxT > 0 ? maxT : 1;
+
+    const size_t H = (size_t)s->H, I = (size_t)s->I, L = (size_t)p->L;
+    const size_t nsc = (2 * I / MFP_QBLOCK) * (H / MFP_QBLOCK); /* W13 scales per expert; W2: half */
+    for (size_t r = 0; r < R; r++) {
+        if (!(p->w13[r] = malloc(L * 2 * I * H * esize)) || !(p->w2[r] = malloc(L * H * I * esize)))
+            goto fail;
+        if (s->dtype == MF_DTYPE_FP8_E4M3 &&
+            (!(p->w13_scales[r] = malloc(sizeof(float) * L * nsc)) ||
+             !(p->w2_scales[r] = malloc(sizeof(float) * L * nsc / 2))))
+            goto fail;
+    }
+    if (draw_weights(p) != 0 || draw_inputs(p, s->seed) != 0) goto fail;
+    return 0;
+fail:
+    mfp_free(p);
+    return -1;
+}
+
+void mfp_free(mfp_problem_t *p) {
+    if (!p) return;
+    free_inputs(p);
+    for (int32_t r = 0; p->w13 && r < p->spec.R; r++) {
+        free(p->w13[r]);
+        free(p->w2[r]);
+        free(p->w13_scales[r]);
+        free(p->w2_scales[r]);
+    }
+    free(p->T);
+    free(p->x);
+    free(p->topk_ids);
+    free(p->topk_weights);
+    free(p->w13);
+    free(p->w2);
+    free(p->w13_scales);
+    free(p->w2_scales);
+    memset(p, 0, sizeof *p);
+}
+
+int mfp_redraw_inputs(mfp_problem_t *p, uint64_t seed) {
+    if (!p || !p->T) return -1;
+    return draw_inputs(p, seed);
+}
+
+int mfp_set_tokens(mfp_problem_t *p, int32_t T_per_rank, uint64_t seed) {
+    if (!p || !p->T || T_per_rank < 0) return -1;
+    for (int32_t r = 0; r < p->spec.R; r++) p->T[r] = T_per_rank;
+    p->spec.T_per_rank = T_per_rank;
+    return draw_inputs(p, seed);
+}
+
+int64_t mfp_count_rows(const mfp_problem_t *p, int64_t *rows_per_rank, int64_t *rows_per_expert) {
+    const mfp_spec_t *s = &p->spec;
+    int64_t rows = 0;
+    if (rows_per_rank) memset(rows_per_rank, 0, sizeof(int64_t) * (size_t)s->R);
+    if (rows_per_expert) memset(rows_per_expert, 0, sizeof(int64_t) * (size_t)s->E);
+    for (int32_t r = 0; r < s->R; r++)
+        for (int64_t i = 0; i < (int64_t)p->T[r] * s->K; i++) {
+            int32_t e = p->topk_ids[r][i];
+            if (e < 0 || e >= s->E) continue;
+            rows++;
+            if (rows_per_rank) rows_per_rank[e / p->L]++;
+            if (rows_per_expert) rows_per_expert[e]++;
+        }
+    return rows;
+}
+
+/* ---- running -------------------------------------------------------------------------------- */
+
+/* A barrier that fails everyone once one thread gives up, instead of leaving them waiting. */
+typedef struct run_barrier {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int32_t count, arrived, failed;
+    uint64_t generation;
+} run_barrier_t;
+
+/* 0 when all arrived, -1 when the barrier is broken. */
+static int barrier_wait(run_barrier_t *b) {
+    pthread_mutex_lock(&b->mu);
+    uint64_t gen = b->generation;
+    if (!b->failed && ++b->arrived == b->count) {
+        b->arrived = 0;
+        b->generation++;
+        pthread_cond_broadcast(&b->cv);
+    }
+    while (!b->failed && gen == b->generation) pthread_cond_wait(&b->cv, &b->mu);
+    int rc = gen != b->generation ? 0 : -1;
+    pthread_mutex_unlock(&b->mu);
+    return rc;
+}
+
+static void barrier_break(run_barrier_t *b) {
+    pthread_mutex_lock(&b->mu);
+    b->failed = 1;
+    pthread_cond_broadcast(&b->cv);
+    pthread_mutex_unlock(&b->mu);
+}
+
+typedef struct run_state {
+    const mfp_problem_t *p;
+    const mfp_run_opts_t *opts;
+    mf_backend_t backend;
+    mf_group_t group;
+    uint16_t *const *y;
+    run_barrier_t barrier;
+    pthread_mutex_t mu; /* guards code and err */
+    mf_result_t code;
+    char err[MFP_ERRLEN];
+    double t_start;     /* seconds, before mf_group_create */
+    double *setup_done; /* [R] seconds */
+    double *times;      /* [R][iters] ms */
+    mf_phase_times_t *phases; /* [R][iters] */
+} run_state_t;
+
+typedef struct rank_arg {
+    run_state_t *run;
+    int32_t rank;
+} rank_arg_t;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Records the first failure (code and message) and breaks the barrier. */
+static void fail(run_state_t *run, int32_t rank, mf_result_t code, const char *what, const char *msg) {
+    pthread_mutex_lock(&run->mu);
+    if (run->code == MF_SUCCESS) { /* library messages usually name the call already */
+        int named = !strncmp(msg, what, strlen(what));
+        run->code = code;
+        snprintf(run->err, sizeof run->err, "rank %d: %s%s%s", rank, named ? "" : what,
+                 named ? "" : ": ", msg);
+    }
+    pthread_mutex_unlock(&run->mu);
+    barrier_break(&run->barrier);
+}
+
+#if MF_WITH_CUDA
+/* Allocates bytes (at least MFP_MIN_ALLOC) of device memory at *dst and copies src there if set. */
+static cudaError_t to_device(void **dst, const void *src, size_t bytes, cudaStream_t st) {
+    cudaError_t e = cudaMalloc(dst, bytes > MFP_MIN_ALLOC ? bytes : MFP_MIN_ALLOC);
+    if (e == cudaSuccess && src && bytes)
+        e = cudaMemcpyAsync(*dst, src, bytes, cudaMemcpyHostToDevice, st);
+    return e;
+}
+#endif
+
+static void *rank_main(void *varg) {
+    rank_arg_t *arg = varg;
+    run_state_t *run = arg->run;
+    const mfp_problem_t *p = run->p;
+    const mfp_spec_t *s = &p->spec;
+    const mfp_run_opts_t *o = run->opts;
+    const int32_t r = arg->rank, T = p->T[r], fp8 = s->dtype == MF_DTYPE_FP8_E4M3;
+    const size_t L = (size_t)p->L, H = (size_t)s->H, I = (size_t)s->I, K = (size_t)s->K;
+    const size_t esize = fp8 ? 1 : 2, nsc = (2 * I / MFP_QBLOCK) * (H / MFP_QBLOCK);
+    /* host or device addresses of: x, ids, topk weights, y, w13, w2, w13 scales, w2 scales */
+    const void *host[8] = {p->x[r], p->topk_ids[r], p->topk_weights[r], run->y[r],
+                           p->w13[r], p->w2[r], p->w13_scales[r], p->w2_scales[r]};
+    const size_t bytes[8] = {T * H * 2, T * K * 4, T * K * 4, T * H * 2, L * 2 * I * H * esize,
+                             L * H * I * esize, fp8 ? L * nsc * 4 : 0, fp8 ? L * nsc / 2 * 4 : 0};
+    (void)bytes; /* only the CUDA path copies */
+    uint16_t y_dummy[MFP_MIN_ALLOC / sizeof(uint16_t)]; /* a y for T = 0 when the caller has none */
+    if (!host[3]) host[3] = y_dummy;
+    void *mem[8];
+    for (int i = 0; i < 8; i++) mem[i] = (void *)host[i];
+    mf_stream_t stream = NULL;
+    mf_comm_t comm = NULL;
+    mf_moe_t moe = NULL;
+    mf_result_t res;
+
+#if MF_WITH_CUDA
+    int on_device = run->backend == MF_BACKEND_CUDA;
+    cudaStream_t cst = NULL;
+    if (on_device) {
+        cudaError_t ce = cudaSetDevice(0);
+        if (ce == cudaSuccess) ce = cudaStreamCreate(&cst);
+        for (int i = 0; i < 8; i++) mem[i] = NULL;
+        for (int i = 0; i < 8 && ce == cudaSuccess; i++) /* y (3) is only allocated */
+            if (host[i]) ce = to_device(&mem[i], i == 3 ? NULL : host[i], bytes[i], cst);
+        if (ce == cudaSuccess) ce = cudaStreamSynchronize(cst);
+        stream = (mf_stream_t)cst;
+        if (ce != cudaSuccess) {
+            fail(run, r, MF_ERR_CUDA, "copying the inputs to the device", cudaGetErrorString(ce));
+            goto done;
+        }
+    }
+#endif
+
+    if ((res = mf_group_get_comm(run->group, r, &comm)) != MF_SUCCESS) {
+        fail(run, r, res, "mf_group_get_comm", mf_last_error());
+        goto done;
+    }
+    mf_moe_config_t cfg = MF_MOE_CONFIG_INIT;
+    cfg.num_experts = s->E;
+    cfg.num_topk = s->K;
+    cfg.hidden = s->H;
+    cfg.intermediate = s->I;
+    cfg.max_tokens_per_rank = s->S;
+    cfg.dtype = s->dtype;
+    cfg.layout = s->layout;
+    cfg.block_m = s->block_m;
+    cfg.expert_capacity = s->expert_capacity;
+    cfg.max_recv_rows = s->max_recv_rows;
+    cfg.ue8m0_scales = s->ue8m0;
+    cfg.profile = o->profile;
+    if ((res = mf_moe_create(comm, &cfg, &moe)) != MF_SUCCESS) {
+        fail(run, r, res, "mf_moe_create", mf_last_error());
+        goto done;
+    }
+    const int32_t wdt = s->dtype;
+    mf_moe_weights_t w = {
+        .w13 = {mem[4], wdt, 3, {(int64_t)L, 2 * (int64_t)I, (int64_t)H}},
+        .w2 = {mem[5], wdt, 3, {(int64_t)L, (int64_t)H, (int64_t)I}},
+    };
+    if (fp8) {
+        w.w13_scales = (mf_tensor_t){mem[6], MF_DTYPE_FP32, 3,
+                                     {(int64_t)L, 2 * (int64_t)I / MFP_QBLOCK, (int64_t)H / MFP_QBLOCK}};
+        w.w2_scales = (mf_tensor_t){mem[7], MF_DTYPE_FP32, 3,
+                                    {(int64_t)L, (int64_t)H / MFP_QBLOCK, (int64_t)I / MFP_QBLOCK}};
+    }
+    if ((res = mf_moe_set_weights(moe, &w)) != MF_SUCCESS) {
+        fail(run, r, res, "mf_moe_set_weights", mf_last_error());
+        goto done;
+    }
+    run->setup_done[r] = now_s();
+
+    mf_moe_forward_in_t in = {
+        .x = {mem[0], MF_DTYPE_BF16, 2, {T, (int64_t)H}},
+        .topk_ids = {mem[1], MF_DTYPE_INT32, 2, {T, (int64_t)K}},
+        .topk_weights = {mem[2], MF_DTYPE_FP32, 2, {T, (int64_t)K}},
+    };
+    mf_moe_forward_out_t out = {.y = {mem[3], MF_DTYPE_BF16, 2, {T, (int64_t)H}}};
+    const int32_t total = o->warmup + o->iters;
+    for (int32_t it = 0; it < total; it++) {
+        if (barrier_wait(&run->barrier) != 0) goto done; /* another rank failed */
+        double t0 = now_s();
+        if ((res = mf_moe_forward(moe, &in, &out, stream)) != MF_SUCCESS) {
+            fail(run, r, res, "mf_moe_forward", mf_last_error());
+            goto done;
+        }
+#if MF_WITH_CUDA
+        cudaError_t ce = on_device ? cudaStreamSynchronize(cst) : cudaSuccess;
+        if (ce != cudaSuccess) {
+            fail(run, r, MF_ERR_CUDA, "cudaStreamSynchronize after mf_moe_forward",
+                 cudaGetErrorString(ce));
+            goto done;
+        }
+#endif
+        double t1 = now_s();
+        const int32_t j = it - o->warmup;
+        if (j >= 0) {
+            run->times[(size_t)r * o->iters + j] = (t1 - t0) * 1e3;
+            mf_phase_times_t *ph = &run->phases[(size_t)r * o->iters + j];
+            if (o->profile && (res = mf_moe_get_phase_times(moe, ph)) != MF_SUCCESS) {
+                fail(run, r, res, "mf_moe_get_phase_times", mf_last_error());
+                goto done;
+            }
+        }
+        if (r == 0 && o->progress) o->progress(o->progress_ctx, it + 1, total);
+    }
+#if MF_WITH_CUDA
+    if (on_device && T > 0) {
+        cudaError_t ce = cudaMemcpy(run->y[r], mem[3], bytes[3], cudaMemcpyDeviceToHost);
+        if (ce != cudaSuccess) fail(run, r, MF_ERR_CUDA, "copying y to the host", cudaGetErrorString(ce));
+    }
+#endif
+done:
+    mf_moe_destroy(moe);
+#if MF_WITH_CUDA
+    if (on_device) {
+        for (int i = 0; i < 8; i++) cudaFree(mem[i]);
+        if (cst) cudaStreamDestroy(cst);
+    }
+#endif
+    return NULL;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int32_t n) {
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* Medians over iterations of rank 0's value and of the max over ranks of value(rank, iter). */
+static void medians(const run_state_t *run, int32_t field, double *rank0, double *max_over_ranks) {
+    const int32_t R = run->p->spec.R, n = run->opts->iters;
+    double *a = malloc(sizeof(double) * (size_t)n), *b = malloc(sizeof(double) * (size_t)n);
+    if (!a || !b) {
+        free(a);
+        free(b);
+        return;
+    }
+    for (int32_t j = 0; j < n; j++) {
+        b[j] = 0.0;
+        for (int32_t r = 0; r < R; r++) {
+            const size_t at = (size_t)r * n + j;
+            double v = field < 0 ? run->times[at]
+                       : field < MF_NUM_PHASES ? run->phases[at].us[field] : run->phases[at].total_us;
+            if (r == 0) a[j] = v;
+            if (v > b[j]) b[j] = v;
+        }
+    }
+    *rank0 = median(a, n);
+    *max_over_ranks = median(b, n);
+    free(a);
+    free(b);
+}
+
+mf_backend_t mfp_resolve_backend(mf_backend_t backend) {
+    if (backend != MF_BACKEND_AUTO) return backend;
+    return MF_WITH_CUDA && mf_backend_available(MF_BACKEND_CUDA) ? MF_BACKEND_CUDA : MF_BACKEND_CPU;
+}
+
+mf_result_t mfp_run(const mfp_problem_t *p, const mfp_run_opts_t *opts, uint16_t *const *y,
+                    mfp_timing_t *timing, char *err, int errlen) {
+    if (err && errlen > 0) err[0] = '\0';
+    if (!p || !p->T || !opts || !y || opts->iters < 1 || opts->warmup < 0) {
+        if (err && errlen > 0) snprintf(err, (size_t)errlen, "mfp_run: bad arguments");
+        return MF_ERR_INVALID_ARGUMENT;
+    }
+    const int32_t R = p->spec.R;
+    run_state_t run = {.p = p, .opts = opts, .backend = mfp_resolve_backend(opts->backend), .y = y};
+    pthread_mutex_init(&run.mu, NULL);
+    pthread_mutex_init(&run.barrier.mu, NULL);
+    pthread_cond_init(&run.barrier.cv, NULL);
+    run.barrier.count = R;
+    run.setup_done = calloc((size_t)R, sizeof(double));
+    run.times = calloc((size_t)R * opts->iters, sizeof(double));
+    run.phases = calloc((size_t)R * opts->iters, sizeof(mf_phase_times_t));
+    rank_arg_t *args = calloc((size_t)R, sizeof *args);
+    pthread_t *th = calloc((size_t)R, sizeof *th);
+    if (!run.setup_done || !run.times || !run.phases || !args || !th) {
+        run.code = MF_ERR_OUT_OF_MEMORY;
+        snprintf(run.err, sizeof run.err, "mfp_run: out of host memory");
+        goto out;
+    }
+
+    run.t_start = now_s();
+    mf_group_config_t gc = MF_GROUP_CONFIG_INIT;
+    gc.backend = run.backend;
+    gc.num_ranks = R;
+    gc.device = 0;
+    gc.timeout_ms = opts->timeout_ms;
+    mf_result_t res = mf_group_create(&gc, &run.group);
+    if (res != MF_SUCCESS) {
+        run.code = res;
+        snprintf(run.err, sizeof run.err, "mf_group_create: %s", mf_last_error());
+        goto out;
+    }
+    int32_t started = 0;
+    for (; started < R; started++) {
+        args[started] = (rank_arg_t){&run, started};
+        if (pthread_create(&th[started], NULL, rank_main, &args[started]) != 0) {
+            fail(&run, started, MF_ERR_SYSTEM, "pthread_create", "could not start a rank thread");
+            break;
+        }
+    }
+    for (int32_t i = 0; i < started; i++) pthread_join(th[i], NULL);
+    mf_group_destroy(run.group);
+
+    if (run.code == MF_SUCCESS && timing) {
+        memset(timing, 0, sizeof *timing);
+        double worst = 0.0;
+        for (int32_t r = 0; r < R; r++)
+            if (run.setup_done[r] - run.t_start > worst) worst = run.setup_done[r] - run.t_start;
+        timing->setup_ms = worst * 1e3;
+        medians(&run, -1, &timing->forward_ms, &timing->forward_max_ms);
+        if (opts->profile) {
+            timing->have_phases = 1;
+            for (int32_t f = 0; f < MFP_TIMES; f++)
+                medians(&run, f, &timing->phase_us[f], &timing->phase_max_us[f]);
+        }
+    }
+out:
+    if (run.code != MF_SUCCESS && err && errlen > 0) snprintf(err, (size_t)errlen, "%s", run.err);
+    free(run.setup_done);
+    free(run.times);
+    free(run.phases);
+    free(args);
+    free(th);
+    pthread_cond_destroy(&run.barrier.cv);
+    pthread_mutex_destroy(&run.barrier.mu);
+    pthread_mutex_destroy(&run.mu);
+    return run.code;
+}
+
+mf_result_t mfp_run_forward(const mfp_problem_t *p, mf_backend_t backend, int32_t iters,
+                            int64_t timeout_ms, uint16_t *const *y, mfp_timing_t *timing,
+                            char *err, int errlen) {
+    mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
+    o.backend = backend;
+    o.iters = iters;
+    o.timeout_ms = timeout_ms;
+    return mfp_run(p, &o, y, timing, err, errlen);
+}

@@ -1,0 +1,114 @@
+/*
+ * problem.h — random EP MoE problems and the R-thread driver that runs them through the public
+ * API; shared by the tests and the `moeflow` CLI (which links tests/problem.o and tests/ref.o).
+ *
+ * A problem holds, for every rank, its tokens, routing and local experts' weights in host memory,
+ * generated from a seed (never zeros). `mfp_run_forward` creates a local group on a backend, one
+ * thread per rank, each creating its layer, setting its weights (copied to the device on CUDA)
+ * and calling mf_moe_forward `iters` times, and returns the y of the last call per rank.
+ */
+#ifndef MF_TESTS_PROBLEM_H
+#define MF_TESTS_PROBLEM_H
+
+#include <stdint.h>
+
+#include "moeflow.h"
+#include "ref.h"
+
+typedef enum mfp_routing {
+    MFP_ROUTING_UNIFORM = 0, /* K distinct experts uniformly at random per token */
+    MFP_ROUTING_ZIPF = 1,    /* K distinct experts drawn with P(e) ~ 1 / (rank(e) + 1)^zipf_s, where
+                                rank(e) is e's place in a popularity order shuffled from the seed */
+    MFP_ROUTING_HOT = 2      /* every token picks expert hot_expert (at a random k), the rest uniform */
+} mfp_routing_t;
+
+typedef struct mfp_spec {
+    int32_t R, E, K, H, I, S;
+    int32_t dtype, layout, ue8m0;
+    int32_t T_per_rank;     /* T on every rank unless T_of_rank is set */
+    const int32_t *T_of_rank; /* optional [R]: per-rank T (idle ranks: 0) */
+    int32_t routing;        /* mfp_routing_t */
+    double zipf_s;
+    int32_t hot_expert;
+    double drop_prob;       /* probability of a -1 id per (t, k) */
+    uint64_t seed;
+    /* Layer config passed through to mf_moe_config_t (0 = the library's default, worst case). */
+    int32_t block_m, expert_capacity, max_recv_rows;
+} mfp_spec_t;
+
+typedef struct mfp_problem {
+    mfp_spec_t spec;
+    int32_t L;
+    int32_t *T;              /* [R] */
+    uint16_t **x;            /* [R] -> [T_r, H] */
+    int32_t **topk_ids;      /* [R] -> [T_r, K] */
+    float **topk_weights;    /* [R] -> [T_r, K] */
+    void **w13, **w2;        /* [R] -> local experts' weights in the layer's dtype */
+    float **w13_scales, **w2_scales; /* [R] (FP8) */
+    mfref_problem_t ref;     /* views of the above for mfref_layer */
+} mfp_problem_t;
+
+/* Values: x ~ N(0, 1) (a sum of four uniforms) as bf16, weights ~ U(-1, 1) * sqrt(3 / fan_in) so
+ * that g, u, h, partials and y are O(1); no value is zero; topk_weights > 0, summing to 1 per token.
+ * FP8 weights are drawn as BF16 and quantised by mf_quantize_fp8 (128x128 blocks, fp32 scales).
+ * Expert e's weights depend only on (seed, e) and rank r's inputs only on (seed, r), so the routing
+ * is the same for both dtypes. spec->S <= 0 resolves to the largest T (at least 1) in p->spec.
+ * The weights are drawn by several threads (deterministic: one stream per expert). */
+int mfp_generate(const mfp_spec_t *spec, mfp_problem_t *p); /* 0 ok, -1 no memory / bad spec */
+void mfp_free(mfp_problem_t *p);                             /* zeroes *p; a zeroed p is a no-op */
+/* Re-draws activations and routing (same shapes) from `seed`, keeping the weights. */
+int mfp_redraw_inputs(mfp_problem_t *p, uint64_t seed);
+/* Sets T = T_per_rank on every rank and re-draws the inputs from `seed`, keeping the weights (for
+ * size sweeps; S is unchanged). 0 ok, -1 no memory / bad T. */
+int mfp_set_tokens(mfp_problem_t *p, int32_t T_per_rank, uint64_t seed);
+/* Routed (t, k) rows over all ranks; per rank (rank of the expert, [R]) and per expert ([E]) when
+ * the arrays are not NULL. */
+int64_t mfp_count_rows(const mfp_problem_t *p, int64_t *rows_per_rank, int64_t *rows_per_expert);
+
+/* Timing of mfp_run: times are wall clock from a common start (all ranks leave a barrier), to the
+ * end of mf_moe_forward (CPU) or of the stream synchronisation after it (CUDA). */
+#define MFP_TIMES (MF_NUM_PHASES + 1) /* phases, then the total */
+typedef struct mfp_timing {
+    double forward_ms;    /* median wall time of one mf_moe_forward over the iterations (rank 0) */
+    double setup_ms;      /* group + layer creation + weights */
+    double forward_max_ms; /* median over the iterations of the slowest rank's time */
+    int32_t have_phases;  /* 1 when phase_us / phase_max_us are filled (profile = 1) */
+    /* mf_moe_get_phase_times: [MF_NUM_PHASES] per phase, then total_us; medians over the timed
+     * iterations, of rank 0 and of the max over ranks. */
+    double phase_us[MFP_TIMES];
+    double phase_max_us[MFP_TIMES];
+} mfp_timing_t;
+
+/* How mfp_run drives the layer. */
+typedef struct mfp_run_opts {
+    mf_backend_t backend; /* CPU, CUDA or AUTO (CUDA when this build has it and finds a device) */
+    int32_t iters;        /* timed forwards, >= 1 */
+    int32_t warmup;       /* untimed forwards before them */
+    int64_t timeout_ms;   /* group config timeout_ms; 0 = the library's default */
+    int32_t profile;      /* 1: config.profile = 1 and timing.phase_* filled */
+    /* Optional: called by rank 0's thread after each forward with (done, warmup + iters). */
+    void (*progress)(void *ctx, int32_t done, int32_t total);
+    void *progress_ctx;
+} mfp_run_opts_t;
+
+#define MFP_RUN_OPTS_INIT {MF_BACKEND_AUTO, 1, 0, 0, 0, NULL, NULL}
+
+/* The backend that `backend` means here (AUTO resolved, as mf_group_create would). */
+mf_backend_t mfp_resolve_backend(mf_backend_t backend);
+
+/* Runs the problem as `opts` says; fills y[r] ([T_r, H], host memory; NULL allowed where T_r = 0)
+ * with the last forward's output. Returns MF_SUCCESS or the first failing rank's code; err[errlen]
+ * (err may be NULL) then holds "rank r: " and that thread's mf_last_error(), prefixed with the
+ * call's name unless it starts with it. A failing rank may leave the others waiting inside a
+ * collective until the group timeout. timing may be NULL. */
+mf_result_t mfp_run(const mfp_problem_t *p, const mfp_run_opts_t *opts, uint16_t *const *y,
+                    mfp_timing_t *timing, char *err, int errlen);
+
+/* Runs the problem on `backend` (group config `timeout_ms`, 0 = default); fills y[r] ([T_r, H]).
+ * Returns MF_SUCCESS or the first failing rank's code (message copied into err[errlen]).
+ * Same as mfp_run with no warm-up and no profiling. */
+mf_result_t mfp_run_forward(const mfp_problem_t *p, mf_backend_t backend, int32_t iters,
+                            int64_t timeout_ms, uint16_t *const *y, mfp_timing_t *timing,
+                            char *err, int errlen);
+
+#endif /* MF_TESTS_PROBLEM_H */

@@ -1,0 +1,871 @@
+/*
+ * moeflow.c — the `moeflow` command line.
+ *
+ *   moeflow run    builds a random EP MoE problem (tests/problem.c), runs the layer on the best
+ *                  backend present and checks y against the fp64 reference (tests/ref.c);
+ *   moeflow bench  the same over a sweep of token counts, timing --iters forwards after --warmup.
+ *
+ * Output follows nccl-tests: `#` metadata lines, a `#` header, then one fixed-column row per
+ * (size, dtype), so `grep -v '^#'` leaves only data. Progress goes to stderr. --json writes the
+ * DESIGN.md "Benchmark records" object. Exit status: 0 every row passed, 1 a row failed or the
+ * library returned an error, 2 bad usage or not enough memory.
+ *
+ * Counting (DESIGN.md "Performance doctrine"), with rows = routed (token, k) pairs of all ranks:
+ *   FLOPs = 2 * rows * H * I * 3
+ *   bytes = weights of the experts that received rows, read once (with FP8 scales)
+ *           + x and y (R * T * H * 2 each) + rows * H * (payload + 2) (dispatched rows, partials)
+ *   floor = max(FLOPs / peak, bytes / copy bandwidth), from the H200 ceilings on CUDA; the CPU
+ *           backend has no ceiling, so its floor columns read "-".
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "moeflow.h"
+#include "../tests/problem.h"
+#include "../tests/ref.h"
+
+/* ---- defaults and limits -------------------------------------------------------------------- */
+#define DEF_R 8
+#define DEF_E 64
+#define DEF_K 6
+#define DEF_H 1024
+#define DEF_I 512
+#define DEF_T 64
+#define DEF_SEED 1
+#define DEF_ZIPF_S 1.2
+#define PRESET_T 4                /* presets default to a size the CPU backend can run */
+#define RUN_ITERS 1
+#define RUN_WARMUP 0
+#define BENCH_ITERS_CUDA 20
+#define BENCH_WARMUP_CUDA 5
+#define BENCH_ITERS_CPU 3
+#define BENCH_WARMUP_CPU 1
+#define MAX_SIZES 32              /* entries of a -T list */
+#define QBLOCK 128                /* FP8 block edge: H and I multiples of it */
+#define BF16_ALIGN 8              /* BF16: H and I multiples of it (16-byte rows) */
+#define MEM_FRACTION 0.8          /* refuse when the estimate passes this share of free RAM */
+#define PROGRESS_AFTER_S 1.0      /* show progress only for stages longer than this */
+#define PROGRESS_TTY_EVERY_S 0.1
+#define PROGRESS_LINE_EVERY_S 5.0 /* stderr not a terminal: one line this often */
+#define MAX_REF_THREADS 64
+#define EXIT_FAIL 1
+#define EXIT_USAGE 2
+
+/* DESIGN.md "Performance doctrine": ceilings measured on one H200. */
+#define H200_COPY_BYTES_PER_S 4.24e12
+#define H200_BF16_FLOPS 795e12
+#define H200_FP8_FLOPS 1436e12
+
+static const char *const k_phase_names[MF_NUM_PHASES] = {"prepare", "dispatch", "w13", "w2", "combine"};
+
+/* ---- presets: real model shapes -------------------------------------------------------------- */
+typedef struct preset {
+    const char *name;
+    int32_t E, K, H, I, dtype;
+    const char *why; /* the dtype's justification */
+} preset_t;
+
+static const preset_t k_presets[] = {
+    {"deepseek-v3", 256, 8, 7168, 2048, MF_DTYPE_FP8_E4M3, "ships FP8 E4M3, 128x128 block scales"},
+    {"kimi-k2", 384, 8, 7168, 2048, MF_DTYPE_FP8_E4M3, "ships FP8 in DeepSeek-V3's block format"},
+    {"qwen3-235b-a22b", 128, 8, 4096, 1536, MF_DTYPE_FP8_E4M3, "Qwen3-235B-A22B-FP8: 128x128 blocks"},
+    {"glm-4.5", 160, 8, 5120, 1536, MF_DTYPE_FP8_E4M3, "GLM-4.5-FP8: 128x128 blocks"},
+    {"mixtral-8x7b", 8, 2, 4096, 14336, MF_DTYPE_BF16, "ships BF16 only"},
+};
+#define NUM_PRESETS ((int)(sizeof k_presets / sizeof k_presets[0]))
+
+/* ---- options ---------------------------------------------------------------------------------- */
+typedef struct opts {
+    int bench;
+    int32_t R, E, K, H, I, S;
+    int32_t T[MAX_SIZES], nT;
+    int32_t dtypes[2], ndtypes;
+    int32_t layout, routing, hot, ue8m0;
+    double zipf_s, drop;
+    uint64_t seed;
+    mf_backend_t backend_req, backend;
+    const preset_t *preset;
+    int32_t iters, warmup, check;
+    int64_t timeout_ms;
+    const char *json;
+} opts_t;
+
+static void usage(FILE *f) {
+    fprintf(f,
+            "usage: moeflow [run|bench] [options]\n"
+            "\n"
+            "  run     run the EP MoE layer once per dtype and check it against the fp64 reference\n"
+            "  bench   time --iters forwards after --warmup per size and dtype (-T takes a list)\n"
+            "\n"
+            "shape                                                                      [default]\n"
+            "  -R, --ranks N          virtual ranks (threads of one process)              [%d]\n"
+            "  -E, --experts N        experts, a multiple of R                            [%d]\n"
+            "  -K, --topk N           experts per token, 1..%-2d                            [%d]\n"
+            "  -H, --hidden N         hidden size (FP8: a multiple of 128)                [%d]\n"
+            "  -I, --inter N          expert intermediate size (FP8: a multiple of 128)   [%d]\n"
+            "  -T, --tokens N[,N..]   tokens per rank; bench sweeps a list such as 1,8,64 [%d]\n"
+            "  -S, --capacity N       max tokens per rank per call, >= every T            [max T]\n"
+            "      --preset NAME      a real model's E, K, H, I and dtype, with T = %d; other\n"
+            "                         flags override it: deepseek-v3, kimi-k2, qwen3-235b-a22b,\n"
+            "                         glm-4.5, mixtral-8x7b\n"
+            "numerics and layout\n"
+            "      --dtype bf16|fp8|all     weights and dispatch payload; all: bf16, then fp8 [all]\n"
+            "      --ue8m0                  power-of-two activation scales (FP8)\n"
+            "      --layout expert_major|masked                                [expert_major]\n"
+            "routing\n"
+            "      --routing uniform|zipf[:s]|hot[:e]                                [uniform]\n"
+            "                               zipf: P(e) ~ 1 / popularity rank^s, s = %.1f;\n"
+            "                               hot: every token picks expert e (default 0)\n"
+            "      --drop P                 probability of a -1 (skipped) id per (t, k)   [0]\n"
+            "      --seed N                                                               [%d]\n"
+            "running\n"
+            "      --backend auto|cpu|cuda  auto: CUDA when present, else CPU          [auto]\n"
+            "      --iters N, --warmup N    run: %d, %d; bench: %d, %d on CUDA and %d, %d on CPU\n"
+            "      --no-check               bench: skip the reference\n"
+            "      --timeout-ms N           bound on every wait for a peer       [library's]\n"
+            "      --json FILE              write the results as DESIGN.md's benchmark record\n"
+            "  -h, --help\n"
+            "\n"
+            "Exit status: 0 every row passed, 1 a row failed or the library failed, 2 usage / memory.\n",
+            DEF_R, DEF_E, MF_MAX_TOPK, DEF_K, DEF_H, DEF_I, DEF_T, PRESET_T, DEF_ZIPF_S, DEF_SEED,
+            RUN_ITERS, RUN_WARMUP, BENCH_ITERS_CUDA, BENCH_WARMUP_CUDA, BENCH_ITERS_CPU,
+            BENCH_WARMUP_CPU);
+}
+
+static void die_usage(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "moeflow: ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n");
+    va_end(ap);
+    exit(EXIT_USAGE);
+}
+
+static int64_t parse_int(const char *flag, const char *v, int64_t lo, int64_t hi) {
+    char *end;
+    errno = 0;
+    long long x = strtoll(v, &end, 10);
+    if (errno || end == v || *end) die_usage("%s: '%s' is not an integer", flag, v);
+    if (x < lo || x > hi)
+        die_usage("%s: %lld is outside [%lld, %lld]", flag, x, (long long)lo, (long long)hi);
+    return x;
+}
+
+static double parse_double(const char *flag, const char *v) {
+    char *end;
+    errno = 0;
+    double x = strtod(v, &end);
+    if (errno || end == v || *end || !isfinite(x)) die_usage("%s: '%s' is not a number", flag, v);
+    return x;
+}
+
+static void parse_sizes(opts_t *o, const char *v) {
+    o->nT = 0;
+    const char *s = v;
+    while (*s) {
+        char buf[32];
+        size_t n = strcspn(s, ",");
+        if (n == 0 || n >= sizeof buf) die_usage("--tokens: bad list '%s'", v);
+        if (o->nT == MAX_SIZES) die_usage("--tokens: at most %d sizes", MAX_SIZES);
+        memcpy(buf, s, n);
+        buf[n] = '\0';
+        o->T[o->nT++] = (int32_t)parse_int("--tokens", buf, 0, INT32_MAX / 2);
+        s += n + (s[n] == ',');
+    }
+    if (o->nT == 0) die_usage("--tokens: empty list");
+}
+
+static void parse_routing(opts_t *o, const char *v) {
+    const char *arg = strchr(v, ':');
+    size_t n = arg ? (size_t)(arg - v) : strlen(v);
+    if (n == 7 && !strncmp(v, "uniform", n) && !arg) o->routing = MFP_ROUTING_UNIFORM;
+    else if (n == 4 && !strncmp(v, "zipf", n)) {
+        o->routing = MFP_ROUTING_ZIPF;
+        if (arg) o->zipf_s = parse_double("--routing zipf:s", arg + 1);
+        if (!(o->zipf_s > 0.0)) die_usage("--routing zipf:s needs s > 0");
+    } else if (n == 3 && !strncmp(v, "hot", n)) {
+        o->routing = MFP_ROUTING_HOT;
+        if (arg) o->hot = (int32_t)parse_int("--routing hot:e", arg + 1, 0, INT32_MAX);
+    } else
+        die_usage("--routing: '%s' is not uniform, zipf[:s] or hot[:e]", v);
+}
+
+static const preset_t *find_preset(const char *name) {
+    for (int i = 0; i < NUM_PRESETS; i++)
+        if (!strcmp(k_presets[i].name, name)) return &k_presets[i];
+    die_usage("--preset: unknown '%s' (deepseek-v3, kimi-k2, qwen3-235b-a22b, glm-4.5, mixtral-8x7b)",
+              name);
+    return NULL;
+}
+
+/* Flags with a value; short aliases map to the long name. */
+static const struct {
+    char short_name;
+    const char *name;
+    int has_value;
+} k_flags[] = {
+    {'R', "ranks", 1},  {'E', "experts", 1}, {'K', "topk", 1},       {'H', "hidden", 1},
+    {'I', "inter", 1},  {'T', "tokens", 1},  {'S', "capacity", 1},   {0, "dtype", 1},
+    {0, "layout", 1},   {0, "routing", 1},   {0, "drop", 1},         {0, "seed", 1},
+    {0, "backend", 1},  {0, "preset", 1},    {0, "ue8m0", 0},        {0, "iters", 1},
+    {0, "warmup", 1},   {0, "json", 1},      {0, "timeout-ms", 1},   {0, "no-check", 0},
+    {'h', "help", 0},
+};
+#define NUM_FLAGS ((int)(sizeof k_flags / sizeof k_flags[0]))
+
+/* Splits argv[*i] into a long flag name and its value (from "=v" or the next argument). */
+static const char *next_flag(int argc, char **argv, int *i, const char **value) {
+    const char *a = argv[*i];
+    static char name[64];
+    *value = NULL;
+    int f = -1;
+    if (a[0] == '-' && a[1] == '-') {
+        size_t n = strcspn(a + 2, "=");
+        for (int j = 0; j < NUM_FLAGS; j++)
+            if (strlen(k_flags[j].name) == n && !strncmp(k_flags[j].name, a + 2, n)) f = j;
+        if (f >= 0 && a[2 + n] == '=') *value = a + 3 + n;
+    } else if (a[0] == '-' && a[1]) {
+        for (int j = 0; j < NUM_FLAGS; j++)
+            if (k_flags[j].short_name == a[1]) f = j;
+        if (f >= 0 && a[2]) *value = a + 2;
+    }
+    if (f < 0) die_usage("unknown option '%s' (see moeflow --help)", a);
+    snprintf(name, sizeof name, "--%s", k_flags[f].name);
+    if (!k_flags[f].has_value && *value) die_usage("%s takes no value", name);
+    if (k_flags[f].has_value && !*value) {
+        if (*i + 1 >= argc) die_usage("%s needs a value", name);
+        *value = argv[++*i];
+    }
+    return name;
+}
+
+static void parse_args(int argc, char **argv, opts_t *o) {
+    int first = 1;
+    if (argc > 1 && argv[1][0] != '-') {
+        if (!strcmp(argv[1], "run")) o->bench = 0;
+        else if (!strcmp(argv[1], "bench")) o->bench = 1;
+        else die_usage("unknown command '%s' (run or bench; see moeflow --help)", argv[1]);
+        first = 2;
+    }
+    o->R = DEF_R, o->E = DEF_E, o->K = DEF_K, o->H = DEF_H, o->I = DEF_I;
+    o->T[0] = DEF_T, o->nT = 1;
+    o->dtypes[0] = MF_DTYPE_BF16, o->dtypes[1] = MF_DTYPE_FP8_E4M3, o->ndtypes = 2;
+    o->layout = MF_LAYOUT_EXPERT_MAJOR, o->routing = MFP_ROUTING_UNIFORM, o->zipf_s = DEF_ZIPF_S;
+    o->seed = DEF_SEED, o->backend_req = MF_BACKEND_AUTO, o->iters = -1, o->warmup = -1;
+    o->check = 1;
+    /* Pass 1: the preset, so that every other flag overrides it wherever it stands. */
+    for (int i = first; i < argc; i++) {
+        const char *v, *name = next_flag(argc, argv, &i, &v);
+        if (!strcmp(name, "--help")) {
+            usage(stdout);
+            exit(0);
+        }
+        if (!strcmp(name, "--preset")) o->preset = find_preset(v);
+    }
+    if (o->preset) {
+        const preset_t *p = o->preset;
+        o->E = p->E, o->K = p->K, o->H = p->H, o->I = p->I, o->T[0] = PRESET_T;
+        o->dtypes[0] = p->dtype, o->ndtypes = 1;
+    }
+    for (int i = first; i < argc; i++) {
+        const char *v, *name = next_flag(argc, argv, &i, &v);
+        if (!strcmp(name, "--ranks")) o->R = (int32_t)parse_int(name, v, 1, MF_MAX_RANKS);
+        else if (!strcmp(name, "--experts")) o->E = (int32_t)parse_int(name, v, 1, INT32_MAX);
+        else if (!strcmp(name, "--topk")) o->K = (int32_t)parse_int(name, v, 1, MF_MAX_TOPK);
+        else if (!strcmp(name, "--hidden")) o->H = (int32_t)parse_int(name, v, 1, INT32_MAX);
+        else if (!strcmp(name, "--inter")) o->I = (int32_t)parse_int(name, v, 1, INT32_MAX);
+        else if (!strcmp(name, "--tokens")) parse_sizes(o, v);
+        else if (!strcmp(name, "--capacity")) o->S = (int32_t)parse_int(name, v, 1, INT32_MAX / 2);
+        else if (!strcmp(name, "--dtype")) {
+            if (!strcmp(v, "bf16")) o->dtypes[0] = MF_DTYPE_BF16, o->ndtypes = 1;
+            else if (!strcmp(v, "fp8")) o->dtypes[0] = MF_DTYPE_FP8_E4M3, o->ndtypes = 1;
+            else if (!strcmp(v, "all"))
+                o->dtypes[0] = MF_DTYPE_BF16, o->dtypes[1] = MF_DTYPE_FP8_E4M3, o->ndtypes = 2;
+            else die_usage("--dtype: '%s' is not bf16, fp8 or all", v);
+        } else if (!strcmp(name, "--layout")) {
+            if (!strcmp(v, "expert_major")) o->layout = MF_LAYOUT_EXPERT_MAJOR;
+            else if (!strcmp(v, "masked")) o->layout = MF_LAYOUT_MASKED;
+            else die_usage("--layout: '%s' is not expert_major or masked", v);
+        } else if (!strcmp(name, "--routing")) parse_routing(o, v);
+        else if (!strcmp(name, "--drop")) {
+            o->drop = parse_double(name, v);
+            if (!(o->drop >= 0.0 && o->drop < 1.0)) die_usage("--drop: %g is outside [0, 1)", o->drop);
+        } else if (!strcmp(name, "--seed")) o->seed = (uint64_t)parse_int(name, v, 0, INT64_MAX);
+        else if (!strcmp(name, "--backend")) {
+            if (!strcmp(v, "auto")) o->backend_req = MF_BACKEND_AUTO;
+            else if (!strcmp(v, "cpu")) o->backend_req = MF_BACKEND_CPU;
+            else if (!strcmp(v, "cuda")) o->backend_req = MF_BACKEND_CUDA;
+            else die_usage("--backend: '%s' is not auto, cpu or cuda", v);
+        } else if (!strcmp(name, "--ue8m0")) o->ue8m0 = 1;
+        else if (!strcmp(name, "--iters")) o->iters = (int32_t)parse_int(name, v, 1, 1000000);
+        else if (!strcmp(name, "--warmup")) o->warmup = (int32_t)parse_int(name, v, 0, 1000000);
+        else if (!strcmp(name, "--json")) o->json = v;
+        else if (!strcmp(name, "--timeout-ms")) o->timeout_ms = parse_int(name, v, 0, INT64_MAX);
+        else if (!strcmp(name, "--no-check")) o->check = 0;
+    }
+}
+
+/* Checks the combination of flags and resolves the defaults that depend on others. */
+static void resolve(opts_t *o) {
+    if (o->E % o->R)
+        die_usage("-E %d is not a multiple of -R %d (every rank holds E/R experts)", o->E, o->R);
+    if (o->K > o->E) die_usage("-K %d exceeds -E %d (a token's experts are distinct)", o->K, o->E);
+    if (o->routing == MFP_ROUTING_HOT && o->hot >= o->E)
+        die_usage("--routing hot:%d names no expert (E = %d)", o->hot, o->E);
+    for (int d = 0; d < o->ndtypes; d++) {
+        int fp8 = o->dtypes[d] == MF_DTYPE_FP8_E4M3, a = fp8 ? QBLOCK : BF16_ALIGN;
+        if (o->H % a || o->I % a)
+            die_usage("%s needs -H and -I multiples of %d (got H %d, I %d)%s", fp8 ? "FP8" : "BF16",
+                      a, o->H, o->I, fp8 && o->ndtypes > 1 ? "; try --dtype bf16" : "");
+    }
+    int32_t maxT = 0;
+    for (int i = 0; i < o->nT; i++) maxT = o->T[i] > maxT ? o->T[i] : maxT;
+    if (!o->bench && o->nT > 1) die_usage("run takes one -T; sweeps are for bench");
+    if (o->S == 0) o->S = maxT > 0 ? maxT : 1;
+    if (o->S < maxT) die_usage("-S %d is below -T %d (T <= S on every call)", o->S, maxT);
+    if (o->backend_req == MF_BACKEND_CUDA && !mf_backend_available(MF_BACKEND_CUDA))
+        die_usage("--backend cuda: %s", MF_WITH_CUDA ? "no usable CUDA device found"
+                                                     : "this build has no CUDA (nvcc not found or CUDA=0)");
+    o->backend = mfp_resolve_backend(o->backend_req);
+    int cuda = o->backend == MF_BACKEND_CUDA;
+    if (o->iters < 0) o->iters = !o->bench ? RUN_ITERS : cuda ? BENCH_ITERS_CUDA : BENCH_ITERS_CPU;
+    if (o->warmup < 0) o->warmup = !o->bench ? RUN_WARMUP : cuda ? BENCH_WARMUP_CUDA : BENCH_WARMUP_CPU;
+    if (!o->bench) o->check = 1;
+}
+
+/* ---- memory guard ----------------------------------------------------------------------------- */
+
+/* Host bytes one dtype's problem needs at its largest: weights, their generation scratch, inputs,
+ * the two outputs and, on the CPU backend, the library's receive buffers and symmetric heaps. */
+static double estimate_bytes(const opts_t *o, int32_t dtype) {
+    const double R = o->R, E = o->E, K = o->K, H = o->H, I = o->I, S = o->S, L = E / R;
+    const double es = dtype == MF_DTYPE_FP8_E4M3 ? 1 : 2, kl = K < L ? K : L;
+    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    double bytes = E * 3 * I * H * es + (es == 1 ? E * 3 * I * H / (QBLOCK * QBLOCK) * 4 : 0);
+    if (es == 1) bytes += (ncpu > 0 ? ncpu : 1) * 2 * I * H * 2;  /* bf16 scratch per drawing thread */
+    bytes += R * S * (H * 2 + K * 8) + 2 * R * S * H * 2;         /* x, ids, weights; y and y_ref */
+    if (o->backend == MF_BACKEND_CPU) {
+        double rows = o->layout == MF_LAYOUT_MASKED ? L * R * S : R * S * kl + L * QBLOCK;
+        bytes += R * (rows * (H * es + H / QBLOCK * 4) + S * (H * es + H / QBLOCK * 4 + K * 8 + K * H * 2));
+    }
+    return bytes;
+}
+
+static void memory_guard(const opts_t *o) {
+    double need = 0.0;
+    for (int d = 0; d < o->ndtypes; d++) { /* dtypes run one after the other */
+        double b = estimate_bytes(o, o->dtypes[d]);
+        need = b > need ? b : need;
+    }
+    double avail = (double)sysconf(_SC_AVPHYS_PAGES) * (double)sysconf(_SC_PAGESIZE);
+    if (avail > 0 && need > MEM_FRACTION * avail) {
+        fprintf(stderr,
+                "moeflow: this problem needs about %.1f GB of host memory, more than %.0f%% of the "
+                "%.1f GB free.\n  Try fewer experts (-E), smaller -H / -I, fewer tokens (-T / -S) or "
+                "--dtype fp8 (half the weight bytes).\n",
+                need / 1e9, MEM_FRACTION * 100, avail / 1e9);
+        exit(EXIT_USAGE);
+    }
+}
+
+/* ---- progress on stderr ------------------------------------------------------------------------ */
+typedef struct progress {
+    const char *what;
+    double t0, last;
+    int tty, shown;
+} progress_t;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void progress_start(progress_t *pg, const char *what) {
+    pg->what = what;
+    pg->t0 = pg->last = now_s();
+    pg->tty = isatty(fileno(stderr));
+    pg->shown = 0;
+}
+
+static void progress_update(progress_t *pg, double frac) {
+    double t = now_s();
+    if (t - pg->t0 < PROGRESS_AFTER_S) return;
+    if (pg->tty && (t - pg->last >= PROGRESS_TTY_EVERY_S || frac >= 1.0)) {
+        fprintf(stderr, "\r# %s: %3.0f%% (%.1f s)   ", pg->what, 100 * frac, t - pg->t0);
+    } else if (!pg->tty && (t - pg->last >= PROGRESS_LINE_EVERY_S || !pg->shown)) {
+        fprintf(stderr, "# %s: %3.0f%% (%.1f s)\n", pg->what, 100 * frac, t - pg->t0);
+    } else
+        return;
+    pg->last = t;
+    pg->shown = 1;
+}
+
+static void progress_end(progress_t *pg) {
+    if (pg->tty && pg->shown) fprintf(stderr, "\r%60s\r", "");
+}
+
+static void on_ref_progress(void *ctx, int64_t done, int64_t total) {
+    progress_update(ctx, total ? (double)done / total : 1.0);
+}
+
+static void on_run_progress(void *ctx, int32_t done, int32_t total) {
+    progress_update(ctx, total ? (double)done / total : 1.0);
+}
+
+/* ---- one result row ------------------------------------------------------------------------- */
+typedef struct row {
+    int32_t dtype, T;
+    int64_t rows;
+    double rank_lb, expert_lb; /* max / mean of received rows */
+    mf_result_t code;
+    mfp_timing_t timing;
+    double time_us, tflops, gbps, floor_us, pct;
+    int checked;
+    double diff, max_abs;
+    int64_t wrong, first_wrong;
+    int pass;
+} row_t;
+
+static const char *dtype_name(int32_t dtype) { return dtype == MF_DTYPE_BF16 ? "bf16" : "fp8"; }
+
+static const char *routing_name(const opts_t *o, char *buf, size_t n) {
+    if (o->routing == MFP_ROUTING_ZIPF) snprintf(buf, n, "zipf:%g", o->zipf_s);
+    else if (o->routing == MFP_ROUTING_HOT) snprintf(buf, n, "hot:%d", o->hot);
+    else snprintf(buf, n, "uniform");
+    return buf;
+}
+
+/* Load of the current inputs: max / mean received rows per rank and per expert. */
+static void load_stats(const mfp_problem_t *p, row_t *row, int32_t *empty) {
+    const int32_t R = p->spec.R, E = p->spec.E;
+    int64_t *pr = calloc((size_t)R, sizeof *pr), *pe = calloc((size_t)E, sizeof *pe);
+    if (!pr || !pe) die_usage("out of host memory");
+    row->rows = mfp_count_rows(p, pr, pe);
+    int64_t mr = 0, me = 0;
+    *empty = 0;
+    for (int32_t r = 0; r < R; r++) mr = pr[r] > mr ? pr[r] : mr;
+    for (int32_t e = 0; e < E; e++) {
+        me = pe[e] > me ? pe[e] : me;
+        *empty += pe[e] == 0;
+    }
+    row->rank_lb = row->rows ? (double)mr * R / row->rows : 0.0;
+    row->expert_lb = row->rows ? (double)me * E / row->rows : 0.0;
+    free(pr);
+    free(pe);
+}
+
+/* FLOPs, bytes and floor of one row (see the file comment). */
+static void count(const opts_t *o, const mfp_problem_t *p, row_t *row) {
+    const double H = o->H, I = o->I, rows = (double)row->rows;
+    const int fp8 = row->dtype == MF_DTYPE_FP8_E4M3;
+    const double es = fp8 ? 1 : 2;
+    int64_t *pe = calloc((size_t)o->E, sizeof *pe);
+    if (!pe) die_usage("out of host memory");
+    mfp_count_rows(p, NULL, pe);
+    double used = 0;
+    for (int32_t e = 0; e < o->E; e++) used += pe[e] > 0;
+    free(pe);
+    double flops = 2.0 * rows * H * I * 3;
+    double bytes = used * 3 * I * H * (es + (fp8 ? 4.0 / (QBLOCK * QBLOCK) : 0)) +
+                   2.0 * o->R * row->T * H * 2 + rows * H * (es + 2);
+    double t = row->time_us * 1e-6;
+    row->tflops = t > 0 ? flops / t / 1e12 : 0;
+    row->gbps = t > 0 ? bytes / t / 1e9 : 0;
+    row->floor_us = -1;
+    if (o->backend == MF_BACKEND_CUDA) {
+        double peak = fp8 ? H200_FP8_FLOPS : H200_BF16_FLOPS;
+        double a = flops / peak, b = bytes / H200_COPY_BYTES_PER_S;
+        row->floor_us = (a > b ? a : b) * 1e6;
+        row->pct = row->time_us > 0 ? 100.0 * row->floor_us / row->time_us : 0;
+    }
+}
+
+/* ---- output ----------------------------------------------------------------------------------- */
+
+/* Appends to a line buffer; print_line drops trailing blanks (empty unit columns). */
+static void append(char *line, size_t n, const char *fmt, ...) {
+    size_t used = strlen(line);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line + used, n - used, fmt, ap);
+    va_end(ap);
+}
+
+static void print_line(char *line) {
+    size_t n = strlen(line);
+    while (n && line[n - 1] == ' ') line[--n] = '\0';
+    printf("%s\n", line);
+}
+
+static void print_header(const opts_t *o) {
+    char l1[512] = "", l2[512] = "";
+    append(l1, sizeof l1, "#%5s %7s %8s", "dtype", "T", "rows");
+    append(l2, sizeof l2, "#%5s %7s %8s", "", "", "");
+    if (!o->bench) {
+        append(l1, sizeof l1, " %7s %7s", "rank_lb", "exp_lb");
+        append(l2, sizeof l2, " %7s %7s", "max/mn", "max/mn");
+    } else {
+        append(l1, sizeof l1, " %10s", "time");
+        append(l2, sizeof l2, " %10s", "(us)");
+    }
+    for (int f = 0; f < MF_NUM_PHASES; f++) {
+        append(l1, sizeof l1, " %9s", k_phase_names[f]);
+        append(l2, sizeof l2, " %9s", "(us)");
+    }
+    if (!o->bench) {
+        append(l1, sizeof l1, " %10s %10s %9s %8s %7s", "total", "diff", "max_err", "#wrong", "result");
+        append(l2, sizeof l2, " %10s", "(us)");
+    } else {
+        append(l1, sizeof l1, " %8s %8s %9s %7s %10s %8s", "TFLOP/s", "GB/s", "floor", "%floor", "diff",
+               "#wrong");
+        append(l2, sizeof l2, " %8s %8s %9s", "", "", "(us)");
+    }
+    print_line(l1);
+    print_line(l2);
+}
+
+static void print_row(const opts_t *o, const row_t *r) {
+    char diff[32] = "-", wrong[32] = "-", max_err[32] = "-";
+    if (r->checked && r->code == MF_SUCCESS) {
+        snprintf(diff, sizeof diff, "%.2e", r->diff);
+        snprintf(max_err, sizeof max_err, "%.2e", r->max_abs);
+        snprintf(wrong, sizeof wrong, "%lld", (long long)r->wrong);
+    }
+    printf(" %5s %7d %8lld", dtype_name(r->dtype), r->T, (long long)r->rows);
+    if (!o->bench) printf(" %7.2f %7.2f", r->rank_lb, r->expert_lb);
+    else if (r->code == MF_SUCCESS) printf(" %10.1f", r->time_us);
+    else printf(" %10s", "-");
+    for (int f = 0; f < MF_NUM_PHASES; f++) {
+        if (r->code == MF_SUCCESS && r->timing.have_phases) printf(" %9.1f", r->timing.phase_max_us[f]);
+        else printf(" %9s", "-");
+    }
+    if (!o->bench) {
+        if (r->code == MF_SUCCESS) printf(" %10.1f", r->time_us);
+        else printf(" %10s", "-");
+        printf(" %10s %9s %8s %7s\n", diff, max_err, wrong,
+               r->code != MF_SUCCESS ? "ERROR" : r->pass ? "ok" : "FAIL");
+        return;
+    }
+    if (r->code != MF_SUCCESS) {
+        printf(" %8s %8s %9s %7s %10s %8s\n", "-", "-", "-", "-", "ERROR", "-");
+        return;
+    }
+    printf(" %8.3f %8.1f", r->tflops, r->gbps);
+    if (r->floor_us >= 0) printf(" %9.1f %6.1f%%", r->floor_us, r->pct);
+    else printf(" %9s %7s", "-", "-");
+    printf(" %10s %8s\n", diff, wrong);
+}
+
+/* JSON string with ", \ and control characters escaped. */
+static void json_string(FILE *f, const char *s) {
+    fputc('"', f);
+    for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c == '"' || c == '\\') fprintf(f, "\\%c", c);
+        else if (c < 0x20) fprintf(f, "\\u%04x", c);
+        else fputc(c, f);
+    }
+    fputc('"', f);
+}
+
+static void json_number(FILE *f, double x) {
+    if (isfinite(x)) fprintf(f, "%.6g", x);
+    else fprintf(f, "null");
+}
+
+static void git_commit(char *out, size_t n) {
+    snprintf(out, n, "unknown");
+    FILE *p = popen("git rev-parse --short HEAD 2>/dev/null", "r");
+    if (!p) return;
+    char buf[64];
+    if (fgets(buf, sizeof buf, p)) {
+        buf[strcspn(buf, "\r\n")] = '\0';
+        if (buf[0]) snprintf(out, n, "%s", buf);
+    }
+    pclose(p);
+}
+
+static int write_json(const opts_t *o, const row_t *rows, int nrows, int argc, char **argv) {
+    FILE *f = fopen(o->json, "w");
+    if (!f) {
+        fprintf(stderr, "moeflow: --json %s: %s\n", o->json, strerror(errno));
+        return -1;
+    }
+    char date[32], commit[64], card[64];
+    time_t now = time(NULL);
+    struct tm tm;
+    gmtime_r(&now, &tm);
+    strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", &tm);
+    git_commit(commit, sizeof commit);
+    const char *env_card = getenv("MF_CARD");
+    snprintf(card, sizeof card, "%s",
+             o->backend == MF_BACKEND_CPU ? "cpu" : env_card && *env_card ? env_card : "h200");
+    fprintf(f, "{\"meta\": {\"card\": ");
+    json_string(f, card);
+    fprintf(f, ", \"date\": \"%s\", \"commit\": ", date);
+    json_string(f, commit);
+    fprintf(f, ", \"command\": \"");
+    for (int i = 0; i < argc; i++) { /* argv joined by spaces, escaped as one string */
+        char one[2] = {0, 0};
+        if (i) fputc(' ', f);
+        for (const char *s = argv[i]; *s; s++) {
+            one[0] = *s;
+            if (*s == '"' || *s == '\\') fprintf(f, "\\%c", *s);
+            else if ((unsigned char)*s < 0x20) fprintf(f, "\\u%04x", (unsigned char)*s);
+            else fputs(one, f);
+        }
+    }
+    fprintf(f, "\", \"backend\": \"%s\"}, \"rows\": [", o->backend == MF_BACKEND_CUDA ? "cuda" : "cpu");
+    int first = 1;
+    for (int i = 0; i < nrows; i++) {
+        const row_t *r = &rows[i];
+        if (r->code != MF_SUCCESS) continue; /* no measurement */
+        fprintf(f, "%s\n  {\"op\": \"layer\", \"dtype\": \"%s\", \"layout\": \"%s\", ", first ? "" : ",",
+                dtype_name(r->dtype), o->layout == MF_LAYOUT_MASKED ? "masked" : "expert_major");
+        first = 0;
+        fprintf(f, "\"shape\": {\"R\": %d, \"E\": %d, \"K\": %d, \"H\": %d, \"I\": %d, \"T\": %d, "
+                   "\"L\": %d, \"M\": %lld}, ",
+                o->R, o->E, o->K, o->H, o->I, r->T, o->E / o->R, (long long)r->rows);
+        fprintf(f, "\"time_us\": ");
+        json_number(f, r->time_us);
+        fprintf(f, ", \"tflops\": ");
+        json_number(f, r->tflops);
+        fprintf(f, ", \"gbps\": ");
+        json_number(f, r->gbps);
+        if (r->floor_us >= 0) {
+            fprintf(f, ", \"floor_us\": ");
+            json_number(f, r->floor_us);
+            fprintf(f, ", \"pct_of_floor\": ");
+            json_number(f, r->pct);
+        }
+        if (r->checked) {
+            fprintf(f, ", \"wrong\": %lld, \"diff\": ", (long long)r->wrong);
+            json_number(f, r->diff);
+        }
+        if (r->timing.have_phases) {
+            fprintf(f, ", \"phases_us\": {");
+            for (int p = 0; p < MF_NUM_PHASES; p++) {
+                fprintf(f, "%s\"%s\": ", p ? ", " : "", k_phase_names[p]);
+                json_number(f, r->timing.phase_max_us[p]);
+            }
+            fprintf(f, "}");
+        }
+        fprintf(f, ", \"iters\": %d, \"warmup\": %d, \"peers\": []}", o->iters, o->warmup);
+    }
+    fprintf(f, "\n]}\n");
+    int bad = ferror(f);
+    if (fclose(f) != 0 || bad) {
+        fprintf(stderr, "moeflow: --json %s: write failed\n", o->json);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- the job ------------------------------------------------------------------------------------ */
+
+static void print_meta(const opts_t *o) {
+    char rbuf[64];
+    int cuda_here = mf_backend_available(MF_BACKEND_CUDA);
+    printf("# moeflow %s: EP MoE layer (dispatch, W13 -> SwiGLU -> W2, combine)%s\n",
+           o->bench ? "bench" : "run", o->check ? ", checked against the fp64 reference" : "");
+    printf("# backend  %s (%s; CUDA %s)  transport local  ranks %d, one thread each\n",
+           o->backend == MF_BACKEND_CUDA ? "cuda" : "cpu",
+           o->backend_req == MF_BACKEND_AUTO ? "auto" : "requested",
+           !MF_WITH_CUDA ? "not in this build" : cuda_here ? "present" : "no device", o->R);
+    printf("# shape    R %d  E %d  L %d  K %d  H %d  I %d  S %d  layout %s  ue8m0 %d%s%s\n", o->R, o->E,
+           o->E / o->R, o->K, o->H, o->I, o->S, o->layout == MF_LAYOUT_MASKED ? "masked" : "expert_major",
+           o->ue8m0, o->preset ? "  preset " : "", o->preset ? o->preset->name : "");
+    if (o->preset) printf("# preset   %s: %s\n", o->preset->name, o->preset->why);
+    printf("# routing  %s  drop %g  seed %llu\n", routing_name(o, rbuf, sizeof rbuf), o->drop,
+           (unsigned long long)o->seed);
+    printf("# iters    %d timed after %d warm-up; times: median over iterations of the slowest rank\n"
+           "#          (phases: mf_moe_get_phase_times; total: %s)\n",
+           o->iters, o->warmup,
+           o->backend == MF_BACKEND_CUDA ? "its device-event total"
+                                         : "wall clock from a common start to the last rank's return");
+    if (o->check)
+        printf("# check    diff < %g (bf16) / %g (fp8); #wrong counts |y - ref| > atol + rtol |ref|, "
+               "NaN always:\n#          bf16 atol %g rtol %g, fp8 atol %g rtol %g\n",
+               MFREF_DIFF_MAX_BF16, MFREF_DIFF_MAX_FP8, MFREF_ATOL_BF16, MFREF_RTOL_BF16,
+               MFREF_ATOL_FP8, MFREF_RTOL_FP8);
+    if (o->bench) {
+        if (o->backend == MF_BACKEND_CUDA)
+            printf("# floor    max(FLOPs / peak, bytes / %.2f TB/s), peak %.0f (bf16) / %.0f (fp8) "
+                   "TFLOP/s (H200, DESIGN.md)\n",
+                   H200_COPY_BYTES_PER_S / 1e12, H200_BF16_FLOPS / 1e12, H200_FP8_FLOPS / 1e12);
+        else printf("# floor    - (no CPU ceiling is defined)\n");
+        printf("# count    FLOPs = 2 rows H I 3; bytes = routed experts' weights + x + y + rows H "
+               "(payload + 2)\n");
+    }
+}
+
+static int ref_threads(void) {
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n < 1 ? 1 : n > MAX_REF_THREADS ? MAX_REF_THREADS : (int)n;
+}
+
+/* Runs and checks one (dtype, T): the problem's inputs are already drawn for T. */
+static void run_row(const opts_t *o, mfp_problem_t *p, row_t *row, uint16_t **y, uint16_t **yref) {
+    char err[512];
+    progress_t pg;
+    mfp_run_opts_t ro = MFP_RUN_OPTS_INIT;
+    ro.backend = o->backend;
+    ro.iters = o->iters;
+    ro.warmup = o->warmup;
+    ro.timeout_ms = o->timeout_ms;
+    ro.profile = 1;
+    ro.progress = on_run_progress;
+    ro.progress_ctx = &pg;
+    char what[64];
+    snprintf(what, sizeof what, "%s T=%d: %d forward%s", dtype_name(row->dtype), row->T,
+             o->warmup + o->iters, o->warmup + o->iters > 1 ? "s" : "");
+    progress_start(&pg, what);
+    row->code = mfp_run(p, &ro, y, &row->timing, err, sizeof err);
+    progress_end(&pg);
+    if (row->code != MF_SUCCESS) {
+        fprintf(stderr, "moeflow: %s T=%d: %s: %s\n", dtype_name(row->dtype), row->T,
+                mf_result_string(row->code), err);
+        row->pass = 0;
+        return;
+    }
+    /* CUDA: the library's device-event total (STYLE.md: time with device events); CPU: wall clock. */
+    row->time_us = o->backend == MF_BACKEND_CUDA && row->timing.have_phases
+                       ? row->timing.phase_max_us[MF_NUM_PHASES]
+                       : row->timing.forward_max_ms * 1e3;
+    count(o, p, row);
+    row->pass = 1;
+    if (!o->check) return;
+
+    snprintf(what, sizeof what, "%s T=%d: reference", dtype_name(row->dtype), row->T);
+    progress_start(&pg, what);
+    p->ref.progress = on_ref_progress;
+    p->ref.progress_ctx = &pg;
+    int rc = mfref_layer_mt(&p->ref, yref, ref_threads());
+    p->ref.progress = NULL;
+    progress_end(&pg);
+    if (rc != 0) {
+        fprintf(stderr, "moeflow: the reference failed (out of memory?)\n");
+        row->pass = 0;
+        return;
+    }
+    const int fp8 = row->dtype == MF_DTYPE_FP8_E4M3;
+    const double atol = fp8 ? MFREF_ATOL_FP8 : MFREF_ATOL_BF16, rtol = fp8 ? MFREF_RTOL_FP8 : MFREF_RTOL_BF16;
+    double ab = 0, sq = 0;
+    row->checked = 1;
+    row->wrong = 0;
+    row->first_wrong = -1;
+    row->max_abs = 0;
+    int nan = 0;
+    int64_t base = 0;
+    for (int32_t r = 0; r < o->R; r++) { /* diff over all ranks: one sum, as for one tensor */
+        const int64_t n = (int64_t)p->T[r] * o->H;
+        for (int64_t i = 0; i < n; i++) {
+            double a = mf_bf16_to_float(y[r][i]), b = mf_bf16_to_float(yref[r][i]);
+            if (!isfinite(a) || !isfinite(b)) nan = 1;
+            ab += a * b;
+            sq += a * a + b * b;
+        }
+        int64_t first;
+        double m;
+        int64_t w = mfref_count_wrong_bf16(y[r], yref[r], n, atol, rtol, &first, &m);
+        if (w && row->first_wrong < 0) {
+            row->first_wrong = base + first;
+            fprintf(stderr, "moeflow: %s T=%d: first wrong element: rank %d token %lld h %lld: "
+                            "%.6g vs reference %.6g\n",
+                    dtype_name(row->dtype), row->T, r, (long long)(first / o->H),
+                    (long long)(first % o->H), mf_bf16_to_float(y[r][first]),
+                    mf_bf16_to_float(yref[r][first]));
+        }
+        row->wrong += w;
+        if (m != m || row->max_abs != row->max_abs) row->max_abs = NAN;
+        else if (m > row->max_abs) row->max_abs = m;
+        base += n;
+    }
+    row->diff = nan ? MFREF_DIFF_NAN : sq == 0 ? 0.0 : 1.0 - 2.0 * ab / sq;
+    row->pass = row->diff < (fp8 ? MFREF_DIFF_MAX_FP8 : MFREF_DIFF_MAX_BF16) && row->wrong == 0;
+}
+
+int main(int argc, char **argv) {
+    opts_t o;
+    memset(&o, 0, sizeof o);
+    parse_args(argc, argv, &o);
+    resolve(&o);
+    memory_guard(&o);
+    setvbuf(stdout, NULL, _IOLBF, 0);
+
+    print_meta(&o);
+    row_t *rows = calloc((size_t)(o.nT * o.ndtypes), sizeof *rows);
+    uint16_t **y = calloc((size_t)o.R, sizeof *y), **yref = calloc((size_t)o.R, sizeof *yref);
+    if (!rows || !y || !yref) die_usage("out of host memory");
+    for (int32_t r = 0; r < o.R; r++) {
+        y[r] = malloc(sizeof(uint16_t) * (size_t)o.S * o.H + 1);
+        yref[r] = malloc(sizeof(uint16_t) * (size_t)o.S * o.H + 1);
+        if (!y[r] || !yref[r]) die_usage("out of host memory");
+    }
+
+    int nrows = 0, all_pass = 1, header = 0;
+    for (int d = 0; d < o.ndtypes; d++) {
+        mfp_spec_t spec = {.R = o.R, .E = o.E, .K = o.K, .H = o.H, .I = o.I, .S = o.S,
+                           .dtype = o.dtypes[d], .layout = o.layout, .ue8m0 = o.ue8m0,
+                           .T_per_rank = o.T[0], .routing = o.routing, .zipf_s = o.zipf_s,
+                           .hot_expert = o.hot, .drop_prob = o.drop, .seed = o.seed};
+        double wbytes = (double)o.E * 3 * o.I * o.H * (o.dtypes[d] == MF_DTYPE_BF16 ? 2 : 1);
+        double t0 = now_s();
+        if (wbytes > 1e9)
+            fprintf(stderr, "# drawing %.1f GB of %s weights...\n", wbytes / 1e9, dtype_name(o.dtypes[d]));
+        mfp_problem_t p;
+        if (mfp_generate(&spec, &p) != 0) {
+            fprintf(stderr, "moeflow: could not generate the %s problem (%s)\n", dtype_name(o.dtypes[d]),
+                    mf_last_error()[0] ? mf_last_error() : "out of host memory");
+            return EXIT_FAIL;
+        }
+        if (wbytes > 1e9) fprintf(stderr, "# drawn in %.1f s\n", now_s() - t0);
+        if (!header) { /* load lines (routing is the same for every dtype), then the header */
+            for (int i = 0; i < o.nT; i++) {
+                row_t lr = {.T = o.T[i]};
+                int32_t empty;
+                if (mfp_set_tokens(&p, o.T[i], o.seed) != 0) die_usage("out of host memory");
+                load_stats(&p, &lr, &empty);
+                printf("# load     T %d: rows %lld; received rows max/mean: per rank %.2f, per "
+                       "expert %.2f; %d of %d experts empty\n",
+                       o.T[i], (long long)lr.rows, lr.rank_lb, lr.expert_lb, empty, o.E);
+            }
+            printf("#\n");
+            print_header(&o);
+            header = 1;
+        }
+        for (int i = 0; i < o.nT; i++) {
+            row_t *row = &rows[nrows++];
+            int32_t empty;
+            row->dtype = o.dtypes[d];
+            row->T = o.T[i];
+            if (mfp_set_tokens(&p, o.T[i], o.seed) != 0) die_usage("out of host memory");
+            load_stats(&p, row, &empty);
+            run_row(&o, &p, row, y, yref);
+            print_row(&o, row);
+            all_pass &= row->pass;
+        }
+        mfp_free(&p);
+    }
+    int passed = 0;
+    for (int i = 0; i < nrows; i++) passed += rows[i].pass;
+    printf("# %s: %d of %d rows passed\n", all_pass ? "PASS" : "FAIL", passed, nrows);
+    int rc = all_pass ? 0 : EXIT_FAIL;
+    if (o.json && write_json(&o, rows, nrows, argc, argv) != 0) rc = EXIT_FAIL;
+    for (int32_t r = 0; r < o.R; r++) {
+        free(y[r]);
+        free(yref[r]);
+    }
+    free(y);
+    free(yref);
+    free(rows);
+    return rc;
+}
