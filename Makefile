@@ -46,7 +46,7 @@ endif
 
 TEST_SRC     := $(wildcard tests/*.c)
 TEST_OBJ     := $(TEST_SRC:%.c=$(BUILD)/%.o)
-GPU_TEST_SRC := $(wildcard tests/gpu/*.c)
+GPU_TEST_SRC := $(wildcard tests/gpu/test_*.c)
 GPU_TEST_OBJ := $(GPU_TEST_SRC:%.c=$(BUILD)/%.o)
 
 STATIC := $(BUILD)/libmoeflow.a
@@ -84,16 +84,26 @@ $(CLI): $(BUILD)/tools/moeflow.o $(BUILD)/tests/ref.o $(BUILD)/tests/problem.o $
 $(TESTS): $(TEST_OBJ) $(STATIC)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
-$(GPU_TESTS): $(GPU_TEST_OBJ) $(filter-out $(BUILD)/tests/main.o,$(TEST_OBJ)) $(STATIC)
+# The CUDA suite: tests/main.c compiled again with MFT_GPU_SUITE, the CUDA tests, the shared harness.
+$(BUILD)/tests/gpu/main.o: tests/main.c $(FLAGS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) -DMFT_GPU_SUITE $(CFLAGS) -MMD -MP -c $< -o $@
+
+$(GPU_TESTS): $(BUILD)/tests/gpu/main.o $(GPU_TEST_OBJ) $(addprefix $(BUILD)/tests/,harness.o problem.o ref.o) $(STATIC)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
 test: $(TESTS) $(CLI)
 	./$(TESTS)
 
+# The whole CUDA suite, then compute-sanitizer memcheck and racecheck on its small config.
 test-gpu:
 ifeq ($(CUDA),1)
 	$(MAKE) $(GPU_TESTS) $(CLI)
 	./$(GPU_TESTS)
+	@if ! command -v compute-sanitizer >/dev/null; then echo "test-gpu: compute-sanitizer not found: SKIP"; \
+	elif ! ./$(GPU_TESTS) --has-gpu; then echo "test-gpu: no GPU: sanitizers SKIP"; \
+	else set -e; for tool in memcheck racecheck; do echo "# compute-sanitizer --tool $$tool: cuda_small"; \
+	  compute-sanitizer --tool $$tool --error-exitcode 1 ./$(GPU_TESTS) --no-fork cuda_small; done; fi
 else
 	@echo "test-gpu: SKIP (this build has no CUDA: nvcc not found or CUDA=0)"
 endif

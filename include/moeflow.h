@@ -15,7 +15,8 @@
  *
  * Memory. Every tensor crosses as a non-owning descriptor (`mf_tensor_t`); its memory is the
  * backend's (host memory for MF_BACKEND_CPU, device memory of the group's device for
- * MF_BACKEND_CUDA) and contiguous, row-major. The library keeps no pointer to it after the call
+ * MF_BACKEND_CUDA), contiguous and row-major; row tensors (activations, dispatch payloads, expert
+ * outputs, weights) 16-byte aligned, the others aligned to their elements. The library keeps no pointer to it after the call
  * returns, except for expert weights (see mf_moe_set_weights), which it borrows.
  *
  * Errors. Every function returns an `mf_result_t`. On failure `mf_last_error()` (per thread) names

@@ -27,6 +27,13 @@
 #include "harness.h"
 
 /* Every area's table; each ends with a {NULL} entry. Add new areas here (and in harness.h). */
+#ifdef MFT_GPU_SUITE
+/* build/moeflow_gpu_tests: this file compiled again with MFT_GPU_SUITE (make test-gpu). */
+static const mft_test_t *const mft_tables[] = {
+    mft_tests_cuda,
+    NULL,
+};
+#else
 static const mft_test_t *const mft_tables[] = {
     mft_tests_numerics,
     mft_tests_quant,
@@ -36,6 +43,7 @@ static const mft_test_t *const mft_tables[] = {
     mft_tests_plan,
     NULL,
 };
+#endif
 
 #if defined(__SANITIZE_ADDRESS__)
 #define MFT_SAN_SCALE 3.0
@@ -199,6 +207,10 @@ int main(int argc, char **argv) {
     if (!pats) return 2;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--list") == 0) list = 1;
+        else if (strcmp(argv[i], "--has-gpu") == 0) { /* exit 0 when a CUDA device is usable */
+            free(pats);
+            return mf_backend_available(MF_BACKEND_CUDA) ? 0 : 1;
+        }
         else if (strcmp(argv[i], "--no-fork") == 0) no_fork = 1;
         else if (strcmp(argv[i], "-v") == 0 || strcmp(argv[i], "--verbose") == 0)
             mft_verbose_on = 1;
@@ -226,6 +238,13 @@ int main(int argc, char **argv) {
         }
     }
 
+#ifdef MFT_GPU_SUITE
+    if (!list && !mf_backend_available(MF_BACKEND_CUDA)) {
+        printf("# moeflow_gpu_tests: SKIP: no usable CUDA device (sm_90) in this process\n");
+        free(pats);
+        return 0;
+    }
+#endif
     if (list) {
         for (int k = 0; mft_tables[k]; k++)
             for (const mft_test_t *t = mft_tables[k]; t->name; t++)

@@ -7,8 +7,9 @@
  * version); group and layer config values; weights shapes and dtypes; forward/dispatch argument
  * checks (ids outside [-1, E), repeated ids, T > S, shapes, dtypes, NULL data); call order;
  * user-set capacities (MF_ERR_CAPACITY, then the layer still works); a peer that never arrives
- * (MF_ERR_TIMEOUT naming phase and rank, then the comm reports itself broken); profiling switched
- * off. Validation that needs no peer runs with R = 1; collective outcomes use mft_run_ranks.
+ * (MF_ERR_TIMEOUT naming phase and rank, in dispatch and in combine, then the comm reports itself
+ * broken); profiling switched off; every host allocation failing in turn (OUT_OF_MEMORY, no leak).
+ * Validation that needs no peer runs with R = 1; collective outcomes use mft_run_ranks.
  */
 #include <math.h>
 #include <pthread.h>
@@ -401,7 +402,7 @@ static int weights_body(fixture_t *f) {
     BADW(w.w13 = mft_t3(f->w13, dt, L, I, H), "w13 [L, I, H]");
     BADW(w.w13 = mft_t3(f->w13, dt, L + 1, 2 * I, H), "w13 [L + 1, 2I, H]");
     BADW(w.w13 = mft_t2(f->w13, dt, L * 2 * I, H), "w13 flattened to 2 dims");
-    BADW(w.w2 = mft_t3(f->w2, dt, L, I, 2 * H), "w2 [L, I, 2H] (transposed, I != H)");
+    BADW(w.w2 = mft_t3(f->w2, dt, L, I, H), "w2 transposed: [L, I, H] (I != H)");
     BADW(w.w2 = mft_t3(f->w2, dt, L, H, I + 128), "w2 [L, H, I + 128]");
     BADW(w.w13.dtype = (int32_t)other, "w13 of the other dtype");
     BADW(w.w2.dtype = MF_DTYPE_FP32, "w2 FP32");
@@ -902,6 +903,67 @@ static int timeout_rank(int32_t rank, void *arg) {
     return rc;
 }
 
+/* Both ranks dispatch; only rank 0 combines: MF_ERR_TIMEOUT in the combine phase, naming rank 1. */
+static int timeout_combine_rank(int32_t rank, void *arg) {
+    timeout_ctx_t *c = (timeout_ctx_t *)arg;
+    enum { E = 4, K = 2, H = 128, S = 4, T = 2, L = 2 };
+    uint16_t x[S * H], recv_x[L * 2 * S * H], y[S * H];
+    int32_t ids[S * K] = {0, 3, 2, 1, 0, 1, 2, 3}, recv_src[L * 2 * S * 3], counts[L];
+    float w[S * K] = {1, 1, 1, 1, 1, 1, 1, 1};
+    memset(x, 0, sizeof x);
+    memset(recv_x, 0, sizeof recv_x);
+    mf_comm_t comm = NULL;
+    mf_moe_t moe = NULL;
+    MFT_CHECK_OK(mf_group_get_comm(c->group, rank, &comm));
+    mf_moe_config_t cfg = small_config(MF_DTYPE_BF16, MF_LAYOUT_MASKED);
+    cfg.max_tokens_per_rank = S;
+    MFT_CHECK_OK(mf_moe_create(comm, &cfg, &moe));
+    mf_dispatch_in_t din = {mft_t2(x, MF_DTYPE_BF16, T, H), mft_t2(ids, MF_DTYPE_INT32, T, K)};
+    mf_dispatch_out_t dout;
+    memset(&dout, 0, sizeof dout);
+    dout.recv_x = mft_t3(recv_x, MF_DTYPE_BF16, L, 2 * S, H);
+    dout.recv_src = mft_t3(recv_src, MF_DTYPE_INT32, L, 2 * S, 3);
+    dout.expert_counts = mft_t1(counts, MF_DTYPE_INT32, L);
+    mf_result_t r = mf_dispatch(moe, &din, &dout, NULL);
+    int rc = 0;
+    if (r != MF_SUCCESS)
+        rc = mft_fail(__FILE__, __LINE__, "rank %d: dispatch -> %s: %s", (int)rank, mft_result_name(r),
+                      mf_last_error());
+    if (rank == 0 && !rc) {
+        mf_combine_in_t cin = {mft_t3(recv_x, MF_DTYPE_BF16, L, 2 * S, H), mft_t2(w, MF_DTYPE_FP32, T, K)};
+        mf_combine_out_t cout = {mft_t2(y, MF_DTYPE_BF16, T, H)};
+        mft_poison(y, sizeof y);
+        r = mf_combine(moe, &cin, &cout, NULL);
+        const char *msg = mf_last_error();
+        mft_verbose("  rank 0: %s: %s\n", mft_result_name(r), msg);
+        if (r != MF_ERR_TIMEOUT)
+            rc = mft_fail(__FILE__, __LINE__, "lone combine -> %s (%s), expected MF_ERR_TIMEOUT",
+                          mft_result_name(r), msg);
+        else if (!mft_contains_ci(msg, "combine"))
+            rc = mft_fail(__FILE__, __LINE__, "the timeout message does not name the phase (combine): "
+                          "\"%s\"", msg);
+        else if (!names_number_after(msg, "missing", 1) && !names_number_after(msg, "rank 1", 1))
+            rc = mft_fail(__FILE__, __LINE__, "the timeout message does not name missing rank 1: "
+                          "\"%s\"", msg);
+        else if (mft_first_unpoisoned(y, sizeof y) >= 0)
+            rc = mft_fail(__FILE__, __LINE__, "y written by a timed-out combine");
+        else if (mf_combine(moe, &cin, &cout, NULL) != MF_ERR_INVALID_USAGE)
+            rc = mft_fail(__FILE__, __LINE__, "a second combine on the broken comm was not "
+                          "INVALID_USAGE: %s", mf_last_error());
+    }
+    MFT_CHECK_OK(mf_moe_destroy(moe));
+    return rc;
+}
+
+static int test_timeout_combine(void) {
+    timeout_ctx_t c;
+    c.group = mft_cpu_group(2, SHORT_TIMEOUT_MS);
+    if (!c.group) return 1;
+    int rc = mft_run_ranks(2, timeout_combine_rank, &c);
+    MFT_CHECK_OK(mf_group_destroy(c.group));
+    return rc;
+}
+
 static int test_timeout(void) {
     timeout_ctx_t c;
     c.group = mft_cpu_group(2, SHORT_TIMEOUT_MS);
@@ -947,9 +1009,11 @@ static int oom_rank(int32_t rank, void *arg) {
     pthread_barrier_wait(&c->barrier);
     int rc = 0;
     if (r != MF_SUCCESS) {
-        if (moe != sentinel) rc = mft_fail(__FILE__, __LINE__, "rank %d: failed create wrote *moe", (int)rank);
+        if (moe != sentinel)
+            rc = mft_fail(__FILE__, __LINE__, "rank %d: failed create wrote *moe", (int)rank);
         if (r == MF_ERR_OUT_OF_MEMORY) c->fired = 1;
-        if (!mf_last_error()[0]) rc = mft_fail(__FILE__, __LINE__, "rank %d: create failed without a message", (int)rank);
+        if (!mf_last_error()[0])
+            rc = mft_fail(__FILE__, __LINE__, "rank %d: create failed without a message", (int)rank);
     }
     for (int32_t q = 0; q < c->R; q++)
         if ((c->create_result[q] == MF_SUCCESS) != (r == MF_SUCCESS))
@@ -1046,6 +1110,7 @@ const mft_test_t mft_tests_api[] = {
     {"api_capacity_ranks", test_capacity_ranks, 30},
     {"api_phase_times", test_phase_times, 20},
     {"api_timeout", test_timeout, 30},
+    {"api_timeout_combine", test_timeout_combine, 30},
     {"api_alloc_failure", test_alloc_failure, 60},
     {NULL, NULL, 0},
 };

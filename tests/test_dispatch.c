@@ -482,9 +482,10 @@ static int test_odd_hidden(void) {
 
 /* ---- call order ----------------------------------------------------------------------------- */
 
-/* R = 1: combine with no dispatch, dispatch twice, forward between dispatch and combine are all
- * INVALID_USAGE; the pending dispatch survives the misuse and its combine then succeeds. */
-static int call_order_body(mf_moe_t moe) {
+/* R = 1: combine with no dispatch, dispatch twice, forward between dispatch and combine, and
+ * dispatch or combine on another layer of the comm while one waits are all INVALID_USAGE; the
+ * pending dispatch survives the misuse and its combine then succeeds. */
+static int call_order_body(mf_comm_t moe_comm, mf_moe_t moe) {
     enum { E = 4, K = 2, H = 128, I = 128, S = 4, T = 3 };
     static uint16_t x[T * H], recv_x[E * S * H], expert_out[E * S * H], y[S * H];
     static uint16_t w13[E * 2 * I * H], w2[E * H * I];
@@ -526,6 +527,24 @@ static int call_order_body(mf_moe_t moe) {
     MFT_CHECK_ERR(mf_moe_forward(moe, &fin, &fout, NULL), MF_ERR_INVALID_USAGE);
     MFT_CHECK(mft_first_unpoisoned(y, sizeof y) < 0);
 
+    /* Another layer of the same comm can neither dispatch nor combine meanwhile. */
+    mf_moe_t other = NULL;
+    mf_moe_config_t cfg2 = MF_MOE_CONFIG_INIT;
+    cfg2.num_experts = E;
+    cfg2.num_topk = K;
+    cfg2.hidden = H;
+    cfg2.intermediate = I;
+    cfg2.max_tokens_per_rank = S;
+    cfg2.layout = MF_LAYOUT_MASKED;
+    MFT_CHECK_OK(mf_moe_create(moe_comm, &cfg2, &other));
+    int rc2 = 0;
+    if (mf_combine(other, &cin, &cout, NULL) != MF_ERR_INVALID_USAGE) rc2 = 1;
+    if (mf_dispatch(other, &din, &dout, NULL) != MF_ERR_INVALID_USAGE) rc2 = 1;
+    MFT_CHECK_OK(mf_moe_destroy(other));
+    if (rc2) MFT_FAIL("a second layer of the comm could dispatch or combine while a dispatch waits");
+    MFT_CHECK(mft_first_unpoisoned(recv_x, sizeof recv_x) < 0);
+    MFT_CHECK(mft_first_unpoisoned(y, sizeof y) < 0);
+
     /* The first dispatch is still pending: its combine works and sums the right rows. */
     for (int i = 0; i < E * S * H; i++) expert_out[i] = mf_bf16_from_float(1.0f);
     MFT_CHECK_OK(mf_combine(moe, &cin, &cout, NULL));
@@ -559,7 +578,7 @@ static int test_call_order(void) {
     cfg.layout = MF_LAYOUT_MASKED;
     MFT_CHECK_OK(mf_group_get_comm(g, 0, &comm));
     MFT_CHECK_OK(mf_moe_create(comm, &cfg, &moe));
-    int rc = call_order_body(moe);
+    int rc = call_order_body(comm, moe);
     MFT_CHECK_OK(mf_moe_destroy(moe));
     MFT_CHECK_OK(mf_group_destroy(g));
     return rc;

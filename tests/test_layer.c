@@ -3,10 +3,11 @@
  * against the naive fp64 reference of tests/ref.c, on problems from tests/problem.c.
  *
  * Judged as DESIGN.md says: diff = 1 - 2 sum(xy) / sum(x^2 + y^2) per rank (BF16 < 1e-5, FP8
- * < 1e-3) plus element-wise atol + rtol |ref| bounds (tests/ref.h's), and no NaN/Inf ever. The sweep covers R in {1, 2, 4, 8}, both
- * layouts, uniform / zipf / hot routing, T in {0, 1, S}, idle ranks, ranks that receive nothing,
- * -1 drops, UE8M0 scales, repeated calls on the same layer and buffers, two layers sharing one
- * comm (own drivers below), and a NaN/Inf token that must not touch the other tokens.
+ * < 1e-3) plus element-wise atol + rtol |ref| bounds (tests/ref.h's), and no NaN/Inf ever. The
+ * sweep covers R in {1, 2, 4, 8}, both layouts, uniform / zipf / hot routing, T in {0, 1, S}, idle
+ * ranks, ranks that receive nothing, -1 drops, UE8M0 scales, sizes that are not tile multiples,
+ * the edges of E and K, repeated calls on the same layer and buffers, two layers sharing one comm
+ * (own drivers below), and a NaN/Inf token that must not touch the other tokens.
  * Shapes stay small (H = I = 256, E = 16, T <= 32) so the suite is fast under ASan too.
  */
 #include <math.h>
@@ -182,6 +183,31 @@ static int test_odd_sizes(void) {
             s.drop_prob = 0.1;
             if (run_spec(&s, 1, "odd_sizes")) return 1;
         }
+    return 0;
+}
+
+/* The edges of E and K: K = MF_MAX_TOPK (E = 64); one expert per rank (E = R = 8); one expert in
+ * all (E = R = K = 1). */
+static int test_expert_edges(void) {
+    for (int32_t dtype = 0; dtype < 2; dtype++) {
+        mfp_spec_t s = base_spec(2, dtype, dtype ? MF_LAYOUT_MASKED : MF_LAYOUT_EXPERT_MAJOR);
+        s.E = 64;
+        s.K = MF_MAX_TOPK;
+        s.H = s.I = 128;
+        s.S = s.T_per_rank = 4;
+        s.drop_prob = 0.1;
+        if (run_spec(&s, 1, "max_topk")) return 1;
+        s = base_spec(8, dtype, dtype ? MF_LAYOUT_EXPERT_MAJOR : MF_LAYOUT_MASKED);
+        s.E = 8;
+        s.K = 2;
+        s.S = s.T_per_rank = 6;
+        if (run_spec(&s, 1, "one_expert_per_rank")) return 1;
+        s = base_spec(1, dtype, MF_LAYOUT_EXPERT_MAJOR);
+        s.E = 1;
+        s.K = 1;
+        s.S = s.T_per_rank = 5;
+        if (run_spec(&s, 1, "single_expert")) return 1;
+    }
     return 0;
 }
 
@@ -675,6 +701,7 @@ const mft_test_t mft_tests_layer[] = {
     {"layer_fp8_masked", test_fp8_masked, 60},
     {"layer_fp8_ue8m0", test_fp8_ue8m0, 60},
     {"layer_odd_sizes", test_odd_sizes, 60},
+    {"layer_expert_edges", test_expert_edges, 60},
     {"layer_token_counts", test_token_counts, 60},
     {"layer_hot_expert", test_hot_expert, 60},
     {"layer_rank0_only", test_rank0_only, 60},

@@ -69,6 +69,7 @@ int64_t mf__param_timeout_ms(void); /* MF_TIMEOUT_MS, default 30000 */
 #define MF__DEFAULT_BLOCK_M 128   /* EXPERT_MAJOR segment alignment */
 #define MF__HEAP_ALIGN 256        /* every symmetric-heap region starts at a multiple of this */
 #define MF__VEC_ELEMS_BF16 8      /* 16-byte rows: H and I multiples of 8 in BF16 */
+#define MF__ROW_ALIGN 16          /* row tensors' data pointers: 16-byte vector loads and stores */
 
 /* Collective phases; each has its own column of epoch signals. */
 typedef enum mf__phase {

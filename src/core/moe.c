@@ -115,14 +115,20 @@ mf_result_t mf_moe_create(mf_comm_t comm, const mf_moe_config_t *config, mf_moe_
 
     /* Barrier 1: every rank has resolved its config and left any earlier heap use behind. */
     MF_CHECK(mf__host_barrier_wait(g->setup_barrier, g->timeout_ms, comm->rank, "mf_moe_create"));
-    if (res != MF_SUCCESS) return mf__error(res, "%s", why);
-    for (int32_t r = 0; r < g->num_ranks; r++) {
+    for (int32_t r = 0; r < g->num_ranks && res == MF_SUCCESS; r++) {
         if (g->setup_result[r] != MF_SUCCESS)
-            return mf__error(MF_ERR_INVALID_ARGUMENT, "mf_moe_create: rank %d rejected its config", r);
-        if (memcmp(&g->setup_config[r], &g->setup_config[0], sizeof c) != 0)
-            return mf__error(MF_ERR_INVALID_ARGUMENT,
-                             "mf_moe_create: rank %d's config differs from rank 0's; every rank must "
-                             "create the same layer", r);
+            res = mf__error(MF_ERR_INVALID_ARGUMENT, "mf_moe_create: rank %d rejected its config", r);
+        else if (memcmp(&g->setup_config[r], &g->setup_config[0], sizeof c) != 0)
+            res = mf__error(MF_ERR_INVALID_ARGUMENT,
+                            "mf_moe_create: rank %d's config differs from rank 0's; every rank must "
+                            "create the same layer", r);
+        if (res != MF_SUCCESS) strncpy(why, mf_last_error(), sizeof why - 1);
+    }
+    if (res != MF_SUCCESS) {
+        /* Every rank reached the same verdict; barrier 2 keeps the exchange slots unchanged until
+         * all have read them. */
+        MF_CHECK(mf__host_barrier_wait(g->setup_barrier, g->timeout_ms, comm->rank, "mf_moe_create"));
+        return mf__error(res, "%s", why);
     }
 
     mf_moe_t m = mf__calloc(1, sizeof *m);
@@ -197,6 +203,8 @@ mf_result_t mf_moe_set_weights(mf_moe_t moe, const mf_moe_weights_t *w) {
     int64_t L = moe->info.num_local_experts, H = c->hidden, I = c->intermediate, B = MF__QUANT_BLOCK;
     MF_CHECK(mf__check_tensor(&w->w13, "weights.w13", c->dtype, 3, MF__DIMS(L, 2 * I, H), 0));
     MF_CHECK(mf__check_tensor(&w->w2, "weights.w2", c->dtype, 3, MF__DIMS(L, H, I), 0));
+    MF_CHECK(mf__check_rows16(&w->w13, "weights.w13"));
+    MF_CHECK(mf__check_rows16(&w->w2, "weights.w2"));
     if (c->dtype == MF_DTYPE_FP8_E4M3) {
         MF_CHECK(mf__check_tensor(&w->w13_scales, "weights.w13_scales", MF_DTYPE_FP32, 3,
                                   MF__DIMS(L, 2 * I / B, H / B), 0));
@@ -240,6 +248,7 @@ static mf_result_t mf__check_tokens(mf_moe_t moe, const mf_tensor_t *x, const mf
                c->max_tokens_per_rank);
     snprintf(name, sizeof name, "%s x", fn);
     MF_CHECK(mf__check_tensor(x, name, MF_DTYPE_BF16, 2, MF__DIMS(T, c->hidden), 0));
+    MF_CHECK(mf__check_rows16(x, name));
     snprintf(name, sizeof name, "%s topk_ids", fn);
     MF_CHECK(mf__check_tensor(ids, name, MF_DTYPE_INT32, 2, MF__DIMS(T, c->num_topk), 0));
     if (moe->comm->group->backend == MF_BACKEND_CPU) {
@@ -277,6 +286,7 @@ mf_result_t mf_moe_forward(mf_moe_t moe, const mf_moe_forward_in_t *in, const mf
     MF_CHECK(mf__check_tensor(&in->topk_weights, "mf_moe_forward topk_weights", MF_DTYPE_FP32, 2,
                               MF__DIMS(T, c->num_topk), 0));
     MF_CHECK(mf__check_tensor(&out->y, "mf_moe_forward y", MF_DTYPE_BF16, 2, MF__DIMS(T, c->hidden), 0));
+    MF_CHECK(mf__check_rows16(&out->y, "mf_moe_forward y"));
     return moe->comm->group->ops->forward(moe, in, out, stream);
 }
 
@@ -312,6 +322,7 @@ mf_result_t mf_dispatch(mf_moe_t moe, const mf_dispatch_in_t *in, const mf_dispa
         MF_CHECK(mf__check_tensor(&out->recv_src, "mf_dispatch recv_src", MF_DTYPE_INT32, 3, MF__DIMS(L, C, 3), 0));
     }
     MF_CHECK(mf__check_tensor(&out->expert_counts, "mf_dispatch expert_counts", MF_DTYPE_INT32, 1, MF__DIMS(L), 0));
+    MF_CHECK(mf__check_rows16(&out->recv_x, "mf_dispatch recv_x"));
     mf_result_t res = moe->comm->group->ops->dispatch(moe, in, out, stream);
     if (res == MF_SUCCESS) {
         moe->comm->pending_dispatch = moe;
@@ -339,6 +350,8 @@ mf_result_t mf_combine(mf_moe_t moe, const mf_combine_in_t *in, const mf_combine
     MF_CHECK(mf__check_tensor(&in->topk_weights, "mf_combine topk_weights (T of the dispatch)", MF_DTYPE_FP32,
                               2, MF__DIMS(T, c->num_topk), 0));
     MF_CHECK(mf__check_tensor(&out->y, "mf_combine y (T of the dispatch)", MF_DTYPE_BF16, 2, MF__DIMS(T, H), 0));
+    MF_CHECK(mf__check_rows16(&in->expert_out, "mf_combine expert_out"));
+    MF_CHECK(mf__check_rows16(&out->y, "mf_combine y"));
     mf_result_t res = moe->comm->group->ops->combine(moe, in, out, stream);
     moe->comm->pending_dispatch = NULL;
     return res;

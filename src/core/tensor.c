@@ -34,6 +34,9 @@ mf_result_t mf__check_tensor(const mf_tensor_t *t, const char *name, int32_t dty
         return mf__error(MF_ERR_INVALID_ARGUMENT, "%s: expected shape %s, got %s", name, want, got);
     if (!t->data && !data_optional && mf__tensor_numel(t) > 0)
         return mf__error(MF_ERR_INVALID_ARGUMENT, "%s: data is NULL", name);
+    if ((uintptr_t)t->data % mf__dtype_size(dtype) != 0)
+        return mf__error(MF_ERR_INVALID_ARGUMENT, "%s: data %p is not aligned to its %zu-byte elements", name,
+                         t->data, mf__dtype_size(dtype));
     return MF_SUCCESS;
 }
 
@@ -41,4 +44,11 @@ int64_t mf__tensor_numel(const mf_tensor_t *t) {
     int64_t n = 1;
     for (int32_t i = 0; i < t->ndim; i++) n *= t->dims[i];
     return n;
+}
+
+mf_result_t mf__check_rows16(const mf_tensor_t *t, const char *name) {
+    if ((uintptr_t)t->data % MF__ROW_ALIGN != 0)
+        return mf__error(MF_ERR_INVALID_ARGUMENT, "%s: data %p is not %d-byte aligned (rows move as 16-byte vectors)",
+                         name, t->data, MF__ROW_ALIGN);
+    return MF_SUCCESS;
 }

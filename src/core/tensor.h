@@ -6,11 +6,13 @@
 
 #include "core/internal.h"
 
-/* Checks dtype, ndim, dims (a negative entry in `dims` matches any size) and, unless
- * `data_optional`, that data is non-NULL when the tensor has elements. */
+/* Checks dtype, ndim, dims (a negative entry in `dims` matches any size), that data is aligned to
+ * its elements and, unless `data_optional`, non-NULL when the tensor has elements. */
 mf_result_t mf__check_tensor(const mf_tensor_t *t, const char *name, int32_t dtype, int32_t ndim,
                              const int64_t *dims, int32_t data_optional);
 int64_t mf__tensor_numel(const mf_tensor_t *t);
+/* Row tensors (activations, payloads, weights) must be 16-byte aligned. */
+mf_result_t mf__check_rows16(const mf_tensor_t *t, const char *name);
 
 #define MF__DIMS(...) ((const int64_t[]){__VA_ARGS__})
 

@@ -474,7 +474,11 @@ static mf_result_t mf__cuda_forward(mf_moe_t moe, const mf_moe_forward_in_t *in,
     seg.counts = s->counts;
     seg.offsets = s->offsets;
     seg.num_experts = moe->info.num_local_experts;
-    seg.max_rows_per_expert = c->expert_capacity;
+    /* A token routes to an expert at most once: R * S rows (MASKED: at most C). */
+    int64_t per_expert = (int64_t)g->num_ranks * c->max_tokens_per_rank;
+    if (c->layout == MF_LAYOUT_MASKED) per_expert = c->expert_capacity;
+    if (c->layout == MF_LAYOUT_EXPERT_MAJOR && per_expert > c->max_recv_rows) per_expert = c->max_recv_rows;
+    seg.max_rows_per_expert = (int32_t)per_expert;
     mf__gemm_operand_t a = {s->recv_x, s->recv_scales};
     mf__gemm_operand_t w13 = {w->w13.data, fp8 ? (const float *)w->w13_scales.data : NULL};
     MF_CHECK(mf__cuda_w13_swiglu(&seg, c->dtype, c->ue8m0_scales, a, w13, c->hidden, c->intermediate, s->h,
