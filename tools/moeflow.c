@@ -337,7 +337,7 @@ static void resolve(opts_t *o) {
     int cuda = o->backend == MF_BACKEND_CUDA;
     if (o->iters < 0) o->iters = !o->bench ? RUN_ITERS : cuda ? BENCH_ITERS_CUDA : BENCH_ITERS_CPU;
     if (o->warmup < 0) o->warmup = !o->bench ? RUN_WARMUP : cuda ? BENCH_WARMUP_CUDA : BENCH_WARMUP_CPU;
-    if (!o->bench) o->check = 1;
+    if (!o->bench && !o->check) die_usage("--no-check is for bench; run always checks");
 }
 
 /* ---- memory guard ----------------------------------------------------------------------------- */
@@ -612,18 +612,17 @@ static int write_json(const opts_t *o, const row_t *rows, int nrows, int argc, c
     json_string(f, card);
     fprintf(f, ", \"date\": \"%s\", \"commit\": ", date);
     json_string(f, commit);
-    fprintf(f, ", \"command\": \"");
-    for (int i = 0; i < argc; i++) { /* argv joined by spaces, escaped as one string */
-        char one[2] = {0, 0};
-        if (i) fputc(' ', f);
-        for (const char *s = argv[i]; *s; s++) {
-            one[0] = *s;
-            if (*s == '"' || *s == '\\') fprintf(f, "\\%c", *s);
-            else if ((unsigned char)*s < 0x20) fprintf(f, "\\u%04x", (unsigned char)*s);
-            else fputs(one, f);
-        }
+    size_t len = 1;
+    for (int i = 0; i < argc; i++) len += strlen(argv[i]) + 1;
+    char *command = calloc(len, 1);
+    for (int i = 0; command && i < argc; i++) { /* argv joined by spaces */
+        if (i) strcat(command, " ");
+        strcat(command, argv[i]);
     }
-    fprintf(f, "\", \"backend\": \"%s\"}, \"rows\": [", o->backend == MF_BACKEND_CUDA ? "cuda" : "cpu");
+    fprintf(f, ", \"command\": ");
+    json_string(f, command ? command : "");
+    free(command);
+    fprintf(f, ", \"backend\": \"%s\"}, \"rows\": [", o->backend == MF_BACKEND_CUDA ? "cuda" : "cpu");
     int first = 1;
     for (int i = 0; i < nrows; i++) {
         const row_t *r = &rows[i];

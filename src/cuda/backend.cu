@@ -89,7 +89,19 @@ static mf_result_t mf__cuda_group_init(mf_group_t g) {
     if (!g->num_sms) g->num_sms = sms / g->num_ranks > 0 ? sms / g->num_ranks : 1;
     if (g->num_sms > sms)
         return mf__error(MF_ERR_INVALID_ARGUMENT, "cuda backend: num_sms %d exceeds the device's %d SMs", g->num_sms, sms);
-    return MF_SUCCESS;
+    /* Load every kernel now. With lazy module loading (CUDA's default) a rank's first launch would
+     * load its module on demand, which can stall behind the peers' spinning wait kernels until the
+     * timeout: seen on the H200 as a first-forward timeout in every process. */
+    const void *kernels[] = {(const void *)mf__publish_kernel, (const void *)mf__plan_count_kernel,
+                             (const void *)mf__plan_offsets_kernel, (const void *)mf__plan_fill_kernel,
+                             (const void *)mf__gather_kernel, (const void *)mf__return_kernel,
+                             (const void *)mf__sum_kernel, (const void *)mf__arrive_kernel,
+                             (const void *)mf__wait_kernel};
+    for (size_t i = 0; i < sizeof kernels / sizeof kernels[0]; i++) {
+        cudaFuncAttributes attr;
+        MF_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernels[i]));
+    }
+    return mf__cuda_gemm_preload();
 }
 
 static void mf__cuda_group_fini(mf_group_t g) { (void)g; }

@@ -113,6 +113,15 @@ int64_t max_tiles(const mf__gemm_segments_t *seg, int32_t col_tiles) {
 
 } /* namespace */
 
+mf_result_t mf__cuda_gemm_preload(void) {
+    int blocks = 0;
+    MF_CHECK(persistent_grid(mf__gemm::sm90_w13_swiglu_kernel<true>, kKernelW13Fp8, "gemm preload", &blocks));
+    MF_CHECK(persistent_grid(mf__gemm::sm90_w13_swiglu_kernel<false>, kKernelW13Bf16, "gemm preload", &blocks));
+    MF_CHECK(persistent_grid(mf__gemm::sm90_w2_kernel<true>, kKernelW2Fp8, "gemm preload", &blocks));
+    MF_CHECK(persistent_grid(mf__gemm::sm90_w2_kernel<false>, kKernelW2Bf16, "gemm preload", &blocks));
+    return MF_SUCCESS;
+}
+
 mf_result_t mf__cuda_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, int32_t ue8m0, mf__gemm_operand_t a,
                                 mf__gemm_operand_t w13, int32_t H, int32_t I, void *h, float *h_scales,
                                 cudaStream_t stream) {

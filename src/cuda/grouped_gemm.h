@@ -43,6 +43,11 @@ typedef struct mf__gemm_return {
     int32_t num_topk;              /* K */
 } mf__gemm_return_t;
 
+/* Loads every GEMM kernel and sets its shared-memory limit on the current device. Call before any
+ * rank can spin in a wait kernel: with lazy module loading, a first launch may otherwise wait for
+ * the module to load while peers' waiting kernels hold the GPU. */
+mf_result_t mf__cuda_gemm_preload(void);
+
 /* h[rows, I] (+ h_scales [rows, I/128] for FP8) = swiglu(a[rows, H] . w13[e]^T) per expert. */
 mf_result_t mf__cuda_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, int32_t ue8m0,
                                 mf__gemm_operand_t a, mf__gemm_operand_t w13, int32_t H, int32_t I,
