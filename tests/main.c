@@ -190,6 +190,18 @@ static int run_forked(const mft_test_t *t, double *elapsed, char *why, size_t wh
     return 0;
 }
 
+#ifdef MFT_GPU_SUITE
+/* Asks a child whether CUDA is usable: CUDA must not be initialised in this process before it
+ * forks the tests (a forked child cannot use a context its parent created). */
+static int gpu_usable_in_child(void) {
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) _exit(mf_backend_available(MF_BACKEND_CUDA) ? 0 : 1);
+    int status = 0;
+    return pid > 0 && waitpid(pid, &status, 0) == pid && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+#endif
+
 static int matches(const char *name, int npat, char **pats) {
     if (npat == 0) return 1;
     for (int i = 0; i < npat; i++)
@@ -239,7 +251,12 @@ int main(int argc, char **argv) {
     }
 
 #ifdef MFT_GPU_SUITE
-    if (!list && !mf_backend_available(MF_BACKEND_CUDA)) {
+    if (!list && !no_fork && !gpu_usable_in_child()) {
+        printf("# moeflow_gpu_tests: SKIP: no usable CUDA device (sm_90) found\n");
+        free(pats);
+        return 0;
+    }
+    if (!list && no_fork && !mf_backend_available(MF_BACKEND_CUDA)) {
         printf("# moeflow_gpu_tests: SKIP: no usable CUDA device (sm_90) in this process\n");
         free(pats);
         return 0;

@@ -22,6 +22,7 @@
  */
 #include <cuda_runtime.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "core/internal.h"
@@ -64,7 +65,14 @@ static mf__cuda_comm_t *mf__cc(mf_comm_t comm) { return (mf__cuda_comm_t *)comm-
 
 /* ---- group / comm / heap ------------------------------------------------------------------ */
 
+/* R virtual ranks put R streams of spinning-capable kernels on one GPU. CUDA maps streams onto
+ * CUDA_DEVICE_MAX_CONNECTIONS hardware queues (default 8); two ranks sharing a queue deadlock when
+ * one's wait kernel sits in front of the other's arrive (seen on the H200 with R = 8). Ask for the
+ * maximum before the context exists, unless the user chose a value (docs/API.md). */
+static void mf__cuda_request_connections(void) { setenv("CUDA_DEVICE_MAX_CONNECTIONS", kMfMaxConnections, 0); }
+
 static int32_t mf__cuda_available(void) {
+    mf__cuda_request_connections();
     int n = 0;
     if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
         (void)cudaGetLastError();
@@ -81,6 +89,7 @@ static int32_t mf__cuda_available(void) {
 
 static mf_result_t mf__cuda_group_init(mf_group_t g) {
     int n = 0, sms = 0;
+    mf__cuda_request_connections();
     MF_CUDA_CHECK(cudaGetDeviceCount(&n));
     if (g->device >= n)
         return mf__error(MF_ERR_INVALID_ARGUMENT, "cuda backend: device %d does not exist (%d devices)", g->device, n);

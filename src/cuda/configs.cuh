@@ -16,6 +16,7 @@
 #define kMfSumThreads 128      /* combine sum: one block per token, 8 columns per thread */
 #define kMfWaitThreads 64      /* wait: one thread per peer (>= MF_MAX_RANKS) */
 #define kMfWaitBackoffNs 64    /* __nanosleep between polls of a peer's signal */
+#define kMfMaxConnections "32" /* CUDA_DEVICE_MAX_CONNECTIONS requested for virtual ranks */
 
 /* Own epoch counters follow the peer-written slots in every rank's signal allocation. */
 #define kMfSignalWords (MF__SIGNAL_COUNT + MF__NUM_PHASES)

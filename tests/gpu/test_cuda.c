@@ -33,6 +33,11 @@ static void *to_dev(const void *host, size_t bytes) {
     return d;
 }
 
+/* Virtual ranks share one GPU: cudaMalloc / cudaMemcpy may wait for the device, and so for a
+ * peer's kernel that spins until this rank arrives. Every rank therefore allocates and uploads
+ * first, meets the others here, and only then enters a collective (docs/API.md). */
+static void setup_done(pthread_barrier_t *ready) { pthread_barrier_wait(ready); }
+
 /* ---- the layer against the CPU backend and the reference ---------------------------------- */
 
 typedef struct layer_case {
@@ -148,6 +153,7 @@ typedef struct comm_run {
     mf_group_t group;
     int32_t backend, layout, rounds;
     comm_out_t *out;
+    pthread_barrier_t ready;
 } comm_run_t;
 
 /* Expert output of a received row, a function of its source only: the same on every backend. */
@@ -196,6 +202,7 @@ static int comm_rank(int32_t rank, void *arg) {
         y = to_dev(NULL, (size_t)T * H * 2 + 2), deo = to_dev(NULL, (size_t)rows * H * 2);
         MFT_CHECK(x && ids && w && rx && rs && rsrc && cnt && off && y && deo);
     }
+    setup_done(&run->ready);
     for (int32_t round = 0; round < run->rounds; round++) {
         mf_dispatch_in_t din = {mft_t2(x, MF_DTYPE_BF16, T, H), mft_t2(ids, MF_DTYPE_INT32, T, K)};
         mf_dispatch_out_t dout;
@@ -253,10 +260,14 @@ static int run_comm(const mfp_problem_t *p, int32_t backend, int32_t layout, com
     gc.backend = backend;
     gc.num_ranks = p->spec.R;
     gc.timeout_ms = 20000;
-    comm_run_t run = {p, NULL, backend, layout, 3, out};
+    comm_run_t run;
+    memset(&run, 0, sizeof run);
+    run.p = p, run.backend = backend, run.layout = layout, run.rounds = 3, run.out = out;
+    pthread_barrier_init(&run.ready, NULL, (unsigned)p->spec.R);
     MFT_CHECK_OK(mf_group_create(&gc, &run.group));
     int rc = mft_run_ranks(p->spec.R, comm_rank, &run);
     MFT_CHECK_OK(mf_group_destroy(run.group));
+    pthread_barrier_destroy(&run.ready);
     return rc;
 }
 
@@ -347,6 +358,7 @@ typedef struct graph_run {
     mfp_problem_t *inputs;   /* [GRAPH_REPLAYS] problems holding only the inputs of each replay */
     mf_group_t group;
     uint16_t **y;            /* [GRAPH_REPLAYS * R] */
+    pthread_barrier_t ready; /* every rank allocated: see setup_done() */
 } graph_run_t;
 
 static int graph_rank(int32_t rank, void *arg) {
@@ -381,6 +393,7 @@ static int graph_rank(int32_t rank, void *arg) {
     mf_moe_forward_in_t in = {mft_t2(x, MF_DTYPE_BF16, T, H), mft_t2(ids, MF_DTYPE_INT32, T, K),
                               mft_t2(wt, MF_DTYPE_FP32, T, K)};
     mf_moe_forward_out_t out = {mft_t2(y, MF_DTYPE_BF16, T, H)};
+    setup_done(&g->ready);
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
@@ -415,8 +428,11 @@ static int graph_case(int32_t dtype, int32_t layout) {
     spec.seed = 7;
     mfp_problem_t p;
     MFT_CHECK(mfp_generate(&spec, &p) == 0);
-    graph_run_t g = {&p, mft_alloc(sizeof(mfp_problem_t) * GRAPH_REPLAYS), NULL,
-                     mft_alloc(sizeof(uint16_t *) * GRAPH_REPLAYS * spec.R)};
+    graph_run_t g;
+    g.p = &p;
+    g.inputs = mft_alloc(sizeof(mfp_problem_t) * GRAPH_REPLAYS);
+    g.y = mft_alloc(sizeof(uint16_t *) * GRAPH_REPLAYS * spec.R);
+    pthread_barrier_init(&g.ready, NULL, (unsigned)spec.R);
     /* Each replay's inputs: the same weights (shared problem), new activations and routing. */
     for (int32_t i = 0; i < GRAPH_REPLAYS; i++) {
         spec.seed = 1000 + (uint64_t)i;
@@ -457,6 +473,7 @@ static int graph_case(int32_t dtype, int32_t layout) {
     for (int32_t r = 0; r < spec.R; r++) free(y_cpu[r]);
     free(g.inputs);
     free(g.y);
+    pthread_barrier_destroy(&g.ready);
     mfp_free(&p);
     return 0;
 }
@@ -478,6 +495,7 @@ typedef struct fault_run {
     char msg[MF_MAX_RANKS][512];
     uint16_t *y[MF_MAX_RANKS];
     mf_result_t next_call[MF_MAX_RANKS];
+    pthread_barrier_t ready;
 } fault_run_t;
 
 static int fault_rank(int32_t rank, void *arg) {
@@ -506,6 +524,7 @@ static int fault_rank(int32_t rank, void *arg) {
     mf_moe_forward_in_t in = {mft_t2(x, MF_DTYPE_BF16, T, H), mft_t2(ids, MF_DTYPE_INT32, T, K),
                               mft_t2(wt, MF_DTYPE_FP32, T, K)};
     mf_moe_forward_out_t out = {mft_t2(y, MF_DTYPE_BF16, T, H)};
+    setup_done(&f->ready);
     if (f->callers & (1 << rank)) MFT_CHECK_OK(mf_moe_forward(moe, &in, &out, stream));
     f->async[rank] = mf_comm_get_async_error(comm);
     snprintf(f->msg[rank], sizeof f->msg[rank], "%s", mf_last_error());
@@ -538,6 +557,7 @@ static int cuda_timeout(void) {
     f.callers = 1;
     mf_group_config_t gc = MF_GROUP_CONFIG_INIT;
     gc.backend = MF_BACKEND_CUDA, gc.num_ranks = 2, gc.timeout_ms = 300;
+    pthread_barrier_init(&f.ready, NULL, 2);
     MFT_CHECK_OK(mf_group_create(&gc, &f.group));
     MFT_CHECK(mft_run_ranks(2, fault_rank, &f) == 0);
     MFT_CHECK_OK(mf_group_destroy(f.group));
@@ -568,6 +588,7 @@ static int cuda_bad_ids(void) {
     f.bad_ids = bad;
     mf_group_config_t gc = MF_GROUP_CONFIG_INIT;
     gc.backend = MF_BACKEND_CUDA, gc.num_ranks = 2, gc.timeout_ms = 20000;
+    pthread_barrier_init(&f.ready, NULL, 2);
     MFT_CHECK_OK(mf_group_create(&gc, &f.group));
     MFT_CHECK(mft_run_ranks(2, fault_rank, &f) == 0);
     MFT_CHECK_OK(mf_group_destroy(f.group));
