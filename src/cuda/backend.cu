@@ -148,6 +148,10 @@ static mf_result_t mf__cuda_comm_init(mf_comm_t comm) {
         memset((void *)c->record, 0, sizeof *c->record);
         e = cudaHostGetDevicePointer((void **)&c->record_d, (void *)c->record, 0);
     }
+    /* cudaMemset runs on the legacy stream, which the ranks' non-blocking streams do not wait for:
+     * finish it before any peer can signal into this array (a late memset erased signals on the
+     * H200, and the ranks waited forever for epoch 1). */
+    if (e == cudaSuccess) e = cudaDeviceSynchronize();
     if (e != cudaSuccess) {
         (void)cudaGetLastError();
         res = mf__error(e == cudaErrorMemoryAllocation ? MF_ERR_OUT_OF_MEMORY : MF_ERR_CUDA,
@@ -173,7 +177,9 @@ static mf_result_t mf__cuda_heap_resize(mf_comm_t comm, size_t bytes, void **bas
                          comm->rank, bytes, cudaGetErrorString(e));
     }
     MF_CUDA_CHECK(cudaMemset(p, 0, bytes));
-    /* cudaFree synchronises the device: no peer kernel still reads the old heap. */
+    /* The memset must be done before a peer (on a non-blocking stream) writes here; cudaFree
+     * below needs an idle device too: no peer kernel still reads the old heap. */
+    MF_CUDA_CHECK(cudaDeviceSynchronize());
     MF_CUDA_CHECK(cudaFree(comm->group->heap_base[comm->rank]));
     *base = p;
     return MF_SUCCESS;
@@ -222,6 +228,7 @@ static mf_result_t mf__cuda_report_fault(mf_comm_t comm, int32_t clear) {
     if (clear && r.kind != kMfFaultTimeout) {
         c->record->code = 0;
         MF_CUDA_CHECK(cudaMemset(c->claim, 0, sizeof(int32_t)));
+        MF_CUDA_CHECK(cudaDeviceSynchronize()); /* the legacy-stream memset, before the next launch */
     }
     return code;
 }
