@@ -502,7 +502,7 @@ static void *rank_main(void *varg) {
     cudaStream_t cst = NULL;
     if (on_device) {
         cudaError_t ce = cudaSetDevice(0);
-        if (ce == cudaSuccess) ce = cudaStreamCreate(&cst);
+        if (ce == cudaSuccess) ce = cudaStreamCreateWithFlags(&cst, cudaStreamNonBlocking);
         for (int i = 0; i < 8; i++) mem[i] = NULL;
         for (int i = 0; i < 8 && ce == cudaSuccess; i++) /* y (3) is only allocated */
             if (host[i]) ce = to_device(&mem[i], i == 3 ? NULL : host[i], bytes[i], cst);

@@ -243,6 +243,17 @@ static mf_result_t mf__cuda_get_async_error(mf_comm_t comm) {
 /* Every data-path call starts here: a pending fault fails the call before anything is launched. */
 static mf_result_t mf__cuda_enter(mf_comm_t comm, cudaStream_t stream) {
     MF_CUDA_CHECK(cudaSetDevice(comm->group->device));
+    if (comm->group->num_ranks > 1) {
+        /* Virtual ranks share one GPU: a blocking stream waits for legacy-stream work that other
+         * threads issue, which waits for this group's spinning kernels: a deadlock. */
+        unsigned int flags = 0;
+        if (stream) MF_CUDA_CHECK(cudaStreamGetFlags(stream, &flags));
+        if (!stream || !(flags & cudaStreamNonBlocking))
+            return mf__error(MF_ERR_INVALID_ARGUMENT,
+                             "rank %d: the stream must be created with cudaStreamNonBlocking when R > 1 "
+                             "virtual ranks share a GPU (a blocking or legacy stream can deadlock)",
+                             comm->rank);
+    }
     mf__cc(comm)->last_stream = stream;
     mf__cuda_comm_t *c = mf__cc(comm);
     if (c->record->code) {

@@ -358,7 +358,7 @@ typedef struct graph_run {
     mfp_problem_t *inputs;   /* [GRAPH_REPLAYS] problems holding only the inputs of each replay */
     mf_group_t group;
     uint16_t **y;            /* [GRAPH_REPLAYS * R] */
-    pthread_barrier_t ready; /* every rank allocated: see setup_done() */
+    pthread_barrier_t ready; /* every rank allocated, then instantiated: see setup_done() */
 } graph_run_t;
 
 static int graph_rank(int32_t rank, void *arg) {
@@ -401,6 +401,9 @@ static int graph_rank(int32_t rank, void *arg) {
     CUDA_OK(cudaStreamEndCapture(stream, &graph));
     MFT_CHECK_OK(res);
     CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    CUDA_OK(cudaGraphUpload(exec, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    setup_done(&g->ready); /* instantiation may wait for the device: finish it before any replay */
     for (int32_t i = 0; i < GRAPH_REPLAYS; i++) {
         const mfp_problem_t *q = &g->inputs[i];
         CUDA_OK(cudaMemcpyAsync(x, q->x[rank], (size_t)T * H * 2, cudaMemcpyHostToDevice, stream));
