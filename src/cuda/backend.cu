@@ -204,8 +204,9 @@ static mf_result_t mf__cuda_report_fault(mf_comm_t comm, int32_t clear) {
     switch (r.kind) {
     case kMfFaultTimeout:
         comm->broken = 1;
-        mf__error(code, "rank %d: device wait in phase '%s' timed out after %lld ms: rank %d had reached epoch %lld, "
-                        "expected %lld", r.rank, mf__phase_name(r.phase), r.c, r.peer, r.a, r.b);
+        mf__error(code, "rank %d: device wait in phase '%s' timed out after %lld ms: rank %d's signal here read "
+                        "epoch %lld, expected %lld (its own epoch counter: %lld)", r.rank, mf__phase_name(r.phase),
+                  (long long)comm->group->timeout_ms, r.peer, r.a, r.b, r.c);
         break;
     case kMfFaultBadId:
         mf__error(code, "rank %d: device topk_ids[%lld, %lld] = %lld is outside [-1, E); treated as -1", r.rank, r.a,
@@ -243,9 +244,12 @@ static mf_result_t mf__cuda_get_async_error(mf_comm_t comm) {
 /* Every data-path call starts here: a pending fault fails the call before anything is launched. */
 static mf_result_t mf__cuda_enter(mf_comm_t comm, cudaStream_t stream) {
     MF_CUDA_CHECK(cudaSetDevice(comm->group->device));
-    if (comm->group->num_ranks > 1) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (stream) MF_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    if (comm->group->num_ranks > 1 && capture == cudaStreamCaptureStatusNone) {
         /* Virtual ranks share one GPU: a blocking stream waits for legacy-stream work that other
-         * threads issue, which waits for this group's spinning kernels: a deadlock. */
+         * threads issue, which waits for this group's spinning kernels: a deadlock. (Not queried
+         * while capturing: cudaStreamGetFlags invalidated a capture on the H200.) */
         unsigned int flags = 0;
         if (stream) MF_CUDA_CHECK(cudaStreamGetFlags(stream, &flags));
         if (!stream || !(flags & cudaStreamNonBlocking))

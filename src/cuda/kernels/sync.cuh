@@ -95,8 +95,10 @@ __global__ void __launch_bounds__(kMfWaitThreads) mf__wait_kernel(mf__sync_param
     uint64_t start = mf__globaltimer_ns(), seen;
     while ((seen = mf__ld_acquire_sys(slot)) < want) {
         if (mf__globaltimer_ns() - start > p.timeout_ns) {
+            /* The peer's own epoch tells "never arrived" (< want) from "arrived, signal lost". */
+            uint64_t peer_epoch = mf__ld_acquire_sys(p.signals[q] + MF__SIGNAL_COUNT + p.phase);
             mf__raise(p.sink, MF_ERR_TIMEOUT, kMfFaultTimeout, p.phase, q, (long long)seen, (long long)want,
-                      (long long)(p.timeout_ns / 1000000));
+                      (long long)peer_epoch);
             return;
         }
         __nanosleep(kMfWaitBackoffNs);
