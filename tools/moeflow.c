@@ -581,8 +581,15 @@ static void json_number(FILE *f, double x) {
     else fprintf(f, "null");
 }
 
+/* The commit of the tree: MF_COMMIT (for copies of the tree without .git, e.g. the GPU machine),
+ * else git, else "unknown". */
 static void git_commit(char *out, size_t n) {
     snprintf(out, n, "unknown");
+    const char *env = getenv("MF_COMMIT");
+    if (env && *env) {
+        snprintf(out, n, "%s", env);
+        return;
+    }
     FILE *p = popen("git rev-parse --short HEAD 2>/dev/null", "r");
     if (!p) return;
     char buf[64];
