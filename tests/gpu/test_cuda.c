@@ -349,6 +349,40 @@ static int cuda_comm_bitwise(void) {
     return 0;
 }
 
+/* Rank `rank`'s layer of problem p on a CUDA group, with its weights uploaded (w: device copies,
+ * freed by free_cuda_layer). Collective (mf_moe_create). */
+static int make_cuda_layer(mf_group_t group, const mfp_problem_t *p, int32_t rank, mf_comm_t *comm, mf_moe_t *moe,
+                           mf_moe_weights_t *w) {
+    const mfp_spec_t *s = &p->spec;
+    int64_t H = s->H, I = s->I, L = p->L;
+    size_t esz = s->dtype == MF_DTYPE_FP8_E4M3 ? 1 : 2;
+    MFT_CHECK_OK(mf_group_get_comm(group, rank, comm));
+    mf_moe_config_t cfg = MF_MOE_CONFIG_INIT;
+    cfg.num_experts = s->E, cfg.num_topk = s->K, cfg.hidden = s->H, cfg.intermediate = s->I;
+    cfg.max_tokens_per_rank = s->S, cfg.dtype = s->dtype, cfg.layout = s->layout;
+    MFT_CHECK_OK(mf_moe_create(*comm, &cfg, moe));
+    memset(w, 0, sizeof *w);
+    w->w13 = mft_t3(to_dev(p->w13[rank], (size_t)L * 2 * I * H * esz), s->dtype, L, 2 * I, H);
+    w->w2 = mft_t3(to_dev(p->w2[rank], (size_t)L * H * I * esz), s->dtype, L, H, I);
+    if (esz == 1) {
+        w->w13_scales = mft_t3(to_dev(p->w13_scales[rank], (size_t)L * (2 * I / 128) * (H / 128) * 4), MF_DTYPE_FP32,
+                               L, 2 * I / 128, H / 128);
+        w->w2_scales = mft_t3(to_dev(p->w2_scales[rank], (size_t)L * (H / 128) * (I / 128) * 4), MF_DTYPE_FP32, L,
+                              H / 128, I / 128);
+    }
+    MFT_CHECK(w->w13.data && w->w2.data && (esz == 2 || (w->w13_scales.data && w->w2_scales.data)));
+    MFT_CHECK_OK(mf_moe_set_weights(*moe, w));
+    return 0;
+}
+
+static void free_cuda_layer(mf_moe_t moe, mf_moe_weights_t *w) {
+    mf_moe_destroy(moe);
+    cudaFree(w->w13.data);
+    cudaFree(w->w2.data);
+    cudaFree(w->w13_scales.data);
+    cudaFree(w->w2_scales.data);
+}
+
 /* ---- CUDA graphs: capture once, replay 100 times on new inputs ------------------------------ */
 
 #define GRAPH_REPLAYS 100
@@ -364,29 +398,14 @@ typedef struct graph_run {
 static int graph_rank(int32_t rank, void *arg) {
     graph_run_t *g = arg;
     const mfp_spec_t *s = &g->p->spec;
-    int64_t T = s->T_per_rank, H = s->H, K = s->K, I = s->I, L = g->p->L;
-    size_t esz = s->dtype == MF_DTYPE_FP8_E4M3 ? 1 : 2;
+    int64_t T = s->T_per_rank, H = s->H, K = s->K;
     CUDA_OK(cudaSetDevice(0));
     cudaStream_t stream;
     CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     mf_comm_t comm;
     mf_moe_t moe;
-    MFT_CHECK_OK(mf_group_get_comm(g->group, rank, &comm));
-    mf_moe_config_t cfg = MF_MOE_CONFIG_INIT;
-    cfg.num_experts = s->E, cfg.num_topk = s->K, cfg.hidden = s->H, cfg.intermediate = s->I;
-    cfg.max_tokens_per_rank = s->S, cfg.dtype = s->dtype, cfg.layout = s->layout;
-    MFT_CHECK_OK(mf_moe_create(comm, &cfg, &moe));
     mf_moe_weights_t w;
-    memset(&w, 0, sizeof w);
-    w.w13 = mft_t3(to_dev(g->p->w13[rank], (size_t)L * 2 * I * H * esz), s->dtype, L, 2 * I, H);
-    w.w2 = mft_t3(to_dev(g->p->w2[rank], (size_t)L * H * I * esz), s->dtype, L, H, I);
-    if (esz == 1) {
-        w.w13_scales = mft_t3(to_dev(g->p->w13_scales[rank], (size_t)L * (2 * I / 128) * (H / 128) * 4), MF_DTYPE_FP32,
-                              L, 2 * I / 128, H / 128);
-        w.w2_scales = mft_t3(to_dev(g->p->w2_scales[rank], (size_t)L * (H / 128) * (I / 128) * 4), MF_DTYPE_FP32, L,
-                             H / 128, I / 128);
-    }
-    MFT_CHECK_OK(mf_moe_set_weights(moe, &w));
+    if (make_cuda_layer(g->group, g->p, rank, &comm, &moe, &w)) return 1;
     void *x = to_dev(NULL, (size_t)T * H * 2), *ids = to_dev(NULL, (size_t)T * K * 4), *wt = to_dev(NULL, (size_t)T * K * 4),
          *y = to_dev(NULL, (size_t)T * H * 2);
     MFT_CHECK(x && ids && wt && y);
@@ -416,8 +435,8 @@ static int graph_rank(int32_t rank, void *arg) {
     MFT_CHECK_OK(mf_comm_get_async_error(comm));
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
-    MFT_CHECK_OK(mf_moe_destroy(moe));
-    void *bufs[] = {x, ids, wt, y, w.w13.data, w.w2.data, w.w13_scales.data, w.w2_scales.data};
+    free_cuda_layer(moe, &w);
+    void *bufs[] = {x, ids, wt, y};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
     cudaStreamDestroy(stream);
     return 0;
@@ -504,23 +523,14 @@ typedef struct fault_run {
 static int fault_rank(int32_t rank, void *arg) {
     fault_run_t *f = arg;
     const mfp_spec_t *s = &f->p->spec;
-    int64_t T = f->p->T[rank], H = s->H, K = s->K, I = s->I, L = f->p->L;
-    size_t esz = s->dtype == MF_DTYPE_FP8_E4M3 ? 1 : 2;
+    int64_t T = f->p->T[rank], H = s->H, K = s->K;
     CUDA_OK(cudaSetDevice(0));
     cudaStream_t stream;
     CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     mf_comm_t comm;
     mf_moe_t moe;
-    MFT_CHECK_OK(mf_group_get_comm(f->group, rank, &comm));
-    mf_moe_config_t cfg = MF_MOE_CONFIG_INIT;
-    cfg.num_experts = s->E, cfg.num_topk = s->K, cfg.hidden = s->H, cfg.intermediate = s->I;
-    cfg.max_tokens_per_rank = s->S, cfg.dtype = s->dtype, cfg.layout = s->layout;
-    MFT_CHECK_OK(mf_moe_create(comm, &cfg, &moe));
     mf_moe_weights_t w;
-    memset(&w, 0, sizeof w);
-    w.w13 = mft_t3(to_dev(f->p->w13[rank], (size_t)L * 2 * I * H * esz), s->dtype, L, 2 * I, H);
-    w.w2 = mft_t3(to_dev(f->p->w2[rank], (size_t)L * H * I * esz), s->dtype, L, H, I);
-    MFT_CHECK_OK(mf_moe_set_weights(moe, &w));
+    if (make_cuda_layer(f->group, f->p, rank, &comm, &moe, &w)) return 1;
     const int32_t *host_ids = rank == 0 && f->bad_ids ? f->bad_ids : f->p->topk_ids[rank];
     void *x = to_dev(f->p->x[rank], (size_t)T * H * 2), *ids = to_dev(host_ids, (size_t)T * K * 4),
          *wt = to_dev(f->p->topk_weights[rank], (size_t)T * K * 4), *y = to_dev(NULL, (size_t)T * H * 2);
@@ -535,8 +545,8 @@ static int fault_rank(int32_t rank, void *arg) {
     CUDA_OK(cudaMemcpy(f->y[rank], y, (size_t)T * H * 2, cudaMemcpyDeviceToHost));
     f->next_call[rank] = (f->callers & (1 << rank)) ? mf_moe_forward(moe, &in, &out, stream) : MF_SUCCESS;
     cudaStreamSynchronize(stream);
-    MFT_CHECK_OK(mf_moe_destroy(moe));
-    void *bufs[] = {x, ids, wt, y, w.w13.data, w.w2.data};
+    free_cuda_layer(moe, &w);
+    void *bufs[] = {x, ids, wt, y};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
     cudaStreamDestroy(stream);
     return 0;
