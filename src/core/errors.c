@@ -106,7 +106,6 @@ const char *mf__dtype_name(int32_t dtype) {
 
 const char *mf__phase_name(int phase) {
     switch (phase) {
-    case MF__PHASE_SETUP: return "setup";
     case MF__PHASE_DISPATCH: return "dispatch";
     case MF__PHASE_COMBINE: return "combine";
     case MF__PHASE_ABORT: return "abort";

@@ -71,13 +71,13 @@ int64_t mf__param_timeout_ms(void); /* MF_TIMEOUT_MS, default 30000 */
 #define MF__VEC_ELEMS_BF16 8      /* 16-byte rows: H and I multiples of 8 in BF16 */
 #define MF__ROW_ALIGN 16          /* row tensors' data pointers: 16-byte vector loads and stores */
 
-/* Collective phases; each has its own column of epoch signals. */
+/* Collective phases of the data path; each has its own column of epoch signals. (Setup
+ * collectives, mf_moe_create, meet at the group's host barrier instead.) */
 typedef enum mf__phase {
-    MF__PHASE_SETUP = 0,    /* heap growth in mf_moe_create */
-    MF__PHASE_DISPATCH = 1, /* every rank has published x, scales, ids, weights, T */
-    MF__PHASE_COMBINE = 2,  /* every rank has written its partials into the owners' slots */
-    MF__PHASE_ABORT = 3,    /* every rank has finished reading peers after a failed plan */
-    MF__NUM_PHASES = 4
+    MF__PHASE_DISPATCH = 0, /* every rank has published x, scales, ids, weights, T */
+    MF__PHASE_COMBINE = 1,  /* every rank has written its partials into the owners' slots */
+    MF__PHASE_ABORT = 2,    /* every rank has finished reading peers after a failed plan */
+    MF__NUM_PHASES = 3
 } mf__phase_t;
 
 const char *mf__phase_name(int phase);

@@ -69,7 +69,12 @@ static mf__cuda_comm_t *mf__cc(mf_comm_t comm) { return (mf__cuda_comm_t *)comm-
  * CUDA_DEVICE_MAX_CONNECTIONS hardware queues (default 8); two ranks sharing a queue deadlock when
  * one's wait kernel sits in front of the other's arrive (seen on the H200 with R = 8). Ask for the
  * maximum before the context exists, unless the user chose a value (docs/API.md). */
-static void mf__cuda_request_connections(void) { setenv("CUDA_DEVICE_MAX_CONNECTIONS", kMfMaxConnections, 0); }
+static void mf__cuda_request_connections(void) {
+    setenv("CUDA_DEVICE_MAX_CONNECTIONS", kMfMaxConnections, 0);
+    /* Likewise, load modules eagerly (cudart's own too), so that no call on the data path waits
+     * for a module load behind a peer's spinning kernel. */
+    setenv("CUDA_MODULE_LOADING", "EAGER", 0);
+}
 
 static int32_t mf__cuda_available(void) {
     mf__cuda_request_connections();
@@ -409,8 +414,9 @@ static mf_result_t mf__cuda_publish(mf_moe_t moe, const mf_tensor_t *x, const mf
     return MF_SUCCESS;
 }
 
-/* Waits for every rank's publication, then builds the plan into the layer's buffers. */
-static mf_result_t mf__cuda_plan(mf_moe_t moe, cudaStream_t stream) {
+/* Waits for every rank's publication, then builds the plan into the layer's buffers (and, for
+ * mf_dispatch, copies counts and offsets into the caller's tensors: no memcpy on the data path). */
+static mf_result_t mf__cuda_plan(mf_moe_t moe, int32_t *counts_out, int32_t *offsets_out, cudaStream_t stream) {
     mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
     const mf_moe_config_t *c = &moe->config;
     MF_CHECK(mf__cuda_sync_phase(moe, MF__PHASE_DISPATCH, stream));
@@ -427,6 +433,8 @@ static mf_result_t mf__cuda_plan(mf_moe_t moe, cudaStream_t stream) {
     p.counts = s->counts;
     p.offsets = s->offsets;
     p.src = s->src;
+    p.counts_out = counts_out;
+    p.offsets_out = offsets_out;
     p.sink = mf__sink(moe->comm);
     mf__plan_count_kernel<<<p.L, kMfPlanThreads, 0, stream>>>(p);
     MF_CUDA_CHECK_LAUNCH();
@@ -509,7 +517,7 @@ static mf_result_t mf__cuda_forward(mf_moe_t moe, const mf_moe_forward_in_t *in,
     MF__MARK(MF_PHASE_PREPARE);
     MF_CHECK(mf__cuda_publish(moe, &in->x, &in->topk_ids, (const float *)in->topk_weights.data, stream));
     MF__MARK(MF_PHASE_DISPATCH);
-    MF_CHECK(mf__cuda_plan(moe, stream));
+    MF_CHECK(mf__cuda_plan(moe, NULL, NULL, stream));
     MF_CHECK(mf__cuda_gather(moe, s->recv_x, s->recv_scales, NULL, stream));
     MF__MARK(MF_PHASE_W13);
 
@@ -551,16 +559,11 @@ static mf_result_t mf__cuda_dispatch(mf_moe_t moe, const mf_dispatch_in_t *in, c
                                      mf_stream_t stream_) {
     cudaStream_t stream = (cudaStream_t)stream_;
     MF_CHECK(mf__cuda_enter(moe->comm, stream));
-    mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
-    int32_t L = moe->info.num_local_experts;
     MF_CHECK(mf__cuda_publish(moe, &in->x, &in->topk_ids, NULL, stream));
-    MF_CHECK(mf__cuda_plan(moe, stream));
+    int32_t *offsets_out = moe->config.layout == MF_LAYOUT_EXPERT_MAJOR ? (int32_t *)out->expert_offsets.data : NULL;
+    MF_CHECK(mf__cuda_plan(moe, (int32_t *)out->expert_counts.data, offsets_out, stream));
     MF_CHECK(mf__cuda_gather(moe, out->recv_x.data, (float *)out->recv_scales.data, (int32_t *)out->recv_src.data,
                              stream));
-    MF_CUDA_CHECK(cudaMemcpyAsync(out->expert_counts.data, s->counts, (size_t)L * 4, cudaMemcpyDeviceToDevice, stream));
-    if (moe->config.layout == MF_LAYOUT_EXPERT_MAJOR)
-        MF_CUDA_CHECK(cudaMemcpyAsync(out->expert_offsets.data, s->offsets, (size_t)(L + 1) * 4,
-                                      cudaMemcpyDeviceToDevice, stream));
     return MF_SUCCESS;
 }
 

@@ -99,6 +99,7 @@ typedef struct mf__plan_params {
     int32_t *counts;  /* [L] */
     int32_t *offsets; /* [L + 1] */
     int32_t *src;     /* [rows, 3] */
+    int32_t *counts_out, *offsets_out; /* mf_dispatch's copies for the caller, or NULL */
     mf__fault_sink_t sink;
 } mf__plan_params_t;
 
@@ -153,8 +154,11 @@ __global__ void mf__plan_offsets_kernel(mf__plan_params_t p) {
             run += padded;
         }
         p.counts[e] = c;
+        if (p.counts_out) p.counts_out[e] = c;
+        if (p.offsets_out) p.offsets_out[e] = p.offsets[e];
     }
     p.offsets[p.L] = p.layout == MF_LAYOUT_MASKED ? p.L * p.capacity : run;
+    if (p.offsets_out) p.offsets_out[p.L] = p.offsets[p.L];
 }
 
 /* One block per local expert: its rows in rank-major, token, k order; then padding markers. */
