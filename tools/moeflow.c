@@ -16,6 +16,9 @@
  *           + x and y (R * T * H * 2 each) + rows * H * (payload + 2) (dispatched rows, partials)
  *   floor = max(FLOPs / peak, bytes / copy bandwidth), from the H200 ceilings on CUDA; the CPU
  *           backend has no ceiling, so its floor columns read "-".
+ * bench also splits each row into its phases (count(): prepare and dispatch as copies, W13 and W2
+ * as GEMMs that read the routed experts' weights once, combine as the partials' return and sum),
+ * each with its own floor, in the table after the main one and as extra JSON rows (op = phase).
  */
 #include <errno.h>
 #include <math.h>
@@ -428,6 +431,7 @@ typedef struct row {
     mf_result_t code;
     mfp_timing_t timing;
     double time_us, tflops, gbps, floor_us, pct;
+    double ph_flops[MF_NUM_PHASES], ph_bytes[MF_NUM_PHASES]; /* all ranks' work per phase */
     int checked;
     double diff, max_abs;
     int64_t wrong, first_wrong;
@@ -462,7 +466,15 @@ static void load_stats(const mfp_problem_t *p, row_t *row, int32_t *empty) {
     free(pe);
 }
 
-/* FLOPs, bytes and floor of one row (see the file comment). */
+/* max(FLOPs / peak, bytes / copy rate) in us on CUDA; -1 on the CPU (no ceiling). */
+static double floor_of(const opts_t *o, int32_t dtype, double flops, double bytes) {
+    if (o->backend != MF_BACKEND_CUDA) return -1;
+    double a = flops / (dtype == MF_DTYPE_FP8_E4M3 ? H200_FP8_FLOPS : H200_BF16_FLOPS);
+    double b = bytes / H200_COPY_BYTES_PER_S;
+    return (a > b ? a : b) * 1e6;
+}
+
+/* FLOPs, bytes and floor of one row and of its phases (see the file comment). */
 static void count(const opts_t *o, const mfp_problem_t *p, row_t *row) {
     const double H = o->H, I = o->I, rows = (double)row->rows;
     const int fp8 = row->dtype == MF_DTYPE_FP8_E4M3;
@@ -479,13 +491,38 @@ static void count(const opts_t *o, const mfp_problem_t *p, row_t *row) {
     double t = row->time_us * 1e-6;
     row->tflops = t > 0 ? flops / t / 1e12 : 0;
     row->gbps = t > 0 ? bytes / t / 1e9 : 0;
-    row->floor_us = -1;
-    if (o->backend == MF_BACKEND_CUDA) {
-        double peak = fp8 ? H200_FP8_FLOPS : H200_BF16_FLOPS;
-        double a = flops / peak, b = bytes / H200_COPY_BYTES_PER_S;
-        row->floor_us = (a > b ? a : b) * 1e6;
-        row->pct = row->time_us > 0 ? 100.0 * row->floor_us / row->time_us : 0;
-    }
+    row->floor_us = floor_of(o, row->dtype, flops, bytes);
+    row->pct = row->floor_us >= 0 && row->time_us > 0 ? 100.0 * row->floor_us / row->time_us : 0;
+
+    /* Per phase, every rank's work (the ranks run their phases concurrently): bytes count reads
+     * and writes, as the copy ceiling does; scales add 4 bytes per 128 FP8 elements. */
+    const double ss = fp8 ? 4.0 / QBLOCK : 0, ws = fp8 ? 4.0 / (QBLOCK * QBLOCK) : 0, toks = (double)o->R * row->T;
+    row->ph_flops[MF_PHASE_PREPARE] = 0;
+    row->ph_bytes[MF_PHASE_PREPARE] = toks * H * (2 + es + ss);
+    row->ph_flops[MF_PHASE_DISPATCH] = 0;
+    row->ph_bytes[MF_PHASE_DISPATCH] = 2 * rows * H * (es + ss);
+    row->ph_flops[MF_PHASE_W13] = 2 * rows * H * 2 * I;
+    row->ph_bytes[MF_PHASE_W13] = used * 2 * I * H * (es + ws) + rows * H * (es + ss) + rows * I * (es + ss);
+    row->ph_flops[MF_PHASE_W2] = 2 * rows * I * H;
+    row->ph_bytes[MF_PHASE_W2] = used * H * I * (es + ws) + rows * I * (es + ss) + rows * H * 2;
+    row->ph_flops[MF_PHASE_COMBINE] = 0;
+    row->ph_bytes[MF_PHASE_COMBINE] = 3 * rows * H * 2 + toks * H * 2; /* return (read + write), sum */
+}
+
+/* One phase of a row: its time (slowest rank), rates and floor; 0 when the row has no phases. */
+typedef struct phase_stat {
+    double us, tflops, gbps, floor_us, pct;
+} phase_stat_t;
+
+static int phase_stat(const opts_t *o, const row_t *r, int f, phase_stat_t *ps) {
+    if (r->code != MF_SUCCESS || !r->timing.have_phases) return 0;
+    ps->us = r->timing.phase_max_us[f];
+    double t = ps->us * 1e-6;
+    ps->tflops = t > 0 ? r->ph_flops[f] / t / 1e12 : 0;
+    ps->gbps = t > 0 ? r->ph_bytes[f] / t / 1e9 : 0;
+    ps->floor_us = floor_of(o, r->dtype, r->ph_flops[f], r->ph_bytes[f]);
+    ps->pct = ps->floor_us >= 0 && ps->us > 0 ? 100.0 * ps->floor_us / ps->us : 0;
+    return 1;
 }
 
 /* ---- output ----------------------------------------------------------------------------------- */
@@ -562,6 +599,27 @@ static void print_row(const opts_t *o, const row_t *r) {
     if (r->floor_us >= 0) printf(" %9.1f %6.1f%%", r->floor_us, r->pct);
     else printf(" %9s %7s", "-", "-");
     printf(" %10s %8s\n", diff, wrong);
+}
+
+/* bench: each row's phases with their rates and floors, after the table. */
+static void print_phases(const opts_t *o, const row_t *rows, int nrows) {
+    int any = 0;
+    for (int i = 0; i < nrows; i++) {
+        for (int f = 0; f < MF_NUM_PHASES; f++) {
+            phase_stat_t ps;
+            if (!phase_stat(o, &rows[i], f, &ps)) break;
+            if (!any) {
+                printf("#\n# phases   slowest rank's time; FLOPs and bytes of all ranks (reads + writes; "
+                       "see tools/moeflow.c)\n#%5s %7s %9s %9s %8s %8s %9s %7s\n", "dtype", "T", "phase",
+                       "time(us)", "TFLOP/s", "GB/s", "floor", "%floor");
+                any = 1;
+            }
+            printf(" %5s %7d %9s %9.1f %8.1f %8.1f", dtype_name(rows[i].dtype), rows[i].T, k_phase_names[f],
+                   ps.us, ps.tflops, ps.gbps);
+            if (ps.floor_us >= 0) printf(" %9.1f %6.1f%%\n", ps.floor_us, ps.pct);
+            else printf(" %9s %7s\n", "-", "-");
+        }
+    }
 }
 
 /* JSON string with ", \ and control characters escaped. */
@@ -665,6 +723,28 @@ static int write_json(const opts_t *o, const row_t *rows, int nrows, int argc, c
             fprintf(f, "}");
         }
         fprintf(f, ", \"iters\": %d, \"warmup\": %d, \"peers\": []}", o->iters, o->warmup);
+        for (int p = 0; p < MF_NUM_PHASES; p++) { /* DESIGN.md: op may be a phase name */
+            phase_stat_t ps;
+            if (!phase_stat(o, r, p, &ps)) break;
+            fprintf(f, ",\n  {\"op\": \"%s\", \"dtype\": \"%s\", \"layout\": \"%s\", \"shape\": {\"R\": %d, "
+                       "\"E\": %d, \"K\": %d, \"H\": %d, \"I\": %d, \"T\": %d, \"L\": %d, \"M\": %lld}, \"time_us\": ",
+                    k_phase_names[p], dtype_name(r->dtype), o->layout == MF_LAYOUT_MASKED ? "masked" : "expert_major",
+                    o->R, o->E, o->K, o->H, o->I, r->T, o->E / o->R, (long long)r->rows);
+            json_number(f, ps.us);
+            if (r->ph_flops[p] > 0) {
+                fprintf(f, ", \"tflops\": ");
+                json_number(f, ps.tflops);
+            }
+            fprintf(f, ", \"gbps\": ");
+            json_number(f, ps.gbps);
+            if (ps.floor_us >= 0) {
+                fprintf(f, ", \"floor_us\": ");
+                json_number(f, ps.floor_us);
+                fprintf(f, ", \"pct_of_floor\": ");
+                json_number(f, ps.pct);
+            }
+            fprintf(f, ", \"peers\": []}");
+        }
     }
     fprintf(f, "\n]}\n");
     int bad = ferror(f);
@@ -863,6 +943,7 @@ int main(int argc, char **argv) {
     }
     int passed = 0;
     for (int i = 0; i < nrows; i++) passed += rows[i].pass;
+    if (o.bench) print_phases(&o, rows, nrows);
     printf("# %s: %d of %d rows passed\n", all_pass ? "PASS" : "FAIL", passed, nrows);
     int rc = all_pass ? 0 : EXIT_FAIL;
     if (o.json && write_json(&o, rows, nrows, argc, argv) != 0) rc = EXIT_FAIL;

@@ -412,6 +412,19 @@ static int graph_rank(int32_t rank, void *arg) {
     mf_moe_forward_in_t in = {mft_t2(x, MF_DTYPE_BF16, T, H), mft_t2(ids, MF_DTYPE_INT32, T, K),
                               mft_t2(wt, MF_DTYPE_FP32, T, K)};
     mf_moe_forward_out_t out = {mft_t2(y, MF_DTYPE_BF16, T, H)};
+    /* Every replay's inputs and outputs live on the device: a pageable cudaMemcpyAsync blocks this
+     * host thread until the stream drains, i.e. until peers launch their replay, which they may not
+     * do while blocked the same way (docs/API.md, virtual ranks). */
+    size_t xb = (size_t)T * H * 2, ib = (size_t)T * K * 4;
+    uint8_t *rx = to_dev(NULL, xb * GRAPH_REPLAYS), *rids = to_dev(NULL, ib * GRAPH_REPLAYS),
+            *rwt = to_dev(NULL, ib * GRAPH_REPLAYS), *ry = to_dev(NULL, xb * GRAPH_REPLAYS);
+    MFT_CHECK(rx && rids && rwt && ry);
+    for (int32_t i = 0; i < GRAPH_REPLAYS; i++) {
+        const mfp_problem_t *q = &g->inputs[i];
+        CUDA_OK(cudaMemcpy(rx + i * xb, q->x[rank], xb, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(rids + i * ib, q->topk_ids[rank], ib, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(rwt + i * ib, q->topk_weights[rank], ib, cudaMemcpyHostToDevice));
+    }
     setup_done(&g->ready);
     cudaGraph_t graph;
     cudaGraphExec_t exec;
@@ -424,19 +437,21 @@ static int graph_rank(int32_t rank, void *arg) {
     CUDA_OK(cudaStreamSynchronize(stream));
     setup_done(&g->ready); /* instantiation may wait for the device: finish it before any replay */
     for (int32_t i = 0; i < GRAPH_REPLAYS; i++) {
-        const mfp_problem_t *q = &g->inputs[i];
-        CUDA_OK(cudaMemcpyAsync(x, q->x[rank], (size_t)T * H * 2, cudaMemcpyHostToDevice, stream));
-        CUDA_OK(cudaMemcpyAsync(ids, q->topk_ids[rank], (size_t)T * K * 4, cudaMemcpyHostToDevice, stream));
-        CUDA_OK(cudaMemcpyAsync(wt, q->topk_weights[rank], (size_t)T * K * 4, cudaMemcpyHostToDevice, stream));
+        CUDA_OK(cudaMemcpyAsync(x, rx + i * xb, xb, cudaMemcpyDeviceToDevice, stream));
+        CUDA_OK(cudaMemcpyAsync(ids, rids + i * ib, ib, cudaMemcpyDeviceToDevice, stream));
+        CUDA_OK(cudaMemcpyAsync(wt, rwt + i * ib, ib, cudaMemcpyDeviceToDevice, stream));
         CUDA_OK(cudaGraphLaunch(exec, stream));
-        CUDA_OK(cudaMemcpyAsync(g->y[i * s->R + rank], y, (size_t)T * H * 2, cudaMemcpyDeviceToHost, stream));
+        CUDA_OK(cudaMemcpyAsync(ry + i * xb, y, xb, cudaMemcpyDeviceToDevice, stream));
     }
     CUDA_OK(cudaStreamSynchronize(stream));
+    setup_done(&g->ready); /* peers may still spin on this stream's signals until here */
     MFT_CHECK_OK(mf_comm_get_async_error(comm));
+    for (int32_t i = 0; i < GRAPH_REPLAYS; i++)
+        CUDA_OK(cudaMemcpy(g->y[i * s->R + rank], ry + i * xb, xb, cudaMemcpyDeviceToHost));
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
     free_cuda_layer(moe, &w);
-    void *bufs[] = {x, ids, wt, y};
+    void *bufs[] = {x, ids, wt, y, rx, rids, rwt, ry};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
     cudaStreamDestroy(stream);
     return 0;
