@@ -114,16 +114,16 @@ clean:
 -include $(LIB_OBJ:.o=.d) $(TEST_OBJ:.o=.d) $(GPU_TEST_OBJ:.o=.d) $(BUILD)/tools/moeflow.d
 
 # ---- the kernel lab (dev/cuda/): validate-then-bench mains, not part of `make` or the tests ------
-#   make lab    builds build/dev/gemm_lab (+ libmoeflow.a); run it on an sm_90 GPU machine:
-#               ./build/dev/gemm_lab [--validate | --bench]
+#   make lab    builds build/dev/<name> for every dev/cuda/<name>.cu (+ libmoeflow.a); run them on
+#               an sm_90 GPU machine, e.g. ./build/dev/gemm_lab [--validate | --bench]
 .PHONY: lab
 ifeq ($(CUDA),1)
-LAB_BINS := $(BUILD)/dev/gemm_lab
+LAB_BINS := $(patsubst dev/cuda/%.cu,$(BUILD)/dev/%,$(wildcard dev/cuda/*.cu))
 lab: $(LAB_BINS)
 
 $(BUILD)/dev/%: dev/cuda/%.cu $(STATIC)
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVCCFLAGS) -o $@ $< $(STATIC) -lcuda -ldl -lrt -lpthread -lm
+	$(NVCC) $(NVCCFLAGS) -Idev/cuda -o $@ $< $(STATIC) -lcublasLt -lcuda -ldl -lrt -lpthread -lm
 else
 lab:
 	@echo "lab: SKIP (this build has no CUDA: nvcc not found or CUDA=0)"
