@@ -103,6 +103,17 @@ typedef enum mf_layout {
     MF_LAYOUT_MASKED = 1
 } mf_layout_t;
 
+/* How mf_moe_forward's expert side consumes the routed rows (docs/API.md "Dataflow"). Every
+ * choice gives the same y, bit for bit; they differ in speed. The CPU backend has one path and
+ * accepts every value. */
+typedef enum mf_dataflow {
+    MF_DATAFLOW_AUTO = 0,     /* DIRECT when few rows per expert are expected, else PULL */
+    MF_DATAFLOW_DIRECT = 1,   /* W13 reads each row from its owner's published copy (decode) */
+    MF_DATAFLOW_PULL = 2,     /* rows are first pulled into the receive tensor (prefill) */
+    MF_DATAFLOW_UNFUSED = 3   /* pull, GEMMs into a local tensor, then a separate return: the
+                                 dispatch + GEMM + combine path, kept for comparison */
+} mf_dataflow_t;
+
 /* ---------------------------------------------------------------------------------------------
  * Tensors: non-owning descriptors of contiguous row-major memory
  * ------------------------------------------------------------------------------------------- */
@@ -193,6 +204,7 @@ typedef struct mf_moe_config {
     int32_t max_recv_rows;        /* EXPERT_MAJOR: rows of the receive tensor; 0 = worst case */
     int32_t ue8m0_scales;         /* 1: activation scales rounded up to powers of two */
     int32_t profile;              /* 1: record per-phase times (mf_moe_get_phase_times) */
+    int32_t dataflow;             /* mf_dataflow_t; 0 = AUTO */
 } mf_moe_config_t;
 
 #define MF_MAX_TOPK 32
@@ -200,7 +212,7 @@ typedef struct mf_moe_config {
 #define MF_MOE_CONFIG_INIT                                                                       \
     {                                                                                            \
         sizeof(mf_moe_config_t), MF_MOE_CONFIG_MAGIC, MF_API_VERSION, 0, 0, 0, 0, 0,             \
-            MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, 0, 0, 0, 0, 0                                 \
+            MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, 0, 0, 0, 0, 0, MF_DATAFLOW_AUTO               \
     }
 
 /* What a layer resolved its defaults to, for sizing dispatch outputs. */

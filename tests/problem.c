@@ -532,6 +532,7 @@ static void *rank_main(void *varg) {
     cfg.max_recv_rows = s->max_recv_rows;
     cfg.ue8m0_scales = s->ue8m0;
     cfg.profile = o->profile;
+    cfg.dataflow = o->dataflow;
     if ((res = mf_moe_create(comm, &cfg, &moe)) != MF_SUCCESS) {
         fail(run, r, res, "mf_moe_create", mf_last_error());
         goto done;

@@ -192,6 +192,8 @@ static int moe_config_body(mf_comm_t comm) {
     BAD(expert_capacity, -1, MF_ERR_INVALID_ARGUMENT, "expert_capacity -1");
     BAD(max_recv_rows, -5, MF_ERR_INVALID_ARGUMENT, "max_recv_rows -5");
     BAD(ue8m0_scales, 2, MF_ERR_INVALID_ARGUMENT, "ue8m0_scales 2");
+    BAD(dataflow, -1, MF_ERR_INVALID_ARGUMENT, "dataflow -1");
+    BAD(dataflow, MF_DATAFLOW_UNFUSED + 1, MF_ERR_INVALID_ARGUMENT, "dataflow past UNFUSED");
     c = small_config(MF_DTYPE_BF16, MF_LAYOUT_MASKED);
     c.hidden = 100;
     if (expect_create_rejected(comm, &c, MF_ERR_INVALID_ARGUMENT, "BF16 H = 100 (not a multiple of 8)"))

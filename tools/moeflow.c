@@ -89,6 +89,7 @@ typedef struct opts {
     int32_t R, E, K, H, I, S;
     int32_t T[MAX_SIZES], nT;
     int32_t dtypes[2], ndtypes;
+    int32_t flows[4], nflows; /* mf_dataflow_t values to run, in order */
     int32_t layout, routing, hot, ue8m0;
     double zipf_s, drop;
     uint64_t seed;
@@ -121,6 +122,8 @@ static void usage(FILE *f) {
             "      --dtype bf16|fp8|all     weights and dispatch payload; all: bf16, then fp8 [all]\n"
             "      --ue8m0                  power-of-two activation scales (FP8)\n"
             "      --layout expert_major|masked                                [expert_major]\n"
+            "      --dataflow F[,F..]       auto|direct|pull|unfused (docs/API.md); a list runs\n"
+            "                               each, e.g. direct,pull,unfused              [auto]\n"
             "routing\n"
             "      --routing uniform|zipf[:s]|hot[:e]                                [uniform]\n"
             "                               zipf: P(e) ~ 1 / popularity rank^s, s = %.1f;\n"
@@ -200,6 +203,23 @@ static void parse_routing(opts_t *o, const char *v) {
         die_usage("--routing: '%s' is not uniform, zipf[:s] or hot[:e]", v);
 }
 
+static const char *const k_flow_names[] = {"auto", "direct", "pull", "unfused"};
+
+static void parse_flows(opts_t *o, const char *v) {
+    char buf[128];
+    snprintf(buf, sizeof buf, "%s", v);
+    o->nflows = 0;
+    for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+        int f = -1;
+        for (int i = 0; i < 4; i++)
+            if (!strcmp(t, k_flow_names[i])) f = i;
+        if (f < 0) die_usage("--dataflow: '%s' is not auto, direct, pull or unfused", t);
+        if (o->nflows == 4) die_usage("--dataflow: at most 4 entries");
+        o->flows[o->nflows++] = f;
+    }
+    if (!o->nflows) die_usage("--dataflow: empty list");
+}
+
 static const preset_t *find_preset(const char *name) {
     for (int i = 0; i < NUM_PRESETS; i++)
         if (!strcmp(k_presets[i].name, name)) return &k_presets[i];
@@ -219,7 +239,7 @@ static const struct {
     {0, "layout", 1},   {0, "routing", 1},   {0, "drop", 1},         {0, "seed", 1},
     {0, "backend", 1},  {0, "preset", 1},    {0, "ue8m0", 0},        {0, "iters", 1},
     {0, "warmup", 1},   {0, "json", 1},      {0, "timeout-ms", 1},   {0, "no-check", 0},
-    {'h', "help", 0},
+    {0, "dataflow", 1}, {'h', "help", 0},
 };
 #define NUM_FLAGS ((int)(sizeof k_flags / sizeof k_flags[0]))
 
@@ -261,6 +281,7 @@ static void parse_args(int argc, char **argv, opts_t *o) {
     o->T[0] = DEF_T, o->nT = 1;
     o->dtypes[0] = MF_DTYPE_BF16, o->dtypes[1] = MF_DTYPE_FP8_E4M3, o->ndtypes = 2;
     o->layout = MF_LAYOUT_EXPERT_MAJOR, o->routing = MFP_ROUTING_UNIFORM, o->zipf_s = DEF_ZIPF_S;
+    o->flows[0] = MF_DATAFLOW_AUTO, o->nflows = 1;
     o->seed = DEF_SEED, o->backend_req = MF_BACKEND_AUTO, o->iters = -1, o->warmup = -1;
     o->check = 1;
     /* Pass 1: the preset, so that every other flag overrides it wherever it stands. */
@@ -296,7 +317,8 @@ static void parse_args(int argc, char **argv, opts_t *o) {
             if (!strcmp(v, "expert_major")) o->layout = MF_LAYOUT_EXPERT_MAJOR;
             else if (!strcmp(v, "masked")) o->layout = MF_LAYOUT_MASKED;
             else die_usage("--layout: '%s' is not expert_major or masked", v);
-        } else if (!strcmp(name, "--routing")) parse_routing(o, v);
+        } else if (!strcmp(name, "--dataflow")) parse_flows(o, v);
+        else if (!strcmp(name, "--routing")) parse_routing(o, v);
         else if (!strcmp(name, "--drop")) {
             o->drop = parse_double(name, v);
             if (!(o->drop >= 0.0 && o->drop < 1.0)) die_usage("--drop: %g is outside [0, 1)", o->drop);
@@ -425,7 +447,7 @@ static void on_run_progress(void *ctx, int32_t done, int32_t total) {
 
 /* ---- one result row ------------------------------------------------------------------------- */
 typedef struct row {
-    int32_t dtype, T;
+    int32_t dtype, T, flow;
     int64_t rows;
     double rank_lb, expert_lb; /* max / mean of received rows */
     mf_result_t code;
@@ -544,8 +566,8 @@ static void print_line(char *line) {
 
 static void print_header(const opts_t *o) {
     char l1[512] = "", l2[512] = "";
-    append(l1, sizeof l1, "#%5s %7s %8s", "dtype", "T", "rows");
-    append(l2, sizeof l2, "#%5s %7s %8s", "", "", "");
+    append(l1, sizeof l1, "#%5s %8s %7s %8s", "dtype", "dataflow", "T", "rows");
+    append(l2, sizeof l2, "#%5s %8s %7s %8s", "", "", "", "");
     if (!o->bench) {
         append(l1, sizeof l1, " %7s %7s", "rank_lb", "exp_lb");
         append(l2, sizeof l2, " %7s %7s", "max/mn", "max/mn");
@@ -576,7 +598,7 @@ static void print_row(const opts_t *o, const row_t *r) {
         snprintf(max_err, sizeof max_err, "%.2e", r->max_abs);
         snprintf(wrong, sizeof wrong, "%lld", (long long)r->wrong);
     }
-    printf(" %5s %7d %8lld", dtype_name(r->dtype), r->T, (long long)r->rows);
+    printf(" %5s %8s %7d %8lld", dtype_name(r->dtype), k_flow_names[r->flow], r->T, (long long)r->rows);
     if (!o->bench) printf(" %7.2f %7.2f", r->rank_lb, r->expert_lb);
     else if (r->code == MF_SUCCESS) printf(" %10.1f", r->time_us);
     else printf(" %10s", "-");
@@ -610,11 +632,12 @@ static void print_phases(const opts_t *o, const row_t *rows, int nrows) {
             if (!phase_stat(o, &rows[i], f, &ps)) break;
             if (!any) {
                 printf("#\n# phases   slowest rank's time; FLOPs and bytes of all ranks (reads + writes; "
-                       "see tools/moeflow.c)\n#%5s %7s %9s %9s %8s %8s %9s %7s\n", "dtype", "T", "phase",
+                       "see tools/moeflow.c)\n#%5s %8s %7s %9s %9s %8s %8s %9s %7s\n", "dtype", "dataflow", "T", "phase",
                        "time(us)", "TFLOP/s", "GB/s", "floor", "%floor");
                 any = 1;
             }
-            printf(" %5s %7d %9s %9.1f %8.1f %8.1f", dtype_name(rows[i].dtype), rows[i].T, k_phase_names[f],
+            printf(" %5s %8s %7d %9s %9.1f %8.1f %8.1f", dtype_name(rows[i].dtype), k_flow_names[rows[i].flow], rows[i].T,
+                   k_phase_names[f],
                    ps.us, ps.tflops, ps.gbps);
             if (ps.floor_us >= 0) printf(" %9.1f %6.1f%%\n", ps.floor_us, ps.pct);
             else printf(" %9s %7s\n", "-", "-");
@@ -692,7 +715,8 @@ static int write_json(const opts_t *o, const row_t *rows, int nrows, int argc, c
     for (int i = 0; i < nrows; i++) {
         const row_t *r = &rows[i];
         if (r->code != MF_SUCCESS) continue; /* no measurement */
-        fprintf(f, "%s\n  {\"op\": \"layer\", \"dtype\": \"%s\", \"layout\": \"%s\", ", first ? "" : ",",
+        fprintf(f, "%s\n  {\"op\": \"%s\", \"dataflow\": \"%s\", \"dtype\": \"%s\", \"layout\": \"%s\", ",
+                first ? "" : ",", r->flow == MF_DATAFLOW_UNFUSED ? "layer_unfused" : "layer", k_flow_names[r->flow],
                 dtype_name(r->dtype), o->layout == MF_LAYOUT_MASKED ? "masked" : "expert_major");
         first = 0;
         fprintf(f, "\"shape\": {\"R\": %d, \"E\": %d, \"K\": %d, \"H\": %d, \"I\": %d, \"T\": %d, "
@@ -726,9 +750,10 @@ static int write_json(const opts_t *o, const row_t *rows, int nrows, int argc, c
         for (int p = 0; p < MF_NUM_PHASES; p++) { /* DESIGN.md: op may be a phase name */
             phase_stat_t ps;
             if (!phase_stat(o, r, p, &ps)) break;
-            fprintf(f, ",\n  {\"op\": \"%s\", \"dtype\": \"%s\", \"layout\": \"%s\", \"shape\": {\"R\": %d, "
+            fprintf(f, ",\n  {\"op\": \"%s\", \"dataflow\": \"%s\", \"dtype\": \"%s\", \"layout\": \"%s\", \"shape\": {\"R\": %d, "
                        "\"E\": %d, \"K\": %d, \"H\": %d, \"I\": %d, \"T\": %d, \"L\": %d, \"M\": %lld}, \"time_us\": ",
-                    k_phase_names[p], dtype_name(r->dtype), o->layout == MF_LAYOUT_MASKED ? "masked" : "expert_major",
+                    k_phase_names[p], k_flow_names[r->flow], dtype_name(r->dtype),
+                    o->layout == MF_LAYOUT_MASKED ? "masked" : "expert_major",
                     o->R, o->E, o->K, o->H, o->I, r->T, o->E / o->R, (long long)r->rows);
             json_number(f, ps.us);
             if (r->ph_flops[p] > 0) {
@@ -808,6 +833,7 @@ static void run_row(const opts_t *o, mfp_problem_t *p, row_t *row, uint16_t **y,
     ro.warmup = o->warmup;
     ro.timeout_ms = o->timeout_ms;
     ro.profile = 1;
+    ro.dataflow = row->flow;
     ro.progress = on_run_progress;
     ro.progress_ctx = &pg;
     char what[64];
@@ -888,7 +914,7 @@ int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);
 
     print_meta(&o);
-    row_t *rows = calloc((size_t)(o.nT * o.ndtypes), sizeof *rows);
+    row_t *rows = calloc((size_t)(o.nT * o.ndtypes * o.nflows), sizeof *rows);
     uint16_t **y = calloc((size_t)o.R, sizeof *y), **yref = calloc((size_t)o.R, sizeof *yref);
     if (!rows || !y || !yref) die_usage("out of host memory");
     for (int32_t r = 0; r < o.R; r++) {
@@ -928,17 +954,19 @@ int main(int argc, char **argv) {
             print_header(&o);
             header = 1;
         }
-        for (int i = 0; i < o.nT; i++) {
-            row_t *row = &rows[nrows++];
-            int32_t empty;
-            row->dtype = o.dtypes[d];
-            row->T = o.T[i];
-            if (mfp_set_tokens(&p, o.T[i], o.seed) != 0) die_usage("out of host memory");
-            load_stats(&p, row, &empty);
-            run_row(&o, &p, row, y, yref);
-            print_row(&o, row);
-            all_pass &= row->pass;
-        }
+        for (int i = 0; i < o.nT; i++)
+            for (int fl = 0; fl < o.nflows; fl++) {
+                row_t *row = &rows[nrows++];
+                int32_t empty;
+                row->dtype = o.dtypes[d];
+                row->flow = o.flows[fl];
+                row->T = o.T[i];
+                if (mfp_set_tokens(&p, o.T[i], o.seed) != 0) die_usage("out of host memory");
+                load_stats(&p, row, &empty);
+                run_row(&o, &p, row, y, yref);
+                print_row(&o, row);
+                all_pass &= row->pass;
+            }
         mfp_free(&p);
     }
     int passed = 0;

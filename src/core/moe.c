@@ -77,6 +77,8 @@ static mf_result_t mf__resolve_config(const mf_moe_config_t *in, int32_t R, mf_m
     MF_REQUIRE(c.max_recv_rows >= 0, "%s: max_recv_rows %d is negative", fn, c.max_recv_rows);
     MF_REQUIRE(c.ue8m0_scales == 0 || c.ue8m0_scales == 1, "%s: ue8m0_scales must be 0 or 1", fn);
     MF_REQUIRE(c.profile == 0 || c.profile == 1, "%s: profile must be 0 or 1", fn);
+    MF_REQUIRE(c.dataflow >= MF_DATAFLOW_AUTO && c.dataflow <= MF_DATAFLOW_UNFUSED,
+               "%s: dataflow %d is not an mf_dataflow_t", fn, c.dataflow);
 
     int64_t L = c.num_experts / R, S = c.max_tokens_per_rank, K = c.num_topk;
     if (!c.block_m) c.block_m = MF__DEFAULT_BLOCK_M;

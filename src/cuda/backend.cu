@@ -8,9 +8,11 @@
  *   publish           quantise x (FP8 1x128) or copy it, validate + copy ids and weights, write T
  *   arrive + wait     phase DISPATCH (device epochs; the wait is one block, bounded by the timeout)
  *   plan              count per local expert, offsets + capacity check, rank-major source rows
- *   gather            pull the routed rows from the peers' heaps into the receive tensor
+ *   gather            PULL / UNFUSED: pull the routed rows from the peers' heaps into the receive
+ *                     tensor; DIRECT: none, W13 reads each row at its owner through the plan
  *   w13, w2           grouped GEMMs (grouped_gemm.cu); W2 writes BF16 partials into the owners'
- *                     combine slots through the peer table
+ *                     combine slots through the peer table (UNFUSED: into a local tensor, then
+ *                     the return kernel copies them there, as mf_combine does)
  *   arrive + wait     phase COMBINE
  *   sum               y[t] = bf16(sum over k ascending of w[t,k] * slot[t,k])
  * Buffer reuse follows the CPU backend's argument (src/cpu/backend.c): two phases per call order
@@ -56,6 +58,7 @@ typedef struct mf__cuda_moe {
     float *recv_scales;              /* [rows, H/128] (FP8) */
     uint8_t *h;                      /* [rows, I] FP8 or BF16 */
     float *h_scales;                 /* [rows, I/128] (FP8) */
+    uint16_t *expert_out;            /* [rows, H] BF16: MF_DATAFLOW_UNFUSED only */
     int64_t rows;
     cudaEvent_t events[MF_NUM_PHASES + 1];
     int32_t events_valid;            /* the last forward recorded every event */
@@ -291,6 +294,7 @@ static void mf__cuda_moe_fini(mf_moe_t moe) {
     cudaFree(s->recv_scales);
     cudaFree(s->h);
     cudaFree(s->h_scales);
+    cudaFree(s->expert_out);
     for (int i = 0; i <= MF_NUM_PHASES; i++)
         if (s->events[i]) cudaEventDestroy(s->events[i]);
     (void)cudaGetLastError();
@@ -308,14 +312,16 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
     int fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
     s->rows = c->layout == MF_LAYOUT_MASKED ? L * c->expert_capacity : c->max_recv_rows;
     size_t esz = fp8 ? 1 : 2;
+    int pull = c->dataflow != MF_DATAFLOW_DIRECT; /* a receive tensor only where a path uses it */
     struct { void **p; size_t bytes; } allocs[] = {
         {(void **)&s->counts, (size_t)L * 4},
         {(void **)&s->offsets, (size_t)(L + 1) * 4},
         {(void **)&s->src, (size_t)s->rows * 12},
-        {(void **)&s->recv_x, (size_t)(s->rows * H) * esz},
-        {(void **)&s->recv_scales, fp8 ? (size_t)(s->rows * (H / MF__QUANT_BLOCK)) * 4 : 0},
+        {(void **)&s->recv_x, pull ? (size_t)(s->rows * H) * esz : 0},
+        {(void **)&s->recv_scales, pull && fp8 ? (size_t)(s->rows * (H / MF__QUANT_BLOCK)) * 4 : 0},
         {(void **)&s->h, (size_t)(s->rows * I) * esz},
         {(void **)&s->h_scales, fp8 ? (size_t)(s->rows * (I / MF__QUANT_BLOCK)) * 4 : 0},
+        {(void **)&s->expert_out, c->dataflow == MF_DATAFLOW_UNFUSED ? (size_t)(s->rows * H) * 2 : 0},
     };
     for (size_t i = 0; i < sizeof allocs / sizeof allocs[0]; i++) {
         if (!allocs[i].bytes) continue;
@@ -493,6 +499,16 @@ static mf_result_t mf__cuda_sum(mf_moe_t moe, int32_t T, const float *weights, u
     return MF_SUCCESS;
 }
 
+/* The dataflow of one forward (docs/API.md "Dataflow"). AUTO: DIRECT while the expected rows per
+ * local expert, T K R / E from this rank's T, stay within kMfDirectMaxRows; the choice is local
+ * (peers only publish), and every choice gives the same y. */
+static int32_t mf__cuda_dataflow(mf_moe_t moe, int32_t T) {
+    const mf_moe_config_t *c = &moe->config;
+    if (c->dataflow != MF_DATAFLOW_AUTO) return c->dataflow;
+    int64_t expected = (int64_t)T * c->num_topk * moe->comm->group->num_ranks / c->num_experts;
+    return expected <= kMfDirectMaxRows ? MF_DATAFLOW_DIRECT : MF_DATAFLOW_PULL;
+}
+
 /* ---- entry points ------------------------------------------------------------------------- */
 
 static mf_result_t mf__cuda_forward(mf_moe_t moe, const mf_moe_forward_in_t *in, const mf_moe_forward_out_t *out,
@@ -514,11 +530,14 @@ static mf_result_t mf__cuda_forward(mf_moe_t moe, const mf_moe_forward_in_t *in,
         if (timed) MF_CUDA_CHECK(cudaEventRecord(s->events[i], stream)); \
     } while (0)
 
+    const int32_t T = (int32_t)in->x.dims[0];
+    const int32_t flow = mf__cuda_dataflow(moe, T);
+
     MF__MARK(MF_PHASE_PREPARE);
     MF_CHECK(mf__cuda_publish(moe, &in->x, &in->topk_ids, (const float *)in->topk_weights.data, stream));
     MF__MARK(MF_PHASE_DISPATCH);
     MF_CHECK(mf__cuda_plan(moe, NULL, NULL, stream));
-    MF_CHECK(mf__cuda_gather(moe, s->recv_x, s->recv_scales, NULL, stream));
+    if (flow != MF_DATAFLOW_DIRECT) MF_CHECK(mf__cuda_gather(moe, s->recv_x, s->recv_scales, NULL, stream));
     MF__MARK(MF_PHASE_W13);
 
     mf__gemm_segments_t seg;
@@ -530,8 +549,14 @@ static mf_result_t mf__cuda_forward(mf_moe_t moe, const mf_moe_forward_in_t *in,
     if (c->layout == MF_LAYOUT_MASKED) per_expert = c->expert_capacity;
     if (c->layout == MF_LAYOUT_EXPERT_MAJOR && per_expert > c->max_recv_rows) per_expert = c->max_recv_rows;
     seg.max_rows_per_expert = (int32_t)per_expert;
-    mf__gemm_operand_t a = {s->recv_x, s->recv_scales};
-    mf__gemm_operand_t w13 = {w->w13.data, fp8 ? (const float *)w->w13_scales.data : NULL};
+    mf__gemm_gather_t gather;
+    memset(&gather, 0, sizeof gather);
+    for (int32_t r = 0; r < g->num_ranks; r++) gather.heap[r] = (const uint8_t *)g->heap_base[r];
+    gather.x = moe->heap.x;
+    gather.scales = moe->heap.scales;
+    gather.src = s->src;
+    mf__gemm_operand_t a = {s->recv_x, s->recv_scales, flow == MF_DATAFLOW_DIRECT ? &gather : NULL};
+    mf__gemm_operand_t w13 = {w->w13.data, fp8 ? (const float *)w->w13_scales.data : NULL, NULL};
     MF_CHECK(mf__cuda_w13_swiglu(&seg, c->dtype, c->ue8m0_scales, a, w13, c->hidden, c->intermediate, s->h,
                                  s->h_scales, stream));
     MF__MARK(MF_PHASE_W2);
@@ -541,14 +566,23 @@ static mf_result_t mf__cuda_forward(mf_moe_t moe, const mf_moe_forward_in_t *in,
     for (int32_t r = 0; r < g->num_ranks; r++) ret.slots[r] = (uint16_t *)((uint8_t *)g->heap_base[r] + moe->heap.combine);
     ret.src = s->src;
     ret.num_topk = c->num_topk;
-    mf__gemm_operand_t h = {s->h, s->h_scales};
-    mf__gemm_operand_t w2 = {w->w2.data, fp8 ? (const float *)w->w2_scales.data : NULL};
-    MF_CHECK(mf__cuda_w2(&seg, c->dtype, h, w2, c->hidden, c->intermediate, NULL, &ret, stream));
-    MF__MARK(MF_PHASE_COMBINE);
+    mf__gemm_operand_t h = {s->h, s->h_scales, NULL};
+    mf__gemm_operand_t w2 = {w->w2.data, fp8 ? (const float *)w->w2_scales.data : NULL, NULL};
+    if (flow == MF_DATAFLOW_UNFUSED) {
+        MF_CHECK(mf__cuda_w2(&seg, c->dtype, h, w2, c->hidden, c->intermediate, s->expert_out, NULL, stream));
+        MF__MARK(MF_PHASE_COMBINE);
+        mf__move_params_t p = mf__move_params(moe);
+        p.expert_out = s->expert_out;
+        mf__return_kernel<<<mf__move_blocks(moe), kMfMoveThreads, 0, stream>>>(p);
+        MF_CUDA_CHECK_LAUNCH();
+    } else {
+        MF_CHECK(mf__cuda_w2(&seg, c->dtype, h, w2, c->hidden, c->intermediate, NULL, &ret, stream));
+        MF__MARK(MF_PHASE_COMBINE);
+    }
 
     /* The owner sums with the weights it published (a copy, valid until its next publish). */
     const float *weights = (const float *)((uint8_t *)g->heap_base[moe->comm->rank] + moe->heap.weights);
-    MF_CHECK(mf__cuda_sum(moe, (int32_t)in->x.dims[0], weights, (uint16_t *)out->y.data, stream));
+    MF_CHECK(mf__cuda_sum(moe, T, weights, (uint16_t *)out->y.data, stream));
     MF__MARK(MF_NUM_PHASES);
 #undef MF__MARK
     s->events_valid = timed;

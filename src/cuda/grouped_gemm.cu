@@ -128,11 +128,12 @@ mf_result_t mf__cuda_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, i
     static const char *who = "mf__cuda_w13_swiglu";
     MF_CHECK(check_common(who, seg, dtype, H, I));
     const bool fp8 = dtype == MF_DTYPE_FP8_E4M3;
-    MF_CHECK(check_data(who, "a.data", a.data));
+    if (a.gather) MF_CHECK(check_data(who, "a.gather->src", a.gather->src));
+    else MF_CHECK(check_data(who, "a.data", a.data));
     MF_CHECK(check_data(who, "w13.data", w13.data));
     MF_CHECK(check_data(who, "h", h));
     if (fp8) {
-        MF_CHECK(check_scales(who, "a.scales", a.scales));
+        if (!a.gather) MF_CHECK(check_scales(who, "a.scales", a.scales));
         MF_CHECK(check_scales(who, "w13.scales", w13.scales));
         MF_CHECK(check_scales(who, "h_scales", h_scales));
     }
@@ -141,7 +142,12 @@ mf_result_t mf__cuda_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, i
     if (tiles == 0) return MF_SUCCESS;
 
     mf__gemm::w13_params p;
+    memset(&p, 0, sizeof p);
     p.seg = *seg;
+    if (a.gather) {
+        p.gather = *a.gather;
+        p.use_gather = 1;
+    }
     p.a = (const uint8_t *)a.data;
     p.a_scales = a.scales;
     p.w = (const uint8_t *)w13.data;

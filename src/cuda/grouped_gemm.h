@@ -31,9 +31,20 @@ typedef struct mf__gemm_segments {
     int32_t max_rows_per_expert; /* host bound on counts[e], for sizing grids (C or R * S) */
 } mf__gemm_segments_t;
 
+/* Activation rows read in place at their owners (the direct dataflow): receive row i is token
+ * src[i] = (rank, token, k) of `rank`, at heap[rank] + x + token * row_bytes, its FP8 scales at
+ * heap[rank] + scales + token * H/128 floats. */
+typedef struct mf__gemm_gather {
+    const uint8_t *heap[MF_MAX_RANKS]; /* every rank's symmetric heap (peer pointers) */
+    size_t x, scales;                  /* byte offsets of the published rows and scales */
+    const int32_t *src;                /* [rows, 3] device: the plan's source rows */
+} mf__gemm_gather_t;
+
 typedef struct mf__gemm_operand {
     const void *data;     /* rows x cols, FP8 (uint8) or BF16 (uint16), row-major */
     const float *scales;  /* FP8 activations: [rows, cols / 128]; FP8 weights: [L, N/128, K/128] */
+    const mf__gemm_gather_t *gather; /* W13's A only: when set, rows come from here and data /
+                                        scales are unused */
 } mf__gemm_operand_t;
 
 /* Where W2 sends its BF16 rows when not to a local `out`. */

@@ -351,15 +351,15 @@ static int cuda_comm_bitwise(void) {
 
 /* Rank `rank`'s layer of problem p on a CUDA group, with its weights uploaded (w: device copies,
  * freed by free_cuda_layer). Collective (mf_moe_create). */
-static int make_cuda_layer(mf_group_t group, const mfp_problem_t *p, int32_t rank, mf_comm_t *comm, mf_moe_t *moe,
-                           mf_moe_weights_t *w) {
+static int make_cuda_layer(mf_group_t group, const mfp_problem_t *p, int32_t rank, int32_t dataflow, mf_comm_t *comm,
+                           mf_moe_t *moe, mf_moe_weights_t *w) {
     const mfp_spec_t *s = &p->spec;
     int64_t H = s->H, I = s->I, L = p->L;
     size_t esz = s->dtype == MF_DTYPE_FP8_E4M3 ? 1 : 2;
     MFT_CHECK_OK(mf_group_get_comm(group, rank, comm));
     mf_moe_config_t cfg = MF_MOE_CONFIG_INIT;
     cfg.num_experts = s->E, cfg.num_topk = s->K, cfg.hidden = s->H, cfg.intermediate = s->I;
-    cfg.max_tokens_per_rank = s->S, cfg.dtype = s->dtype, cfg.layout = s->layout;
+    cfg.max_tokens_per_rank = s->S, cfg.dtype = s->dtype, cfg.layout = s->layout, cfg.dataflow = dataflow;
     MFT_CHECK_OK(mf_moe_create(*comm, &cfg, moe));
     memset(w, 0, sizeof *w);
     w->w13 = mft_t3(to_dev(p->w13[rank], (size_t)L * 2 * I * H * esz), s->dtype, L, 2 * I, H);
@@ -393,6 +393,7 @@ typedef struct graph_run {
     mf_group_t group;
     uint16_t **y;            /* [GRAPH_REPLAYS * R] */
     pthread_barrier_t ready; /* every rank allocated, then instantiated: see setup_done() */
+    int32_t dataflow;
 } graph_run_t;
 
 static int graph_rank(int32_t rank, void *arg) {
@@ -405,7 +406,7 @@ static int graph_rank(int32_t rank, void *arg) {
     mf_comm_t comm;
     mf_moe_t moe;
     mf_moe_weights_t w;
-    if (make_cuda_layer(g->group, g->p, rank, &comm, &moe, &w)) return 1;
+    if (make_cuda_layer(g->group, g->p, rank, g->dataflow, &comm, &moe, &w)) return 1;
     void *x = to_dev(NULL, (size_t)T * H * 2), *ids = to_dev(NULL, (size_t)T * K * 4), *wt = to_dev(NULL, (size_t)T * K * 4),
          *y = to_dev(NULL, (size_t)T * H * 2);
     MFT_CHECK(x && ids && wt && y);
@@ -457,7 +458,7 @@ static int graph_rank(int32_t rank, void *arg) {
     return 0;
 }
 
-static int graph_case(int32_t dtype, int32_t layout) {
+static int graph_case(int32_t dtype, int32_t layout, int32_t dataflow) {
     mfp_spec_t spec;
     memset(&spec, 0, sizeof spec);
     spec.R = 4, spec.E = 16, spec.K = 4, spec.H = 256, spec.I = 256, spec.S = 16, spec.T_per_rank = 16;
@@ -467,6 +468,7 @@ static int graph_case(int32_t dtype, int32_t layout) {
     MFT_CHECK(mfp_generate(&spec, &p) == 0);
     graph_run_t g;
     g.p = &p;
+    g.dataflow = dataflow;
     g.inputs = mft_alloc(sizeof(mfp_problem_t) * GRAPH_REPLAYS);
     g.y = mft_alloc(sizeof(uint16_t *) * GRAPH_REPLAYS * spec.R);
     pthread_barrier_init(&g.ready, NULL, (unsigned)spec.R);
@@ -516,8 +518,81 @@ static int graph_case(int32_t dtype, int32_t layout) {
 }
 
 static int cuda_graph_replay(void) {
-    if (graph_case(MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED)) return 1;
-    return graph_case(MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR);
+    if (graph_case(MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED, MF_DATAFLOW_DIRECT)) return 1;
+    if (graph_case(MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MF_DATAFLOW_PULL)) return 1;
+    return graph_case(MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, MF_DATAFLOW_DIRECT);
+}
+
+/* ---- dataflows: DIRECT, PULL and UNFUSED give the same y, bit for bit ------------------------ */
+
+static int dataflow_case(const layer_case_t *c) {
+    mfp_spec_t spec;
+    memset(&spec, 0, sizeof spec);
+    spec.R = c->R, spec.E = c->E, spec.K = c->K, spec.H = c->H, spec.I = c->I;
+    spec.S = c->S ? c->S : (c->T ? c->T : 1);
+    spec.T_per_rank = c->T;
+    spec.T_of_rank = c->T_of_rank;
+    spec.dtype = c->dtype, spec.layout = c->layout, spec.routing = c->routing;
+    spec.zipf_s = 1.2, spec.hot_expert = c->hot, spec.drop_prob = c->drop, spec.seed = c->seed;
+    mfp_problem_t p;
+    MFT_CHECK(mfp_generate(&spec, &p) == 0);
+    const int32_t flows[] = {MF_DATAFLOW_DIRECT, MF_DATAFLOW_PULL, MF_DATAFLOW_UNFUSED};
+    enum { kFlows = 3 };
+    uint16_t *y[kFlows][MF_MAX_RANKS], *y_cpu[MF_MAX_RANKS];
+    for (int32_t r = 0; r < c->R; r++) {
+        size_t n = (size_t)p.T[r] * c->H * 2;
+        y_cpu[r] = mft_alloc(n);
+        for (int f = 0; f < kFlows; f++) {
+            y[f][r] = mft_alloc(n);
+            mft_poison(y[f][r], n);
+        }
+    }
+    char err[512] = "";
+    for (int f = 0; f < kFlows; f++) {
+        mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
+        o.backend = MF_BACKEND_CUDA, o.iters = 2, o.timeout_ms = 20000, o.dataflow = flows[f];
+        mf_result_t res = mfp_run(&p, &o, y[f], NULL, err, sizeof err);
+        MFT_CHECK_MSG(res == MF_SUCCESS, "dataflow %d: %s", flows[f], err);
+    }
+    mf_result_t res = mfp_run_forward(&p, MF_BACKEND_CPU, 1, 0, y_cpu, NULL, err, sizeof err);
+    MFT_CHECK_MSG(res == MF_SUCCESS, "cpu run failed: %s", err);
+    double worst = 0, bound = c->dtype == MF_DTYPE_FP8_E4M3 ? 1e-3 : 1e-5;
+    for (int32_t r = 0; r < c->R; r++) {
+        size_t n = (size_t)p.T[r] * c->H;
+        for (int f = 1; f < kFlows; f++)
+            MFT_CHECK_MSG(memcmp(y[0][r], y[f][r], n * 2) == 0, "rank %d: dataflow %d differs from DIRECT", r,
+                          flows[f]);
+        double d = mfref_diff_bf16(y[0][r], y_cpu[r], (int64_t)n);
+        worst = d > worst ? d : worst;
+    }
+    mft_verbose("  R=%d E=%d K=%d T=%d %s %s: 3 dataflows bitwise equal; diff vs cpu %.3g\n", c->R, c->E, c->K, c->T,
+                c->dtype == MF_DTYPE_FP8_E4M3 ? "fp8" : "bf16", c->layout == MF_LAYOUT_MASKED ? "masked" : "expert_major",
+                worst);
+    MFT_CHECK_MSG(worst < bound, "diff vs cpu %.3g, bound %.0e", worst, bound);
+    for (int32_t r = 0; r < c->R; r++) {
+        free(y_cpu[r]);
+        for (int f = 0; f < kFlows; f++) free(y[f][r]);
+    }
+    mfp_free(&p);
+    return 0;
+}
+
+static int cuda_dataflow_bitwise(void) {
+    const int32_t idle[8] = {9, 0, 33, 0, 1, 0, 0, 40};
+    layer_case_t cases[] = {
+        /* R in {1, 2, 4, 8}, both dtypes and layouts, uniform */
+        {1, 8, 2, 256, 256, 24, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 2, 0.05, NULL, 11},
+        {2, 8, 2, 256, 256, 24, 0, MF_DTYPE_BF16, MF_LAYOUT_MASKED, MFP_ROUTING_UNIFORM, 0, 2, 0.05, NULL, 12},
+        {4, 16, 4, 256, 256, 24, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED, MFP_ROUTING_UNIFORM, 0, 2, 0.05, NULL, 13},
+        {8, 16, 4, 256, 256, 24, 0, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 2, 0.05, NULL, 14},
+        /* uneven routes (zipf) with idle owners, one hot expert, rows past one tile per expert */
+        {8, 16, 6, 256, 128, 0, 40, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_ZIPF, 0, 2, 0.1, idle, 15},
+        {8, 16, 4, 128, 256, 40, 40, MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED, MFP_ROUTING_HOT, 5, 2, 0, NULL, 16},
+        {4, 8, 4, 256, 128, 100, 100, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_ZIPF, 0, 2, 0, NULL, 17},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        if (dataflow_case(&cases[i])) return mft_fail(__FILE__, __LINE__, "dataflow case %zu", i);
+    return 0;
 }
 
 /* ---- faults -------------------------------------------------------------------------------- */
@@ -545,7 +620,7 @@ static int fault_rank(int32_t rank, void *arg) {
     mf_comm_t comm;
     mf_moe_t moe;
     mf_moe_weights_t w;
-    if (make_cuda_layer(f->group, f->p, rank, &comm, &moe, &w)) return 1;
+    if (make_cuda_layer(f->group, f->p, rank, MF_DATAFLOW_AUTO, &comm, &moe, &w)) return 1;
     const int32_t *host_ids = rank == 0 && f->bad_ids ? f->bad_ids : f->p->topk_ids[rank];
     void *x = to_dev(f->p->x[rank], (size_t)T * H * 2), *ids = to_dev(host_ids, (size_t)T * K * 4),
          *wt = to_dev(f->p->topk_weights[rank], (size_t)T * K * 4), *y = to_dev(NULL, (size_t)T * H * 2);
@@ -659,6 +734,7 @@ const mft_test_t mft_tests_cuda[] = {
     {"cuda_layer_ranks", cuda_layer_ranks, 300},
     {"cuda_layer_awkward", cuda_layer_awkward, 300},
     {"cuda_graph_replay", cuda_graph_replay, 300},
+    {"cuda_dataflow_bitwise", cuda_dataflow_bitwise, 300},
     {"cuda_timeout", cuda_timeout, 60},
     {"cuda_bad_ids", cuda_bad_ids, 60},
     {"cuda_layer_deepseek", cuda_layer_deepseek, 400},

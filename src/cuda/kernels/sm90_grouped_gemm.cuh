@@ -102,15 +102,19 @@ constexpr int kSmemTilesOffset = 0;
 constexpr int kSmemAScalesOffset = kStages * kStageTileBytes;                       /* [kStages][kBlockM] f32 */
 constexpr int kSmemWScalesOffset = kSmemAScalesOffset + kStages * kBlockM * 4;       /* [kStages][4] f32 */
 constexpr int kSmemAmaxOffset = kSmemWScalesOffset + kStages * kWScalesPerStage * 4; /* [kWarpsN][kBlockM] f32 */
-constexpr int kSmemBytes = kSmemAmaxOffset + kWarpsN * kBlockM * 4;                  /* 165,952 B */
+constexpr int kSmemARowsOffset = kSmemAmaxOffset + kWarpsN * kBlockM * 4;            /* [kBlockM] A row pointers */
+constexpr int kSmemAScaleRowsOffset = kSmemARowsOffset + kBlockM * 8;                  /* [kBlockM] their scales */
+constexpr int kSmemBytes = kSmemAScaleRowsOffset + kBlockM * 8;                        /* 166,976 B */
 static_assert(kSmemBytes <= 227 * 1024, "must fit one sm_90 block");
 
 /* ---- kernel parameters (one struct per kernel, passed by value) -------------------------------- */
 
 struct w13_params {
     mf__gemm_segments_t seg;
-    const uint8_t *a;        /* [rows, H] FP8 or BF16 (bytes) */
+    const uint8_t *a;        /* [rows, H] FP8 or BF16 (bytes), when use_gather == 0 */
     const float *a_scales;   /* FP8: [rows, H/128] */
+    mf__gemm_gather_t gather; /* when use_gather == 1: rows read in place at their owners */
+    int32_t use_gather;
     const uint8_t *w;        /* [L, 2I, H] */
     const float *w_scales;   /* FP8: [L, 2I/128, H/128] */
     uint8_t *h;              /* [rows, I] FP8 or BF16 (bytes) */
@@ -292,11 +296,10 @@ struct tile_walker {
 
 /* ---- main loop --------------------------------------------------------------------------------- */
 
-/* What the main loop reads for one tile. Pointers are to row 0 of the tile's A rows and of each
- * weight half; every row is k_bytes long (A [rows, K_] and W [N_, K_] share K_). */
+/* What the main loop reads for one tile: the A rows through the pointer table in shared memory
+ * (set_a_rows: contiguous rows or rows gathered from their owners), the weight halves from row 0
+ * of each; every row is k_bytes long (A [rows, K_] and W [N_, K_] share K_). */
 struct operands {
-    const uint8_t *a;
-    const float *a_scales;      /* FP8: row 0's [K_/128] scales, row stride K_/128 */
     const uint8_t *b[2];
     const float *b_scales[2];   /* FP8: the half's [K_/128] scales */
     int32_t rows;               /* valid A rows, 1..kBlockM */
@@ -304,8 +307,39 @@ struct operands {
     int32_t k_bytes;
 };
 
+/* Fills the tile's A row pointer table: row i of the tile (i < rows) starts at a + i * k_bytes
+ * (scales at a_scales + i * K_/128), or, with a gather, at its owner's published row (the direct
+ * dataflow: src[row] = (rank, token, k), no receive tensor). The main loop's first barrier
+ * publishes the table; the previous tile's main loop is past its last read of it. */
+__device__ __forceinline__ void set_a_rows(uint8_t *smem, const coords &c, const tile &t, int32_t k_bytes,
+                                           const uint8_t *a, const float *a_scales,
+                                           const mf__gemm_gather_t *gather) {
+    if (c.tid >= kBlockM) return;
+    const int32_t kb = k_bytes / kStageBytes; /* FP8 scale columns (FP8: one byte per element) */
+    const uint8_t **rows = (const uint8_t **)(smem + kSmemARowsOffset);
+    const float **scale_rows = (const float **)(smem + kSmemAScaleRowsOffset);
+    const int64_t row = t.row0 + c.tid;
+    const uint8_t *r = a;
+    const float *sr = a_scales;
+    if (c.tid < t.rows) {
+        if (gather) {
+            const int32_t *src = gather->src + 3 * row;
+            const uint8_t *heap = gather->heap[src[0]];
+            r = heap + gather->x + (int64_t)src[1] * k_bytes;
+            sr = (const float *)(heap + gather->scales) + (int64_t)src[1] * kb;
+        } else {
+            r = a + row * k_bytes;
+            sr = a_scales ? a_scales + row * kb : nullptr;
+        }
+    }
+    rows[c.tid] = r;
+    scale_rows[c.tid] = sr;
+}
+
 template <bool kFp8>
 __device__ __forceinline__ void load_stage(const operands &op, const coords &c, uint8_t *smem, int slot, int ks) {
+    const uint8_t *const *a_rows = (const uint8_t *const *)(smem + kSmemARowsOffset);
+    const float *const *a_scale_rows = (const float *const *)(smem + kSmemAScaleRowsOffset);
     uint8_t *tiles = smem + kSmemTilesOffset + slot * kStageTileBytes;
     const uint32_t sa = smem_addr(tiles), sb = smem_addr(tiles + kStageABytes);
     const int k0 = ks * kStageBytes;
@@ -314,7 +348,7 @@ __device__ __forceinline__ void load_stage(const operands &op, const coords &c, 
         int idx = c.tid + i * kThreads, row = idx / kChunksPerRow, chunk = idx % kChunksPerRow;
         int kb = k0 + chunk * kChunk;
         bool valid = row < op.rows && kb < op.k_bytes;
-        const uint8_t *src = valid ? op.a + (int64_t)row * op.k_bytes + kb : op.a;
+        const uint8_t *src = valid ? a_rows[row] + kb : op.b[0];
         global_to_shared_16(sa + swizzle(row, chunk), src, valid);
     }
     /* Pass i covers rows [32 i, 32 i + 32): the half is a compile-time constant. */
@@ -331,10 +365,9 @@ __device__ __forceinline__ void load_stage(const operands &op, const coords &c, 
         global_to_shared_16(sb + swizzle(half * kHalfN + r, chunk), src, valid);
     }
     if constexpr (kFp8) {
-        const int kblocks = op.k_bytes / kStageBytes;
         if (c.tid < kBlockM) {
             bool valid = c.tid < op.rows;
-            const float *src = valid ? op.a_scales + (int64_t)c.tid * kblocks + ks : op.a_scales;
+            const float *src = valid ? a_scale_rows[c.tid] + ks : op.b_scales[0];
             float *dst = (float *)(smem + kSmemAScalesOffset) + slot * kBlockM + c.tid;
             global_to_shared_4(smem_addr(dst), src, valid);
         } else if (c.tid < kBlockM + 2) {
@@ -379,6 +412,7 @@ __device__ __forceinline__ void mainloop(const operands &op, const coords &c, ui
     const int b_row = (c.lane & 7) + ((c.lane >> 4) << 3), b_chunk = (c.lane >> 3) & 1;
 
     const int num_k = (op.k_bytes + kStageBytes - 1) / kStageBytes;
+    __syncthreads(); /* the A row table (set_a_rows) is complete */
 #pragma unroll
     for (int s = 0; s < kStages - 1; s++) {
         if (s < num_k) load_stage<kFp8>(op, c, smem, s, s);
@@ -478,8 +512,8 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_w13_swiglu_kernel(const __gr
         const int32_t n0 = t.col * kW13BlockN;
         const int32_t n_valid = p.I - n0 < kHalfN ? p.I - n0 : kHalfN;
         const uint8_t *w_e = p.w + (int64_t)t.expert * 2 * p.I * k_bytes;
+        set_a_rows(smem, c, t, k_bytes, p.a, p.a_scales, p.use_gather ? &p.gather : nullptr);
         operands op;
-        op.a = p.a + t.row0 * k_bytes;
         op.b[0] = w_e + (int64_t)n0 * k_bytes;          /* gate rows [n0, n0 + 128) */
         op.b[1] = w_e + (int64_t)(p.I + n0) * k_bytes;  /* up rows [I + n0, I + n0 + 128) */
         op.rows = t.rows;
@@ -488,11 +522,9 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_w13_swiglu_kernel(const __gr
         if constexpr (kFp8) {
             const int32_t kb = p.H / MF__QUANT_BLOCK;
             const float *ws_e = p.w_scales + (int64_t)t.expert * (2 * p.I / MF__QUANT_BLOCK) * kb;
-            op.a_scales = p.a_scales + t.row0 * kb;
             op.b_scales[0] = ws_e + (int64_t)(n0 / MF__QUANT_BLOCK) * kb;
             op.b_scales[1] = ws_e + (int64_t)((p.I + n0) / MF__QUANT_BLOCK) * kb;
         } else {
-            op.a_scales = nullptr;
             op.b_scales[0] = op.b_scales[1] = nullptr;
         }
 
@@ -607,8 +639,8 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_w2_kernel(const __grid_const
     for (int64_t index = blockIdx.x; walker.next(p.seg, col_tiles, index, t); index += gridDim.x) {
         const int32_t n0 = t.col * kW2BlockN;
         const uint8_t *w_e = p.w + (int64_t)t.expert * p.H * k_bytes;
+        set_a_rows(smem, c, t, k_bytes, p.h, p.h_scales, nullptr);
         operands op;
-        op.a = p.h + t.row0 * k_bytes;
         op.rows = t.rows;
         op.k_bytes = k_bytes;
 #pragma unroll
@@ -620,11 +652,9 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_w2_kernel(const __grid_const
         if constexpr (kFp8) {
             const int32_t kb = p.I / MF__QUANT_BLOCK;
             const float *ws_e = p.w_scales + (int64_t)t.expert * (p.H / MF__QUANT_BLOCK) * kb;
-            op.a_scales = p.h_scales + t.row0 * kb;
             op.b_scales[0] = ws_e + (int64_t)(n0 / MF__QUANT_BLOCK) * kb;
             op.b_scales[1] = op.b_rows[1] ? op.b_scales[0] + kb : op.b_scales[0];
         } else {
-            op.a_scales = nullptr;
             op.b_scales[0] = op.b_scales[1] = nullptr;
         }
 
