@@ -50,6 +50,7 @@ typedef struct mf__cuda_comm {
     mf__device_error_t *record;   /* mapped host memory (host pointer) */
     mf__device_error_t *record_d; /* its device pointer */
     cudaStream_t last_stream;
+    int64_t launched[MF__NUM_PHASES]; /* arrivals launched by the host (atomic: peers read it) */
 } mf__cuda_comm_t;
 
 typedef struct mf__cuda_moe {
@@ -210,12 +211,20 @@ static mf_result_t mf__cuda_report_fault(mf_comm_t comm, int32_t clear) {
     if (!r.code) return MF_SUCCESS;
     mf_result_t code = (mf_result_t)r.code;
     switch (r.kind) {
-    case kMfFaultTimeout:
+    case kMfFaultTimeout: {
         comm->broken = 1;
+        /* The peer's host count tells "its thread never launched the arrival" from "launched, but
+         * the device did not run it in time" (read now, so possibly later than the timeout). */
+        long long launched = -1;
+        mf_comm_t peer = r.peer >= 0 && r.peer < comm->group->num_ranks ? &comm->group->comms[r.peer] : NULL;
+        if (peer && peer->backend_state && r.phase >= 0 && r.phase < MF__NUM_PHASES)
+            launched = (long long)__atomic_load_n(&mf__cc(peer)->launched[r.phase], __ATOMIC_RELAXED);
         mf__error(code, "rank %d: device wait in phase '%s' timed out after %lld ms: rank %d's signal here read "
-                        "epoch %lld, expected %lld (its own epoch counter: %lld)", r.rank, mf__phase_name(r.phase),
-                  (long long)comm->group->timeout_ms, r.peer, r.a, r.b, r.c);
+                        "epoch %lld, expected %lld (its own epoch counter: %lld; its host has launched %lld "
+                        "arrivals)", r.rank, mf__phase_name(r.phase), (long long)comm->group->timeout_ms, r.peer, r.a,
+                  r.b, r.c, launched);
         break;
+    }
     case kMfFaultBadId:
         mf__error(code, "rank %d: device topk_ids[%lld, %lld] = %lld is outside [-1, E); treated as -1", r.rank, r.a,
                   r.b, r.c);
@@ -389,6 +398,7 @@ static mf_result_t mf__cuda_sync_phase(mf_moe_t moe, int32_t phase, cudaStream_t
     p.sink = mf__sink(moe->comm);
     mf__arrive_kernel<<<1, 1, 0, stream>>>(p);
     MF_CUDA_CHECK_LAUNCH();
+    __atomic_fetch_add(&mf__cc(moe->comm)->launched[phase], 1, __ATOMIC_RELAXED);
     mf__wait_kernel<<<1, kMfWaitThreads, 0, stream>>>(p);
     MF_CUDA_CHECK_LAUNCH();
     return MF_SUCCESS;

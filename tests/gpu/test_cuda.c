@@ -38,6 +38,14 @@ static void *to_dev(const void *host, size_t bytes) {
  * first, meets the others here, and only then enters a collective (docs/API.md). */
 static void setup_done(pthread_barrier_t *ready) { pthread_barrier_wait(ready); }
 
+/* A stream's first work may wait for the device (seen on the H200: a rank whose first launch on
+ * a new stream was its arrival stalled until its peers' wait kernels timed out). Give every
+ * stream some work, finished, before its first collective (docs/API.md). */
+static cudaError_t warm_stream(cudaStream_t stream, void *scratch) {
+    cudaError_t e = cudaMemsetAsync(scratch, 0, 2, stream);
+    return e == cudaSuccess ? cudaStreamSynchronize(stream) : e;
+}
+
 /* ---- the layer against the CPU backend and the reference ---------------------------------- */
 
 typedef struct layer_case {
@@ -201,6 +209,7 @@ static int comm_rank(int32_t rank, void *arg) {
         rsrc = to_dev(NULL, (size_t)rows * 12), cnt = to_dev(NULL, (size_t)L * 4), off = to_dev(NULL, (size_t)(L + 1) * 4);
         y = to_dev(NULL, (size_t)T * H * 2 + 2), deo = to_dev(NULL, (size_t)rows * H * 2);
         MFT_CHECK(x && ids && w && rx && rs && rsrc && cnt && off && y && deo);
+        CUDA_OK(warm_stream(stream, y));
     }
     setup_done(&run->ready);
     for (int32_t round = 0; round < run->rounds; round++) {
@@ -627,6 +636,8 @@ static int fault_rank(int32_t rank, void *arg) {
     mf_moe_forward_in_t in = {mft_t2(x, MF_DTYPE_BF16, T, H), mft_t2(ids, MF_DTYPE_INT32, T, K),
                               mft_t2(wt, MF_DTYPE_FP32, T, K)};
     mf_moe_forward_out_t out = {mft_t2(y, MF_DTYPE_BF16, T, H)};
+    MFT_CHECK(x && ids && wt && y);
+    CUDA_OK(warm_stream(stream, y));
     setup_done(&f->ready);
     if (f->callers & (1 << rank)) MFT_CHECK_OK(mf_moe_forward(moe, &in, &out, stream));
     f->async[rank] = mf_comm_get_async_error(comm);
