@@ -78,8 +78,16 @@ $(STATIC): $(LIB_OBJ)
 $(SHARED): $(LIB_OBJ)
 	$(CC) -shared $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
-$(CLI): $(BUILD)/tools/moeflow.o $(BUILD)/tests/ref.o $(BUILD)/tests/problem.o $(STATIC)
-	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+# The CLI; with CUDA it also holds `moeflow bench gemm` (tools/bench_gemm.c, cuBLASLt as the peer).
+CLI_OBJ  := $(BUILD)/tools/moeflow.o $(BUILD)/tests/ref.o $(BUILD)/tests/problem.o
+CLI_LIBS :=
+ifeq ($(CUDA),1)
+CLI_OBJ  += $(BUILD)/tools/bench_gemm.o
+CLI_LIBS := -lcublasLt
+endif
+
+$(CLI): $(CLI_OBJ) $(STATIC)
+	$(CC) $(LDFLAGS) -o $@ $^ $(CLI_LIBS) $(LDLIBS)
 
 $(TESTS): $(TEST_OBJ) $(STATIC)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
@@ -111,7 +119,7 @@ endif
 clean:
 	rm -rf build build-san
 
--include $(LIB_OBJ:.o=.d) $(TEST_OBJ:.o=.d) $(GPU_TEST_OBJ:.o=.d) $(BUILD)/tools/moeflow.d
+-include $(LIB_OBJ:.o=.d) $(TEST_OBJ:.o=.d) $(GPU_TEST_OBJ:.o=.d) $(CLI_OBJ:.o=.d)
 
 # ---- the kernel lab (dev/cuda/): validate-then-bench mains, not part of `make` or the tests ------
 #   make lab    builds build/dev/<name> for every dev/cuda/<name>.cu (+ libmoeflow.a); run them on

@@ -32,6 +32,7 @@
 #include "moeflow.h"
 #include "../tests/problem.h"
 #include "../tests/ref.h"
+#include "bench.h" /* the H200 ceilings; `moeflow bench gemm` */
 
 /* ---- defaults and limits -------------------------------------------------------------------- */
 #define DEF_R 8
@@ -59,11 +60,6 @@
 #define MAX_REF_THREADS 64
 #define EXIT_FAIL 1
 #define EXIT_USAGE 2
-
-/* DESIGN.md "Performance doctrine": ceilings measured on one H200. */
-#define H200_COPY_BYTES_PER_S 4.24e12
-#define H200_BF16_FLOPS 795e12
-#define H200_FP8_FLOPS 1436e12
 
 static const char *const k_phase_names[MF_NUM_PHASES] = {"prepare", "dispatch", "w13", "w2", "combine"};
 
@@ -103,9 +99,12 @@ typedef struct opts {
 static void usage(FILE *f) {
     fprintf(f,
             "usage: moeflow [run|bench] [options]\n"
+            "       moeflow bench gemm [options]\n"
             "\n"
-            "  run     run the EP MoE layer once per dtype and check it against the fp64 reference\n"
-            "  bench   time --iters forwards after --warmup per size and dtype (-T takes a list)\n"
+            "  run         run the EP MoE layer once per dtype and check it against the fp64 reference\n"
+            "  bench       time --iters forwards after --warmup per size and dtype (-T takes a list)\n"
+            "  bench gemm  the grouped expert GEMMs alone beside their floor and cuBLAS dense (CUDA\n"
+            "              builds; options: moeflow bench gemm --help)\n"
             "\n"
             "shape                                                                      [default]\n"
             "  -R, --ranks N          virtual ranks (threads of one process)              [%d]\n"
@@ -906,6 +905,14 @@ static void run_row(const opts_t *o, mfp_problem_t *p, row_t *row, uint16_t **y,
 }
 
 int main(int argc, char **argv) {
+    if (argc > 2 && !strcmp(argv[1], "bench") && !strcmp(argv[2], "gemm")) {
+#if MF_WITH_CUDA
+        return mf__bench_gemm_main(argc, argv);
+#else
+        printf("# moeflow bench gemm: SKIP (this build has no CUDA: nvcc not found or CUDA=0)\n");
+        return 0;
+#endif
+    }
     opts_t o;
     memset(&o, 0, sizeof o);
     parse_args(argc, argv, &o);
