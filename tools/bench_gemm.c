@@ -663,7 +663,7 @@ static mf__gemm_bench_args_t case_args(const gdev_t *d, const gcase_t *c) {
     memset(&a, 0, sizeof a);
     const int fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
     a.op = c->op->op, a.dtype = c->dtype, a.ue8m0 = 0, a.H = c->model->H, a.I = c->model->I;
-    a.num_experts = c->L, a.max_rows_per_expert = c->max_rows;
+    a.num_experts = c->L, a.max_rows_per_expert = c->max_rows, a.rows_hint = c->M;
     a.counts = d->b[B_COUNTS].p, a.offsets = d->b[B_OFFSETS].p;
     a.a = d->b[B_A].p, a.a_scales = fp8 ? d->b[B_AS].p : NULL;
     a.w = d->b[B_W].p, a.w_scales = fp8 ? d->b[B_WS].p : NULL;

@@ -509,14 +509,21 @@ static mf_result_t mf__cuda_sum(mf_moe_t moe, int32_t T, const float *weights, u
     return MF_SUCCESS;
 }
 
+/* Expected rows per local expert, T K R / E from this rank's T (rounded up): picks the GEMM
+ * kernels (grouped_gemm.h), the same for every dataflow. */
+static int32_t mf__cuda_rows_hint(mf_moe_t moe, int32_t T) {
+    const mf_moe_config_t *c = &moe->config;
+    int64_t routed = (int64_t)T * c->num_topk * moe->comm->group->num_ranks;
+    return (int32_t)((routed + c->num_experts - 1) / c->num_experts);
+}
+
 /* The dataflow of one forward (docs/API.md "Dataflow"). AUTO: DIRECT while the expected rows per
  * local expert, T K R / E from this rank's T, stay within kMfDirectMaxRows; the choice is local
  * (peers only publish), and every choice gives the same y. */
 static int32_t mf__cuda_dataflow(mf_moe_t moe, int32_t T) {
     const mf_moe_config_t *c = &moe->config;
     if (c->dataflow != MF_DATAFLOW_AUTO) return c->dataflow;
-    int64_t expected = (int64_t)T * c->num_topk * moe->comm->group->num_ranks / c->num_experts;
-    return expected <= kMfDirectMaxRows ? MF_DATAFLOW_DIRECT : MF_DATAFLOW_PULL;
+    return mf__cuda_rows_hint(moe, T) <= kMfDirectMaxRows ? MF_DATAFLOW_DIRECT : MF_DATAFLOW_PULL;
 }
 
 /* ---- entry points ------------------------------------------------------------------------- */
@@ -559,6 +566,7 @@ static mf_result_t mf__cuda_forward(mf_moe_t moe, const mf_moe_forward_in_t *in,
     if (c->layout == MF_LAYOUT_MASKED) per_expert = c->expert_capacity;
     if (c->layout == MF_LAYOUT_EXPERT_MAJOR && per_expert > c->max_recv_rows) per_expert = c->max_recv_rows;
     seg.max_rows_per_expert = (int32_t)per_expert;
+    seg.rows_hint = mf__cuda_rows_hint(moe, T);
     mf__gemm_gather_t gather;
     memset(&gather, 0, sizeof gather);
     for (int32_t r = 0; r < g->num_ranks; r++) gather.heap[r] = (const uint8_t *)g->heap_base[r];

@@ -77,7 +77,8 @@ mf_result_t mf__gemm_bench_run(const mf__gemm_bench_args_t *args, void *stream) 
     seg.offsets = args->offsets;
     seg.num_experts = args->num_experts;
     seg.max_rows_per_expert = args->max_rows_per_expert;
-    mf__gemm_operand_t a = {args->a, args->a_scales}, w = {args->w, args->w_scales};
+    seg.rows_hint = args->rows_hint > 0 ? args->rows_hint : args->max_rows_per_expert;
+    mf__gemm_operand_t a = {args->a, args->a_scales, NULL}, w = {args->w, args->w_scales, NULL};
     cudaStream_t s = (cudaStream_t)stream;
     if (args->op == MF__GEMM_OP_W13_SWIGLU)
         return mf__cuda_w13_swiglu(&seg, args->dtype, args->ue8m0, a, w, args->H, args->I, args->out,

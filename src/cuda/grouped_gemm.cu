@@ -23,6 +23,7 @@
 extern "C" {
 #include "core/internal.h"
 }
+#include "cuda/configs.cuh"
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels/sm90_grouped_gemm.cuh"
 
@@ -114,6 +115,8 @@ int64_t max_tiles(const mf__gemm_segments_t *seg, int32_t col_tiles) {
 } /* namespace */
 
 mf_result_t mf__cuda_gemm_preload(void) {
+    MF_CHECK(mf__sm90_decode_preload());
+    MF_CHECK(mf__sm90_tma_preload());
     int blocks = 0;
     MF_CHECK(persistent_grid(mf__gemm::sm90_w13_swiglu_kernel<true>, kKernelW13Fp8, "gemm preload", &blocks));
     MF_CHECK(persistent_grid(mf__gemm::sm90_w13_swiglu_kernel<false>, kKernelW13Bf16, "gemm preload", &blocks));
@@ -137,6 +140,13 @@ mf_result_t mf__cuda_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, i
         MF_CHECK(check_scales(who, "w13.scales", w13.scales));
         MF_CHECK(check_scales(who, "h_scales", h_scales));
     }
+    mf_result_t r = MF_ERR_NOT_SUPPORTED;
+    if (seg->rows_hint <= kMfDecodeMaxRows)
+        r = mf__sm90_decode_w13_swiglu(seg, dtype, ue8m0, a, w13, H, I, h, h_scales, stream);
+    else if (!a.gather)
+        r = mf__sm90_tma_w13_swiglu(seg, dtype, ue8m0, a, w13, H, I, h, h_scales, stream);
+    if (r != MF_ERR_NOT_SUPPORTED) return r;
+
     const int32_t col_tiles = (int32_t)mf__ceil_div(I, mf__gemm::kW13BlockN);
     const int64_t tiles = max_tiles(seg, col_tiles);
     if (tiles == 0) return MF_SUCCESS;
@@ -188,6 +198,10 @@ mf_result_t mf__cuda_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__gemm_
     } else {
         MF_CHECK(check_data(who, "out", out));
     }
+    mf_result_t r = seg->rows_hint <= kMfDecodeMaxRows ? mf__sm90_decode_w2(seg, dtype, h, w2, H, I, out, ret, stream)
+                                                       : mf__sm90_tma_w2(seg, dtype, h, w2, H, I, out, ret, stream);
+    if (r != MF_ERR_NOT_SUPPORTED) return r;
+
     const int32_t col_tiles = (int32_t)mf__ceil_div(H, mf__gemm::kW2BlockN);
     const int64_t tiles = max_tiles(seg, col_tiles);
     if (tiles == 0) return MF_SUCCESS;

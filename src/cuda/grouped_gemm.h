@@ -29,6 +29,8 @@ typedef struct mf__gemm_segments {
     const int32_t *offsets;      /* [L + 1] device: first receive row of each expert */
     int32_t num_experts;         /* L */
     int32_t max_rows_per_expert; /* host bound on counts[e], for sizing grids (C or R * S) */
+    int32_t rows_hint;           /* host estimate of rows per expert (0 = unknown): picks the
+                                    kernel (decode at most kMfDecodeMaxRows, else the TMA one) */
 } mf__gemm_segments_t;
 
 /* Activation rows read in place at their owners (the direct dataflow): receive row i is token
@@ -58,6 +60,29 @@ typedef struct mf__gemm_return {
  * rank can spin in a wait kernel: with lazy module loading, a first launch may otherwise wait for
  * the module to load while peers' waiting kernels hold the GPU. */
 mf_result_t mf__cuda_gemm_preload(void);
+
+/* The dispatchers below choose among three kernel families, by seg->rows_hint only (never by
+ * dataflow, so DIRECT and PULL run the same arithmetic and give the same bits):
+ *   decode (rows_hint <= kMfDecodeMaxRows): kernels/sm90_decode_gemm.cuh, gemm_decode.cu — the
+ *           weights are the wgmma A operand and stream at HBM rate; A rows may be gathered
+ *   tma (larger):  kernels/sm90_tma_gemm.cuh, gemm_tma.cu — TMA + wgmma, 128-row tiles
+ *   v1:            kernels/sm90_grouped_gemm.cuh — mma.sync; the fallback for any shape the
+ *                  others decline (they return MF_ERR_NOT_SUPPORTED without launching)
+ * Every variant takes the arguments of its dispatcher and honours the same contract. */
+mf_result_t mf__sm90_decode_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, int32_t ue8m0,
+                                       mf__gemm_operand_t a, mf__gemm_operand_t w13, int32_t H, int32_t I, void *h,
+                                       float *h_scales, cudaStream_t stream);
+mf_result_t mf__sm90_decode_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__gemm_operand_t h,
+                               mf__gemm_operand_t w2, int32_t H, int32_t I, uint16_t *out,
+                               const mf__gemm_return_t *ret, cudaStream_t stream);
+mf_result_t mf__sm90_decode_preload(void);
+mf_result_t mf__sm90_tma_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, int32_t ue8m0,
+                                    mf__gemm_operand_t a, mf__gemm_operand_t w13, int32_t H, int32_t I, void *h,
+                                    float *h_scales, cudaStream_t stream);
+mf_result_t mf__sm90_tma_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__gemm_operand_t h,
+                            mf__gemm_operand_t w2, int32_t H, int32_t I, uint16_t *out, const mf__gemm_return_t *ret,
+                            cudaStream_t stream);
+mf_result_t mf__sm90_tma_preload(void);
 
 /* h[rows, I] (+ h_scales [rows, I/128] for FP8) = swiglu(a[rows, H] . w13[e]^T) per expert. */
 mf_result_t mf__cuda_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, int32_t ue8m0,
