@@ -104,14 +104,21 @@ test: $(TESTS) $(CLI)
 	./$(TESTS)
 
 # The whole CUDA suite, then compute-sanitizer memcheck and racecheck on its small config.
+# The sm90 GEMM labs validate every kernel variant the library ships against their CPU references.
 test-gpu:
 ifeq ($(CUDA),1)
-	$(MAKE) $(GPU_TESTS) $(CLI)
+	$(MAKE) $(GPU_TESTS) $(CLI) lab
 	./$(GPU_TESTS)
-	@if ! command -v compute-sanitizer >/dev/null; then echo "test-gpu: compute-sanitizer not found: SKIP"; \
-	elif ! ./$(GPU_TESTS) --has-gpu; then echo "test-gpu: no GPU: sanitizers SKIP"; \
-	else set -e; for tool in memcheck racecheck; do echo "# compute-sanitizer --tool $$tool: cuda_small"; \
-	  compute-sanitizer --tool $$tool --error-exitcode 1 ./$(GPU_TESTS) --no-fork cuda_small; done; fi
+	@if ! ./$(GPU_TESTS) --has-gpu; then echo "test-gpu: no GPU: GEMM labs and sanitizers SKIP"; \
+	else set -e; for lab in sm90_decode_lab sm90_gemm_lab; do echo "# $$lab --validate (log: $(BUILD)/$$lab.log)"; \
+	  ./$(BUILD)/dev/$$lab --validate > $(BUILD)/$$lab.log 2>&1 || { grep -E "FAIL|FATAL" $(BUILD)/$$lab.log | head -20; exit 1; }; \
+	  tail -1 $(BUILD)/$$lab.log; done; \
+	  if ! command -v compute-sanitizer >/dev/null; then echo "test-gpu: compute-sanitizer not found: SKIP"; \
+	  else for tool in memcheck racecheck; do echo "# compute-sanitizer --tool $$tool: cuda_small"; \
+	    compute-sanitizer --tool $$tool --error-exitcode 1 ./$(GPU_TESTS) --no-fork cuda_small; done; \
+	  for lab in sm90_decode_lab sm90_gemm_lab; do echo "# compute-sanitizer --tool memcheck: $$lab --selftest"; \
+	    compute-sanitizer --tool memcheck --error-exitcode 1 ./$(BUILD)/dev/$$lab --selftest > $(BUILD)/$$lab.san.log 2>&1 \
+	      || { tail -20 $(BUILD)/$$lab.san.log; exit 1; }; tail -1 $(BUILD)/$$lab.san.log; done; fi; fi
 else
 	@echo "test-gpu: SKIP (this build has no CUDA: nvcc not found or CUDA=0)"
 endif

@@ -604,6 +604,107 @@ static int cuda_dataflow_bitwise(void) {
     return 0;
 }
 
+/* ---- layers share one workspace: interleaved forwards of two layers on the same comms ------- */
+
+#define SHARED_ROUNDS 3
+
+typedef struct shared_run {
+    mf_group_t group;
+    const mfp_problem_t *p[2]; /* two layers of different shapes, same R */
+    int32_t dataflow[2];
+    uint16_t *y[2][MF_MAX_RANKS]; /* the last round's outputs, host */
+    pthread_barrier_t ready;
+} shared_run_t;
+
+static int shared_rank(int32_t rank, void *arg) {
+    shared_run_t *sr = arg;
+    CUDA_OK(cudaSetDevice(0));
+    cudaStream_t stream;
+    CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    mf_comm_t comm;
+    mf_moe_t moe[2];
+    mf_moe_weights_t w[2];
+    void *x[2], *ids[2], *wt[2], *y[2];
+    mf_moe_forward_in_t in[2];
+    mf_moe_forward_out_t out[2];
+    for (int l = 0; l < 2; l++) { /* layer creation is collective: every rank, same order */
+        const mfp_problem_t *p = sr->p[l];
+        int64_t T = p->T[rank], H = p->spec.H, K = p->spec.K;
+        if (make_cuda_layer(sr->group, p, rank, sr->dataflow[l], &comm, &moe[l], &w[l])) return 1;
+        x[l] = to_dev(p->x[rank], (size_t)T * H * 2), ids[l] = to_dev(p->topk_ids[rank], (size_t)T * K * 4);
+        wt[l] = to_dev(p->topk_weights[rank], (size_t)T * K * 4), y[l] = to_dev(NULL, (size_t)T * H * 2 + 2);
+        MFT_CHECK(x[l] && ids[l] && wt[l] && y[l]);
+        in[l] = (mf_moe_forward_in_t){mft_t2(x[l], MF_DTYPE_BF16, T, H), mft_t2(ids[l], MF_DTYPE_INT32, T, K),
+                                      mft_t2(wt[l], MF_DTYPE_FP32, T, K)};
+        out[l] = (mf_moe_forward_out_t){mft_t2(y[l], MF_DTYPE_BF16, T, H)};
+    }
+    CUDA_OK(warm_stream(stream, y[0]));
+    setup_done(&sr->ready);
+    for (int round = 0; round < SHARED_ROUNDS; round++)
+        for (int l = 0; l < 2; l++) MFT_CHECK_OK(mf_moe_forward(moe[l], &in[l], &out[l], stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    setup_done(&sr->ready); /* peers may spin on this stream's signals until here */
+    MFT_CHECK_OK(mf_comm_get_async_error(comm));
+    for (int l = 0; l < 2; l++) {
+        size_t bytes = (size_t)sr->p[l]->T[rank] * sr->p[l]->spec.H * 2;
+        sr->y[l][rank] = mft_alloc(bytes + 2);
+        CUDA_OK(cudaMemcpy(sr->y[l][rank], y[l], bytes, cudaMemcpyDeviceToHost));
+        free_cuda_layer(moe[l], &w[l]);
+        void *bufs[] = {x[l], ids[l], wt[l], y[l]};
+        for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
+    }
+    cudaStreamDestroy(stream);
+    return 0;
+}
+
+/* Two layers (FP8 DIRECT and BF16 PULL, different E, H, I, T; the second needs a larger heap, so
+ * creating it grows the shared workspace) alternate forwards on the same comms: each layer's
+ * output after several rounds matches its own CPU run. */
+static int cuda_layers_share_workspace(void) {
+    const int32_t R = 4;
+    mfp_spec_t a, b;
+    memset(&a, 0, sizeof a);
+    memset(&b, 0, sizeof b);
+    a.R = R, a.E = 8, a.K = 2, a.H = 256, a.I = 128, a.S = 12, a.T_per_rank = 12;
+    a.dtype = MF_DTYPE_FP8_E4M3, a.layout = MF_LAYOUT_MASKED, a.routing = MFP_ROUTING_ZIPF, a.zipf_s = 1.2, a.seed = 21;
+    b.R = R, b.E = 16, b.K = 4, b.H = 512, b.I = 256, b.S = 40, b.T_per_rank = 40;
+    b.dtype = MF_DTYPE_BF16, b.layout = MF_LAYOUT_EXPERT_MAJOR, b.routing = MFP_ROUTING_UNIFORM, b.seed = 22;
+    mfp_problem_t pa, pb;
+    MFT_CHECK(mfp_generate(&a, &pa) == 0 && mfp_generate(&b, &pb) == 0);
+    shared_run_t sr;
+    memset(&sr, 0, sizeof sr);
+    sr.p[0] = &pa, sr.p[1] = &pb;
+    sr.dataflow[0] = MF_DATAFLOW_DIRECT, sr.dataflow[1] = MF_DATAFLOW_PULL;
+    mf_group_config_t gc = MF_GROUP_CONFIG_INIT;
+    gc.backend = MF_BACKEND_CUDA, gc.num_ranks = R, gc.timeout_ms = 20000;
+    pthread_barrier_init(&sr.ready, NULL, (unsigned)R);
+    MFT_CHECK_OK(mf_group_create(&gc, &sr.group));
+    int rc = mft_run_ranks(R, shared_rank, &sr);
+    MFT_CHECK_OK(mf_group_destroy(sr.group));
+    pthread_barrier_destroy(&sr.ready);
+    MFT_CHECK(rc == 0);
+    for (int l = 0; l < 2; l++) {
+        const mfp_problem_t *p = sr.p[l];
+        uint16_t *y_cpu[MF_MAX_RANKS];
+        for (int32_t r = 0; r < R; r++) y_cpu[r] = mft_alloc((size_t)p->T[r] * p->spec.H * 2 + 2);
+        char err[512] = "";
+        mf_result_t res = mfp_run_forward(p, MF_BACKEND_CPU, 1, 0, y_cpu, NULL, err, sizeof err);
+        MFT_CHECK_MSG(res == MF_SUCCESS, "cpu run failed: %s", err);
+        double worst = 0, bound = p->spec.dtype == MF_DTYPE_FP8_E4M3 ? 1e-3 : 1e-5;
+        for (int32_t r = 0; r < R; r++) {
+            double d = mfref_diff_bf16(sr.y[l][r], y_cpu[r], (int64_t)p->T[r] * p->spec.H);
+            worst = d > worst ? d : worst;
+            free(y_cpu[r]);
+            free(sr.y[l][r]);
+        }
+        mft_verbose("  layer %d: diff vs cpu after %d interleaved rounds %.3g\n", l, SHARED_ROUNDS, worst);
+        MFT_CHECK_MSG(worst < bound, "layer %d: diff vs cpu %.3g, bound %.0e", l, worst, bound);
+    }
+    mfp_free(&pa);
+    mfp_free(&pb);
+    return 0;
+}
+
 /* ---- faults -------------------------------------------------------------------------------- */
 
 /* A layer on every rank of a CUDA group; only the ranks in `callers` run a forward. */
@@ -746,6 +847,7 @@ const mft_test_t mft_tests_cuda[] = {
     {"cuda_layer_awkward", cuda_layer_awkward, 300},
     {"cuda_graph_replay", cuda_graph_replay, 300},
     {"cuda_dataflow_bitwise", cuda_dataflow_bitwise, 300},
+    {"cuda_layers_share_workspace", cuda_layers_share_workspace, 300},
     {"cuda_timeout", cuda_timeout, 60},
     {"cuda_bad_ids", cuda_bad_ids, 60},
     {"cuda_layer_deepseek", cuda_layer_deepseek, 400},
