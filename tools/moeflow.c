@@ -98,11 +98,12 @@ typedef struct opts {
 
 static void usage(FILE *f) {
     fprintf(f,
-            "usage: moeflow [run|bench] [options]\n"
+            "usage: moeflow [run|bench [layer]] [options]\n"
             "       moeflow bench gemm [options]\n"
             "\n"
             "  run         run the EP MoE layer once per dtype and check it against the fp64 reference\n"
-            "  bench       time --iters forwards after --warmup per size and dtype (-T takes a list)\n"
+            "  bench       (or bench layer) time --iters forwards after --warmup per size, dtype and\n"
+            "              dataflow (-T and --dataflow take lists)\n"
             "  bench gemm  the grouped expert GEMMs alone beside their floor and cuBLAS dense (CUDA\n"
             "              builds; options: moeflow bench gemm --help)\n"
             "\n"
@@ -275,6 +276,7 @@ static void parse_args(int argc, char **argv, opts_t *o) {
         else if (!strcmp(argv[1], "bench")) o->bench = 1;
         else die_usage("unknown command '%s' (run or bench; see moeflow --help)", argv[1]);
         first = 2;
+        if (o->bench && argc > 2 && !strcmp(argv[2], "layer")) first = 3; /* `bench layer` = `bench` */
     }
     o->R = DEF_R, o->E = DEF_E, o->K = DEF_K, o->H = DEF_H, o->I = DEF_I;
     o->T[0] = DEF_T, o->nT = 1;
