@@ -1,18 +1,320 @@
 /*
- * gemm_decode.cu — launchers of the sm90 decode grouped GEMMs (grouped_gemm.h). Being written: until the
- * kernels land, every call declines with MF_ERR_NOT_SUPPORTED and the dispatcher runs v1.
+ * gemm_decode.cu — launchers of the sm90 decode grouped GEMMs (cuda/grouped_gemm.h; the kernel and
+ * its design are in kernels/sm90_decode_gemm.cuh, validated and timed by dev/cuda/sm90_decode_lab.cu
+ * through these launchers). Each launcher checks the shape, picks a kernel variant from host data
+ * only (tokens per tile from seg->rows_hint), encodes the weight (and contiguous activation) tensor
+ * maps on the host into the kernel's __grid_constant__ parameter, and launches once. They never
+ * synchronise and never allocate, so they are CUDA-graph capturable.
+ *
+ * Declining: a shape or argument the kernel does not take returns MF_ERR_NOT_SUPPORTED without
+ * launching and without recording a library error (the dispatcher then runs v1); the reason is kept
+ * per thread for the lab (mf__sm90_decode_last_decline). The kernel takes: BF16 or FP8 E4M3, N a
+ * multiple of 128 (W2: H) or 256 (W13: 2I), K * element bytes a multiple of 128 (W13: H, W2: I),
+ * L <= kMaxExperts, L * N < 2^31, 16-byte aligned data, 4-byte aligned scales.
+ *
+ * Variants (24): W13 {FP8, BF16} x T {8, 16, 32, 64} x {contiguous A by TMA, A gathered at its
+ * owners by cp.async}; W2 {FP8, BF16} x T (rows to out or, with `ret`, to the owners' slots: a
+ * runtime flag). mf__sm90_decode_preload loads every variant and raises its shared-memory limit
+ * (group init calls it before any rank can spin: no lazy module load ever happens on the data
+ * path); a launch on a device not yet configured does the same first. A variant that did not get
+ * exactly kLaunchRegs registers (setmaxnreg's assumption: with fewer, the consumers' setmaxnreg.inc
+ * would wait forever) is never launched: its calls decline.
  */
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <atomic>
+
 #include "core/internal.h"
 #include "cuda/grouped_gemm.h"
+#include "cuda/kernels/sm90_decode_gemm.cuh"
 
-mf_result_t mf__sm90_decode_w13_swiglu(const mf__gemm_segments_t *, int32_t, int32_t, mf__gemm_operand_t,
-                                  mf__gemm_operand_t, int32_t, int32_t, void *, float *, cudaStream_t) {
+using namespace mf__decode;
+
+namespace {
+
+constexpr int kMaxDevices = 64;
+constexpr int kMaxVariants = 32;
+constexpr int kDataAlign = 16;  /* TMA bases, cp.async rows, 16-byte stores */
+constexpr int kScaleAlign = 4;  /* 4-byte cp.async scales */
+constexpr int64_t kConfigured = (int64_t)1 << 62; /* g_usable: the device's variants were examined */
+static_assert(kMaxVariants < 62, "one usable bit per variant");
+
+struct variant_t {
+    const void *fn;
+    int fp8, swiglu, block_t, gather;
+    int smem, stages;
+};
+
+template <bool kFp8, int kEpi, int kBlockT, bool kGather>
+variant_t variant_of() {
+    using C = cfg<kFp8, kEpi, kBlockT>;
+    variant_t v = {(const void *)sm90_decode_kernel<kFp8, kEpi, kBlockT, kGather>, kFp8 ? 1 : 0, kEpi == kEpiSwiglu ? 1 : 0,
+                   kBlockT, kGather ? 1 : 0, C::kSmemBytes, C::kStages};
+    return v;
+}
+
+template <bool kFp8, int kEpi, bool kGather>
+void add_block_ts(variant_t *table, int &n) {
+    table[n++] = variant_of<kFp8, kEpi, 8, kGather>();
+    table[n++] = variant_of<kFp8, kEpi, 16, kGather>();
+    table[n++] = variant_of<kFp8, kEpi, 32, kGather>();
+    table[n++] = variant_of<kFp8, kEpi, 64, kGather>();
+}
+
+/* Every shipped variant (built once, thread-safe static initialisation). */
+const variant_t *variants(int *count) {
+    static variant_t table[kMaxVariants];
+    static const int n = [] {
+        int k = 0;
+        add_block_ts<true, kEpiSwiglu, false>(table, k);
+        add_block_ts<false, kEpiSwiglu, false>(table, k);
+        add_block_ts<true, kEpiSwiglu, true>(table, k);
+        add_block_ts<false, kEpiSwiglu, true>(table, k);
+        add_block_ts<true, kEpiPlain, false>(table, k);
+        add_block_ts<false, kEpiPlain, false>(table, k);
+        return k;
+    }();
+    *count = n;
+    return table;
+}
+
+int find_variant(int fp8, int swiglu, int block_t, int gather) {
+    int n = 0;
+    const variant_t *v = variants(&n);
+    for (int i = 0; i < n; i++)
+        if (v[i].fp8 == fp8 && v[i].swiglu == swiglu && v[i].block_t == block_t && v[i].gather == gather) return i;
+    return -1;
+}
+
+/* Per device: kConfigured | one bit per usable variant (0 = not examined yet); the SM count. */
+std::atomic<int64_t> g_usable[kMaxDevices];
+std::atomic<int> g_sms[kMaxDevices];
+
+/* Why the last call of this thread declined (for the lab; not the library's last error). */
+thread_local char g_decline[256];
+
+mf_result_t decline(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+mf_result_t decline(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g_decline, sizeof g_decline, fmt, ap);
+    va_end(ap);
     return MF_ERR_NOT_SUPPORTED;
 }
 
-mf_result_t mf__sm90_decode_w2(const mf__gemm_segments_t *, int32_t, mf__gemm_operand_t, mf__gemm_operand_t, int32_t,
-                          int32_t, uint16_t *, const mf__gemm_return_t *, cudaStream_t) {
-    return MF_ERR_NOT_SUPPORTED;
+#define MF__DECODE_CUDA(call, who)                                                                 \
+    do {                                                                                           \
+        cudaError_t mf__e = (call);                                                                \
+        if (mf__e != cudaSuccess) {                                                                \
+            (void)cudaGetLastError();                                                              \
+            return mf__error(MF_ERR_CUDA, "%s: %s failed: %s", who, #call, cudaGetErrorString(mf__e)); \
+        }                                                                                          \
+    } while (0)
+
+/* Examines every variant on the current device once: loads it (cudaFuncGetAttributes), checks its
+ * register count and raises its dynamic shared-memory limit. Concurrent first calls from several
+ * rank threads do the same idempotent work. `dev` and `sms` out. */
+mf_result_t configure(const char *who, int *dev_out, int *sms_out) {
+    int dev = 0;
+    MF__DECODE_CUDA(cudaGetDevice(&dev), who);
+    *dev_out = dev;
+    if (dev < 0 || dev >= kMaxDevices) return decline("device %d is beyond the launcher's table (%d)", dev, kMaxDevices);
+    if (g_usable[dev].load() != 0) {
+        *sms_out = g_sms[dev].load();
+        return MF_SUCCESS;
+    }
+    int major = 0, sms = 0;
+    MF__DECODE_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), who);
+    MF__DECODE_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), who);
+    int64_t usable = kConfigured;
+    if (major == 9) {
+        int n = 0;
+        const variant_t *v = variants(&n);
+        for (int i = 0; i < n; i++) {
+            cudaFuncAttributes fa;
+            MF__DECODE_CUDA(cudaFuncGetAttributes(&fa, v[i].fn), who);
+            MF__DECODE_CUDA(cudaFuncSetAttribute(v[i].fn, cudaFuncAttributeMaxDynamicSharedMemorySize, v[i].smem), who);
+            if (fa.numRegs == kLaunchRegs) usable |= (int64_t)1 << i;
+        }
+    }
+    g_sms[dev].store(sms);
+    g_usable[dev].store(usable);
+    *sms_out = sms;
+    return MF_SUCCESS;
 }
 
-mf_result_t mf__sm90_decode_preload(void) { return MF_SUCCESS; }
+bool aligned(const void *p, uintptr_t a) { return ((uintptr_t)p % a) == 0; }
+
+/* The checks shared by both GEMMs; `N` weight rows per expert, `K` reduction elements. */
+mf_result_t check_shape(const mf__gemm_segments_t *seg, int32_t dtype, int swiglu, int64_t N, int64_t K) {
+    if (!seg) return decline("no segments");
+    if (dtype != MF_DTYPE_FP8_E4M3 && dtype != MF_DTYPE_BF16) return decline("dtype %d is not BF16 or FP8 E4M3", dtype);
+    const int esz = dtype == MF_DTYPE_FP8_E4M3 ? 1 : 2;
+    const int64_t nmult = swiglu ? 2 * kTileCols : kTileCols;
+    if (N <= 0 || N % nmult) return decline("N = %lld is not a positive multiple of %lld", (long long)N, (long long)nmult);
+    if (K <= 0 || (K * esz) % kKBlock) return decline("K = %lld: K bytes not a multiple of %d", (long long)K, kKBlock);
+    if (seg->num_experts < 0 || seg->num_experts > kMaxExperts)
+        return decline("L = %d outside [0, %d]", seg->num_experts, kMaxExperts);
+    if ((int64_t)seg->num_experts * N > kMaxRowCoord) return decline("L * N = %lld rows exceed int32 TMA coordinates",
+                                                                     (long long)seg->num_experts * N);
+    if (seg->max_rows_per_expert < 0) return decline("max_rows_per_expert %d < 0", seg->max_rows_per_expert);
+    if (seg->num_experts > 0 && (!seg->counts || !seg->offsets)) return decline("counts / offsets NULL");
+    return MF_SUCCESS;
+}
+
+/* Grid: one CTA per SM, never more than the tiles of the largest possible problem. */
+int grid_of(const mf__gemm_segments_t *seg, int64_t N, int swiglu, int block_t, int sms) {
+    const int64_t nblocks = N / (swiglu ? 2 * kTileCols : kTileCols);
+    const int64_t tiles = (int64_t)seg->num_experts * ((seg->max_rows_per_expert + block_t - 1) / block_t) * nblocks;
+    return (int)(tiles < sms ? tiles : sms);
+}
+
+/* Picks the variant, encodes the weight map (and the contiguous activation map) and launches. */
+mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int swiglu, int gather, const void *w,
+                   const void *a, decode_params *p, cudaStream_t stream) {
+    const int block_t = block_t_for(seg->rows_hint, seg->max_rows_per_expert);
+    const int vi = find_variant(fp8, swiglu, block_t, gather);
+    if (vi < 0) return decline("no variant fp8 %d swiglu %d T %d gather %d", fp8, swiglu, block_t, gather);
+    int dev = 0, sms = 0;
+    MF_CHECK(configure(who, &dev, &sms));
+    if (!(g_usable[dev].load() & ((int64_t)1 << vi)))
+        return decline("variant fp8 %d swiglu %d T %d gather %d unusable on device %d (not sm_90, or registers != %d)", fp8,
+                       swiglu, block_t, gather, dev, kLaunchRegs);
+    int n = 0;
+    const variant_t &v = variants(&n)[vi];
+    const int esz = fp8 ? 1 : 2;
+    const uint64_t kbytes = (uint64_t)p->K * esz;
+    const CUtensorMapDataType dt = fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+    CUresult r = mf__tma_encode_2d(&p->tmap_w, dt, w, (uint64_t)p->K, (uint64_t)seg->num_experts * p->N, kbytes,
+                                   (uint32_t)(kKBlock / esz), (uint32_t)kBoxRows, CU_TENSOR_MAP_SWIZZLE_128B);
+    if (r != CUDA_SUCCESS) return decline("weight tensor map: CUresult %d", (int)r);
+    if (!gather) {
+        r = mf__tma_encode_2d(&p->tmap_a, dt, a, (uint64_t)p->K, (uint64_t)kMaxRowCoord, kbytes, (uint32_t)(kKBlock / esz),
+                              (uint32_t)block_t, CU_TENSOR_MAP_SWIZZLE_128B);
+        if (r != CUDA_SUCCESS) return decline("activation tensor map: CUresult %d", (int)r);
+    }
+    const int grid = grid_of(seg, p->N, swiglu, block_t, sms);
+    if (grid <= 0) return MF_SUCCESS;
+    void *args[] = {(void *)p};
+    MF__DECODE_CUDA(cudaLaunchKernel(v.fn, dim3((unsigned)grid), dim3(kThreads), args, (size_t)v.smem, stream), who);
+    return MF_SUCCESS;
+}
+
+} /* namespace */
+
+mf_result_t mf__sm90_decode_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, int32_t ue8m0, mf__gemm_operand_t a,
+                                       mf__gemm_operand_t w13, int32_t H, int32_t I, void *h, float *h_scales,
+                                       cudaStream_t stream) {
+    static const char *who = "mf__sm90_decode_w13_swiglu";
+    const int64_t N = 2 * (int64_t)I, K = H;
+    const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
+    MF_CHECK(check_shape(seg, dtype, 1, N, K));
+    if (!aligned(w13.data, kDataAlign) || !w13.data || !h || !aligned(h, kDataAlign)) return decline("w13 / h not 16-byte aligned");
+    if (fp8 && (!w13.scales || !h_scales || !aligned(w13.scales, kScaleAlign) || !aligned(h_scales, kScaleAlign)))
+        return decline("FP8 scales missing or misaligned");
+    if (a.gather) {
+        const mf__gemm_gather_t *g = a.gather;
+        if (!g->src || g->x % kDataAlign || (fp8 && g->scales % kScaleAlign)) return decline("gather offsets misaligned");
+        for (int r = 0; r < MF_MAX_RANKS; r++)
+            if (!aligned(g->heap[r], kDataAlign)) return decline("gather heap %d not 16-byte aligned", r);
+    } else {
+        if (!a.data || !aligned(a.data, kDataAlign)) return decline("a not 16-byte aligned");
+        if (fp8 && (!a.scales || !aligned(a.scales, kScaleAlign))) return decline("FP8 a.scales missing or misaligned");
+    }
+    if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) return MF_SUCCESS;
+
+    decode_params p;
+    memset(&p, 0, sizeof p);
+    p.counts = seg->counts;
+    p.offsets = seg->offsets;
+    p.a_scales = a.gather ? NULL : a.scales;
+    p.w_scales = w13.scales;
+    p.out = (uint8_t *)h;
+    p.out_scales = h_scales;
+    if (a.gather) p.gather = *a.gather;
+    p.num_experts = seg->num_experts;
+    p.max_rows = seg->max_rows_per_expert;
+    p.N = (int32_t)N;
+    p.K = (int32_t)K;
+    p.ue8m0 = ue8m0 ? 1 : 0;
+    return launch(who, seg, fp8, 1, a.gather ? 1 : 0, w13.data, a.data, &p, stream);
+}
+
+mf_result_t mf__sm90_decode_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__gemm_operand_t h, mf__gemm_operand_t w2,
+                               int32_t H, int32_t I, uint16_t *out, const mf__gemm_return_t *ret, cudaStream_t stream) {
+    static const char *who = "mf__sm90_decode_w2";
+    const int64_t N = H, K = I;
+    const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
+    MF_CHECK(check_shape(seg, dtype, 0, N, K));
+    if (!h.data || !w2.data || !aligned(h.data, kDataAlign) || !aligned(w2.data, kDataAlign))
+        return decline("h / w2 not 16-byte aligned");
+    if (fp8 && (!h.scales || !w2.scales || !aligned(h.scales, kScaleAlign) || !aligned(w2.scales, kScaleAlign)))
+        return decline("FP8 scales missing or misaligned");
+    if (ret) {
+        if (!ret->src || ret->num_topk <= 0) return decline("ret without src or num_topk");
+        for (int r = 0; r < MF_MAX_RANKS; r++)
+            if (!aligned(ret->slots[r], kDataAlign)) return decline("ret slots %d not 16-byte aligned", r);
+    } else if (!out || !aligned(out, kDataAlign)) {
+        return decline("out not 16-byte aligned");
+    }
+    if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) return MF_SUCCESS;
+
+    decode_params p;
+    memset(&p, 0, sizeof p);
+    p.counts = seg->counts;
+    p.offsets = seg->offsets;
+    p.a_scales = h.scales;
+    p.w_scales = w2.scales;
+    p.out = (uint8_t *)out;
+    if (ret) {
+        p.ret = *ret;
+        p.use_ret = 1;
+    }
+    p.num_experts = seg->num_experts;
+    p.max_rows = seg->max_rows_per_expert;
+    p.N = (int32_t)N;
+    p.K = (int32_t)K;
+    return launch(who, seg, fp8, 0, 0, w2.data, h.data, &p, stream);
+}
+
+mf_result_t mf__sm90_decode_preload(void) {
+    int dev = 0, sms = 0;
+    mf_result_t r = configure("mf__sm90_decode_preload", &dev, &sms);
+    return r == MF_ERR_NOT_SUPPORTED ? MF_SUCCESS : r; /* a device beyond the table: its calls decline */
+}
+
+int mf__sm90_decode_variants(mf__decode_variant_info_t *out, int max) {
+    int dev = 0, sms = 0;
+    if (configure("mf__sm90_decode_variants", &dev, &sms) == MF_ERR_CUDA) return -1;
+    const int64_t usable = dev >= 0 && dev < kMaxDevices ? g_usable[dev].load() : 0;
+    int n = 0;
+    const variant_t *v = variants(&n);
+    for (int i = 0; i < n && out && i < max; i++) {
+        cudaFuncAttributes fa;
+        memset(&fa, 0, sizeof fa);
+        if (cudaFuncGetAttributes(&fa, v[i].fn) != cudaSuccess) {
+            (void)cudaGetLastError();
+            return -1;
+        }
+        mf__decode_variant_info_t &o = out[i];
+        o.fp8 = v[i].fp8;
+        o.swiglu = v[i].swiglu;
+        o.block_t = v[i].block_t;
+        o.gather = v[i].gather;
+        o.smem_bytes = v[i].smem;
+        o.stages = v[i].stages;
+        o.num_regs = fa.numRegs;
+        o.local_bytes = (int32_t)fa.localSizeBytes;
+        o.usable = (usable >> i) & 1;
+    }
+    return n;
+}
+
+const char *mf__sm90_decode_last_decline(void) { return g_decline; }
+
+cudaError_t mf__sm90_decode_set_fault_record(mf__sm90_fault_t *record) { return mf__sm90_set_fault_record(record); }

@@ -1051,4 +1051,56 @@ static inline CUresult mf__tma_encode_3d(CUtensorMap *map, CUtensorMapDataType d
 
 /* sm90_ptx: ready */
 
+/* ---- appended: cp.async drain and a wait with an explicit bound (the library's decode GEMMs) ---- */
+
+/* Waits until every cp.async of this thread has landed (a thread must not exit with copies still
+ * writing its CTA's shared memory). */
+__device__ __forceinline__ void mf__cp_async_wait_all(void) { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+/* mf__mbar_wait_tag with the bound `timeout_ns` in place of kMfSm90WaitTimeoutNs, for kernels of
+ * the library: there a trap kills the CUDA context of every rank of the process, so the bound is
+ * chosen by the kernel (far above any healthy wait), while the labs keep the short default.
+ * Same fault record and trap on expiry. */
+__device__ __forceinline__ void mf__mbar_wait_bounded(uint64_t *bar, uint32_t parity, uint32_t tag, uint64_t timeout_ns) {
+    if (mf__mbar_try_wait(bar, parity)) return;
+    uint64_t t0 = mf__globaltimer();
+    while (!mf__mbar_try_wait(bar, parity)) {
+        if (mf__globaltimer() - t0 > timeout_ns) {
+            mf__sm90_fault_t *f = mf__sm90_fault_record;
+            if (f) {
+                f->block = blockIdx.x;
+                f->thread = threadIdx.x;
+                f->smem = mf__smem_addr(bar);
+                f->parity = parity;
+                f->tag = tag;
+                __threadfence_system();
+                f->magic = kMfSm90FaultMagic;
+                __threadfence_system();
+            }
+            asm volatile("trap;");
+        }
+    }
+}
+
+/* ---- appended: hardware float -> BF16 / E4M3 pair conversions (the library's TMA GEMMs) -------- */
+
+/* Two floats to a BF16 pair, round to nearest even (cvt.rn.bf16x2.f32): `lo` in bits 0-15, `hi` in
+ * bits 16-31. For every non-NaN input the bits equal mf__bf16_from_float's (core/numerics.h): both
+ * are IEEE round-to-nearest-even, subnormals and overflow to infinity included (checked over all
+ * 2^32 inputs by dev/cuda/sm90_gemm_lab.cu --selftest). NaN becomes a canonical NaN. */
+__device__ __forceinline__ uint32_t mf__cvt_bf16x2(float lo, float hi) {
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+/* Two floats to an E4M3 pair, round to nearest even, saturating to +-448 (infinities too):
+ * cvt.rn.satfinite.e4m3x2.f32, `lo` in bits 0-7, `hi` in bits 8-15. For every non-NaN input the
+ * bits equal mf__fp8_from_float's (checked over all 2^32 inputs by the lab's --selftest). */
+__device__ __forceinline__ uint16_t mf__cvt_e4m3x2(float lo, float hi) {
+    uint16_t r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
 #endif /* MF_CUDA_KERNELS_SM90_PTX_CUH */

@@ -1,0 +1,606 @@
+/*
+ * sm90_decode_gemm.cuh — the Hopper (sm_90a) grouped expert GEMM for DECODE (a handful of rows per
+ * expert), BF16 and block-FP8: the kernel of the grouped GEMM dispatcher's decode family
+ * (cuda/grouped_gemm.h), launched by src/cuda/gemm_decode.cu. dev/cuda/sm90_decode_lab.cu
+ * validates and times it through those launchers. The job of the kernel is to stream the routed
+ * experts' weights at full HBM bandwidth: at 8..64 rows per expert the GEMM is a weight copy with
+ * a little arithmetic on the side.
+ *
+ * Dimension legend: L local experts, N weight rows per expert (the GEMM's output dim: 2I for W13,
+ * H for W2), K the reduction dim (H for W13, I for W2), H hidden, I intermediate, T = kBlockT
+ * tokens (receive rows of one expert) per tile, C masked capacity.
+ *
+ *   plain (W2):      out[rows, N] = bf16(a[rows, K] . W[e]^T)      W[e] = [N, K]; rows go to out[row]
+ *                    or, with `ret`, to the owner's combine slot ret.slots[rank] + (token K + k) H
+ *   swiglu (W13):    h[rows, I] = silu(a . Wg^T) * (a . Wu^T)      W[e] = [Wg; Wu] = [2I, K]
+ *                    BF16: h rounded to BF16; FP8: h requantised 1x128 (h_fp8 + h_scales [rows, I/128])
+ *
+ * Swap A/B. The weights are wgmma's A operand (64 weight rows per warpgroup, K-major, 128B swizzle,
+ * loaded by TMA) and the expert's activation rows are the B operand (wgmma N = kBlockT in
+ * {8, 16, 32, 64}, one [kBlockT x 128 B] tile per K block): D[w_row, column] accumulates in fp32 and
+ * the epilogue stores it transposed, out[row, n]. D[:, j] depends on B row j alone, so a column
+ * holding garbage (another expert's row, padding, NaN) never reaches a stored column.
+ *
+ * Token blocks and the column shift. Tile column j holds receive row t.row0 + j; the columns that
+ * belong to the tile are [t.lo, kBlockT). A full token block has lo = 0; the last, partial block of
+ * an expert (v < kBlockT rows left) is shifted so that it ENDS at the expert's last row: row0 =
+ * (expert's end) - kBlockT, lo = kBlockT - v. Hence no tile ever addresses a row at or past the end
+ * of its expert's rows, which is what lets the activation tensor map span 2^31 - 1 rows (the
+ * launchers do not know the receive tensor's length): rows below the expert are another expert's
+ * rows or padding (read, never stored), rows below 0 are TMA zero fill (coordinates are signed).
+ *
+ * Activation sources (kGather, W13 only):
+ *   contiguous: one TMA box [kBlockT rows x 128 B] per K block at (k, row0), 128B swizzle.
+ *   gathered:   a.gather (the direct dataflow): column j's row lives at its owner, heap[rank] + x +
+ *               token * K bytes (src[3 row] = (rank, token, k)); the producer warp copies it with
+ *               16-byte cp.asyncs into the layout TMA would produce (chunk c of row j at chunk
+ *               c ^ (j & 7) of the row's 128 B, rows 128 B apart, tile 1024-B aligned) and arrives
+ *               on the full barrier with cp.async.mbarrier.arrive.noinc. Columns below lo are not
+ *               written (stale shared memory: harmless, see above). The consumers issue
+ *               fence.proxy.async after the full wait: cp.async writes are generic-proxy writes and
+ *               wgmma reads shared memory through the async proxy.
+ *   The arithmetic does not depend on the source: the same rows give the same bits.
+ *
+ * Work. A tile is (expert with rows, n-block, token block): plain n-blocks are 128 weight rows
+ * (= 128 output columns; consumer warpgroup g takes rows [64g, 64g + 64)); swiglu n-blocks are 128
+ * h columns: gate rows [n0, n0 + 128) and up rows [I + n0, I + n0 + 128), warpgroup g takes gate
+ * and up rows [64g, 64g + 64) of each, so that h = silu(g) * u is element-wise on two fragments of
+ * the same layout and a token's 128 h columns (one FP8 scale block) are all in the tile. Token
+ * blocks (more than kBlockT rows in one expert) are the innermost tile index: their CTAs run at the
+ * same time and read the same weights, the second one from L2. The grid is persistent (one CTA per
+ * SM, tiles b, b + grid, ...); experts without rows have no tiles, so they cost nothing. The
+ * counts and offsets are read on the device (CUDA-graph capturable) into shared-memory tables
+ * at kernel start (a warp scan gives each expert's first tile); counts are clamped to
+ * [0, max_rows].
+ *
+ * Pipeline. Warpgroup 0 is the producer (setmaxnreg 40; one warp issues everything), warpgroups 1
+ * and 2 are the consumers (setmaxnreg 232). kStages stages ring through shared memory, each holding
+ * one K block of 128 bytes (FP8: 128 elements = one scale block; BF16: 64): the weight boxes
+ * (1 or 2 x [128 rows x 128 B] = 16 / 32 KB), the activation tile [kBlockT x 128 B] and, for FP8,
+ * the scales of that K block (a_scale of each column by cp.async, columns below lo copying column
+ * lo's; w_scale of each weight box). full[s]: the producer's arrive.expect_tx of the stage's TMA
+ * bytes (a partly out-of-bounds box still delivers its full size) + for FP8 or gathered rows one
+ * cp.async.mbarrier.arrive.noinc per producer lane (init count 1 + 32); empty[s]: one arrival per
+ * consumer warp after its wgmmas completed and its scale reads were done. The producer runs ahead
+ * across tile boundaries, so the consumers' epilogue hides under the next tile's loads. The ring
+ * index `it` counts stages over the whole persistent loop in both roles: slot = it % kStages,
+ * parity = (it / kStages) & 1 (the producer waits empty with the opposite parity; a fresh
+ * barrier's "previous phase" counts as done).
+ *
+ * Bounded waits. Every mbarrier wait gives up after kWaitTimeoutNs (20 s) of %globaltimer and
+ * traps (recording itself in the fault record when one is registered, see sm90_ptx.cuh). In the
+ * library a trap kills the CUDA context of every (virtual) rank of the process, so the bound is far
+ * above any healthy wait, a slow but live peer included (gathered rows are peer reads): it exists
+ * only so that a broken pipeline can never hang the GPU.
+ *
+ * FP8 (DESIGN.md "Numerics"): for each 128-wide K block the four k32 wgmmas go into a temporary
+ * fragment (scale-d = 0 on the first), then acc += tmp * (a_scale[column][kb] * w_scale[n/128][kb]):
+ * w_scale is one scalar per (weight box, kb) since a box is one 128-row scale block, a_scale varies
+ * along D's columns (tokens). Same arithmetic as the CPU oracle (src/cpu/gemm.c), other order; the
+ * E4M3 wgmma accumulates inside a K block with reduced precision (~5e-4 relative per element
+ * against an exact fp32 sum), so FP8 results match the oracle within a bound, not bitwise.
+ *
+ * Epilogue (consumer warpgroups, named barrier 1 over their 256 threads): fragments -> BF16 or FP8
+ * in a padded [kBlockT][128] staging tile -> 16-byte stores of the columns in [lo, kBlockT). FP8 h:
+ * amax of a token over its 128 h columns = max over the thread's two rows, the 8 lanes sharing the
+ * column (shfl xor 4, 8, 16) and the 8 consumer warps (smem); then mf__fp8_block_scale and
+ * mf__fp8_from_float from core/numerics.h, as the CPU does it.
+ *
+ * Limits (the launchers decline anything else): N a multiple of 128 (plain) or 256 (swiglu),
+ * K * element bytes a multiple of 128, L <= kMaxExperts, L * N < 2^31, 16-byte aligned data.
+ */
+#ifndef MF_CUDA_KERNELS_SM90_DECODE_GEMM_CUH
+#define MF_CUDA_KERNELS_SM90_DECODE_GEMM_CUH
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "core/numerics.h"
+#include "cuda/grouped_gemm.h"
+#include "cuda/kernels/sm90_ptx.cuh"
+
+namespace mf__decode {
+
+enum { kEpiPlain = 0, kEpiSwiglu = 1 };
+
+constexpr int kThreads = 3 * kMfWarpgroupThreads;         /* WG 0 producer, WG 1-2 consumers */
+constexpr int kConsumerThreads = 2 * kMfWarpgroupThreads;
+constexpr int kConsumerWarps = kConsumerThreads / 32;
+constexpr int kLaunchRegs = 168;                          /* 65536 / 384, rounded down to 8 */
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;
+static_assert(kProducerRegs * kMfWarpgroupThreads + kConsumerRegs * kConsumerThreads <= kLaunchRegs * kThreads,
+              "setmaxnreg.inc would wait forever for registers the CTA does not have");
+
+constexpr int kWgRows = 64;                               /* weight rows per consumer warpgroup per box */
+constexpr int kBoxRows = 2 * kWgRows;                     /* 128 rows per weight box (= scale block) */
+constexpr int kKBlock = 128;                              /* K bytes per K block (FP8: one scale block) */
+constexpr int kBoxBytes = kBoxRows * kKBlock;             /* 16 KB */
+constexpr int kWgOperandBytes = kWgRows * kKBlock;        /* 8 KB: warpgroup g's A operand at 8 KB g */
+constexpr int kKStepBytes = 32;                           /* K bytes per wgmma: BF16 k16, E4M3 k32 */
+constexpr int kKSteps = kKBlock / kKStepBytes;            /* 4 */
+constexpr int kTileCols = kBoxRows;                       /* output (or h) columns per tile */
+constexpr int kMaxExperts = 512;                          /* shared-memory tables */
+constexpr int kMaxStages = 16;
+constexpr int kSmemLimit = 227 * 1024;                    /* dynamic smem per block on sm_90 */
+constexpr int kScalePad = 4;                              /* w_scale slots after a K block's a_scales */
+constexpr int kEpiPadBytes = 16;                          /* staging row pad (bank spread) */
+constexpr int kBarEpilogue = 1;                           /* named barrier of the 256 consumer threads */
+constexpr int kChunk = 16;                                /* bytes per cp.async and per epilogue store */
+constexpr int kChunksPerKBlock = kKBlock / kChunk;        /* 8 chunks of an activation row per K block */
+constexpr int32_t kMaxRowCoord = 0x7fffffff;              /* rows of the activation tensor map (see top) */
+constexpr uint64_t kWaitTimeoutNs = 20000000000ull;       /* 20 s: see "Bounded waits" above */
+enum { kTagProducerEmpty = 1, kTagConsumerFull = 2 };     /* fault-record tags of the two waits */
+
+static_assert(kKBlock == kMfSwizzleBytes, "a K block is one 128B-swizzle row");
+static_assert(kKBlock == MF__QUANT_BLOCK, "an FP8 K block must be exactly one scale block");
+static_assert(kTileCols == MF__QUANT_BLOCK, "a swiglu tile must hold whole FP8 h scale blocks");
+static_assert(kWgOperandBytes % kMfSwizzleAtomBytes == 0, "wgmma operands must start on a swizzle atom");
+
+__host__ __device__ constexpr int align_up(int x, int a) { return (x + a - 1) / a * a; }
+__host__ __device__ constexpr int min_int(int a, int b) { return a < b ? a : b; }
+
+/* Compile-time tile parameters and the shared-memory map. */
+template <bool kFp8, int kEpi, int kBlockT>
+struct cfg {
+    static constexpr int kEsz = kFp8 ? 1 : 2;
+    static constexpr int kBoxes = kEpi == kEpiSwiglu ? 2 : 1;          /* weight boxes per K block */
+    static constexpr int kWeightBytes = kBoxes * kBoxBytes;             /* TMA bytes of a gathered stage */
+    static constexpr int kActBytes = kBlockT * kKBlock;
+    static constexpr int kStageBytes = kWeightBytes + kActBytes;        /* TMA bytes of a contiguous stage */
+    static constexpr int kRowsPerLane = (kBlockT + 31) / 32;            /* producer lane l: columns l + 32 i */
+    static constexpr int kOutEsz = (kEpi == kEpiSwiglu && kFp8) ? 1 : 2;
+    static constexpr int kEpiRowBytes = kTileCols * kOutEsz + kEpiPadBytes;
+    static constexpr int kScaleStride = kBlockT + kScalePad;            /* floats per stage */
+    static constexpr int kScaleBytes = kFp8 ? kScaleStride * 4 : 0;     /* per stage */
+    static constexpr int kEpiBytes = align_up(kBlockT * kEpiRowBytes, 128);
+    static constexpr int kRedBytes = kConsumerWarps * kBlockT * 4;
+    static constexpr int kTableBytes = align_up((3 * kMaxExperts + 1) * 4, 16);
+    static constexpr int kFixedBytes = kMfSwizzleAtomBytes /* base alignment slack */ + kEpiBytes + kRedBytes + kTableBytes;
+    static constexpr int kPerStageBytes = kStageBytes + kScaleBytes + 2 * 8;
+    static constexpr int kStages = min_int(kMaxStages, (kSmemLimit - kFixedBytes - 16) / kPerStageBytes);
+
+    static constexpr int kOffStages = 0;
+    static constexpr int kOffEpi = kStages * kStageBytes;
+    static constexpr int kOffScales = kOffEpi + kEpiBytes;
+    static constexpr int kOffRed = kOffScales + align_up(kStages * kScaleBytes, 16);
+    static constexpr int kOffTables = kOffRed + kRedBytes;
+    static constexpr int kOffBars = align_up(kOffTables + kTableBytes, 8);
+    static constexpr int kSmemBytes = kOffBars + kStages * 2 * 8 + kMfSwizzleAtomBytes;
+
+    static_assert(kBlockT == 8 || kBlockT == 16 || kBlockT == 32 || kBlockT == 64, "wgmma N (tokens per tile)");
+    static_assert(kStages >= 2, "the ring needs two stages");
+    static_assert(kSmemBytes <= kSmemLimit, "shared memory map exceeds 227 KB");
+    static_assert(kActBytes % kMfSwizzleAtomBytes == 0 && kStageBytes % kMfSwizzleAtomBytes == 0,
+                  "every box must start on a 1024-byte swizzle atom");
+    static_assert(kEpiRowBytes % kChunk == 0, "staging rows must be 16-byte aligned");
+};
+
+/* One struct per kernel, passed by value (__grid_constant__: the tensor maps stay in param space). */
+struct decode_params {
+    CUtensorMap tmap_w;        /* weights [L * N, K], box [128 rows, 128 bytes], 128B swizzle */
+    CUtensorMap tmap_a;        /* contiguous activations [kMaxRowCoord, K], box [kBlockT, 128 B] */
+    const int32_t *counts;     /* [L] device: rows of each expert */
+    const int32_t *offsets;    /* [L] device: first receive row of each expert */
+    const float *a_scales;     /* FP8, contiguous: [rows, K/128] */
+    const float *w_scales;     /* FP8: [L, N/128, K/128] */
+    uint8_t *out;              /* plain: [rows, N] BF16 (unless use_ret); swiglu: [rows, N/2] BF16 or FP8 */
+    float *out_scales;         /* swiglu FP8: [rows, N/256] */
+    mf__gemm_gather_t gather;  /* kGather: rows and FP8 scales read at their owners */
+    mf__gemm_return_t ret;     /* plain with use_ret: rows to the owners' combine slots */
+    int32_t use_ret;
+    int32_t num_experts;       /* L */
+    int32_t max_rows;          /* counts are clamped to [0, max_rows] */
+    int32_t N, K;              /* weight rows per expert, reduction elements */
+    int32_t ue8m0;             /* swiglu FP8: power-of-two h scales */
+};
+
+/* One tile of work: expert, n-block, receive row of column 0, first column of the tile's rows. */
+struct tile_t {
+    int32_t e, nb, row0, lo;
+};
+
+/* Shared-memory tables built at kernel start. */
+struct tables_t {
+    int32_t *rows;   /* [L] clamped counts */
+    int32_t *row0;   /* [L] offsets */
+    int32_t *first;  /* [L + 1] first tile of each expert; first[L] = number of tiles */
+};
+
+/* Tile `idx` of the walk (monotonic idx; `e` is the walker's cursor, starting at 0). */
+template <int kBlockT>
+__device__ __forceinline__ bool next_tile(const tables_t &tb, int32_t L, int32_t idx, int32_t &e, tile_t &t) {
+    if (idx >= tb.first[L]) return false;
+    while (tb.first[e + 1] <= idx) e++;
+    const int32_t rows = tb.rows[e], blocks = (rows + kBlockT - 1) / kBlockT, local = idx - tb.first[e];
+    const int32_t tok = local % blocks, left = rows - tok * kBlockT;
+    t.e = e;
+    t.nb = local / blocks;
+    /* a partial last block ends at the expert's last row (see "Token blocks" at the top) */
+    t.lo = left < kBlockT ? kBlockT - left : 0;
+    t.row0 = tb.row0[e] + tok * kBlockT - t.lo;
+    return true;
+}
+
+/* ---- producer: one warp; lane 0 issues the TMA, all lanes the cp.asyncs ----------------------- */
+
+template <bool kFp8, int kEpi, int kBlockT, bool kGather>
+__device__ __forceinline__ void producer(const decode_params &p, const tables_t &tb, uint8_t *stages, float *scales,
+                                         uint64_t *full, uint64_t *empty) {
+    using C = cfg<kFp8, kEpi, kBlockT>;
+    constexpr bool kCpAsync = kFp8 || kGather;                  /* lanes arrive on full[] */
+    const int lane = (int)(threadIdx.x & 31);
+    const int32_t kbytes = p.K * C::kEsz;
+    const int32_t kblocks = kbytes / kKBlock;                  /* = K/128 scale columns for FP8 */
+    const int32_t scale_rows = p.N / kBoxRows;                 /* weight scale rows per expert */
+    const int32_t half = p.N / 2;                              /* swiglu: first up row */
+    const uint64_t pol_w = mf__l2_policy(kMfL2EvictFirst);    /* weights: read once */
+    const uint64_t pol_a = mf__l2_policy(kMfL2EvictLast);     /* activations: read by every n-block */
+    if (lane == 0) {
+        mf__prefetch_tensormap(&p.tmap_w);
+        if constexpr (!kGather) mf__prefetch_tensormap(&p.tmap_a);
+    }
+    uint32_t it = 0;
+    int32_t cursor = 0;
+    tile_t t;
+    for (int32_t idx = (int32_t)blockIdx.x; next_tile<kBlockT>(tb, p.num_experts, idx, cursor, t);
+         idx += (int32_t)gridDim.x) {
+        /* weight rows of box b (gate, up) and its scale row */
+        const int32_t wrow0 = t.e * p.N + t.nb * kBoxRows;
+        const int32_t srow0 = t.e * scale_rows + t.nb;
+        /* this lane's columns j = lane + 32 i: the row (gathered) and the FP8 scale row; columns
+         * below lo take column lo's scales (their D columns are never stored) */
+        const uint8_t *arow[C::kRowsPerLane];
+        const float *srow[C::kRowsPerLane];
+#pragma unroll
+        for (int i = 0; i < C::kRowsPerLane; i++) {
+            const int j = lane + 32 * i;
+            const int32_t row = t.row0 + (j < t.lo ? t.lo : (j < kBlockT ? j : kBlockT - 1));
+            arow[i] = NULL;
+            srow[i] = p.a_scales;
+            if constexpr (kGather) {
+                const int32_t *src = p.gather.src + 3 * (int64_t)row;
+                const int32_t rank = src[0], token = src[1];
+                const uint8_t *heap = (uint32_t)rank < (uint32_t)MF_MAX_RANKS ? p.gather.heap[rank] : NULL;
+                if (heap && j >= t.lo && j < kBlockT) arow[i] = heap + p.gather.x + (int64_t)token * kbytes;
+                if (heap) srow[i] = (const float *)(heap + p.gather.scales) + (int64_t)token * kblocks;
+            } else if constexpr (kFp8) {
+                srow[i] = p.a_scales + (int64_t)row * kblocks;
+            }
+        }
+        for (int32_t kb = 0; kb < kblocks; kb++, it++) {
+            const uint32_t slot = it % C::kStages;
+            mf__mbar_wait_bounded(&empty[slot], ((it / C::kStages) & 1u) ^ 1u, kTagProducerEmpty, kWaitTimeoutNs);
+            uint8_t *st = stages + slot * C::kStageBytes;
+            uint8_t *act = st + C::kWeightBytes;
+            if constexpr (kFp8) {
+                float *sc = scales + slot * C::kScaleStride;
+#pragma unroll
+                for (int i = 0; i < C::kRowsPerLane; i++) {
+                    const int j = lane + 32 * i;
+                    if (j < kBlockT) mf__cp_async_4(sc + j, srow[i] + kb);
+                }
+                if (lane < C::kBoxes) {
+                    const int32_t srow_w = srow0 + (kEpi == kEpiSwiglu ? lane * (half / kBoxRows) : 0);
+                    mf__cp_async_4(sc + kBlockT + lane, p.w_scales + (int64_t)srow_w * kblocks + kb);
+                }
+            }
+            if constexpr (kGather) {
+                /* the layout of a 128B-swizzled TMA box: chunk c of row j at chunk c ^ (j & 7) */
+#pragma unroll
+                for (int i = 0; i < C::kRowsPerLane; i++) {
+                    const int j = lane + 32 * i;
+                    if (arow[i]) {
+                        const uint8_t *g = arow[i] + (int64_t)kb * kKBlock;
+#pragma unroll
+                        for (int c = 0; c < kChunksPerKBlock; c++)
+                            mf__cp_async_16(act + j * kKBlock + ((c ^ (j & 7)) * kChunk), g + c * kChunk);
+                    }
+                }
+            }
+            if constexpr (kCpAsync) mf__cp_async_mbar_arrive_noinc(&full[slot]); /* one of full's 1 + 32 */
+            __syncwarp();
+            if (lane == 0) {
+                mf__mbar_arrive_expect_tx(&full[slot], (uint32_t)(kGather ? C::kWeightBytes : C::kStageBytes));
+                const int32_t kc = kb * (kKBlock / C::kEsz); /* K coordinate, elements */
+#pragma unroll
+                for (int b = 0; b < C::kBoxes; b++)
+                    mf__tma_load_2d_hint(st + b * kBoxBytes, &p.tmap_w, &full[slot], kc, wrow0 + b * half, pol_w);
+                if constexpr (!kGather) mf__tma_load_2d_hint(act, &p.tmap_a, &full[slot], kc, t.row0, pol_a);
+            }
+        }
+    }
+    if constexpr (kCpAsync) mf__cp_async_wait_all();
+}
+
+/* ---- consumers: two warpgroups, 64 weight rows each per box ----------------------------------- */
+
+/* Staging tile -> output rows of columns [lo, kBlockT), columns [nb 128, nb 128 + 128) of the row,
+ * 16 bytes per store: out[row0 + token], or (plain with ret) the owner's combine slot. */
+template <int kEpi, int kBlockT, int kOutEsz, int kEpiRowBytes>
+__device__ __forceinline__ void store_tile(const decode_params &p, const uint8_t *epi, int64_t out_ld, const tile_t &t,
+                                           int ctid) {
+    constexpr int kChunksPerRow = kTileCols * kOutEsz / kChunk;
+    const int64_t col_bytes = (int64_t)t.nb * kTileCols * kOutEsz;
+#pragma unroll
+    for (int c = ctid; c < kBlockT * kChunksPerRow; c += kConsumerThreads) {
+        const int token = c / kChunksPerRow, ch = c % kChunksPerRow;
+        if (token < t.lo) continue;
+        const int64_t row = (int64_t)t.row0 + token;
+        uint8_t *dst;
+        if (kEpi == kEpiPlain && p.use_ret) {
+            const int32_t *src = p.ret.src + 3 * row;
+            const int32_t rank = src[0], owner_token = src[1], k = src[2];
+            if ((uint32_t)rank >= (uint32_t)MF_MAX_RANKS || owner_token < 0 || k < 0 || k >= p.ret.num_topk) continue;
+            uint16_t *slots = p.ret.slots[rank];
+            if (!slots) continue;
+            dst = (uint8_t *)(slots + ((int64_t)owner_token * p.ret.num_topk + k) * out_ld);
+        } else {
+            dst = p.out + row * out_ld * kOutEsz;
+        }
+        *(uint4 *)(dst + col_bytes + ch * kChunk) = *(const uint4 *)(epi + token * kEpiRowBytes + ch * kChunk);
+    }
+}
+
+template <bool kFp8, int kEpi, int kBlockT, bool kGather>
+__device__ __forceinline__ void consumer(const decode_params &p, const tables_t &tb, uint8_t *stages, const float *scales,
+                                         uint8_t *epi, float *red, uint64_t *full, uint64_t *empty) {
+    using C = cfg<kFp8, kEpi, kBlockT>;
+    constexpr int kFrag = kBlockT / 2;          /* accumulators per thread per 64-row block */
+    const int ctid = (int)threadIdx.x - kMfWarpgroupThreads; /* 0..255 */
+    const int wg = ctid / kMfWarpgroupThreads;  /* consumer warpgroup: weight rows [64 wg, 64 wg + 64) */
+    const int warp = (ctid / 32) % 4, lane = ctid & 31;
+    const int quad = lane & 3, group = lane >> 2;
+    const int32_t kblocks = p.K * C::kEsz / kKBlock;
+    const int64_t out_ld = kEpi == kEpiSwiglu ? p.N / 2 : p.N;
+    const uint64_t desc_stages = mf__wgmma_desc_sw128(stages);
+    /* fragment (j, h, b) = acc[4j + 2h + b] sits at D[row 16 warp + group + 8h][column 8j + 2 quad + b] */
+    const int col_base = wg * kWgRows + warp * 16 + group; /* tile column (weight row) of h = 0 */
+
+    float tmp[C::kBoxes][kFrag];
+#pragma unroll
+    for (int b = 0; b < C::kBoxes; b++)
+#pragma unroll
+        for (int i = 0; i < kFrag; i++) tmp[b][i] = 0.0f;
+
+    uint32_t it = 0;
+    int32_t cursor = 0;
+    tile_t t;
+    for (int32_t idx = (int32_t)blockIdx.x; next_tile<kBlockT>(tb, p.num_experts, idx, cursor, t);
+         idx += (int32_t)gridDim.x) {
+        float acc[C::kBoxes][kFrag];
+#pragma unroll
+        for (int b = 0; b < C::kBoxes; b++)
+#pragma unroll
+            for (int i = 0; i < kFrag; i++) acc[b][i] = 0.0f;
+
+        for (int32_t kb = 0; kb < kblocks; kb++, it++) {
+            const uint32_t slot = it % C::kStages;
+            mf__mbar_wait_bounded(&full[slot], (it / C::kStages) & 1u, kTagConsumerFull, kWaitTimeoutNs);
+            if constexpr (kGather) mf__fence_proxy_async_smem(); /* cp.async (generic) -> wgmma (async) */
+            const uint64_t dslot = desc_stages + (uint64_t)((slot * C::kStageBytes) >> 4);
+            uint64_t da[C::kBoxes];
+#pragma unroll
+            for (int b = 0; b < C::kBoxes; b++) da[b] = mf__wgmma_desc_advance(dslot, b * kBoxBytes + wg * kWgOperandBytes);
+            const uint64_t db = mf__wgmma_desc_advance(dslot, C::kWeightBytes);
+            if constexpr (kFp8) {
+#pragma unroll
+                for (int b = 0; b < C::kBoxes; b++) mf__fence_fragment<kBlockT>(tmp[b]); /* last promotion's reads first */
+                mf__wgmma_fence();
+#pragma unroll
+                for (int k = 0; k < kKSteps; k++)
+#pragma unroll
+                    for (int b = 0; b < C::kBoxes; b++)
+                        mf__wgmma_e4m3<kBlockT>(tmp[b], mf__wgmma_desc_advance(da[b], k * kKStepBytes),
+                                                mf__wgmma_desc_advance(db, k * kKStepBytes), k > 0 ? 1 : 0);
+                mf__wgmma_commit();
+                mf__wgmma_wait<0>();
+#pragma unroll
+                for (int b = 0; b < C::kBoxes; b++) mf__fence_fragment<kBlockT>(tmp[b]);
+                /* promotion of this K block: acc += tmp * (a_scale[column] * w_scale[box]) */
+                const float *sc = scales + slot * C::kScaleStride;
+                float ws[C::kBoxes];
+#pragma unroll
+                for (int b = 0; b < C::kBoxes; b++) ws[b] = sc[kBlockT + b];
+#pragma unroll
+                for (int j = 0; j < kBlockT / 8; j++) {
+                    const float2 as = *(const float2 *)(sc + 8 * j + 2 * quad);
+#pragma unroll
+                    for (int b = 0; b < C::kBoxes; b++) {
+                        const float s0 = as.x * ws[b], s1 = as.y * ws[b];
+                        acc[b][4 * j + 0] += tmp[b][4 * j + 0] * s0;
+                        acc[b][4 * j + 1] += tmp[b][4 * j + 1] * s1;
+                        acc[b][4 * j + 2] += tmp[b][4 * j + 2] * s0;
+                        acc[b][4 * j + 3] += tmp[b][4 * j + 3] * s1;
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int b = 0; b < C::kBoxes; b++) mf__fence_fragment<kBlockT>(acc[b]); /* zeroing first */
+                mf__wgmma_fence();
+#pragma unroll
+                for (int k = 0; k < kKSteps; k++)
+#pragma unroll
+                    for (int b = 0; b < C::kBoxes; b++)
+                        mf__wgmma_bf16<kBlockT>(acc[b], mf__wgmma_desc_advance(da[b], k * kKStepBytes),
+                                                mf__wgmma_desc_advance(db, k * kKStepBytes), 1);
+                mf__wgmma_commit();
+                mf__wgmma_wait<0>();
+#pragma unroll
+                for (int b = 0; b < C::kBoxes; b++) mf__fence_fragment<kBlockT>(acc[b]);
+            }
+            __syncwarp();
+            if (lane == 0) mf__mbar_arrive(&empty[slot]); /* this warp is done with the stage */
+        }
+
+        /* ---- epilogue ---- */
+        if constexpr (kEpi == kEpiSwiglu) {
+#pragma unroll
+            for (int i = 0; i < kFrag; i++) acc[0][i] = mf__silu(acc[0][i]) * acc[1][i];
+        }
+        mf__named_barrier_sync(kBarEpilogue, kConsumerThreads); /* the previous tile's stores are done */
+        if constexpr (C::kOutEsz == 2) {
+#pragma unroll
+            for (int j = 0; j < kBlockT / 8; j++)
+#pragma unroll
+                for (int h = 0; h < 2; h++)
+#pragma unroll
+                    for (int b = 0; b < 2; b++) {
+                        const int token = 8 * j + 2 * quad + b, col = col_base + 8 * h;
+                        *(uint16_t *)(epi + token * C::kEpiRowBytes + col * 2) = mf__bf16_from_float(acc[0][4 * j + 2 * h + b]);
+                    }
+        } else {
+            /* FP8 h: amax of each token over the tile's 128 h columns */
+            float m[kBlockT / 8][2];
+#pragma unroll
+            for (int j = 0; j < kBlockT / 8; j++)
+#pragma unroll
+                for (int b = 0; b < 2; b++) {
+                    float v = 0.0f;
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const float a = fabsf(acc[0][4 * j + 2 * h + b]);
+                        v = a > v ? a : v; /* NaN never wins, as in the host quantiser */
+                    }
+#pragma unroll
+                    for (int off = 4; off < 32; off <<= 1) {
+                        const float o = __shfl_xor_sync(0xffffffffu, v, off);
+                        v = o > v ? o : v;
+                    }
+                    m[j][b] = v;
+                }
+            if (group == 0)
+#pragma unroll
+                for (int j = 0; j < kBlockT / 8; j++)
+#pragma unroll
+                    for (int b = 0; b < 2; b++) red[(wg * 4 + warp) * kBlockT + 8 * j + 2 * quad + b] = m[j][b];
+            mf__named_barrier_sync(kBarEpilogue, kConsumerThreads);
+            const int32_t h_blocks = (int32_t)(out_ld / MF__QUANT_BLOCK);
+#pragma unroll
+            for (int j = 0; j < kBlockT / 8; j++)
+#pragma unroll
+                for (int b = 0; b < 2; b++) {
+                    const int token = 8 * j + 2 * quad + b;
+                    float amax = 0.0f;
+#pragma unroll
+                    for (int w = 0; w < kConsumerWarps; w++) {
+                        const float o = red[w * kBlockT + token];
+                        amax = o > amax ? o : amax;
+                    }
+                    float scale, inv;
+                    mf__fp8_block_scale(amax, p.ue8m0, &scale, &inv);
+#pragma unroll
+                    for (int h = 0; h < 2; h++)
+                        epi[token * C::kEpiRowBytes + col_base + 8 * h] = mf__fp8_from_float(acc[0][4 * j + 2 * h + b] * inv);
+                    if (wg == 0 && warp == 0 && group == 0 && token >= t.lo)
+                        p.out_scales[(int64_t)(t.row0 + token) * h_blocks + t.nb] = scale;
+                }
+        }
+        mf__named_barrier_sync(kBarEpilogue, kConsumerThreads); /* the staging tile is complete */
+        store_tile<kEpi, kBlockT, C::kOutEsz, C::kEpiRowBytes>(p, epi, out_ld, t, ctid);
+    }
+}
+
+template <bool kFp8, int kEpi, int kBlockT, bool kGather>
+__global__ void __launch_bounds__(kThreads, 1) sm90_decode_kernel(const __grid_constant__ decode_params p) {
+    using C = cfg<kFp8, kEpi, kBlockT>;
+    /* full[s]: the producer's arrive.expect_tx, + (FP8 or gathered rows) one cp.async arrival per
+     * producer lane */
+    constexpr uint32_t kFullArrivals = (kFp8 || kGather) ? 1 + 32 : 1;
+    extern __shared__ uint8_t smem_raw[];
+    /* 128B-swizzled TMA boxes and wgmma operands need 1024-byte aligned shared addresses */
+    uint8_t *smem = smem_raw + ((kMfSwizzleAtomBytes - (mf__smem_addr(smem_raw) & (kMfSwizzleAtomBytes - 1))) &
+                                (kMfSwizzleAtomBytes - 1));
+    uint8_t *stages = smem + C::kOffStages;
+    uint8_t *epi = smem + C::kOffEpi;
+    float *scales = (float *)(smem + C::kOffScales);
+    float *red = (float *)(smem + C::kOffRed);
+    tables_t tb;
+    tb.rows = (int32_t *)(smem + C::kOffTables);
+    tb.row0 = tb.rows + kMaxExperts;
+    tb.first = tb.row0 + kMaxExperts;
+    uint64_t *full = (uint64_t *)(smem + C::kOffBars);
+    uint64_t *empty = full + C::kStages;
+
+    /* ---- setup: expert tables, barriers ---- */
+    const int L = p.num_experts;
+    const int32_t nblocks = kEpi == kEpiSwiglu ? p.N / (2 * kTileCols) : p.N / kTileCols; /* n-blocks per expert */
+    for (int e = (int)threadIdx.x; e < L; e += kThreads) {
+        int32_t n = p.counts[e];
+        n = n < 0 ? 0 : (n > p.max_rows ? p.max_rows : n);
+        tb.rows[e] = n;
+        tb.row0[e] = p.offsets[e];
+    }
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < C::kStages; s++) {
+            mf__mbar_init(&full[s], kFullArrivals);
+            mf__mbar_init(&empty[s], kConsumerWarps);
+        }
+        mf__fence_mbarrier_init();
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        /* first[e] = sum of the tiles of experts < e: each lane sums a run of experts, then a warp scan */
+        const int lane = (int)threadIdx.x, per = (L + 31) / 32;
+        const int lo = min_int(L, lane * per), hi = min_int(L, lo + per);
+        int32_t local = 0;
+        for (int e = lo; e < hi; e++) local += tb.rows[e] > 0 ? nblocks * ((tb.rows[e] + kBlockT - 1) / kBlockT) : 0;
+        int32_t incl = local;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const int32_t v = __shfl_up_sync(0xffffffffu, incl, off);
+            if (lane >= off) incl += v;
+        }
+        int32_t base = incl - local;
+        for (int e = lo; e < hi; e++) {
+            tb.first[e] = base;
+            base += tb.rows[e] > 0 ? nblocks * ((tb.rows[e] + kBlockT - 1) / kBlockT) : 0;
+        }
+        if (lane == 31) tb.first[L] = incl;
+    }
+    __syncthreads();
+
+    if (mf__warpgroup_id() == 0) {
+        mf__setmaxnreg_dec<kProducerRegs>();
+        if (mf__warp_id() == 0) producer<kFp8, kEpi, kBlockT, kGather>(p, tb, stages, scales, full, empty);
+    } else {
+        mf__setmaxnreg_inc<kConsumerRegs>();
+        consumer<kFp8, kEpi, kBlockT, kGather>(p, tb, stages, scales, epi, red, full, empty);
+    }
+}
+
+/* ---- host ------------------------------------------------------------------------------------- */
+
+/* Tokens per tile for an expected `rows_hint` rows per expert (0 = unknown: the bound `max_rows`),
+ * never more than the bound needs: the smallest of 8, 16, 32, 64 that holds it, else 64. Host data
+ * only, so the kernel a call runs never depends on device data. */
+static inline int block_t_for(int32_t rows_hint, int32_t max_rows) {
+    int32_t m = rows_hint > 0 ? rows_hint : max_rows;
+    if (max_rows > 0 && max_rows < m) m = max_rows;
+    return m <= 8 ? 8 : m <= 16 ? 16 : m <= 32 ? 32 : 64;
+}
+
+} /* namespace mf__decode */
+
+/* What gemm_decode.cu ships, for the lab and for diagnostics: one entry per kernel variant. */
+typedef struct mf__decode_variant_info {
+    int32_t fp8, swiglu, block_t, gather; /* the template parameters */
+    int32_t smem_bytes, stages;           /* the shared-memory map */
+    int32_t num_regs, local_bytes;        /* cudaFuncGetAttributes on the current device */
+    int32_t usable;                       /* num_regs == kLaunchRegs (setmaxnreg's assumption) */
+} mf__decode_variant_info_t;
+
+/* Fills up to `max` entries (NULL: none) for the current device (loads the kernels) and returns the
+ * number of variants, or -1 on a CUDA error. */
+int mf__sm90_decode_variants(mf__decode_variant_info_t *out, int max);
+
+/* Why the calling thread's last decode launcher call declined (MF_ERR_NOT_SUPPORTED is returned
+ * without a library error, so that the dispatcher's fallback stays quiet); "" before any. */
+const char *mf__sm90_decode_last_decline(void);
+
+/* Registers a fault record (see sm90_ptx.cuh; NULL turns reporting off) for the decode kernels of
+ * gemm_decode.cu, whose translation unit holds its own copy of the record pointer. */
+cudaError_t mf__sm90_decode_set_fault_record(mf__sm90_fault_t *record);
+
+#endif /* MF_CUDA_KERNELS_SM90_DECODE_GEMM_CUH */
