@@ -311,6 +311,24 @@ static void mf__cuda_moe_fini(mf_moe_t moe) {
     moe->backend_state = NULL;
 }
 
+/* Expected rows per local expert, T K R / E from this rank's T (rounded up): picks the GEMM
+ * kernels (grouped_gemm.h), the same for every dataflow. */
+static int32_t mf__cuda_rows_hint(mf_moe_t moe, int32_t T) {
+    const mf_moe_config_t *c = &moe->config;
+    int64_t routed = (int64_t)T * c->num_topk * moe->comm->group->num_ranks;
+    return (int32_t)((routed + c->num_experts - 1) / c->num_experts);
+}
+
+/* The dataflow of one forward (docs/API.md "Dataflow"). DIRECT only while the decode GEMM runs
+ * (rows_hint <= kMfDecodeMaxRows): it is the kernel that can read rows in place, and above it the
+ * TMA GEMM runs for every dataflow, so an explicit DIRECT pulls there (y stays the same bits).
+ * AUTO: DIRECT where it can. The choice is local (peers only publish). */
+static int32_t mf__cuda_dataflow(mf_moe_t moe, int32_t T) {
+    const int32_t flow = moe->config.dataflow, direct_ok = mf__cuda_rows_hint(moe, T) <= kMfDecodeMaxRows;
+    if (flow == MF_DATAFLOW_AUTO || flow == MF_DATAFLOW_DIRECT) return direct_ok ? MF_DATAFLOW_DIRECT : MF_DATAFLOW_PULL;
+    return flow;
+}
+
 static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
     const mf_moe_config_t *c = &moe->config;
     MF_CUDA_CHECK(cudaSetDevice(moe->comm->group->device));
@@ -321,7 +339,8 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
     int fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
     s->rows = c->layout == MF_LAYOUT_MASKED ? L * c->expert_capacity : c->max_recv_rows;
     size_t esz = fp8 ? 1 : 2;
-    int pull = c->dataflow != MF_DATAFLOW_DIRECT; /* a receive tensor only where a path uses it */
+    /* A receive tensor only where a forward can pull: DIRECT layers pull above the decode regime. */
+    int pull = c->dataflow != MF_DATAFLOW_DIRECT || mf__cuda_rows_hint(moe, c->max_tokens_per_rank) > kMfDecodeMaxRows;
     struct { void **p; size_t bytes; } allocs[] = {
         {(void **)&s->counts, (size_t)L * 4},
         {(void **)&s->offsets, (size_t)(L + 1) * 4},
@@ -507,23 +526,6 @@ static mf_result_t mf__cuda_sum(mf_moe_t moe, int32_t T, const float *weights, u
     mf__sum_kernel<<<T, kMfSumThreads, 0, stream>>>(p);
     MF_CUDA_CHECK_LAUNCH();
     return MF_SUCCESS;
-}
-
-/* Expected rows per local expert, T K R / E from this rank's T (rounded up): picks the GEMM
- * kernels (grouped_gemm.h), the same for every dataflow. */
-static int32_t mf__cuda_rows_hint(mf_moe_t moe, int32_t T) {
-    const mf_moe_config_t *c = &moe->config;
-    int64_t routed = (int64_t)T * c->num_topk * moe->comm->group->num_ranks;
-    return (int32_t)((routed + c->num_experts - 1) / c->num_experts);
-}
-
-/* The dataflow of one forward (docs/API.md "Dataflow"). AUTO: DIRECT while the expected rows per
- * local expert, T K R / E from this rank's T, stay within kMfDirectMaxRows; the choice is local
- * (peers only publish), and every choice gives the same y. */
-static int32_t mf__cuda_dataflow(mf_moe_t moe, int32_t T) {
-    const mf_moe_config_t *c = &moe->config;
-    if (c->dataflow != MF_DATAFLOW_AUTO) return c->dataflow;
-    return mf__cuda_rows_hint(moe, T) <= kMfDirectMaxRows ? MF_DATAFLOW_DIRECT : MF_DATAFLOW_PULL;
 }
 
 /* ---- entry points ------------------------------------------------------------------------- */

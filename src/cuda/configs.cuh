@@ -17,8 +17,7 @@
 #define kMfWaitThreads 64      /* wait: one thread per peer (>= MF_MAX_RANKS) */
 #define kMfWaitBackoffNs 64    /* __nanosleep between polls of a peer's signal */
 #define kMfMaxConnections "32" /* CUDA_DEVICE_MAX_CONNECTIONS requested for virtual ranks */
-#define kMfDirectMaxRows 64    /* MF_DATAFLOW_AUTO: DIRECT while T K R / E <= this (bench/NOTES.md) */
-#define kMfDecodeMaxRows 64    /* grouped GEMMs: the decode kernels while rows_hint <= this */
+#define kMfDecodeMaxRows 64    /* rows_hint <= this: the decode GEMMs and the DIRECT dataflow */
 
 /* Own epoch counters follow the peer-written slots in every rank's signal allocation. */
 #define kMfSignalWords (MF__SIGNAL_COUNT + MF__NUM_PHASES)

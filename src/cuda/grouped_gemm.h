@@ -6,7 +6,8 @@
  * Dimension legend: H hidden, I intermediate, L local experts, rows = receive rows of this rank.
  * Rows of local expert e are [offsets[e], offsets[e] + counts[e]) of the receive tensor (both
  * layouts: MASKED has offsets[e] = e * C). counts/offsets are DEVICE memory, read by the kernels:
- * no host synchronisation, CUDA-graph capturable. Rows past counts[e] are never read or written.
+ * no host synchronisation, CUDA-graph capturable. Rows past counts[e] never reach a result and
+ * are never written (a kernel may load them inside a TMA box; garbage or NaN there is harmless).
  *
  * Numerics (DESIGN.md): fp32 accumulation; FP8: for each 128-wide K block the partial sum of
  * E4M3 x E4M3 products is scaled by a_scale[row, kb] * w_scale[n / 128, kb] and added into the
