@@ -1,18 +1,279 @@
 /*
- * gemm_tma.cu — launchers of the sm90 tma grouped GEMMs (grouped_gemm.h). Being written: until the
- * kernels land, every call declines with MF_ERR_NOT_SUPPORTED and the dispatcher runs v1.
+ * gemm_tma.cu — launchers of the sm90 TMA grouped GEMMs (cuda/grouped_gemm.h; the kernel and its
+ * design are in kernels/sm90_tma_gemm.cuh, validated and timed by dev/cuda/sm90_gemm_lab.cu through
+ * these launchers). Each launcher checks the shape, encodes the activation and weight tensor maps on
+ * the host (two cuTensorMapEncodeTiled calls, about a microsecond each) into the kernel's
+ * __grid_constant__ parameter, and launches once on a persistent grid (one CTA per SM, never more
+ * than the tiles of the largest possible problem). They never synchronise and never allocate, so
+ * they are CUDA-graph capturable.
+ *
+ * Declining: a shape or argument the kernel does not take returns MF_ERR_NOT_SUPPORTED without
+ * launching and without recording a library error (the dispatcher then runs v1); the reason is kept
+ * per thread for the lab (mf__sm90_tma_last_decline). The kernel takes: BF16 or FP8 E4M3; W13:
+ * contiguous A (a.gather declines: TMA cannot gather rows), I a multiple of 128; W2: H a multiple
+ * of 256; K * element bytes a multiple of 16 (FP8: K a multiple of 128); L <= kMaxExperts;
+ * L * N < 2^31; 16-byte aligned data, 4-byte aligned scales.
+ *
+ * Variants (4 shipped): {FP8, BF16} x {W13 SwiGLU, W2 plain}; W2 sends rows to `out` or, with `ret`,
+ * to the owners' combine slots (a runtime flag). Two more, the FP8 kernels without the issue order,
+ * exist for the lab's A/B measurement only (mf__sm90_tma_lab_variant). mf__sm90_tma_preload loads
+ * every variant and raises its shared-memory limit (group init calls it before any rank can spin:
+ * no lazy module load ever happens on the data path); a launch on a device not yet configured does
+ * the same first. A variant that did not get exactly kLaunchRegs registers (setmaxnreg's
+ * assumption: with fewer, the consumers' setmaxnreg.inc would wait forever) is never launched: its
+ * calls decline.
  */
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <atomic>
+
 #include "core/internal.h"
 #include "cuda/grouped_gemm.h"
+#include "cuda/kernels/sm90_tma_gemm.cuh"
 
-mf_result_t mf__sm90_tma_w13_swiglu(const mf__gemm_segments_t *, int32_t, int32_t, mf__gemm_operand_t,
-                                  mf__gemm_operand_t, int32_t, int32_t, void *, float *, cudaStream_t) {
+using namespace mf__tma;
+
+namespace {
+
+constexpr int kMaxDevices = 64;
+constexpr int kNumVariants = 6;
+constexpr int kDataAlign = 16;   /* TMA bases and row pitches, 16-byte stores */
+constexpr int kScaleAlign = 4;   /* 4-byte cp.async scales */
+constexpr int kConfigured = 1 << 30; /* g_usable: the device's variants were examined */
+
+struct variant_t {
+    const void *fn;
+    int fp8, swiglu, ordered;
+};
+
+/* Every variant, in a fixed order: index 2 fp8 + swiglu ships; + 2 (FP8 without the issue order)
+ * only runs under the lab's A/B switch. */
+const variant_t kVariants[kNumVariants] = {
+    {(const void *)sm90_tma_kernel<false, kEpiPlain>, 0, 0, 0},
+    {(const void *)sm90_tma_kernel<false, kEpiSwiglu>, 0, 1, 0},
+    {(const void *)sm90_tma_kernel<true, kEpiPlain>, 1, 0, 1},
+    {(const void *)sm90_tma_kernel<true, kEpiSwiglu>, 1, 1, 1},
+    {(const void *)sm90_tma_kernel<true, kEpiPlain, false>, 1, 0, 0},
+    {(const void *)sm90_tma_kernel<true, kEpiSwiglu, false>, 1, 1, 0},
+};
+
+/* The lab's A/B switch (mf__sm90_tma_lab_variant). */
+std::atomic<int> g_lab_variant;
+
+/* Per device: kConfigured | one bit per usable variant (0 = not examined yet); the SM count. */
+std::atomic<int> g_usable[kMaxDevices];
+std::atomic<int> g_sms[kMaxDevices];
+
+/* Why the last call of this thread declined (for the lab; not the library's last error). */
+thread_local char g_decline[256];
+
+mf_result_t decline(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+mf_result_t decline(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g_decline, sizeof g_decline, fmt, ap);
+    va_end(ap);
     return MF_ERR_NOT_SUPPORTED;
 }
 
-mf_result_t mf__sm90_tma_w2(const mf__gemm_segments_t *, int32_t, mf__gemm_operand_t, mf__gemm_operand_t, int32_t,
-                          int32_t, uint16_t *, const mf__gemm_return_t *, cudaStream_t) {
-    return MF_ERR_NOT_SUPPORTED;
+#define MF__TMA_CUDA(call, who)                                                                    \
+    do {                                                                                           \
+        cudaError_t mf__e = (call);                                                                \
+        if (mf__e != cudaSuccess) {                                                                \
+            (void)cudaGetLastError();                                                              \
+            return mf__error(MF_ERR_CUDA, "%s: %s failed: %s", who, #call, cudaGetErrorString(mf__e)); \
+        }                                                                                          \
+    } while (0)
+
+/* Examines every variant on the current device once: loads it (cudaFuncGetAttributes), checks its
+ * register count and raises its dynamic shared-memory limit. Concurrent first calls from several
+ * rank threads do the same idempotent work. `dev` and `sms` out. */
+mf_result_t configure(const char *who, int *dev_out, int *sms_out) {
+    int dev = 0;
+    MF__TMA_CUDA(cudaGetDevice(&dev), who);
+    *dev_out = dev;
+    if (dev < 0 || dev >= kMaxDevices) return decline("device %d is beyond the launcher's table (%d)", dev, kMaxDevices);
+    if (g_usable[dev].load() != 0) {
+        *sms_out = g_sms[dev].load();
+        return MF_SUCCESS;
+    }
+    int major = 0, sms = 0;
+    MF__TMA_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), who);
+    MF__TMA_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), who);
+    int usable = kConfigured;
+    if (major == 9) {
+        for (int i = 0; i < kNumVariants; i++) {
+            cudaFuncAttributes fa;
+            MF__TMA_CUDA(cudaFuncGetAttributes(&fa, kVariants[i].fn), who);
+            MF__TMA_CUDA(cudaFuncSetAttribute(kVariants[i].fn, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes),
+                         who);
+            if (fa.numRegs == kLaunchRegs) usable |= 1 << i;
+        }
+    }
+    g_sms[dev].store(sms);
+    g_usable[dev].store(usable);
+    *sms_out = sms;
+    return MF_SUCCESS;
 }
 
-mf_result_t mf__sm90_tma_preload(void) { return MF_SUCCESS; }
+bool aligned(const void *p, uintptr_t a) { return ((uintptr_t)p % a) == 0; }
+
+/* The checks shared by both GEMMs; `N` weight rows per expert, `K` reduction elements. */
+mf_result_t check_shape(const mf__gemm_segments_t *seg, int32_t dtype, int swiglu, int64_t N, int64_t K) {
+    if (!seg) return decline("no segments");
+    if (dtype != MF_DTYPE_FP8_E4M3 && dtype != MF_DTYPE_BF16) return decline("dtype %d is not BF16 or FP8 E4M3", dtype);
+    const int fp8 = dtype == MF_DTYPE_FP8_E4M3, esz = fp8 ? 1 : 2;
+    if (N <= 0 || N % kTileN)
+        return decline("%s = %lld is not a positive multiple of %d", swiglu ? "2I" : "H", (long long)N, kTileN);
+    if (K <= 0 || (K * esz) % kDataAlign || (fp8 && K % MF__QUANT_BLOCK))
+        return decline("K = %lld: rows must be 16-byte multiples (FP8: K a multiple of %d)", (long long)K, MF__QUANT_BLOCK);
+    if (seg->num_experts < 0 || seg->num_experts > kMaxExperts)
+        return decline("L = %d outside [0, %d]", seg->num_experts, kMaxExperts);
+    if ((int64_t)seg->num_experts * N > kMaxRowCoord)
+        return decline("L * N = %lld rows exceed int32 TMA coordinates", (long long)seg->num_experts * N);
+    if (seg->max_rows_per_expert < 0) return decline("max_rows_per_expert %d < 0", seg->max_rows_per_expert);
+    if (seg->num_experts > 0 && (!seg->counts || !seg->offsets)) return decline("counts / offsets NULL");
+    const int64_t tiles = (int64_t)seg->num_experts * ((seg->max_rows_per_expert + kBlockM - 1) / kBlockM) * (N / kTileN);
+    if (tiles > kMaxRowCoord) return decline("%lld tiles exceed the kernel's int32 tile index", (long long)tiles);
+    return MF_SUCCESS;
+}
+
+/* Encodes the tensor maps and launches variant (fp8, swiglu) on a persistent grid. */
+mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int swiglu, const void *a, const void *w,
+                   tma_params *p, cudaStream_t stream) {
+    int dev = 0, sms = 0;
+    MF_CHECK(configure(who, &dev, &sms));
+    const int lab = fp8 ? g_lab_variant.load() : kMfTmaLabShipped;
+    const int vi = 2 * fp8 + swiglu + (lab == kMfTmaLabUnordered ? 2 : 0);
+    if (!(g_usable[dev].load() & (1 << vi)))
+        return decline("variant fp8 %d swiglu %d unusable on device %d (not sm_90, or registers != %d)", fp8, swiglu, dev,
+                       kLaunchRegs);
+    const int esz = fp8 ? 1 : 2;
+    const uint64_t kbytes = (uint64_t)p->K * esz;
+    const CUtensorMapDataType dt = fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+    CUresult r = mf__tma_encode_2d(&p->tmap_a, dt, a, (uint64_t)p->K, (uint64_t)kMaxRowCoord, kbytes,
+                                   (uint32_t)(kKBlock / esz), (uint32_t)kBlockM, CU_TENSOR_MAP_SWIZZLE_128B);
+    if (r != CUDA_SUCCESS) return decline("activation tensor map: CUresult %d", (int)r);
+    r = mf__tma_encode_2d(&p->tmap_w, dt, w, (uint64_t)p->K, (uint64_t)seg->num_experts * p->N, kbytes,
+                          (uint32_t)(kKBlock / esz), (uint32_t)kBoxRows, CU_TENSOR_MAP_SWIZZLE_128B);
+    if (r != CUDA_SUCCESS) return decline("weight tensor map: CUresult %d", (int)r);
+    const int64_t tiles = (int64_t)seg->num_experts * ((seg->max_rows_per_expert + kBlockM - 1) / kBlockM) * (p->N / kTileN);
+    const int grid = (int)(tiles < sms ? tiles : sms);
+    if (grid <= 0) return MF_SUCCESS;
+    void *args[] = {(void *)p};
+    MF__TMA_CUDA(cudaLaunchKernel(kVariants[vi].fn, dim3((unsigned)grid), dim3(kThreads), args, (size_t)kSmemBytes, stream),
+                 who);
+    return MF_SUCCESS;
+}
+
+} /* namespace */
+
+mf_result_t mf__sm90_tma_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, int32_t ue8m0, mf__gemm_operand_t a,
+                                    mf__gemm_operand_t w13, int32_t H, int32_t I, void *h, float *h_scales,
+                                    cudaStream_t stream) {
+    static const char *who = "mf__sm90_tma_w13_swiglu";
+    if (a.gather) return decline("a.gather: TMA cannot gather rows (the dispatcher sends gathers elsewhere)");
+    const int64_t N = 2 * (int64_t)I, K = H;
+    const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
+    MF_CHECK(check_shape(seg, dtype, 1, N, K));
+    if (!a.data || !w13.data || !h || !aligned(a.data, kDataAlign) || !aligned(w13.data, kDataAlign) ||
+        !aligned(h, kDataAlign))
+        return decline("a / w13 / h missing or not 16-byte aligned");
+    if (fp8 && (!a.scales || !w13.scales || !h_scales || !aligned(a.scales, kScaleAlign) ||
+                !aligned(w13.scales, kScaleAlign) || !aligned(h_scales, kScaleAlign)))
+        return decline("FP8 scales missing or misaligned");
+    if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) return MF_SUCCESS;
+
+    tma_params p;
+    memset(&p, 0, sizeof p);
+    p.counts = seg->counts;
+    p.offsets = seg->offsets;
+    p.a_scales = a.scales;
+    p.w_scales = w13.scales;
+    p.out = (uint8_t *)h;
+    p.out_scales = h_scales;
+    p.num_experts = seg->num_experts;
+    p.max_rows = seg->max_rows_per_expert;
+    p.N = (int32_t)N;
+    p.K = (int32_t)K;
+    p.ue8m0 = ue8m0 ? 1 : 0;
+    return launch(who, seg, fp8, 1, a.data, w13.data, &p, stream);
+}
+
+mf_result_t mf__sm90_tma_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__gemm_operand_t h, mf__gemm_operand_t w2,
+                            int32_t H, int32_t I, uint16_t *out, const mf__gemm_return_t *ret, cudaStream_t stream) {
+    static const char *who = "mf__sm90_tma_w2";
+    const int64_t N = H, K = I;
+    const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
+    MF_CHECK(check_shape(seg, dtype, 0, N, K));
+    if (!h.data || !w2.data || !aligned(h.data, kDataAlign) || !aligned(w2.data, kDataAlign))
+        return decline("h / w2 missing or not 16-byte aligned");
+    if (fp8 && (!h.scales || !w2.scales || !aligned(h.scales, kScaleAlign) || !aligned(w2.scales, kScaleAlign)))
+        return decline("FP8 scales missing or misaligned");
+    if (ret) {
+        if (!ret->src || ret->num_topk <= 0) return decline("ret without src or num_topk");
+        for (int r = 0; r < MF_MAX_RANKS; r++)
+            if (!aligned(ret->slots[r], kDataAlign)) return decline("ret slots %d not 16-byte aligned", r);
+    } else if (!out || !aligned(out, kDataAlign)) {
+        return decline("out missing or not 16-byte aligned");
+    }
+    if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) return MF_SUCCESS;
+
+    tma_params p;
+    memset(&p, 0, sizeof p);
+    p.counts = seg->counts;
+    p.offsets = seg->offsets;
+    p.a_scales = h.scales;
+    p.w_scales = w2.scales;
+    p.out = (uint8_t *)out;
+    if (ret) {
+        p.ret = *ret;
+        p.use_ret = 1;
+    }
+    p.num_experts = seg->num_experts;
+    p.max_rows = seg->max_rows_per_expert;
+    p.N = (int32_t)N;
+    p.K = (int32_t)K;
+    return launch(who, seg, fp8, 0, h.data, w2.data, &p, stream);
+}
+
+mf_result_t mf__sm90_tma_preload(void) {
+    int dev = 0, sms = 0;
+    mf_result_t r = configure("mf__sm90_tma_preload", &dev, &sms);
+    return r == MF_ERR_NOT_SUPPORTED ? MF_SUCCESS : r; /* a device beyond the table: its calls decline */
+}
+
+int mf__sm90_tma_variants(mf__tma_variant_info_t *out, int max) {
+    int dev = 0, sms = 0;
+    if (configure("mf__sm90_tma_variants", &dev, &sms) == MF_ERR_CUDA) return -1;
+    const int usable = dev >= 0 && dev < kMaxDevices ? g_usable[dev].load() : 0;
+    for (int i = 0; i < kNumVariants && out && i < max; i++) {
+        cudaFuncAttributes fa;
+        memset(&fa, 0, sizeof fa);
+        if (cudaFuncGetAttributes(&fa, kVariants[i].fn) != cudaSuccess) {
+            (void)cudaGetLastError();
+            return -1;
+        }
+        mf__tma_variant_info_t &o = out[i];
+        o.fp8 = kVariants[i].fp8;
+        o.swiglu = kVariants[i].swiglu;
+        o.ordered = kVariants[i].ordered;
+        o.smem_bytes = kSmemBytes;
+        o.stages = kStages;
+        o.num_regs = fa.numRegs;
+        o.local_bytes = (int32_t)fa.localSizeBytes;
+        o.usable = (usable >> i) & 1;
+    }
+    return kNumVariants;
+}
+
+const char *mf__sm90_tma_last_decline(void) { return g_decline; }
+
+void mf__sm90_tma_lab_variant(int variant) { g_lab_variant.store(variant); }
+
+cudaError_t mf__sm90_tma_set_fault_record(mf__sm90_fault_t *record) { return mf__sm90_set_fault_record(record); }

@@ -1,0 +1,641 @@
+/*
+ * sm90_tma_gemm.cuh — the Hopper (sm_90a) grouped expert GEMM for more than a handful of rows per
+ * expert (the dispatcher's "tma" family, rows_hint > kMfDecodeMaxRows), BF16 and block-FP8: TMA
+ * loads, wgmma from shared memory, warp specialisation. Launched by src/cuda/gemm_tma.cu;
+ * dev/cuda/sm90_gemm_lab.cu validates and times it through those launchers. Promoted from that lab
+ * (2026-12-02 version), without its cluster-multicast path (measured 35-60 % slower).
+ *
+ * Dimension legend: L local experts, N weight rows per expert (the GEMM's output dim: 2I for W13,
+ * H for W2), K the reduction dim (H for W13, I for W2), H hidden, I intermediate, C masked
+ * capacity, rows = receive rows (all experts).
+ *
+ *   plain (W2):   out[rows, N] = bf16(a[rows, K] . W[e]^T)        W[e] = [N, K], rows of expert e only;
+ *                 a row goes to out[row] or, with `ret`, to its owner's combine slot
+ *                 ret.slots[rank] + (token K + k) H, (rank, token, k) = ret.src[3 row]
+ *   swiglu (W13): h[rows, I] = silu(a . Wg^T) * (a . Wu^T)       W[e] = [Wg; Wu] = [2I, K]
+ *                 BF16: h rounded to BF16; FP8: h requantised 1x128 (h_fp8 + h_scales [rows, I/128])
+ *
+ * Tiles. A tile is 128 receive rows of one expert x two weight boxes of 128 rows: plain, 256
+ * consecutive output columns; swiglu, gate rows [128 nb, +128) and up rows [I + 128 nb, +128), so
+ * that the tile holds both factors of its 128 h columns (= one FP8 scale block: the requantisation's
+ * amax is tile-local). Order: m-major (all n-blocks of one 128-row block consecutive, m-blocks
+ * counted across experts), persistent grid of one CTA per SM walking tiles b, b + grid, ...; experts
+ * without rows have no tiles (m-major keeps the ~132 running tiles on ~8 A blocks and one stripe of
+ * weights, both L2-resident: FP8 W13's 29 MB per expert fits the 50 MB L2). counts/offsets are read
+ * on the device at kernel start into shared tables (a warp scan gives each expert's first
+ * m-block), clamped to [0, max_rows].
+ *
+ * Row shift. A full m-block covers rows [row0, row0 + 128). The last, partial m-block of an expert
+ * (v < 128 rows left) is shifted so that it ENDS at the expert's last row: row0 = (expert end) - 128,
+ * lo = 128 - v, and only tile rows [lo, 128) belong to it. So no tile ever addresses a row at or past
+ * the end of its expert, which is what lets the activation tensor map span 2^31 - 1 rows (the
+ * launchers do not know the receive tensor's length): rows below the expert are another expert's
+ * rows or padding (read into accumulator rows that are never stored; GEMM rows are independent),
+ * rows below 0 are TMA zero fill (coordinates are signed).
+ *
+ * Pipeline. 384 threads: warpgroup 0 is the producer (setmaxnreg 40; warp 0 only: lane 0 issues
+ * the TMA, FP8: the 32 lanes copy the stage's scales with cp.async), warpgroups 1 and 2 are the
+ * consumers (setmaxnreg 232), tile rows [0, 64) and [64, 128). kStages = 4 stages of one K block
+ * (128 bytes of K: FP8 128 elements = one scale block, BF16 64): A [128 rows x 128 B] and the two
+ * weight boxes, 128B-swizzled (48 KB), + FP8 a_scale[128] and w_scale[2]. full[s]: arrive.expect_tx
+ * of the stage's bytes (a partly out-of-bounds box still delivers its full size), + FP8 one
+ * cp.async.mbarrier.arrive.noinc per producer lane (count 1 + 32). empty[s]: one arrival per
+ * consumer warp once its wgmmas on the stage completed and its scale reads are done. The ring index
+ * `it` counts stages over the whole persistent walk in every role: slot it % kStages, parity
+ * (it / kStages) & 1 (the producer waits empty with the opposite parity).
+ *
+ * Main loop. BF16: per stage 4 x wgmma m64n256k16 straight into the 128 accumulators (scale-d 0 on
+ * the tile's first), one group kept in flight (a stage is released when the next stage's group is
+ * issued and the previous one has completed). FP8 (DESIGN.md "Numerics"): per stage and weight box
+ * 4 x wgmma m64n128k32 into a 64-register temporary (scale-d 0 on the first), wait, then
+ * acc(box) (+)= tmp * (a_scale[row][kb] * w_scale[box][kb]) — the first K block assigns; one
+ * warpgroup promotes while the other's wgmmas run (see "Issue order"). 256-wide tiles have no room
+ * for a second temporary (acc 128 + 2 x 64 > 232 registers). FP8 wgmma accumulates with reduced
+ * precision inside a K block (~5e-4 relative per element against an exact fp32 sum): FP8 results
+ * match the CPU oracle within a bound, not bitwise; run to run they are bitwise identical.
+ *
+ * Issue order (FP8). Both consumer warpgroups wait for the same stage, so left alone they issue
+ * their wgmma groups together, the tensor cores run them interleaved, both finish together and both
+ * promote together while the tensor cores idle. Instead the warpgroups take turns: WG 1 issues its
+ * group i only after WG 0 issued group i, WG 0 its group i + 1 only after WG 1 issued group i (two
+ * named barriers, bar.sync before / bar.arrive after each group's issue), so one warpgroup's group
+ * is queued whole behind the other's and each promotion runs while the other warpgroup's wgmmas
+ * keep the tensor cores busy (FlashAttention-3's "ping-pong" order, applied to the two halves of
+ * one tile). Both warpgroups issue the same groups in the same order: 2 per K block, + 1 per tile
+ * for the overlap below; WG 1 arrives once before its first group, WG 0 syncs once after its last.
+ *
+ * Epilogue overlap (FP8 plain). Before a consumer stores tile t it already issues box 0 of tile
+ * t + grid's first K block into the (free) temporary, so the tensor cores work on the next tile
+ * while the warps convert and store; the next tile's main loop starts by waiting for that group.
+ * Without a next tile the group reruns the last (consumed) stage and is dropped: wgmmas issued on a
+ * divergent path make ptxas serialise every wgmma of the kernel. Not for SwiGLU: the IEEE division
+ * of mf__silu has a called slow path, and a call while wgmmas are in flight does the same. (BF16
+ * accumulates straight into acc: nothing to overlap with.)
+ *
+ * Epilogue, per consumer warp (its 16 rows; no barrier wider than the warp): fragments -> BF16
+ * pairs (cvt.rn.bf16x2, stmatrix) or FP8 pairs (cvt.rn.satfinite.e4m3x2) into the warp's 2 KB
+ * staging buffer (16 rows x 128 B, 16-byte chunk c of row r at chunk c ^ (r & 7): bank-conflict
+ * free both ways), __syncwarp, then 16-byte st.global of the rows in [lo, 128), one 128-byte row
+ * segment per 8 lanes; 4 passes (plain), 2 (swiglu BF16), 1 (swiglu FP8). The hardware conversions
+ * give the bits of mf__bf16_from_float / mf__fp8_from_float for every non-NaN input (sm90_ptx.cuh;
+ * proved over all 2^32 floats by the lab's --selftest). SwiGLU: h = mf__silu(gate) * up in fp32 on
+ * the same register of the two boxes' fragments; FP8: amax of a row over its 128 h columns across
+ * the 4 lanes of a quad, then mf__fp8_block_scale and q = e4m3(h * inv_scale), as the CPU does it.
+ *
+ * Bounded waits. Every mbarrier wait gives up after kWaitTimeoutNs (20 s, >= 10 s) of %globaltimer
+ * and traps (recording itself in the fault record when one is registered, see sm90_ptx.cuh). In the
+ * library a trap kills the CUDA context of every (virtual) rank of the process, so the bound is far
+ * above any healthy wait (time-sliced or preempted GPUs included); it exists only so that a broken
+ * pipeline can never hang the GPU.
+ *
+ * Limits (the launchers decline anything else): plain N a multiple of 256, swiglu N = 2I with I a
+ * multiple of 128; K * element bytes a multiple of 16 (FP8: K a multiple of 128; BF16 K tails past
+ * a 64-element stage are TMA zero fill); L <= kMaxExperts; L * N < 2^31; 16-byte aligned data,
+ * 4-byte aligned scales.
+ */
+#ifndef MF_CUDA_KERNELS_SM90_TMA_GEMM_CUH
+#define MF_CUDA_KERNELS_SM90_TMA_GEMM_CUH
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "core/numerics.h"
+#include "cuda/grouped_gemm.h"
+#include "cuda/kernels/sm90_ptx.cuh"
+
+namespace mf__tma {
+
+enum { kEpiPlain = 0, kEpiSwiglu = 1 };
+
+constexpr int kThreads = 3 * kMfWarpgroupThreads;          /* WG 0 producer, WG 1-2 consumers */
+constexpr int kConsumerThreads = 2 * kMfWarpgroupThreads;
+constexpr int kConsumerWarps = kConsumerThreads / 32;
+constexpr int kLaunchRegs = 168;                           /* 65536 / 384, rounded down to 8 */
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;
+static_assert(kProducerRegs * kMfWarpgroupThreads + kConsumerRegs * kConsumerThreads <= kLaunchRegs * kThreads,
+              "setmaxnreg.inc would wait forever for registers the CTA does not have");
+
+constexpr int kBlockM = 128;                               /* receive rows per tile */
+constexpr int kWgRows = 64;                                /* rows per consumer warpgroup (wgmma M) */
+constexpr int kWarpRows = 16;                              /* rows per consumer warp */
+constexpr int kBoxRows = 128;                              /* weight rows per TMA box = FP8 scale block */
+constexpr int kBoxes = 2;                                  /* weight boxes per tile */
+constexpr int kTileN = kBoxes * kBoxRows;                  /* accumulator columns per tile */
+constexpr int kHCols = kBoxRows;                           /* h columns per swiglu tile */
+constexpr int kKBlock = 128;                               /* K bytes per stage */
+constexpr int kKStepBytes = 32;                            /* K bytes per wgmma: BF16 k16, E4M3 k32 */
+constexpr int kKSteps = kKBlock / kKStepBytes;             /* 4 */
+constexpr int kABytes = kBlockM * kKBlock;                 /* 16 KB */
+constexpr int kBoxBytes = kBoxRows * kKBlock;              /* 16 KB */
+constexpr int kStageBytes = kABytes + kBoxes * kBoxBytes;  /* 48 KB of TMA per stage */
+constexpr int kStages = 4;
+constexpr int kWgOperandBytes = kWgRows * kKBlock;         /* 8 KB: warpgroup g's A operand at 8 KB g */
+constexpr int kAcc = kTileN / 2;                           /* accumulators per consumer thread */
+constexpr int kBoxAcc = kBoxRows / 2;                      /* ... per weight box */
+constexpr int kChunk = 16;                                 /* bytes per staging chunk and global store */
+constexpr int kEpiRowBytes = 128;                          /* staging row: 64 BF16 or 128 FP8 columns */
+constexpr int kEpiWarpBytes = kWarpRows * kEpiRowBytes;    /* 2 KB staging per consumer warp */
+constexpr int kWScaleSlots = 4;                            /* w_scale floats per stage (2 used) */
+constexpr int kMaxExperts = 1024;                          /* shared-memory tables */
+constexpr int kSmemLimit = 227 * 1024;                     /* dynamic smem per block on sm_90 */
+constexpr int32_t kMaxRowCoord = 0x7fffffff;               /* rows of the activation tensor map (see top) */
+constexpr uint64_t kWaitTimeoutNs = 20000000000ull;        /* 20 s: see "Bounded waits" above */
+enum { kTagProducerEmpty = 1, kTagConsumerFull = 2 };      /* fault-record tags of the waits */
+/* FP8 issue order (see "Issue order"): named barriers over the 256 consumer threads */
+enum { kBarIssued0 = 1,                                    /* WG 0 issued group i: WG 1 may issue group i */
+       kBarIssued1 = 2 };                                  /* WG 1 issued group i: WG 0 may issue group i + 1 */
+
+/* The shared-memory map (offsets from the 1024-aligned base). */
+constexpr int kOffStages = 0;
+constexpr int kOffEpi = kOffStages + kStages * kStageBytes;
+constexpr int kOffAScales = kOffEpi + kConsumerWarps * kEpiWarpBytes;  /* [kStages][128] f32 */
+constexpr int kOffWScales = kOffAScales + kStages * kBlockM * 4;       /* [kStages][4] f32 */
+constexpr int kOffBars = kOffWScales + kStages * kWScaleSlots * 4;    /* full[kStages], empty[kStages] */
+constexpr int kOffTables = kOffBars + 2 * kStages * 8;                /* rows[L], row0[L], first[L + 1] */
+constexpr int kSmemBytes = kOffTables + (3 * kMaxExperts + 1) * 4 + kMfSwizzleAtomBytes /* base slack */;
+
+static_assert(kKBlock == kMfSwizzleBytes, "a K block is one 128B-swizzle row");
+static_assert(kKBlock == MF__QUANT_BLOCK, "an FP8 K block must be exactly one scale block");
+static_assert(kHCols == MF__QUANT_BLOCK, "a swiglu tile must hold whole FP8 h scale blocks");
+static_assert(kBlockM == 2 * kWgRows && kWgRows == 4 * kWarpRows, "consumer warps must cover the tile rows");
+static_assert(kStageBytes % kMfSwizzleAtomBytes == 0 && kWgOperandBytes % kMfSwizzleAtomBytes == 0 &&
+                  kOffEpi % kMfSwizzleAtomBytes == 0 && kEpiWarpBytes % kMfSwizzleAtomBytes == 0,
+              "every operand and staging buffer must start on a 1024-byte swizzle atom");
+static_assert(kSmemBytes <= kSmemLimit, "shared memory map exceeds 227 KB");
+static_assert(kStages == 4, "slot = it & 3 below");
+static_assert(kBoxes == 2, "two weight boxes per tile: the code names them 0 and 1");
+
+/* One struct per kernel, passed by value (__grid_constant__: the tensor maps stay in param space). */
+struct tma_params {
+    CUtensorMap tmap_a;        /* activations [kMaxRowCoord, K], box [128 rows, 128 B], 128B swizzle */
+    CUtensorMap tmap_w;        /* weights [L * N, K], box [128 rows, 128 B], 128B swizzle */
+    const int32_t *counts;     /* [L] device: rows of each expert */
+    const int32_t *offsets;    /* [L] device: first receive row of each expert */
+    const float *a_scales;     /* FP8: [rows, K/128] */
+    const float *w_scales;     /* FP8: [L, N/128, K/128] */
+    uint8_t *out;              /* plain: [rows, N] BF16 (unless use_ret); swiglu: [rows, N/2] BF16 or FP8 */
+    float *out_scales;         /* swiglu FP8: [rows, N/256] */
+    mf__gemm_return_t ret;     /* plain with use_ret: rows to the owners' combine slots */
+    int32_t use_ret;
+    int32_t num_experts;       /* L */
+    int32_t max_rows;          /* counts are clamped to [0, max_rows] */
+    int32_t N, K;              /* weight rows per expert, reduction elements */
+    int32_t ue8m0;             /* swiglu FP8: power-of-two h scales */
+};
+
+/* One tile: expert, n-block, receive row of tile row 0, first tile row that belongs to the tile. */
+struct tile_t {
+    int32_t e, nb, row0, lo;
+};
+
+/* Shared-memory tables built at kernel start. */
+struct tables_t {
+    int32_t *rows;   /* [L] clamped counts */
+    int32_t *row0;   /* [L] offsets */
+    int32_t *first;  /* [L + 1] first m-block of each expert; first[L] = number of m-blocks */
+};
+
+/* Tile `idx` of the walk (monotonic idx; `e` is the walker's cursor, starting at 0). */
+__device__ __forceinline__ bool next_tile(const tables_t &tb, int32_t L, int32_t nblocks, int32_t idx, int32_t &e,
+                                          tile_t &t) {
+    const int32_t gm = idx / nblocks;
+    if (gm >= tb.first[L]) return false;
+    while (tb.first[e + 1] <= gm) e++;
+    const int32_t mb = gm - tb.first[e], left = tb.rows[e] - mb * kBlockM;
+    t.e = e;
+    t.nb = idx - gm * nblocks;
+    /* a partial last m-block ends at the expert's last row (see "Row shift" at the top) */
+    t.lo = left < kBlockM ? kBlockM - left : 0;
+    t.row0 = tb.row0[e] + mb * kBlockM - t.lo;
+    return true;
+}
+
+/* First weight row (of the [L * N, K] map) of box b of tile t. */
+template <int kEpi>
+__device__ __forceinline__ int32_t weight_row(const tma_params &p, const tile_t &t, int b) {
+    if (kEpi == kEpiSwiglu) return t.e * p.N + b * (p.N / 2) + t.nb * kBoxRows; /* b = 0 gate, 1 up */
+    return t.e * p.N + t.nb * kTileN + b * kBoxRows;
+}
+
+/* ---- producer: warp 0; lane 0 issues the TMA, FP8: all lanes copy the scales ---------------- */
+
+template <bool kFp8, int kEpi>
+__device__ __forceinline__ void producer(const tma_params &p, const tables_t &tb, int32_t nblocks, uint8_t *stages,
+                                         float *a_sc, float *w_sc, uint64_t *full, uint64_t *empty) {
+    const int lane = (int)(threadIdx.x & 31);
+    const int32_t kblocks = (p.K * (kFp8 ? 1 : 2) + kKBlock - 1) / kKBlock; /* FP8: K/128 scale columns */
+    if (lane == 0) {
+        mf__prefetch_tensormap(&p.tmap_a);
+        mf__prefetch_tensormap(&p.tmap_w);
+    }
+    uint32_t it = 0;
+    int32_t cursor = 0;
+    tile_t t;
+    for (int32_t idx = (int32_t)blockIdx.x; next_tile(tb, p.num_experts, nblocks, idx, cursor, t);
+         idx += (int32_t)gridDim.x) {
+        int32_t wrow[kBoxes];
+#pragma unroll
+        for (int b = 0; b < kBoxes; b++) wrow[b] = weight_row<kEpi>(p, t, b);
+        /* FP8: this lane's a_scale rows j = lane + 32 i (rows below lo copy row lo's: their
+         * accumulator rows are never stored) and, lanes 0-1, box `lane`'s w_scale row */
+        const float *srow[kBlockM / 32];
+        const float *wsrc = p.w_scales;
+        if constexpr (kFp8) {
+            const int32_t kbs = p.K / kKBlock;
+#pragma unroll
+            for (int i = 0; i < kBlockM / 32; i++) {
+                const int j = lane + 32 * i;
+                srow[i] = p.a_scales + (int64_t)(t.row0 + (j < t.lo ? t.lo : j)) * kbs;
+            }
+            if (lane < kBoxes) wsrc = p.w_scales + (int64_t)((lane == 0 ? wrow[0] : wrow[1]) / kBoxRows) * kbs;
+        }
+        for (int32_t kb = 0; kb < kblocks; kb++, it++) {
+            const uint32_t slot = it & (kStages - 1);
+            mf__mbar_wait_bounded(&empty[slot], ((it / kStages) & 1u) ^ 1u, kTagProducerEmpty, kWaitTimeoutNs);
+            if constexpr (kFp8) {
+#pragma unroll
+                for (int i = 0; i < kBlockM / 32; i++) mf__cp_async_4(a_sc + slot * kBlockM + lane + 32 * i, srow[i] + kb);
+                if (lane < kBoxes) mf__cp_async_4(w_sc + slot * kWScaleSlots + lane, wsrc + kb);
+                mf__cp_async_mbar_arrive_noinc(&full[slot]); /* one of full's 1 + 32 */
+            }
+            __syncwarp();
+            if (lane == 0) {
+                uint8_t *st = stages + slot * kStageBytes;
+                const int32_t kc = kb * (kFp8 ? kKBlock : kKBlock / 2); /* K coordinate, elements */
+                mf__mbar_arrive_expect_tx(&full[slot], (uint32_t)kStageBytes);
+                mf__tma_load_2d(st, &p.tmap_a, &full[slot], kc, t.row0);
+#pragma unroll
+                for (int b = 0; b < kBoxes; b++) mf__tma_load_2d(st + kABytes + b * kBoxBytes, &p.tmap_w, &full[slot], kc, wrow[b]);
+            }
+        }
+    }
+    /* a thread must not exit with copies still writing its CTA's shared memory */
+    if constexpr (kFp8) mf__cp_async_wait_all();
+}
+
+/* ---- consumers ------------------------------------------------------------------------------- */
+
+/* FP8: issues the 4 k32 wgmmas of box b of the stage at `st` for warpgroup `wg` into `tmp`, in
+ * turn with the other warpgroup (see "Issue order"). */
+template <bool kOrdered>
+__device__ __forceinline__ void fp8_issue(float *tmp, uint64_t desc_st, int wg, int b) {
+    const uint64_t da = mf__wgmma_desc_advance(desc_st, wg * kWgOperandBytes);
+    const uint64_t db = mf__wgmma_desc_advance(desc_st, kABytes + b * kBoxBytes);
+    mf__fence_fragment<kBoxRows>(tmp); /* the last promotion's reads of tmp come first */
+    if (kOrdered) mf__named_barrier_sync(wg == 0 ? kBarIssued1 : kBarIssued0, kConsumerThreads);
+    mf__wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kKSteps; k++)
+        mf__wgmma_e4m3<kBoxRows>(tmp, mf__wgmma_desc_advance(da, k * kKStepBytes), mf__wgmma_desc_advance(db, k * kKStepBytes),
+                                 k > 0 ? 1 : 0);
+    mf__wgmma_commit();
+    if (kOrdered) mf__named_barrier_arrive(wg == 0 ? kBarIssued0 : kBarIssued1, kConsumerThreads);
+}
+
+/* FP8 promotion of one box: acc (+)= tmp * scale (rows r: s_lo, r + 8: s_hi); kFirst assigns. */
+template <bool kFirst>
+__device__ __forceinline__ void fp8_promote(float *acc, const float *tmp, float s_lo, float s_hi) {
+#pragma unroll
+    for (int j = 0; j < kBoxAcc / 4; j++) {
+        if (kFirst) {
+            acc[4 * j + 0] = tmp[4 * j + 0] * s_lo;
+            acc[4 * j + 1] = tmp[4 * j + 1] * s_lo;
+            acc[4 * j + 2] = tmp[4 * j + 2] * s_hi;
+            acc[4 * j + 3] = tmp[4 * j + 3] * s_hi;
+        } else {
+            acc[4 * j + 0] += tmp[4 * j + 0] * s_lo;
+            acc[4 * j + 1] += tmp[4 * j + 1] * s_lo;
+            acc[4 * j + 2] += tmp[4 * j + 2] * s_hi;
+            acc[4 * j + 3] += tmp[4 * j + 3] * s_hi;
+        }
+    }
+}
+
+/* Where a consumer thread's state lives (one per thread, set up once). */
+struct consumer_t {
+    uint64_t desc_stages;   /* wgmma descriptor of stage 0 */
+    const float *a_sc;      /* [kStages][128] */
+    const float *w_sc;      /* [kStages][4] */
+    uint64_t *full, *empty;
+    uint8_t *epi;           /* this warp's staging buffer */
+    int wg, warp, lane;     /* consumer warpgroup (0, 1), warp in it, lane */
+    int row_lo;             /* tile row of acc[4j + 0, 1]; acc[4j + 2, 3] are row_lo + 8 */
+};
+
+__device__ __forceinline__ void release(const consumer_t &c, uint32_t slot) {
+    __syncwarp();
+    if (c.lane == 0) mf__mbar_arrive(&c.empty[slot]);
+}
+
+/* FP8: one K block at ring position `it`; with kIssued, box 0's group is already in flight. */
+template <bool kOrdered, bool kFirst, bool kIssued>
+__device__ __forceinline__ void fp8_kblock(const consumer_t &c, float *acc, float *tmp, uint32_t it) {
+    const uint32_t slot = it & (kStages - 1);
+    const uint64_t desc_st = mf__wgmma_desc_advance(c.desc_stages, slot * kStageBytes);
+    if (!kIssued) {
+        mf__mbar_wait_bounded(&c.full[slot], (it / kStages) & 1u, kTagConsumerFull, kWaitTimeoutNs);
+        fp8_issue<kOrdered>(tmp, desc_st, c.wg, 0);
+    }
+    /* this stage's scales, read before the stage is released */
+    const float sa_lo = c.a_sc[slot * kBlockM + c.row_lo], sa_hi = c.a_sc[slot * kBlockM + c.row_lo + 8];
+    const float sw0 = c.w_sc[slot * kWScaleSlots], sw1 = c.w_sc[slot * kWScaleSlots + 1];
+    mf__wgmma_wait<0>();
+    mf__fence_fragment<kBoxRows>(tmp);
+    fp8_promote<kFirst>(acc, tmp, sa_lo * sw0, sa_hi * sw0);
+    fp8_issue<kOrdered>(tmp, desc_st, c.wg, 1);
+    mf__wgmma_wait<0>();
+    mf__fence_fragment<kBoxRows>(tmp);
+    release(c, slot);
+    fp8_promote<kFirst>(acc + kBoxAcc, tmp, sa_lo * sw1, sa_hi * sw1);
+}
+
+/* BF16: the whole K loop of one tile into acc (the first wgmma overwrites). */
+__device__ __forceinline__ void bf16_mainloop(const consumer_t &c, float *acc, uint32_t &it, int32_t kblocks) {
+    int32_t prev = -1;
+    mf__fence_fragment<kTileN>(acc); /* the previous epilogue's reads of acc come first */
+    for (int32_t kb = 0; kb < kblocks; kb++, it++) {
+        const uint32_t slot = it & (kStages - 1);
+        mf__mbar_wait_bounded(&c.full[slot], (it / kStages) & 1u, kTagConsumerFull, kWaitTimeoutNs);
+        const uint64_t desc_st = mf__wgmma_desc_advance(c.desc_stages, slot * kStageBytes);
+        const uint64_t da = mf__wgmma_desc_advance(desc_st, c.wg * kWgOperandBytes);
+        const uint64_t db = mf__wgmma_desc_advance(desc_st, kABytes);
+        mf__wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < kKSteps; k++)
+            mf__wgmma_bf16<kTileN>(acc, mf__wgmma_desc_advance(da, k * kKStepBytes),
+                                   mf__wgmma_desc_advance(db, k * kKStepBytes), (kb > 0 || k > 0) ? 1 : 0);
+        mf__wgmma_commit();
+        mf__wgmma_wait<1>();
+        if (prev >= 0) release(c, (uint32_t)prev);
+        prev = (int32_t)slot;
+    }
+    mf__wgmma_wait<0>();
+    if (prev >= 0) release(c, (uint32_t)prev);
+    mf__fence_fragment<kTileN>(acc);
+}
+
+/* Where row r of the warp's 16 goes (bytes), or NULL when the row does not belong to the tile (or,
+ * with `ret`, its source entry is invalid): `row_bytes` apart in `out`, from column byte `col_bytes`. */
+template <int kEpi>
+__device__ __forceinline__ uint8_t *row_target(const tma_params &p, const consumer_t &c, const tile_t &t, int r,
+                                               int64_t row_bytes, int64_t col_bytes) {
+    const int tr = c.wg * kWgRows + c.warp * kWarpRows + r; /* tile row */
+    if (tr < t.lo) return NULL;
+    const int64_t row = (int64_t)t.row0 + tr;
+    if (kEpi == kEpiPlain && p.use_ret) {
+        const int32_t *src = p.ret.src + 3 * row;
+        const int32_t rank = src[0], token = src[1], k = src[2];
+        if ((uint32_t)rank >= (uint32_t)MF_MAX_RANKS || token < 0 || k < 0 || k >= p.ret.num_topk) return NULL;
+        uint16_t *slots = p.ret.slots[rank];
+        if (!slots) return NULL;
+        return (uint8_t *)(slots + ((int64_t)token * p.ret.num_topk + k) * p.N) + col_bytes;
+    }
+    return p.out + row * row_bytes + col_bytes;
+}
+
+/* The warp's staging buffer (16 rows x 128 B) -> global: lane l stores 16 bytes of rows 4 i + l / 8
+ * (i = 0..3), chunk l % 8, at byte `col_bytes` of each row's target; then the buffer may be
+ * rewritten. */
+template <int kEpi>
+__device__ __forceinline__ void copy_out(const tma_params &p, const consumer_t &c, const tile_t &t, int64_t row_bytes,
+                                         int64_t col_bytes) {
+    __syncwarp();
+    const int ch = c.lane % 8;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int r = 4 * i + c.lane / 8;
+        const uint4 v = *(const uint4 *)(c.epi + r * kEpiRowBytes + ((ch ^ (r & 7)) * kChunk));
+        uint8_t *dst = row_target<kEpi>(p, c, t, r, row_bytes, col_bytes);
+        if (dst) *(uint4 *)(dst + ch * kChunk) = v;
+    }
+    __syncwarp();
+}
+
+/* BF16 epilogue pass: fragments j in [8 pass, 8 pass + 8) of `v` (64 columns) -> staging via
+ * stmatrix (matrix m of an x4: rows 8 (m & 1) .. + 7, column chunk jj + (m >> 1)). */
+__device__ __forceinline__ void stage_bf16(const consumer_t &c, const float *v, int pass) {
+    const int m = c.lane / 8, rr = c.lane & 7, r = (m & 1) * 8 + rr;
+#pragma unroll
+    for (int jj = 0; jj < 8; jj += 2) {
+        const int j = pass * 8 + jj;
+        const int ch = jj + (m >> 1);
+        mf__stmatrix_x4(c.epi + r * kEpiRowBytes + ((ch ^ rr) * kChunk), mf__cvt_bf16x2(v[4 * j + 0], v[4 * j + 1]),
+                        mf__cvt_bf16x2(v[4 * j + 2], v[4 * j + 3]), mf__cvt_bf16x2(v[4 * j + 4], v[4 * j + 5]),
+                        mf__cvt_bf16x2(v[4 * j + 6], v[4 * j + 7]));
+    }
+}
+
+template <bool kFp8, int kEpi>
+__device__ __forceinline__ void epilogue(const tma_params &p, const consumer_t &c, const tile_t &t, float *acc) {
+    if constexpr (kEpi == kEpiPlain) {
+#pragma unroll
+        for (int pass = 0; pass < kTileN / 64; pass++) {
+            stage_bf16(c, acc, pass);
+            copy_out<kEpi>(p, c, t, (int64_t)p.N * 2, ((int64_t)t.nb * kTileN + pass * 64) * 2);
+        }
+    } else if constexpr (!kFp8) {
+        /* SwiGLU: h = silu(gate) * up, in place over the gate fragment */
+#pragma unroll
+        for (int i = 0; i < kBoxAcc; i++) acc[i] = mf__silu(acc[i]) * acc[kBoxAcc + i];
+        const int32_t I = p.N / 2;
+#pragma unroll
+        for (int pass = 0; pass < kHCols / 64; pass++) {
+            stage_bf16(c, acc, pass);
+            copy_out<kEpi>(p, c, t, (int64_t)I * 2, ((int64_t)t.nb * kHCols + pass * 64) * 2);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < kBoxAcc; i++) acc[i] = mf__silu(acc[i]) * acc[kBoxAcc + i];
+        const int32_t I = p.N / 2;
+        /* FP8 1x128: the tile's 128 h columns are one scale block; a row's values sit in the 4
+         * lanes of a quad */
+        float amax_lo = 0.0f, amax_hi = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kBoxAcc / 4; j++) {
+            amax_lo = fmaxf(amax_lo, fmaxf(fabsf(acc[4 * j + 0]), fabsf(acc[4 * j + 1])));
+            amax_hi = fmaxf(amax_hi, fmaxf(fabsf(acc[4 * j + 2]), fabsf(acc[4 * j + 3])));
+        }
+#pragma unroll
+        for (int o = 1; o < 4; o <<= 1) {
+            amax_lo = fmaxf(amax_lo, __shfl_xor_sync(0xffffffffu, amax_lo, o));
+            amax_hi = fmaxf(amax_hi, __shfl_xor_sync(0xffffffffu, amax_hi, o));
+        }
+        float sc_lo, inv_lo, sc_hi, inv_hi;
+        mf__fp8_block_scale(amax_lo, p.ue8m0, &sc_lo, &inv_lo);
+        mf__fp8_block_scale(amax_hi, p.ue8m0, &sc_hi, &inv_hi);
+        const int g = c.lane / 4, q = c.lane % 4;
+        uint8_t *row_lo = c.epi + g * kEpiRowBytes, *row_hi = c.epi + (g + 8) * kEpiRowBytes;
+#pragma unroll
+        for (int j = 0; j < kBoxAcc / 4; j++) {
+            /* columns 8 j + 2 q, + 1: chunk j / 2, bytes (j & 1) 8 + 2 q of it; rows g and g + 8 share the swizzle */
+            const int at = (((j >> 1) ^ g) * kChunk) + (j & 1) * 8 + 2 * q;
+            *(uint16_t *)(row_lo + at) = mf__cvt_e4m3x2(acc[4 * j + 0] * inv_lo, acc[4 * j + 1] * inv_lo);
+            *(uint16_t *)(row_hi + at) = mf__cvt_e4m3x2(acc[4 * j + 2] * inv_hi, acc[4 * j + 3] * inv_hi);
+        }
+        if (q == 0) {
+            const int32_t sblocks = I / MF__QUANT_BLOCK;
+            const int tr = c.row_lo;
+            if (tr >= t.lo) p.out_scales[(int64_t)(t.row0 + tr) * sblocks + t.nb] = sc_lo;
+            if (tr + 8 >= t.lo) p.out_scales[(int64_t)(t.row0 + tr + 8) * sblocks + t.nb] = sc_hi;
+        }
+        copy_out<kEpi>(p, c, t, (int64_t)I, (int64_t)t.nb * kHCols);
+    }
+}
+
+template <bool kFp8, int kEpi, bool kOrdered>
+__device__ __forceinline__ void consumer(const tma_params &p, const tables_t &tb, int32_t nblocks, consumer_t &c,
+                                         float *acc, float *tmp) {
+    /* FP8 plain: the next tile's first wgmmas overlap this tile's epilogue (see "Epilogue overlap").
+     * Not for SwiGLU: its IEEE division has a called slow path, and a call while wgmmas are in
+     * flight makes ptxas serialise every wgmma of the kernel. */
+    constexpr bool kOverlap = kFp8 && kEpi == kEpiPlain;
+    const int32_t kblocks = (p.K * (kFp8 ? 1 : 2) + kKBlock - 1) / kKBlock;
+    uint32_t it = 0;
+    int32_t cursor = 0, idx = (int32_t)blockIdx.x;
+    tile_t t;
+    if (!next_tile(tb, p.num_experts, nblocks, idx, cursor, t)) return;
+    /* FP8 issue order: WG 1's arrival lets WG 0 issue its first group; WG 0 takes WG 1's last at the end */
+    if (kFp8 && kOrdered && c.wg == 1) mf__named_barrier_arrive(kBarIssued1, kConsumerThreads);
+    if constexpr (kOverlap) {
+        mf__mbar_wait_bounded(&c.full[0], 0, kTagConsumerFull, kWaitTimeoutNs);
+        fp8_issue<kOrdered>(tmp, c.desc_stages, c.wg, 0);
+    }
+    for (;;) {
+        if constexpr (kFp8) {
+            fp8_kblock<kOrdered, true, kOverlap>(c, acc, tmp, it++);
+            for (int32_t kb = 1; kb < kblocks; kb++) fp8_kblock<kOrdered, false, false>(c, acc, tmp, it++);
+        } else {
+            bf16_mainloop(c, acc, it, kblocks);
+        }
+        const int32_t idx_next = idx + (int32_t)gridDim.x;
+        const bool more = idx_next / nblocks < tb.first[p.num_experts];
+        if constexpr (kOverlap) {
+            /* issued unconditionally (wgmmas on a divergent path serialise too): without a next
+             * tile it reruns the last, consumed stage into tmp and the result is dropped */
+            const uint32_t at = more ? it : it - 1;
+            if (more) mf__mbar_wait_bounded(&c.full[at & (kStages - 1)], (at / kStages) & 1u, kTagConsumerFull, kWaitTimeoutNs);
+            fp8_issue<kOrdered>(tmp, mf__wgmma_desc_advance(c.desc_stages, (at & (kStages - 1)) * kStageBytes), c.wg, 0);
+        }
+        epilogue<kFp8, kEpi>(p, c, t, acc);
+        if (!more) break;
+        idx = idx_next;
+        next_tile(tb, p.num_experts, nblocks, idx, cursor, t);
+    }
+    if constexpr (kOverlap) mf__wgmma_wait<0>();
+    if (kFp8 && kOrdered && c.wg == 0) mf__named_barrier_sync(kBarIssued1, kConsumerThreads);
+}
+
+/* kOrdered: the FP8 issue order. What ships is <kFp8, kEpi, true>; kOrdered = false exists for the
+ * lab's A/B measurement (mf__sm90_tma_lab_variant). */
+template <bool kFp8, int kEpi, bool kOrdered = true>
+__global__ void __launch_bounds__(kThreads, 1) sm90_tma_kernel(const __grid_constant__ tma_params p) {
+    /* full[s]: the producer's arrive.expect_tx, + FP8 one cp.async arrival per producer lane */
+    constexpr uint32_t kFullArrivals = kFp8 ? 1 + 32 : 1;
+    extern __shared__ uint8_t smem_raw[];
+    /* 128B-swizzled TMA boxes and wgmma operands need 1024-byte aligned shared addresses */
+    uint8_t *smem = smem_raw + ((kMfSwizzleAtomBytes - (mf__smem_addr(smem_raw) & (kMfSwizzleAtomBytes - 1))) &
+                                (kMfSwizzleAtomBytes - 1));
+    uint8_t *stages = smem + kOffStages;
+    float *a_sc = (float *)(smem + kOffAScales);
+    float *w_sc = (float *)(smem + kOffWScales);
+    uint64_t *full = (uint64_t *)(smem + kOffBars);
+    uint64_t *empty = full + kStages;
+    tables_t tb;
+    tb.rows = (int32_t *)(smem + kOffTables);
+    tb.row0 = tb.rows + kMaxExperts;
+    tb.first = tb.row0 + kMaxExperts;
+
+    /* ---- setup: expert tables, barriers ---- */
+    const int L = p.num_experts;
+    const int32_t nblocks = kEpi == kEpiSwiglu ? p.N / (2 * kHCols) : p.N / kTileN; /* n-blocks per expert */
+    for (int e = (int)threadIdx.x; e < L; e += kThreads) {
+        int32_t n = p.counts[e];
+        n = n < 0 ? 0 : (n > p.max_rows ? p.max_rows : n);
+        tb.rows[e] = n;
+        tb.row0[e] = p.offsets[e];
+    }
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < kStages; s++) {
+            mf__mbar_init(&full[s], kFullArrivals);
+            mf__mbar_init(&empty[s], kConsumerWarps);
+        }
+        mf__fence_mbarrier_init();
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        /* first[e] = m-blocks of the experts < e: each lane sums a run of experts, then a warp scan */
+        const int lane = (int)threadIdx.x, per = (L + 31) / 32;
+        const int lo = min(L, lane * per), hi = min(L, lo + per);
+        int32_t local = 0;
+        for (int e = lo; e < hi; e++) local += (tb.rows[e] + kBlockM - 1) / kBlockM;
+        int32_t incl = local;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const int32_t v = __shfl_up_sync(0xffffffffu, incl, off);
+            if (lane >= off) incl += v;
+        }
+        int32_t base = incl - local;
+        for (int e = lo; e < hi; e++) {
+            tb.first[e] = base;
+            base += (tb.rows[e] + kBlockM - 1) / kBlockM;
+        }
+        if (lane == 31) tb.first[L] = incl;
+    }
+    __syncthreads();
+
+    if (mf__warpgroup_id() == 0) {
+        mf__setmaxnreg_dec<kProducerRegs>();
+        if (mf__warp_id() == 0) producer<kFp8, kEpi>(p, tb, nblocks, stages, a_sc, w_sc, full, empty);
+    } else {
+        mf__setmaxnreg_inc<kConsumerRegs>();
+        consumer_t c;
+        const int ctid = (int)threadIdx.x - kMfWarpgroupThreads; /* 0..255 */
+        c.wg = ctid / kMfWarpgroupThreads;
+        c.warp = (ctid / 32) % 4;
+        c.lane = ctid & 31;
+        c.row_lo = c.wg * kWgRows + c.warp * kWarpRows + c.lane / 4;
+        c.desc_stages = mf__wgmma_desc_sw128(stages);
+        c.a_sc = a_sc;
+        c.w_sc = w_sc;
+        c.full = full;
+        c.empty = empty;
+        c.epi = smem + kOffEpi + (c.wg * 4 + c.warp) * kEpiWarpBytes;
+        float acc[kAcc];
+        float tmp[kFp8 ? kBoxAcc : 1];
+#pragma unroll
+        for (int i = 0; i < (kFp8 ? kBoxAcc : 1); i++) tmp[i] = 0.0f;
+        consumer<kFp8, kEpi, kOrdered>(p, tb, nblocks, c, acc, tmp);
+    }
+}
+
+} /* namespace mf__tma */
+
+/* What gemm_tma.cu ships, for the lab and for diagnostics: one entry per kernel variant. */
+typedef struct mf__tma_variant_info {
+    int32_t fp8, swiglu, ordered;     /* the template parameters (ordered: the FP8 issue order) */
+    int32_t smem_bytes, stages;       /* the shared-memory map */
+    int32_t num_regs, local_bytes;    /* cudaFuncGetAttributes on the current device */
+    int32_t usable;                   /* num_regs == kLaunchRegs (setmaxnreg's assumption) */
+} mf__tma_variant_info_t;
+
+/* Fills up to `max` entries (NULL: none) for the current device (loads the kernels) and returns the
+ * number of variants, or -1 on a CUDA error. */
+int mf__sm90_tma_variants(mf__tma_variant_info_t *out, int max);
+
+/* Why the calling thread's last TMA launcher call declined (MF_ERR_NOT_SUPPORTED is returned
+ * without a library error, so that the dispatcher's fallback stays quiet); "" before any. */
+const char *mf__sm90_tma_last_decline(void);
+
+/* Lab only: picks the FP8 kernels the launchers run in this process, for an A/B measurement in one
+ * run: 0 = what ships, 1 = without the issue order (kOrdered = false). BF16 launches always run
+ * what ships. */
+enum { kMfTmaLabShipped = 0, kMfTmaLabUnordered = 1 };
+void mf__sm90_tma_lab_variant(int variant);
+
+/* Registers a fault record (see sm90_ptx.cuh; NULL turns reporting off) for the kernels of
+ * gemm_tma.cu, whose translation unit holds its own copy of the record pointer. */
+cudaError_t mf__sm90_tma_set_fault_record(mf__sm90_fault_t *record);
+
+#endif /* MF_CUDA_KERNELS_SM90_TMA_GEMM_CUH */
