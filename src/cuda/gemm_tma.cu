@@ -149,7 +149,7 @@ mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int
     int dev = 0, sms = 0;
     MF_CHECK(configure(who, &dev, &sms));
     const int lab = fp8 ? g_lab_variant.load() : kMfTmaLabShipped;
-    const int vi = 2 * fp8 + swiglu + (lab == kMfTmaLabUnordered ? 2 : 0);
+    const int vi = 2 * fp8 + swiglu + ((lab & kMfTmaLabUnordered) ? 2 : 0);
     if (!(g_usable[dev].load() & (1 << vi)))
         return decline("variant fp8 %d swiglu %d unusable on device %d (not sm_90, or registers != %d)", fp8, swiglu, dev,
                        kLaunchRegs);
@@ -180,6 +180,11 @@ mf_result_t mf__sm90_tma_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtyp
     if (a.gather) return decline("a.gather: TMA cannot gather rows (the dispatcher sends gathers elsewhere)");
     const int64_t N = 2 * (int64_t)I, K = H;
     const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
+    /* On the H200 (2026-12-02) the FP8 SwiGLU variant gave run-to-run differences (small, within
+     * the diff bound, in every validate case; FP8 plain / W2 and BF16 were bitwise repeatable):
+     * a race not yet found. It declines, so v1 runs, until then; the lab can still launch it. */
+    if (fp8 && !(g_lab_variant.load() & kMfTmaLabFp8Swiglu))
+        return decline("FP8 SwiGLU: declined until its run-to-run difference is fixed (bench/NOTES.md)");
     MF_CHECK(check_shape(seg, dtype, 1, N, K));
     if (!a.data || !w13.data || !h || !aligned(a.data, kDataAlign) || !aligned(w13.data, kDataAlign) ||
         !aligned(h, kDataAlign))
