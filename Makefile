@@ -108,8 +108,8 @@ test: $(TESTS) $(CLI)
 test-gpu:
 ifeq ($(CUDA),1)
 	$(MAKE) $(GPU_TESTS) $(CLI) lab
-	./$(GPU_TESTS)
-	@if ! ./$(GPU_TESTS) --has-gpu; then echo "test-gpu: no GPU: GEMM labs and sanitizers SKIP"; \
+	@suite=0; ./$(GPU_TESTS) || suite=1; \
+	if ! ./$(GPU_TESTS) --has-gpu; then echo "test-gpu: no GPU: GEMM labs and sanitizers SKIP"; \
 	else set -e; for lab in sm90_decode_lab sm90_gemm_lab; do echo "# $$lab --validate (log: $(BUILD)/$$lab.log)"; \
 	  ./$(BUILD)/dev/$$lab --validate > $(BUILD)/$$lab.log 2>&1 || { grep -E "FAIL|FATAL" $(BUILD)/$$lab.log | head -20; exit 1; }; \
 	  tail -1 $(BUILD)/$$lab.log; done; \
@@ -118,7 +118,8 @@ ifeq ($(CUDA),1)
 	    compute-sanitizer --tool $$tool --error-exitcode 1 ./$(GPU_TESTS) --no-fork cuda_small; done; \
 	  for lab in sm90_decode_lab sm90_gemm_lab; do echo "# compute-sanitizer --tool memcheck: $$lab --selftest"; \
 	    compute-sanitizer --tool memcheck --error-exitcode 1 ./$(BUILD)/dev/$$lab --selftest > $(BUILD)/$$lab.san.log 2>&1 \
-	      || { tail -20 $(BUILD)/$$lab.san.log; exit 1; }; tail -1 $(BUILD)/$$lab.san.log; done; fi; fi
+	      || { tail -20 $(BUILD)/$$lab.san.log; exit 1; }; tail -1 $(BUILD)/$$lab.san.log; done; fi; fi; \
+	if [ $$suite != 0 ]; then echo "test-gpu: the CUDA suite FAILED (above)"; exit 1; fi
 else
 	@echo "test-gpu: SKIP (this build has no CUDA: nvcc not found or CUDA=0)"
 endif
