@@ -449,12 +449,12 @@ static void parallel_for(int n, const std::function<void(int)> &f) {
 
 static const int kRetRanks = 3, kRetTopk = 2;
 
+static bool same_bits(const std::vector<float> &x, const std::vector<float> &y) {
+    return x.size() == y.size() && (x.empty() || memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0);
+}
+
 static void run_case(const vcase &c) {
     g_case = c.name;
-    if (c.fp8 && c.swiglu) { /* gemm_tma.cu: declined in the library until the race is found */
-        printf("SKIP %-60s FP8 SwiGLU is declined by the library (run-to-run differences on the H200)\n", c.name);
-        return;
-    }
     const int L = (int)c.counts.size(), K = c.k, nw = c.swiglu ? 2 * c.n : c.n;
     const int esize = c.fp8 ? 1 : 2, kb_n = c.fp8 ? K / kScaleBlock : 0;
     std::vector<int32_t> offsets(L);
@@ -627,7 +627,9 @@ static void run_case(const vcase &c) {
     /* three runs: the launcher, again (bitwise repeat), the dispatcher (bitwise the same) */
     std::vector<uint8_t> out[3];
     std::vector<float> osc[3];
-    mf__sm90_tma_lab_variant(c.unordered ? kMfTmaLabUnordered : kMfTmaLabShipped);
+    /* FP8 SwiGLU is declined by the library (gemm_tma.cu) until an H200 run confirms it: the lab
+     * lets it launch (launcher and dispatcher alike) so that --validate judges it */
+    mf__sm90_tma_lab_variant((c.unordered ? kMfTmaLabUnordered : kMfTmaLabShipped) | kMfTmaLabFp8Swiglu);
     for (int run = 0; run < 3; run++) {
         CUDA_OK(cudaMemset(d_out, kPoison, out_bytes));
         if (sc_n) CUDA_OK(cudaMemset(d_osc, kPoison, sc_n * 4));
@@ -640,8 +642,10 @@ static void run_case(const vcase &c) {
         osc[run] = to_host(d_osc, sc_n);
     }
     mf__sm90_tma_lab_variant(kMfTmaLabShipped);
-    const bool repeat_ok = out[0] == out[1] && osc[0] == osc[1];
-    const bool dispatch_ok = out[0] == out[2] && osc[0] == osc[2];
+    /* bitwise: the scales of rows no expert owns keep the NaN poison, and NaN != NaN as floats (a
+     * float == here reported the FP8 SwiGLU variant as non-repeatable on 2026-12-02) */
+    const bool repeat_ok = out[0] == out[1] && same_bits(osc[0], osc[1]);
+    const bool dispatch_ok = out[0] == out[2] && same_bits(osc[0], osc[2]);
 
     /* compare */
     double sxy = 0, sxx = 0, syy = 0, max_abs = 0;

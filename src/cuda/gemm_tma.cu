@@ -180,9 +180,10 @@ mf_result_t mf__sm90_tma_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtyp
     if (a.gather) return decline("a.gather: TMA cannot gather rows (the dispatcher sends gathers elsewhere)");
     const int64_t N = 2 * (int64_t)I, K = H;
     const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
-    /* On the H200 (2026-12-02) the FP8 SwiGLU variant gave run-to-run differences (small, within
-     * the diff bound, in every validate case; FP8 plain / W2 and BF16 were bitwise repeatable):
-     * a race not yet found. It declines, so v1 runs, until then; the lab can still launch it. */
+    /* On the H200 (2026-12-02) the lab reported the FP8 SwiGLU variant as not repeatable. Code
+     * review then found the lab at fault (it compared NaN-poisoned scale vectors as floats; fixed),
+     * not the kernel, but no H200 run has confirmed it yet: the variant declines, so v1 runs, until
+     * one does; the lab launches it (kMfTmaLabFp8Swiglu) so that --validate judges it. */
     if (fp8 && !(g_lab_variant.load() & kMfTmaLabFp8Swiglu))
         return decline("FP8 SwiGLU: declined until its run-to-run difference is fixed (bench/NOTES.md)");
     MF_CHECK(check_shape(seg, dtype, 1, N, K));
