@@ -4,6 +4,9 @@
 #
 #   MF_COMMIT=<hash> bash bench/h200.sh DIR [gemm|layer|all]
 #
+# Everything lands in DIR and in one archive DIR.tgz (the device tool returns a limited number of
+# files: take the archive).
+#
 # gemm:  moeflow bench gemm --quick (library kernels beside cuBLAS dense) + bench/peers.py (torch)
 # layer: moeflow bench layer for deepseek-v3, qwen3-235b-a22b and kimi-k2 (R = 8 virtual ranks),
 #        fused dataflows beside the unfused path in the same process
@@ -28,5 +31,11 @@ if [ "$what" = layer ] || [ "$what" = all ]; then
             > "$dir/layer_$preset.log" 2>&1 || rc=1
         grep -E "^ +fp8 +(auto|unfused) +[0-9]+ +[0-9]+ " "$dir/layer_$preset.log" | sed "s/^/$preset /"
     done
+    # one rank (no peers to wait for) and prefill-sized T, deepseek-v3 only
+    timeout 300 ./build/moeflow bench layer --preset deepseek-v3 -R 1 -E 32 -T 128,4096 --dtype fp8 \
+        --dataflow auto,unfused --no-check --iters 5 --warmup 1 --json "$dir/layer_deepseek-v3_R1.json" \
+        > "$dir/layer_deepseek-v3_R1.log" 2>&1 || rc=1
+    grep -E "^ +fp8 +(auto|unfused) +[0-9]+ +[0-9]+ " "$dir/layer_deepseek-v3_R1.log" | sed "s/^/deepseek-v3 R1 /"
 fi
+tar czf "$dir.tgz" -C "$(dirname "$dir")" "$(basename "$dir")"
 exit $rc
