@@ -26,7 +26,7 @@ fi
 
 if [ "$what" = layer ] || [ "$what" = all ]; then
     for preset in deepseek-v3 qwen3-235b-a22b kimi-k2; do
-        timeout 300 ./build/moeflow bench layer --preset "$preset" -R 8 -T 1,8,32,128,512 --dtype fp8 \
+        timeout 300 ./build/moeflow bench layer --preset "$preset" -R 8 -T 1,8,32,128,512 --dtype fp8 --per-rank \
             --dataflow auto,unfused --no-check --iters 10 --warmup 2 --json "$dir/layer_$preset.json" \
             > "$dir/layer_$preset.log" 2>&1 || rc=1
         grep -E "^ +fp8 +(auto|unfused) +[0-9]+ +[0-9]+ " "$dir/layer_$preset.log" | sed "s/^/$preset /"

@@ -621,6 +621,21 @@ static double median(double *v, int32_t n) {
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+/* Medians over iterations of each rank's value(rank, iter) into per_rank[r][field]. */
+static void rank_medians(const run_state_t *run, int32_t field, double (*per_rank)[MFP_TIMES]) {
+    const int32_t R = run->p->spec.R, n = run->opts->iters;
+    double *a = malloc(sizeof(double) * (size_t)n);
+    if (!a) return;
+    for (int32_t r = 0; r < R; r++) {
+        for (int32_t j = 0; j < n; j++) {
+            const size_t at = (size_t)r * n + j;
+            a[j] = field < MF_NUM_PHASES ? run->phases[at].us[field] : run->phases[at].total_us;
+        }
+        per_rank[r][field] = median(a, n);
+    }
+    free(a);
+}
+
 /* Medians over iterations of rank 0's value and of the max over ranks of value(rank, iter). */
 static void medians(const run_state_t *run, int32_t field, double *rank0, double *max_over_ranks) {
     const int32_t R = run->p->spec.R, n = run->opts->iters;
@@ -707,8 +722,10 @@ mf_result_t mfp_run(const mfp_problem_t *p, const mfp_run_opts_t *opts, uint16_t
         medians(&run, -1, &timing->forward_ms, &timing->forward_max_ms);
         if (opts->profile) {
             timing->have_phases = 1;
-            for (int32_t f = 0; f < MFP_TIMES; f++)
+            for (int32_t f = 0; f < MFP_TIMES; f++) {
                 medians(&run, f, &timing->phase_us[f], &timing->phase_max_us[f]);
+                rank_medians(&run, f, timing->phase_rank_us);
+            }
         }
     }
 out:

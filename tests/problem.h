@@ -77,6 +77,7 @@ typedef struct mfp_timing {
      * iterations, of rank 0 and of the max over ranks. */
     double phase_us[MFP_TIMES];
     double phase_max_us[MFP_TIMES];
+    double phase_rank_us[MF_MAX_RANKS][MFP_TIMES]; /* medians of each rank's own times */
 } mfp_timing_t;
 
 /* How mfp_run drives the layer. */

@@ -91,7 +91,7 @@ typedef struct opts {
     uint64_t seed;
     mf_backend_t backend_req, backend;
     const preset_t *preset;
-    int32_t iters, warmup, check;
+    int32_t iters, warmup, check, per_rank;
     int64_t timeout_ms;
     const char *json;
 } opts_t;
@@ -134,6 +134,7 @@ static void usage(FILE *f) {
             "      --backend auto|cpu|cuda  auto: CUDA when present, else CPU          [auto]\n"
             "      --iters N, --warmup N    run: %d, %d; bench: %d, %d on CUDA and %d, %d on CPU\n"
             "      --no-check               bench: skip the reference\n"
+            "      --per-rank               bench: each rank's own phase medians too\n"
             "      --timeout-ms N           bound on every wait for a peer       [library's]\n"
             "      --json FILE              write the results as DESIGN.md's benchmark record\n"
             "  -h, --help\n"
@@ -239,7 +240,7 @@ static const struct {
     {0, "layout", 1},   {0, "routing", 1},   {0, "drop", 1},         {0, "seed", 1},
     {0, "backend", 1},  {0, "preset", 1},    {0, "ue8m0", 0},        {0, "iters", 1},
     {0, "warmup", 1},   {0, "json", 1},      {0, "timeout-ms", 1},   {0, "no-check", 0},
-    {0, "dataflow", 1}, {'h', "help", 0},
+    {0, "dataflow", 1}, {0, "per-rank", 0}, {'h', "help", 0},
 };
 #define NUM_FLAGS ((int)(sizeof k_flags / sizeof k_flags[0]))
 
@@ -320,6 +321,7 @@ static void parse_args(int argc, char **argv, opts_t *o) {
             else die_usage("--layout: '%s' is not expert_major or masked", v);
         } else if (!strcmp(name, "--dataflow")) parse_flows(o, v);
         else if (!strcmp(name, "--routing")) parse_routing(o, v);
+        else if (!strcmp(name, "--per-rank")) o->per_rank = 1;
         else if (!strcmp(name, "--drop")) {
             o->drop = parse_double(name, v);
             if (!(o->drop >= 0.0 && o->drop < 1.0)) die_usage("--drop: %g is outside [0, 1)", o->drop);
@@ -642,6 +644,23 @@ static void print_phases(const opts_t *o, const row_t *rows, int nrows) {
                    ps.us, ps.tflops, ps.gbps);
             if (ps.floor_us >= 0) printf(" %9.1f %6.1f%%\n", ps.floor_us, ps.pct);
             else printf(" %9s %7s\n", "-", "-");
+        }
+    }
+}
+
+/* bench --per-rank: each rank's own median phase times, to see which rank waits for which. */
+static void print_rank_phases(const opts_t *o, const row_t *rows, int nrows) {
+    printf("#\n# per rank  median of each rank's own phase times (us); waits on peers included\n"
+           "#%5s %8s %7s %5s", "dtype", "dataflow", "T", "rank");
+    for (int f = 0; f < MF_NUM_PHASES; f++) printf(" %9s", k_phase_names[f]);
+    printf(" %9s\n", "total");
+    for (int i = 0; i < nrows; i++) {
+        const row_t *r = &rows[i];
+        if (r->code != MF_SUCCESS || !r->timing.have_phases) continue;
+        for (int32_t q = 0; q < o->R; q++) {
+            printf(" %5s %8s %7d %5d", dtype_name(r->dtype), k_flow_names[r->flow], r->T, q);
+            for (int f = 0; f <= MF_NUM_PHASES; f++) printf(" %9.1f", r->timing.phase_rank_us[q][f]);
+            printf("\n");
         }
     }
 }
@@ -981,6 +1000,7 @@ int main(int argc, char **argv) {
     int passed = 0;
     for (int i = 0; i < nrows; i++) passed += rows[i].pass;
     if (o.bench) print_phases(&o, rows, nrows);
+    if (o.bench && o.per_rank) print_rank_phases(&o, rows, nrows);
     printf("# %s: %d of %d rows passed\n", all_pass ? "PASS" : "FAIL", passed, nrows);
     int rc = all_pass ? 0 : EXIT_FAIL;
     if (o.json && write_json(&o, rows, nrows, argc, argv) != 0) rc = EXIT_FAIL;
