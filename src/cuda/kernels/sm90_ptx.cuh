@@ -1,8 +1,9 @@
 /*
  * sm90_ptx.cuh — thin C-style wrappers of the Hopper (sm_90a) instructions that the warp-specialised
- * kernels are built from: mbarriers, TMA (cp.async.bulk.tensor) loads and stores, wgmma, register
+ * kernels are built from: mbarriers, TMA (cp.async.bulk.tensor) 2D loads, wgmma, register
  * reallocation, and a host helper that encodes a CUtensorMap without linking libcuda (the driver
  * entry point is fetched through the runtime). Included by the sm90 kernels and the dev/cuda labs.
+ * Only what the kernels use is here (3D, multicast and store forms were dropped unused).
  *
  * Every device function is `__device__ __forceinline__` and prefixed `mf__`; each is one
  * instruction (or one short, fixed sequence) from the PTX ISA, named after it. Shared-memory
@@ -62,12 +63,6 @@ __device__ __forceinline__ uint32_t mf__smem_addr(const void *p) {
     return (uint32_t)__cvta_generic_to_shared(p);
 }
 
-__device__ __forceinline__ uint32_t mf__lane_id(void) {
-    uint32_t l;
-    asm volatile("mov.u32 %0, %%laneid;" : "=r"(l));
-    return l;
-}
-
 /* The warp index of the calling thread, made warp-uniform (so the compiler keeps branches on it
  * uniform). */
 __device__ __forceinline__ int mf__warp_id(void) { return __shfl_sync(0xffffffffu, (int)(threadIdx.x / 32), 0); }
@@ -75,17 +70,6 @@ __device__ __forceinline__ int mf__warp_id(void) { return __shfl_sync(0xffffffff
 /* The warpgroup index (threads [128 g, 128 g + 128)), warp-uniform. */
 __device__ __forceinline__ int mf__warpgroup_id(void) {
     return __shfl_sync(0xffffffffu, (int)(threadIdx.x / kMfWarpgroupThreads), 0);
-}
-
-/* elect.sync: true in exactly one active lane of the (full) warp. */
-__device__ __forceinline__ bool mf__elect_one(void) {
-    uint32_t pred = 0;
-    asm volatile(
-        "{\n.reg .pred p;\n.reg .b32 r;\n"
-        "elect.sync r|p, 0xffffffff;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(pred));
-    return pred != 0;
 }
 
 __device__ __forceinline__ uint64_t mf__globaltimer(void) {
@@ -130,11 +114,6 @@ __device__ __forceinline__ void mf__fence_proxy_async_smem(void) {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
-/* Same, for global memory (e.g. a TMA load of data this grid wrote with st.global). */
-__device__ __forceinline__ void mf__fence_proxy_async_global(void) {
-    asm volatile("fence.proxy.async.global;" ::: "memory");
-}
-
 /* ---- mbarrier (shared::cta, 64-bit) ------------------------------------------------------------ */
 
 __device__ __forceinline__ void mf__mbar_init(uint64_t *bar, uint32_t arrivals) {
@@ -147,15 +126,6 @@ __device__ __forceinline__ void mf__mbar_arrive(uint64_t *bar) {
         : "memory");
 }
 
-/* Arrives on the barrier of CTA `cta` of the cluster at the same shared offset as `bar`. */
-__device__ __forceinline__ void mf__mbar_arrive_cluster(uint64_t *bar, uint32_t cta) {
-    asm volatile(
-        "{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\n"
-        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}\n" ::"r"(mf__smem_addr(bar)),
-        "r"(cta)
-        : "memory");
-}
-
 /* Arrives and adds `bytes` to the transaction count the current phase waits for. */
 __device__ __forceinline__ void mf__mbar_arrive_expect_tx(uint64_t *bar, uint32_t bytes) {
     asm volatile(
@@ -163,12 +133,6 @@ __device__ __forceinline__ void mf__mbar_arrive_expect_tx(uint64_t *bar, uint32_
             mf__smem_addr(bar)),
         "r"(bytes)
         : "memory");
-}
-
-/* Adds `bytes` to the expected transaction count without arriving. */
-__device__ __forceinline__ void mf__mbar_expect_tx(uint64_t *bar, uint32_t bytes) {
-    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(mf__smem_addr(bar)), "r"(bytes)
-                 : "memory");
 }
 
 /* One try: true when the phase of parity `parity` has completed. */
@@ -220,19 +184,7 @@ __device__ __forceinline__ void mf__mbar_wait_tag(uint64_t *bar, uint32_t parity
     }
 }
 
-__device__ __forceinline__ void mf__mbar_wait(uint64_t *bar, uint32_t parity) { mf__mbar_wait_tag(bar, parity, 0); }
-
 /* ---- cluster ----------------------------------------------------------------------------------- */
-
-__device__ __forceinline__ uint32_t mf__cluster_ctarank(void) {
-    uint32_t r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-
-__device__ __forceinline__ void mf__cluster_sync(void) {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
 
 /* ---- TMA: tensor loads (global -> shared, completion on an mbarrier) -------------------------- */
 
@@ -272,93 +224,7 @@ __device__ __forceinline__ void mf__tma_load_2d_hint(void *dst, const CUtensorMa
         : "memory");
 }
 
-__device__ __forceinline__ void mf__tma_load_3d(void *dst, const CUtensorMap *map, uint64_t *bar, int c0, int c1,
-                                                int c2) {
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(
-            mf__smem_addr(dst)),
-        "l"((uint64_t)map), "r"(mf__smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2)
-        : "memory");
-}
-
-__device__ __forceinline__ void mf__tma_load_3d_hint(void *dst, const CUtensorMap *map, uint64_t *bar, int c0, int c1,
-                                                     int c2, uint64_t policy) {
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-        " [%0], [%1, {%3, %4, %5}], [%2], %6;" ::"r"(mf__smem_addr(dst)),
-        "l"((uint64_t)map), "r"(mf__smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "l"(policy)
-        : "memory");
-}
-
-/* Multicast: the box lands at the same smem offset (and completes on the same barrier offset) in
- * every CTA of the cluster whose bit is set in `cta_mask`. */
-__device__ __forceinline__ void mf__tma_load_2d_multicast(void *dst, const CUtensorMap *map, uint64_t *bar, int c0,
-                                                          int c1, uint16_t cta_mask) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-        " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(mf__smem_addr(dst)),
-        "l"((uint64_t)map), "r"(mf__smem_addr(bar)), "r"(c0), "r"(c1), "h"(cta_mask)
-        : "memory");
-}
-
-__device__ __forceinline__ void mf__tma_load_3d_multicast(void *dst, const CUtensorMap *map, uint64_t *bar, int c0,
-                                                          int c1, int c2, uint16_t cta_mask) {
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-        " [%0], [%1, {%3, %4, %5}], [%2], %6;" ::"r"(mf__smem_addr(dst)),
-        "l"((uint64_t)map), "r"(mf__smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "h"(cta_mask)
-        : "memory");
-}
-
-/* Plain bulk copy of `bytes` (multiple of 16, both addresses 16-byte aligned) global -> shared,
- * completing on `bar` (for gathers of whole rows by index, where no tensor map fits). */
-__device__ __forceinline__ void mf__bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-            mf__smem_addr(dst)),
-        "l"((uint64_t)src), "r"(bytes), "r"(mf__smem_addr(bar))
-        : "memory");
-}
-
 /* ---- TMA: tensor stores (shared -> global, bulk-group completion) ----------------------------- */
-
-/* Stores smem `src` as the box at (c0, c1); out-of-bounds parts of the box are not written. The
- * writer threads must have made their st.shared visible first (mf__fence_proxy_async_smem + a
- * barrier). */
-__device__ __forceinline__ void mf__tma_store_2d(const CUtensorMap *map, const void *src, int c0, int c1) {
-    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"((uint64_t)map),
-                 "r"(mf__smem_addr(src)), "r"(c0), "r"(c1)
-                 : "memory");
-}
-
-__device__ __forceinline__ void mf__tma_store_3d(const CUtensorMap *map, const void *src, int c0, int c1, int c2) {
-    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
-                     (uint64_t)map),
-                 "r"(mf__smem_addr(src)), "r"(c0), "r"(c1), "r"(c2)
-                 : "memory");
-}
-
-/* Plain bulk copy shared -> global of `bytes` (multiple of 16, 16-byte aligned). */
-__device__ __forceinline__ void mf__bulk_store(void *dst, const void *src, uint32_t bytes) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"((uint64_t)dst),
-                 "r"(mf__smem_addr(src)), "r"(bytes)
-                 : "memory");
-}
-
-__device__ __forceinline__ void mf__tma_store_commit(void) { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-
-/* Waits until at most kPending committed store groups still READ their shared memory (the smem
- * may then be reused; the global writes may still be in flight). */
-template <int kPending>
-__device__ __forceinline__ void mf__tma_store_wait_read(void) {
-    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
-}
-
-/* Waits until at most kPending committed store groups are incomplete (writes done). */
-template <int kPending>
-__device__ __forceinline__ void mf__tma_store_wait(void) {
-    asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kPending) : "memory");
-}
 
 /* ---- shared-memory matrix stores --------------------------------------------------------------- */
 
@@ -1037,16 +903,6 @@ static inline CUresult mf__tma_encode_2d(CUtensorMap *map, CUtensorMapDataType d
     uint64_t dims[2] = {inner, outer}, strides[1] = {row_bytes};
     uint32_t box[2] = {box_inner, box_outer};
     return mf__tma_encode(map, dtype, 2, base, dims, strides, box, swizzle);
-}
-
-/* 3D row-major [outer, mid, inner] tensor; box [box_outer, box_mid, box_inner]. */
-static inline CUresult mf__tma_encode_3d(CUtensorMap *map, CUtensorMapDataType dtype, const void *base, uint64_t inner,
-                                         uint64_t mid, uint64_t outer, uint64_t row_bytes, uint64_t plane_bytes,
-                                         uint32_t box_inner, uint32_t box_mid, uint32_t box_outer,
-                                         CUtensorMapSwizzle swizzle) {
-    uint64_t dims[3] = {inner, mid, outer}, strides[2] = {row_bytes, plane_bytes};
-    uint32_t box[3] = {box_inner, box_mid, box_outer};
-    return mf__tma_encode(map, dtype, 3, base, dims, strides, box, swizzle);
 }
 
 /* sm90_ptx: ready */
