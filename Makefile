@@ -79,7 +79,7 @@ $(SHARED): $(LIB_OBJ)
 	$(CC) -shared $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
 # The CLI; with CUDA it also holds `moeflow bench gemm` (tools/bench_gemm.c, cuBLASLt as the peer).
-CLI_OBJ  := $(BUILD)/tools/moeflow.o $(BUILD)/tests/ref.o $(BUILD)/tests/problem.o
+CLI_OBJ  := $(BUILD)/tools/moeflow.o $(BUILD)/tools/bench_json.o $(BUILD)/tests/ref.o $(BUILD)/tests/problem.o
 CLI_LIBS :=
 ifeq ($(CUDA),1)
 CLI_OBJ  += $(BUILD)/tools/bench_gemm.o

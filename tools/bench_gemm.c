@@ -1215,68 +1215,13 @@ static void print_row(const gcase_t *c) {
     else printf(" %9s %6s\n", "-", "-");
 }
 
-static void json_string(FILE *f, const char *s) {
-    fputc('"', f);
-    for (; *s; s++) {
-        unsigned char ch = (unsigned char)*s;
-        if (ch == '"' || ch == '\\') fprintf(f, "\\%c", ch);
-        else if (ch < 0x20) fprintf(f, "\\u%04x", ch);
-        else fputc(ch, f);
-    }
-    fputc('"', f);
-}
-
-static void json_number(FILE *f, double x) {
-    if (isfinite(x)) fprintf(f, "%.6g", x);
-    else fprintf(f, "null");
-}
-
-/* MF_COMMIT (a copy of the tree without .git), else git, else "unknown" (as tools/moeflow.c). */
-static void git_commit(char *out, size_t n) {
-    snprintf(out, n, "unknown");
-    const char *env = getenv("MF_COMMIT");
-    if (env && *env) {
-        snprintf(out, n, "%s", env);
-        return;
-    }
-    FILE *p = popen("git rev-parse --short HEAD 2>/dev/null", "r");
-    if (!p) return;
-    char buf[64];
-    if (fgets(buf, sizeof buf, p)) {
-        buf[strcspn(buf, "\r\n")] = '\0';
-        if (buf[0]) snprintf(out, n, "%s", buf);
-    }
-    pclose(p);
-}
-
 static int write_json(const gopts_t *o, const gcase_t *cs, int n, int argc, char **argv) {
     FILE *f = fopen(o->json, "w");
     if (!f) {
         fprintf(stderr, "moeflow bench gemm: --json %s: %s\n", o->json, strerror(errno));
         return -1;
     }
-    char date[32], commit[64];
-    time_t now = time(NULL);
-    struct tm tm;
-    gmtime_r(&now, &tm);
-    strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", &tm);
-    git_commit(commit, sizeof commit);
-    const char *card = getenv("MF_CARD");
-    fprintf(f, "{\"meta\": {\"card\": ");
-    json_string(f, card && *card ? card : "h200");
-    fprintf(f, ", \"date\": \"%s\", \"commit\": ", date);
-    json_string(f, commit);
-    fprintf(f, ", \"command\": \"");
-    for (int i = 0; i < argc; i++) { /* argv joined by spaces, escaped */
-        if (i) fputc(' ', f);
-        for (const char *s = argv[i]; *s; s++) {
-            unsigned char ch = (unsigned char)*s;
-            if (ch == '"' || ch == '\\') fprintf(f, "\\%c", ch);
-            else if (ch < 0x20) fprintf(f, "\\u%04x", ch);
-            else fputc(ch, f);
-        }
-    }
-    fprintf(f, "\", \"backend\": \"cuda\"}, \"rows\": [");
+    mf__json_meta(f, "cuda", argc, argv);
     int first = 1;
     for (int i = 0; i < n; i++) {
         const gcase_t *c = &cs[i];
@@ -1291,27 +1236,27 @@ static int write_json(const gopts_t *o, const gcase_t *cs, int n, int argc, char
                 c->model->H, c->model->I, c->L, c->M, (long long)c->rows);
         if (c->layout == MF_LAYOUT_MASKED) fprintf(f, "\"C\": %d, ", c->C);
         fprintf(f, "\"time_us\": ");
-        json_number(f, c->us);
+        mf__json_number(f, c->us);
         fprintf(f, ", \"tflops\": ");
-        json_number(f, c->flops / t / 1e12);
+        mf__json_number(f, c->flops / t / 1e12);
         fprintf(f, ", \"gbps\": ");
-        json_number(f, c->bytes / t / 1e9);
+        mf__json_number(f, c->bytes / t / 1e9);
         fprintf(f, ", \"weight_tbps\": ");
-        json_number(f, c->wbytes / t / 1e12);
+        mf__json_number(f, c->wbytes / t / 1e12);
         fprintf(f, ", \"floor_us\": ");
-        json_number(f, c->floor_us);
+        mf__json_number(f, c->floor_us);
         fprintf(f, ", \"pct_of_floor\": ");
-        json_number(f, 100.0 * c->floor_us / c->us);
+        mf__json_number(f, 100.0 * c->floor_us / c->us);
         if (c->checked) {
             fprintf(f, ", \"wrong\": %lld, \"diff\": ", (long long)(c->wrong + c->untouched_bad));
-            json_number(f, c->diff);
+            mf__json_number(f, c->diff);
         }
         fprintf(f, ", \"iters\": %d, \"warmup\": %d, \"expert_rows\": [", o->iters, o->warmup);
         for (int32_t e = 0; e < c->L; e++) fprintf(f, "%s%d", e ? "," : "", c->counts[e]);
         fprintf(f, "], \"peers\": [");
         if (c->cublas_mode) {
             fprintf(f, "{\"name\": \"cublas_dense\", \"time_us\": ");
-            json_number(f, c->cublas_us);
+            mf__json_number(f, c->cublas_us);
             if (c->dtype == MF_DTYPE_FP8_E4M3) fprintf(f, ", \"scaling\": \"%s\"", c->cublas_mode);
             fprintf(f, "}");
         }

@@ -665,72 +665,13 @@ static void print_rank_phases(const opts_t *o, const row_t *rows, int nrows) {
     }
 }
 
-/* JSON string with ", \ and control characters escaped. */
-static void json_string(FILE *f, const char *s) {
-    fputc('"', f);
-    for (; *s; s++) {
-        unsigned char c = (unsigned char)*s;
-        if (c == '"' || c == '\\') fprintf(f, "\\%c", c);
-        else if (c < 0x20) fprintf(f, "\\u%04x", c);
-        else fputc(c, f);
-    }
-    fputc('"', f);
-}
-
-static void json_number(FILE *f, double x) {
-    if (isfinite(x)) fprintf(f, "%.6g", x);
-    else fprintf(f, "null");
-}
-
-/* The commit of the tree: MF_COMMIT (for copies of the tree without .git, e.g. the GPU machine),
- * else git, else "unknown". */
-static void git_commit(char *out, size_t n) {
-    snprintf(out, n, "unknown");
-    const char *env = getenv("MF_COMMIT");
-    if (env && *env) {
-        snprintf(out, n, "%s", env);
-        return;
-    }
-    FILE *p = popen("git rev-parse --short HEAD 2>/dev/null", "r");
-    if (!p) return;
-    char buf[64];
-    if (fgets(buf, sizeof buf, p)) {
-        buf[strcspn(buf, "\r\n")] = '\0';
-        if (buf[0]) snprintf(out, n, "%s", buf);
-    }
-    pclose(p);
-}
-
 static int write_json(const opts_t *o, const row_t *rows, int nrows, int argc, char **argv) {
     FILE *f = fopen(o->json, "w");
     if (!f) {
         fprintf(stderr, "moeflow: --json %s: %s\n", o->json, strerror(errno));
         return -1;
     }
-    char date[32], commit[64], card[64];
-    time_t now = time(NULL);
-    struct tm tm;
-    gmtime_r(&now, &tm);
-    strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", &tm);
-    git_commit(commit, sizeof commit);
-    const char *env_card = getenv("MF_CARD");
-    snprintf(card, sizeof card, "%s",
-             o->backend == MF_BACKEND_CPU ? "cpu" : env_card && *env_card ? env_card : "h200");
-    fprintf(f, "{\"meta\": {\"card\": ");
-    json_string(f, card);
-    fprintf(f, ", \"date\": \"%s\", \"commit\": ", date);
-    json_string(f, commit);
-    size_t len = 1;
-    for (int i = 0; i < argc; i++) len += strlen(argv[i]) + 1;
-    char *command = calloc(len, 1);
-    for (int i = 0; command && i < argc; i++) { /* argv joined by spaces */
-        if (i) strcat(command, " ");
-        strcat(command, argv[i]);
-    }
-    fprintf(f, ", \"command\": ");
-    json_string(f, command ? command : "");
-    free(command);
-    fprintf(f, ", \"backend\": \"%s\"}, \"rows\": [", o->backend == MF_BACKEND_CUDA ? "cuda" : "cpu");
+    mf__json_meta(f, o->backend == MF_BACKEND_CUDA ? "cuda" : "cpu", argc, argv);
     int first = 1;
     for (int i = 0; i < nrows; i++) {
         const row_t *r = &rows[i];
@@ -743,26 +684,26 @@ static int write_json(const opts_t *o, const row_t *rows, int nrows, int argc, c
                    "\"L\": %d, \"M\": %lld}, ",
                 o->R, o->E, o->K, o->H, o->I, r->T, o->E / o->R, (long long)r->rows);
         fprintf(f, "\"time_us\": ");
-        json_number(f, r->time_us);
+        mf__json_number(f, r->time_us);
         fprintf(f, ", \"tflops\": ");
-        json_number(f, r->tflops);
+        mf__json_number(f, r->tflops);
         fprintf(f, ", \"gbps\": ");
-        json_number(f, r->gbps);
+        mf__json_number(f, r->gbps);
         if (r->floor_us >= 0) {
             fprintf(f, ", \"floor_us\": ");
-            json_number(f, r->floor_us);
+            mf__json_number(f, r->floor_us);
             fprintf(f, ", \"pct_of_floor\": ");
-            json_number(f, r->pct);
+            mf__json_number(f, r->pct);
         }
         if (r->checked) {
             fprintf(f, ", \"wrong\": %lld, \"diff\": ", (long long)r->wrong);
-            json_number(f, r->diff);
+            mf__json_number(f, r->diff);
         }
         if (r->timing.have_phases) {
             fprintf(f, ", \"phases_us\": {");
             for (int p = 0; p < MF_NUM_PHASES; p++) {
                 fprintf(f, "%s\"%s\": ", p ? ", " : "", k_phase_names[p]);
-                json_number(f, r->timing.phase_max_us[p]);
+                mf__json_number(f, r->timing.phase_max_us[p]);
             }
             fprintf(f, "}");
         }
@@ -775,18 +716,18 @@ static int write_json(const opts_t *o, const row_t *rows, int nrows, int argc, c
                     k_phase_names[p], k_flow_names[r->flow], dtype_name(r->dtype),
                     o->layout == MF_LAYOUT_MASKED ? "masked" : "expert_major",
                     o->R, o->E, o->K, o->H, o->I, r->T, o->E / o->R, (long long)r->rows);
-            json_number(f, ps.us);
+            mf__json_number(f, ps.us);
             if (r->ph_flops[p] > 0) {
                 fprintf(f, ", \"tflops\": ");
-                json_number(f, ps.tflops);
+                mf__json_number(f, ps.tflops);
             }
             fprintf(f, ", \"gbps\": ");
-            json_number(f, ps.gbps);
+            mf__json_number(f, ps.gbps);
             if (ps.floor_us >= 0) {
                 fprintf(f, ", \"floor_us\": ");
-                json_number(f, ps.floor_us);
+                mf__json_number(f, ps.floor_us);
                 fprintf(f, ", \"pct_of_floor\": ");
-                json_number(f, ps.pct);
+                mf__json_number(f, ps.pct);
             }
             fprintf(f, ", \"peers\": []}");
         }

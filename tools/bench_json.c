@@ -1,0 +1,73 @@
+/*
+ * bench_json.c — the JSON pieces both benchmarks of the CLI write (DESIGN.md "Benchmark records"):
+ * escaped strings, numbers (null when not finite) and the record's meta header.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "bench.h"
+
+void mf__json_string(FILE *f, const char *s) {
+    fputc('"', f);
+    for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c == '"' || c == '\\') fprintf(f, "\\%c", c);
+        else if (c < 0x20) fprintf(f, "\\u%04x", c);
+        else fputc(c, f);
+    }
+    fputc('"', f);
+}
+
+void mf__json_number(FILE *f, double x) {
+    if (isfinite(x)) fprintf(f, "%.6g", x);
+    else fprintf(f, "null");
+}
+
+/* The commit of the tree: MF_COMMIT (for copies of the tree without .git, e.g. the GPU machine),
+ * else git, else "unknown". */
+static void git_commit(char *out, size_t n) {
+    snprintf(out, n, "unknown");
+    const char *env = getenv("MF_COMMIT");
+    if (env && *env) {
+        snprintf(out, n, "%s", env);
+        return;
+    }
+    FILE *p = popen("git rev-parse --short HEAD 2>/dev/null", "r");
+    if (!p) return;
+    char buf[64];
+    if (fgets(buf, sizeof buf, p)) {
+        buf[strcspn(buf, "\r\n")] = '\0';
+        if (buf[0]) snprintf(out, n, "%s", buf);
+    }
+    pclose(p);
+}
+
+void mf__json_meta(FILE *f, const char *backend, int argc, char **argv) {
+    char date[32], commit[64];
+    time_t now = time(NULL);
+    struct tm tm;
+    gmtime_r(&now, &tm);
+    strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", &tm);
+    git_commit(commit, sizeof commit);
+    const char *card = getenv("MF_CARD");
+    fprintf(f, "{\"meta\": {\"card\": ");
+    mf__json_string(f, !strcmp(backend, "cpu") ? "cpu" : card && *card ? card : "h200");
+    fprintf(f, ", \"date\": \"%s\", \"commit\": ", date);
+    mf__json_string(f, commit);
+    fprintf(f, ", \"command\": \"");
+    for (int i = 0; i < argc; i++) { /* argv joined by spaces; each escaped as a JSON string body */
+        if (i) fputc(' ', f);
+        for (const char *s = argv[i]; *s; s++) {
+            unsigned char c = (unsigned char)*s;
+            if (c == '"' || c == '\\') fprintf(f, "\\%c", c);
+            else if (c < 0x20) fprintf(f, "\\u%04x", c);
+            else fputc(c, f);
+        }
+    }
+    fprintf(f, "\", \"backend\": ");
+    mf__json_string(f, backend);
+    fprintf(f, "}, \"rows\": [");
+}
