@@ -55,8 +55,8 @@ typedef struct layer_case {
     uint64_t seed;
 } layer_case_t;
 
-/* skip_ref: judge against the CPU backend only (shapes too large for the fp64 reference). */
-static int run_layer_case_ref(const layer_case_t *c, int skip_ref) {
+/* The random problem of a case (tests/problem.h). */
+static int generate_case(const layer_case_t *c, mfp_problem_t *p) {
     mfp_spec_t spec;
     memset(&spec, 0, sizeof spec);
     spec.R = c->R, spec.E = c->E, spec.K = c->K, spec.H = c->H, spec.I = c->I;
@@ -65,8 +65,13 @@ static int run_layer_case_ref(const layer_case_t *c, int skip_ref) {
     spec.T_of_rank = c->T_of_rank;
     spec.dtype = c->dtype, spec.layout = c->layout, spec.routing = c->routing;
     spec.zipf_s = 1.2, spec.hot_expert = c->hot, spec.drop_prob = c->drop, spec.seed = c->seed;
+    return mfp_generate(&spec, p);
+}
+
+/* skip_ref: judge against the CPU backend only (shapes too large for the fp64 reference). */
+static int run_layer_case_ref(const layer_case_t *c, int skip_ref) {
     mfp_problem_t p;
-    MFT_CHECK(mfp_generate(&spec, &p) == 0);
+    MFT_CHECK(generate_case(c, &p) == 0);
     uint16_t *y_gpu[MF_MAX_RANKS], *y_cpu[MF_MAX_RANKS], *y_ref[MF_MAX_RANKS];
     int64_t total = 0;
     for (int32_t r = 0; r < c->R; r++) {
@@ -535,16 +540,8 @@ static int cuda_graph_replay(void) {
 /* ---- dataflows: DIRECT, PULL and UNFUSED give the same y, bit for bit ------------------------ */
 
 static int dataflow_case(const layer_case_t *c) {
-    mfp_spec_t spec;
-    memset(&spec, 0, sizeof spec);
-    spec.R = c->R, spec.E = c->E, spec.K = c->K, spec.H = c->H, spec.I = c->I;
-    spec.S = c->S ? c->S : (c->T ? c->T : 1);
-    spec.T_per_rank = c->T;
-    spec.T_of_rank = c->T_of_rank;
-    spec.dtype = c->dtype, spec.layout = c->layout, spec.routing = c->routing;
-    spec.zipf_s = 1.2, spec.hot_expert = c->hot, spec.drop_prob = c->drop, spec.seed = c->seed;
     mfp_problem_t p;
-    MFT_CHECK(mfp_generate(&spec, &p) == 0);
+    MFT_CHECK(generate_case(c, &p) == 0);
     const int32_t flows[] = {MF_DATAFLOW_DIRECT, MF_DATAFLOW_PULL, MF_DATAFLOW_UNFUSED};
     enum { kFlows = 3 };
     uint16_t *y[kFlows][MF_MAX_RANKS], *y_cpu[MF_MAX_RANKS];
