@@ -437,6 +437,9 @@ typedef struct run_state {
     double *setup_done; /* [R] seconds */
     double *times;      /* [R][iters] ms */
     mf_phase_times_t *phases; /* [R][iters] */
+#if MF_WITH_CUDA
+    cudaEvent_t *begins; /* [R][iters] CUDA with profile: recorded on each rank's stream before its forward */
+#endif
 } run_state_t;
 
 typedef struct rank_arg {
@@ -564,6 +567,17 @@ static void *rank_main(void *varg) {
     for (int32_t it = 0; it < total; it++) {
         if (barrier_wait(&run->barrier) != 0) goto done; /* another rank failed */
         double t0 = now_s();
+#if MF_WITH_CUDA
+        if (on_device && run->begins && it >= o->warmup) {
+            cudaEvent_t *ev = &run->begins[(size_t)r * o->iters + (it - o->warmup)];
+            cudaError_t ce = cudaEventCreate(ev);
+            if (ce == cudaSuccess) ce = cudaEventRecord(*ev, cst);
+            if (ce != cudaSuccess) {
+                fail(run, r, MF_ERR_CUDA, "recording the begin event", cudaGetErrorString(ce));
+                goto done;
+            }
+        }
+#endif
         if ((res = mf_moe_forward(moe, &in, &out, stream)) != MF_SUCCESS) {
             fail(run, r, res, "mf_moe_forward", mf_last_error());
             goto done;
@@ -661,6 +675,47 @@ static void medians(const run_state_t *run, int32_t field, double *rank0, double
     free(b);
 }
 
+#if MF_WITH_CUDA
+/* Signed milliseconds from event a to event b (whichever was first). */
+static int event_delta_ms(cudaEvent_t a, cudaEvent_t b, double *ms) {
+    float f = 0;
+    if (cudaEventElapsedTime(&f, a, b) == cudaSuccess) {
+        *ms = f;
+        return 0;
+    }
+    (void)cudaGetLastError();
+    if (cudaEventElapsedTime(&f, b, a) == cudaSuccess) {
+        *ms = -f;
+        return 0;
+    }
+    (void)cudaGetLastError();
+    return -1;
+}
+
+/* timing->rank_start_us from run->begins (see mfp_timing_t). */
+static void rank_starts(run_state_t *run, mfp_timing_t *timing) {
+    const int32_t R = run->p->spec.R, n = run->opts->iters;
+    double *v = malloc(sizeof(double) * (size_t)R * n), *a = malloc(sizeof(double) * (size_t)n);
+    int ok = v && a && cudaSetDevice(0) == cudaSuccess;
+    for (int32_t j = 0; ok && j < n; j++) {
+        double lo = 0;
+        for (int32_t r = 0; ok && r < R; r++) {
+            ok = run->begins[(size_t)r * n + j] && cudaEventSynchronize(run->begins[(size_t)r * n + j]) == cudaSuccess &&
+                 event_delta_ms(run->begins[j], run->begins[(size_t)r * n + j], &v[(size_t)r * n + j]) == 0;
+            if (ok && v[(size_t)r * n + j] < lo) lo = v[(size_t)r * n + j];
+        }
+        for (int32_t r = 0; ok && r < R; r++) v[(size_t)r * n + j] -= lo;
+    }
+    for (int32_t r = 0; r < MF_MAX_RANKS; r++) timing->rank_start_us[r] = -1;
+    for (int32_t r = 0; ok && r < R; r++) {
+        for (int32_t j = 0; j < n; j++) a[j] = v[(size_t)r * n + j] * 1e3;
+        timing->rank_start_us[r] = median(a, n);
+    }
+    free(v);
+    free(a);
+}
+#endif
+
 mf_backend_t mfp_resolve_backend(mf_backend_t backend) {
     if (backend != MF_BACKEND_AUTO) return backend;
     return MF_WITH_CUDA && mf_backend_available(MF_BACKEND_CUDA) ? MF_BACKEND_CUDA : MF_BACKEND_CPU;
@@ -682,6 +737,9 @@ mf_result_t mfp_run(const mfp_problem_t *p, const mfp_run_opts_t *opts, uint16_t
     run.setup_done = calloc((size_t)R, sizeof(double));
     run.times = calloc((size_t)R * opts->iters, sizeof(double));
     run.phases = calloc((size_t)R * opts->iters, sizeof(mf_phase_times_t));
+#if MF_WITH_CUDA
+    if (opts->profile && run.backend == MF_BACKEND_CUDA) run.begins = calloc((size_t)R * opts->iters, sizeof *run.begins);
+#endif
     rank_arg_t *args = calloc((size_t)R, sizeof *args);
     pthread_t *th = calloc((size_t)R, sizeof *th);
     if (!run.setup_done || !run.times || !run.phases || !args || !th) {
@@ -727,12 +785,21 @@ mf_result_t mfp_run(const mfp_problem_t *p, const mfp_run_opts_t *opts, uint16_t
                 rank_medians(&run, f, timing->phase_rank_us);
             }
         }
+        for (int32_t r = 0; r < MF_MAX_RANKS; r++) timing->rank_start_us[r] = -1;
+#if MF_WITH_CUDA
+        if (run.begins) rank_starts(&run, timing);
+#endif
     }
 out:
     if (run.code != MF_SUCCESS && err && errlen > 0) snprintf(err, (size_t)errlen, "%s", run.err);
     free(run.setup_done);
     free(run.times);
     free(run.phases);
+#if MF_WITH_CUDA
+    for (size_t i = 0; run.begins && i < (size_t)R * opts->iters; i++)
+        if (run.begins[i]) cudaEventDestroy(run.begins[i]);
+    free(run.begins);
+#endif
     free(args);
     free(th);
     pthread_cond_destroy(&run.barrier.cv);

@@ -78,6 +78,10 @@ typedef struct mfp_timing {
     double phase_us[MFP_TIMES];
     double phase_max_us[MFP_TIMES];
     double phase_rank_us[MF_MAX_RANKS][MFP_TIMES]; /* medians of each rank's own times */
+    /* CUDA with profile: when each rank's forward began on the device, after the earliest rank's
+     * begin in the same iteration (median over iterations, us); with phase_rank_us, a timeline of
+     * the ranks that time-share one GPU. -1 where not measured. */
+    double rank_start_us[MF_MAX_RANKS];
 } mfp_timing_t;
 
 /* How mfp_run drives the layer. */

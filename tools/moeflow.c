@@ -648,10 +648,13 @@ static void print_phases(const opts_t *o, const row_t *rows, int nrows) {
     }
 }
 
-/* bench --per-rank: each rank's own median phase times, to see which rank waits for which. */
+/* bench --per-rank: each rank's own median phase times, to see which rank waits for which; on CUDA
+ * also when its forward began after the earliest rank's (a timeline of the virtual ranks that
+ * time-share one GPU: rank q's phase f ends near start + the sum of its phases up to f). */
 static void print_rank_phases(const opts_t *o, const row_t *rows, int nrows) {
-    printf("#\n# per rank  median of each rank's own phase times (us); waits on peers included\n"
-           "#%5s %8s %7s %5s", "dtype", "dataflow", "T", "rank");
+    printf("#\n# per rank  median of each rank's own phase times (us); waits on peers included; start: its\n"
+           "#           begin on the device after the first rank's in the same iteration\n"
+           "#%5s %8s %7s %5s %9s", "dtype", "dataflow", "T", "rank", "start");
     for (int f = 0; f < MF_NUM_PHASES; f++) printf(" %9s", k_phase_names[f]);
     printf(" %9s\n", "total");
     for (int i = 0; i < nrows; i++) {
@@ -659,6 +662,8 @@ static void print_rank_phases(const opts_t *o, const row_t *rows, int nrows) {
         if (r->code != MF_SUCCESS || !r->timing.have_phases) continue;
         for (int32_t q = 0; q < o->R; q++) {
             printf(" %5s %8s %7d %5d", dtype_name(r->dtype), k_flow_names[r->flow], r->T, q);
+            if (r->timing.rank_start_us[q] >= 0) printf(" %9.1f", r->timing.rank_start_us[q]);
+            else printf(" %9s", "-");
             for (int f = 0; f <= MF_NUM_PHASES; f++) printf(" %9.1f", r->timing.phase_rank_us[q][f]);
             printf("\n");
         }

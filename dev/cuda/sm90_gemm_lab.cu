@@ -627,9 +627,7 @@ static void run_case(const vcase &c) {
     /* three runs: the launcher, again (bitwise repeat), the dispatcher (bitwise the same) */
     std::vector<uint8_t> out[3];
     std::vector<float> osc[3];
-    /* FP8 SwiGLU is declined by the library (gemm_tma.cu) until an H200 run confirms it: the lab
-     * lets it launch (launcher and dispatcher alike) so that --validate judges it */
-    mf__sm90_tma_lab_variant((c.unordered ? kMfTmaLabUnordered : kMfTmaLabShipped) | kMfTmaLabFp8Swiglu);
+    mf__sm90_tma_lab_variant(c.unordered ? kMfTmaLabUnordered : kMfTmaLabShipped);
     for (int run = 0; run < 3; run++) {
         CUDA_OK(cudaMemset(d_out, kPoison, out_bytes));
         if (sc_n) CUDA_OK(cudaMemset(d_osc, kPoison, sc_n * 4));
@@ -919,8 +917,6 @@ struct bench_row {
 };
 
 static void run_bench(const char *json_path, int argc, char **argv) {
-    /* the bench also times the FP8 SwiGLU variant the library declines (bench/NOTES.md) */
-    mf__sm90_tma_lab_variant(kMfTmaLabFp8Swiglu);
     struct shape {
         const char *name;
         int swiglu, ret;
@@ -1067,7 +1063,7 @@ static void run_bench(const char *json_path, int argc, char **argv) {
                 g.w_scales = d_ws;
                 g.out = d_out;
                 g.out_scales = d_osc;
-                mf__sm90_tma_lab_variant(kMfTmaLabUnordered | kMfTmaLabFp8Swiglu);
+                mf__sm90_tma_lab_variant(kMfTmaLabUnordered);
                 std::vector<float> ts;
                 for (int i = 0; i < kWarmupRuns + kTimedRuns; i++) {
                     CUDA_OK(cudaMemsetAsync(d_flush, i & 0xff, kFlushBytes, 0));
@@ -1079,7 +1075,7 @@ static void run_bench(const char *json_path, int argc, char **argv) {
                     CUDA_OK(cudaEventElapsedTime(&ms, ev0, ev1));
                     if (i >= kWarmupRuns) ts.push_back(ms);
                 }
-                mf__sm90_tma_lab_variant(kMfTmaLabFp8Swiglu);
+                mf__sm90_tma_lab_variant(kMfTmaLabShipped);
                 std::sort(ts.begin(), ts.end());
                 const double us = ts[ts.size() / 2] * 1e3, tf = 2.0 * L * M * (double)sh.nw * sh.k / us * 1e-6;
                 printf("  %-5s %-11s %3d %5d %5d %5d %10.1f %9.1f %6.1f  unordered\n", "fp8", sh.name, L, sh.nw, sh.k, M, us,

@@ -180,12 +180,6 @@ mf_result_t mf__sm90_tma_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtyp
     if (a.gather) return decline("a.gather: TMA cannot gather rows (the dispatcher sends gathers elsewhere)");
     const int64_t N = 2 * (int64_t)I, K = H;
     const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
-    /* On the H200 (2026-12-02) the lab reported the FP8 SwiGLU variant as not repeatable. Code
-     * review then found the lab at fault (it compared NaN-poisoned scale vectors as floats; fixed),
-     * not the kernel, but no H200 run has confirmed it yet: the variant declines, so v1 runs, until
-     * one does; the lab launches it (kMfTmaLabFp8Swiglu) so that --validate judges it. */
-    if (fp8 && !(g_lab_variant.load() & kMfTmaLabFp8Swiglu))
-        return decline("FP8 SwiGLU: declined until its run-to-run difference is fixed (bench/NOTES.md)");
     MF_CHECK(check_shape(seg, dtype, 1, N, K));
     if (!a.data || !w13.data || !h || !aligned(a.data, kDataAlign) || !aligned(w13.data, kDataAlign) ||
         !aligned(h, kDataAlign))

@@ -631,7 +631,7 @@ const char *mf__sm90_tma_last_decline(void);
 /* Lab only: picks the FP8 kernels the launchers run in this process, for an A/B measurement in one
  * run: 0 = what ships, 1 = without the issue order (kOrdered = false). BF16 launches always run
  * what ships. */
-enum { kMfTmaLabShipped = 0, kMfTmaLabUnordered = 1, kMfTmaLabFp8Swiglu = 2 /* flag: launch FP8 SwiGLU */ };
+enum { kMfTmaLabShipped = 0, kMfTmaLabUnordered = 1 };
 void mf__sm90_tma_lab_variant(int variant);
 
 /* Registers a fault record (see sm90_ptx.cuh; NULL turns reporting off) for the kernels of
