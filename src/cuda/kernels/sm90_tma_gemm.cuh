@@ -395,21 +395,32 @@ __device__ __forceinline__ uint8_t *row_target(const tma_params &p, const consum
     return p.out + row * row_bytes + col_bytes;
 }
 
-/* The warp's staging buffer (16 rows x 128 B) -> global: lane l stores 16 bytes of rows 4 i + l / 8
- * (i = 0..3), chunk l % 8, at byte `col_bytes` of each row's target; then the buffer may be
- * rewritten. */
+/* The targets of the 4 rows lane `c.lane` copies out of the staging buffer (rows 4 i + lane / 8,
+ * its 16-byte chunk lane % 8 of each), at column byte `col_bytes`: NULL where the row is not stored.
+ * Computed once per tile (row_target reads `ret.src` for `ret`); every pass adds its column offset. */
 template <int kEpi>
-__device__ __forceinline__ void copy_out(const tma_params &p, const consumer_t &c, const tile_t &t, int64_t row_bytes,
-                                         int64_t col_bytes) {
+__device__ __forceinline__ void row_targets(const tma_params &p, const consumer_t &c, const tile_t &t, int64_t row_bytes,
+                                            int64_t col_bytes, uint8_t *(&dst)[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        dst[i] = row_target<kEpi>(p, c, t, 4 * i + c.lane / 8, row_bytes, col_bytes + (c.lane % 8) * kChunk);
+}
+
+/* The warp's staging buffer (16 rows x 128 B) -> global: lane l loads 16 bytes of rows 4 i + l / 8
+ * (i = 0..3), chunk l % 8, all four first, then stores them at dst[i] + `pass_bytes`; then the buffer
+ * may be rewritten. */
+__device__ __forceinline__ void copy_out(const consumer_t &c, uint8_t *const (&dst)[4], int pass_bytes) {
     __syncwarp();
     const int ch = c.lane % 8;
+    uint4 v[4];
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         const int r = 4 * i + c.lane / 8;
-        const uint4 v = *(const uint4 *)(c.epi + r * kEpiRowBytes + ((ch ^ (r & 7)) * kChunk));
-        uint8_t *dst = row_target<kEpi>(p, c, t, r, row_bytes, col_bytes);
-        if (dst) *(uint4 *)(dst + ch * kChunk) = v;
+        v[i] = *(const uint4 *)(c.epi + r * kEpiRowBytes + ((ch ^ (r & 7)) * kChunk));
     }
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        if (dst[i]) *(uint4 *)(dst[i] + pass_bytes) = v[i];
     __syncwarp();
 }
 
@@ -430,20 +441,24 @@ __device__ __forceinline__ void stage_bf16(const consumer_t &c, const float *v, 
 template <bool kFp8, int kEpi>
 __device__ __forceinline__ void epilogue(const tma_params &p, const consumer_t &c, const tile_t &t, float *acc) {
     if constexpr (kEpi == kEpiPlain) {
+        uint8_t *dst[4];
+        row_targets<kEpi>(p, c, t, (int64_t)p.N * 2, (int64_t)t.nb * kTileN * 2, dst);
 #pragma unroll
         for (int pass = 0; pass < kTileN / 64; pass++) {
             stage_bf16(c, acc, pass);
-            copy_out<kEpi>(p, c, t, (int64_t)p.N * 2, ((int64_t)t.nb * kTileN + pass * 64) * 2);
+            copy_out(c, dst, pass * 64 * 2);
         }
     } else if constexpr (!kFp8) {
         /* SwiGLU: h = silu(gate) * up, in place over the gate fragment */
 #pragma unroll
         for (int i = 0; i < kBoxAcc; i++) acc[i] = mf__silu(acc[i]) * acc[kBoxAcc + i];
         const int32_t I = p.N / 2;
+        uint8_t *dst[4];
+        row_targets<kEpi>(p, c, t, (int64_t)I * 2, (int64_t)t.nb * kHCols * 2, dst);
 #pragma unroll
         for (int pass = 0; pass < kHCols / 64; pass++) {
             stage_bf16(c, acc, pass);
-            copy_out<kEpi>(p, c, t, (int64_t)I * 2, ((int64_t)t.nb * kHCols + pass * 64) * 2);
+            copy_out(c, dst, pass * 64 * 2);
         }
     } else {
 #pragma unroll
@@ -480,7 +495,9 @@ __device__ __forceinline__ void epilogue(const tma_params &p, const consumer_t &
             if (tr >= t.lo) p.out_scales[(int64_t)(t.row0 + tr) * sblocks + t.nb] = sc_lo;
             if (tr + 8 >= t.lo) p.out_scales[(int64_t)(t.row0 + tr + 8) * sblocks + t.nb] = sc_hi;
         }
-        copy_out<kEpi>(p, c, t, (int64_t)I, (int64_t)t.nb * kHCols);
+        uint8_t *dst[4];
+        row_targets<kEpi>(p, c, t, (int64_t)I, (int64_t)t.nb * kHCols, dst);
+        copy_out(c, dst, 0);
     }
 }
 
