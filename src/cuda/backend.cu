@@ -490,6 +490,7 @@ static mf__move_params_t mf__move_params(mf_moe_t moe) {
     p.H = moe->config.hidden;
     p.fp8 = moe->config.dtype == MF_DTYPE_FP8_E4M3;
     p.layout = moe->config.layout;
+    p.capacity = moe->config.expert_capacity;
     p.counts = s->counts;
     p.offsets = s->offsets;
     p.src = s->src;

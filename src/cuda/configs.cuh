@@ -11,6 +11,7 @@
 #define kMfWarp 32
 #define kMfPublishThreads 256  /* publish: one block per token, warps over 128-wide blocks */
 #define kMfPlanThreads 256     /* plan count / fill: one block per local expert */
+#define kMfPlanPerThread 4     /* plan fill: consecutive routing entries per thread per pass */
 #define kMfMoveThreads 256     /* gather / return: one warp per row, grid-stride */
 #define kMfMoveBlocksPerSm 4   /* gather / return grid = SMs of this rank x this */
 #define kMfSumThreads 128      /* combine sum: one block per token, 8 columns per thread */

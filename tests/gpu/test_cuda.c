@@ -26,6 +26,13 @@
     } while (0)
 
 /* Device copy of a host array (bytes may be 0). */
+/* Peer waits: 20 s, or MFT_PEER_TIMEOUT_MS (tests/gpu/sanitize.sh shortens it to retry sooner). */
+static int64_t peer_timeout_ms(void) {
+    const char *env = getenv("MFT_PEER_TIMEOUT_MS");
+    long long v = env ? atoll(env) : 0;
+    return v > 0 ? (int64_t)v : 20000;
+}
+
 static void *to_dev(const void *host, size_t bytes) {
     void *d = NULL;
     if (cudaMalloc(&d, bytes ? bytes : 16) != cudaSuccess) return NULL;
@@ -83,7 +90,7 @@ static int run_layer_case_ref(const layer_case_t *c, int skip_ref) {
         mft_poison(y_gpu[r], n * 2);
     }
     char err[512] = "";
-    mf_result_t res = mfp_run_forward(&p, MF_BACKEND_CUDA, c->iters ? c->iters : 2, 20000, y_gpu, NULL, err, sizeof err);
+    mf_result_t res = mfp_run_forward(&p, MF_BACKEND_CUDA, c->iters ? c->iters : 2, peer_timeout_ms(), y_gpu, NULL, err, sizeof err);
     MFT_CHECK_MSG(res == MF_SUCCESS, "cuda run failed: %s", err);
     res = mfp_run_forward(&p, MF_BACKEND_CPU, 1, 0, y_cpu, NULL, err, sizeof err);
     MFT_CHECK_MSG(res == MF_SUCCESS, "cpu run failed: %s", err);
@@ -273,7 +280,7 @@ static int run_comm(const mfp_problem_t *p, int32_t backend, int32_t layout, com
     mf_group_config_t gc = MF_GROUP_CONFIG_INIT;
     gc.backend = backend;
     gc.num_ranks = p->spec.R;
-    gc.timeout_ms = 20000;
+    gc.timeout_ms = peer_timeout_ms();
     comm_run_t run;
     memset(&run, 0, sizeof run);
     run.p = p, run.backend = backend, run.layout = layout, run.rounds = 3, run.out = out;
@@ -493,7 +500,7 @@ static int graph_case(int32_t dtype, int32_t layout, int32_t dataflow) {
         for (int32_t r = 0; r < spec.R; r++) g.y[i * spec.R + r] = mft_alloc((size_t)spec.T_per_rank * spec.H * 2);
     }
     mf_group_config_t gc = MF_GROUP_CONFIG_INIT;
-    gc.backend = MF_BACKEND_CUDA, gc.num_ranks = spec.R, gc.timeout_ms = 20000;
+    gc.backend = MF_BACKEND_CUDA, gc.num_ranks = spec.R, gc.timeout_ms = peer_timeout_ms();
     MFT_CHECK_OK(mf_group_create(&gc, &g.group));
     MFT_CHECK(mft_run_ranks(spec.R, graph_rank, &g) == 0);
     MFT_CHECK_OK(mf_group_destroy(g.group));
@@ -556,7 +563,7 @@ static int dataflow_case(const layer_case_t *c) {
     char err[512] = "";
     for (int f = 0; f < kFlows; f++) {
         mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
-        o.backend = MF_BACKEND_CUDA, o.iters = 2, o.timeout_ms = 20000, o.dataflow = flows[f];
+        o.backend = MF_BACKEND_CUDA, o.iters = 2, o.timeout_ms = peer_timeout_ms(), o.dataflow = flows[f];
         mf_result_t res = mfp_run(&p, &o, y[f], NULL, err, sizeof err);
         MFT_CHECK_MSG(res == MF_SUCCESS, "dataflow %d: %s", flows[f], err);
     }
@@ -673,7 +680,7 @@ static int cuda_layers_share_workspace(void) {
     sr.p[0] = &pa, sr.p[1] = &pb;
     sr.dataflow[0] = MF_DATAFLOW_DIRECT, sr.dataflow[1] = MF_DATAFLOW_PULL;
     mf_group_config_t gc = MF_GROUP_CONFIG_INIT;
-    gc.backend = MF_BACKEND_CUDA, gc.num_ranks = R, gc.timeout_ms = 20000;
+    gc.backend = MF_BACKEND_CUDA, gc.num_ranks = R, gc.timeout_ms = peer_timeout_ms();
     pthread_barrier_init(&sr.ready, NULL, (unsigned)R);
     MFT_CHECK_OK(mf_group_create(&gc, &sr.group));
     int rc = mft_run_ranks(R, shared_rank, &sr);
@@ -799,7 +806,7 @@ static int cuda_bad_ids(void) {
     f.callers = 3;
     f.bad_ids = bad;
     mf_group_config_t gc = MF_GROUP_CONFIG_INIT;
-    gc.backend = MF_BACKEND_CUDA, gc.num_ranks = 2, gc.timeout_ms = 20000;
+    gc.backend = MF_BACKEND_CUDA, gc.num_ranks = 2, gc.timeout_ms = peer_timeout_ms();
     pthread_barrier_init(&f.ready, NULL, 2);
     MFT_CHECK_OK(mf_group_create(&gc, &f.group));
     MFT_CHECK(mft_run_ranks(2, fault_rank, &f) == 0);
