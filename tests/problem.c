@@ -24,6 +24,8 @@
 
 #if MF_WITH_CUDA
 #include <cuda_runtime_api.h>
+#include <sched.h>
+#include <stdatomic.h>
 #endif
 
 #define MFP_QBLOCK 128            /* FP8 weight blocks are 128 x 128 */
@@ -467,6 +469,14 @@ static void fail(run_state_t *run, int32_t rank, mf_result_t code, const char *w
 }
 
 #if MF_WITH_CUDA
+/* opts->gated: a host function at the head of the rank's stream that holds the stream until the
+ * rank's thread has enqueued its whole forward (it runs on the CUDA runtime's callback thread and
+ * calls no CUDA API). */
+static void CUDART_CB gate_hold(void *arg) {
+    atomic_int *open = (atomic_int *)arg;
+    while (!atomic_load_explicit(open, memory_order_acquire)) sched_yield();
+}
+
 /* Allocates bytes (at least MFP_MIN_ALLOC) of device memory at *dst and copies src there if set. */
 static cudaError_t to_device(void **dst, const void *src, size_t bytes, cudaStream_t st) {
     cudaError_t e = cudaMalloc(dst, bytes > MFP_MIN_ALLOC ? bytes : MFP_MIN_ALLOC);
@@ -564,21 +574,38 @@ static void *rank_main(void *varg) {
     };
     mf_moe_forward_out_t out = {.y = {mem[3], MF_DTYPE_BF16, 2, {T, (int64_t)H}}};
     const int32_t total = o->warmup + o->iters;
+#if MF_WITH_CUDA
+    const int gated = on_device && o->gated;
+    atomic_int gate_open = 1;
+#endif
     for (int32_t it = 0; it < total; it++) {
         if (barrier_wait(&run->barrier) != 0) goto done; /* another rank failed */
         double t0 = now_s();
 #if MF_WITH_CUDA
+        if (gated) {
+            atomic_store_explicit(&gate_open, 0, memory_order_relaxed);
+            cudaError_t ce = cudaLaunchHostFunc(cst, gate_hold, &gate_open);
+            if (ce != cudaSuccess) {
+                fail(run, r, MF_ERR_CUDA, "cudaLaunchHostFunc (gate)", cudaGetErrorString(ce));
+                goto done;
+            }
+        }
         if (on_device && run->begins && it >= o->warmup) {
             cudaEvent_t *ev = &run->begins[(size_t)r * o->iters + (it - o->warmup)];
             cudaError_t ce = cudaEventCreate(ev);
             if (ce == cudaSuccess) ce = cudaEventRecord(*ev, cst);
             if (ce != cudaSuccess) {
+                atomic_store_explicit(&gate_open, 1, memory_order_release);
                 fail(run, r, MF_ERR_CUDA, "recording the begin event", cudaGetErrorString(ce));
                 goto done;
             }
         }
 #endif
-        if ((res = mf_moe_forward(moe, &in, &out, stream)) != MF_SUCCESS) {
+        res = mf_moe_forward(moe, &in, &out, stream);
+#if MF_WITH_CUDA
+        if (gated) atomic_store_explicit(&gate_open, 1, memory_order_release);
+#endif
+        if (res != MF_SUCCESS) {
             fail(run, r, res, "mf_moe_forward", mf_last_error());
             goto done;
         }

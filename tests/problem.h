@@ -92,12 +92,15 @@ typedef struct mfp_run_opts {
     int64_t timeout_ms;   /* group config timeout_ms; 0 = the library's default */
     int32_t profile;      /* 1: config.profile = 1 and timing.phase_* filled */
     int32_t dataflow;     /* config.dataflow (mf_dataflow_t) */
+    int32_t gated;        /* CUDA: hold each rank's stream until its whole forward is enqueued, so
+                             the device runs it back to back, as a CUDA graph replay would (the
+                             time without host launch gaps) */
     /* Optional: called by rank 0's thread after each forward with (done, warmup + iters). */
     void (*progress)(void *ctx, int32_t done, int32_t total);
     void *progress_ctx;
 } mfp_run_opts_t;
 
-#define MFP_RUN_OPTS_INIT {MF_BACKEND_AUTO, 1, 0, 0, 0, MF_DATAFLOW_AUTO, NULL, NULL}
+#define MFP_RUN_OPTS_INIT {MF_BACKEND_AUTO, 1, 0, 0, 0, MF_DATAFLOW_AUTO, 0, NULL, NULL}
 
 /* The backend that `backend` means here (AUTO resolved, as mf_group_create would). */
 mf_backend_t mfp_resolve_backend(mf_backend_t backend);

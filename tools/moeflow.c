@@ -91,7 +91,7 @@ typedef struct opts {
     uint64_t seed;
     mf_backend_t backend_req, backend;
     const preset_t *preset;
-    int32_t iters, warmup, check, per_rank;
+    int32_t iters, warmup, check, per_rank, gated;
     int64_t timeout_ms;
     const char *json;
 } opts_t;
@@ -135,6 +135,9 @@ static void usage(FILE *f) {
             "      --iters N, --warmup N    run: %d, %d; bench: %d, %d on CUDA and %d, %d on CPU\n"
             "      --no-check               bench: skip the reference\n"
             "      --per-rank               bench: each rank's own phase medians too\n"
+            "      --gated                  CUDA: hold each rank's stream until its forward is\n"
+            "                               enqueued (device time without host launch gaps,\n"
+            "                               as a CUDA graph replay runs)\n"
             "      --timeout-ms N           bound on every wait for a peer       [library's]\n"
             "      --json FILE              write the results as DESIGN.md's benchmark record\n"
             "  -h, --help\n"
@@ -240,7 +243,7 @@ static const struct {
     {0, "layout", 1},   {0, "routing", 1},   {0, "drop", 1},         {0, "seed", 1},
     {0, "backend", 1},  {0, "preset", 1},    {0, "ue8m0", 0},        {0, "iters", 1},
     {0, "warmup", 1},   {0, "json", 1},      {0, "timeout-ms", 1},   {0, "no-check", 0},
-    {0, "dataflow", 1}, {0, "per-rank", 0}, {'h', "help", 0},
+    {0, "dataflow", 1}, {0, "per-rank", 0}, {0, "gated", 0}, {'h', "help", 0},
 };
 #define NUM_FLAGS ((int)(sizeof k_flags / sizeof k_flags[0]))
 
@@ -322,6 +325,7 @@ static void parse_args(int argc, char **argv, opts_t *o) {
         } else if (!strcmp(name, "--dataflow")) parse_flows(o, v);
         else if (!strcmp(name, "--routing")) parse_routing(o, v);
         else if (!strcmp(name, "--per-rank")) o->per_rank = 1;
+        else if (!strcmp(name, "--gated")) o->gated = 1;
         else if (!strcmp(name, "--drop")) {
             o->drop = parse_double(name, v);
             if (!(o->drop >= 0.0 && o->drop < 1.0)) die_usage("--drop: %g is outside [0, 1)", o->drop);
@@ -768,6 +772,9 @@ static void print_meta(const opts_t *o) {
            o->iters, o->warmup,
            o->backend == MF_BACKEND_CUDA ? "its device-event total"
                                          : "wall clock from a common start to the last rank's return");
+    if (o->backend == MF_BACKEND_CUDA)
+        printf("# launch   %s\n", o->gated ? "gated: each stream held until its forward is enqueued (no host gaps)"
+                                          : "eager: kernels start as the host enqueues them (host gaps count)");
     if (o->check)
         printf("# check    diff < %g (bf16) / %g (fp8); #wrong counts |y - ref| > atol + rtol |ref|, "
                "NaN always:\n#          bf16 atol %g rtol %g, fp8 atol %g rtol %g\n",
@@ -800,6 +807,7 @@ static void run_row(const opts_t *o, mfp_problem_t *p, row_t *row, uint16_t **y,
     ro.timeout_ms = o->timeout_ms;
     ro.profile = 1;
     ro.dataflow = row->flow;
+    ro.gated = o->gated;
     ro.progress = on_run_progress;
     ro.progress_ctx = &pg;
     char what[64];
