@@ -6,14 +6,15 @@
  * One forward on rank r is a sequence of launches on the caller's stream, with no host
  * synchronisation and nothing that breaks CUDA-graph capture:
  *   publish           quantise x (FP8 1x128) or copy it, validate + copy ids and weights, write T
- *   arrive + wait     phase DISPATCH (device epochs; the wait is one block, bounded by the timeout)
+ *   sync              phase DISPATCH: arrive, then wait (one block; device epochs; bounded by the
+ *                     timeout)
  *   plan              count per local expert, offsets + capacity check, rank-major source rows
  *   gather            PULL / UNFUSED: pull the routed rows from the peers' heaps into the receive
  *                     tensor; DIRECT: none, W13 reads each row at its owner through the plan
  *   w13, w2           grouped GEMMs (grouped_gemm.cu); W2 writes BF16 partials into the owners'
  *                     combine slots through the peer table (UNFUSED: into a local tensor, then
  *                     the return kernel copies them there, as mf_combine does)
- *   arrive + wait     phase COMBINE
+ *   sync              phase COMBINE
  *   sum               y[t] = bf16(sum over k ascending of w[t,k] * slot[t,k])
  * Buffer reuse follows the CPU backend's argument (src/cpu/backend.c): two phases per call order
  * every reuse, so nothing is cleared between calls.
@@ -71,7 +72,7 @@ static mf__cuda_comm_t *mf__cc(mf_comm_t comm) { return (mf__cuda_comm_t *)comm-
 
 /* R virtual ranks put R streams of spinning-capable kernels on one GPU. CUDA maps streams onto
  * CUDA_DEVICE_MAX_CONNECTIONS hardware queues (default 8); two ranks sharing a queue deadlock when
- * one's wait kernel sits in front of the other's arrive (seen on the H200 with R = 8). Ask for the
+ * one's spinning sync kernel sits in front of the other's (seen on the H200 with R = 8). Ask for the
  * maximum before the context exists, unless the user chose a value (docs/API.md). */
 static void mf__cuda_request_connections(void) {
     setenv("CUDA_DEVICE_MAX_CONNECTIONS", kMfMaxConnections, 0);
@@ -113,8 +114,7 @@ static mf_result_t mf__cuda_group_init(mf_group_t g) {
     const void *kernels[] = {(const void *)mf__publish_kernel, (const void *)mf__plan_count_kernel,
                              (const void *)mf__plan_offsets_kernel, (const void *)mf__plan_fill_kernel,
                              (const void *)mf__gather_kernel, (const void *)mf__return_kernel,
-                             (const void *)mf__sum_kernel, (const void *)mf__arrive_kernel,
-                             (const void *)mf__wait_kernel};
+                             (const void *)mf__sum_kernel, (const void *)mf__sync_kernel};
     for (size_t i = 0; i < sizeof kernels / sizeof kernels[0]; i++) {
         cudaFuncAttributes attr;
         MF_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernels[i]));
@@ -415,11 +415,9 @@ static mf_result_t mf__cuda_sync_phase(mf_moe_t moe, int32_t phase, cudaStream_t
     p.phase = phase;
     p.timeout_ns = (uint64_t)g->timeout_ms * 1000000ull;
     p.sink = mf__sink(moe->comm);
-    mf__arrive_kernel<<<1, 1, 0, stream>>>(p);
+    mf__sync_kernel<<<1, kMfWaitThreads, 0, stream>>>(p);
     MF_CUDA_CHECK_LAUNCH();
     __atomic_fetch_add(&mf__cc(moe->comm)->launched[phase], 1, __ATOMIC_RELAXED);
-    mf__wait_kernel<<<1, kMfWaitThreads, 0, stream>>>(p);
-    MF_CUDA_CHECK_LAUNCH();
     return MF_SUCCESS;
 }
 
@@ -524,7 +522,8 @@ static mf_result_t mf__cuda_sum(mf_moe_t moe, int32_t T, const float *weights, u
     p.T = T;
     p.H = moe->config.hidden;
     p.K = moe->config.num_topk;
-    mf__sum_kernel<<<T, kMfSumThreads, 0, stream>>>(p);
+    const dim3 grid((unsigned)T, (unsigned)((p.H / 8 + kMfSumThreads - 1) / kMfSumThreads));
+    mf__sum_kernel<<<grid, kMfSumThreads, 0, stream>>>(p);
     MF_CUDA_CHECK_LAUNCH();
     return MF_SUCCESS;
 }

@@ -14,7 +14,8 @@
 #define kMfPlanPerThread 4     /* plan fill: consecutive routing entries per thread per pass */
 #define kMfMoveThreads 256     /* gather / return: one warp per row, grid-stride */
 #define kMfMoveBlocksPerSm 4   /* gather / return grid = SMs of this rank x this */
-#define kMfSumThreads 128      /* combine sum: one block per token, 8 columns per thread */
+#define kMfSumThreads 128      /* combine sum: blocks of (token, column group), 8 columns per thread */
+#define kMfSumBatch 8          /* combine sum: partials loaded together before they are added */
 #define kMfWaitThreads 64      /* wait: one thread per peer (>= MF_MAX_RANKS) */
 #define kMfWaitBackoffNs 64    /* __nanosleep between polls of a peer's signal */
 #define kMfMaxConnections "32" /* CUDA_DEVICE_MAX_CONNECTIONS requested for virtual ranks */

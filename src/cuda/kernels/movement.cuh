@@ -127,38 +127,62 @@ __global__ void __launch_bounds__(kMfPlanThreads) mf__plan_count_kernel(mf__plan
     if (threadIdx.x == 0) p.counts[e] = n;
 }
 
-/* One thread: segment offsets and the capacity check; an overflow raises a fault and clamps the
- * counts so that nothing is ever written out of bounds. */
+/* One warp: segment offsets by a warp-wide scan over the experts, kMfWarp at a time (a one-thread
+ * walk cost a dependent global load per expert: ~0.2 us each, 50 us at L = 256), and the capacity
+ * check. An overflow raises a fault (for the first overflowing expert) and clamps the counts so that
+ * nothing is ever written out of bounds. The result equals the expert-by-expert walk: its clamped
+ * running offset is the unclamped prefix of padded counts capped at max_rows. */
 __global__ void mf__plan_offsets_kernel(mf__plan_params_t p) {
-    if (threadIdx.x != 0) return;
-    int32_t run = 0;
-    for (int32_t e = 0; e < p.L; e++) {
-        int32_t c = p.counts[e];
-        if (p.layout == MF_LAYOUT_MASKED) {
-            if (c > p.capacity) {
-                mf__raise(p.sink, MF_ERR_CAPACITY, kMfFaultCapacity, MF__PHASE_DISPATCH, -1, p.first_expert + e,
-                          c, p.capacity);
-                c = p.capacity;
-            }
-            p.offsets[e] = e * p.capacity;
+    const int32_t lane = threadIdx.x;
+    if (lane >= kMfWarp) return;
+    const bool masked = p.layout == MF_LAYOUT_MASKED;
+    int64_t base = 0; /* unclamped padded rows of the experts before this chunk */
+    bool raised = false;
+    for (int32_t e0 = 0; e0 < p.L; e0 += kMfWarp) {
+        const int32_t e = e0 + lane;
+        const bool live = e < p.L;
+        int32_t c = live ? p.counts[e] : 0, offset;
+        bool over;
+        long long seen, limit;
+        if (masked) {
+            over = live && c > p.capacity;
+            seen = c, limit = p.capacity;
+            if (over) c = p.capacity;
+            offset = e * p.capacity;
         } else {
-            int32_t padded = (c + p.block_m - 1) / p.block_m * p.block_m;
-            if (run + padded > p.max_rows) {
-                mf__raise(p.sink, MF_ERR_CAPACITY, kMfFaultCapacity, MF__PHASE_DISPATCH, -2, p.first_expert + e,
-                          (long long)run + padded, p.max_rows);
-                c = c < p.max_rows - run ? c : p.max_rows - run;
-                padded = (c + p.block_m - 1) / p.block_m * p.block_m;
-                padded = padded < p.max_rows - run ? padded : p.max_rows - run;
+            const int64_t padded = ((int64_t)c + p.block_m - 1) / p.block_m * p.block_m;
+            int64_t incl = padded; /* inclusive scan over the lanes */
+#pragma unroll
+            for (int off = 1; off < kMfWarp; off <<= 1) {
+                const int64_t v = __shfl_up_sync(0xffffffffu, incl, off);
+                if (lane >= off) incl += v;
             }
-            p.offsets[e] = run;
-            run += padded;
+            const int64_t excl = base + incl - padded;
+            const int64_t run = excl < p.max_rows ? excl : p.max_rows;
+            over = live && run + padded > p.max_rows;
+            seen = run + padded, limit = p.max_rows;
+            if (over) c = c < p.max_rows - run ? c : (int32_t)(p.max_rows - run);
+            offset = (int32_t)run;
+            base += __shfl_sync(0xffffffffu, incl, kMfWarp - 1);
         }
-        p.counts[e] = c;
-        if (p.counts_out) p.counts_out[e] = c;
-        if (p.offsets_out) p.offsets_out[e] = p.offsets[e];
+        const unsigned overs = __ballot_sync(0xffffffffu, over);
+        if (overs && !raised) {
+            if (lane == __ffs(overs) - 1)
+                mf__raise(p.sink, MF_ERR_CAPACITY, kMfFaultCapacity, MF__PHASE_DISPATCH, masked ? -1 : -2,
+                          p.first_expert + e, seen, limit);
+            raised = true;
+        }
+        if (live) {
+            p.offsets[e] = offset;
+            p.counts[e] = c;
+            if (p.counts_out) p.counts_out[e] = c;
+            if (p.offsets_out) p.offsets_out[e] = offset;
+        }
     }
-    p.offsets[p.L] = p.layout == MF_LAYOUT_MASKED ? p.L * p.capacity : run;
-    if (p.offsets_out) p.offsets_out[p.L] = p.offsets[p.L];
+    if (lane == 0) {
+        p.offsets[p.L] = masked ? p.L * p.capacity : (int32_t)(base < p.max_rows ? base : p.max_rows);
+        if (p.offsets_out) p.offsets_out[p.L] = p.offsets[p.L];
+    }
 }
 
 /* One block per local expert: its rows in rank-major, token, k order; then padding markers. Each
@@ -313,28 +337,42 @@ typedef struct mf__sum_params {
     int32_t T, H, K;
 } mf__sum_params_t;
 
-/* One block per token; each thread owns 8 columns at a time (16-byte loads and stores). */
+/* Grid (T, column groups): each thread owns 8 columns of one token (16-byte loads and stores), so
+ * a few tokens still spread over many SMs. A thread loads up to kMfSumBatch partials before adding
+ * them, in k order (DESIGN.md's fixed order; skipped k add nothing, not even a zero). */
 __global__ void __launch_bounds__(kMfSumThreads) mf__sum_kernel(mf__sum_params_t p) {
     const int32_t t = blockIdx.x;
+    const int32_t c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= p.H / 8) return;
     const int32_t *ids = (const int32_t *)(p.heap + p.ids) + (size_t)t * p.K;
     const uint16_t *slots = (const uint16_t *)(p.heap + p.combine) + (size_t)t * p.K * p.H;
-    for (int32_t c = threadIdx.x; c < p.H / 8; c += blockDim.x) {
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int32_t k = 0; k < p.K; k++) {
-            if (ids[k] < 0) continue;
-            const float w = p.weights[(size_t)t * p.K + k];
-            uint4 v = *(const uint4 *)(slots + (size_t)k * p.H + c * 8);
-            const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int32_t k0 = 0; k0 < p.K; k0 += kMfSumBatch) {
+        bool use[kMfSumBatch];
+        float w[kMfSumBatch];
+        uint4 v[kMfSumBatch];
+#pragma unroll
+        for (int j = 0; j < kMfSumBatch; j++) {
+            const int32_t k = k0 + j;
+            use[j] = k < p.K && ids[k] >= 0;
+            w[j] = use[j] ? p.weights[(size_t)t * p.K + k] : 0.0f;
+            v[j] = use[j] ? *(const uint4 *)(slots + (size_t)k * p.H + c * 8) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int j = 0; j < kMfSumBatch; j++) {
+            if (!use[j]) continue;
+            const uint32_t words[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+#pragma unroll
             for (int i = 0; i < 8; i++) {
                 uint16_t b = (uint16_t)(words[i / 2] >> (16 * (i % 2)));
-                acc[i] = __fadd_rn(acc[i], __fmul_rn(w, mf__bf16_to_float(b)));
+                acc[i] = __fadd_rn(acc[i], __fmul_rn(w[j], mf__bf16_to_float(b)));
             }
         }
-        uint32_t out[4];
-        for (int i = 0; i < 4; i++)
-            out[i] = (uint32_t)mf__bf16_from_float(acc[2 * i]) | ((uint32_t)mf__bf16_from_float(acc[2 * i + 1]) << 16);
-        *(uint4 *)(p.y + (size_t)t * p.H + c * 8) = make_uint4(out[0], out[1], out[2], out[3]);
     }
+    uint32_t out[4];
+    for (int i = 0; i < 4; i++)
+        out[i] = (uint32_t)mf__bf16_from_float(acc[2 * i]) | ((uint32_t)mf__bf16_from_float(acc[2 * i + 1]) << 16);
+    *(uint4 *)(p.y + (size_t)t * p.H + c * 8) = make_uint4(out[0], out[1], out[2], out[3]);
 }
 
 #endif /* MF_CUDA_MOVEMENT_CUH */

@@ -3,8 +3,9 @@
  *
  * Signals (DESIGN.md "Symmetric heap"): every rank owns kMfSignalWords uint64 in device memory:
  * slots [MF__NUM_PHASES][MF_MAX_RANKS] that peers write, then its own epoch counter per phase.
- * arrive: my_epoch[phase] += 1, then a release store of it into every peer's slot [phase][me].
- * wait: until every slot [phase][q] >= my_epoch[phase], acquire; bounded by the group timeout.
+ * sync (one kernel): arrive, my_epoch[phase] += 1, then a release store of it into every peer's
+ * slot [phase][me]; then wait until every slot [phase][q] >= my_epoch[phase], acquire; bounded by
+ * the group timeout.
  * Epochs live in device memory, so a captured CUDA graph replays with fresh epochs and nothing is
  * ever re-zeroed.
  *
@@ -73,24 +74,25 @@ typedef struct mf__sync_params {
     mf__fault_sink_t sink;
 } mf__sync_params_t;
 
-/* One thread: bump my epoch for the phase and publish it to every rank (me included). */
-__global__ void mf__arrive_kernel(mf__sync_params_t p) {
+/* One block. Thread 0 arrives: bumps my epoch for the phase and publishes it to every rank (me
+ * included). Then one thread per peer waits for that peer's arrival at the same epoch, bounded by the
+ * group timeout. A comm that already timed out still arrives but does not wait again (its protocol
+ * state is gone). One kernel for both halves: a kernel boundary fewer per synchronisation. */
+__global__ void __launch_bounds__(kMfWaitThreads) mf__sync_kernel(mf__sync_params_t p) {
+    __shared__ uint64_t want;
     uint64_t *mine = p.signals[p.rank];
-    uint64_t epoch = mine[MF__SIGNAL_COUNT + p.phase] + 1;
-    mine[MF__SIGNAL_COUNT + p.phase] = epoch;
-    __threadfence_system(); /* everything this stream wrote before is visible before the signal */
-    for (int32_t q = 0; q < p.num_ranks; q++)
-        mf__st_release_sys(p.signals[q] + (size_t)p.phase * MF_MAX_RANKS + p.rank, epoch);
-}
-
-/* One block, one thread per peer: wait for every peer's arrival at my current epoch. A comm that
- * already timed out does not wait again (its protocol state is gone). */
-__global__ void __launch_bounds__(kMfWaitThreads) mf__wait_kernel(mf__sync_params_t p) {
-    int32_t q = threadIdx.x;
+    if (threadIdx.x == 0) {
+        const uint64_t epoch = mine[MF__SIGNAL_COUNT + p.phase] + 1;
+        mine[MF__SIGNAL_COUNT + p.phase] = epoch;
+        __threadfence_system(); /* everything this stream wrote before is visible before the signal */
+        for (int32_t q = 0; q < p.num_ranks; q++)
+            mf__st_release_sys(p.signals[q] + (size_t)p.phase * MF_MAX_RANKS + p.rank, epoch);
+        want = epoch;
+    }
+    __syncthreads();
+    const int32_t q = threadIdx.x;
     if (q >= p.num_ranks) return;
     if (p.sink.record->code == MF_ERR_TIMEOUT) return;
-    const uint64_t *mine = p.signals[p.rank];
-    uint64_t want = mine[MF__SIGNAL_COUNT + p.phase];
     const uint64_t *slot = mine + (size_t)p.phase * MF_MAX_RANKS + q;
     uint64_t start = mf__globaltimer_ns(), seen;
     while ((seen = mf__ld_acquire_sys(slot)) < want) {
