@@ -8,10 +8,12 @@
  * per call), H hidden, I expert intermediate size, E global experts, R ranks, L = E / R local
  * experts, K top-k. Shapes are row-major, innermost last: `[T, H]`.
  *
- * Model of use. A *group* of R ranks shares a symmetric heap. With the `local` transport the group
- * lives in one process and holds R *comm* handles, one per virtual rank; each rank is driven by its
- * own host thread. Calls marked *collective* must be made by every rank of the group, in the same
- * order, each from its own thread. A *layer* (`mf_moe_t`) belongs to one comm.
+ * Model of use. R ranks share a symmetric heap; each rank is one *comm* handle. An engine runs one
+ * rank per process: every process calls mf_comm_init with its rank and a bootstrap (the engine's
+ * allgather, or the built-in rendezvous). For tests and single-process use, mf_group_create makes
+ * R virtual ranks of one process at once, each driven by its own host thread. Calls marked
+ * *collective* must be made by every rank, in the same order, each from its own thread or process.
+ * A *layer* (`mf_moe_t`) belongs to one comm.
  *
  * Memory. Every tensor crosses as a non-owning descriptor (`mf_tensor_t`); its memory is the
  * backend's (host memory for MF_BACKEND_CPU, device memory of the group's device for
@@ -62,7 +64,8 @@ typedef enum mf_result {
     MF_ERR_NCCL = 7,             /* an NCCL call failed */
     MF_ERR_SYSTEM = 8,           /* an operating-system call failed (threads, clocks) */
     MF_ERR_NOT_SUPPORTED = 9,    /* valid request this build or backend cannot serve */
-    MF_ERR_INTERNAL = 10         /* a bug in moeflow: please report the message */
+    MF_ERR_INTERNAL = 10,        /* a bug in moeflow: please report the message */
+    MF_ERR_ABORTED = 11          /* this comm, or a peer it waited for, was aborted (mf_comm_abort) */
 } mf_result_t;
 
 /* A static string naming `result` ("MF_ERR_TIMEOUT: ..."); never NULL. */
@@ -81,8 +84,15 @@ typedef enum mf_backend {
     MF_BACKEND_AUTO = 2  /* CUDA when this build has it and a device is present, else CPU */
 } mf_backend_t;
 
+/* How ranks reach each other's symmetric heaps (docs/API.md "Transports"). Only setup differs:
+ * every transport ends in the same peer table, and the data path never learns which one ran. */
 typedef enum mf_transport {
-    MF_TRANSPORT_LOCAL = 0 /* R virtual ranks in one process (one GPU, or the host) */
+    MF_TRANSPORT_LOCAL = 0, /* ranks are threads of one process (one GPU, one GPU each, or host) */
+    MF_TRANSPORT_IPC = 1,   /* ranks are processes of one host: shared memory (CPU backend) or
+                               CUDA IPC handles (CUDA backend), exchanged over the bootstrap */
+    MF_TRANSPORT_NCCL = 2,  /* from the caller's ncclComm_t: its allgather is the bootstrap; NCCL
+                               symmetric windows where the comm supports them, else IPC mappings */
+    MF_TRANSPORT_AUTO = 3   /* mf_comm_init: LOCAL when every rank is in this process, else IPC */
 } mf_transport_t;
 
 typedef enum mf_dtype {
@@ -150,19 +160,22 @@ typedef struct mf_group_config {
     int32_t device;      /* CUDA device ordinal (CUDA backend); ignored by CPU */
     int32_t num_sms;     /* SMs each rank's peer-waiting kernels may use; 0 = num_sms / R */
     int64_t timeout_ms;  /* bound on every wait for a peer; 0 = MF_TIMEOUT_MS env or 30000 */
+    int64_t heap_bytes;  /* each rank's symmetric heap, as mf_comm_config_t.heap_bytes */
 } mf_group_config_t;
 
 #define MF_GROUP_CONFIG_INIT                                                                     \
     {                                                                                            \
         sizeof(mf_group_config_t), MF_GROUP_CONFIG_MAGIC, MF_API_VERSION, MF_BACKEND_AUTO,       \
-            MF_TRANSPORT_LOCAL, 1, 0, 0, 0                                                       \
+            MF_TRANSPORT_LOCAL, 1, 0, 0, 0, 0                                                    \
     }
 
 /* 1 if `backend` can be used by this build on this machine (a CUDA build finds a device), else 0. */
 int32_t mf_backend_available(mf_backend_t backend);
 
-/* Creates a group of `config->num_ranks` ranks and its comms. Not collective (one call for the
- * whole local group), blocking, not graph-capturable. The caller owns *group (mf_group_destroy). */
+/* Creates a group of `config->num_ranks` virtual ranks in this process and their comms, built the
+ * way mf_comm_init builds one comm per process (one thread per rank, an in-process allgather,
+ * the local transport). Not collective (one call for the whole group), blocking, not
+ * graph-capturable. The caller owns *group (mf_group_destroy). */
 mf_result_t mf_group_create(const mf_group_config_t *config, mf_group_t *group);
 
 /* The comm of `rank`; owned by the group (valid until mf_group_destroy). */
@@ -182,6 +195,88 @@ mf_result_t mf_comm_get_size(mf_comm_t comm, int32_t *num_ranks);
  * (MF_SUCCESS if none); mf_last_error() then describes it. Blocking: synchronises the comm's last
  * stream. Not collective. */
 mf_result_t mf_comm_get_async_error(mf_comm_t comm);
+
+/* ---------------------------------------------------------------------------------------------
+ * One rank per process: a bootstrap, then mf_comm_init on every rank
+ * ------------------------------------------------------------------------------------------- */
+/* The caller's allgather, how an engine hands over its process group: gathers `bytes` from every
+ * rank into recv[r * bytes .. (r + 1) * bytes) for r = 0..R-1 (the caller's own block included).
+ * Every rank calls it with the same `bytes`, in the same order; blocking; returns 0 on success and
+ * anything else on failure. moeflow calls it only inside setup calls (mf_comm_init, mf_moe_create,
+ * mf_comm_destroy), never on the data path. */
+typedef int32_t (*mf_allgather_fn)(void *ctx, const void *send, void *recv, size_t bytes);
+
+typedef struct mf_bootstrap {
+    mf_allgather_fn allgather;
+    void *ctx;
+    /* Optional: called once with ctx when the comm that took this bootstrap is destroyed (or its
+     * mf_comm_init fails); NULL leaves ctx to the caller, who keeps it valid until then. */
+    void (*destroy)(void *ctx);
+} mf_bootstrap_t;
+
+/* The built-in rendezvous, for tools and tests (an engine passes its own allgather): rank 0
+ * listens at an address that every rank was given, the others connect. Addresses are
+ * "unix:NAME" (a Linux abstract Unix socket: ranks on this host, in this network namespace). */
+#define MF_ADDRESS_BYTES 128
+
+/* A fresh address, unique on this host (as ncclGetUniqueId): make it once, before the ranks
+ * start, and give it to every rank. Not collective, non-blocking. */
+mf_result_t mf_rendezvous_address(char address[MF_ADDRESS_BYTES]);
+
+/* Connects rank `rank` of `num_ranks` at `address` and fills *bootstrap with an allgather over
+ * the connection (destroy set: the comm it is given to owns it). Collective over the ranks,
+ * blocking for at most `timeout_ms` (0 = MF_TIMEOUT_MS or 30000): MF_ERR_TIMEOUT when a rank does
+ * not arrive; MF_ERR_SYSTEM when a socket call fails or a rank leaves. */
+mf_result_t mf_rendezvous_bootstrap(const char *address, int32_t rank, int32_t num_ranks,
+                                    int64_t timeout_ms, mf_bootstrap_t *bootstrap);
+
+#define MF_COMM_CONFIG_MAGIC 0x6d66636du /* "mfcm" */
+
+typedef struct mf_comm_config {
+    uint32_t size;       /* sizeof(mf_comm_config_t) */
+    uint32_t magic;      /* MF_COMM_CONFIG_MAGIC */
+    uint32_t version;    /* MF_API_VERSION */
+    int32_t backend;     /* mf_backend_t; every rank resolves to the same backend */
+    int32_t transport;   /* mf_transport_t; AUTO (default) picks LOCAL or IPC */
+    int32_t device;      /* this rank's CUDA device ordinal (CUDA backend) */
+    int32_t num_sms;     /* SMs this rank's peer-waiting kernels may use; 0 = all (one rank per
+                            GPU), or num_sms / ranks sharing the device */
+    int64_t timeout_ms;  /* bound on every wait for a peer; 0 = MF_TIMEOUT_MS env or 30000 */
+    int64_t heap_bytes;  /* this rank's symmetric heap, the same on every rank: at least the
+                            largest mf_moe_heap_bytes() of the layers the comm will hold; 0 =
+                            sized by the first mf_moe_create. It is allocated once and never
+                            moves (captured graphs keep valid pointers). */
+    void *nccl_comm;     /* MF_TRANSPORT_NCCL: the caller's ncclComm_t (borrowed); else NULL */
+} mf_comm_config_t;
+
+#define MF_COMM_CONFIG_INIT                                                                      \
+    {                                                                                            \
+        sizeof(mf_comm_config_t), MF_COMM_CONFIG_MAGIC, MF_API_VERSION, MF_BACKEND_AUTO,         \
+            MF_TRANSPORT_AUTO, 0, 0, 0, 0, NULL                                                  \
+    }
+
+/* Creates this process's rank `rank` of `num_ranks`. Collective: every rank calls it with the same
+ * num_ranks, backend, transport and heap_bytes (checked: all fail with INVALID_ARGUMENT if not).
+ * Blocking, not graph-capturable. `bootstrap` is copied; with its destroy set the comm owns its
+ * ctx (also when the call fails). MF_TRANSPORT_NCCL takes its allgather from config->nccl_comm and
+ * accepts bootstrap = NULL. The caller owns *comm (mf_comm_destroy). */
+mf_result_t mf_comm_init(const mf_comm_config_t *config, int32_t rank, int32_t num_ranks,
+                         const mf_bootstrap_t *bootstrap, mf_comm_t *comm);
+
+/* Aborts the comm: every wait of this rank on a peer, host or device, ends with MF_ERR_ABORTED,
+ * peers waiting for this rank end likewise, and every later call on the comm fails with
+ * MF_ERR_ABORTED; only mf_comm_destroy remains. Non-blocking, may be called from any thread
+ * (also while another thread is inside a call on the comm), not collective. */
+mf_result_t mf_comm_abort(mf_comm_t comm);
+
+/* Destroys a comm made by mf_comm_init, after its layers. Waits (within the timeout) until every
+ * peer has stopped using this rank's heap, unless the comm is broken or aborted; then unmaps the
+ * peers' heaps and frees its own. Collective when the comm is healthy, blocking. NULL is a no-op.
+ * Comms of an mf_group_t are destroyed by mf_group_destroy. */
+mf_result_t mf_comm_destroy(mf_comm_t comm);
+
+/* The transport the comm resolved to (AUTO never comes back). */
+mf_result_t mf_comm_get_transport(mf_comm_t comm, mf_transport_t *transport);
 
 /* ---------------------------------------------------------------------------------------------
  * MoE layer
@@ -227,10 +322,17 @@ typedef struct mf_moe_info {
     int64_t heap_bytes;         /* this rank's symmetric heap (shared by all layers of the comm) */
 } mf_moe_info_t;
 
-/* Creates a layer on `comm`. Collective over the group, blocking, not graph-capturable. Grows the
- * comm's symmetric heap if this layer needs more than earlier layers (all layers of a comm share
- * one workspace). The caller owns *moe. Errors: INVALID_ARGUMENT (bad config values, E % R != 0,
- * H or I not a multiple of 128 for FP8), INVALID_USAGE (bad magic/size/version), OUT_OF_MEMORY. */
+/* The symmetric-heap bytes a layer with `config` needs on each of `num_ranks` ranks, for
+ * mf_comm_config_t.heap_bytes (layers of a comm share one heap: declare the largest). Not
+ * collective, non-blocking. */
+mf_result_t mf_moe_heap_bytes(const mf_moe_config_t *config, int32_t num_ranks, int64_t *bytes);
+
+/* Creates a layer on `comm`. Collective over the group, blocking, not graph-capturable. All layers
+ * of a comm share its symmetric heap, which never moves: a comm declared with heap_bytes = 0 sizes
+ * it here, at its first layer; a later layer that needs more fails with MF_ERR_CAPACITY naming
+ * the size to declare. The caller owns *moe. Errors: INVALID_ARGUMENT (bad config values,
+ * E % R != 0, H or I not a multiple of 128 for FP8, ranks asking for different layers),
+ * INVALID_USAGE (bad magic/size/version), CAPACITY (heap), OUT_OF_MEMORY. */
 mf_result_t mf_moe_create(mf_comm_t comm, const mf_moe_config_t *config, mf_moe_t *moe);
 
 mf_result_t mf_moe_get_info(mf_moe_t moe, mf_moe_info_t *info);

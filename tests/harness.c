@@ -52,7 +52,7 @@ const char *mft_result_name(mf_result_t r) {
         "MF_SUCCESS",         "MF_ERR_INVALID_ARGUMENT", "MF_ERR_INVALID_USAGE",
         "MF_ERR_OUT_OF_MEMORY", "MF_ERR_CAPACITY",       "MF_ERR_TIMEOUT",
         "MF_ERR_CUDA",        "MF_ERR_NCCL",             "MF_ERR_SYSTEM",
-        "MF_ERR_NOT_SUPPORTED", "MF_ERR_INTERNAL"};
+        "MF_ERR_NOT_SUPPORTED", "MF_ERR_INTERNAL",         "MF_ERR_ABORTED"};
     if ((int)r >= 0 && (size_t)r < sizeof names / sizeof names[0]) return names[r];
     return "MF_?(out of range)";
 }

@@ -30,6 +30,7 @@ const char *mf_result_string(mf_result_t result) {
     case MF_ERR_SYSTEM: return "MF_ERR_SYSTEM: an operating-system call failed";
     case MF_ERR_NOT_SUPPORTED: return "MF_ERR_NOT_SUPPORTED: not supported by this build or backend";
     case MF_ERR_INTERNAL: return "MF_ERR_INTERNAL: internal error";
+    case MF_ERR_ABORTED: return "MF_ERR_ABORTED: the comm or a peer was aborted";
     }
     return "unknown mf_result_t value";
 }
