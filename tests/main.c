@@ -25,6 +25,7 @@
 #include <unistd.h>
 
 #include "harness.h"
+#include "problem.h"
 
 /* Every area's table; each ends with a {NULL} entry. Add new areas here (and in harness.h). */
 #ifdef MFT_GPU_SUITE
@@ -214,6 +215,7 @@ static void usage(const char *argv0) {
 }
 
 int main(int argc, char **argv) {
+    mfp_cuda_env();
     int list = 0, no_fork = 0, npat = 0;
     char **pats = (char **)calloc((size_t)argc + 1, sizeof *pats);
     if (!pats) return 2;

@@ -743,6 +743,11 @@ static void rank_starts(run_state_t *run, mfp_timing_t *timing) {
 }
 #endif
 
+void mfp_cuda_env(void) {
+    setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
+    setenv("CUDA_MODULE_LOADING", "EAGER", 0);
+}
+
 mf_backend_t mfp_resolve_backend(mf_backend_t backend) {
     if (backend != MF_BACKEND_AUTO) return backend;
     return MF_WITH_CUDA && mf_backend_available(MF_BACKEND_CUDA) ? MF_BACKEND_CUDA : MF_BACKEND_CPU;

@@ -102,6 +102,13 @@ typedef struct mfp_run_opts {
 
 #define MFP_RUN_OPTS_INIT {MF_BACKEND_AUTO, 1, 0, 0, 0, MF_DATAFLOW_AUTO, 0, NULL, NULL}
 
+/* What a process that runs virtual ranks of one GPU should set before its first CUDA call (the
+ * library sets no environment variable; docs/API.md "Virtual ranks on one GPU"): one hardware
+ * queue per stream (CUDA_DEVICE_MAX_CONNECTIONS=32) and modules loaded eagerly
+ * (CUDA_MODULE_LOADING=EAGER), each unless the user already set it. The test runner and the CLI
+ * call it first thing. */
+void mfp_cuda_env(void);
+
 /* The backend that `backend` means here (AUTO resolved, as mf_group_create would). */
 mf_backend_t mfp_resolve_backend(mf_backend_t backend);
 

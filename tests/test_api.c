@@ -597,9 +597,14 @@ static int dispatch_args_body(fixture_t *f) {
     what = "combine with y [T + 1, H] (T of the dispatch is 4)";
     if ((r = mf_combine(f->moe, &cin, &cout, NULL)) != MF_ERR_INVALID_ARGUMENT || !mf_last_error()[0])
         goto fail;
+    /* A rejected combine still takes part in the collective (its peers fail theirs with it), so it
+     * consumes the dispatch: a combine now has none to finish, and a new pair works. */
     cout.y = mft_t2(f->y, MF_DTYPE_BF16, T, H);
-    if (mf_combine(f->moe, &cin, &cout, NULL) != MF_SUCCESS) {
-        mft_fail(__FILE__, __LINE__, "valid mf_combine after a rejected one: %s", mf_last_error());
+    what = "combine after a rejected combine consumed the dispatch";
+    if ((r = mf_combine(f->moe, &cin, &cout, NULL)) != MF_ERR_INVALID_USAGE || !mf_last_error()[0])
+        goto fail;
+    if (mf_dispatch(f->moe, &din, &dout, NULL) != MF_SUCCESS || mf_combine(f->moe, &cin, &cout, NULL) != MF_SUCCESS) {
+        mft_fail(__FILE__, __LINE__, "valid pair after a rejected combine: %s", mf_last_error());
         goto out;
     }
     rc = 0;

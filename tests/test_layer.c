@@ -351,7 +351,7 @@ typedef struct repeat_ctx {
 
 /* Creates rank `rank`'s layer of problem `p` on `comm` (collective) and sets its weights; on a
  * set_weights failure *moe is still returned, so the caller can take part in the collectives. */
-static mf_result_t create_layer(mf_comm_t comm, const mfp_problem_t *p, int32_t rank, mf_moe_t *moe) {
+static mf_moe_config_t layer_config(const mfp_problem_t *p) {
     const mfp_spec_t *s = &p->spec;
     mf_moe_config_t cfg = MF_MOE_CONFIG_INIT;
     cfg.num_experts = s->E;
@@ -362,6 +362,12 @@ static mf_result_t create_layer(mf_comm_t comm, const mfp_problem_t *p, int32_t 
     cfg.dtype = s->dtype;
     cfg.layout = s->layout;
     cfg.ue8m0_scales = s->ue8m0;
+    return cfg;
+}
+
+static mf_result_t create_layer(mf_comm_t comm, const mfp_problem_t *p, int32_t rank, mf_moe_t *moe) {
+    const mfp_spec_t *s = &p->spec;
+    mf_moe_config_t cfg = layer_config(p);
     mf_result_t res = mf_moe_create(comm, &cfg, moe);
     if (res != MF_SUCCESS) return res;
     int32_t L = p->L, H = s->H, I = s->I;
@@ -678,8 +684,19 @@ static int test_two_layers(void) {
             for (int32_t r = 0; r < R; r++)
                 c->y[l][call][r] = (uint16_t *)mft_alloc((size_t)c->p[l]->T[r] *
                                                          (size_t)c->p[l]->spec.H * 2);
+    /* The comm's heap is sized once: declare the larger layer's (mf_moe_heap_bytes). */
     int rc = 1;
-    c->group = mft_cpu_group(R, LAYER_TIMEOUT_MS);
+    mf_moe_config_t ca = layer_config(&pa), cb = layer_config(&pb);
+    int64_t ha = 0, hb = 0;
+    MFT_CHECK_OK(mf_moe_heap_bytes(&ca, R, &ha));
+    MFT_CHECK_OK(mf_moe_heap_bytes(&cb, R, &hb));
+    MFT_CHECK(ha > 0 && hb > ha);
+    mf_group_config_t gc = MF_GROUP_CONFIG_INIT;
+    gc.backend = MF_BACKEND_CPU;
+    gc.num_ranks = R;
+    gc.timeout_ms = LAYER_TIMEOUT_MS;
+    gc.heap_bytes = hb;
+    MFT_CHECK_OK(mf_group_create(&gc, &c->group));
     if (c->group) {
         rc = mft_run_ranks(R, two_rank, c);
         mf_group_destroy(c->group);

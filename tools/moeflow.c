@@ -880,6 +880,7 @@ static void run_row(const opts_t *o, mfp_problem_t *p, row_t *row, uint16_t **y,
 }
 
 int main(int argc, char **argv) {
+    mfp_cuda_env();
     if (argc > 2 && !strcmp(argv[1], "bench") && !strcmp(argv[2], "gemm")) {
 #if MF_WITH_CUDA
         return mf__bench_gemm_main(argc, argv);

@@ -63,6 +63,8 @@ void mf__test_fail_alloc_after(int64_t n);
 /* ---- tunables: every environment variable is read in params.c ---------------------------------- */
 
 int64_t mf__param_timeout_ms(void); /* MF_TIMEOUT_MS, default 30000 */
+/* Resolves a config's timeout: 0 = mf__param_timeout_ms(). */
+static inline int64_t mf__timeout_or_default(int64_t ms) { return ms ? ms : mf__param_timeout_ms(); }
 
 /* ---- limits and alignments -------------------------------------------------------------------- */
 
@@ -72,7 +74,7 @@ int64_t mf__param_timeout_ms(void); /* MF_TIMEOUT_MS, default 30000 */
 #define MF__ROW_ALIGN 16          /* row tensors' data pointers: 16-byte vector loads and stores */
 
 /* Collective phases of the data path; each has its own column of epoch signals. (Setup
- * collectives, mf_moe_create, meet at the group's host barrier instead.) */
+ * collectives, mf_comm_init and mf_moe_create, meet over the bootstrap instead.) */
 typedef enum mf__phase {
     MF__PHASE_DISPATCH = 0, /* every rank has published x, scales, ids, weights, T */
     MF__PHASE_COMBINE = 1,  /* every rank has written its partials into the owners' slots */
@@ -81,6 +83,11 @@ typedef enum mf__phase {
 } mf__phase_t;
 
 const char *mf__phase_name(int phase);
+
+/* The synchronisations each data-path call meets at, as bit masks for ops->reject. */
+#define MF__CALL_FORWARD ((1u << MF__PHASE_DISPATCH) | (1u << MF__PHASE_COMBINE))
+#define MF__CALL_DISPATCH (1u << MF__PHASE_DISPATCH)
+#define MF__CALL_COMBINE (1u << MF__PHASE_COMBINE)
 
 /* ---- symmetric heap layout (identical on every rank; DESIGN.md "Symmetric heap") -------------- */
 /* Every region is aligned to MF__HEAP_ALIGN:
@@ -98,39 +105,69 @@ typedef struct mf__heap_layout {
 
 void mf__heap_layout_init(mf__heap_layout_t *layout, const mf_moe_config_t *config);
 
+/* ---- signals (every rank, one symmetric allocation; DESIGN.md "Symmetric heap") ----------- */
+/* uint64 words:
+ *   slots   [MF__NUM_PHASES][MF_MAX_RANKS]  peers write: slot [p][q] = (epochs of rank q at phase
+ *                                           p) << MF__STATUS_BITS | q's status for that call
+ *   epochs  [MF__NUM_PHASES]                this rank's own epoch counters (device code keeps them)
+ *   abort   [MF_MAX_RANKS]                  abort[q] != 0: rank q called mf_comm_abort
+ * Epochs only grow: nothing is re-zeroed between calls. A status is an mf_result_t (0 = fine): the
+ * arrival of a rank whose call failed before its work (rejected input, a fault its device found)
+ * carries the code, and every waiter fails that call with it, so all ranks fail together. */
+#define MF__STATUS_BITS 8
+#define MF__STATUS_MASK ((1ull << MF__STATUS_BITS) - 1)
+#define MF__SIGNAL_SLOTS 0
+#define MF__SIGNAL_EPOCHS ((size_t)MF__NUM_PHASES * MF_MAX_RANKS)
+#define MF__SIGNAL_ABORT (MF__SIGNAL_EPOCHS + MF__NUM_PHASES)
+#define MF__SIGNAL_WORDS (MF__SIGNAL_ABORT + MF_MAX_RANKS)
+#define MF__SIGNAL_BYTES (MF__SIGNAL_WORDS * sizeof(uint64_t))
+
 /* ---- handles ---------------------------------------------------------------------------------- */
 
 typedef struct mf__backend_ops mf__backend_ops_t;
+typedef struct mf__transport_ops mf__transport_ops_t;
 
+/* One symmetric allocation as this process sees it (src/transport/transport.h). */
+typedef struct mf__sym {
+    void *local;                /* this rank's memory (== peers[rank]), zeroed at allocation */
+    void *peers[MF_MAX_RANKS];  /* every rank's memory, addressable from this process */
+    size_t bytes;               /* the same on every rank */
+    void *priv;                 /* the transport's bookkeeping (names, handles, mappings) */
+} mf__sym_t;
+
+/* R virtual ranks of one process (mf_group_create): their comms, made on R threads through
+ * mf_comm_init's path with an in-process allgather. */
 struct mf_group {
     mf_backend_t backend;
     int32_t num_ranks;
-    int32_t device;
-    int32_t num_sms;    /* per rank, resolved */
-    int64_t timeout_ms; /* resolved */
-    const mf__backend_ops_t *ops;
-    void *backend_state;
-    struct mf_comm *comms; /* [R] */
-    /* Peer tables of the local transport: every rank's symmetric heap and signal array. */
-    void *heap_base[MF_MAX_RANKS];
-    void *signal_base[MF_MAX_RANKS];
-    /* Host barrier for setup-time collectives (mf_moe_create); not on the data path. */
-    struct mf__host_barrier *setup_barrier;
-    /* mf_moe_create's exchange, read after each of its two barriers: every rank's resolved config
-     * and validation result (barrier 1), and its heap/backend result (barrier 2). */
-    mf_moe_config_t setup_config[MF_MAX_RANKS];
-    mf_result_t setup_result[MF_MAX_RANKS];
-    mf_result_t create_result[MF_MAX_RANKS];
+    struct mf_comm **comms;             /* [R] */
+    struct mf__host_barrier *barrier;   /* the in-process allgather's meeting point */
+    const void *send[MF_MAX_RANKS];     /* each rank's block during an allgather */
+    struct mf__group_rank *ranks;       /* [R] bootstrap contexts */
 };
 
+/* One rank. Everything the data path needs is here: the peer tables, the resolved settings. */
 struct mf_comm {
-    mf_group_t group;
-    int32_t rank;
-    int32_t ready;              /* comm_init succeeded (for cleanup) */
-    size_t heap_bytes;          /* size of this rank's heap */
-    uint64_t epoch[MF__NUM_PHASES]; /* collectives completed per phase, same on every rank */
-    int32_t broken;             /* 1 after a timeout: the group's protocol state is unknown */
-    struct mf_moe *pending_dispatch; /* layer whose dispatch awaits its combine, or NULL */
+    mf_backend_t backend;
+    const mf__backend_ops_t *ops;
+    mf_transport_t transport;           /* resolved (never AUTO) */
+    const mf__transport_ops_t *tops;
+    int32_t rank, num_ranks;
+    int32_t device;                     /* CUDA device ordinal */
+    int32_t ranks_on_device;            /* ranks of the comm sharing this rank's device (CUDA) */
+    int32_t num_sms;                    /* resolved: SMs this rank's peer-waiting kernels use */
+    int64_t timeout_ms;                 /* resolved */
+    mf_bootstrap_t bootstrap;
+    int32_t bootstrap_failed;           /* the allgather failed once: setup collectives refuse */
+    void *nccl_comm;                    /* MF_TRANSPORT_NCCL: the caller's ncclComm_t */
+    struct mf_group *group;             /* the group that made this comm, or NULL */
+    size_t heap_declared;               /* config heap_bytes (0: sized by the first layer) */
+    mf__sym_t heap;                     /* heap.peers[r]: rank r's symmetric heap (bytes 0 until sized) */
+    mf__sym_t signals;                  /* signals.peers[r]: rank r's MF__SIGNAL_WORDS words */
+    uint64_t epoch[MF__NUM_PHASES];     /* collectives completed per phase, same on every rank */
+    int32_t broken;                     /* 1 after a timeout: the group's protocol state is unknown */
+    int32_t aborted;                    /* 1 after mf_comm_abort (read and written atomically) */
+    struct mf_moe *pending_dispatch;    /* layer whose dispatch awaits its combine, or NULL */
     void *backend_state;
 };
 
@@ -146,17 +183,20 @@ struct mf_moe {
 };
 
 /* ---- backend interface ------------------------------------------------------------------------ */
-/* Called by src/core after validation. Collective entries are entered by every rank's thread. */
+/* Called by src/core after validation. Collective entries are entered by every rank. */
 struct mf__backend_ops {
     const char *name;
     int32_t (*available)(void);
-    mf_result_t (*group_init)(mf_group_t group);
-    void (*group_fini)(mf_group_t group);
-    /* Per-rank state, the signal array (zeroed) and an empty heap. */
+    /* Selects the comm's device and fills `id` with a string naming it, the same in every process
+     * on this host that uses the device ("" for the CPU backend). Before the transport exists. */
+    mf_result_t (*device_id)(mf_comm_t comm, char id[64]);
+    /* Per-rank state, once comm->ranks_on_device is known (it resolves num_sms). */
     mf_result_t (*comm_init)(mf_comm_t comm);
     void (*comm_fini)(mf_comm_t comm);
-    /* (Re)allocates this rank's heap with `bytes`; the caller publishes it in group->heap_base. */
-    mf_result_t (*heap_resize)(mf_comm_t comm, size_t bytes, void **base);
+    /* Memory of symmetric allocations (the local transport's; ipc uses it on CUDA): zeroed and
+     * idle when it returns (no pending work may later write it). */
+    mf_result_t (*mem_alloc)(mf_comm_t comm, size_t bytes, void **ptr);
+    void (*mem_free)(mf_comm_t comm, void *ptr);
     mf_result_t (*moe_init)(mf_moe_t moe);
     void (*moe_fini)(mf_moe_t moe);
     /* Optional: called after moe->weights holds newly validated, borrowed weights. */
@@ -167,6 +207,13 @@ struct mf__backend_ops {
                             mf_stream_t stream);
     mf_result_t (*combine)(mf_moe_t moe, const mf_combine_in_t *in, const mf_combine_out_t *out,
                            mf_stream_t stream);
+    /* A data-path call whose input this rank rejected (`code`, message already set): takes part
+     * in the call's synchronisations (`phases`: a bit per mf__phase_t the call meets at) with that
+     * status, so that every peer fails the call too, and writes nothing. Returns `code` with the
+     * message kept (or a timeout / abort met on the way). */
+    mf_result_t (*reject)(mf_moe_t moe, uint32_t phases, mf_result_t code, mf_stream_t stream);
+    /* Makes this rank's waits end (mf_comm_abort); any thread, non-blocking. */
+    void (*abort)(mf_comm_t comm);
     mf_result_t (*get_async_error)(mf_comm_t comm);
     mf_result_t (*get_phase_times)(mf_moe_t moe, mf_phase_times_t *times);
 };

@@ -13,6 +13,7 @@
 #include "core/internal.h"
 #include "core/tensor.h"
 #include "core/numerics.h"
+#include "transport/transport.h"
 
 /* ---- symmetric heap layout ---------------------------------------------------------------- */
 
@@ -97,83 +98,95 @@ static mf_result_t mf__resolve_config(const mf_moe_config_t *in, int32_t R, mf_m
     return MF_SUCCESS;
 }
 
-mf_result_t mf_moe_create(mf_comm_t comm, const mf_moe_config_t *config, mf_moe_t *moe) {
+mf_result_t mf_moe_heap_bytes(const mf_moe_config_t *config, int32_t num_ranks, int64_t *bytes) {
     mf__clear_error();
-    MF_REQUIRE(comm && config && moe, "mf_moe_create: comm, config and moe must not be NULL");
-    mf_group_t g = comm->group;
+    MF_REQUIRE(config && bytes, "mf_moe_heap_bytes: config and bytes must not be NULL");
+    MF_REQUIRE(num_ranks >= 1 && num_ranks <= MF_MAX_RANKS, "mf_moe_heap_bytes: num_ranks %d is outside [1, %d]",
+               num_ranks, MF_MAX_RANKS);
+    mf_moe_config_t c;
+    MF_CHECK(mf__resolve_config(config, num_ranks, &c));
+    mf__heap_layout_t heap;
+    mf__heap_layout_init(&heap, &c);
+    *bytes = (int64_t)heap.bytes;
+    return MF_SUCCESS;
+}
+
+/* Refuses calls on a comm that cannot take part in a collective any more. */
+static mf_result_t mf__check_comm_usable(mf_comm_t comm, const char *fn) {
+    if (__atomic_load_n(&comm->aborted, __ATOMIC_ACQUIRE))
+        return mf__error(MF_ERR_ABORTED, "%s: the comm of rank %d was aborted; destroy it", fn, comm->rank);
     if (comm->broken)
-        return mf__error(MF_ERR_INVALID_USAGE, "mf_moe_create: the comm of rank %d is broken by an earlier timeout",
-                         comm->rank);
+        return mf__error(MF_ERR_INVALID_USAGE, "%s: the comm of rank %d is broken by an earlier timeout; destroy it",
+                         fn, comm->rank);
+    return MF_SUCCESS;
+}
+
+/* What every rank tells the others at mf_moe_create. */
+typedef struct mf__create_info {
+    int32_t status;
+    int32_t pad;
+    mf_moe_config_t config;
+} mf__create_info_t;
+
+mf_result_t mf_moe_create(mf_comm_t comm, const mf_moe_config_t *config, mf_moe_t *moe) {
+    const char *fn = "mf_moe_create";
+    mf__clear_error();
+    MF_REQUIRE(comm && config && moe, "%s: comm, config and moe must not be NULL", fn);
+    MF_CHECK(mf__check_comm_usable(comm, fn));
 
     /* Resolve locally; every rank then checks that all ranks asked for the same layer. */
-    mf_moe_config_t c;
-    memset(&c, 0, sizeof c);
-    mf_result_t res = mf__resolve_config(config, g->num_ranks, &c);
-    g->setup_config[comm->rank] = c;
-    g->setup_result[comm->rank] = res;
+    mf__create_info_t mine, all[MF_MAX_RANKS];
+    memset(&mine, 0, sizeof mine);
+    mine.status = mf__resolve_config(config, comm->num_ranks, &mine.config);
     char why[512];
-    strncpy(why, mf_last_error(), sizeof why - 1);
-    why[sizeof why - 1] = '\0';
-
-    /* Barrier 1: every rank has resolved its config and left any earlier heap use behind. */
-    MF_CHECK(mf__host_barrier_wait(g->setup_barrier, g->timeout_ms, comm->rank, "mf_moe_create"));
-    for (int32_t r = 0; r < g->num_ranks && res == MF_SUCCESS; r++) {
-        if (g->setup_result[r] != MF_SUCCESS)
-            res = mf__error(MF_ERR_INVALID_ARGUMENT, "mf_moe_create: rank %d rejected its config", r);
-        else if (memcmp(&g->setup_config[r], &g->setup_config[0], sizeof c) != 0)
+    snprintf(why, sizeof why, "%s", mf_last_error());
+    MF_CHECK(mf__allgather(comm, &mine, all, sizeof mine, fn));
+    mf_result_t res = MF_SUCCESS;
+    if (mine.status != MF_SUCCESS) res = mf__error((mf_result_t)mine.status, "%s", why);
+    for (int32_t r = 0; r < comm->num_ranks && res == MF_SUCCESS; r++) {
+        if (all[r].status != MF_SUCCESS)
+            res = mf__error(MF_ERR_INVALID_ARGUMENT, "%s: rank %d rejected its config", fn, r);
+        else if (memcmp(&all[r].config, &all[0].config, sizeof mine.config) != 0)
             res = mf__error(MF_ERR_INVALID_ARGUMENT,
-                            "mf_moe_create: rank %d's config differs from rank 0's; every rank must "
-                            "create the same layer", r);
-        if (res != MF_SUCCESS) strncpy(why, mf_last_error(), sizeof why - 1);
+                            "%s: rank %d's config differs from rank 0's; every rank must create the same layer", fn, r);
     }
-    if (res != MF_SUCCESS) {
-        /* Every rank reached the same verdict; barrier 2 keeps the exchange slots unchanged until
-         * all have read them. */
-        MF_CHECK(mf__host_barrier_wait(g->setup_barrier, g->timeout_ms, comm->rank, "mf_moe_create"));
-        return mf__error(res, "%s", why);
+    if (res != MF_SUCCESS) return res; /* every rank reached the same verdict */
+    const mf_moe_config_t c = mine.config;
+
+    /* The heap: sized once (at init, or by the first layer), never moved. */
+    mf__heap_layout_t heap;
+    mf__heap_layout_init(&heap, &c);
+    if (!comm->heap.local) {
+        size_t bytes = comm->heap_declared > heap.bytes ? comm->heap_declared : heap.bytes;
+        MF_CHECK(comm->tops->sym_alloc(comm, bytes, &comm->heap));
+    } else if (comm->heap.bytes < heap.bytes) {
+        return mf__error(MF_ERR_CAPACITY,
+                         "%s: this layer needs a %zu-byte symmetric heap, the comm has %zu bytes (sized once, at its "
+                         "first layer or by heap_bytes); declare heap_bytes >= the largest mf_moe_heap_bytes() of the "
+                         "comm's layers", fn, heap.bytes, comm->heap.bytes);
     }
 
     mf_moe_t m = mf__calloc(1, sizeof *m);
-    mf__heap_layout_t heap;
-    mf__heap_layout_init(&heap, &c);
-    res = m ? MF_SUCCESS : mf__error(MF_ERR_OUT_OF_MEMORY, "mf_moe_create: out of host memory");
-    if (res == MF_SUCCESS && comm->heap_bytes < heap.bytes) {
-        void *base = NULL;
-        res = g->ops->heap_resize(comm, heap.bytes, &base);
-        if (res == MF_SUCCESS) {
-            g->heap_base[comm->rank] = base;
-            comm->heap_bytes = heap.bytes;
-        }
-    }
+    res = m ? MF_SUCCESS : mf__error(MF_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
     if (res == MF_SUCCESS) {
         m->comm = comm;
         m->config = c;
         m->heap = heap;
-        m->info.num_ranks = g->num_ranks;
+        m->info.num_ranks = comm->num_ranks;
         m->info.rank = comm->rank;
-        m->info.num_local_experts = c.num_experts / g->num_ranks;
+        m->info.num_local_experts = c.num_experts / comm->num_ranks;
         m->info.first_expert = comm->rank * m->info.num_local_experts;
         m->info.block_m = c.block_m;
         m->info.expert_capacity = c.expert_capacity;
         m->info.max_recv_rows = c.max_recv_rows;
-        m->info.heap_bytes = (int64_t)comm->heap_bytes;
-        res = g->ops->moe_init(m);
+        m->info.heap_bytes = (int64_t)comm->heap.bytes;
+        res = comm->ops->moe_init(m);
     }
-    g->create_result[comm->rank] = res;
-    strncpy(why, mf_last_error(), sizeof why - 1);
-
-    /* Barrier 2: every rank's new heap base is in the peer table, and every result is known. */
-    mf_result_t bres = mf__host_barrier_wait(g->setup_barrier, g->timeout_ms, comm->rank, "mf_moe_create");
-    for (int32_t r = 0; bres == MF_SUCCESS && res == MF_SUCCESS && r < g->num_ranks; r++)
-        if (g->create_result[r] != MF_SUCCESS) {
-            g->ops->moe_fini(m);
-            res = mf__error(MF_ERR_INVALID_USAGE, "mf_moe_create: rank %d failed to create its layer", r);
-            strncpy(why, mf_last_error(), sizeof why - 1);
-        }
-    if (bres != MF_SUCCESS || res != MF_SUCCESS) {
-        if (m && res == MF_SUCCESS) g->ops->moe_fini(m);
+    mf_result_t agreed = mf__agree(comm, res, fn);
+    if (agreed != MF_SUCCESS) {
+        if (m && res == MF_SUCCESS) comm->ops->moe_fini(m);
         mf__free(m);
-        return bres != MF_SUCCESS ? bres : mf__error(res, "%s", why);
+        return agreed;
     }
     *moe = m;
     return MF_SUCCESS;
@@ -183,7 +196,6 @@ mf_result_t mf_moe_get_info(mf_moe_t moe, mf_moe_info_t *info) {
     mf__clear_error();
     MF_REQUIRE(moe && info, "mf_moe_get_info: moe and info must not be NULL");
     *info = moe->info;
-    info->heap_bytes = (int64_t)moe->comm->heap_bytes;
     return MF_SUCCESS;
 }
 
@@ -191,7 +203,7 @@ mf_result_t mf_moe_destroy(mf_moe_t moe) {
     mf__clear_error();
     if (!moe) return MF_SUCCESS;
     if (moe->comm->pending_dispatch == moe) moe->comm->pending_dispatch = NULL;
-    moe->comm->group->ops->moe_fini(moe);
+    moe->comm->ops->moe_fini(moe);
     mf__free(moe);
     return MF_SUCCESS;
 }
@@ -217,8 +229,8 @@ mf_result_t mf_moe_set_weights(mf_moe_t moe, const mf_moe_weights_t *w) {
     int32_t saved_set = moe->weights_set;
     moe->weights = *w;
     moe->weights_set = 1;
-    if (moe->comm->group->ops->set_weights) {
-        mf_result_t res = moe->comm->group->ops->set_weights(moe);
+    if (moe->comm->ops->set_weights) {
+        mf_result_t res = moe->comm->ops->set_weights(moe);
         if (res != MF_SUCCESS) {
             moe->weights = saved;
             moe->weights_set = saved_set;
@@ -230,13 +242,7 @@ mf_result_t mf_moe_set_weights(mf_moe_t moe, const mf_moe_weights_t *w) {
 
 /* ---- data-path validation ----------------------------------------------------------------- */
 
-static mf_result_t mf__check_usable(mf_moe_t moe, const char *fn) {
-    if (moe->comm->broken)
-        return mf__error(MF_ERR_INVALID_USAGE,
-                         "%s: the comm of rank %d is broken by an earlier timeout; destroy the group",
-                         fn, moe->comm->rank);
-    return MF_SUCCESS;
-}
+static mf_result_t mf__check_usable(mf_moe_t moe, const char *fn) { return mf__check_comm_usable(moe->comm, fn); }
 
 /* x [T, H] bf16 and topk_ids [T, K] int32 with T <= S; host ids checked when the backend is CPU. */
 static mf_result_t mf__check_tokens(mf_moe_t moe, const mf_tensor_t *x, const mf_tensor_t *ids,
@@ -253,7 +259,7 @@ static mf_result_t mf__check_tokens(mf_moe_t moe, const mf_tensor_t *x, const mf
     MF_CHECK(mf__check_rows16(x, name));
     snprintf(name, sizeof name, "%s topk_ids", fn);
     MF_CHECK(mf__check_tensor(ids, name, MF_DTYPE_INT32, 2, MF__DIMS(T, c->num_topk), 0));
-    if (moe->comm->group->backend == MF_BACKEND_CPU) {
+    if (moe->comm->backend == MF_BACKEND_CPU) {
         const int32_t *id = (const int32_t *)ids->data;
         int32_t K = c->num_topk;
         for (int64_t t = 0; t < T; t++)
@@ -272,12 +278,12 @@ static mf_result_t mf__check_tokens(mf_moe_t moe, const mf_tensor_t *x, const mf
     return MF_SUCCESS;
 }
 
-mf_result_t mf_moe_forward(mf_moe_t moe, const mf_moe_forward_in_t *in, const mf_moe_forward_out_t *out,
-                           mf_stream_t stream) {
+/* A rejected data-path call still takes part in its collective (ops->reject), with the failure as
+ * its status, so that every rank fails it together and no peer waits for this one. Only calls
+ * without a usable comm return at once. */
+static mf_result_t mf__check_forward(mf_moe_t moe, const mf_moe_forward_in_t *in, const mf_moe_forward_out_t *out) {
     const char *fn = "mf_moe_forward";
-    mf__clear_error();
-    MF_REQUIRE(moe && in && out, "%s: moe, in and out must not be NULL", fn);
-    MF_CHECK(mf__check_usable(moe, fn));
+    MF_REQUIRE(in && out, "%s: in and out must not be NULL", fn);
     if (!moe->weights_set)
         return mf__error(MF_ERR_INVALID_USAGE, "%s: weights are not set (call mf_moe_set_weights first)", fn);
     if (moe->comm->pending_dispatch)
@@ -288,16 +294,23 @@ mf_result_t mf_moe_forward(mf_moe_t moe, const mf_moe_forward_in_t *in, const mf
     MF_CHECK(mf__check_tensor(&in->topk_weights, "mf_moe_forward topk_weights", MF_DTYPE_FP32, 2,
                               MF__DIMS(T, c->num_topk), 0));
     MF_CHECK(mf__check_tensor(&out->y, "mf_moe_forward y", MF_DTYPE_BF16, 2, MF__DIMS(T, c->hidden), 0));
-    MF_CHECK(mf__check_rows16(&out->y, "mf_moe_forward y"));
-    return moe->comm->group->ops->forward(moe, in, out, stream);
+    return mf__check_rows16(&out->y, "mf_moe_forward y");
 }
 
-mf_result_t mf_dispatch(mf_moe_t moe, const mf_dispatch_in_t *in, const mf_dispatch_out_t *out,
-                        mf_stream_t stream) {
-    const char *fn = "mf_dispatch";
+mf_result_t mf_moe_forward(mf_moe_t moe, const mf_moe_forward_in_t *in, const mf_moe_forward_out_t *out,
+                           mf_stream_t stream) {
     mf__clear_error();
-    MF_REQUIRE(moe && in && out, "%s: moe, in and out must not be NULL", fn);
-    MF_CHECK(mf__check_usable(moe, fn));
+    MF_REQUIRE(moe, "mf_moe_forward: moe must not be NULL");
+    MF_CHECK(mf__check_usable(moe, "mf_moe_forward"));
+    mf_result_t res = mf__check_forward(moe, in, out);
+    if (res != MF_SUCCESS) return moe->comm->ops->reject(moe, MF__CALL_FORWARD, res, stream);
+    return moe->comm->ops->forward(moe, in, out, stream);
+}
+
+static mf_result_t mf__check_dispatch(mf_moe_t moe, const mf_dispatch_in_t *in, const mf_dispatch_out_t *out,
+                                      int64_t *T_out) {
+    const char *fn = "mf_dispatch";
+    MF_REQUIRE(in && out, "%s: in and out must not be NULL", fn);
     if (moe->comm->pending_dispatch)
         return mf__error(MF_ERR_INVALID_USAGE,
                          "%s: the previous mf_dispatch on this comm has not been combined yet", fn);
@@ -325,7 +338,19 @@ mf_result_t mf_dispatch(mf_moe_t moe, const mf_dispatch_in_t *in, const mf_dispa
     }
     MF_CHECK(mf__check_tensor(&out->expert_counts, "mf_dispatch expert_counts", MF_DTYPE_INT32, 1, MF__DIMS(L), 0));
     MF_CHECK(mf__check_rows16(&out->recv_x, "mf_dispatch recv_x"));
-    mf_result_t res = moe->comm->group->ops->dispatch(moe, in, out, stream);
+    *T_out = T;
+    return MF_SUCCESS;
+}
+
+mf_result_t mf_dispatch(mf_moe_t moe, const mf_dispatch_in_t *in, const mf_dispatch_out_t *out,
+                        mf_stream_t stream) {
+    mf__clear_error();
+    MF_REQUIRE(moe, "mf_dispatch: moe must not be NULL");
+    MF_CHECK(mf__check_usable(moe, "mf_dispatch"));
+    int64_t T = 0;
+    mf_result_t res = mf__check_dispatch(moe, in, out, &T);
+    if (res != MF_SUCCESS) return moe->comm->ops->reject(moe, MF__CALL_DISPATCH, res, stream);
+    res = moe->comm->ops->dispatch(moe, in, out, stream);
     if (res == MF_SUCCESS) {
         moe->comm->pending_dispatch = moe;
         moe->dispatch_T = (int32_t)T;
@@ -333,12 +358,9 @@ mf_result_t mf_dispatch(mf_moe_t moe, const mf_dispatch_in_t *in, const mf_dispa
     return res;
 }
 
-mf_result_t mf_combine(mf_moe_t moe, const mf_combine_in_t *in, const mf_combine_out_t *out,
-                       mf_stream_t stream) {
+static mf_result_t mf__check_combine(mf_moe_t moe, const mf_combine_in_t *in, const mf_combine_out_t *out) {
     const char *fn = "mf_combine";
-    mf__clear_error();
-    MF_REQUIRE(moe && in && out, "%s: moe, in and out must not be NULL", fn);
-    MF_CHECK(mf__check_usable(moe, fn));
+    MF_REQUIRE(in && out, "%s: in and out must not be NULL", fn);
     if (moe->comm->pending_dispatch != moe)
         return mf__error(MF_ERR_INVALID_USAGE, "%s: no mf_dispatch on this layer awaits a combine", fn);
     const mf_moe_config_t *c = &moe->config;
@@ -353,9 +375,21 @@ mf_result_t mf_combine(mf_moe_t moe, const mf_combine_in_t *in, const mf_combine
                               2, MF__DIMS(T, c->num_topk), 0));
     MF_CHECK(mf__check_tensor(&out->y, "mf_combine y (T of the dispatch)", MF_DTYPE_BF16, 2, MF__DIMS(T, H), 0));
     MF_CHECK(mf__check_rows16(&in->expert_out, "mf_combine expert_out"));
-    MF_CHECK(mf__check_rows16(&out->y, "mf_combine y"));
-    mf_result_t res = moe->comm->group->ops->combine(moe, in, out, stream);
-    moe->comm->pending_dispatch = NULL;
+    return mf__check_rows16(&out->y, "mf_combine y");
+}
+
+mf_result_t mf_combine(mf_moe_t moe, const mf_combine_in_t *in, const mf_combine_out_t *out,
+                       mf_stream_t stream) {
+    mf__clear_error();
+    MF_REQUIRE(moe, "mf_combine: moe must not be NULL");
+    MF_CHECK(mf__check_usable(moe, "mf_combine"));
+    /* The dispatch's combine is consumed by a combine on its layer, also a rejected one (the peers
+     * failed theirs with it); a combine on another layer leaves it pending. */
+    const int32_t consumes = moe->comm->pending_dispatch == moe;
+    mf_result_t res = mf__check_combine(moe, in, out);
+    if (res == MF_SUCCESS) res = moe->comm->ops->combine(moe, in, out, stream);
+    else res = moe->comm->ops->reject(moe, MF__CALL_COMBINE, res, stream);
+    if (consumes) moe->comm->pending_dispatch = NULL;
     return res;
 }
 
@@ -365,7 +399,7 @@ mf_result_t mf_moe_get_phase_times(mf_moe_t moe, mf_phase_times_t *times) {
     if (!moe->config.profile)
         return mf__error(MF_ERR_INVALID_USAGE,
                          "mf_moe_get_phase_times: the layer was created with profile = 0");
-    if (!moe->comm->group->ops->get_phase_times)
+    if (!moe->comm->ops->get_phase_times)
         return mf__error(MF_ERR_NOT_SUPPORTED, "mf_moe_get_phase_times: backend has no profiler");
-    return moe->comm->group->ops->get_phase_times(moe, times);
+    return moe->comm->ops->get_phase_times(moe, times);
 }

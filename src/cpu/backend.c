@@ -22,7 +22,7 @@
 #include "core/quant.h"
 #include "cpu/gemm.h"
 #include "plan/plan.h"
-#include "transport/local.h"
+#include "cpu/sync.h"
 
 typedef struct mf__cpu_moe {
     mf__plan_t plan;
@@ -47,36 +47,40 @@ static double mf__now_us(void) {
 
 /* Pointer to region `offset` of rank r's heap. */
 static uint8_t *mf__heap(mf_moe_t moe, int32_t r, size_t offset) {
-    return (uint8_t *)moe->comm->group->heap_base[r] + offset;
+    return (uint8_t *)moe->comm->heap.peers[r] + offset;
 }
 
 /* ---- group / comm / heap ------------------------------------------------------------------ */
 
 static int32_t mf__cpu_available(void) { return 1; }
-static mf_result_t mf__cpu_group_init(mf_group_t g) { (void)g; return MF_SUCCESS; }
-static void mf__cpu_group_fini(mf_group_t g) { (void)g; }
+
+static mf_result_t mf__cpu_device_id(mf_comm_t comm, char id[64]) {
+    (void)comm;
+    id[0] = '\0';
+    return MF_SUCCESS;
+}
 
 static mf_result_t mf__cpu_comm_init(mf_comm_t comm) {
-    void *sig = mf__calloc(1, MF__SIGNAL_BYTES);
-    if (!sig) return mf__error(MF_ERR_OUT_OF_MEMORY, "cpu backend: out of host memory for rank %d's signals", comm->rank);
-    comm->group->signal_base[comm->rank] = sig;
+    (void)comm; /* the CPU backend keeps no per-rank state beyond the comm's */
     return MF_SUCCESS;
 }
 
-static void mf__cpu_comm_fini(mf_comm_t comm) {
-    mf_group_t g = comm->group;
-    mf__free(g->signal_base[comm->rank]);
-    mf__free(g->heap_base[comm->rank]);
-    g->signal_base[comm->rank] = g->heap_base[comm->rank] = NULL;
-}
+static void mf__cpu_comm_fini(mf_comm_t comm) { (void)comm; }
 
-static mf_result_t mf__cpu_heap_resize(mf_comm_t comm, size_t bytes, void **base) {
-    void *p = mf__calloc(1, bytes);
-    if (!p) return mf__error(MF_ERR_OUT_OF_MEMORY, "cpu backend: out of host memory for a %zu-byte heap", bytes);
-    mf__free(comm->group->heap_base[comm->rank]);
-    *base = p;
+static mf_result_t mf__cpu_mem_alloc(mf_comm_t comm, size_t bytes, void **ptr) {
+    *ptr = mf__calloc(1, bytes);
+    if (!*ptr)
+        return mf__error(MF_ERR_OUT_OF_MEMORY, "cpu backend: rank %d: out of host memory for %zu symmetric bytes",
+                         comm->rank, bytes);
     return MF_SUCCESS;
 }
+
+static void mf__cpu_mem_free(mf_comm_t comm, void *ptr) {
+    (void)comm;
+    mf__free(ptr);
+}
+
+static void mf__cpu_abort(mf_comm_t comm) { mf__cpu_signal_abort(comm); }
 
 static mf_result_t mf__cpu_get_async_error(mf_comm_t comm) {
     (void)comm; /* every CPU fault is reported synchronously */
@@ -165,8 +169,8 @@ static void mf__cpu_publish(mf_moe_t moe, const mf_tensor_t *x, const mf_tensor_
 static mf_result_t mf__cpu_exchange_and_plan(mf_moe_t moe) {
     mf__cpu_moe_t *s = moe->backend_state;
     mf_comm_t comm = moe->comm;
-    int32_t R = comm->group->num_ranks;
-    MF_CHECK(mf__local_wait(comm, MF__PHASE_DISPATCH, mf__local_arrive(comm, MF__PHASE_DISPATCH)));
+    int32_t R = comm->num_ranks;
+    MF_CHECK(mf__cpu_wait(comm, MF__PHASE_DISPATCH, mf__cpu_arrive(comm, MF__PHASE_DISPATCH, MF_SUCCESS), "dispatch"));
     const int32_t *ids[MF_MAX_RANKS];
     int32_t T[MF_MAX_RANKS];
     for (int32_t r = 0; r < R; r++) {
@@ -178,7 +182,7 @@ static mf_result_t mf__cpu_exchange_and_plan(mf_moe_t moe) {
         char why[512];
         strncpy(why, mf_last_error(), sizeof why - 1);
         why[sizeof why - 1] = '\0';
-        MF_CHECK(mf__local_wait(comm, MF__PHASE_ABORT, mf__local_arrive(comm, MF__PHASE_ABORT)));
+        MF_CHECK(mf__cpu_wait(comm, MF__PHASE_ABORT, mf__cpu_arrive(comm, MF__PHASE_ABORT, MF_SUCCESS), "dispatch"));
         return mf__error(res, "%s", why);
     }
     return MF_SUCCESS;
@@ -218,7 +222,7 @@ static void mf__cpu_return_row(mf_moe_t moe, const int32_t *src, const uint16_t 
 static mf_result_t mf__cpu_sum(mf_moe_t moe, int32_t T, const float *w, uint16_t *y) {
     mf__cpu_moe_t *s = moe->backend_state;
     mf_comm_t comm = moe->comm;
-    MF_CHECK(mf__local_wait(comm, MF__PHASE_COMBINE, mf__local_arrive(comm, MF__PHASE_COMBINE)));
+    MF_CHECK(mf__cpu_wait(comm, MF__PHASE_COMBINE, mf__cpu_arrive(comm, MF__PHASE_COMBINE, MF_SUCCESS), "combine"));
     const mf_moe_config_t *c = &moe->config;
     int32_t K = c->num_topk;
     int64_t H = c->hidden;
@@ -366,20 +370,36 @@ static mf_result_t mf__cpu_combine(mf_moe_t moe, const mf_combine_in_t *in, cons
     return mf__cpu_sum(moe, moe->dispatch_T, (const float *)in->topk_weights.data, (uint16_t *)out->y.data);
 }
 
+/* A rejected call: arrive with the failure as status at the call's first synchronisation and wait,
+ * so that every peer fails it there too; no publication, nothing written. */
+static mf_result_t mf__cpu_reject(mf_moe_t moe, uint32_t phases, mf_result_t code, mf_stream_t stream) {
+    (void)stream;
+    /* CPU ranks decide at the call's first synchronisation and all return there. */
+    const int32_t phase = phases & MF__CALL_DISPATCH ? MF__PHASE_DISPATCH : MF__PHASE_COMBINE;
+    char why[512];
+    strncpy(why, mf_last_error(), sizeof why - 1);
+    why[sizeof why - 1] = '\0';
+    mf_result_t res = mf__cpu_wait(moe->comm, phase, mf__cpu_arrive(moe->comm, phase, code), mf__phase_name(phase));
+    if (res == code) return mf__error(code, "%s", why);
+    return res; /* a timeout or an abort says more than the rejection */
+}
+
 const mf__backend_ops_t mf__cpu_backend = {
     .name = "cpu",
     .available = mf__cpu_available,
-    .group_init = mf__cpu_group_init,
-    .group_fini = mf__cpu_group_fini,
+    .device_id = mf__cpu_device_id,
     .comm_init = mf__cpu_comm_init,
     .comm_fini = mf__cpu_comm_fini,
-    .heap_resize = mf__cpu_heap_resize,
+    .mem_alloc = mf__cpu_mem_alloc,
+    .mem_free = mf__cpu_mem_free,
     .moe_init = mf__cpu_moe_init,
     .moe_fini = mf__cpu_moe_fini,
     .set_weights = NULL,
     .forward = mf__cpu_forward,
     .dispatch = mf__cpu_dispatch,
     .combine = mf__cpu_combine,
+    .reject = mf__cpu_reject,
+    .abort = mf__cpu_abort,
     .get_async_error = mf__cpu_get_async_error,
     .get_phase_times = mf__cpu_get_phase_times,
 };

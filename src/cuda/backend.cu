@@ -25,7 +25,6 @@
  */
 #include <cuda_runtime.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "core/internal.h"
@@ -46,15 +45,18 @@
 #define MF_CUDA_CHECK_LAUNCH() MF_CUDA_CHECK(cudaGetLastError())
 
 typedef struct mf__cuda_comm {
-    uint64_t *signals;            /* device: kMfSignalWords */
-    int32_t *claim;               /* device: fault claim word */
+    mf__device_state_t *state;    /* device: the fault state (sync.cuh) */
     mf__device_error_t *record;   /* mapped host memory (host pointer) */
     mf__device_error_t *record_d; /* its device pointer */
+    cudaStream_t setup;           /* a private non-blocking stream for setup-time copies */
     cudaStream_t last_stream;
+    unsigned long long reported_id;   /* the last fault id this host reported to the user */
+    unsigned long long call_acked;    /* reported_id when the current call began: its syncs' ack */
     int64_t launched[MF__NUM_PHASES]; /* arrivals launched by the host (atomic: peers read it) */
 } mf__cuda_comm_t;
 
 typedef struct mf__cuda_moe {
+    int32_t *ids_all, *T_all, *global_counts; /* plan: [R, S, K], [R], [E] (zero between calls) */
     int32_t *counts, *offsets, *src; /* plan: [L], [L + 1], [rows, 3] */
     uint8_t *recv_x;                 /* [rows, H] of mf_moe_forward */
     float *recv_scales;              /* [rows, H/128] (FP8) */
@@ -68,50 +70,68 @@ typedef struct mf__cuda_moe {
 
 static mf__cuda_comm_t *mf__cc(mf_comm_t comm) { return (mf__cuda_comm_t *)comm->backend_state; }
 
-/* ---- group / comm / heap ------------------------------------------------------------------ */
+/* ---- comm and memory ---------------------------------------------------------------------- */
 
-/* R virtual ranks put R streams of spinning-capable kernels on one GPU. CUDA maps streams onto
- * CUDA_DEVICE_MAX_CONNECTIONS hardware queues (default 8); two ranks sharing a queue deadlock when
- * one's spinning sync kernel sits in front of the other's (seen on the H200 with R = 8). Ask for the
- * maximum before the context exists, unless the user chose a value (docs/API.md). */
-static void mf__cuda_request_connections(void) {
-    setenv("CUDA_DEVICE_MAX_CONNECTIONS", kMfMaxConnections, 0);
-    /* Likewise, load modules eagerly (cudart's own too), so that no call on the data path waits
-     * for a module load behind a peer's spinning kernel. */
-    setenv("CUDA_MODULE_LOADING", "EAGER", 0);
+/* Kernels are built for sm_90a only. */
+static int32_t mf__cuda_device_ok(int device) {
+    int major = 0, minor = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return major == 9 && minor == 0;
 }
 
 static int32_t mf__cuda_available(void) {
-    mf__cuda_request_connections();
     int n = 0;
     if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
         (void)cudaGetLastError();
         return 0;
     }
-    int major = 0, minor = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) != cudaSuccess ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return 0;
-    }
-    return major == 9 && minor == 0; /* the kernels are built for sm_90a only */
+    return mf__cuda_device_ok(0);
 }
 
-static mf_result_t mf__cuda_group_init(mf_group_t g) {
-    int n = 0, sms = 0;
-    mf__cuda_request_connections();
+static mf_result_t mf__cuda_device_id(mf_comm_t comm, char id[64]) {
+    int n = 0;
     MF_CUDA_CHECK(cudaGetDeviceCount(&n));
-    if (g->device >= n)
-        return mf__error(MF_ERR_INVALID_ARGUMENT, "cuda backend: device %d does not exist (%d devices)", g->device, n);
-    MF_CUDA_CHECK(cudaSetDevice(g->device));
-    MF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, g->device));
-    if (!g->num_sms) g->num_sms = sms / g->num_ranks > 0 ? sms / g->num_ranks : 1;
-    if (g->num_sms > sms)
-        return mf__error(MF_ERR_INVALID_ARGUMENT, "cuda backend: num_sms %d exceeds the device's %d SMs", g->num_sms, sms);
+    if (comm->device >= n)
+        return mf__error(MF_ERR_INVALID_ARGUMENT, "cuda backend: rank %d: device %d does not exist (%d devices)",
+                         comm->rank, comm->device, n);
+    if (!mf__cuda_device_ok(comm->device))
+        return mf__error(MF_ERR_NOT_SUPPORTED, "cuda backend: rank %d: device %d is not sm_90 (the kernels are built "
+                         "for sm_90a)", comm->rank, comm->device);
+    MF_CUDA_CHECK(cudaSetDevice(comm->device));
+    MF_CUDA_CHECK(cudaDeviceGetPCIBusId(id, 64, comm->device));
+    return MF_SUCCESS;
+}
+
+static void mf__cuda_comm_fini(mf_comm_t comm) {
+    mf__cuda_comm_t *c = mf__cc(comm);
+    if (!c) return;
+    cudaSetDevice(comm->device);
+    if (c->last_stream) cudaStreamSynchronize(c->last_stream);
+    cudaFree(c->state);
+    if (c->record) cudaFreeHost(c->record);
+    if (c->setup) cudaStreamDestroy(c->setup);
+    mf__free(c);
+    comm->backend_state = NULL;
+    (void)cudaGetLastError();
+}
+
+static mf_result_t mf__cuda_comm_init(mf_comm_t comm) {
+    int sms = 0;
+    MF_CUDA_CHECK(cudaSetDevice(comm->device));
+    MF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, comm->device));
+    /* Ranks that share a device must all be resident at once: each gets its share of the SMs. */
+    if (!comm->num_sms) comm->num_sms = sms / comm->ranks_on_device > 0 ? sms / comm->ranks_on_device : 1;
+    if (comm->num_sms > sms)
+        return mf__error(MF_ERR_INVALID_ARGUMENT, "cuda backend: num_sms %d exceeds the device's %d SMs",
+                         comm->num_sms, sms);
     /* Load every kernel now. With lazy module loading (CUDA's default) a rank's first launch would
      * load its module on demand, which can stall behind the peers' spinning wait kernels until the
      * timeout: seen on the H200 as a first-forward timeout in every process. */
-    const void *kernels[] = {(const void *)mf__publish_kernel, (const void *)mf__plan_count_kernel,
+    const void *kernels[] = {(const void *)mf__publish_kernel, (const void *)mf__plan_fetch_kernel,
                              (const void *)mf__plan_offsets_kernel, (const void *)mf__plan_fill_kernel,
                              (const void *)mf__gather_kernel, (const void *)mf__return_kernel,
                              (const void *)mf__sum_kernel, (const void *)mf__sync_kernel};
@@ -119,151 +139,156 @@ static mf_result_t mf__cuda_group_init(mf_group_t g) {
         cudaFuncAttributes attr;
         MF_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernels[i]));
     }
-    return mf__cuda_gemm_preload();
-}
+    MF_CHECK(mf__cuda_gemm_preload());
 
-static void mf__cuda_group_fini(mf_group_t g) { (void)g; }
-
-static void mf__cuda_comm_fini(mf_comm_t comm) {
-    mf__cuda_comm_t *c = mf__cc(comm);
-    mf_group_t g = comm->group;
-    cudaSetDevice(g->device);
-    cudaDeviceSynchronize(); /* no kernel may still touch what is freed */
-    if (c) {
-        cudaFree(c->signals);
-        cudaFree(c->claim);
-        cudaFreeHost(c->record);
-        mf__free(c);
-    }
-    cudaFree(g->heap_base[comm->rank]);
-    g->heap_base[comm->rank] = g->signal_base[comm->rank] = NULL;
-    comm->backend_state = NULL;
-    (void)cudaGetLastError();
-}
-
-static mf_result_t mf__cuda_comm_init(mf_comm_t comm) {
-    mf_group_t g = comm->group;
-    MF_CUDA_CHECK(cudaSetDevice(g->device));
     mf__cuda_comm_t *c = (mf__cuda_comm_t *)mf__calloc(1, sizeof *c);
     if (!c) return mf__error(MF_ERR_OUT_OF_MEMORY, "cuda backend: out of host memory");
     comm->backend_state = c;
-    mf_result_t res = MF_SUCCESS;
-    cudaError_t e = cudaMalloc((void **)&c->signals, kMfSignalWords * sizeof(uint64_t));
-    if (e == cudaSuccess) e = cudaMemset(c->signals, 0, kMfSignalWords * sizeof(uint64_t));
-    if (e == cudaSuccess) e = cudaMalloc((void **)&c->claim, sizeof(int32_t));
-    if (e == cudaSuccess) e = cudaMemset(c->claim, 0, sizeof(int32_t));
+    cudaError_t e = cudaStreamCreateWithFlags(&c->setup, cudaStreamNonBlocking);
+    if (e == cudaSuccess) e = cudaMalloc((void **)&c->state, sizeof *c->state);
+    if (e == cudaSuccess) e = cudaMemsetAsync(c->state, 0, sizeof *c->state, c->setup);
     if (e == cudaSuccess) e = cudaHostAlloc((void **)&c->record, sizeof *c->record, cudaHostAllocMapped);
     if (e == cudaSuccess) {
         memset((void *)c->record, 0, sizeof *c->record);
+        c->record->one = 1;
         e = cudaHostGetDevicePointer((void **)&c->record_d, (void *)c->record, 0);
     }
-    /* cudaMemset runs on the legacy stream, which the ranks' non-blocking streams do not wait for:
-     * finish it before any peer can signal into this array (a late memset erased signals on the
-     * H200, and the ranks waited forever for epoch 1). */
-    if (e == cudaSuccess) e = cudaDeviceSynchronize();
+    if (e == cudaSuccess) e = cudaStreamSynchronize(c->setup);
     if (e != cudaSuccess) {
         (void)cudaGetLastError();
-        res = mf__error(e == cudaErrorMemoryAllocation ? MF_ERR_OUT_OF_MEMORY : MF_ERR_CUDA,
-                        "cuda backend: rank %d's signals: %s", comm->rank, cudaGetErrorString(e));
-        cudaFree(c->signals);
-        cudaFree(c->claim);
-        if (c->record) cudaFreeHost(c->record);
-        mf__free(c);
-        comm->backend_state = NULL;
-        return res;
+        mf__cuda_comm_fini(comm);
+        return mf__error(e == cudaErrorMemoryAllocation ? MF_ERR_OUT_OF_MEMORY : MF_ERR_CUDA,
+                         "cuda backend: rank %d's fault state: %s", comm->rank, cudaGetErrorString(e));
     }
-    g->signal_base[comm->rank] = c->signals;
     return MF_SUCCESS;
 }
 
-static mf_result_t mf__cuda_heap_resize(mf_comm_t comm, size_t bytes, void **base) {
-    MF_CUDA_CHECK(cudaSetDevice(comm->group->device));
+/* Device memory for symmetric allocations, zeroed before any peer can see it. */
+static mf_result_t mf__cuda_mem_alloc(mf_comm_t comm, size_t bytes, void **ptr) {
+    MF_CUDA_CHECK(cudaSetDevice(comm->device));
     void *p = NULL;
     cudaError_t e = cudaMalloc(&p, bytes);
+    if (e == cudaSuccess) e = cudaMemsetAsync(p, 0, bytes, mf__cc(comm)->setup);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(mf__cc(comm)->setup);
     if (e != cudaSuccess) {
         (void)cudaGetLastError();
-        return mf__error(MF_ERR_OUT_OF_MEMORY, "cuda backend: rank %d: cudaMalloc of a %zu-byte heap: %s",
-                         comm->rank, bytes, cudaGetErrorString(e));
+        cudaFree(p);
+        return mf__error(e == cudaErrorMemoryAllocation ? MF_ERR_OUT_OF_MEMORY : MF_ERR_CUDA,
+                         "cuda backend: rank %d: %zu bytes of symmetric memory: %s", comm->rank, bytes,
+                         cudaGetErrorString(e));
     }
-    MF_CUDA_CHECK(cudaMemset(p, 0, bytes));
-    /* The memset must be done before a peer (on a non-blocking stream) writes here; cudaFree
-     * below needs an idle device too: no peer kernel still reads the old heap. */
-    MF_CUDA_CHECK(cudaDeviceSynchronize());
-    MF_CUDA_CHECK(cudaFree(comm->group->heap_base[comm->rank]));
-    *base = p;
+    *ptr = p;
     return MF_SUCCESS;
+}
+
+static void mf__cuda_mem_free(mf_comm_t comm, void *ptr) {
+    cudaSetDevice(comm->device);
+    cudaFree(ptr);
+    (void)cudaGetLastError();
+}
+
+/* mf_comm_abort: this rank's waits end (a mapped word its sync kernels poll), and so do the peers'
+ * waits for it (its abort word in every peer's signals, copied on the private stream: a copy
+ * engine, not behind any spinning kernel). Best effort, no wait. */
+static void mf__cuda_abort(mf_comm_t comm) {
+    mf__cuda_comm_t *c = mf__cc(comm);
+    if (!c) return;
+    c->record->abort = 1;
+    __sync_synchronize();
+    cudaSetDevice(comm->device);
+    for (int32_t q = 0; q < comm->num_ranks; q++)
+        cudaMemcpyAsync((uint64_t *)comm->signals.peers[q] + MF__SIGNAL_ABORT + comm->rank, &c->record->one,
+                        sizeof(uint64_t), cudaMemcpyHostToDevice, c->setup);
+    (void)cudaGetLastError();
 }
 
 /* ---- faults ------------------------------------------------------------------------------- */
 
 static mf__fault_sink_t mf__sink(mf_comm_t comm) {
     mf__fault_sink_t s;
-    s.claim = mf__cc(comm)->claim;
+    s.state = mf__cc(comm)->state;
     s.record = mf__cc(comm)->record_d;
     s.rank = comm->rank;
     return s;
 }
 
-/* Turns a raised fault into an error message; clears it when `clear` (the stream is idle). */
-static mf_result_t mf__cuda_report_fault(mf_comm_t comm, int32_t clear) {
-    mf__cuda_comm_t *c = mf__cc(comm);
-    mf__device_error_t r = *c->record; /* code is written last, after a system fence */
-    if (!r.code) return MF_SUCCESS;
-    mf_result_t code = (mf_result_t)r.code;
+/* The message of the comm's current fault (record read without synchronising: code last). */
+static mf_result_t mf__cuda_fault_message(mf_comm_t comm, const mf__device_error_t *rec) {
+    const mf__device_error_t r = *rec;
+    const mf_result_t code = (mf_result_t)r.code;
+    const char *tail = "; this call and every call since the fault wrote nothing on any rank";
     switch (r.kind) {
     case kMfFaultTimeout: {
-        comm->broken = 1;
         /* The peer's host count tells "its thread never launched the arrival" from "launched, but
-         * the device did not run it in time" (read now, so possibly later than the timeout). */
+         * the device did not run it in time" (virtual ranks of this process only). */
         long long launched = -1;
-        mf_comm_t peer = r.peer >= 0 && r.peer < comm->group->num_ranks ? &comm->group->comms[r.peer] : NULL;
-        if (peer && peer->backend_state && r.phase >= 0 && r.phase < MF__NUM_PHASES)
-            launched = (long long)__atomic_load_n(&mf__cc(peer)->launched[r.phase], __ATOMIC_RELAXED);
-        mf__error(code, "rank %d: device wait in phase '%s' timed out after %lld ms: rank %d's signal here read "
-                        "epoch %lld, expected %lld (its own epoch counter: %lld; its host has launched %lld "
-                        "arrivals)", r.rank, mf__phase_name(r.phase), (long long)comm->group->timeout_ms, r.peer, r.a,
-                  r.b, r.c, launched);
-        break;
+        if (comm->group && r.peer >= 0 && r.peer < comm->num_ranks && r.phase >= 0 && r.phase < MF__NUM_PHASES) {
+            mf_comm_t peer = comm->group->comms[r.peer];
+            if (peer && peer->backend_state)
+                launched = (long long)__atomic_load_n(&mf__cc(peer)->launched[r.phase], __ATOMIC_RELAXED);
+        }
+        return mf__error(code, "rank %d: device wait in phase '%s' timed out after %lld ms: rank %d's signal here read "
+                               "epoch %lld, expected %lld (its own epoch counter: %lld; its host has launched %lld "
+                               "arrivals, -1 = not known here); the comm is broken", r.rank, mf__phase_name(r.phase),
+                         (long long)comm->timeout_ms, r.peer, r.a, r.b, r.c, launched);
     }
+    case kMfFaultAborted:
+        return mf__error(code, "rank %d: a device wait in phase '%s' ended by an abort (of this comm, or of rank %d "
+                               "it waited for)", r.rank, mf__phase_name(r.phase), r.peer);
     case kMfFaultBadId:
-        mf__error(code, "rank %d: device topk_ids[%lld, %lld] = %lld is outside [-1, E); treated as -1", r.rank, r.a,
-                  r.b, r.c);
-        break;
+        return mf__error(code, "rank %d: device topk_ids[%lld, %lld] = %lld is outside [-1, E)%s", r.rank, r.a, r.b, r.c,
+                         tail);
     case kMfFaultDupId:
-        mf__error(code, "rank %d: device topk_ids[%lld, %lld] = %lld repeats an earlier k of the token; treated as -1",
-                  r.rank, r.a, r.b, r.c);
-        break;
+        return mf__error(code, "rank %d: device topk_ids[%lld, %lld] = %lld repeats an earlier k of the token%s", r.rank,
+                         r.a, r.b, r.c, tail);
     case kMfFaultCapacity:
         if (r.peer == -2)
-            mf__error(code, "rank %d: expert %lld's segment ends at row %lld > max_recv_rows %lld; rows past it "
-                            "were dropped", r.rank, r.a, r.b, r.c);
-        else
-            mf__error(code, "rank %d: expert %lld receives %lld rows > expert_capacity %lld; rows past it were dropped",
-                      r.rank, r.a, r.b, r.c);
-        break;
-    default: mf__error(MF_ERR_INTERNAL, "rank %d: unknown device fault kind %d (code %d)", r.rank, r.kind, r.code);
+            return mf__error(code, "rank %lld receives %lld rows (segments padded to block_m) > max_recv_rows %lld%s",
+                             r.a, r.b, r.c, tail);
+        return mf__error(code, "expert %lld (rank %d) receives %lld rows > expert_capacity %lld%s", r.a, r.rank, r.b,
+                         r.c, tail);
+    case kMfFaultRejected:
+        return mf__error(code, "rank %d: this rank's host rejected a call's input (%s)%s", r.rank,
+                         mf_result_string(code), tail);
+    case kMfFaultPeer:
+        return mf__error(code, "rank %d failed a call (%s)%s", r.peer, mf_result_string(code), tail);
+    default: return mf__error(MF_ERR_INTERNAL, "rank %d: unknown device fault kind %d (code %d)", r.rank, r.kind, r.code);
     }
-    if (clear && r.kind != kMfFaultTimeout) {
-        c->record->code = 0;
-        MF_CUDA_CHECK(cudaMemset(c->claim, 0, sizeof(int32_t)));
-        MF_CUDA_CHECK(cudaDeviceSynchronize()); /* the legacy-stream memset, before the next launch */
-    }
-    return code;
+}
+
+/* The comm's fault if this host has not reported it yet (and marks it reported), else SUCCESS;
+ * `only_own`: take only a fault this host returned itself (a rejection). A timeout or an abort
+ * breaks the comm. */
+static mf_result_t mf__cuda_take_fault(mf_comm_t comm, int32_t only_own) {
+    mf__cuda_comm_t *c = mf__cc(comm);
+    if (!c->record->code) return MF_SUCCESS;
+    __sync_synchronize(); /* the details were written before the code */
+    const unsigned long long id = c->record->fault_id;
+    if (id == c->reported_id) return MF_SUCCESS;
+    const int32_t kind = c->record->kind, own = c->record->reported && c->record->rank == comm->rank;
+    if (only_own && !own) return MF_SUCCESS;
+    mf_result_t code = mf__cuda_fault_message(comm, c->record);
+    if (kind == kMfFaultTimeout || kind == kMfFaultAborted) comm->broken = 1;
+    c->reported_id = id;
+    return own ? MF_SUCCESS : code; /* a rejection this host returned itself is not reported twice */
 }
 
 static mf_result_t mf__cuda_get_async_error(mf_comm_t comm) {
     mf__cuda_comm_t *c = mf__cc(comm);
-    MF_CUDA_CHECK(cudaSetDevice(comm->group->device));
-    MF_CUDA_CHECK(cudaStreamSynchronize(c->last_stream));
-    return mf__cuda_report_fault(comm, 1);
+    MF_CUDA_CHECK(cudaSetDevice(comm->device));
+    if (c->last_stream) MF_CUDA_CHECK(cudaStreamSynchronize(c->last_stream));
+    return mf__cuda_take_fault(comm, 0);
 }
 
-/* Every data-path call starts here: a pending fault fails the call before anything is launched. */
-static mf_result_t mf__cuda_enter(mf_comm_t comm, cudaStream_t stream) {
-    MF_CUDA_CHECK(cudaSetDevice(comm->group->device));
+/* Every data-path call starts here. It never refuses to launch because of a fault (a rank that
+ * stayed out of a collective would leave its peers waiting): a fault this host has not reported yet
+ * is returned by the call after its launches, and the device makes the call write nothing. */
+static mf_result_t mf__cuda_enter(mf_comm_t comm, cudaStream_t stream, mf_result_t *pending) {
+    /* pending == NULL: a rejected call, which reports only its rejection (a fault stays for later). */
+    MF_CUDA_CHECK(cudaSetDevice(comm->device));
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     if (stream) MF_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    if (comm->group->num_ranks > 1 && capture == cudaStreamCaptureStatusNone) {
+    if (comm->ranks_on_device > 1 && comm->transport == MF_TRANSPORT_LOCAL && capture == cudaStreamCaptureStatusNone) {
         /* Virtual ranks share one GPU: a blocking stream waits for legacy-stream work that other
          * threads issue, which waits for this group's spinning kernels: a deadlock. (Not queried
          * while capturing: cudaStreamGetFlags invalidated a capture on the H200.) */
@@ -271,22 +296,27 @@ static mf_result_t mf__cuda_enter(mf_comm_t comm, cudaStream_t stream) {
         if (stream) MF_CUDA_CHECK(cudaStreamGetFlags(stream, &flags));
         if (!stream || !(flags & cudaStreamNonBlocking))
             return mf__error(MF_ERR_INVALID_ARGUMENT,
-                             "rank %d: the stream must be created with cudaStreamNonBlocking when R > 1 "
-                             "virtual ranks share a GPU (a blocking or legacy stream can deadlock)",
-                             comm->rank);
+                             "rank %d: the stream must be created with cudaStreamNonBlocking when virtual ranks "
+                             "share a GPU (a blocking or legacy stream can deadlock)", comm->rank);
     }
-    mf__cc(comm)->last_stream = stream;
     mf__cuda_comm_t *c = mf__cc(comm);
-    if (c->record->code) {
-        mf_result_t code = mf__cuda_report_fault(comm, 0);
-        if (c->record->kind != kMfFaultTimeout) {
-            /* Reported once: clear it in stream order, after the kernels that may have raised it. */
-            c->record->code = 0;
-            MF_CUDA_CHECK(cudaMemsetAsync(c->claim, 0, sizeof(int32_t), stream));
-        }
-        return code;
-    }
+    c->last_stream = stream;
+    /* The call acknowledges the faults its host reported before it; one reported now fails it. */
+    const unsigned long long before = c->reported_id;
+    const mf_result_t found = mf__cuda_take_fault(comm, pending == NULL);
+    c->call_acked = found == MF_SUCCESS ? c->reported_id : before;
+    if (pending) *pending = found;
     return MF_SUCCESS;
+}
+
+/* Every data-path call ends here: a launch that failed part-way leaves the ranks' protocol state
+ * unknown (the comm is broken); otherwise the call returns the fault found at its entry, if any. */
+static mf_result_t mf__cuda_leave(mf_comm_t comm, mf_result_t launched, mf_result_t pending) {
+    if (launched != MF_SUCCESS) {
+        comm->broken = 1;
+        return launched;
+    }
+    return pending;
 }
 
 /* ---- layer -------------------------------------------------------------------------------- */
@@ -294,8 +324,12 @@ static mf_result_t mf__cuda_enter(mf_comm_t comm, cudaStream_t stream) {
 static void mf__cuda_moe_fini(mf_moe_t moe) {
     mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
     if (!s) return;
-    cudaSetDevice(moe->comm->group->device);
-    cudaDeviceSynchronize();
+    cudaSetDevice(moe->comm->device);
+    /* Only this rank's kernels use a layer's buffers (peers read its heap): its last stream. */
+    if (mf__cc(moe->comm)->last_stream) cudaStreamSynchronize(mf__cc(moe->comm)->last_stream);
+    cudaFree(s->ids_all);
+    cudaFree(s->T_all);
+    cudaFree(s->global_counts);
     cudaFree(s->counts);
     cudaFree(s->offsets);
     cudaFree(s->src);
@@ -315,7 +349,7 @@ static void mf__cuda_moe_fini(mf_moe_t moe) {
  * kernels (grouped_gemm.h), the same for every dataflow. */
 static int32_t mf__cuda_rows_hint(mf_moe_t moe, int32_t T) {
     const mf_moe_config_t *c = &moe->config;
-    int64_t routed = (int64_t)T * c->num_topk * moe->comm->group->num_ranks;
+    int64_t routed = (int64_t)T * c->num_topk * moe->comm->num_ranks;
     return (int32_t)((routed + c->num_experts - 1) / c->num_experts);
 }
 
@@ -331,7 +365,7 @@ static int32_t mf__cuda_dataflow(mf_moe_t moe, int32_t T) {
 
 static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
     const mf_moe_config_t *c = &moe->config;
-    MF_CUDA_CHECK(cudaSetDevice(moe->comm->group->device));
+    MF_CUDA_CHECK(cudaSetDevice(moe->comm->device));
     mf__cuda_moe_t *s = (mf__cuda_moe_t *)mf__calloc(1, sizeof *s);
     if (!s) return mf__error(MF_ERR_OUT_OF_MEMORY, "cuda backend: out of host memory");
     moe->backend_state = s;
@@ -341,7 +375,11 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
     size_t esz = fp8 ? 1 : 2;
     /* A receive tensor only where a forward can pull: DIRECT layers pull above the decode regime. */
     int pull = c->dataflow != MF_DATAFLOW_DIRECT || mf__cuda_rows_hint(moe, c->max_tokens_per_rank) > kMfDecodeMaxRows;
+    const size_t R = (size_t)moe->comm->num_ranks;
     struct { void **p; size_t bytes; } allocs[] = {
+        {(void **)&s->ids_all, R * (size_t)c->max_tokens_per_rank * (size_t)c->num_topk * 4},
+        {(void **)&s->T_all, R * 4},
+        {(void **)&s->global_counts, (size_t)c->num_experts * 4},
         {(void **)&s->counts, (size_t)L * 4},
         {(void **)&s->offsets, (size_t)(L + 1) * 4},
         {(void **)&s->src, (size_t)s->rows * 12},
@@ -360,6 +398,15 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
             return mf__error(MF_ERR_OUT_OF_MEMORY, "cuda backend: rank %d: %zu bytes of layer buffers: %s",
                              moe->comm->rank, allocs[i].bytes, cudaGetErrorString(e));
         }
+    }
+    /* The plan's global counters are zero between calls (its offsets kernel re-zeroes them). */
+    cudaError_t e = cudaMemsetAsync(s->global_counts, 0, (size_t)c->num_experts * 4, mf__cc(moe->comm)->setup);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(mf__cc(moe->comm)->setup);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        mf__cuda_moe_fini(moe);
+        return mf__error(MF_ERR_CUDA, "cuda backend: rank %d: zeroing the plan's counters: %s", moe->comm->rank,
+                         cudaGetErrorString(e));
     }
     if (c->profile)
         for (int i = 0; i <= MF_NUM_PHASES; i++)
@@ -391,33 +438,35 @@ static mf_result_t mf__cuda_get_phase_times(mf_moe_t moe, mf_phase_times_t *time
 
 static mf__heap_view_t mf__view(mf_moe_t moe) {
     mf__heap_view_t v;
-    mf_group_t g = moe->comm->group;
+    mf_comm_t comm = moe->comm;
     memset(&v, 0, sizeof v);
-    for (int32_t r = 0; r < g->num_ranks; r++) v.heap[r] = (uint8_t *)g->heap_base[r];
+    for (int32_t r = 0; r < comm->num_ranks; r++) v.heap[r] = (uint8_t *)comm->heap.peers[r];
     v.meta = moe->heap.meta;
     v.x = moe->heap.x;
     v.scales = moe->heap.scales;
     v.ids = moe->heap.ids;
     v.weights = moe->heap.weights;
     v.combine = moe->heap.combine;
-    v.num_ranks = g->num_ranks;
+    v.num_ranks = comm->num_ranks;
     v.rank = moe->comm->rank;
     return v;
 }
 
-static mf_result_t mf__cuda_sync_phase(mf_moe_t moe, int32_t phase, cudaStream_t stream) {
-    mf_group_t g = moe->comm->group;
+/* One synchronisation of the call (sync.cuh); `reject`: the host rejected the call (its code). */
+static mf_result_t mf__cuda_sync(mf_comm_t comm, int32_t phase, mf_result_t reject, cudaStream_t stream) {
     mf__sync_params_t p;
     memset(&p, 0, sizeof p);
-    for (int32_t r = 0; r < g->num_ranks; r++) p.signals[r] = (uint64_t *)g->signal_base[r];
-    p.num_ranks = g->num_ranks;
-    p.rank = moe->comm->rank;
+    for (int32_t r = 0; r < comm->num_ranks; r++) p.signals[r] = (uint64_t *)comm->signals.peers[r];
+    p.num_ranks = comm->num_ranks;
+    p.rank = comm->rank;
     p.phase = phase;
-    p.timeout_ns = (uint64_t)g->timeout_ms * 1000000ull;
-    p.sink = mf__sink(moe->comm);
+    p.reject = reject;
+    p.acked_id = mf__cc(comm)->call_acked;
+    p.timeout_ns = (uint64_t)comm->timeout_ms * 1000000ull;
+    p.sink = mf__sink(comm);
     mf__sync_kernel<<<1, kMfWaitThreads, 0, stream>>>(p);
     MF_CUDA_CHECK_LAUNCH();
-    __atomic_fetch_add(&mf__cc(moe->comm)->launched[phase], 1, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&mf__cc(comm)->launched[phase], 1, __ATOMIC_RELAXED);
     return MF_SUCCESS;
 }
 
@@ -435,7 +484,7 @@ static mf_result_t mf__cuda_publish(mf_moe_t moe, const mf_tensor_t *x, const mf
     p.E = c->num_experts;
     p.fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
     p.ue8m0 = c->ue8m0_scales;
-    p.heap = (uint8_t *)moe->comm->group->heap_base[moe->comm->rank];
+    p.heap = (uint8_t *)moe->comm->heap.local;
     p.meta = moe->heap.meta;
     p.x_off = moe->heap.x;
     p.scales_off = moe->heap.scales;
@@ -452,26 +501,31 @@ static mf_result_t mf__cuda_publish(mf_moe_t moe, const mf_tensor_t *x, const mf
 static mf_result_t mf__cuda_plan(mf_moe_t moe, int32_t *counts_out, int32_t *offsets_out, cudaStream_t stream) {
     mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
     const mf_moe_config_t *c = &moe->config;
-    MF_CHECK(mf__cuda_sync_phase(moe, MF__PHASE_DISPATCH, stream));
+    MF_CHECK(mf__cuda_sync(moe->comm, MF__PHASE_DISPATCH, MF_SUCCESS, stream));
     mf__plan_params_t p;
     memset(&p, 0, sizeof p);
     p.view = mf__view(moe);
     p.K = c->num_topk;
+    p.E = c->num_experts;
+    p.S = c->max_tokens_per_rank;
     p.L = moe->info.num_local_experts;
     p.first_expert = moe->info.first_expert;
     p.layout = c->layout;
     p.block_m = c->block_m;
     p.capacity = c->expert_capacity;
     p.max_rows = c->max_recv_rows;
+    p.ids_all = s->ids_all;
+    p.T_all = s->T_all;
+    p.global_counts = s->global_counts;
     p.counts = s->counts;
     p.offsets = s->offsets;
     p.src = s->src;
     p.counts_out = counts_out;
     p.offsets_out = offsets_out;
     p.sink = mf__sink(moe->comm);
-    mf__plan_count_kernel<<<p.L, kMfPlanThreads, 0, stream>>>(p);
+    mf__plan_fetch_kernel<<<dim3(kMfPlanFetchBlocks, (unsigned)moe->comm->num_ranks), kMfPlanThreads, 0, stream>>>(p);
     MF_CUDA_CHECK_LAUNCH();
-    mf__plan_offsets_kernel<<<1, kMfWarp, 0, stream>>>(p);
+    mf__plan_offsets_kernel<<<1, kMfPlanThreads, 0, stream>>>(p);
     MF_CUDA_CHECK_LAUNCH();
     mf__plan_fill_kernel<<<p.L, kMfPlanThreads, 0, stream>>>(p);
     MF_CUDA_CHECK_LAUNCH();
@@ -492,10 +546,11 @@ static mf__move_params_t mf__move_params(mf_moe_t moe) {
     p.counts = s->counts;
     p.offsets = s->offsets;
     p.src = s->src;
+    p.sink = mf__sink(moe->comm);
     return p;
 }
 
-static int32_t mf__move_blocks(mf_moe_t moe) { return moe->comm->group->num_sms * kMfMoveBlocksPerSm; }
+static int32_t mf__move_blocks(mf_moe_t moe) { return moe->comm->num_sms * kMfMoveBlocksPerSm; }
 
 static mf_result_t mf__cuda_gather(mf_moe_t moe, void *recv_x, float *recv_scales, int32_t *recv_src,
                                    cudaStream_t stream) {
@@ -510,11 +565,11 @@ static mf_result_t mf__cuda_gather(mf_moe_t moe, void *recv_x, float *recv_scale
 
 /* Waits for every rank's partials and sums this rank's tokens. */
 static mf_result_t mf__cuda_sum(mf_moe_t moe, int32_t T, const float *weights, uint16_t *y, cudaStream_t stream) {
-    MF_CHECK(mf__cuda_sync_phase(moe, MF__PHASE_COMBINE, stream));
+    MF_CHECK(mf__cuda_sync(moe->comm, MF__PHASE_COMBINE, MF_SUCCESS, stream));
     if (T == 0) return MF_SUCCESS;
     mf__sum_params_t p;
     memset(&p, 0, sizeof p);
-    p.heap = (const uint8_t *)moe->comm->group->heap_base[moe->comm->rank];
+    p.heap = (const uint8_t *)moe->comm->heap.local;
     p.ids = moe->heap.ids;
     p.combine = moe->heap.combine;
     p.weights = weights;
@@ -522,6 +577,7 @@ static mf_result_t mf__cuda_sum(mf_moe_t moe, int32_t T, const float *weights, u
     p.T = T;
     p.H = moe->config.hidden;
     p.K = moe->config.num_topk;
+    p.sink = mf__sink(moe->comm);
     const dim3 grid((unsigned)T, (unsigned)((p.H / 8 + kMfSumThreads - 1) / kMfSumThreads));
     mf__sum_kernel<<<grid, kMfSumThreads, 0, stream>>>(p);
     MF_CUDA_CHECK_LAUNCH();
@@ -530,14 +586,12 @@ static mf_result_t mf__cuda_sum(mf_moe_t moe, int32_t T, const float *weights, u
 
 /* ---- entry points ------------------------------------------------------------------------- */
 
-static mf_result_t mf__cuda_forward(mf_moe_t moe, const mf_moe_forward_in_t *in, const mf_moe_forward_out_t *out,
-                                    mf_stream_t stream_) {
-    cudaStream_t stream = (cudaStream_t)stream_;
-    MF_CHECK(mf__cuda_enter(moe->comm, stream));
+static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in_t *in,
+                                           const mf_moe_forward_out_t *out, cudaStream_t stream) {
     mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
     const mf_moe_config_t *c = &moe->config;
     const mf_moe_weights_t *w = &moe->weights;
-    mf_group_t g = moe->comm->group;
+    mf_comm_t comm = moe->comm;
     int32_t fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
 
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -564,14 +618,14 @@ static mf_result_t mf__cuda_forward(mf_moe_t moe, const mf_moe_forward_in_t *in,
     seg.offsets = s->offsets;
     seg.num_experts = moe->info.num_local_experts;
     /* A token routes to an expert at most once: R * S rows (MASKED: at most C). */
-    int64_t per_expert = (int64_t)g->num_ranks * c->max_tokens_per_rank;
+    int64_t per_expert = (int64_t)comm->num_ranks * c->max_tokens_per_rank;
     if (c->layout == MF_LAYOUT_MASKED) per_expert = c->expert_capacity;
     if (c->layout == MF_LAYOUT_EXPERT_MAJOR && per_expert > c->max_recv_rows) per_expert = c->max_recv_rows;
     seg.max_rows_per_expert = (int32_t)per_expert;
     seg.rows_hint = mf__cuda_rows_hint(moe, T);
     mf__gemm_gather_t gather;
     memset(&gather, 0, sizeof gather);
-    for (int32_t r = 0; r < g->num_ranks; r++) gather.heap[r] = (const uint8_t *)g->heap_base[r];
+    for (int32_t r = 0; r < comm->num_ranks; r++) gather.heap[r] = (const uint8_t *)comm->heap.peers[r];
     gather.x = moe->heap.x;
     gather.scales = moe->heap.scales;
     gather.src = s->src;
@@ -583,7 +637,8 @@ static mf_result_t mf__cuda_forward(mf_moe_t moe, const mf_moe_forward_in_t *in,
 
     mf__gemm_return_t ret;
     memset(&ret, 0, sizeof ret);
-    for (int32_t r = 0; r < g->num_ranks; r++) ret.slots[r] = (uint16_t *)((uint8_t *)g->heap_base[r] + moe->heap.combine);
+    for (int32_t r = 0; r < comm->num_ranks; r++)
+        ret.slots[r] = (uint16_t *)((uint8_t *)comm->heap.peers[r] + moe->heap.combine);
     ret.src = s->src;
     ret.num_topk = c->num_topk;
     mf__gemm_operand_t h = {s->h, s->h_scales, NULL};
@@ -601,7 +656,7 @@ static mf_result_t mf__cuda_forward(mf_moe_t moe, const mf_moe_forward_in_t *in,
     }
 
     /* The owner sums with the weights it published (a copy, valid until its next publish). */
-    const float *weights = (const float *)((uint8_t *)g->heap_base[moe->comm->rank] + moe->heap.weights);
+    const float *weights = (const float *)((uint8_t *)comm->heap.local + moe->heap.weights);
     MF_CHECK(mf__cuda_sum(moe, T, weights, (uint16_t *)out->y.data, stream));
     MF__MARK(MF_NUM_PHASES);
 #undef MF__MARK
@@ -609,22 +664,33 @@ static mf_result_t mf__cuda_forward(mf_moe_t moe, const mf_moe_forward_in_t *in,
     return MF_SUCCESS;
 }
 
-static mf_result_t mf__cuda_dispatch(mf_moe_t moe, const mf_dispatch_in_t *in, const mf_dispatch_out_t *out,
-                                     mf_stream_t stream_) {
+static mf_result_t mf__cuda_forward(mf_moe_t moe, const mf_moe_forward_in_t *in, const mf_moe_forward_out_t *out,
+                                    mf_stream_t stream_) {
     cudaStream_t stream = (cudaStream_t)stream_;
-    MF_CHECK(mf__cuda_enter(moe->comm, stream));
+    mf_result_t pending = MF_SUCCESS;
+    MF_CHECK(mf__cuda_enter(moe->comm, stream, &pending));
+    return mf__cuda_leave(moe->comm, mf__cuda_forward_launch(moe, in, out, stream), pending);
+}
+
+static mf_result_t mf__cuda_dispatch_launch(mf_moe_t moe, const mf_dispatch_in_t *in, const mf_dispatch_out_t *out,
+                                            cudaStream_t stream) {
     MF_CHECK(mf__cuda_publish(moe, &in->x, &in->topk_ids, NULL, stream));
     int32_t *offsets_out = moe->config.layout == MF_LAYOUT_EXPERT_MAJOR ? (int32_t *)out->expert_offsets.data : NULL;
     MF_CHECK(mf__cuda_plan(moe, (int32_t *)out->expert_counts.data, offsets_out, stream));
-    MF_CHECK(mf__cuda_gather(moe, out->recv_x.data, (float *)out->recv_scales.data, (int32_t *)out->recv_src.data,
-                             stream));
-    return MF_SUCCESS;
+    return mf__cuda_gather(moe, out->recv_x.data, (float *)out->recv_scales.data, (int32_t *)out->recv_src.data,
+                           stream);
 }
 
-static mf_result_t mf__cuda_combine(mf_moe_t moe, const mf_combine_in_t *in, const mf_combine_out_t *out,
-                                    mf_stream_t stream_) {
+static mf_result_t mf__cuda_dispatch(mf_moe_t moe, const mf_dispatch_in_t *in, const mf_dispatch_out_t *out,
+                                     mf_stream_t stream_) {
     cudaStream_t stream = (cudaStream_t)stream_;
-    MF_CHECK(mf__cuda_enter(moe->comm, stream));
+    mf_result_t pending = MF_SUCCESS;
+    MF_CHECK(mf__cuda_enter(moe->comm, stream, &pending));
+    return mf__cuda_leave(moe->comm, mf__cuda_dispatch_launch(moe, in, out, stream), pending);
+}
+
+static mf_result_t mf__cuda_combine_launch(mf_moe_t moe, const mf_combine_in_t *in, const mf_combine_out_t *out,
+                                           cudaStream_t stream) {
     mf__move_params_t p = mf__move_params(moe);
     p.expert_out = (const uint16_t *)in->expert_out.data;
     mf__return_kernel<<<mf__move_blocks(moe), kMfMoveThreads, 0, stream>>>(p);
@@ -632,20 +698,52 @@ static mf_result_t mf__cuda_combine(mf_moe_t moe, const mf_combine_in_t *in, con
     return mf__cuda_sum(moe, moe->dispatch_T, (const float *)in->topk_weights.data, (uint16_t *)out->y.data, stream);
 }
 
+static mf_result_t mf__cuda_combine(mf_moe_t moe, const mf_combine_in_t *in, const mf_combine_out_t *out,
+                                    mf_stream_t stream_) {
+    cudaStream_t stream = (cudaStream_t)stream_;
+    mf_result_t pending = MF_SUCCESS;
+    MF_CHECK(mf__cuda_enter(moe->comm, stream, &pending));
+    return mf__cuda_leave(moe->comm, mf__cuda_combine_launch(moe, in, out, stream), pending);
+}
+
+/* A call whose input the host rejected: it still takes part in the call's synchronisations, with
+ * the rejection as its status, so that every rank fails the call and writes nothing. The stream is
+ * then synchronised (an error path), so that the fault the rejection makes is known to be this
+ * host's own and is not reported twice. */
+static mf_result_t mf__cuda_reject(mf_moe_t moe, uint32_t phases, mf_result_t code, mf_stream_t stream_) {
+    cudaStream_t stream = (cudaStream_t)stream_;
+    mf_comm_t comm = moe->comm;
+    char why[512];
+    snprintf(why, sizeof why, "%s", mf_last_error());
+    if (mf__cuda_enter(comm, stream, NULL) != MF_SUCCESS) return mf__error(code, "%s", why);
+    mf_result_t res = MF_SUCCESS;
+    for (int32_t phase = 0; phase < MF__NUM_PHASES && res == MF_SUCCESS; phase++)
+        if (phases & (1u << phase)) res = mf__cuda_sync(comm, phase, code, stream);
+    if (res != MF_SUCCESS) return mf__cuda_leave(comm, res, MF_SUCCESS);
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) == cudaSuccess && capture == cudaStreamCaptureStatusNone &&
+        cudaStreamSynchronize(stream) == cudaSuccess)
+        (void)mf__cuda_take_fault(comm, 1);
+    (void)cudaGetLastError();
+    return mf__error(code, "%s", why);
+}
+
 const mf__backend_ops_t mf__cuda_backend = {
     "cuda",
     mf__cuda_available,
-    mf__cuda_group_init,
-    mf__cuda_group_fini,
+    mf__cuda_device_id,
     mf__cuda_comm_init,
     mf__cuda_comm_fini,
-    mf__cuda_heap_resize,
+    mf__cuda_mem_alloc,
+    mf__cuda_mem_free,
     mf__cuda_moe_init,
     mf__cuda_moe_fini,
     NULL, /* set_weights: borrowed device pointers are used as they are */
     mf__cuda_forward,
     mf__cuda_dispatch,
     mf__cuda_combine,
+    mf__cuda_reject,
+    mf__cuda_abort,
     mf__cuda_get_async_error,
     mf__cuda_get_phase_times,
 };

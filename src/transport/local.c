@@ -1,63 +1,65 @@
 /*
- * local.c — host signals of the `local` transport (see local.h): store-release of an epoch into
- * every peer's slot, and a bounded acquire-wait that yields the core while it spins, since R
- * virtual ranks may share fewer cores.
+ * local.c — the `local` transport: every rank is a thread of this process, so a rank's memory is
+ * reachable through its own pointer, and the exported handle is that pointer. With the CUDA
+ * backend the ranks share one device (virtual ranks) or use one device each; then peer access is
+ * enabled towards every other rank's device.
  */
-#include <sched.h>
-#include <stdatomic.h>
-#include <stdio.h>
-#include <time.h>
+#include <string.h>
 
-#include "transport/local.h"
+#if MF_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
 
-static _Atomic uint64_t *mf__slot(mf_group_t g, int32_t owner, int32_t phase, int32_t from) {
-    return (_Atomic uint64_t *)g->signal_base[owner] + (size_t)phase * MF_MAX_RANKS + from;
+#include "transport/transport.h"
+
+typedef struct mf__local_handle {
+    uint64_t ptr;
+    int32_t device;
+    int32_t status;
+} mf__local_handle_t;
+
+static void mf__local_sym_free(mf_comm_t comm, mf__sym_t *sym) {
+    if (sym->local) comm->ops->mem_free(comm, sym->local);
+    memset(sym, 0, sizeof *sym);
 }
 
-uint64_t mf__local_arrive(mf_comm_t comm, int32_t phase) {
-    mf_group_t g = comm->group;
-    uint64_t epoch = ++comm->epoch[phase];
-    for (int32_t q = 0; q < g->num_ranks; q++)
-        atomic_store_explicit(mf__slot(g, q, phase, comm->rank), epoch, memory_order_release);
-    return epoch;
-}
-
-static double mf__now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
-
-mf_result_t mf__local_wait(mf_comm_t comm, int32_t phase, uint64_t epoch) {
-    mf_group_t g = comm->group;
-    double start = mf__now_ms();
-    int32_t next = 0; /* ranks below `next` have arrived */
-    for (uint64_t spin = 0;; spin++) {
-        while (next < g->num_ranks &&
-               atomic_load_explicit(mf__slot(g, comm->rank, phase, next), memory_order_acquire) >= epoch)
-            next++;
-        if (next == g->num_ranks) return MF_SUCCESS;
-        if (spin < 64) continue;
-        if (spin < 4096) {
-            sched_yield();
-        } else {
-            struct timespec nap = {0, 20000};
-            nanosleep(&nap, NULL);
+static mf_result_t mf__local_peer_access(mf_comm_t comm, const mf__local_handle_t *all) {
+#if MF_WITH_CUDA
+    if (comm->backend != MF_BACKEND_CUDA) return MF_SUCCESS;
+    for (int32_t q = 0; q < comm->num_ranks; q++) {
+        if (all[q].device == comm->device) continue;
+        cudaError_t e = cudaDeviceEnablePeerAccess(all[q].device, 0);
+        if (e == cudaErrorPeerAccessAlreadyEnabled) e = cudaSuccess;
+        if (e != cudaSuccess) {
+            (void)cudaGetLastError();
+            return mf__error(MF_ERR_CUDA, "local transport: rank %d (device %d) cannot access rank %d's device %d: %s",
+                             comm->rank, comm->device, q, all[q].device, cudaGetErrorString(e));
         }
-        if ((spin & 63) == 0 && mf__now_ms() - start > (double)g->timeout_ms) break;
     }
-    char missing[256];
-    size_t used = 0;
-    missing[0] = '\0';
-    for (int32_t q = 0; q < g->num_ranks && used < sizeof missing; q++) {
-        uint64_t seen = atomic_load_explicit(mf__slot(g, comm->rank, phase, q), memory_order_acquire);
-        if (seen < epoch)
-            used += (size_t)snprintf(missing + used, sizeof missing - used, "%s%d (at epoch %llu)",
-                                     used ? ", " : "", q, (unsigned long long)seen);
-    }
-    comm->broken = 1;
-    return mf__error(MF_ERR_TIMEOUT,
-                     "rank %d: timed out after %lld ms in phase '%s' waiting for epoch %llu; missing "
-                     "ranks: %s", comm->rank, (long long)g->timeout_ms, mf__phase_name(phase),
-                     (unsigned long long)epoch, missing);
+#else
+    (void)comm;
+    (void)all;
+#endif
+    return MF_SUCCESS;
 }
+
+static mf_result_t mf__local_sym_alloc(mf_comm_t comm, size_t bytes, mf__sym_t *sym) {
+    memset(sym, 0, sizeof *sym);
+    mf__local_handle_t mine = {0, comm->device, MF_SUCCESS}, all[MF_MAX_RANKS];
+    void *p = NULL;
+    mine.status = comm->ops->mem_alloc(comm, bytes, &p);
+    mine.ptr = (uint64_t)(uintptr_t)p;
+    mf_result_t res = mf__agree(comm, mine.status, "symmetric allocation (local)");
+    if (res == MF_SUCCESS) res = mf__allgather(comm, &mine, all, sizeof mine, "symmetric allocation (local)");
+    if (res == MF_SUCCESS) res = mf__agree(comm, mf__local_peer_access(comm, all), "peer access (local)");
+    if (res != MF_SUCCESS) {
+        if (p) comm->ops->mem_free(comm, p);
+        return res;
+    }
+    sym->local = p;
+    sym->bytes = bytes;
+    for (int32_t q = 0; q < comm->num_ranks; q++) sym->peers[q] = (void *)(uintptr_t)all[q].ptr;
+    return MF_SUCCESS;
+}
+
+const mf__transport_ops_t mf__transport_local = {"local", mf__local_sym_alloc, mf__local_sym_free};

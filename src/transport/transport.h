@@ -25,15 +25,9 @@
 extern "C" {
 #endif
 
-/* One symmetric allocation, as this process sees it. */
-typedef struct mf__sym {
-    void *local;                /* this rank's memory (== peers[rank]), zeroed at allocation */
-    void *peers[MF_MAX_RANKS];  /* every rank's memory, addressable from this process */
-    size_t bytes;               /* the same on every rank */
-    void *priv;                 /* the transport's bookkeeping (names, handles, mappings) */
-} mf__sym_t;
+/* mf__sym_t, one symmetric allocation as this process sees it, is in core/internal.h. */
 
-typedef struct mf__transport_ops {
+struct mf__transport_ops {
     const char *name;
     /* Collective over the comm's ranks (uses the comm's bootstrap); blocking. On failure nothing
      * stays allocated or mapped, and every rank fails (the verdict is agreed over the bootstrap). */
@@ -41,7 +35,7 @@ typedef struct mf__transport_ops {
     /* Local: unmaps the peers' memory and frees this rank's. The caller has made sure (a barrier,
      * unless the comm is broken) that no peer still uses it. NULL-safe on a zeroed sym. */
     void (*sym_free)(mf_comm_t comm, mf__sym_t *sym);
-} mf__transport_ops_t;
+};
 
 extern const mf__transport_ops_t mf__transport_local;
 extern const mf__transport_ops_t mf__transport_ipc;

@@ -661,9 +661,9 @@ static int shared_rank(int32_t rank, void *arg) {
     return 0;
 }
 
-/* Two layers (FP8 DIRECT and BF16 PULL, different E, H, I, T; the second needs a larger heap, so
- * creating it grows the shared workspace) alternate forwards on the same comms: each layer's
- * output after several rounds matches its own CPU run. */
+/* Two layers (FP8 DIRECT and BF16 PULL, different E, H, I, T; the second needs a larger heap, which
+ * the group declares up front: mf_moe_heap_bytes) alternate forwards on the same comms: each
+ * layer's output after several rounds matches its own CPU run. */
 static int cuda_layers_share_workspace(void) {
     const int32_t R = 4;
     mfp_spec_t a, b;
@@ -681,6 +681,15 @@ static int cuda_layers_share_workspace(void) {
     sr.dataflow[0] = MF_DATAFLOW_DIRECT, sr.dataflow[1] = MF_DATAFLOW_PULL;
     mf_group_config_t gc = MF_GROUP_CONFIG_INIT;
     gc.backend = MF_BACKEND_CUDA, gc.num_ranks = R, gc.timeout_ms = peer_timeout_ms();
+    for (int l = 0; l < 2; l++) {
+        const mfp_spec_t *ps = &sr.p[l]->spec;
+        mf_moe_config_t cfg = MF_MOE_CONFIG_INIT;
+        cfg.num_experts = ps->E, cfg.num_topk = ps->K, cfg.hidden = ps->H, cfg.intermediate = ps->I;
+        cfg.max_tokens_per_rank = ps->S, cfg.dtype = ps->dtype, cfg.layout = ps->layout;
+        int64_t bytes = 0;
+        MFT_CHECK_OK(mf_moe_heap_bytes(&cfg, R, &bytes));
+        if (bytes > gc.heap_bytes) gc.heap_bytes = bytes;
+    }
     pthread_barrier_init(&sr.ready, NULL, (unsigned)R);
     MFT_CHECK_OK(mf_group_create(&gc, &sr.group));
     int rc = mft_run_ranks(R, shared_rank, &sr);
@@ -711,23 +720,36 @@ static int cuda_layers_share_workspace(void) {
 
 /* ---- faults -------------------------------------------------------------------------------- */
 
-/* A layer on every rank of a CUDA group; only the ranks in `callers` run a forward. */
+/* A layer on every rank of a CUDA group; only the ranks in `callers` run forwards. The first
+ * forward uses rank 0's `bad_ids` when given; with `no_clear`, a second forward follows at once,
+ * before anyone looks at the fault; then the fault is read, and a last forward with good ids runs. */
 typedef struct fault_run {
     mf_group_t group;
     const mfp_problem_t *p;
     int32_t callers;        /* bit mask */
-    const int32_t *bad_ids; /* rank 0's ids override, or NULL */
-    mf_result_t async[MF_MAX_RANKS];
+    const int32_t *bad_ids; /* rank 0's ids override in the first forward, or NULL */
+    int32_t no_clear;       /* a second forward before the fault is read */
+    mf_result_t first[MF_MAX_RANKS], second[MF_MAX_RANKS], async[MF_MAX_RANKS], last[MF_MAX_RANKS];
+    mf_result_t async_after[MF_MAX_RANKS];
     char msg[MF_MAX_RANKS][512];
-    uint16_t *y[MF_MAX_RANKS];
-    mf_result_t next_call[MF_MAX_RANKS];
+    int32_t untouched[MF_MAX_RANKS]; /* y still held its poison after the failed forwards */
+    uint16_t *y[MF_MAX_RANKS];       /* after the last forward */
     pthread_barrier_t ready;
 } fault_run_t;
+
+static int y_is_poison(const void *y_dev, size_t bytes) {
+    uint8_t *h = mft_alloc(bytes + 1);
+    if (bytes && cudaMemcpy(h, y_dev, bytes, cudaMemcpyDeviceToHost) != cudaSuccess) return 0;
+    int ok = mft_first_unpoisoned(h, bytes) < 0;
+    free(h);
+    return ok;
+}
 
 static int fault_rank(int32_t rank, void *arg) {
     fault_run_t *f = arg;
     const mfp_spec_t *s = &f->p->spec;
     int64_t T = f->p->T[rank], H = s->H, K = s->K;
+    const size_t ybytes = (size_t)T * H * 2;
     CUDA_OK(cudaSetDevice(0));
     cudaStream_t stream;
     CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -735,24 +757,34 @@ static int fault_rank(int32_t rank, void *arg) {
     mf_moe_t moe;
     mf_moe_weights_t w;
     if (make_cuda_layer(f->group, f->p, rank, MF_DATAFLOW_AUTO, &comm, &moe, &w)) return 1;
-    const int32_t *host_ids = rank == 0 && f->bad_ids ? f->bad_ids : f->p->topk_ids[rank];
-    void *x = to_dev(f->p->x[rank], (size_t)T * H * 2), *ids = to_dev(host_ids, (size_t)T * K * 4),
-         *wt = to_dev(f->p->topk_weights[rank], (size_t)T * K * 4), *y = to_dev(NULL, (size_t)T * H * 2);
+    const int32_t *first_ids = rank == 0 && f->bad_ids ? f->bad_ids : f->p->topk_ids[rank];
+    void *x = to_dev(f->p->x[rank], (size_t)T * H * 2), *ids = to_dev(f->p->topk_ids[rank], (size_t)T * K * 4),
+         *ids1 = to_dev(first_ids, (size_t)T * K * 4), *wt = to_dev(f->p->topk_weights[rank], (size_t)T * K * 4),
+         *y = to_dev(NULL, ybytes);
+    MFT_CHECK(x && ids && ids1 && wt && y);
     mf_moe_forward_in_t in = {mft_t2(x, MF_DTYPE_BF16, T, H), mft_t2(ids, MF_DTYPE_INT32, T, K),
                               mft_t2(wt, MF_DTYPE_FP32, T, K)};
+    mf_moe_forward_in_t in1 = in;
+    in1.topk_ids = mft_t2(ids1, MF_DTYPE_INT32, T, K);
     mf_moe_forward_out_t out = {mft_t2(y, MF_DTYPE_BF16, T, H)};
-    MFT_CHECK(x && ids && wt && y);
     CUDA_OK(warm_stream(stream, y));
+    CUDA_OK(cudaMemset(y, MFT_POISON_BYTE, ybytes));
     setup_done(&f->ready);
-    if (f->callers & (1 << rank)) MFT_CHECK_OK(mf_moe_forward(moe, &in, &out, stream));
+    const int calls = (f->callers >> rank) & 1;
+    if (calls) f->first[rank] = mf_moe_forward(moe, &in1, &out, stream);
+    if (calls && f->no_clear) f->second[rank] = mf_moe_forward(moe, &in, &out, stream);
     f->async[rank] = mf_comm_get_async_error(comm);
     snprintf(f->msg[rank], sizeof f->msg[rank], "%s", mf_last_error());
-    f->y[rank] = mft_alloc((size_t)T * H * 2 + 2);
-    CUDA_OK(cudaMemcpy(f->y[rank], y, (size_t)T * H * 2, cudaMemcpyDeviceToHost));
-    f->next_call[rank] = (f->callers & (1 << rank)) ? mf_moe_forward(moe, &in, &out, stream) : MF_SUCCESS;
+    f->async_after[rank] = mf_comm_get_async_error(comm); /* reported once */
+    f->untouched[rank] = y_is_poison(y, ybytes);
+    setup_done(&f->ready); /* every rank has read its fault before the last forward */
+    f->last[rank] = calls ? mf_moe_forward(moe, &in, &out, stream) : MF_SUCCESS;
     cudaStreamSynchronize(stream);
+    if (f->last[rank] == MF_SUCCESS && calls) f->last[rank] = mf_comm_get_async_error(comm);
+    f->y[rank] = mft_alloc(ybytes + 2);
+    CUDA_OK(cudaMemcpy(f->y[rank], y, ybytes, cudaMemcpyDeviceToHost));
     free_cuda_layer(moe, &w);
-    void *bufs[] = {x, ids, wt, y};
+    void *bufs[] = {x, ids, ids1, wt, y};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
     cudaStreamDestroy(stream);
     return 0;
@@ -766,7 +798,8 @@ static int fault_problem(mfp_problem_t *p, int32_t R) {
     return mfp_generate(&spec, p);
 }
 
-/* Rank 1 never calls: rank 0's wait expires and reports the phase and the missing rank. */
+/* Rank 1 never calls: rank 0's wait expires and reports the phase and the missing rank; the comm is
+ * broken after it. */
 static int cuda_timeout(void) {
     mfp_problem_t p;
     MFT_CHECK(fault_problem(&p, 2) == 0);
@@ -784,14 +817,18 @@ static int cuda_timeout(void) {
     MFT_CHECK_EQ_INT(f.async[0], MF_ERR_TIMEOUT);
     MFT_CHECK_MSG(mft_contains_ci(f.msg[0], "dispatch") && mft_contains_ci(f.msg[0], "rank 1"), "message: %s", f.msg[0]);
     MFT_CHECK_EQ_INT(f.async[1], MF_SUCCESS);
-    MFT_CHECK(f.next_call[0] == MF_ERR_INVALID_USAGE || f.next_call[0] == MF_ERR_TIMEOUT);
+    MFT_CHECK(f.untouched[0]);
+    MFT_CHECK_EQ_INT(f.last[0], MF_ERR_INVALID_USAGE);
     for (int r = 0; r < 2; r++) free(f.y[r]);
     mfp_free(&p);
     return 0;
 }
 
-/* Out-of-range and repeated device ids: no write out of bounds, treated as -1, reported. */
-static int cuda_bad_ids(void) {
+/* Out-of-range and repeated device ids on rank 0: the call fails on every rank (y untouched on
+ * both), each rank reports it once (rank 0 the id, rank 1 that rank 0 failed it), and once both
+ * reported it the group works again: the next forward equals the CPU layer. With no_clear, a
+ * second forward is issued before anyone reads the fault: it writes nothing either. */
+static int bad_ids_case(int32_t no_clear) {
     mfp_problem_t p;
     MFT_CHECK(fault_problem(&p, 2) == 0);
     int32_t T = p.T[0], K = p.spec.K;
@@ -805,27 +842,34 @@ static int cuda_bad_ids(void) {
     f.p = &p;
     f.callers = 3;
     f.bad_ids = bad;
+    f.no_clear = no_clear;
     mf_group_config_t gc = MF_GROUP_CONFIG_INIT;
     gc.backend = MF_BACKEND_CUDA, gc.num_ranks = 2, gc.timeout_ms = peer_timeout_ms();
     pthread_barrier_init(&f.ready, NULL, 2);
     MFT_CHECK_OK(mf_group_create(&gc, &f.group));
     MFT_CHECK(mft_run_ranks(2, fault_rank, &f) == 0);
     MFT_CHECK_OK(mf_group_destroy(f.group));
-    mft_verbose("  rank 0: %s: %s\n", mft_result_name(f.async[0]), f.msg[0]);
-    MFT_CHECK_EQ_INT(f.async[0], MF_ERR_INVALID_ARGUMENT);
-    MFT_CHECK_MSG(mft_contains_ci(f.msg[0], "topk_ids"), "message: %s", f.msg[0]);
-    MFT_CHECK_EQ_INT(f.async[1], MF_SUCCESS);
-    /* The result equals the CPU layer with those ids dropped (-1). */
-    for (int32_t i = 0; i < T * K; i++)
-        if (bad[i] < -1 || bad[i] >= p.spec.E) bad[i] = -1;
-    bad[3 * K + 1] = -1;
-    memcpy(p.topk_ids[0], bad, (size_t)T * K * 4);
+    for (int r = 0; r < 2; r++) {
+        mft_verbose("  rank %d: first %s, second %s, async %s: %s; last %s\n", r, mft_result_name(f.first[r]),
+                    mft_result_name(f.second[r]), mft_result_name(f.async[r]), f.msg[r], mft_result_name(f.last[r]));
+        /* Asynchronous: the host learns of the device's fault at the first look after it. */
+        MFT_CHECK(f.first[r] == MF_SUCCESS);
+        MFT_CHECK(f.second[r] == MF_SUCCESS || f.second[r] == MF_ERR_INVALID_ARGUMENT);
+        MFT_CHECK_EQ_INT(f.second[r] == MF_SUCCESS ? f.async[r] : MF_ERR_INVALID_ARGUMENT, MF_ERR_INVALID_ARGUMENT);
+        if (f.second[r] == MF_SUCCESS)
+            MFT_CHECK_MSG(mft_contains_ci(f.msg[r], r == 0 ? "topk_ids" : "rank 0 failed"), "rank %d: %s", r, f.msg[r]);
+        MFT_CHECK_EQ_INT(f.async_after[r], MF_SUCCESS);
+        MFT_CHECK_MSG(f.untouched[r], "rank %d: a failed forward wrote y", r);
+        MFT_CHECK_EQ_INT(f.last[r], MF_SUCCESS);
+    }
+    /* The last forward (good ids) equals the CPU layer. */
     uint16_t *y_cpu[2] = {mft_alloc((size_t)T * p.spec.H * 2), mft_alloc((size_t)p.T[1] * p.spec.H * 2)};
     char err[512];
     MFT_CHECK_MSG(mfp_run_forward(&p, MF_BACKEND_CPU, 1, 0, y_cpu, NULL, err, sizeof err) == MF_SUCCESS, "%s", err);
     for (int r = 0; r < 2; r++) {
-        double d = mfref_diff_bf16(f.y[r], y_cpu[r], (int64_t)p.T[r] * p.spec.H);
-        MFT_CHECK_MSG(d < 1e-5, "rank %d: diff %.3g vs the cpu layer with the bad ids dropped", r, d);
+        const int64_t n = (int64_t)p.T[r] * p.spec.H;
+        const double d = mfref_diff_bf16(f.y[r], y_cpu[r], n);
+        MFT_CHECK_MSG(d < MFREF_DIFF_MAX_BF16, "rank %d: y after recovery: diff %.3g vs the cpu layer", r, d);
         free(y_cpu[r]);
         free(f.y[r]);
     }
@@ -833,6 +877,8 @@ static int cuda_bad_ids(void) {
     mfp_free(&p);
     return 0;
 }
+
+static int cuda_bad_ids(void) { return bad_ids_case(0) || bad_ids_case(1); }
 
 /* A small config for compute-sanitizer (make test-gpu runs it under memcheck and racecheck). */
 static int cuda_small(void) {

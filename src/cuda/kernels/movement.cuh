@@ -1,6 +1,6 @@
 /*
  * movement.cuh — the CUDA kernels that move tokens: publish (quantise + copy into my heap),
- * the routing plan (count, offsets, fill), gather (pull routed rows from the peers' heaps into the
+ * the routing plan (fetch, offsets, fill), gather (pull routed rows from the peers' heaps into the
  * receive tensor), return (expert outputs into the owners' combine slots) and the owner's K-sum.
  *
  * Dimension legend: T tokens on this rank, S capacity, H hidden, E experts, R ranks, L local
@@ -91,98 +91,129 @@ __global__ void __launch_bounds__(kMfPublishThreads) mf__publish_kernel(mf__publ
     }
 }
 
-/* ---- plan --------------------------------------------------------------------------------- */
+/* ---- plan ---------------------------------------------------------------------------------
+ *
+ * Three kernels, after the DISPATCH sync (a faulted comm writes nothing):
+ *   fetch    copies every rank's T and routing once into this rank's memory (over NVLink each
+ *            remote id crosses the link once per call, not once per local expert) and counts
+ *            rows per global expert (E counters, zero on entry);
+ *   offsets  the capacity verdict from the global counts, for every rank's experts, so that all
+ *            ranks reach the same one (DESIGN.md: an overflow writes nothing anywhere and every
+ *            rank returns MF_ERR_CAPACITY); then this rank's counts and segment offsets; and it
+ *            zeroes the global counters for the next call;
+ *   fill     each local expert's source rows in rank-major, token, k order, from the local copy.
+ */
 
 typedef struct mf__plan_params {
     mf__heap_view_t view;
-    int32_t K, L, first_expert, layout, block_m, capacity, max_rows;
-    int32_t *counts;  /* [L] */
-    int32_t *offsets; /* [L + 1] */
-    int32_t *src;     /* [rows, 3] */
+    int32_t K, E, L, S, first_expert, layout, block_m, capacity, max_rows;
+    int32_t *ids_all;       /* [R, S, K] copy of every rank's routing */
+    int32_t *T_all;         /* [R] */
+    int32_t *global_counts; /* [E] rows per global expert; zero between calls */
+    int32_t *counts;        /* [L] */
+    int32_t *offsets;       /* [L + 1] */
+    int32_t *src;           /* [rows, 3] */
     int32_t *counts_out, *offsets_out; /* mf_dispatch's copies for the caller, or NULL */
     mf__fault_sink_t sink;
 } mf__plan_params_t;
 
-__device__ __forceinline__ int32_t mf__block_sum(int32_t v, int32_t *smem) {
-    for (int off = kMfWarp / 2; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
-    if (threadIdx.x % kMfWarp == 0) smem[threadIdx.x / kMfWarp] = v;
+/* Grid (kMfPlanFetchBlocks, R): blocks of rank r copy its routing and count it. */
+__global__ void __launch_bounds__(kMfPlanThreads) mf__plan_fetch_kernel(mf__plan_params_t p) {
+    __shared__ int32_t hist[kMfPlanSmemExperts];
+    if (mf__faulted(p.sink)) return;
+    const int32_t r = blockIdx.y;
+    const int32_t T = *(const volatile int32_t *)(p.view.heap[r] + p.view.meta);
+    if (blockIdx.x == 0 && threadIdx.x == 0) p.T_all[r] = T;
+    const bool smem = p.E <= kMfPlanSmemExperts;
+    if (smem)
+        for (int32_t e = threadIdx.x; e < p.E; e += blockDim.x) hist[e] = 0;
     __syncthreads();
-    int32_t total = 0;
-    for (int w = 0; w < (int)(blockDim.x / kMfWarp); w++) total += smem[w];
-    __syncthreads();
-    return total;
-}
-
-/* One block per local expert: rows routed to it from every rank. */
-__global__ void __launch_bounds__(kMfPlanThreads) mf__plan_count_kernel(mf__plan_params_t p) {
-    __shared__ int32_t smem[kMfPlanThreads / kMfWarp];
-    const int32_t e = blockIdx.x, target = p.first_expert + e;
-    int32_t n = 0;
-    for (int32_t r = 0; r < p.view.num_ranks; r++) {
-        int32_t entries = *(const int32_t *)(p.view.heap[r] + p.view.meta) * p.K;
-        const int32_t *ids = (const int32_t *)(p.view.heap[r] + p.view.ids);
-        for (int32_t i = threadIdx.x; i < entries; i += blockDim.x) n += ids[i] == target;
+    const int32_t *ids = (const int32_t *)(p.view.heap[r] + p.view.ids);
+    int32_t *copy = p.ids_all + (size_t)r * p.S * p.K;
+    const int32_t entries = T * p.K;
+    for (int32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < entries; i += gridDim.x * blockDim.x) {
+        const int32_t id = ids[i]; /* publish made every id -1 or in [0, E) */
+        copy[i] = id;
+        if (id >= 0) atomicAdd(smem ? &hist[id] : &p.global_counts[id], 1);
     }
-    n = mf__block_sum(n, smem);
-    if (threadIdx.x == 0) p.counts[e] = n;
+    if (!smem) return;
+    __syncthreads();
+    for (int32_t e = threadIdx.x; e < p.E; e += blockDim.x)
+        if (hist[e]) atomicAdd(&p.global_counts[e], hist[e]);
 }
 
-/* One warp: segment offsets by a warp-wide scan over the experts, kMfWarp at a time (a one-thread
- * walk cost a dependent global load per expert: ~0.2 us each, 50 us at L = 256), and the capacity
- * check. An overflow raises a fault (for the first overflowing expert) and clamps the counts so that
- * nothing is ever written out of bounds. The result equals the expert-by-expert walk: its clamped
- * running offset is the unclamped prefix of padded counts capped at max_rows. */
-__global__ void mf__plan_offsets_kernel(mf__plan_params_t p) {
-    const int32_t lane = threadIdx.x;
-    if (lane >= kMfWarp) return;
+/* One block: the capacity verdict (lowest overflowing expert, MASKED, or rank, EXPERT_MAJOR, as the
+ * CPU plan reports it), then warp 0 scans this rank's padded counts into offsets, kMfWarp experts
+ * at a time (a one-thread walk cost a dependent global load per expert: ~0.2 us each). */
+__global__ void __launch_bounds__(kMfPlanThreads) mf__plan_offsets_kernel(mf__plan_params_t p) {
+    __shared__ int32_t worst;
+    const int32_t lane = threadIdx.x % kMfWarp, warp = threadIdx.x / kMfWarp, nwarps = blockDim.x / kMfWarp;
     const bool masked = p.layout == MF_LAYOUT_MASKED;
-    int64_t base = 0; /* unclamped padded rows of the experts before this chunk */
-    bool raised = false;
-    for (int32_t e0 = 0; e0 < p.L; e0 += kMfWarp) {
-        const int32_t e = e0 + lane;
-        const bool live = e < p.L;
-        int32_t c = live ? p.counts[e] : 0, offset;
-        bool over;
-        long long seen, limit;
+    const int32_t R = p.view.num_ranks;
+    if (threadIdx.x == 0) worst = INT32_MAX;
+    __syncthreads();
+    bool faulted = mf__faulted(p.sink);
+    if (!faulted && masked) {
+        for (int32_t e = threadIdx.x; e < p.E; e += blockDim.x)
+            if (p.global_counts[e] > p.capacity) atomicMin(&worst, e);
+    } else if (!faulted) {
+        for (int32_t q = warp; q < R; q += nwarps) {
+            long long rows = 0;
+            for (int32_t e = q * p.L + lane; e < (q + 1) * p.L; e += kMfWarp)
+                rows += ((long long)p.global_counts[e] + p.block_m - 1) / p.block_m * p.block_m;
+            for (int off = kMfWarp / 2; off > 0; off /= 2) rows += __shfl_xor_sync(0xffffffffu, rows, off);
+            if (lane == 0 && rows > p.max_rows) atomicMin(&worst, q);
+        }
+    }
+    __syncthreads();
+    if (worst != INT32_MAX && threadIdx.x == 0) {
+        long long seen = 0;
         if (masked) {
-            over = live && c > p.capacity;
-            seen = c, limit = p.capacity;
-            if (over) c = p.capacity;
-            offset = e * p.capacity;
+            seen = p.global_counts[worst];
         } else {
-            const int64_t padded = ((int64_t)c + p.block_m - 1) / p.block_m * p.block_m;
-            int64_t incl = padded; /* inclusive scan over the lanes */
+            for (int32_t e = worst * p.L; e < (worst + 1) * p.L; e++)
+                seen += ((long long)p.global_counts[e] + p.block_m - 1) / p.block_m * p.block_m;
+        }
+        /* Every rank sets the same fault from the same counts: no rank writes anything. */
+        mf__set_fault(p.sink, MF_ERR_CAPACITY, kMfFaultCapacity, masked ? worst / p.L : worst, MF__PHASE_DISPATCH,
+                      masked ? -1 : -2, 0, worst, seen, masked ? p.capacity : p.max_rows);
+    }
+    faulted = faulted || worst != INT32_MAX;
+    if (warp == 0) {
+        int64_t base = 0; /* padded rows of the experts before this chunk */
+        for (int32_t e0 = 0; e0 < p.L; e0 += kMfWarp) {
+            const int32_t e = e0 + lane;
+            const bool live = e < p.L;
+            const int32_t c = live && !faulted ? p.global_counts[p.first_expert + e] : 0;
+            int32_t offset;
+            if (masked) {
+                offset = e * p.capacity;
+            } else {
+                const int64_t padded = ((int64_t)c + p.block_m - 1) / p.block_m * p.block_m;
+                int64_t incl = padded; /* inclusive scan over the lanes */
 #pragma unroll
-            for (int off = 1; off < kMfWarp; off <<= 1) {
-                const int64_t v = __shfl_up_sync(0xffffffffu, incl, off);
-                if (lane >= off) incl += v;
+                for (int off = 1; off < kMfWarp; off <<= 1) {
+                    const int64_t v = __shfl_up_sync(0xffffffffu, incl, off);
+                    if (lane >= off) incl += v;
+                }
+                offset = (int32_t)(base + incl - padded);
+                base += __shfl_sync(0xffffffffu, incl, kMfWarp - 1);
             }
-            const int64_t excl = base + incl - padded;
-            const int64_t run = excl < p.max_rows ? excl : p.max_rows;
-            over = live && run + padded > p.max_rows;
-            seen = run + padded, limit = p.max_rows;
-            if (over) c = c < p.max_rows - run ? c : (int32_t)(p.max_rows - run);
-            offset = (int32_t)run;
-            base += __shfl_sync(0xffffffffu, incl, kMfWarp - 1);
+            if (live) {
+                /* A faulted call leaves empty segments: the GEMMs and moves that follow do nothing. */
+                p.offsets[e] = faulted ? 0 : offset;
+                p.counts[e] = c;
+                if (p.counts_out && !faulted) p.counts_out[e] = c;
+                if (p.offsets_out && !faulted) p.offsets_out[e] = offset;
+            }
         }
-        const unsigned overs = __ballot_sync(0xffffffffu, over);
-        if (overs && !raised) {
-            if (lane == __ffs(overs) - 1)
-                mf__raise(p.sink, MF_ERR_CAPACITY, kMfFaultCapacity, MF__PHASE_DISPATCH, masked ? -1 : -2,
-                          p.first_expert + e, seen, limit);
-            raised = true;
-        }
-        if (live) {
-            p.offsets[e] = offset;
-            p.counts[e] = c;
-            if (p.counts_out) p.counts_out[e] = c;
-            if (p.offsets_out) p.offsets_out[e] = offset;
+        if (lane == 0) {
+            p.offsets[p.L] = faulted ? 0 : masked ? p.L * p.capacity : (int32_t)base;
+            if (p.offsets_out && !faulted) p.offsets_out[p.L] = p.offsets[p.L];
         }
     }
-    if (lane == 0) {
-        p.offsets[p.L] = masked ? p.L * p.capacity : (int32_t)(base < p.max_rows ? base : p.max_rows);
-        if (p.offsets_out) p.offsets_out[p.L] = p.offsets[p.L];
-    }
+    __syncthreads();
+    for (int32_t e = threadIdx.x; e < p.E; e += blockDim.x) p.global_counts[e] = 0; /* for the next call */
 }
 
 /* One block per local expert: its rows in rank-major, token, k order; then padding markers. Each
@@ -190,14 +221,15 @@ __global__ void mf__plan_offsets_kernel(mf__plan_params_t p) {
  * block-wide exclusive scan of the per-thread hit counts places the hits in entry order. */
 __global__ void __launch_bounds__(kMfPlanThreads) mf__plan_fill_kernel(mf__plan_params_t p) {
     __shared__ int32_t warp_total[kMfPlanThreads / kMfWarp];
+    if (mf__faulted(p.sink)) return;
     const int32_t e = blockIdx.x, target = p.first_expert + e, lane = threadIdx.x % kMfWarp,
                   warp = threadIdx.x / kMfWarp, nwarps = blockDim.x / kMfWarp;
     const int32_t count = p.counts[e], row0 = p.offsets[e];
     const int32_t per_pass = kMfPlanPerThread * blockDim.x;
     int32_t base = 0;
     for (int32_t r = 0; r < p.view.num_ranks && base < count; r++) {
-        int32_t entries = *(const int32_t *)(p.view.heap[r] + p.view.meta) * p.K;
-        const int32_t *ids = (const int32_t *)(p.view.heap[r] + p.view.ids);
+        const int32_t entries = p.T_all[r] * p.K;
+        const int32_t *ids = p.ids_all + (size_t)r * p.S * p.K;
         for (int32_t chunk = 0; chunk < entries && base < count; chunk += per_pass) {
             const int32_t i0 = chunk + kMfPlanPerThread * threadIdx.x;
             bool hit[kMfPlanPerThread];
@@ -261,6 +293,7 @@ typedef struct mf__move_params {
     int32_t *recv_src;     /* [rows, 3] copy for the caller, or NULL */
     /* return */
     const uint16_t *expert_out; /* [rows, H] bf16 */
+    mf__fault_sink_t sink;      /* a faulted comm moves nothing */
 } mf__move_params_t;
 
 /* One warp copies `bytes` (a multiple of 16): 4 loads in flight per lane before their stores. */
@@ -294,7 +327,7 @@ __global__ void __launch_bounds__(kMfMoveThreads) mf__gather_kernel(mf__move_par
     const int64_t nwarps = (int64_t)gridDim.x * blockDim.x / kMfWarp;
     const size_t row_bytes = (size_t)p.H * (p.fp8 ? 1 : 2);
     const int32_t nsc = p.H / MF__QUANT_BLOCK;
-    const int64_t rows = p.offsets[p.L];
+    const int64_t rows = mf__faulted(p.sink) ? 0 : p.offsets[p.L];
     for (int64_t row = gwarp; row < rows; row += nwarps) {
         bool pad;
         if (!mf__routed_row(p, row, &pad)) {
@@ -317,7 +350,7 @@ __global__ void __launch_bounds__(kMfMoveThreads) mf__return_kernel(mf__move_par
     const int64_t gwarp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / kMfWarp;
     const int64_t nwarps = (int64_t)gridDim.x * blockDim.x / kMfWarp;
     const size_t row_bytes = (size_t)p.H * 2;
-    const int64_t rows = p.offsets[p.L];
+    const int64_t rows = mf__faulted(p.sink) ? 0 : p.offsets[p.L];
     for (int64_t row = gwarp; row < rows; row += nwarps) {
         bool pad;
         if (!mf__routed_row(p, row, &pad)) continue;
@@ -335,6 +368,7 @@ typedef struct mf__sum_params {
     const float *weights; /* [T, K] */
     uint16_t *y;          /* [T, H] */
     int32_t T, H, K;
+    mf__fault_sink_t sink; /* a faulted comm leaves y untouched */
 } mf__sum_params_t;
 
 /* Grid (T, column groups): each thread owns 8 columns of one token (16-byte loads and stores), so
@@ -343,7 +377,7 @@ typedef struct mf__sum_params {
 __global__ void __launch_bounds__(kMfSumThreads) mf__sum_kernel(mf__sum_params_t p) {
     const int32_t t = blockIdx.x;
     const int32_t c = blockIdx.y * blockDim.x + threadIdx.x;
-    if (c >= p.H / 8) return;
+    if (c >= p.H / 8 || mf__faulted(p.sink)) return;
     const int32_t *ids = (const int32_t *)(p.heap + p.ids) + (size_t)t * p.K;
     const uint16_t *slots = (const uint16_t *)(p.heap + p.combine) + (size_t)t * p.K * p.H;
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};

@@ -1,17 +1,32 @@
 /*
- * sync.cuh — device-side synchronisation between ranks and fault reporting.
+ * sync.cuh — device-side synchronisation between ranks, and the fault model of the CUDA backend.
  *
- * Signals (DESIGN.md "Symmetric heap"): every rank owns kMfSignalWords uint64 in device memory:
- * slots [MF__NUM_PHASES][MF_MAX_RANKS] that peers write, then its own epoch counter per phase.
- * sync (one kernel): arrive, my_epoch[phase] += 1, then a release store of it into every peer's
- * slot [phase][me]; then wait until every slot [phase][q] >= my_epoch[phase], acquire; bounded by
- * the group timeout.
- * Epochs live in device memory, so a captured CUDA graph replays with fresh epochs and nothing is
- * ever re-zeroed.
+ * Signals (core/internal.h "signals"): every rank owns MF__SIGNAL_WORDS uint64 in device memory,
+ * reached by peers through the signal table. sync (one kernel): arrive, my_epoch[phase] += 1, a
+ * release store of (epoch, status) into every peer's slot [phase][me]; then wait until every slot
+ * [phase][q] holds that epoch, acquire; bounded by the comm timeout, ended early by an abort (this
+ * rank's mapped abort word, or the abort word of the peer it waits for). Epochs live in device
+ * memory, so a captured CUDA graph replays with fresh epochs and nothing is ever re-zeroed.
  *
- * Faults: the first raiser wins a claim word in device memory and writes the record into mapped
- * host memory (plain stores + system fences, no atomics on host memory), so the host can read it
- * without synchronising.
+ * Faults (one model for every rank; docs/API.md "Faults"):
+ *  - A *fresh* fault is raised by a kernel of this rank before the call's first sync (publish: a
+ *    bad or repeated id), or is the host's rejection of the call's input. It travels as the status
+ *    of this rank's arrival, so every rank learns of it at the same sync.
+ *  - A sync whose arrivals carry a status makes the comm *faulted* on every rank alike (the same
+ *    sticky code and fault id everywhere, the lowest failing rank's). So is a capacity overflow,
+ *    which every rank's plan finds from the same global counts. Every kernel after the sync checks
+ *    the sticky code and writes nothing, so the call writes no output on any rank; so do all later
+ *    calls until the fault is acknowledged.
+ *  - Acknowledged: each rank's host passes the id of the last fault it reported to the user
+ *    (mf_comm_get_async_error, or a call's result). At the first sync of a call (phase DISPATCH)
+ *    where every rank acknowledged the current fault, every rank clears it and the call runs.
+ *    The decision is taken by device code from the same signals on every rank, so ranks never
+ *    disagree on which calls failed, whenever their hosts happen to look.
+ *  - A timeout or an abort is also sticky, but ends the protocol: later syncs no longer wait, and
+ *    the host marks the comm broken.
+ * The sticky state lives in device memory (mf__device_state); its copy for the host, written last
+ * with system fences, in mapped host memory (mf__device_error), so the host reads it without
+ * synchronising.
  */
 #ifndef MF_CUDA_SYNC_CUH
 #define MF_CUDA_SYNC_CUH
@@ -20,17 +35,31 @@
 
 #include "cuda/configs.cuh"
 
-/* Fault record, in mapped host memory; `code` is written last. */
+/* The host's view of the comm's fault, in mapped host memory; `code` is written last. */
 typedef struct mf__device_error {
-    volatile int32_t code; /* mf_result_t; 0 = none */
-    int32_t kind;          /* kMfFault* */
-    int32_t rank, phase, peer, pad;
-    long long a, b, c;     /* kind-specific details */
+    volatile int32_t code;         /* sticky fault code (mf_result_t); 0 = healthy */
+    int32_t kind;                  /* kMfFault* */
+    int32_t rank, phase, peer;     /* rank whose fault it is (the raiser), phase, peer (per kind) */
+    int32_t reported;              /* 1: this rank's host already returned it (its own rejection) */
+    long long a, b, c;             /* kind-specific details */
+    volatile unsigned long long fault_id; /* the fault's id, the same on every rank */
+    volatile int32_t abort;        /* the host sets 1 (mf_comm_abort): this rank's waits end */
+    int32_t pad;
+    unsigned long long one;        /* 1: the source of abort words copied into the peers' signals */
 } mf__device_error_t;
 
+/* The comm's fault state in device memory (only this rank's kernels touch it, in stream order). */
+typedef struct mf__device_state {
+    int32_t claim;                 /* a fresh fault of this call: the first raiser wins */
+    int32_t fault;                 /* sticky fault code; 0 = healthy */
+    unsigned long long fault_id;   /* incremented by every new sticky fault */
+    int32_t code, kind, phase, peer; /* the fresh fault's details */
+    long long a, b, c;
+} mf__device_state_t;
+
 typedef struct mf__fault_sink {
-    int32_t *claim;             /* device memory: 0 until a fault is raised */
-    mf__device_error_t *record; /* mapped host memory (device pointer) */
+    mf__device_state_t *state;     /* device memory */
+    mf__device_error_t *record;    /* mapped host memory (device pointer) */
     int32_t rank;
 } mf__fault_sink_t;
 
@@ -50,61 +79,143 @@ __device__ __forceinline__ uint64_t mf__globaltimer_ns(void) {
     return t;
 }
 
-__device__ __forceinline__ void mf__raise(const mf__fault_sink_t &sink, int32_t code, int32_t kind,
-                                          int32_t phase, int32_t peer, long long a, long long b,
-                                          long long c) {
-    if (atomicCAS(sink.claim, 0, 1) != 0) return;
+/* Whether the comm is faulted: kernels after a sync write nothing then. */
+__device__ __forceinline__ bool mf__faulted(const mf__fault_sink_t &sink) {
+    return *(volatile const int32_t *)&sink.state->fault != 0;
+}
+
+/* A fresh fault, before the call's first sync (any thread; the first raiser's details win). */
+__device__ __forceinline__ void mf__raise(const mf__fault_sink_t &sink, int32_t code, int32_t kind, int32_t phase,
+                                          int32_t peer, long long a, long long b, long long c) {
+    mf__device_state_t *s = sink.state;
+    if (atomicCAS(&s->claim, 0, 1) != 0) return;
+    s->code = code;
+    s->kind = kind;
+    s->phase = phase;
+    s->peer = peer;
+    s->a = a;
+    s->b = b;
+    s->c = c;
+    __threadfence();
+}
+
+/* Makes the comm faulted (sticky) unless it already is; any thread, the first one wins. */
+__device__ __forceinline__ void mf__set_fault(const mf__fault_sink_t &sink, int32_t code, int32_t kind, int32_t rank,
+                                              int32_t phase, int32_t peer, int32_t reported, long long a, long long b,
+                                              long long c) {
+    mf__device_state_t *s = sink.state;
+    if (atomicCAS(&s->fault, 0, code) != 0) return;
+    const unsigned long long id = ++s->fault_id;
     mf__device_error_t *r = sink.record;
     r->kind = kind;
-    r->rank = sink.rank;
+    r->rank = rank;
     r->phase = phase;
     r->peer = peer;
+    r->reported = reported;
     r->a = a;
     r->b = b;
     r->c = c;
+    r->fault_id = id;
     __threadfence_system();
     r->code = code;
     __threadfence_system();
 }
 
+/* Status bits of an arrival (below the epoch): the failure code, whether the raising rank's host
+ * returned it itself, and whether this rank acknowledged the comm's current fault. */
+#define kMfStatusCode 0x3full
+#define kMfStatusReported 0x40ull
+#define kMfStatusAck 0x80ull
+static_assert(MF__STATUS_BITS == 8, "status: 6 bits of code, reported, ack");
+static_assert(MF_ERR_ABORTED <= (int)kMfStatusCode, "every mf_result_t fits the status");
+
 typedef struct mf__sync_params {
     uint64_t *signals[MF_MAX_RANKS]; /* every rank's signal words (peer pointers) */
     int32_t num_ranks, rank, phase;
+    int32_t reject;                  /* the host rejected this call: its mf_result_t, else 0 */
+    unsigned long long acked_id;     /* the last fault id this rank's host reported */
     uint64_t timeout_ns;
     mf__fault_sink_t sink;
 } mf__sync_params_t;
 
-/* One block. Thread 0 arrives: bumps my epoch for the phase and publishes it to every rank (me
- * included). Then one thread per peer waits for that peer's arrival at the same epoch, bounded by the
- * group timeout. A comm that already timed out still arrives but does not wait again (its protocol
- * state is gone). One kernel for both halves: a kernel boundary fewer per synchronisation. */
+/* One block. Thread 0 arrives with this rank's status; one thread per peer waits for that peer's
+ * arrival; then thread 0 reads every status and applies the fault model above. A comm that timed
+ * out or was aborted still arrives but no longer waits (its protocol state is gone). One kernel for
+ * both halves: a kernel boundary fewer per synchronisation. */
 __global__ void __launch_bounds__(kMfWaitThreads) mf__sync_kernel(mf__sync_params_t p) {
     __shared__ uint64_t want;
+    __shared__ int32_t stop;
+    mf__device_state_t *s = p.sink.state;
     uint64_t *mine = p.signals[p.rank];
     if (threadIdx.x == 0) {
-        const uint64_t epoch = mine[MF__SIGNAL_COUNT + p.phase] + 1;
-        mine[MF__SIGNAL_COUNT + p.phase] = epoch;
+        const int32_t fault = s->fault;
+        const bool ack = fault && p.acked_id == s->fault_id;
+        uint64_t status;
+        if (fault && !ack) status = (uint64_t)fault; /* not yet acknowledged here: the call fails */
+        else if (p.reject) status = (uint64_t)p.reject | kMfStatusReported;
+        else status = s->claim ? (uint64_t)s->code : 0;
+        if (ack) status |= kMfStatusAck;
+        const uint64_t epoch = mine[MF__SIGNAL_EPOCHS + p.phase] + 1;
+        mine[MF__SIGNAL_EPOCHS + p.phase] = epoch;
         __threadfence_system(); /* everything this stream wrote before is visible before the signal */
         for (int32_t q = 0; q < p.num_ranks; q++)
-            mf__st_release_sys(p.signals[q] + (size_t)p.phase * MF_MAX_RANKS + p.rank, epoch);
+            mf__st_release_sys(p.signals[q] + MF__SIGNAL_SLOTS + (size_t)p.phase * MF_MAX_RANKS + p.rank,
+                               epoch << MF__STATUS_BITS | status);
         want = epoch;
+        stop = fault == MF_ERR_TIMEOUT || fault == MF_ERR_ABORTED;
     }
     __syncthreads();
     const int32_t q = threadIdx.x;
-    if (q >= p.num_ranks) return;
-    if (p.sink.record->code == MF_ERR_TIMEOUT) return;
-    const uint64_t *slot = mine + (size_t)p.phase * MF_MAX_RANKS + q;
-    uint64_t start = mf__globaltimer_ns(), seen;
-    while ((seen = mf__ld_acquire_sys(slot)) < want) {
-        if (mf__globaltimer_ns() - start > p.timeout_ns) {
-            /* The peer's own epoch tells "never arrived" (< want) from "arrived, signal lost". */
-            uint64_t peer_epoch = mf__ld_acquire_sys(p.signals[q] + MF__SIGNAL_COUNT + p.phase);
-            mf__raise(p.sink, MF_ERR_TIMEOUT, kMfFaultTimeout, p.phase, q, (long long)seen, (long long)want,
-                      (long long)peer_epoch);
-            return;
+    if (q < p.num_ranks && !stop) {
+        const uint64_t *slot = mine + MF__SIGNAL_SLOTS + (size_t)p.phase * MF_MAX_RANKS + q;
+        const uint64_t *peer_abort = mine + MF__SIGNAL_ABORT + q;
+        uint64_t start = mf__globaltimer_ns(), seen;
+        for (uint32_t spin = 0; (seen = mf__ld_acquire_sys(slot)) >> MF__STATUS_BITS < want; spin++) {
+            if ((spin & 63) == 63) {
+                if (p.sink.record->abort || mf__ld_acquire_sys(peer_abort)) {
+                    mf__set_fault(p.sink, MF_ERR_ABORTED, kMfFaultAborted, p.rank, p.phase, q, 0, 0, 0, 0);
+                    break;
+                }
+                if (mf__globaltimer_ns() - start > p.timeout_ns) {
+                    /* The peer's own epoch tells "never arrived" (< want) from "arrived, signal lost". */
+                    const uint64_t peer_epoch = mf__ld_acquire_sys(p.signals[q] + MF__SIGNAL_EPOCHS + p.phase);
+                    mf__set_fault(p.sink, MF_ERR_TIMEOUT, kMfFaultTimeout, p.rank, p.phase, q, 0,
+                                  (long long)(seen >> MF__STATUS_BITS), (long long)want, (long long)peer_epoch);
+                    break;
+                }
+            }
+            __nanosleep(kMfWaitBackoffNs);
         }
-        __nanosleep(kMfWaitBackoffNs);
     }
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    const int32_t fault = s->fault;
+    s->claim = 0; /* this call's fresh fault, if any, travelled in the arrival */
+    if (stop || fault == MF_ERR_TIMEOUT || fault == MF_ERR_ABORTED) return;
+    bool all_ack = true;
+    int32_t failed = -1;
+    uint64_t failed_status = 0;
+    for (int32_t r = 0; r < p.num_ranks; r++) {
+        const uint64_t v = mf__ld_acquire_sys(mine + MF__SIGNAL_SLOTS + (size_t)p.phase * MF_MAX_RANKS + r);
+        all_ack = all_ack && (v & kMfStatusAck);
+        if (failed < 0 && (v & kMfStatusCode)) {
+            failed = r;
+            failed_status = v;
+        }
+    }
+    if (fault && all_ack && p.phase == MF__PHASE_DISPATCH) {
+        /* Every host has reported it: the fault ends here, for every rank at once. */
+        s->fault = 0;
+        p.sink.record->code = 0;
+        __threadfence_system();
+    }
+    if (failed < 0) return;
+    const int32_t code = (int32_t)(failed_status & kMfStatusCode);
+    if (failed == p.rank && !p.reject && s->code == code)
+        mf__set_fault(p.sink, code, s->kind, p.rank, s->phase, s->peer, 0, s->a, s->b, s->c);
+    else
+        mf__set_fault(p.sink, code, failed == p.rank ? kMfFaultRejected : kMfFaultPeer, failed, p.phase, failed,
+                      failed == p.rank && (failed_status & kMfStatusReported) ? 1 : 0, 0, 0, 0);
 }
 
 #endif /* MF_CUDA_SYNC_CUH */

@@ -1,0 +1,3 @@
+build-cpu/tests/main.o: tests/main.c tests/harness.h include/moeflow.h
+tests/harness.h:
+include/moeflow.h:
