@@ -42,6 +42,7 @@ static const mft_test_t *const mft_tables[] = {
     mft_tests_dispatch,
     mft_tests_layer,
     mft_tests_plan,
+    mft_tests_transport,
     mft_tests_rendezvous,
     NULL,
 };

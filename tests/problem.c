@@ -6,19 +6,28 @@
  * and routing from (seed, r), the zipf popularity order from (seed). Weight streams are independent,
  * so several threads draw them and the result does not depend on how many.
  *
- * Running. mfp_run creates a local group, one thread per rank; every thread creates its layer
- * (collective), sets its weights and calls mf_moe_forward warmup + iters times, each call started
- * together with the other ranks' (a barrier that a failing rank breaks, so nobody waits on a rank
- * that has left). On CUDA every thread copies its inputs and weights to the device first and its y
- * back at the end. The first failure wins: its code and its thread's mf_last_error() are returned.
+ * Running. mfp_run drives R ranks, as threads of a local group (mf_group_create) or as forked
+ * processes that each make one comm (the built-in rendezvous and mf_comm_init over the ipc
+ * transport). Every rank creates its layer (collective), sets its weights and calls mf_moe_forward
+ * warmup + iters times, each call started together with the other ranks' (a barrier that a failing
+ * rank breaks, so nobody waits on a rank that has left). On CUDA every rank copies its inputs and
+ * weights to the device first and its y back at the end. The run's state (barrier, first failure,
+ * times, outputs) lives in memory that processes share too. The first failure wins: its code and
+ * its rank's mf_last_error() are returned.
  */
+#define _DEFAULT_SOURCE /* MAP_ANONYMOUS */
 #include "problem.h"
 
+#include <errno.h>
 #include <math.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -395,16 +404,45 @@ int64_t mfp_count_rows(const mfp_problem_t *p, int64_t *rows_per_rank, int64_t *
 
 /* ---- running -------------------------------------------------------------------------------- */
 
-/* A barrier that fails everyone once one thread gives up, instead of leaving them waiting. */
+/* A barrier that fails everyone once one rank gives up, instead of leaving them waiting; in shared
+ * memory with process-shared primitives, so rank processes use it as threads do. A wait is bounded
+ * (a rank process that died never arrives). */
 typedef struct run_barrier {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int32_t count, arrived, failed;
     uint64_t generation;
+    int64_t timeout_ms;
 } run_barrier_t;
 
-/* 0 when all arrived, -1 when the barrier is broken. */
+static void barrier_init(run_barrier_t *b, int32_t count, int64_t timeout_ms) {
+    pthread_mutexattr_t ma;
+    pthread_condattr_t ca;
+    pthread_mutexattr_init(&ma);
+    pthread_mutexattr_setpshared(&ma, PTHREAD_PROCESS_SHARED);
+    pthread_mutex_init(&b->mu, &ma);
+    pthread_mutexattr_destroy(&ma);
+    pthread_condattr_init(&ca);
+    pthread_condattr_setpshared(&ca, PTHREAD_PROCESS_SHARED);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&b->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    b->count = count;
+    b->timeout_ms = timeout_ms;
+}
+
+static void barrier_fini(run_barrier_t *b) {
+    pthread_cond_destroy(&b->cv);
+    pthread_mutex_destroy(&b->mu);
+}
+
+/* 0 when all arrived, -1 when the barrier is broken or its wait expired (which breaks it). */
 static int barrier_wait(run_barrier_t *b) {
+    struct timespec deadline;
+    clock_gettime(CLOCK_MONOTONIC, &deadline);
+    deadline.tv_sec += (time_t)(b->timeout_ms / 1000);
+    deadline.tv_nsec += (long)(b->timeout_ms % 1000) * 1000000L;
+    if (deadline.tv_nsec >= 1000000000L) deadline.tv_sec++, deadline.tv_nsec -= 1000000000L;
     pthread_mutex_lock(&b->mu);
     uint64_t gen = b->generation;
     if (!b->failed && ++b->arrived == b->count) {
@@ -412,7 +450,11 @@ static int barrier_wait(run_barrier_t *b) {
         b->generation++;
         pthread_cond_broadcast(&b->cv);
     }
-    while (!b->failed && gen == b->generation) pthread_cond_wait(&b->cv, &b->mu);
+    while (!b->failed && gen == b->generation)
+        if (pthread_cond_timedwait(&b->cv, &b->mu, &deadline) == ETIMEDOUT) {
+            b->failed = 1;
+            pthread_cond_broadcast(&b->cv);
+        }
     int rc = gen != b->generation ? 0 : -1;
     pthread_mutex_unlock(&b->mu);
     return rc;
@@ -429,18 +471,19 @@ typedef struct run_state {
     const mfp_problem_t *p;
     const mfp_run_opts_t *opts;
     mf_backend_t backend;
-    mf_group_t group;
-    uint16_t *const *y;
+    mf_group_t group;          /* LOCAL: the ranks' group */
+    char address[MF_ADDRESS_BYTES]; /* IPC: the rendezvous */
+    uint16_t *y[MF_MAX_RANKS]; /* where rank r writes its output (shared memory for IPC) */
     run_barrier_t barrier;
-    pthread_mutex_t mu; /* guards code and err */
+    pthread_mutex_t mu; /* guards code and err (process-shared) */
     mf_result_t code;
     char err[MFP_ERRLEN];
-    double t_start;     /* seconds, before mf_group_create */
+    double t_start;     /* seconds, before the comms are made */
     double *setup_done; /* [R] seconds */
     double *times;      /* [R][iters] ms */
     mf_phase_times_t *phases; /* [R][iters] */
 #if MF_WITH_CUDA
-    cudaEvent_t *begins; /* [R][iters] CUDA with profile: recorded on each rank's stream before its forward */
+    cudaEvent_t *begins; /* [R][iters] LOCAL, CUDA with profile: recorded on each rank's stream before its forward */
 #endif
 } run_state_t;
 
@@ -528,9 +571,26 @@ static void *rank_main(void *varg) {
     }
 #endif
 
-    if ((res = mf_group_get_comm(run->group, r, &comm)) != MF_SUCCESS) {
-        fail(run, r, res, "mf_group_get_comm", mf_last_error());
-        goto done;
+    if (run->group) {
+        if ((res = mf_group_get_comm(run->group, r, &comm)) != MF_SUCCESS) {
+            fail(run, r, res, "mf_group_get_comm", mf_last_error());
+            goto done;
+        }
+    } else {
+        mf_bootstrap_t boot;
+        mf_comm_config_t cc = MF_COMM_CONFIG_INIT;
+        cc.backend = run->backend;
+        cc.transport = MF_TRANSPORT_IPC;
+        cc.timeout_ms = o->timeout_ms;
+        if ((res = mf_rendezvous_bootstrap(run->address, r, s->R, o->timeout_ms, &boot)) != MF_SUCCESS) {
+            fail(run, r, res, "mf_rendezvous_bootstrap", mf_last_error());
+            goto done;
+        }
+        if ((res = mf_comm_init(&cc, r, s->R, &boot, &comm)) != MF_SUCCESS) {
+            comm = NULL;
+            fail(run, r, res, "mf_comm_init", mf_last_error());
+            goto done;
+        }
     }
     mf_moe_config_t cfg = MF_MOE_CONFIG_INIT;
     cfg.num_experts = s->E;
@@ -580,6 +640,7 @@ static void *rank_main(void *varg) {
 #endif
     for (int32_t it = 0; it < total; it++) {
         if (barrier_wait(&run->barrier) != 0) goto done; /* another rank failed */
+        if (r == o->die_rank && it == o->die_at && !run->group) raise(SIGKILL); /* fault injection */
         double t0 = now_s();
 #if MF_WITH_CUDA
         if (gated) {
@@ -643,6 +704,11 @@ static void *rank_main(void *varg) {
 #endif
 done:
     mf_moe_destroy(moe);
+    if (!run->group && comm) {
+        /* A rank process's comm; a healthy one meets its peers here (they stop using its heap). */
+        res = mf_comm_destroy(comm);
+        if (res != MF_SUCCESS) fail(run, r, res, "mf_comm_destroy", mf_last_error());
+    }
 #if MF_WITH_CUDA
     if (on_device) {
         for (int i = 0; i < 8; i++) cudaFree(mem[i]);
@@ -753,91 +819,186 @@ mf_backend_t mfp_resolve_backend(mf_backend_t backend) {
     return MF_WITH_CUDA && mf_backend_available(MF_BACKEND_CUDA) ? MF_BACKEND_CUDA : MF_BACKEND_CPU;
 }
 
+mf_backend_t mfp_probe_backend(mf_backend_t backend) {
+    if (backend != MF_BACKEND_AUTO || !MF_WITH_CUDA) return mfp_resolve_backend(backend);
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) _exit(mfp_resolve_backend(backend) == MF_BACKEND_CUDA ? 1 : 0);
+    int status = 0;
+    if (pid < 0 || waitpid(pid, &status, 0) != pid || !WIFEXITED(status)) return MF_BACKEND_CPU;
+    return WEXITSTATUS(status) == 1 ? MF_BACKEND_CUDA : MF_BACKEND_CPU;
+}
+
+/* The run's shared block: the state, then setup_done [R], times [R][iters], phases [R][iters] and
+ * (IPC) every rank's y. Anonymous shared memory, so rank processes forked later see it too. */
+static size_t run_block_bytes(const mfp_problem_t *p, const mfp_run_opts_t *o, size_t *y_off) {
+    const size_t R = (size_t)p->spec.R, n = (size_t)o->iters;
+    size_t bytes = sizeof(run_state_t) + R * sizeof(double) + R * n * sizeof(double) + R * n * sizeof(mf_phase_times_t);
+    bytes = (bytes + 15) / 16 * 16;
+    *y_off = bytes;
+    for (size_t r = 0; r < R; r++) bytes += ((size_t)p->T[r] * (size_t)p->spec.H * 2 + 15) / 16 * 16;
+    return bytes;
+}
+
+/* IPC: forks the rank processes and reaps them. A rank that died by a signal breaks the barrier at
+ * once (so that no survivor waits for it there); its death is the run's failure only when no
+ * survivor reported one (a survivor's timeout names what it waited for). */
+static void run_processes(run_state_t *run) {
+    const int32_t R = run->p->spec.R;
+    pid_t pids[MF_MAX_RANKS];
+    int32_t started = 0;
+    fflush(NULL);
+    for (; started < R; started++) {
+        pid_t pid = fork();
+        if (pid == 0) {
+            prctl(PR_SET_PDEATHSIG, SIGKILL); /* no orphan ranks if this process goes */
+            rank_arg_t arg = {run, started};
+            rank_main(&arg);
+            fflush(NULL);
+            _exit(0);
+        }
+        if (pid < 0) {
+            fail(run, started, MF_ERR_SYSTEM, "fork", strerror(errno));
+            break;
+        }
+        pids[started] = pid;
+    }
+    int32_t died = -1, signal_no = 0;
+    for (int32_t left = started; left > 0; left--) {
+        int status = 0;
+        pid_t pid = waitpid(-1, &status, 0);
+        if (pid < 0) break;
+        int32_t r = 0;
+        while (r < started && pids[r] != pid) r++;
+        if (WIFSIGNALED(status) || (WIFEXITED(status) && WEXITSTATUS(status) != 0)) {
+            if (died < 0) died = r, signal_no = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+            barrier_break(&run->barrier);
+        }
+    }
+    if (died >= 0) {
+        char why[64];
+        snprintf(why, sizeof why, "the rank's process died (signal %d)", signal_no);
+        fail(run, died, MF_ERR_SYSTEM, "rank process", why);
+    }
+}
+
 mf_result_t mfp_run(const mfp_problem_t *p, const mfp_run_opts_t *opts, uint16_t *const *y,
                     mfp_timing_t *timing, char *err, int errlen) {
     if (err && errlen > 0) err[0] = '\0';
-    if (!p || !p->T || !opts || !y || opts->iters < 1 || opts->warmup < 0) {
+    if (!p || !p->T || !opts || !y || opts->iters < 1 || opts->warmup < 0 ||
+        (opts->transport != MF_TRANSPORT_LOCAL && opts->transport != MF_TRANSPORT_IPC)) {
         if (err && errlen > 0) snprintf(err, (size_t)errlen, "mfp_run: bad arguments");
         return MF_ERR_INVALID_ARGUMENT;
     }
-    const int32_t R = p->spec.R;
-    run_state_t run = {.p = p, .opts = opts, .backend = mfp_resolve_backend(opts->backend), .y = y};
-    pthread_mutex_init(&run.mu, NULL);
-    pthread_mutex_init(&run.barrier.mu, NULL);
-    pthread_cond_init(&run.barrier.cv, NULL);
-    run.barrier.count = R;
-    run.setup_done = calloc((size_t)R, sizeof(double));
-    run.times = calloc((size_t)R * opts->iters, sizeof(double));
-    run.phases = calloc((size_t)R * opts->iters, sizeof(mf_phase_times_t));
+    const int32_t R = p->spec.R, ipc = opts->transport == MF_TRANSPORT_IPC;
+    size_t y_off = 0, block_bytes = run_block_bytes(p, opts, &y_off);
+    uint8_t *block = mmap(NULL, block_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (block == MAP_FAILED) {
+        if (err && errlen > 0) snprintf(err, (size_t)errlen, "mfp_run: out of memory for the run's shared block");
+        return MF_ERR_OUT_OF_MEMORY;
+    }
+    run_state_t *run = (run_state_t *)block;
+    run->p = p;
+    run->opts = opts;
+    /* Rank processes resolve AUTO themselves: this process must not touch CUDA before it forks. */
+    run->backend = ipc ? opts->backend : mfp_resolve_backend(opts->backend);
+    run->setup_done = (double *)(block + sizeof(run_state_t));
+    run->times = run->setup_done + R;
+    run->phases = (mf_phase_times_t *)(run->times + (size_t)R * opts->iters);
+    uint8_t *yp = block + y_off;
+    for (int32_t r = 0; r < R; r++) {
+        run->y[r] = ipc ? (uint16_t *)yp : y[r];
+        yp += ((size_t)p->T[r] * (size_t)p->spec.H * 2 + 15) / 16 * 16;
+    }
+    /* A barrier wait outlasts any peer wait of the library (a rank in a forward gives up first). */
+    const int64_t timeout = opts->timeout_ms ? opts->timeout_ms : 30000;
+    barrier_init(&run->barrier, R, 2 * timeout + 10000);
+    pthread_mutexattr_t ma;
+    pthread_mutexattr_init(&ma);
+    pthread_mutexattr_setpshared(&ma, PTHREAD_PROCESS_SHARED);
+    pthread_mutex_init(&run->mu, &ma);
+    pthread_mutexattr_destroy(&ma);
 #if MF_WITH_CUDA
-    if (opts->profile && run.backend == MF_BACKEND_CUDA) run.begins = calloc((size_t)R * opts->iters, sizeof *run.begins);
+    if (opts->profile && !ipc && run->backend == MF_BACKEND_CUDA)
+        run->begins = calloc((size_t)R * opts->iters, sizeof *run->begins);
 #endif
     rank_arg_t *args = calloc((size_t)R, sizeof *args);
     pthread_t *th = calloc((size_t)R, sizeof *th);
-    if (!run.setup_done || !run.times || !run.phases || !args || !th) {
-        run.code = MF_ERR_OUT_OF_MEMORY;
-        snprintf(run.err, sizeof run.err, "mfp_run: out of host memory");
+    if (!args || !th) {
+        run->code = MF_ERR_OUT_OF_MEMORY;
+        snprintf(run->err, sizeof run->err, "mfp_run: out of host memory");
         goto out;
     }
 
-    run.t_start = now_s();
-    mf_group_config_t gc = MF_GROUP_CONFIG_INIT;
-    gc.backend = run.backend;
-    gc.num_ranks = R;
-    gc.device = 0;
-    gc.timeout_ms = opts->timeout_ms;
-    mf_result_t res = mf_group_create(&gc, &run.group);
-    if (res != MF_SUCCESS) {
-        run.code = res;
-        snprintf(run.err, sizeof run.err, "mf_group_create: %s", mf_last_error());
-        goto out;
-    }
-    int32_t started = 0;
-    for (; started < R; started++) {
-        args[started] = (rank_arg_t){&run, started};
-        if (pthread_create(&th[started], NULL, rank_main, &args[started]) != 0) {
-            fail(&run, started, MF_ERR_SYSTEM, "pthread_create", "could not start a rank thread");
-            break;
+    run->t_start = now_s();
+    if (ipc) {
+        mf_result_t res = mf_rendezvous_address(run->address);
+        if (res != MF_SUCCESS) {
+            run->code = res;
+            snprintf(run->err, sizeof run->err, "mf_rendezvous_address: %s", mf_last_error());
+            goto out;
         }
+        run_processes(run);
+    } else {
+        mf_group_config_t gc = MF_GROUP_CONFIG_INIT;
+        gc.backend = run->backend;
+        gc.num_ranks = R;
+        gc.device = 0;
+        gc.timeout_ms = opts->timeout_ms;
+        mf_result_t res = mf_group_create(&gc, &run->group);
+        if (res != MF_SUCCESS) {
+            run->code = res;
+            snprintf(run->err, sizeof run->err, "mf_group_create: %s", mf_last_error());
+            goto out;
+        }
+        int32_t started = 0;
+        for (; started < R; started++) {
+            args[started] = (rank_arg_t){run, started};
+            if (pthread_create(&th[started], NULL, rank_main, &args[started]) != 0) {
+                fail(run, started, MF_ERR_SYSTEM, "pthread_create", "could not start a rank thread");
+                break;
+            }
+        }
+        for (int32_t i = 0; i < started; i++) pthread_join(th[i], NULL);
+        mf_group_destroy(run->group);
     }
-    for (int32_t i = 0; i < started; i++) pthread_join(th[i], NULL);
-    mf_group_destroy(run.group);
 
-    if (run.code == MF_SUCCESS && timing) {
+    if (run->code == MF_SUCCESS && ipc)
+        for (int32_t r = 0; r < R; r++)
+            if (y[r]) memcpy(y[r], run->y[r], (size_t)p->T[r] * (size_t)p->spec.H * 2);
+    if (run->code == MF_SUCCESS && timing) {
         memset(timing, 0, sizeof *timing);
         double worst = 0.0;
         for (int32_t r = 0; r < R; r++)
-            if (run.setup_done[r] - run.t_start > worst) worst = run.setup_done[r] - run.t_start;
+            if (run->setup_done[r] - run->t_start > worst) worst = run->setup_done[r] - run->t_start;
         timing->setup_ms = worst * 1e3;
-        medians(&run, -1, &timing->forward_ms, &timing->forward_max_ms);
+        medians(run, -1, &timing->forward_ms, &timing->forward_max_ms);
         if (opts->profile) {
             timing->have_phases = 1;
             for (int32_t f = 0; f < MFP_TIMES; f++) {
-                medians(&run, f, &timing->phase_us[f], &timing->phase_max_us[f]);
-                rank_medians(&run, f, timing->phase_rank_us);
+                medians(run, f, &timing->phase_us[f], &timing->phase_max_us[f]);
+                rank_medians(run, f, timing->phase_rank_us);
             }
         }
         for (int32_t r = 0; r < MF_MAX_RANKS; r++) timing->rank_start_us[r] = -1;
 #if MF_WITH_CUDA
-        if (run.begins) rank_starts(&run, timing);
+        if (run->begins) rank_starts(run, timing);
 #endif
     }
-out:
-    if (run.code != MF_SUCCESS && err && errlen > 0) snprintf(err, (size_t)errlen, "%s", run.err);
-    free(run.setup_done);
-    free(run.times);
-    free(run.phases);
+out:;
+    mf_result_t code = run->code;
+    if (code != MF_SUCCESS && err && errlen > 0) snprintf(err, (size_t)errlen, "%s", run->err);
 #if MF_WITH_CUDA
-    for (size_t i = 0; run.begins && i < (size_t)R * opts->iters; i++)
-        if (run.begins[i]) cudaEventDestroy(run.begins[i]);
-    free(run.begins);
+    for (size_t i = 0; run->begins && i < (size_t)R * opts->iters; i++)
+        if (run->begins[i]) cudaEventDestroy(run->begins[i]);
+    free(run->begins);
 #endif
     free(args);
     free(th);
-    pthread_cond_destroy(&run.barrier.cv);
-    pthread_mutex_destroy(&run.barrier.mu);
-    pthread_mutex_destroy(&run.mu);
-    return run.code;
+    barrier_fini(&run->barrier);
+    pthread_mutex_destroy(&run->mu);
+    munmap(block, block_bytes);
+    return code;
 }
 
 mf_result_t mfp_run_forward(const mfp_problem_t *p, mf_backend_t backend, int32_t iters,

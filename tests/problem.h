@@ -98,9 +98,18 @@ typedef struct mfp_run_opts {
     /* Optional: called by rank 0's thread after each forward with (done, warmup + iters). */
     void (*progress)(void *ctx, int32_t done, int32_t total);
     void *progress_ctx;
+    /* MF_TRANSPORT_LOCAL: one process, a group of R virtual ranks (mf_group_create), a thread each.
+     * MF_TRANSPORT_IPC: R processes forked from this one, each one rank through the built-in
+     * rendezvous and mf_comm_init; the problem is shared copy-on-write, the outputs and times come
+     * back through shared memory. This process must not have used CUDA yet (forked children
+     * cannot use a parent's CUDA context): resolve the backend with mfp_probe_backend. */
+    int32_t transport;
+    /* IPC fault injection for tests: rank `die_rank` kills itself (SIGKILL) just before the
+     * forward of iteration `die_at` (counting warm-up); -1 = nobody. */
+    int32_t die_rank, die_at;
 } mfp_run_opts_t;
 
-#define MFP_RUN_OPTS_INIT {MF_BACKEND_AUTO, 1, 0, 0, 0, MF_DATAFLOW_AUTO, 0, NULL, NULL}
+#define MFP_RUN_OPTS_INIT {MF_BACKEND_AUTO, 1, 0, 0, 0, MF_DATAFLOW_AUTO, 0, NULL, NULL, MF_TRANSPORT_LOCAL, -1, -1}
 
 /* What a process that runs virtual ranks of one GPU should set before its first CUDA call (the
  * library sets no environment variable; docs/API.md "Virtual ranks on one GPU"): one hardware
@@ -111,12 +120,15 @@ void mfp_cuda_env(void);
 
 /* The backend that `backend` means here (AUTO resolved, as mf_group_create would). */
 mf_backend_t mfp_resolve_backend(mf_backend_t backend);
+/* The same, asked in a forked child, so that this process never touches CUDA (for IPC runs). */
+mf_backend_t mfp_probe_backend(mf_backend_t backend);
 
 /* Runs the problem as `opts` says; fills y[r] ([T_r, H], host memory; NULL allowed where T_r = 0)
  * with the last forward's output. Returns MF_SUCCESS or the first failing rank's code; err[errlen]
- * (err may be NULL) then holds "rank r: " and that thread's mf_last_error(), prefixed with the
- * call's name unless it starts with it. A failing rank may leave the others waiting inside a
- * collective until the group timeout. timing may be NULL. */
+ * (err may be NULL) then holds "rank r: " and that rank's mf_last_error(), prefixed with the
+ * call's name unless it starts with it (a rank process that died: MF_ERR_SYSTEM naming its
+ * signal, unless a survivor failed first). A failing rank may leave the others waiting inside a
+ * collective until the timeout. timing may be NULL. */
 mf_result_t mfp_run(const mfp_problem_t *p, const mfp_run_opts_t *opts, uint16_t *const *y,
                     mfp_timing_t *timing, char *err, int errlen);
 

@@ -107,17 +107,22 @@ void mf__heap_layout_init(mf__heap_layout_t *layout, const mf_moe_config_t *conf
 
 /* ---- signals (every rank, one symmetric allocation; DESIGN.md "Symmetric heap") ----------- */
 /* uint64 words:
- *   slots   [MF__NUM_PHASES][MF_MAX_RANKS]  peers write: slot [p][q] = (epochs of rank q at phase
- *                                           p) << MF__STATUS_BITS | q's status for that call
- *   epochs  [MF__NUM_PHASES]                this rank's own epoch counters (device code keeps them)
- *   abort   [MF_MAX_RANKS]                  abort[q] != 0: rank q called mf_comm_abort
+ *   slots   [MF__NUM_PHASES][2][MF_MAX_RANKS]  peers write: slot [p][e % 2][q] = e << MF__STATUS_BITS |
+ *                                              q's status, e = rank q's e-th arrival at phase p
+ *   epochs  [MF__NUM_PHASES]                   this rank's own epoch counters (device code keeps them)
+ *   abort   [MF_MAX_RANKS]                     abort[q] != 0: rank q called mf_comm_abort
  * Epochs only grow: nothing is re-zeroed between calls. A status is an mf_result_t (0 = fine): the
  * arrival of a rank whose call failed before its work (rejected input, a fault its device found)
- * carries the code, and every waiter fails that call with it, so all ranks fail together. */
+ * carries the code, and every waiter fails that call with it, so all ranks fail together. Two
+ * slots per phase, by epoch parity: a rank that failed a call at its first phase may arrive at that
+ * phase again (its next call) before a peer has read its status for this one; it can never be two
+ * arrivals ahead, since its next call's wait needs this peer. */
 #define MF__STATUS_BITS 8
 #define MF__STATUS_MASK ((1ull << MF__STATUS_BITS) - 1)
 #define MF__SIGNAL_SLOTS 0
-#define MF__SIGNAL_EPOCHS ((size_t)MF__NUM_PHASES * MF_MAX_RANKS)
+#define MF__SIGNAL_SLOT(phase, epoch, from) \
+    (MF__SIGNAL_SLOTS + ((size_t)(phase) * 2 + ((epoch) & 1)) * MF_MAX_RANKS + (size_t)(from))
+#define MF__SIGNAL_EPOCHS ((size_t)MF__NUM_PHASES * 2 * MF_MAX_RANKS)
 #define MF__SIGNAL_ABORT (MF__SIGNAL_EPOCHS + MF__NUM_PHASES)
 #define MF__SIGNAL_WORDS (MF__SIGNAL_ABORT + MF_MAX_RANKS)
 #define MF__SIGNAL_BYTES (MF__SIGNAL_WORDS * sizeof(uint64_t))

@@ -14,17 +14,15 @@ static uint64_t *mf__word(mf_comm_t comm, int32_t owner, size_t index) {
     return (uint64_t *)comm->signals.peers[owner] + index;
 }
 
-static uint64_t mf__slot_load(mf_comm_t comm, int32_t phase, int32_t from) {
-    return __atomic_load_n(mf__word(comm, comm->rank, MF__SIGNAL_SLOTS + (size_t)phase * MF_MAX_RANKS + from),
-                           __ATOMIC_ACQUIRE);
+static uint64_t mf__slot_load(mf_comm_t comm, int32_t phase, uint64_t epoch, int32_t from) {
+    return __atomic_load_n(mf__word(comm, comm->rank, MF__SIGNAL_SLOT(phase, epoch, from)), __ATOMIC_ACQUIRE);
 }
 
 uint64_t mf__cpu_arrive(mf_comm_t comm, int32_t phase, mf_result_t status) {
     uint64_t epoch = ++comm->epoch[phase];
     uint64_t value = epoch << MF__STATUS_BITS | ((uint64_t)status & MF__STATUS_MASK);
     for (int32_t q = 0; q < comm->num_ranks; q++)
-        __atomic_store_n(mf__word(comm, q, MF__SIGNAL_SLOTS + (size_t)phase * MF_MAX_RANKS + comm->rank), value,
-                         __ATOMIC_RELEASE);
+        __atomic_store_n(mf__word(comm, q, MF__SIGNAL_SLOT(phase, epoch, comm->rank)), value, __ATOMIC_RELEASE);
     return epoch;
 }
 
@@ -45,7 +43,7 @@ mf_result_t mf__cpu_wait(mf_comm_t comm, int32_t phase, uint64_t epoch, const ch
     int32_t next = 0; /* ranks below `next` have arrived */
     int32_t aborted_peer = -1;
     for (uint64_t spin = 0;; spin++) {
-        while (next < R && mf__slot_load(comm, phase, next) >> MF__STATUS_BITS >= epoch) next++;
+        while (next < R && mf__slot_load(comm, phase, epoch, next) >> MF__STATUS_BITS >= epoch) next++;
         if (next == R) break;
         if (spin < 64) continue;
         if (spin < 4096) {
@@ -67,7 +65,7 @@ mf_result_t mf__cpu_wait(mf_comm_t comm, int32_t phase, uint64_t epoch, const ch
     if (next == R) {
         /* Every rank arrived: fail together when any arrival carried a status. */
         for (int32_t q = 0; q < R; q++) {
-            mf_result_t st = (mf_result_t)(mf__slot_load(comm, phase, q) & MF__STATUS_MASK);
+            mf_result_t st = (mf_result_t)(mf__slot_load(comm, phase, epoch, q) & MF__STATUS_MASK);
             if (st == MF_SUCCESS) continue;
             if (q == comm->rank) return st; /* this rank's own message is already set */
             return mf__error(st, "rank %d: %s: rank %d failed this call (%s); every rank fails it, nothing was "
@@ -83,7 +81,7 @@ mf_result_t mf__cpu_wait(mf_comm_t comm, int32_t phase, uint64_t epoch, const ch
     size_t used = 0;
     missing[0] = '\0';
     for (int32_t q = 0; q < R && used < sizeof missing; q++) {
-        uint64_t seen = mf__slot_load(comm, phase, q) >> MF__STATUS_BITS;
+        uint64_t seen = mf__slot_load(comm, phase, epoch, q) >> MF__STATUS_BITS;
         if (seen < epoch)
             used += (size_t)snprintf(missing + used, sizeof missing - used, "%s%d (at epoch %llu)",
                                      used ? ", " : "", q, (unsigned long long)seen);

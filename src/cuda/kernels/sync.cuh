@@ -3,8 +3,8 @@
  *
  * Signals (core/internal.h "signals"): every rank owns MF__SIGNAL_WORDS uint64 in device memory,
  * reached by peers through the signal table. sync (one kernel): arrive, my_epoch[phase] += 1, a
- * release store of (epoch, status) into every peer's slot [phase][me]; then wait until every slot
- * [phase][q] holds that epoch, acquire; bounded by the comm timeout, ended early by an abort (this
+ * release store of (epoch, status) into every peer's slot [phase][epoch % 2][me]; then wait until
+ * every slot [phase][epoch % 2][q] holds that epoch, acquire; bounded by the comm timeout, ended early by an abort (this
  * rank's mapped abort word, or the abort word of the peer it waits for). Epochs live in device
  * memory, so a captured CUDA graph replays with fresh epochs and nothing is ever re-zeroed.
  *
@@ -159,15 +159,14 @@ __global__ void __launch_bounds__(kMfWaitThreads) mf__sync_kernel(mf__sync_param
         mine[MF__SIGNAL_EPOCHS + p.phase] = epoch;
         __threadfence_system(); /* everything this stream wrote before is visible before the signal */
         for (int32_t q = 0; q < p.num_ranks; q++)
-            mf__st_release_sys(p.signals[q] + MF__SIGNAL_SLOTS + (size_t)p.phase * MF_MAX_RANKS + p.rank,
-                               epoch << MF__STATUS_BITS | status);
+            mf__st_release_sys(p.signals[q] + MF__SIGNAL_SLOT(p.phase, epoch, p.rank), epoch << MF__STATUS_BITS | status);
         want = epoch;
         stop = fault == MF_ERR_TIMEOUT || fault == MF_ERR_ABORTED;
     }
     __syncthreads();
     const int32_t q = threadIdx.x;
     if (q < p.num_ranks && !stop) {
-        const uint64_t *slot = mine + MF__SIGNAL_SLOTS + (size_t)p.phase * MF_MAX_RANKS + q;
+        const uint64_t *slot = mine + MF__SIGNAL_SLOT(p.phase, want, q);
         const uint64_t *peer_abort = mine + MF__SIGNAL_ABORT + q;
         uint64_t start = mf__globaltimer_ns(), seen;
         for (uint32_t spin = 0; (seen = mf__ld_acquire_sys(slot)) >> MF__STATUS_BITS < want; spin++) {
@@ -196,7 +195,7 @@ __global__ void __launch_bounds__(kMfWaitThreads) mf__sync_kernel(mf__sync_param
     int32_t failed = -1;
     uint64_t failed_status = 0;
     for (int32_t r = 0; r < p.num_ranks; r++) {
-        const uint64_t v = mf__ld_acquire_sys(mine + MF__SIGNAL_SLOTS + (size_t)p.phase * MF_MAX_RANKS + r);
+        const uint64_t v = mf__ld_acquire_sys(mine + MF__SIGNAL_SLOT(p.phase, want, r));
         all_ack = all_ack && (v & kMfStatusAck);
         if (failed < 0 && (v & kMfStatusCode)) {
             failed = r;
