@@ -92,6 +92,8 @@ typedef struct opts {
     mf_backend_t backend_req, backend;
     const preset_t *preset;
     int32_t iters, warmup, check, per_rank, gated;
+    int32_t transport; /* MF_TRANSPORT_LOCAL (threads) or MF_TRANSPORT_IPC (a process per rank) */
+    int32_t cuda_present; /* a usable CUDA device was found (asked without touching CUDA for ipc) */
     int64_t timeout_ms;
     const char *json;
 } opts_t;
@@ -108,7 +110,7 @@ static void usage(FILE *f) {
             "              builds; options: moeflow bench gemm --help)\n"
             "\n"
             "shape                                                                      [default]\n"
-            "  -R, --ranks N          virtual ranks (threads of one process)              [%d]\n"
+            "  -R, --ranks N          ranks (threads of one process, or processes: --transport) [%d]\n"
             "  -E, --experts N        experts, a multiple of R                            [%d]\n"
             "  -K, --topk N           experts per token, 1..%-2d                            [%d]\n"
             "  -H, --hidden N         hidden size (FP8: a multiple of 128)                [%d]\n"
@@ -132,6 +134,9 @@ static void usage(FILE *f) {
             "      --seed N                                                               [%d]\n"
             "running\n"
             "      --backend auto|cpu|cuda  auto: CUDA when present, else CPU          [auto]\n"
+            "      --transport local|ipc    local: the ranks are threads of this process; ipc:\n"
+            "                               one process per rank, met through the built-in\n"
+            "                               rendezvous (mf_comm_init)                  [local]\n"
             "      --iters N, --warmup N    run: %d, %d; bench: %d, %d on CUDA and %d, %d on CPU\n"
             "      --no-check               bench: skip the reference\n"
             "      --per-rank               bench: each rank's own phase medians too\n"
@@ -243,7 +248,8 @@ static const struct {
     {0, "layout", 1},   {0, "routing", 1},   {0, "drop", 1},         {0, "seed", 1},
     {0, "backend", 1},  {0, "preset", 1},    {0, "ue8m0", 0},        {0, "iters", 1},
     {0, "warmup", 1},   {0, "json", 1},      {0, "timeout-ms", 1},   {0, "no-check", 0},
-    {0, "dataflow", 1}, {0, "per-rank", 0}, {0, "gated", 0}, {'h', "help", 0},
+    {0, "dataflow", 1}, {0, "per-rank", 0}, {0, "gated", 0}, {0, "transport", 1},
+    {'h', "help", 0},
 };
 #define NUM_FLAGS ((int)(sizeof k_flags / sizeof k_flags[0]))
 
@@ -326,6 +332,11 @@ static void parse_args(int argc, char **argv, opts_t *o) {
         else if (!strcmp(name, "--routing")) parse_routing(o, v);
         else if (!strcmp(name, "--per-rank")) o->per_rank = 1;
         else if (!strcmp(name, "--gated")) o->gated = 1;
+        else if (!strcmp(name, "--transport")) {
+            if (!strcmp(v, "local")) o->transport = MF_TRANSPORT_LOCAL;
+            else if (!strcmp(v, "ipc")) o->transport = MF_TRANSPORT_IPC;
+            else die_usage("--transport: '%s' is not local or ipc", v);
+        }
         else if (!strcmp(name, "--drop")) {
             o->drop = parse_double(name, v);
             if (!(o->drop >= 0.0 && o->drop < 1.0)) die_usage("--drop: %g is outside [0, 1)", o->drop);
@@ -362,10 +373,15 @@ static void resolve(opts_t *o) {
     if (!o->bench && o->nT > 1) die_usage("run takes one -T; sweeps are for bench");
     if (o->S == 0) o->S = maxT > 0 ? maxT : 1;
     if (o->S < maxT) die_usage("-S %d is below -T %d (T <= S on every call)", o->S, maxT);
-    if (o->backend_req == MF_BACKEND_CUDA && !mf_backend_available(MF_BACKEND_CUDA))
+    /* With --transport ipc the rank processes are forked from this one, which must not have used
+     * CUDA: a child process answers the question instead. */
+    const mf_backend_t cuda_here = o->transport == MF_TRANSPORT_IPC ? mfp_probe_backend(MF_BACKEND_AUTO)
+                                                                    : mfp_resolve_backend(MF_BACKEND_AUTO);
+    if (o->backend_req == MF_BACKEND_CUDA && cuda_here != MF_BACKEND_CUDA)
         die_usage("--backend cuda: %s", MF_WITH_CUDA ? "no usable CUDA device found"
                                                      : "this build has no CUDA (nvcc not found or CUDA=0)");
-    o->backend = mfp_resolve_backend(o->backend_req);
+    o->backend = o->backend_req == MF_BACKEND_AUTO ? cuda_here : o->backend_req;
+    o->cuda_present = cuda_here == MF_BACKEND_CUDA;
     int cuda = o->backend == MF_BACKEND_CUDA;
     if (o->iters < 0) o->iters = !o->bench ? RUN_ITERS : cuda ? BENCH_ITERS_CUDA : BENCH_ITERS_CPU;
     if (o->warmup < 0) o->warmup = !o->bench ? RUN_WARMUP : cuda ? BENCH_WARMUP_CUDA : BENCH_WARMUP_CPU;
@@ -754,13 +770,15 @@ static int write_json(const opts_t *o, const row_t *rows, int nrows, int argc, c
 
 static void print_meta(const opts_t *o) {
     char rbuf[64];
-    int cuda_here = mf_backend_available(MF_BACKEND_CUDA);
+    int cuda_here = o->cuda_present;
     printf("# moeflow %s: EP MoE layer (dispatch, W13 -> SwiGLU -> W2, combine)%s\n",
            o->bench ? "bench" : "run", o->check ? ", checked against the fp64 reference" : "");
-    printf("# backend  %s (%s; CUDA %s)  transport local  ranks %d, one thread each\n",
+    printf("# backend  %s (%s; CUDA %s)  transport %s  ranks %d, one %s each\n",
            o->backend == MF_BACKEND_CUDA ? "cuda" : "cpu",
            o->backend_req == MF_BACKEND_AUTO ? "auto" : "requested",
-           !MF_WITH_CUDA ? "not in this build" : cuda_here ? "present" : "no device", o->R);
+           !MF_WITH_CUDA ? "not in this build" : cuda_here ? "present" : "no device",
+           o->transport == MF_TRANSPORT_IPC ? "ipc" : "local", o->R,
+           o->transport == MF_TRANSPORT_IPC ? "process" : "thread");
     printf("# shape    R %d  E %d  L %d  K %d  H %d  I %d  S %d  layout %s  ue8m0 %d%s%s\n", o->R, o->E,
            o->E / o->R, o->K, o->H, o->I, o->S, o->layout == MF_LAYOUT_MASKED ? "masked" : "expert_major",
            o->ue8m0, o->preset ? "  preset " : "", o->preset ? o->preset->name : "");
@@ -808,6 +826,7 @@ static void run_row(const opts_t *o, mfp_problem_t *p, row_t *row, uint16_t **y,
     ro.profile = 1;
     ro.dataflow = row->flow;
     ro.gated = o->gated;
+    ro.transport = o->transport;
     ro.progress = on_run_progress;
     ro.progress_ctx = &pg;
     char what[64];
