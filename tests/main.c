@@ -32,6 +32,7 @@
 /* build/moeflow_gpu_tests: this file compiled again with MFT_GPU_SUITE (make test-gpu). */
 static const mft_test_t *const mft_tables[] = {
     mft_tests_cuda,
+    mft_tests_cuda_transport,
     NULL,
 };
 #else

@@ -327,9 +327,11 @@ static mf_result_t mf__rdv_root_accept(mf__rdv_t *c, int lfd, const char *addres
         if (left == 0) {
             char missing[160];
             mf__rdv_rank_list(all & ~arrived, missing, sizeof missing);
-            snprintf(note, note_size, "rank%s %s of %d did not arrive at %s within %lld ms",
-                     mf__rdv_plural(all & ~arrived), missing, (int)c->num_ranks, address,
-                     (long long)c->timeout_ms);
+            if (snprintf(note, note_size, "rank%s %s of %d did not arrive at %s within %lld ms",
+                         mf__rdv_plural(all & ~arrived), missing, (int)c->num_ranks, address,
+                         (long long)c->timeout_ms) >= (int)note_size) {
+                /* a long list of missing ranks is cut short: fine for a message */
+            }
             res = MF_ERR_TIMEOUT;
             break;
         }
