@@ -365,7 +365,7 @@ mf_result_t mf_comm_get_transport(mf_comm_t comm, mf_transport_t *transport) {
 struct mf__group_rank {
     struct mf_group *group;
     int32_t rank;
-    const mf_comm_config_t *config;
+    const mf_comm_config_t *config; /* mf_group_create's: valid while the comms are made */
     mf_result_t result;
     char error[512];
     pthread_t thread;
@@ -376,11 +376,10 @@ struct mf__group_rank {
 static int32_t mf__group_allgather(void *ctx, const void *send, void *recv, size_t bytes) {
     struct mf__group_rank *me = ctx;
     struct mf_group *g = me->group;
-    int64_t timeout = me->config->timeout_ms ? me->config->timeout_ms : mf__param_timeout_ms();
     g->send[me->rank] = send;
-    if (mf__host_barrier_wait(g->barrier, timeout, me->rank, "the group's allgather") != MF_SUCCESS) return 1;
+    if (mf__host_barrier_wait(g->barrier, g->timeout_ms, me->rank, "the group's allgather") != MF_SUCCESS) return 1;
     for (int32_t q = 0; q < g->num_ranks; q++) memcpy((uint8_t *)recv + (size_t)q * bytes, g->send[q], bytes);
-    return mf__host_barrier_wait(g->barrier, timeout, me->rank, "the group's allgather") != MF_SUCCESS;
+    return mf__host_barrier_wait(g->barrier, g->timeout_ms, me->rank, "the group's allgather") != MF_SUCCESS;
 }
 
 static void *mf__group_rank_main(void *arg) {
@@ -432,6 +431,7 @@ mf_result_t mf_group_create(const mf_group_config_t *config, mf_group_t *group) 
     mf_result_t res = MF_SUCCESS;
     if (!g) return mf__error(MF_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
     g->num_ranks = R;
+    g->timeout_ms = mf__timeout_or_default(config->timeout_ms);
     g->comms = mf__calloc((size_t)R, sizeof *g->comms);
     g->ranks = mf__calloc((size_t)R, sizeof *g->ranks);
     if (!g->comms || !g->ranks) {

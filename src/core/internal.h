@@ -145,6 +145,7 @@ typedef struct mf__sym {
 struct mf_group {
     mf_backend_t backend;
     int32_t num_ranks;
+    int64_t timeout_ms;                 /* resolved: bounds the in-process allgather */
     struct mf_comm **comms;             /* [R] */
     struct mf__host_barrier *barrier;   /* the in-process allgather's meeting point */
     const void *send[MF_MAX_RANKS];     /* each rank's block during an allgather */
