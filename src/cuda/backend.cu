@@ -49,7 +49,9 @@ typedef struct mf__cuda_comm {
     mf__device_error_t *record;   /* mapped host memory (host pointer) */
     mf__device_error_t *record_d; /* its device pointer */
     cudaStream_t setup;           /* a private non-blocking stream for setup-time copies */
-    cudaStream_t last_stream;
+    cudaStream_t stream;          /* the current call's stream (the caller's; it may be gone later) */
+    int32_t capturing;            /* the current call is being captured into a graph */
+    cudaEvent_t done;             /* recorded after each call's launches (not while capturing) */
     unsigned long long reported_id;   /* the last fault id this host reported to the user */
     unsigned long long call_acked;    /* reported_id when the current call began: its syncs' ack */
     int64_t launched[MF__NUM_PHASES]; /* arrivals launched by the host (atomic: peers read it) */
@@ -110,7 +112,10 @@ static void mf__cuda_comm_fini(mf_comm_t comm) {
     mf__cuda_comm_t *c = mf__cc(comm);
     if (!c) return;
     cudaSetDevice(comm->device);
-    if (c->last_stream) cudaStreamSynchronize(c->last_stream);
+    if (c->done) {
+        cudaEventSynchronize(c->done); /* the last call's kernels, even if its stream is gone */
+        cudaEventDestroy(c->done);
+    }
     cudaFree(c->state);
     if (c->record) cudaFreeHost(c->record);
     if (c->setup) cudaStreamDestroy(c->setup);
@@ -145,6 +150,7 @@ static mf_result_t mf__cuda_comm_init(mf_comm_t comm) {
     if (!c) return mf__error(MF_ERR_OUT_OF_MEMORY, "cuda backend: out of host memory");
     comm->backend_state = c;
     cudaError_t e = cudaStreamCreateWithFlags(&c->setup, cudaStreamNonBlocking);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&c->done, cudaEventDisableTiming);
     if (e == cudaSuccess) e = cudaMalloc((void **)&c->state, sizeof *c->state);
     if (e == cudaSuccess) e = cudaMemsetAsync(c->state, 0, sizeof *c->state, c->setup);
     if (e == cudaSuccess) e = cudaHostAlloc((void **)&c->record, sizeof *c->record, cudaHostAllocMapped);
@@ -276,7 +282,7 @@ static mf_result_t mf__cuda_take_fault(mf_comm_t comm, int32_t only_own) {
 static mf_result_t mf__cuda_get_async_error(mf_comm_t comm) {
     mf__cuda_comm_t *c = mf__cc(comm);
     MF_CUDA_CHECK(cudaSetDevice(comm->device));
-    if (c->last_stream) MF_CUDA_CHECK(cudaStreamSynchronize(c->last_stream));
+    MF_CUDA_CHECK(cudaEventSynchronize(c->done)); /* the comm's last call (not a graph replay's) */
     return mf__cuda_take_fault(comm, 0);
 }
 
@@ -300,7 +306,8 @@ static mf_result_t mf__cuda_enter(mf_comm_t comm, cudaStream_t stream, mf_result
                              "share a GPU (a blocking or legacy stream can deadlock)", comm->rank);
     }
     mf__cuda_comm_t *c = mf__cc(comm);
-    c->last_stream = stream;
+    c->stream = stream;
+    c->capturing = capture != cudaStreamCaptureStatusNone;
     /* The call acknowledges the faults its host reported before it; one reported now fails it. */
     const unsigned long long before = c->reported_id;
     const mf_result_t found = mf__cuda_take_fault(comm, pending == NULL);
@@ -316,6 +323,8 @@ static mf_result_t mf__cuda_leave(mf_comm_t comm, mf_result_t launched, mf_resul
         comm->broken = 1;
         return launched;
     }
+    mf__cuda_comm_t *c = mf__cc(comm);
+    if (!c->capturing) MF_CUDA_CHECK(cudaEventRecord(c->done, c->stream));
     return pending;
 }
 
@@ -325,8 +334,8 @@ static void mf__cuda_moe_fini(mf_moe_t moe) {
     mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
     if (!s) return;
     cudaSetDevice(moe->comm->device);
-    /* Only this rank's kernels use a layer's buffers (peers read its heap): its last stream. */
-    if (mf__cc(moe->comm)->last_stream) cudaStreamSynchronize(mf__cc(moe->comm)->last_stream);
+    /* Only this rank's kernels use a layer's buffers (peers read its heap): its last call. */
+    cudaEventSynchronize(mf__cc(moe->comm)->done);
     cudaFree(s->ids_all);
     cudaFree(s->T_all);
     cudaFree(s->global_counts);
@@ -719,11 +728,8 @@ static mf_result_t mf__cuda_reject(mf_moe_t moe, uint32_t phases, mf_result_t co
     mf_result_t res = MF_SUCCESS;
     for (int32_t phase = 0; phase < MF__NUM_PHASES && res == MF_SUCCESS; phase++)
         if (phases & (1u << phase)) res = mf__cuda_sync(comm, phase, code, stream);
-    if (res != MF_SUCCESS) return mf__cuda_leave(comm, res, MF_SUCCESS);
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(stream, &capture) == cudaSuccess && capture == cudaStreamCaptureStatusNone &&
-        cudaStreamSynchronize(stream) == cudaSuccess)
-        (void)mf__cuda_take_fault(comm, 1);
+    if ((res = mf__cuda_leave(comm, res, MF_SUCCESS)) != MF_SUCCESS) return res;
+    if (!mf__cc(comm)->capturing && cudaStreamSynchronize(stream) == cudaSuccess) (void)mf__cuda_take_fault(comm, 1);
     (void)cudaGetLastError();
     return mf__error(code, "%s", why);
 }
