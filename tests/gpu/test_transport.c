@@ -17,51 +17,66 @@
 
 #define IPC_TIMEOUT_MS 30000
 
-static int ipc_case(int32_t R, int32_t dtype, int32_t layout, const int32_t *T_of_rank, int32_t dataflow,
-                    uint64_t seed) {
-    mfp_spec_t spec;
-    memset(&spec, 0, sizeof spec);
-    spec.R = R, spec.E = 4 * R, spec.K = 4, spec.H = 512, spec.I = 256, spec.S = 24, spec.T_per_rank = 24;
-    spec.dtype = dtype, spec.layout = layout, spec.T_of_rank = T_of_rank, spec.routing = MFP_ROUTING_ZIPF;
-    spec.zipf_s = 1.2, spec.drop_prob = 0.05, spec.seed = seed;
+typedef struct ipc_case {
+    int32_t R, dtype, layout, dataflow;
+    const int32_t *T_of_rank;
+    uint64_t seed;
     mfp_problem_t p;
-    MFT_CHECK(mfp_generate(&spec, &p) == 0);
     uint16_t *y_ipc[MF_MAX_RANKS], *y_local[MF_MAX_RANKS];
-    for (int32_t r = 0; r < R; r++) {
-        y_ipc[r] = mft_alloc((size_t)p.T[r] * spec.H * 2 + 2);
-        y_local[r] = mft_alloc((size_t)p.T[r] * spec.H * 2 + 2);
-    }
+} ipc_case_t;
+
+static mf_result_t run_case(ipc_case_t *c, int32_t transport, char *err, int errlen) {
     mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
     o.backend = MF_BACKEND_CUDA;
     o.iters = 2;
     o.timeout_ms = IPC_TIMEOUT_MS;
-    o.dataflow = dataflow;
-    o.transport = MF_TRANSPORT_IPC;
-    char err[512] = "";
-    mf_result_t res = mfp_run(&p, &o, y_ipc, NULL, err, sizeof err);
-    MFT_CHECK_MSG(res == MF_SUCCESS, "ipc (R = %d processes): %s", (int)R, err);
-    o.transport = MF_TRANSPORT_LOCAL;
-    res = mfp_run(&p, &o, y_local, NULL, err, sizeof err);
-    MFT_CHECK_MSG(res == MF_SUCCESS, "local (R = %d threads): %s", (int)R, err);
-    for (int32_t r = 0; r < R; r++) {
-        const size_t bytes = (size_t)p.T[r] * spec.H * 2;
-        MFT_CHECK_MSG(memcmp(y_ipc[r], y_local[r], bytes) == 0, "R %d %s %s: rank %d: ipc y differs from local y "
-                      "(diff %.3g)", (int)R, dtype == MF_DTYPE_FP8_E4M3 ? "fp8" : "bf16",
-                      layout == MF_LAYOUT_MASKED ? "masked" : "expert_major", (int)r,
-                      mfref_diff_bf16(y_ipc[r], y_local[r], (int64_t)p.T[r] * spec.H));
-        free(y_ipc[r]);
-        free(y_local[r]);
-    }
-    mft_verbose("  R %d %s: ipc == local, bit for bit\n", (int)R, dtype == MF_DTYPE_FP8_E4M3 ? "fp8" : "bf16");
-    mfp_free(&p);
-    return 0;
+    o.dataflow = c->dataflow;
+    o.transport = transport;
+    return mfp_run(&c->p, &o, transport == MF_TRANSPORT_IPC ? c->y_ipc : c->y_local, NULL, err, errlen);
 }
 
+/* Every case's ipc run first (this process must not touch CUDA before it forks rank processes),
+ * then every local run, then the comparison. */
 static int cuda_ipc_bitwise(void) {
     static const int32_t uneven[4] = {24, 0, 7, 1};
-    return ipc_case(2, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, NULL, MF_DATAFLOW_AUTO, 61) ||
-           ipc_case(4, MF_DTYPE_BF16, MF_LAYOUT_MASKED, uneven, MF_DATAFLOW_PULL, 62) ||
-           ipc_case(4, MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED, uneven, MF_DATAFLOW_UNFUSED, 63);
+    ipc_case_t cases[] = {
+        {2, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MF_DATAFLOW_AUTO, NULL, 61, {0}, {0}, {0}},
+        {4, MF_DTYPE_BF16, MF_LAYOUT_MASKED, MF_DATAFLOW_PULL, uneven, 62, {0}, {0}, {0}},
+        {4, MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED, MF_DATAFLOW_UNFUSED, uneven, 63, {0}, {0}, {0}},
+    };
+    const int n = (int)(sizeof cases / sizeof cases[0]);
+    char err[512] = "";
+    for (int i = 0; i < n; i++) {
+        ipc_case_t *c = &cases[i];
+        mfp_spec_t spec;
+        memset(&spec, 0, sizeof spec);
+        spec.R = c->R, spec.E = 4 * c->R, spec.K = 4, spec.H = 512, spec.I = 256, spec.S = 24, spec.T_per_rank = 24;
+        spec.dtype = c->dtype, spec.layout = c->layout, spec.T_of_rank = c->T_of_rank;
+        spec.routing = MFP_ROUTING_ZIPF, spec.zipf_s = 1.2, spec.drop_prob = 0.05, spec.seed = c->seed;
+        MFT_CHECK(mfp_generate(&spec, &c->p) == 0);
+        for (int32_t r = 0; r < c->R; r++) {
+            c->y_ipc[r] = mft_alloc((size_t)c->p.T[r] * spec.H * 2 + 2);
+            c->y_local[r] = mft_alloc((size_t)c->p.T[r] * spec.H * 2 + 2);
+        }
+        MFT_CHECK_MSG(run_case(c, MF_TRANSPORT_IPC, err, sizeof err) == MF_SUCCESS, "case %d: ipc (R = %d processes): %s",
+                      i, (int)c->R, err);
+    }
+    for (int i = 0; i < n; i++) {
+        ipc_case_t *c = &cases[i];
+        MFT_CHECK_MSG(run_case(c, MF_TRANSPORT_LOCAL, err, sizeof err) == MF_SUCCESS, "case %d: local (R = %d threads): %s",
+                      i, (int)c->R, err);
+        for (int32_t r = 0; r < c->R; r++) {
+            const int64_t n_el = (int64_t)c->p.T[r] * c->p.spec.H;
+            MFT_CHECK_MSG(memcmp(c->y_ipc[r], c->y_local[r], (size_t)n_el * 2) == 0,
+                          "case %d (R %d): rank %d: ipc y differs from local y (diff %.3g)", i, (int)c->R, (int)r,
+                          mfref_diff_bf16(c->y_ipc[r], c->y_local[r], n_el));
+            free(c->y_ipc[r]);
+            free(c->y_local[r]);
+        }
+        mft_verbose("  case %d: R %d: ipc == local, bit for bit\n", i, (int)c->R);
+        mfp_free(&c->p);
+    }
+    return 0;
 }
 
 const mft_test_t mft_tests_cuda_transport[] = {
