@@ -39,11 +39,14 @@ static mf_result_t run_case(ipc_case_t *c, int32_t transport, char *err, int err
  * then every local run, then the comparison. */
 static int cuda_ipc_bitwise(void) {
     static const int32_t uneven[4] = {24, 0, 7, 1};
-    ipc_case_t cases[] = {
-        {2, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MF_DATAFLOW_AUTO, NULL, 61, {0}, {0}, {0}},
-        {4, MF_DTYPE_BF16, MF_LAYOUT_MASKED, MF_DATAFLOW_PULL, uneven, 62, {0}, {0}, {0}},
-        {4, MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED, MF_DATAFLOW_UNFUSED, uneven, 63, {0}, {0}, {0}},
-    };
+    ipc_case_t cases[3];
+    memset(cases, 0, sizeof cases);
+    cases[0].R = 2, cases[0].dtype = MF_DTYPE_FP8_E4M3, cases[0].layout = MF_LAYOUT_EXPERT_MAJOR;
+    cases[0].dataflow = MF_DATAFLOW_AUTO, cases[0].seed = 61;
+    cases[1].R = 4, cases[1].dtype = MF_DTYPE_BF16, cases[1].layout = MF_LAYOUT_MASKED;
+    cases[1].dataflow = MF_DATAFLOW_PULL, cases[1].T_of_rank = uneven, cases[1].seed = 62;
+    cases[2].R = 4, cases[2].dtype = MF_DTYPE_FP8_E4M3, cases[2].layout = MF_LAYOUT_MASKED;
+    cases[2].dataflow = MF_DATAFLOW_UNFUSED, cases[2].T_of_rank = uneven, cases[2].seed = 63;
     const int n = (int)(sizeof cases / sizeof cases[0]);
     char err[512] = "";
     for (int i = 0; i < n; i++) {
