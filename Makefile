@@ -23,7 +23,7 @@ CUDA    ?= 1
 endif
 
 CPPFLAGS := -Iinclude -Isrc -D_POSIX_C_SOURCE=200809L -DMF_WITH_CUDA=$(CUDA)
-CFLAGS   := -std=c11 -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -O3 -g -fPIC -pthread
+CFLAGS   := -std=c11 -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -O3 -g -fPIC -pthread -fvisibility=hidden
 LDLIBS   := -lm -pthread
 ifeq ($(SAN),1)
 CFLAGS   += -O1 -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
@@ -35,7 +35,7 @@ LIB_OBJ   := $(LIB_C_SRC:%.c=$(BUILD)/%.o)
 
 ifeq ($(CUDA),1)
 CUDA_HOME  ?= $(patsubst %/bin/nvcc,%,$(realpath $(NVCC_FOUND)))
-NVCCFLAGS  := -std=c++17 -O3 -g -lineinfo -Xcompiler -fPIC -Xcompiler -Wall \
+NVCCFLAGS  := -std=c++17 -O3 -g -lineinfo -Xcompiler -fPIC -Xcompiler -Wall -Xcompiler -fvisibility=hidden \
               -gencode arch=compute_90a,code=sm_90a -Werror all-warnings \
               -Iinclude -Isrc -DMF_WITH_CUDA=1
 LIB_CU_SRC := $(wildcard src/cuda/*.cu)
@@ -75,8 +75,9 @@ $(STATIC): $(LIB_OBJ)
 	@mkdir -p $(dir $@)
 	rm -f $@ && ar rcs $@ $^
 
-$(SHARED): $(LIB_OBJ)
-	$(CC) -shared $(LDFLAGS) -o $@ $^ $(LDLIBS)
+# Only the public API is exported: hidden visibility, and a version script (tests/abi.sh checks it).
+$(SHARED): $(LIB_OBJ) src/moeflow.map
+	$(CC) -shared $(LDFLAGS) -Wl,--version-script=src/moeflow.map -o $@ $(LIB_OBJ) $(LDLIBS)
 
 # The CLI; with CUDA it also holds `moeflow bench gemm` (tools/bench_gemm.c, cuBLASLt as the peer).
 CLI_OBJ  := $(BUILD)/tools/moeflow.o $(BUILD)/tools/bench_json.o $(BUILD)/tests/ref.o $(BUILD)/tests/problem.o
@@ -100,8 +101,9 @@ $(BUILD)/tests/gpu/main.o: tests/main.c $(FLAGS_STAMP)
 $(GPU_TESTS): $(BUILD)/tests/gpu/main.o $(GPU_TEST_OBJ) $(addprefix $(BUILD)/tests/,harness.o problem.o ref.o) $(STATIC)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
-test: $(TESTS) $(CLI)
+test: $(TESTS) $(CLI) $(SHARED)
 	./$(TESTS)
+	bash tests/abi.sh $(SHARED) include/moeflow.h
 
 # The whole CUDA suite, then compute-sanitizer memcheck and racecheck on its small config.
 # The sm90 GEMM labs validate every kernel variant the library ships against their CPU references.

@@ -2,7 +2,7 @@
 # bench/h200.sh — the benchmark set behind docs/PERFORMANCE.md, for one H200 (run from the repo root
 # after `make -j16 all lab`). Writes JSON records and logs into DIR and prints a short summary.
 #
-#   MF_COMMIT=<hash> bash bench/h200.sh DIR [gemm|layer|all]
+#   MF_COMMIT=<hash> bash bench/h200.sh DIR [gemm|layer|transport|all]
 #
 # Everything lands in DIR and in one archive DIR.tgz (the device tool returns a limited number of
 # files: take the archive).
@@ -13,8 +13,12 @@
 #        and R = 1, T 1..4096 per rank, the fused dataflow beside the unfused path in one process;
 #        gated (device time without host launch gaps, as under CUDA graph replay) unless
 #        MF_LAUNCH=eager
+# transport: the R = 1 layer (deepseek-v3, T 1..4096) over the local transport and over ipc (one
+#        rank process), each in its own process; the per-call synchronisation in each (a tiny
+#        layer whose time is its syncs: R = 1, 2, 4 as threads and as processes time-sharing the
+#        GPU); and deepseek-v3 at R = 8 virtual ranks for the plan that fetches routing once
 set -u
-dir=${1:?usage: bench/h200.sh DIR [gemm|layer|all]}
+dir=${1:?usage: bench/h200.sh DIR [gemm|layer|transport|all]}
 what=${2:-all}
 mkdir -p "$dir"
 : "${MF_COMMIT:=unknown}"
@@ -52,6 +56,27 @@ if [ "$what" = layer ] || [ "$what" = all ]; then
             > "$dir/layer_${preset}_R1.log" 2>&1 || rc=1
         grep -E "^ +fp8 +(auto|unfused) +[0-9]+ +[0-9]+ " "$dir/layer_${preset}_R1.log" | sed "s/^/$preset R1 /"
     done
+fi
+if [ "$what" = transport ]; then
+    for tr in local ipc; do
+        timeout 150 ./build/moeflow bench layer --preset deepseek-v3 -R 1 -T 1,8,128,4096 --dtype fp8 --gated \
+            --transport $tr --no-check --iters 10 --warmup 2 --json "$dir/layer_deepseek-v3_R1_$tr.json" \
+            > "$dir/layer_deepseek-v3_R1_$tr.log" 2>&1 || rc=1
+        grep -E "^ +fp8 +auto +[0-9]+ +[0-9]+ " "$dir/layer_deepseek-v3_R1_$tr.log" | sed "s/^/deepseek-v3 R1 $tr /"
+    done
+    # the syncs: E 8, K 2, H = I = 128, T = 1: the GEMMs and moves are a few us
+    for R in 1 2 4; do
+        for tr in local ipc; do
+            timeout 120 ./build/moeflow bench layer -R $R -E 8 -K 2 -H 128 -I 128 -T 1 --dtype bf16 --gated \
+                --transport $tr --no-check --iters 50 --warmup 5 --timeout-ms 60000 --json "$dir/sync_R${R}_$tr.json" \
+                > "$dir/sync_R${R}_$tr.log" 2>&1 || rc=1
+            grep -E "^ +bf16 +auto +[0-9]+ +[0-9]+ " "$dir/sync_R${R}_$tr.log" | sed "s/^/sync R$R $tr /"
+        done
+    done
+    timeout 150 ./build/moeflow bench layer --preset deepseek-v3 -R 8 -T 1,128,4096 --dtype fp8 --gated \
+        --no-check --iters 10 --warmup 2 --json "$dir/layer_deepseek-v3_R8_local.json" \
+        > "$dir/layer_deepseek-v3_R8_local.log" 2>&1 || rc=1
+    grep -E "^ +fp8 +auto +[0-9]+ +[0-9]+ " "$dir/layer_deepseek-v3_R8_local.log" | sed "s/^/deepseek-v3 R8 local /"
 fi
 tar czf "$dir.tgz" -C "$(dirname "$dir")" "$(basename "$dir")"
 exit $rc

@@ -40,15 +40,25 @@ extern "C" {
  * Version
  * ------------------------------------------------------------------------------------------- */
 #define MOEFLOW_VERSION_MAJOR 0
-#define MOEFLOW_VERSION_MINOR 1
+#define MOEFLOW_VERSION_MINOR 2
 #define MOEFLOW_VERSION_PATCH 0
 #define MOEFLOW_VERSION_CODE \
     (MOEFLOW_VERSION_MAJOR * 10000 + MOEFLOW_VERSION_MINOR * 100 + MOEFLOW_VERSION_PATCH)
-/* Version of the config-struct layouts; stored in every config's `version` field by its INIT. */
-#define MF_API_VERSION 1
+/* Version of the config-struct layouts; stored in every config's `version` field by its INIT.
+ * The library accepts configs of every earlier version (NCCL's habit: it reads the caller's `size`
+ * bytes and gives newer fields their defaults): 1 = moeflow 0.1 (mf_group_config_t without
+ * heap_bytes; no mf_comm_config_t), 2 = this header. */
+#define MF_API_VERSION 2
+
+/* Exported from libmoeflow.so; everything else is hidden. */
+#if defined(__GNUC__)
+#define MF_API __attribute__((visibility("default")))
+#else
+#define MF_API
+#endif
 
 /* The library's MOEFLOW_VERSION_CODE (may differ from the header's if linked against another). */
-int32_t mf_get_version(void);
+MF_API int32_t mf_get_version(void);
 
 /* ---------------------------------------------------------------------------------------------
  * Results and errors
@@ -69,11 +79,11 @@ typedef enum mf_result {
 } mf_result_t;
 
 /* A static string naming `result` ("MF_ERR_TIMEOUT: ..."); never NULL. */
-const char *mf_result_string(mf_result_t result);
+MF_API const char *mf_result_string(mf_result_t result);
 
 /* The message of the last failed call made by this thread ("" if none); valid until the next call
  * into moeflow from this thread. */
-const char *mf_last_error(void);
+MF_API const char *mf_last_error(void);
 
 /* ---------------------------------------------------------------------------------------------
  * Enums
@@ -170,31 +180,31 @@ typedef struct mf_group_config {
     }
 
 /* 1 if `backend` can be used by this build on this machine (a CUDA build finds a device), else 0. */
-int32_t mf_backend_available(mf_backend_t backend);
+MF_API int32_t mf_backend_available(mf_backend_t backend);
 
 /* Creates a group of `config->num_ranks` virtual ranks in this process and their comms, built the
  * way mf_comm_init builds one comm per process (one thread per rank, an in-process allgather,
  * the local transport). Not collective (one call for the whole group), blocking, not
  * graph-capturable. The caller owns *group (mf_group_destroy). */
-mf_result_t mf_group_create(const mf_group_config_t *config, mf_group_t *group);
+MF_API mf_result_t mf_group_create(const mf_group_config_t *config, mf_group_t *group);
 
 /* The comm of `rank`; owned by the group (valid until mf_group_destroy). */
-mf_result_t mf_group_get_comm(mf_group_t group, int32_t rank, mf_comm_t *comm);
+MF_API mf_result_t mf_group_get_comm(mf_group_t group, int32_t rank, mf_comm_t *comm);
 
 /* The backend the group resolved to (MF_BACKEND_AUTO never comes back). */
-mf_result_t mf_group_get_backend(mf_group_t group, mf_backend_t *backend);
+MF_API mf_result_t mf_group_get_backend(mf_group_t group, mf_backend_t *backend);
 
 /* Destroys the group, its comms and heaps. Call once, after every rank's layers are destroyed and
  * no rank is inside a call. NULL is a no-op. */
-mf_result_t mf_group_destroy(mf_group_t group);
+MF_API mf_result_t mf_group_destroy(mf_group_t group);
 
-mf_result_t mf_comm_get_rank(mf_comm_t comm, int32_t *rank);
-mf_result_t mf_comm_get_size(mf_comm_t comm, int32_t *num_ranks);
+MF_API mf_result_t mf_comm_get_rank(mf_comm_t comm, int32_t *rank);
+MF_API mf_result_t mf_comm_get_size(mf_comm_t comm, int32_t *num_ranks);
 
 /* Reports, and clears, the first fault that device code of this comm raised since the last report
  * (MF_SUCCESS if none); mf_last_error() then describes it. Blocking: synchronises the comm's last
  * stream. Not collective. */
-mf_result_t mf_comm_get_async_error(mf_comm_t comm);
+MF_API mf_result_t mf_comm_get_async_error(mf_comm_t comm);
 
 /* ---------------------------------------------------------------------------------------------
  * One rank per process: a bootstrap, then mf_comm_init on every rank
@@ -221,13 +231,13 @@ typedef struct mf_bootstrap {
 
 /* A fresh address, unique on this host (as ncclGetUniqueId): make it once, before the ranks
  * start, and give it to every rank. Not collective, non-blocking. */
-mf_result_t mf_rendezvous_address(char address[MF_ADDRESS_BYTES]);
+MF_API mf_result_t mf_rendezvous_address(char address[MF_ADDRESS_BYTES]);
 
 /* Connects rank `rank` of `num_ranks` at `address` and fills *bootstrap with an allgather over
  * the connection (destroy set: the comm it is given to owns it). Collective over the ranks,
  * blocking for at most `timeout_ms` (0 = MF_TIMEOUT_MS or 30000): MF_ERR_TIMEOUT when a rank does
  * not arrive; MF_ERR_SYSTEM when a socket call fails or a rank leaves. */
-mf_result_t mf_rendezvous_bootstrap(const char *address, int32_t rank, int32_t num_ranks,
+MF_API mf_result_t mf_rendezvous_bootstrap(const char *address, int32_t rank, int32_t num_ranks,
                                     int64_t timeout_ms, mf_bootstrap_t *bootstrap);
 
 #define MF_COMM_CONFIG_MAGIC 0x6d66636du /* "mfcm" */
@@ -260,23 +270,23 @@ typedef struct mf_comm_config {
  * Blocking, not graph-capturable. `bootstrap` is copied; with its destroy set the comm owns its
  * ctx (also when the call fails). MF_TRANSPORT_NCCL takes its allgather from config->nccl_comm and
  * accepts bootstrap = NULL. The caller owns *comm (mf_comm_destroy). */
-mf_result_t mf_comm_init(const mf_comm_config_t *config, int32_t rank, int32_t num_ranks,
+MF_API mf_result_t mf_comm_init(const mf_comm_config_t *config, int32_t rank, int32_t num_ranks,
                          const mf_bootstrap_t *bootstrap, mf_comm_t *comm);
 
 /* Aborts the comm: every wait of this rank on a peer, host or device, ends with MF_ERR_ABORTED,
  * peers waiting for this rank end likewise, and every later call on the comm fails with
  * MF_ERR_ABORTED; only mf_comm_destroy remains. Non-blocking, may be called from any thread
  * (also while another thread is inside a call on the comm), not collective. */
-mf_result_t mf_comm_abort(mf_comm_t comm);
+MF_API mf_result_t mf_comm_abort(mf_comm_t comm);
 
 /* Destroys a comm made by mf_comm_init, after its layers. Waits (within the timeout) until every
  * peer has stopped using this rank's heap, unless the comm is broken or aborted; then unmaps the
  * peers' heaps and frees its own. Collective when the comm is healthy, blocking. NULL is a no-op.
  * Comms of an mf_group_t are destroyed by mf_group_destroy. */
-mf_result_t mf_comm_destroy(mf_comm_t comm);
+MF_API mf_result_t mf_comm_destroy(mf_comm_t comm);
 
 /* The transport the comm resolved to (AUTO never comes back). */
-mf_result_t mf_comm_get_transport(mf_comm_t comm, mf_transport_t *transport);
+MF_API mf_result_t mf_comm_get_transport(mf_comm_t comm, mf_transport_t *transport);
 
 /* ---------------------------------------------------------------------------------------------
  * MoE layer
@@ -325,7 +335,7 @@ typedef struct mf_moe_info {
 /* The symmetric-heap bytes a layer with `config` needs on each of `num_ranks` ranks, for
  * mf_comm_config_t.heap_bytes (layers of a comm share one heap: declare the largest). Not
  * collective, non-blocking. */
-mf_result_t mf_moe_heap_bytes(const mf_moe_config_t *config, int32_t num_ranks, int64_t *bytes);
+MF_API mf_result_t mf_moe_heap_bytes(const mf_moe_config_t *config, int32_t num_ranks, int64_t *bytes);
 
 /* Creates a layer on `comm`. Collective over the group, blocking, not graph-capturable. All layers
  * of a comm share its symmetric heap, which never moves: a comm declared with heap_bytes = 0 sizes
@@ -333,12 +343,12 @@ mf_result_t mf_moe_heap_bytes(const mf_moe_config_t *config, int32_t num_ranks, 
  * the size to declare. The caller owns *moe. Errors: INVALID_ARGUMENT (bad config values,
  * E % R != 0, H or I not a multiple of 128 for FP8, ranks asking for different layers),
  * INVALID_USAGE (bad magic/size/version), CAPACITY (heap), OUT_OF_MEMORY. */
-mf_result_t mf_moe_create(mf_comm_t comm, const mf_moe_config_t *config, mf_moe_t *moe);
+MF_API mf_result_t mf_moe_create(mf_comm_t comm, const mf_moe_config_t *config, mf_moe_t *moe);
 
-mf_result_t mf_moe_get_info(mf_moe_t moe, mf_moe_info_t *info);
+MF_API mf_result_t mf_moe_get_info(mf_moe_t moe, mf_moe_info_t *info);
 
 /* Destroys the layer. Not collective; no call on it may be in flight. NULL is a no-op. */
-mf_result_t mf_moe_destroy(mf_moe_t moe);
+MF_API mf_result_t mf_moe_destroy(mf_moe_t moe);
 
 /* This rank's L local experts' weights (local expert l is global expert first_expert + l). */
 typedef struct mf_moe_weights {
@@ -351,7 +361,7 @@ typedef struct mf_moe_weights {
 /* Sets this rank's expert weights. The layer BORROWS the memory: it must stay valid and unchanged
  * until the layer is destroyed or the weights are set again. Not collective, non-blocking, not
  * graph-capturable. */
-mf_result_t mf_moe_set_weights(mf_moe_t moe, const mf_moe_weights_t *weights);
+MF_API mf_result_t mf_moe_set_weights(mf_moe_t moe, const mf_moe_weights_t *weights);
 
 typedef struct mf_moe_forward_in {
     mf_tensor_t x;            /* [T, H] BF16, T <= S (T = 0 allowed) */
@@ -368,7 +378,7 @@ typedef struct mf_moe_forward_out {
  * Errors: INVALID_ARGUMENT (shapes, dtypes, NULL data, T > S, ids outside [-1, E) or repeated in a
  * token when the ids are host memory), INVALID_USAGE (weights not set, comm broken), CAPACITY,
  * TIMEOUT. */
-mf_result_t mf_moe_forward(mf_moe_t moe, const mf_moe_forward_in_t *in,
+MF_API mf_result_t mf_moe_forward(mf_moe_t moe, const mf_moe_forward_in_t *in,
                            const mf_moe_forward_out_t *out, mf_stream_t stream);
 
 /* Phases of mf_moe_forward, for profiling. */
@@ -389,7 +399,7 @@ typedef struct mf_phase_times {
 /* Per-phase times of this layer's last mf_moe_forward; needs config.profile = 1 (else
  * INVALID_USAGE). CPU: wall clock; CUDA: device events, so the call synchronises with that
  * forward. Not collective, blocking. */
-mf_result_t mf_moe_get_phase_times(mf_moe_t moe, mf_phase_times_t *times);
+MF_API mf_result_t mf_moe_get_phase_times(mf_moe_t moe, mf_phase_times_t *times);
 
 /* ---------------------------------------------------------------------------------------------
  * Communication only: dispatch and combine, for engines that bring their own expert GEMMs.
@@ -417,7 +427,7 @@ typedef struct mf_dispatch_out {
 
 /* Moves every (token, k) with a local expert of some rank to that rank, in the layer's layout.
  * Collective, blocking on CPU / asynchronous on CUDA, graph-capturable on CUDA. */
-mf_result_t mf_dispatch(mf_moe_t moe, const mf_dispatch_in_t *in, const mf_dispatch_out_t *out,
+MF_API mf_result_t mf_dispatch(mf_moe_t moe, const mf_dispatch_in_t *in, const mf_dispatch_out_t *out,
                         mf_stream_t stream);
 
 typedef struct mf_combine_in {
@@ -433,18 +443,18 @@ typedef struct mf_combine_out {
 
 /* Returns every expert output row to its token's rank and sums the K rows of each token there.
  * Collective, blocking on CPU / asynchronous on CUDA, graph-capturable on CUDA. */
-mf_result_t mf_combine(mf_moe_t moe, const mf_combine_in_t *in, const mf_combine_out_t *out,
+MF_API mf_result_t mf_combine(mf_moe_t moe, const mf_combine_in_t *in, const mf_combine_out_t *out,
                        mf_stream_t stream);
 
 /* ---------------------------------------------------------------------------------------------
  * Numerics helpers (host; the same conversions every backend uses)
  * ------------------------------------------------------------------------------------------- */
 /* float -> E4M3: round to nearest even, saturate to +-448 (inf too), NaN -> 0x7f | sign. */
-uint8_t mf_fp8_e4m3_from_float(float x);
-float mf_fp8_e4m3_to_float(uint8_t x);
+MF_API uint8_t mf_fp8_e4m3_from_float(float x);
+MF_API float mf_fp8_e4m3_to_float(uint8_t x);
 /* float -> bf16: round to nearest even; NaN stays NaN. */
-uint16_t mf_bf16_from_float(float x);
-float mf_bf16_to_float(uint16_t x);
+MF_API uint16_t mf_bf16_from_float(float x);
+MF_API float mf_bf16_to_float(uint16_t x);
 
 /* Block-quantises a BF16 matrix (or a batch of them) to FP8 E4M3 with one fp32 scale per block:
  *   in     [..., M, N] BF16, N a multiple of 128 (and M of 128 when block_rows = 128)
@@ -452,8 +462,33 @@ float mf_bf16_to_float(uint16_t x);
  *   scales [..., M / block_rows, N / 128] fp32
  * block_rows = 1 (activations, 1x128) or 128 (weights, 128x128); ue8m0 = 1 rounds scales up to
  * powers of two. Host memory; not collective; blocking. */
-mf_result_t mf_quantize_fp8(const mf_tensor_t *in, const mf_tensor_t *out, const mf_tensor_t *scales,
+MF_API mf_result_t mf_quantize_fp8(const mf_tensor_t *in, const mf_tensor_t *out, const mf_tensor_t *scales,
                             int32_t block_rows, int32_t ue8m0);
+
+/* ---------------------------------------------------------------------------------------------
+ * ABI: the sizes of the public structs, for bindings that build them without this header
+ * ------------------------------------------------------------------------------------------- */
+typedef enum mf_struct {
+    MF_STRUCT_TENSOR = 0,
+    MF_STRUCT_GROUP_CONFIG = 1,
+    MF_STRUCT_COMM_CONFIG = 2,
+    MF_STRUCT_BOOTSTRAP = 3,
+    MF_STRUCT_MOE_CONFIG = 4,
+    MF_STRUCT_MOE_INFO = 5,
+    MF_STRUCT_MOE_WEIGHTS = 6,
+    MF_STRUCT_MOE_FORWARD_IN = 7,
+    MF_STRUCT_MOE_FORWARD_OUT = 8,
+    MF_STRUCT_DISPATCH_IN = 9,
+    MF_STRUCT_DISPATCH_OUT = 10,
+    MF_STRUCT_COMBINE_IN = 11,
+    MF_STRUCT_COMBINE_OUT = 12,
+    MF_STRUCT_PHASE_TIMES = 13,
+    MF_NUM_STRUCTS = 14
+} mf_struct_t;
+
+/* sizeof the struct `which` in this library (0 for an unknown value). Not collective, non-blocking;
+ * the one function that never touches mf_last_error(). */
+MF_API int64_t mf_get_struct_size(mf_struct_t which);
 
 #ifdef __cplusplus
 }

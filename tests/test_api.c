@@ -46,6 +46,56 @@ static int test_version_strings(void) {
     return 0;
 }
 
+/* A config from the version-1 header (moeflow 0.1: mf_group_config_t ended before heap_bytes) is
+ * still accepted, its newer field taken as 0; and a binding can ask every struct's size. */
+static int test_abi(void) {
+    typedef struct v1_group_config { /* moeflow 0.1's layout */
+        uint32_t size, magic, version;
+        int32_t backend, transport, num_ranks, device, num_sms;
+        int64_t timeout_ms;
+    } v1_group_config_t;
+    unsigned char raw[sizeof(mf_group_config_t) + 16];
+    memset(raw, 0x5a, sizeof raw); /* bytes past the old struct must not be read */
+    v1_group_config_t old = {(uint32_t)sizeof(v1_group_config_t), MF_GROUP_CONFIG_MAGIC, 1, MF_BACKEND_CPU,
+                             MF_TRANSPORT_LOCAL, 2, 0, 0, 0};
+    memcpy(raw, &old, sizeof old);
+    mf_group_t g = NULL;
+    MFT_CHECK_OK(mf_group_create((const mf_group_config_t *)(const void *)raw, &g));
+    mf_comm_t comm;
+    MFT_CHECK_OK(mf_group_get_comm(g, 1, &comm));
+    int32_t n = 0;
+    MFT_CHECK_OK(mf_comm_get_size(comm, &n));
+    MFT_CHECK_EQ_INT(n, 2);
+    MFT_CHECK_OK(mf_group_destroy(g));
+    old.version = 0;
+    memcpy(raw, &old, sizeof old);
+    MFT_CHECK_ERR(mf_group_create((const mf_group_config_t *)(const void *)raw, &g), MF_ERR_INVALID_USAGE);
+
+    static const struct { mf_struct_t which; size_t size; } sizes[] = {
+        {MF_STRUCT_TENSOR, sizeof(mf_tensor_t)},
+        {MF_STRUCT_GROUP_CONFIG, sizeof(mf_group_config_t)},
+        {MF_STRUCT_COMM_CONFIG, sizeof(mf_comm_config_t)},
+        {MF_STRUCT_BOOTSTRAP, sizeof(mf_bootstrap_t)},
+        {MF_STRUCT_MOE_CONFIG, sizeof(mf_moe_config_t)},
+        {MF_STRUCT_MOE_INFO, sizeof(mf_moe_info_t)},
+        {MF_STRUCT_MOE_WEIGHTS, sizeof(mf_moe_weights_t)},
+        {MF_STRUCT_MOE_FORWARD_IN, sizeof(mf_moe_forward_in_t)},
+        {MF_STRUCT_MOE_FORWARD_OUT, sizeof(mf_moe_forward_out_t)},
+        {MF_STRUCT_DISPATCH_IN, sizeof(mf_dispatch_in_t)},
+        {MF_STRUCT_DISPATCH_OUT, sizeof(mf_dispatch_out_t)},
+        {MF_STRUCT_COMBINE_IN, sizeof(mf_combine_in_t)},
+        {MF_STRUCT_COMBINE_OUT, sizeof(mf_combine_out_t)},
+        {MF_STRUCT_PHASE_TIMES, sizeof(mf_phase_times_t)},
+    };
+    MFT_CHECK_EQ_INT(sizeof sizes / sizeof sizes[0], MF_NUM_STRUCTS);
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++)
+        MFT_CHECK_MSG(mf_get_struct_size(sizes[i].which) == (int64_t)sizes[i].size, "struct %d: library says %lld, "
+                      "header %zu", (int)sizes[i].which, (long long)mf_get_struct_size(sizes[i].which), sizes[i].size);
+    MFT_CHECK_EQ_INT(mf_get_struct_size(MF_NUM_STRUCTS), 0);
+    MFT_CHECK_EQ_INT(mf_get_struct_size((mf_struct_t)-1), 0);
+    return 0;
+}
+
 static int test_destroy_null(void) {
     MFT_CHECK_OK(mf_group_destroy(NULL));
     MFT_CHECK_OK(mf_moe_destroy(NULL));
@@ -81,8 +131,11 @@ static int test_group_config(void) {
     bad.magic = 0xdeadbeefu;
     if (expect_group_rejected(&bad, MF_ERR_INVALID_USAGE, "wrong magic")) return 1;
     bad = cfg;
-    bad.size = (uint32_t)sizeof(mf_group_config_t) - 4;
-    if (expect_group_rejected(&bad, MF_ERR_INVALID_USAGE, "wrong size")) return 1;
+    bad.size = 12; /* smaller than any version's layout */
+    if (expect_group_rejected(&bad, MF_ERR_INVALID_USAGE, "too small")) return 1;
+    bad = cfg;
+    bad.size = (uint32_t)sizeof(mf_group_config_t) + 8; /* from a newer header than the library */
+    if (expect_group_rejected(&bad, MF_ERR_INVALID_USAGE, "too large")) return 1;
     bad = cfg;
     bad.version = MF_API_VERSION + 1;
     if (expect_group_rejected(&bad, MF_ERR_INVALID_USAGE, "wrong version")) return 1;
@@ -1105,6 +1158,7 @@ static int test_alloc_failure(void) {
 }
 
 const mft_test_t mft_tests_api[] = {
+    {"api_abi", test_abi, 0},
     {"api_version_strings", test_version_strings, 10},
     {"api_destroy_null", test_destroy_null, 10},
     {"api_group_config", test_group_config, 20},

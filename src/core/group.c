@@ -9,6 +9,7 @@
 #define _GNU_SOURCE /* gethostname, getpid */
 #include <errno.h>
 #include <pthread.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
@@ -275,15 +276,9 @@ fail:
     return mf__error(xres, "%s", keep);
 }
 
+/* Checks a config already in the current layout (mf__read_config). */
 static mf_result_t mf__check_comm_config(const mf_comm_config_t *config, int32_t rank, int32_t num_ranks) {
     const char *fn = "mf_comm_init";
-    if (config->size != sizeof(mf_comm_config_t) || config->magic != MF_COMM_CONFIG_MAGIC)
-        return mf__error(MF_ERR_INVALID_USAGE,
-                         "%s: config header is wrong (size %u, magic 0x%x); initialise it with MF_COMM_CONFIG_INIT",
-                         fn, config->size, config->magic);
-    if (config->version != MF_API_VERSION)
-        return mf__error(MF_ERR_INVALID_USAGE, "%s: config version %u, library expects %d", fn, config->version,
-                         MF_API_VERSION);
     MF_REQUIRE(num_ranks >= 1 && num_ranks <= MF_MAX_RANKS, "%s: num_ranks %d is outside [1, %d]", fn, num_ranks,
                MF_MAX_RANKS);
     MF_REQUIRE(rank >= 0 && rank < num_ranks, "%s: rank %d is outside [0, num_ranks = %d)", fn, rank, num_ranks);
@@ -306,8 +301,11 @@ mf_result_t mf_comm_init(const mf_comm_config_t *config, int32_t rank, int32_t n
     mf_result_t res = MF_SUCCESS;
     mf_bootstrap_t boot = {0};
     if (bootstrap) boot = *bootstrap;
+    mf_comm_config_t cfg;
     if (!config || !comm) res = mf__error(MF_ERR_INVALID_ARGUMENT, "%s: config and comm must not be NULL", fn);
-    if (res == MF_SUCCESS) res = mf__check_comm_config(config, rank, num_ranks);
+    if (res == MF_SUCCESS)
+        res = mf__read_config(config, sizeof cfg, sizeof cfg, MF_COMM_CONFIG_MAGIC, fn, "MF_COMM_CONFIG_INIT", &cfg);
+    if (res == MF_SUCCESS) config = &cfg, res = mf__check_comm_config(config, rank, num_ranks);
 #if MF_WITH_CUDA
     if (res == MF_SUCCESS && config->transport == MF_TRANSPORT_NCCL) {
         /* The engine's ncclComm carries the bootstrap; its rank and size must be the caller's. */
@@ -407,13 +405,11 @@ mf_result_t mf_group_create(const mf_group_config_t *config, mf_group_t *group) 
     mf__clear_error();
     const char *fn = "mf_group_create";
     if (!config || !group) return mf__error(MF_ERR_INVALID_ARGUMENT, "%s: config and group must not be NULL", fn);
-    if (config->size != sizeof(mf_group_config_t) || config->magic != MF_GROUP_CONFIG_MAGIC)
-        return mf__error(MF_ERR_INVALID_USAGE,
-                         "%s: config header is wrong (size %u, magic 0x%x); initialise it with MF_GROUP_CONFIG_INIT",
-                         fn, config->size, config->magic);
-    if (config->version != MF_API_VERSION)
-        return mf__error(MF_ERR_INVALID_USAGE, "%s: config version %u, library expects %d", fn, config->version,
-                         MF_API_VERSION);
+    /* Version 1 (moeflow 0.1) ended before heap_bytes. */
+    mf_group_config_t gcfg;
+    MF_CHECK(mf__read_config(config, sizeof gcfg, offsetof(mf_group_config_t, heap_bytes), MF_GROUP_CONFIG_MAGIC, fn,
+                             "MF_GROUP_CONFIG_INIT", &gcfg));
+    config = &gcfg;
     MF_REQUIRE(config->transport == MF_TRANSPORT_LOCAL,
                "%s: transport %d: a group is R virtual ranks of one process (MF_TRANSPORT_LOCAL); for one rank per "
                "process use mf_comm_init", fn, config->transport);

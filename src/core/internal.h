@@ -52,6 +52,16 @@ void mf__clear_error(void);
         if (!(cond)) return mf__error(MF_ERR_INVALID_ARGUMENT, __VA_ARGS__);  \
     } while (0)
 
+/* ---- config structs of any API version --------------------------------------------------------- */
+
+/* Copies a caller's config into the library's current layout (NCCL's habit): checks magic and
+ * version (1..MF_API_VERSION), accepts any size from the oldest layout's (`min_size`) to the
+ * current one (`lib_size`), copies the caller's bytes and gives the newer fields 0 (their
+ * defaults); out->size and out->version then read as current. `init` names the INIT macro for
+ * the message. INVALID_USAGE on a bad header. */
+mf_result_t mf__read_config(const void *in, size_t lib_size, size_t min_size, uint32_t magic, const char *fn,
+                            const char *init, void *out);
+
 /* ---- allocation (host): one place, with a failure switch for tests ---------------------------- */
 
 void *mf__malloc(size_t bytes);

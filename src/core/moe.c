@@ -38,23 +38,11 @@ void mf__heap_layout_init(mf__heap_layout_t *h, const mf_moe_config_t *c) {
 
 /* ---- creation ----------------------------------------------------------------------------- */
 
-static mf_result_t mf__check_config_header(const mf_moe_config_t *c, const char *fn) {
-    if (c->size != sizeof(mf_moe_config_t) || c->magic != MF_MOE_CONFIG_MAGIC)
-        return mf__error(MF_ERR_INVALID_USAGE,
-                         "%s: config header is wrong (size %u, magic 0x%x); initialise it with "
-                         "MF_MOE_CONFIG_INIT",
-                         fn, c->size, c->magic);
-    if (c->version != MF_API_VERSION)
-        return mf__error(MF_ERR_INVALID_USAGE, "%s: config version %u, library expects %d", fn,
-                         c->version, MF_API_VERSION);
-    return MF_SUCCESS;
-}
-
 /* Validates `in` and writes it with defaults resolved to `out`. */
 static mf_result_t mf__resolve_config(const mf_moe_config_t *in, int32_t R, mf_moe_config_t *out) {
     const char *fn = "mf_moe_create";
-    MF_CHECK(mf__check_config_header(in, fn));
-    mf_moe_config_t c = *in;
+    mf_moe_config_t c;
+    MF_CHECK(mf__read_config(in, sizeof c, sizeof c, MF_MOE_CONFIG_MAGIC, fn, "MF_MOE_CONFIG_INIT", &c));
     MF_REQUIRE(c.num_experts >= 1, "%s: num_experts (E) is %d, must be >= 1", fn, c.num_experts);
     MF_REQUIRE(c.num_experts % R == 0, "%s: num_experts (E = %d) must be a multiple of the ranks (R = %d)",
                fn, c.num_experts, R);
