@@ -145,6 +145,7 @@ static mf_result_t mf__cuda_comm_init(mf_comm_t comm) {
         MF_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernels[i]));
     }
     MF_CHECK(mf__cuda_gemm_preload());
+    MF_CHECK(mf__cuda_gemm_watch());
 
     mf__cuda_comm_t *c = (mf__cuda_comm_t *)mf__calloc(1, sizeof *c);
     if (!c) return mf__error(MF_ERR_OUT_OF_MEMORY, "cuda backend: out of host memory");
@@ -267,6 +268,11 @@ static mf_result_t mf__cuda_fault_message(mf_comm_t comm, const mf__device_error
  * breaks the comm. */
 static mf_result_t mf__cuda_take_fault(mf_comm_t comm, int32_t only_own) {
     mf__cuda_comm_t *c = mf__cc(comm);
+    char what[256];
+    if (!only_own && !comm->broken && mf__cuda_gemm_expired(what, sizeof what)) {
+        comm->broken = 1;
+        return mf__error(MF_ERR_INTERNAL, "rank %d: %s; the comm is broken", comm->rank, what);
+    }
     if (!c->record->code) return MF_SUCCESS;
     __sync_synchronize(); /* the details were written before the code */
     const unsigned long long id = c->record->fault_id;

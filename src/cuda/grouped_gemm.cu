@@ -14,6 +14,8 @@
  * masked in the kernels. Every data pointer must be 16-byte aligned, every scale pointer 4-byte.
  */
 #include <cuda_runtime.h>
+#include <mutex>
+#include <stdio.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -26,6 +28,7 @@ extern "C" {
 #include "cuda/configs.cuh"
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels/sm90_grouped_gemm.cuh"
+#include "cuda/kernels/sm90_ptx.cuh" /* mf__sm90_fault_t: the record of expired pipeline waits */
 
 #define MF__GEMM_MAX_DEVICES 64
 #define MF__DATA_ALIGN 16 /* 16-byte cp.async loads and stores */
@@ -113,6 +116,39 @@ int64_t max_tiles(const mf__gemm_segments_t *seg, int32_t col_tiles) {
 }
 
 } /* namespace */
+
+/* ---- expired pipeline waits (sm90_ptx.cuh mf__mbar_wait_bounded) ------------------------------ */
+
+cudaError_t mf__sm90_decode_set_fault_record(mf__sm90_fault_t *record);
+cudaError_t mf__sm90_tma_set_fault_record(mf__sm90_fault_t *record);
+
+static mf__sm90_fault_t *g_gemm_fault; /* process-wide, mapped host memory; never freed */
+static std::mutex g_gemm_fault_mu;
+
+mf_result_t mf__cuda_gemm_watch(void) {
+    std::lock_guard<std::mutex> lock(g_gemm_fault_mu);
+    cudaError_t e = cudaSuccess;
+    if (!g_gemm_fault) {
+        e = cudaHostAlloc((void **)&g_gemm_fault, sizeof *g_gemm_fault, cudaHostAllocMapped | cudaHostAllocPortable);
+        if (e == cudaSuccess) memset((void *)g_gemm_fault, 0, sizeof *g_gemm_fault);
+        else g_gemm_fault = NULL;
+    }
+    if (e == cudaSuccess) e = mf__sm90_decode_set_fault_record(g_gemm_fault);
+    if (e == cudaSuccess) e = mf__sm90_tma_set_fault_record(g_gemm_fault);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return mf__error(MF_ERR_CUDA, "cuda backend: registering the GEMMs' fault record: %s", cudaGetErrorString(e));
+    }
+    return MF_SUCCESS;
+}
+
+int32_t mf__cuda_gemm_expired(char *what, size_t bytes) {
+    const mf__sm90_fault_t *f = g_gemm_fault;
+    if (!f || f->magic != kMfSm90FaultMagic) return 0;
+    snprintf(what, bytes, "a GEMM pipeline wait expired (block %u, thread %u, wait site %u): the kernel's output "
+             "is not valid and this process's GEMMs are no longer trusted", f->block, f->thread, f->tag);
+    return 1;
+}
 
 mf_result_t mf__cuda_gemm_preload(void) {
     MF_CHECK(mf__sm90_decode_preload());

@@ -62,6 +62,12 @@ typedef struct mf__gemm_return {
  * the module to load while peers' waiting kernels hold the GPU. */
 mf_result_t mf__cuda_gemm_preload(void);
 
+/* Registers the process's record of expired pipeline waits for the GEMM kernels on the current
+ * device (a wait that expires records itself there and returns instead of trapping, which would
+ * kill every rank's context). mf__cuda_gemm_expired: 1 and a description once one expired. */
+mf_result_t mf__cuda_gemm_watch(void);
+int32_t mf__cuda_gemm_expired(char *what, size_t bytes);
+
 /* The dispatchers below choose among three kernel families, by seg->rows_hint only (never by
  * dataflow, so DIRECT and PULL run the same arithmetic and give the same bits):
  *   decode (rows_hint <= kMfDecodeMaxRows): kernels/sm90_decode_gemm.cuh, gemm_decode.cu — the

@@ -913,17 +913,24 @@ static inline CUresult mf__tma_encode_2d(CUtensorMap *map, CUtensorMapDataType d
  * writing its CTA's shared memory). */
 __device__ __forceinline__ void mf__cp_async_wait_all(void) { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
-/* mf__mbar_wait_tag with the bound `timeout_ns` in place of kMfSm90WaitTimeoutNs, for kernels of
- * the library: there a trap kills the CUDA context of every rank of the process, so the bound is
- * chosen by the kernel (far above any healthy wait), while the labs keep the short default.
- * Same fault record and trap on expiry. */
+/* Set by the first bounded wait of the library's kernels that expired (never cleared: the process's
+ * GEMM pipelines are no longer trusted); every bounded wait then returns at once. */
+static __device__ volatile uint32_t mf__sm90_expired;
+
+/* The library's pipeline wait: mf__mbar_wait_tag with the bound `timeout_ns` (far above any healthy
+ * wait) and no trap. A trap kills the CUDA context of every rank of the process, so an expired
+ * wait records itself in the fault record (the CUDA backend registers one and turns it into
+ * MF_ERR_INTERNAL, breaking the comm), raises mf__sm90_expired and returns: every other wait of
+ * the kernel then returns at once too, so all warps drain and the kernel ends (its output is
+ * garbage, and the comm is broken). The labs keep the trapping wait. */
 __device__ __forceinline__ void mf__mbar_wait_bounded(uint64_t *bar, uint32_t parity, uint32_t tag, uint64_t timeout_ns) {
     if (mf__mbar_try_wait(bar, parity)) return;
     uint64_t t0 = mf__globaltimer();
     while (!mf__mbar_try_wait(bar, parity)) {
+        if (mf__sm90_expired) return;
         if (mf__globaltimer() - t0 > timeout_ns) {
             mf__sm90_fault_t *f = mf__sm90_fault_record;
-            if (f) {
+            if (f && !f->magic) {
                 f->block = blockIdx.x;
                 f->thread = threadIdx.x;
                 f->smem = mf__smem_addr(bar);
@@ -933,7 +940,9 @@ __device__ __forceinline__ void mf__mbar_wait_bounded(uint64_t *bar, uint32_t pa
                 f->magic = kMfSm90FaultMagic;
                 __threadfence_system();
             }
-            asm volatile("trap;");
+            mf__sm90_expired = 1;
+            __threadfence();
+            return;
         }
     }
 }
