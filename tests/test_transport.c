@@ -662,6 +662,70 @@ static int test_ipc_local_refused(void) {
     return 0;
 }
 
+/* ---- ranks calling different layers ---------------------------------------------------------- */
+
+typedef struct layers_ctx {
+    mf_group_t group;
+    const mfp_problem_t *p;
+    mf_result_t mixed[2], same[2];
+    char msg[2][256];
+} layers_ctx_t;
+
+static int layers_rank(int32_t rank, void *arg) {
+    layers_ctx_t *c = arg;
+    const mfp_problem_t *p = c->p;
+    const mfp_spec_t *s = &p->spec;
+    mf_comm_t comm;
+    MFT_CHECK_OK(mf_group_get_comm(c->group, rank, &comm));
+    mf_moe_config_t cfg = MF_MOE_CONFIG_INIT;
+    cfg.num_experts = s->E, cfg.num_topk = s->K, cfg.hidden = s->H, cfg.intermediate = s->I;
+    cfg.max_tokens_per_rank = s->S;
+    mf_moe_t moe[2];
+    mf_moe_weights_t w;
+    memset(&w, 0, sizeof w);
+    w.w13 = mft_t3(p->w13[rank], MF_DTYPE_BF16, p->L, 2 * s->I, s->H);
+    w.w2 = mft_t3(p->w2[rank], MF_DTYPE_BF16, p->L, s->H, s->I);
+    for (int l = 0; l < 2; l++) {
+        MFT_CHECK_OK(mf_moe_create(comm, &cfg, &moe[l]));
+        MFT_CHECK_OK(mf_moe_set_weights(moe[l], &w));
+    }
+    const int64_t T = p->T[rank];
+    uint16_t *y = mft_alloc((size_t)T * s->H * 2);
+    mf_moe_forward_in_t in = {mft_t2(p->x[rank], MF_DTYPE_BF16, T, s->H), mft_t2(p->topk_ids[rank], MF_DTYPE_INT32, T, s->K),
+                              mft_t2(p->topk_weights[rank], MF_DTYPE_FP32, T, s->K)};
+    mf_moe_forward_out_t out = {mft_t2(y, MF_DTYPE_BF16, T, s->H)};
+    c->mixed[rank] = mf_moe_forward(moe[rank], &in, &out, NULL); /* rank 0 layer 0, rank 1 layer 1 */
+    snprintf(c->msg[rank], sizeof c->msg[rank], "%s", mf_last_error());
+    c->same[rank] = mf_moe_forward(moe[1], &in, &out, NULL);
+    free(y);
+    for (int l = 0; l < 2; l++) MFT_CHECK_OK(mf_moe_destroy(moe[l]));
+    return 0;
+}
+
+/* Rank 0 calls one layer while rank 1 calls another: both fail with MF_ERR_INVALID_USAGE naming
+ * the layers (the id travels with every arrival); the next call on the same layer works. */
+static int test_layer_mismatch(void) {
+    mfp_spec_t spec = small_spec(2, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, 71);
+    mfp_problem_t p;
+    MFT_CHECK(mfp_generate(&spec, &p) == 0);
+    layers_ctx_t c;
+    memset(&c, 0, sizeof c);
+    c.p = &p;
+    c.group = mft_cpu_group(2, TR_TIMEOUT_MS);
+    MFT_CHECK(c.group);
+    int rc = mft_run_ranks(2, layers_rank, &c);
+    MFT_CHECK_OK(mf_group_destroy(c.group));
+    MFT_CHECK(rc == 0);
+    for (int r = 0; r < 2; r++) {
+        mft_verbose("  rank %d: %s: %s\n", r, mft_result_name(c.mixed[r]), c.msg[r]);
+        MFT_CHECK_EQ_INT(c.mixed[r], MF_ERR_INVALID_USAGE);
+        MFT_CHECK_MSG(mft_contains_ci(c.msg[r], "layer"), "rank %d: %s", r, c.msg[r]);
+        MFT_CHECK_EQ_INT(c.same[r], MF_SUCCESS);
+    }
+    mfp_free(&p);
+    return 0;
+}
+
 const mft_test_t mft_tests_transport[] = {
     {"transport_ipc_bitwise", test_ipc_bitwise, 60},
     {"transport_ipc_rank_dies", test_ipc_rank_dies, 60},
@@ -670,5 +734,6 @@ const mft_test_t mft_tests_transport[] = {
     {"transport_abort", test_abort, 60},
     {"transport_user_bootstrap", test_user_bootstrap, 60},
     {"transport_comm_init_checks", test_comm_init_checks, 60},
+    {"transport_layer_mismatch", test_layer_mismatch, 60},
     {NULL, NULL, 0},
 };

@@ -117,18 +117,26 @@ void mf__heap_layout_init(mf__heap_layout_t *layout, const mf_moe_config_t *conf
 
 /* ---- signals (every rank, one symmetric allocation; DESIGN.md "Symmetric heap") ----------- */
 /* uint64 words:
- *   slots   [MF__NUM_PHASES][2][MF_MAX_RANKS]  peers write: slot [p][e % 2][q] = e << MF__STATUS_BITS |
- *                                              q's status, e = rank q's e-th arrival at phase p
+ *   slots   [MF__NUM_PHASES][2][MF_MAX_RANKS]  peers write: slot [p][e % 2][q] = e << MF__EPOCH_SHIFT |
+ *                                              layer << MF__STATUS_BITS | status, e = rank q's e-th
+ *                                              arrival at phase p, layer = the id of the layer it
+ *                                              called (16 bits), status = its verdict (8 bits)
  *   epochs  [MF__NUM_PHASES]                   this rank's own epoch counters (device code keeps them)
  *   abort   [MF_MAX_RANKS]                     abort[q] != 0: rank q called mf_comm_abort
  * Epochs only grow: nothing is re-zeroed between calls. A status is an mf_result_t (0 = fine): the
  * arrival of a rank whose call failed before its work (rejected input, a fault its device found)
- * carries the code, and every waiter fails that call with it, so all ranks fail together. Two
+ * carries the code, and every waiter fails that call with it, so all ranks fail together; so does
+ * an arrival for another layer than the waiter's (ranks must call the same layers). Two
  * slots per phase, by epoch parity: a rank that failed a call at its first phase may arrive at that
  * phase again (its next call) before a peer has read its status for this one; it can never be two
  * arrivals ahead, since its next call's wait needs this peer. */
 #define MF__STATUS_BITS 8
 #define MF__STATUS_MASK ((1ull << MF__STATUS_BITS) - 1)
+#define MF__LAYER_BITS 16
+#define MF__LAYER_MASK ((1ull << MF__LAYER_BITS) - 1)
+#define MF__EPOCH_SHIFT (MF__STATUS_BITS + MF__LAYER_BITS)
+/* The layer id field of a slot value. */
+#define MF__SLOT_LAYER(v) (((v) >> MF__STATUS_BITS) & MF__LAYER_MASK)
 #define MF__SIGNAL_SLOTS 0
 #define MF__SIGNAL_SLOT(phase, epoch, from) \
     (MF__SIGNAL_SLOTS + ((size_t)(phase) * 2 + ((epoch) & 1)) * MF_MAX_RANKS + (size_t)(from))
@@ -181,6 +189,7 @@ struct mf_comm {
     mf__sym_t heap;                     /* heap.peers[r]: rank r's symmetric heap (bytes 0 until sized) */
     mf__sym_t signals;                  /* signals.peers[r]: rank r's MF__SIGNAL_WORDS words */
     uint64_t epoch[MF__NUM_PHASES];     /* collectives completed per phase, same on every rank */
+    uint32_t layers_made;               /* layers created so far: the next one's id (all ranks alike) */
     int32_t broken;                     /* 1 after a timeout: the group's protocol state is unknown */
     int32_t aborted;                    /* 1 after mf_comm_abort (read and written atomically) */
     struct mf_moe *pending_dispatch;    /* layer whose dispatch awaits its combine, or NULL */
@@ -195,6 +204,7 @@ struct mf_moe {
     int32_t weights_set;
     mf_moe_weights_t weights; /* borrowed */
     int32_t dispatch_T;       /* T of the dispatch whose combine is pending */
+    uint32_t id;              /* the comm's layer number (the same on every rank): carried by syncs */
     void *backend_state;
 };
 

@@ -168,6 +168,7 @@ mf_result_t mf_moe_create(mf_comm_t comm, const mf_moe_config_t *config, mf_moe_
         m->info.expert_capacity = c.expert_capacity;
         m->info.max_recv_rows = c.max_recv_rows;
         m->info.heap_bytes = (int64_t)comm->heap.bytes;
+        m->id = comm->layers_made & MF__LAYER_MASK;
         res = comm->ops->moe_init(m);
     }
     mf_result_t agreed = mf__agree(comm, res, fn);
@@ -176,6 +177,7 @@ mf_result_t mf_moe_create(mf_comm_t comm, const mf_moe_config_t *config, mf_moe_
         mf__free(m);
         return agreed;
     }
+    comm->layers_made++; /* every rank made it: the ids stay the same on every rank */
     *moe = m;
     return MF_SUCCESS;
 }

@@ -170,7 +170,8 @@ static mf_result_t mf__cpu_exchange_and_plan(mf_moe_t moe) {
     mf__cpu_moe_t *s = moe->backend_state;
     mf_comm_t comm = moe->comm;
     int32_t R = comm->num_ranks;
-    MF_CHECK(mf__cpu_wait(comm, MF__PHASE_DISPATCH, mf__cpu_arrive(comm, MF__PHASE_DISPATCH, MF_SUCCESS), "dispatch"));
+    MF_CHECK(mf__cpu_wait(comm, MF__PHASE_DISPATCH, mf__cpu_arrive(comm, MF__PHASE_DISPATCH, moe->id, MF_SUCCESS), moe->id,
+                          "dispatch"));
     const int32_t *ids[MF_MAX_RANKS];
     int32_t T[MF_MAX_RANKS];
     for (int32_t r = 0; r < R; r++) {
@@ -182,7 +183,8 @@ static mf_result_t mf__cpu_exchange_and_plan(mf_moe_t moe) {
         char why[512];
         strncpy(why, mf_last_error(), sizeof why - 1);
         why[sizeof why - 1] = '\0';
-        MF_CHECK(mf__cpu_wait(comm, MF__PHASE_ABORT, mf__cpu_arrive(comm, MF__PHASE_ABORT, MF_SUCCESS), "dispatch"));
+        MF_CHECK(mf__cpu_wait(comm, MF__PHASE_ABORT, mf__cpu_arrive(comm, MF__PHASE_ABORT, moe->id, MF_SUCCESS), moe->id,
+                              "dispatch"));
         return mf__error(res, "%s", why);
     }
     return MF_SUCCESS;
@@ -222,7 +224,8 @@ static void mf__cpu_return_row(mf_moe_t moe, const int32_t *src, const uint16_t 
 static mf_result_t mf__cpu_sum(mf_moe_t moe, int32_t T, const float *w, uint16_t *y) {
     mf__cpu_moe_t *s = moe->backend_state;
     mf_comm_t comm = moe->comm;
-    MF_CHECK(mf__cpu_wait(comm, MF__PHASE_COMBINE, mf__cpu_arrive(comm, MF__PHASE_COMBINE, MF_SUCCESS), "combine"));
+    MF_CHECK(mf__cpu_wait(comm, MF__PHASE_COMBINE, mf__cpu_arrive(comm, MF__PHASE_COMBINE, moe->id, MF_SUCCESS), moe->id,
+                          "combine"));
     const mf_moe_config_t *c = &moe->config;
     int32_t K = c->num_topk;
     int64_t H = c->hidden;
@@ -379,7 +382,8 @@ static mf_result_t mf__cpu_reject(mf_moe_t moe, uint32_t phases, mf_result_t cod
     char why[512];
     strncpy(why, mf_last_error(), sizeof why - 1);
     why[sizeof why - 1] = '\0';
-    mf_result_t res = mf__cpu_wait(moe->comm, phase, mf__cpu_arrive(moe->comm, phase, code), mf__phase_name(phase));
+    mf_result_t res = mf__cpu_wait(moe->comm, phase, mf__cpu_arrive(moe->comm, phase, moe->id, code), moe->id,
+                                   mf__phase_name(phase));
     if (res == code) return mf__error(code, "%s", why);
     return res; /* a timeout or an abort says more than the rejection */
 }

@@ -18,9 +18,10 @@ static uint64_t mf__slot_load(mf_comm_t comm, int32_t phase, uint64_t epoch, int
     return __atomic_load_n(mf__word(comm, comm->rank, MF__SIGNAL_SLOT(phase, epoch, from)), __ATOMIC_ACQUIRE);
 }
 
-uint64_t mf__cpu_arrive(mf_comm_t comm, int32_t phase, mf_result_t status) {
+uint64_t mf__cpu_arrive(mf_comm_t comm, int32_t phase, uint32_t layer, mf_result_t status) {
     uint64_t epoch = ++comm->epoch[phase];
-    uint64_t value = epoch << MF__STATUS_BITS | ((uint64_t)status & MF__STATUS_MASK);
+    uint64_t value = epoch << MF__EPOCH_SHIFT | ((uint64_t)layer & MF__LAYER_MASK) << MF__STATUS_BITS |
+                     ((uint64_t)status & MF__STATUS_MASK);
     for (int32_t q = 0; q < comm->num_ranks; q++)
         __atomic_store_n(mf__word(comm, q, MF__SIGNAL_SLOT(phase, epoch, comm->rank)), value, __ATOMIC_RELEASE);
     return epoch;
@@ -37,13 +38,13 @@ static double mf__now_ms(void) {
     return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
 }
 
-mf_result_t mf__cpu_wait(mf_comm_t comm, int32_t phase, uint64_t epoch, const char *what) {
+mf_result_t mf__cpu_wait(mf_comm_t comm, int32_t phase, uint64_t epoch, uint32_t layer, const char *what) {
     const int32_t R = comm->num_ranks;
     double start = mf__now_ms();
     int32_t next = 0; /* ranks below `next` have arrived */
     int32_t aborted_peer = -1;
     for (uint64_t spin = 0;; spin++) {
-        while (next < R && mf__slot_load(comm, phase, epoch, next) >> MF__STATUS_BITS >= epoch) next++;
+        while (next < R && mf__slot_load(comm, phase, epoch, next) >> MF__EPOCH_SHIFT >= epoch) next++;
         if (next == R) break;
         if (spin < 64) continue;
         if (spin < 4096) {
@@ -65,7 +66,12 @@ mf_result_t mf__cpu_wait(mf_comm_t comm, int32_t phase, uint64_t epoch, const ch
     if (next == R) {
         /* Every rank arrived: fail together when any arrival carried a status. */
         for (int32_t q = 0; q < R; q++) {
-            mf_result_t st = (mf_result_t)(mf__slot_load(comm, phase, epoch, q) & MF__STATUS_MASK);
+            const uint64_t v = mf__slot_load(comm, phase, epoch, q);
+            mf_result_t st = (mf_result_t)(v & MF__STATUS_MASK);
+            if (st == MF_SUCCESS && MF__SLOT_LAYER(v) != (layer & MF__LAYER_MASK))
+                return mf__error(MF_ERR_INVALID_USAGE, "rank %d: %s: rank %d called this collective on layer %llu, this "
+                                 "rank on layer %u: every rank must call the same layers in the same order", comm->rank,
+                                 what, q, (unsigned long long)MF__SLOT_LAYER(v), (unsigned)(layer & MF__LAYER_MASK));
             if (st == MF_SUCCESS) continue;
             if (q == comm->rank) return st; /* this rank's own message is already set */
             return mf__error(st, "rank %d: %s: rank %d failed this call (%s); every rank fails it, nothing was "
@@ -81,7 +87,7 @@ mf_result_t mf__cpu_wait(mf_comm_t comm, int32_t phase, uint64_t epoch, const ch
     size_t used = 0;
     missing[0] = '\0';
     for (int32_t q = 0; q < R && used < sizeof missing; q++) {
-        uint64_t seen = mf__slot_load(comm, phase, epoch, q) >> MF__STATUS_BITS;
+        uint64_t seen = mf__slot_load(comm, phase, epoch, q) >> MF__EPOCH_SHIFT;
         if (seen < epoch)
             used += (size_t)snprintf(missing + used, sizeof missing - used, "%s%d (at epoch %llu)",
                                      used ? ", " : "", q, (unsigned long long)seen);

@@ -133,6 +133,11 @@ static mf_result_t mf__cuda_comm_init(mf_comm_t comm) {
     if (comm->num_sms > sms)
         return mf__error(MF_ERR_INVALID_ARGUMENT, "cuda backend: num_sms %d exceeds the device's %d SMs",
                          comm->num_sms, sms);
+    if (comm->transport == MF_TRANSPORT_LOCAL && comm->ranks_on_device > kMfMaxVirtualRanksPerDevice)
+        return mf__error(MF_ERR_NOT_SUPPORTED, "cuda backend: %d virtual ranks share device %d; at most %d can (a process "
+                         "has at most %d hardware queues, CUDA_DEVICE_MAX_CONNECTIONS, and a rank whose stream shares one "
+                         "can wait forever behind a peer's spinning kernel); use fewer ranks or one process per rank",
+                         comm->ranks_on_device, comm->device, kMfMaxVirtualRanksPerDevice, kMfMaxVirtualRanksPerDevice);
     /* Load every kernel now. With lazy module loading (CUDA's default) a rank's first launch would
      * load its module on demand, which can stall behind the peers' spinning wait kernels until the
      * timeout: seen on the H200 as a first-forward timeout in every process. */
@@ -259,6 +264,9 @@ static mf_result_t mf__cuda_fault_message(mf_comm_t comm, const mf__device_error
                          mf_result_string(code), tail);
     case kMfFaultPeer:
         return mf__error(code, "rank %d failed a call (%s)%s", r.peer, mf_result_string(code), tail);
+    case kMfFaultLayer:
+        return mf__error(code, "rank %d called a collective on layer %lld while rank %d called layer %lld: every rank "
+                               "must call the same layers in the same order%s", r.peer, r.a, r.rank, r.b, tail);
     default: return mf__error(MF_ERR_INTERNAL, "rank %d: unknown device fault kind %d (code %d)", r.rank, r.kind, r.code);
     }
 }
@@ -468,7 +476,7 @@ static mf__heap_view_t mf__view(mf_moe_t moe) {
 }
 
 /* One synchronisation of the call (sync.cuh); `reject`: the host rejected the call (its code). */
-static mf_result_t mf__cuda_sync(mf_comm_t comm, int32_t phase, mf_result_t reject, cudaStream_t stream) {
+static mf_result_t mf__cuda_sync(mf_comm_t comm, uint32_t layer, int32_t phase, mf_result_t reject, cudaStream_t stream) {
     mf__sync_params_t p;
     memset(&p, 0, sizeof p);
     for (int32_t r = 0; r < comm->num_ranks; r++) p.signals[r] = (uint64_t *)comm->signals.peers[r];
@@ -476,6 +484,7 @@ static mf_result_t mf__cuda_sync(mf_comm_t comm, int32_t phase, mf_result_t reje
     p.rank = comm->rank;
     p.phase = phase;
     p.reject = reject;
+    p.layer = layer;
     p.acked_id = mf__cc(comm)->call_acked;
     p.timeout_ns = (uint64_t)comm->timeout_ms * 1000000ull;
     p.sink = mf__sink(comm);
@@ -516,7 +525,7 @@ static mf_result_t mf__cuda_publish(mf_moe_t moe, const mf_tensor_t *x, const mf
 static mf_result_t mf__cuda_plan(mf_moe_t moe, int32_t *counts_out, int32_t *offsets_out, cudaStream_t stream) {
     mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
     const mf_moe_config_t *c = &moe->config;
-    MF_CHECK(mf__cuda_sync(moe->comm, MF__PHASE_DISPATCH, MF_SUCCESS, stream));
+    MF_CHECK(mf__cuda_sync(moe->comm, moe->id, MF__PHASE_DISPATCH, MF_SUCCESS, stream));
     mf__plan_params_t p;
     memset(&p, 0, sizeof p);
     p.view = mf__view(moe);
@@ -580,7 +589,7 @@ static mf_result_t mf__cuda_gather(mf_moe_t moe, void *recv_x, float *recv_scale
 
 /* Waits for every rank's partials and sums this rank's tokens. */
 static mf_result_t mf__cuda_sum(mf_moe_t moe, int32_t T, const float *weights, uint16_t *y, cudaStream_t stream) {
-    MF_CHECK(mf__cuda_sync(moe->comm, MF__PHASE_COMBINE, MF_SUCCESS, stream));
+    MF_CHECK(mf__cuda_sync(moe->comm, moe->id, MF__PHASE_COMBINE, MF_SUCCESS, stream));
     if (T == 0) return MF_SUCCESS;
     mf__sum_params_t p;
     memset(&p, 0, sizeof p);
@@ -733,7 +742,7 @@ static mf_result_t mf__cuda_reject(mf_moe_t moe, uint32_t phases, mf_result_t co
     if (mf__cuda_enter(comm, stream, NULL) != MF_SUCCESS) return mf__error(code, "%s", why);
     mf_result_t res = MF_SUCCESS;
     for (int32_t phase = 0; phase < MF__NUM_PHASES && res == MF_SUCCESS; phase++)
-        if (phases & (1u << phase)) res = mf__cuda_sync(comm, phase, code, stream);
+        if (phases & (1u << phase)) res = mf__cuda_sync(comm, moe->id, phase, code, stream);
     if ((res = mf__cuda_leave(comm, res, MF_SUCCESS)) != MF_SUCCESS) return res;
     if (!mf__cc(comm)->capturing && cudaStreamSynchronize(stream) == cudaSuccess) (void)mf__cuda_take_fault(comm, 1);
     (void)cudaGetLastError();

@@ -29,8 +29,14 @@ enum {
     kMfFaultCapacity = 4, /* an expert (MASKED) or a rank's receive tensor (EXPERT_MAJOR) would overflow */
     kMfFaultAborted = 5,  /* mf_comm_abort on this rank, or on the peer waited for */
     kMfFaultPeer = 6,     /* another rank failed the call (its fault or its host's rejection) */
-    kMfFaultRejected = 7  /* this rank's host rejected the call's input */
+    kMfFaultRejected = 7, /* this rank's host rejected the call's input */
+    kMfFaultLayer = 8     /* ranks called the collective on different layers */
 };
+
+/* Virtual ranks of one process on one device: CUDA gives a process at most 32 hardware queues
+ * (CUDA_DEVICE_MAX_CONNECTIONS); a rank whose stream shares a queue with a peer's can wait forever
+ * behind that peer's spinning kernel (R = 64 timed out on the H200), so a comm refuses more. */
+#define kMfMaxVirtualRanksPerDevice 32
 
 static_assert(kMfWaitThreads >= MF_MAX_RANKS, "one wait thread per peer");
 

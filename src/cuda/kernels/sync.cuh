@@ -127,12 +127,14 @@ __device__ __forceinline__ void mf__set_fault(const mf__fault_sink_t &sink, int3
 #define kMfStatusReported 0x40ull
 #define kMfStatusAck 0x80ull
 static_assert(MF__STATUS_BITS == 8, "status: 6 bits of code, reported, ack");
+#define kMfSlotLayer(v) MF__SLOT_LAYER(v)
 static_assert(MF_ERR_ABORTED <= (int)kMfStatusCode, "every mf_result_t fits the status");
 
 typedef struct mf__sync_params {
     uint64_t *signals[MF_MAX_RANKS]; /* every rank's signal words (peer pointers) */
     int32_t num_ranks, rank, phase;
     int32_t reject;                  /* the host rejected this call: its mf_result_t, else 0 */
+    uint32_t layer;                  /* the id of the layer called (mf_moe.id) */
     unsigned long long acked_id;     /* the last fault id this rank's host reported */
     uint64_t timeout_ns;
     mf__fault_sink_t sink;
@@ -159,7 +161,8 @@ __global__ void __launch_bounds__(kMfWaitThreads) mf__sync_kernel(mf__sync_param
         mine[MF__SIGNAL_EPOCHS + p.phase] = epoch;
         __threadfence_system(); /* everything this stream wrote before is visible before the signal */
         for (int32_t q = 0; q < p.num_ranks; q++)
-            mf__st_release_sys(p.signals[q] + MF__SIGNAL_SLOT(p.phase, epoch, p.rank), epoch << MF__STATUS_BITS | status);
+            mf__st_release_sys(p.signals[q] + MF__SIGNAL_SLOT(p.phase, epoch, p.rank),
+                               epoch << MF__EPOCH_SHIFT | (uint64_t)(p.layer & MF__LAYER_MASK) << MF__STATUS_BITS | status);
         want = epoch;
         stop = fault == MF_ERR_TIMEOUT || fault == MF_ERR_ABORTED;
     }
@@ -169,7 +172,7 @@ __global__ void __launch_bounds__(kMfWaitThreads) mf__sync_kernel(mf__sync_param
         const uint64_t *slot = mine + MF__SIGNAL_SLOT(p.phase, want, q);
         const uint64_t *peer_abort = mine + MF__SIGNAL_ABORT + q;
         uint64_t start = mf__globaltimer_ns(), seen;
-        for (uint32_t spin = 0; (seen = mf__ld_acquire_sys(slot)) >> MF__STATUS_BITS < want; spin++) {
+        for (uint32_t spin = 0; (seen = mf__ld_acquire_sys(slot)) >> MF__EPOCH_SHIFT < want; spin++) {
             if ((spin & 63) == 63) {
                 if (p.sink.record->abort || mf__ld_acquire_sys(peer_abort)) {
                     mf__set_fault(p.sink, MF_ERR_ABORTED, kMfFaultAborted, p.rank, p.phase, q, 0, 0, 0, 0);
@@ -179,7 +182,7 @@ __global__ void __launch_bounds__(kMfWaitThreads) mf__sync_kernel(mf__sync_param
                     /* The peer's own epoch tells "never arrived" (< want) from "arrived, signal lost". */
                     const uint64_t peer_epoch = mf__ld_acquire_sys(p.signals[q] + MF__SIGNAL_EPOCHS + p.phase);
                     mf__set_fault(p.sink, MF_ERR_TIMEOUT, kMfFaultTimeout, p.rank, p.phase, q, 0,
-                                  (long long)(seen >> MF__STATUS_BITS), (long long)want, (long long)peer_epoch);
+                                  (long long)(seen >> MF__EPOCH_SHIFT), (long long)want, (long long)peer_epoch);
                     break;
                 }
             }
@@ -192,7 +195,7 @@ __global__ void __launch_bounds__(kMfWaitThreads) mf__sync_kernel(mf__sync_param
     s->claim = 0; /* this call's fresh fault, if any, travelled in the arrival */
     if (stop || fault == MF_ERR_TIMEOUT || fault == MF_ERR_ABORTED) return;
     bool all_ack = true;
-    int32_t failed = -1;
+    int32_t failed = -1, other_layer = -1;
     uint64_t failed_status = 0;
     for (int32_t r = 0; r < p.num_ranks; r++) {
         const uint64_t v = mf__ld_acquire_sys(mine + MF__SIGNAL_SLOT(p.phase, want, r));
@@ -201,6 +204,14 @@ __global__ void __launch_bounds__(kMfWaitThreads) mf__sync_kernel(mf__sync_param
             failed = r;
             failed_status = v;
         }
+        if (other_layer < 0 && MF__SLOT_LAYER(v) != (p.layer & MF__LAYER_MASK)) other_layer = r;
+    }
+    if (failed < 0 && other_layer >= 0) {
+        /* Ranks called different layers: every rank sees the mismatch and fails the call. */
+        mf__set_fault(p.sink, MF_ERR_INVALID_USAGE, kMfFaultLayer, p.rank, p.phase, other_layer, 0,
+                      (long long)MF__SLOT_LAYER(mf__ld_acquire_sys(mine + MF__SIGNAL_SLOT(p.phase, want, other_layer))),
+                      (long long)(p.layer & MF__LAYER_MASK), 0);
+        return;
     }
     if (fault && all_ack && p.phase == MF__PHASE_DISPATCH) {
         /* Every host has reported it: the fault ends here, for every rank at once. */
