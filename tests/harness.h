@@ -32,6 +32,7 @@ extern const mft_test_t mft_tests_api[];
 extern const mft_test_t mft_tests_dispatch[];
 extern const mft_test_t mft_tests_layer[];
 extern const mft_test_t mft_tests_plan[]; /* tests/test_plan.c (internal routing plan) */
+extern const mft_test_t mft_tests_random[]; /* tests/test_random.c (random layer cases) */
 extern const mft_test_t mft_tests_cuda[]; /* tests/gpu/test_cuda.c (the CUDA suite) */
 
 /* ---- failure reporting -------------------------------------------------------------------- */

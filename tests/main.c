@@ -41,6 +41,7 @@ static const mft_test_t *const mft_tables[] = {
     mft_tests_dispatch,
     mft_tests_layer,
     mft_tests_plan,
+    mft_tests_random,
     NULL,
 };
 #endif
