@@ -2,9 +2,9 @@
  * ref.c — the naive fp64 reference of the EP MoE layer (ref.h): the oracle that the tests and
  * `moeflow run` judge every backend against.
  *
- * It shares nothing with the library but the public scalar conversions (mf_fp8_e4m3_* and mf_bf16_*):
- * the 1x128 quantisation of DESIGN.md "Numerics" is written again here, from the contract. Each
- * token is computed on its own, on one "rank", with no expert parallelism:
+ * It shares nothing with the library but the public scalar conversions (mf_fp8_e4m3_* and
+ * mf_bf16_*): the 1x128 quantisation of docs/DESIGN.md "Numerics" is written again here, from the
+ * contract. Each token is computed on its own, on one "rank", with no expert parallelism:
  *   x -> (FP8: quantised 1x128 along H, dequantised q * scale) -> xa            [H]    double
  *   for k ascending, id != -1, expert e = id (rank e / L, local expert e % L):
  *     g, u = W13[e] . xa                     (weights dequantised q * scale)   [2I]   double
@@ -91,9 +91,10 @@ static double row_dot(ref_ctx_t *c, const void *w, const float *scales, const do
     return sum;
 }
 
-/* Quantises v[0, n) to FP8 in 1x128 blocks exactly as DESIGN.md says and writes the dequantised
- * values q * scale into out. amax is an fp32 max (NaN propagates); scale = amax / 448 and
- * q = e4m3(v * (448 / amax)) in fp32; UE8M0: scale = 2^ceil(log2(amax / 448)), q = e4m3(v / scale). */
+/* Quantises v[0, n) to FP8 in 1x128 blocks exactly as docs/DESIGN.md says and writes the
+ * dequantised values q * scale into out. amax is an fp32 max (NaN propagates); scale = amax / 448
+ * and q = e4m3(v * (448 / amax)) in fp32; UE8M0: scale = 2^ceil(log2(amax / 448)) and
+ * q = e4m3(v * (1 / scale)). */
 static void fake_quant_fp8(const ref_ctx_t *c, const float *v, int32_t n, double *out) {
     for (int32_t b = 0; b < n; b += REF_QBLOCK) {
         float amax = 0.0f;

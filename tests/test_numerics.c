@@ -1,6 +1,6 @@
 /*
  * test_numerics.c — the FP8 E4M3 and BF16 conversions of the public header
- * (mf_fp8_e4m3_from_float and friends, which wrap src/core/numerics.h) against DESIGN.md
+ * (mf_fp8_e4m3_from_float and friends, which wrap src/core/numerics.h) against docs/DESIGN.md
  * "Numerics": OCP E4M3 "fn" (max 448, no inf, NaN = 0x7f/0xff), round-to-nearest-even,
  * saturation to +-448; BF16 the top half of an fp32, RNE, NaN stays NaN.
  *

@@ -1,6 +1,17 @@
 /*
- * configs.cuh — every compile-time limit, block size and timeout constant of the CUDA backend, in
- * one place (DeepEP's `configs` habit). Kernel files include this; nothing else defines numbers.
+ * configs.cuh — the compile-time limits, block sizes and constants of the CUDA backend's data
+ * movement and synchronisation (publish, plan, gather / return, combine sum, peer waits), the
+ * dataflow threshold, and the kinds of device faults (DeepEP's `configs` habit). Kernel files
+ * include this.
+ *
+ * It is not the only place: each GEMM kernel family keeps its tile, stage, shared-memory, register
+ * and bounded-wait constants next to the code whose layout they define
+ * (kernels/sm90_grouped_gemm.cuh, kernels/sm90_tma_gemm.cuh and kernels/sm90_decode_gemm.cuh, whose
+ * mbarrier waits give up after kWaitTimeoutNs = 20 s; kernels/sm90_ptx.cuh: warpgroup and swizzle
+ * sizes and the 4 s default bound MF__SM90_WAIT_TIMEOUT_NS); their launchers (grouped_gemm.cu,
+ * gemm_tma.cu, gemm_decode.cu) keep device-table sizes and pointer alignments, gemm_bench.cu its
+ * filler's launch shape; limits shared with the host (default block_m, heap and row alignments,
+ * BF16 vector width) are in core/internal.h.
  */
 #ifndef MF_CUDA_CONFIGS_CUH
 #define MF_CUDA_CONFIGS_CUH
