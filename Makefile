@@ -98,8 +98,10 @@ $(BUILD)/tests/gpu/main.o: tests/main.c $(FLAGS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) -DMFT_GPU_SUITE $(CFLAGS) -MMD -MP -c $< -o $@
 
+# The CUDA suite drives an ncclComm of its own (the nccl transport's test): it links libnccl; the
+# library never does (src/transport/nccl.c resolves NCCL in the process).
 $(GPU_TESTS): $(BUILD)/tests/gpu/main.o $(GPU_TEST_OBJ) $(addprefix $(BUILD)/tests/,harness.o problem.o ref.o) $(STATIC)
-	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+	$(CC) $(LDFLAGS) -o $@ $^ -lnccl $(LDLIBS)
 
 test: $(TESTS) $(CLI) $(SHARED)
 	./$(TESTS)

@@ -15,6 +15,10 @@
 #include <string.h>
 
 #include <cuda_runtime_api.h>
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wstrict-prototypes" /* nccl.h declares f() for f(void) */
+#include <nccl.h>
+#pragma GCC diagnostic pop
 
 #include "../harness.h"
 #include "../problem.h"
@@ -262,8 +266,81 @@ static int cuda_faults_all_ranks(void) {
     return 0;
 }
 
+/* ---- the nccl transport at R = 1 ----------------------------------------------------------- */
+
+/* A comm made from an ncclComm (one rank: ncclCommInitRank over its own unique id): its allgather is
+ * the bootstrap; memory through symmetric windows where the comm supports them, else the ipc
+ * mappings (on one H200, NCCL 2.28.3 reported no symmetric support). y equals the same layer on a
+ * local group of one rank, bit for bit. */
+static int cuda_nccl_r1(void) {
+    mfp_spec_t spec;
+    memset(&spec, 0, sizeof spec);
+    spec.R = 1, spec.E = 8, spec.K = 4, spec.H = 512, spec.I = 256, spec.S = 16, spec.T_per_rank = 16;
+    spec.dtype = MF_DTYPE_FP8_E4M3, spec.layout = MF_LAYOUT_EXPERT_MAJOR, spec.seed = 91;
+    mfp_problem_t p;
+    MFT_CHECK(mfp_generate(&spec, &p) == 0);
+    const int64_t T = p.T[0], H = spec.H, I = spec.I, K = spec.K, L = p.L;
+    uint16_t *y_local = mft_alloc((size_t)T * H * 2), *y_nccl = mft_alloc((size_t)T * H * 2);
+    char err[512] = "";
+    MFT_CHECK_MSG(mfp_run_forward(&p, MF_BACKEND_CUDA, 1, IPC_TIMEOUT_MS, &y_local, NULL, err, sizeof err) == MF_SUCCESS,
+                  "local: %s", err);
+
+    CUDA_OK(cudaSetDevice(0));
+    ncclUniqueId id;
+    ncclComm_t nc;
+    MFT_CHECK(ncclGetUniqueId(&id) == ncclSuccess);
+    MFT_CHECK(ncclCommInitRank(&nc, 1, id, 0) == ncclSuccess);
+    mf_comm_config_t cc = MF_COMM_CONFIG_INIT;
+    cc.backend = MF_BACKEND_CUDA;
+    cc.transport = MF_TRANSPORT_NCCL;
+    cc.timeout_ms = IPC_TIMEOUT_MS;
+    mf_comm_t comm = NULL;
+    MFT_CHECK_ERR(mf_comm_init(&cc, 0, 1, NULL, &comm), MF_ERR_INVALID_ARGUMENT); /* nccl_comm NULL */
+    cc.nccl_comm = nc;
+    MFT_CHECK_ERR(mf_comm_init(&cc, 0, 2, NULL, &comm), MF_ERR_INVALID_ARGUMENT); /* its size is 1 */
+    MFT_CHECK_OK(mf_comm_init(&cc, 0, 1, NULL, &comm));
+    mf_transport_t tr;
+    MFT_CHECK_OK(mf_comm_get_transport(comm, &tr));
+    MFT_CHECK_EQ_INT(tr, MF_TRANSPORT_NCCL);
+    mf_moe_config_t cfg = MF_MOE_CONFIG_INIT;
+    cfg.num_experts = spec.E, cfg.num_topk = spec.K, cfg.hidden = spec.H, cfg.intermediate = spec.I;
+    cfg.max_tokens_per_rank = spec.S, cfg.dtype = spec.dtype, cfg.layout = spec.layout;
+    mf_moe_t moe;
+    MFT_CHECK_OK(mf_moe_create(comm, &cfg, &moe));
+    void *w13 = dev_copy(p.w13[0], (size_t)L * 2 * I * H), *w2 = dev_copy(p.w2[0], (size_t)L * H * I),
+         *s13 = dev_copy(p.w13_scales[0], (size_t)L * (2 * I / 128) * (H / 128) * 4),
+         *s2 = dev_copy(p.w2_scales[0], (size_t)L * (H / 128) * (I / 128) * 4), *x = dev_copy(p.x[0], (size_t)T * H * 2),
+         *ids = dev_copy(p.topk_ids[0], (size_t)T * K * 4), *wt = dev_copy(p.topk_weights[0], (size_t)T * K * 4),
+         *y = dev_copy(NULL, (size_t)T * H * 2);
+    MFT_CHECK(w13 && w2 && s13 && s2 && x && ids && wt && y);
+    mf_moe_weights_t w = {mft_t3(w13, MF_DTYPE_FP8_E4M3, L, 2 * I, H), mft_t3(s13, MF_DTYPE_FP32, L, 2 * I / 128, H / 128),
+                          mft_t3(w2, MF_DTYPE_FP8_E4M3, L, H, I), mft_t3(s2, MF_DTYPE_FP32, L, H / 128, I / 128)};
+    MFT_CHECK_OK(mf_moe_set_weights(moe, &w));
+    cudaStream_t st;
+    CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    mf_moe_forward_in_t in = {mft_t2(x, MF_DTYPE_BF16, T, H), mft_t2(ids, MF_DTYPE_INT32, T, K), mft_t2(wt, MF_DTYPE_FP32, T, K)};
+    mf_moe_forward_out_t out = {mft_t2(y, MF_DTYPE_BF16, T, H)};
+    MFT_CHECK_OK(mf_moe_forward(moe, &in, &out, st));
+    CUDA_OK(cudaStreamSynchronize(st));
+    MFT_CHECK_OK(mf_comm_get_async_error(comm));
+    CUDA_OK(cudaMemcpy(y_nccl, y, (size_t)T * H * 2, cudaMemcpyDeviceToHost));
+    MFT_CHECK_MSG(memcmp(y_nccl, y_local, (size_t)T * H * 2) == 0, "nccl y differs from local y (diff %.3g)",
+                  mfref_diff_bf16(y_nccl, y_local, T * H));
+    MFT_CHECK_OK(mf_moe_destroy(moe));
+    MFT_CHECK_OK(mf_comm_destroy(comm));
+    ncclCommDestroy(nc);
+    void *bufs[] = {w13, w2, s13, s2, x, ids, wt, y};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
+    cudaStreamDestroy(st);
+    free(y_local);
+    free(y_nccl);
+    mfp_free(&p);
+    return 0;
+}
+
 const mft_test_t mft_tests_cuda_transport[] = {
     {"cuda_ipc_bitwise", cuda_ipc_bitwise, 300},
     {"cuda_faults_all_ranks", cuda_faults_all_ranks, 300},
+    {"cuda_nccl_r1", cuda_nccl_r1, 120},
     {NULL, NULL, 0},
 };
