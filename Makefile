@@ -107,7 +107,7 @@ test: $(TESTS) $(CLI) $(SHARED)
 	./$(TESTS)
 	bash tests/abi.sh $(SHARED) include/moeflow.h
 
-# The whole CUDA suite, then compute-sanitizer memcheck and racecheck on its small config.
+# The whole CUDA suite, then compute-sanitizer memcheck and racecheck on its one-rank config.
 # The sm90 GEMM labs validate every kernel variant the library ships against their CPU references.
 test-gpu:
 ifeq ($(CUDA),1)
@@ -118,8 +118,8 @@ ifeq ($(CUDA),1)
 	  ./$(BUILD)/dev/$$lab --validate > $(BUILD)/$$lab.log 2>&1 || { grep -E "FAIL|FATAL" $(BUILD)/$$lab.log | head -20; exit 1; }; \
 	  tail -1 $(BUILD)/$$lab.log; done; \
 	  if ! command -v compute-sanitizer >/dev/null; then echo "test-gpu: compute-sanitizer not found: SKIP"; \
-	  else for tool in memcheck racecheck; do echo "# compute-sanitizer --tool $$tool: cuda_small (log: $(BUILD)/san_$$tool.log)"; \
-	    bash tests/gpu/sanitize.sh $$tool $(BUILD)/san_$$tool.log ./$(GPU_TESTS) --no-fork cuda_small; done; \
+	  else for tool in memcheck racecheck; do echo "# compute-sanitizer --tool $$tool: cuda_sanitize (log: $(BUILD)/san_$$tool.log)"; \
+	    bash tests/gpu/sanitize.sh $$tool $(BUILD)/san_$$tool.log ./$(GPU_TESTS) --no-fork cuda_sanitize; done; \
 	  for lab in sm90_decode_lab sm90_gemm_lab; do echo "# compute-sanitizer --tool memcheck: $$lab --selftest"; \
 	    compute-sanitizer --tool memcheck --error-exitcode 1 ./$(BUILD)/dev/$$lab --selftest > $(BUILD)/$$lab.san.log 2>&1 \
 	      || { tail -20 $(BUILD)/$$lab.san.log; exit 1; }; tail -1 $(BUILD)/$$lab.san.log; done; fi; fi; \

@@ -206,18 +206,19 @@ __global__ void __launch_bounds__(kMfWaitThreads) mf__sync_kernel(mf__sync_param
         }
         if (other_layer < 0 && MF__SLOT_LAYER(v) != (p.layer & MF__LAYER_MASK)) other_layer = r;
     }
-    if (failed < 0 && other_layer >= 0) {
-        /* Ranks called different layers: every rank sees the mismatch and fails the call. */
-        mf__set_fault(p.sink, MF_ERR_INVALID_USAGE, kMfFaultLayer, p.rank, p.phase, other_layer, 0,
-                      (long long)MF__SLOT_LAYER(mf__ld_acquire_sys(mine + MF__SIGNAL_SLOT(p.phase, want, other_layer))),
-                      (long long)(p.layer & MF__LAYER_MASK), 0);
-        return;
-    }
     if (fault && all_ack && p.phase == MF__PHASE_DISPATCH) {
         /* Every host has reported it: the fault ends here, for every rank at once. */
         s->fault = 0;
         p.sink.record->code = 0;
         __threadfence_system();
+    }
+    if (failed < 0 && other_layer >= 0) {
+        /* Ranks called different layers: every rank sees the mismatch and fails the call (after
+         * the clear above, so that a fault every host reported gives way to this one). */
+        mf__set_fault(p.sink, MF_ERR_INVALID_USAGE, kMfFaultLayer, p.rank, p.phase, other_layer, 0,
+                      (long long)MF__SLOT_LAYER(mf__ld_acquire_sys(mine + MF__SIGNAL_SLOT(p.phase, want, other_layer))),
+                      (long long)(p.layer & MF__LAYER_MASK), 0);
+        return;
     }
     if (failed < 0) return;
     const int32_t code = (int32_t)(failed_status & kMfStatusCode);
