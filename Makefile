@@ -22,7 +22,7 @@ else
 CUDA    ?= 1
 endif
 
-CPPFLAGS := -Iinclude -Isrc -D_POSIX_C_SOURCE=200809L -DMF_WITH_CUDA=$(CUDA)
+CPPFLAGS := -Iinclude -Isrc -Iworkload -D_POSIX_C_SOURCE=200809L -DMF_WITH_CUDA=$(CUDA)
 CFLAGS   := -std=c11 -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -O3 -g -fPIC -pthread -fvisibility=hidden
 LDLIBS   := -lm -pthread
 ifeq ($(SAN),1)
@@ -46,6 +46,9 @@ endif
 
 TEST_SRC     := $(wildcard tests/*.c)
 TEST_OBJ     := $(TEST_SRC:%.c=$(BUILD)/%.o)
+# workload/: random problems, the R-rank driver and the fp64 reference, shared by tests and the CLI.
+WORKLOAD_SRC := $(wildcard workload/*.c)
+WORKLOAD_OBJ := $(WORKLOAD_SRC:%.c=$(BUILD)/%.o)
 GPU_TEST_SRC := $(wildcard tests/gpu/test_*.c)
 GPU_TEST_OBJ := $(GPU_TEST_SRC:%.c=$(BUILD)/%.o)
 
@@ -80,7 +83,7 @@ $(SHARED): $(LIB_OBJ) src/moeflow.map
 	$(CC) -shared $(LDFLAGS) -Wl,--version-script=src/moeflow.map -o $@ $(LIB_OBJ) $(LDLIBS)
 
 # The CLI; with CUDA it also holds `moeflow bench gemm` (tools/bench_gemm.c, cuBLASLt as the peer).
-CLI_OBJ  := $(BUILD)/tools/moeflow.o $(BUILD)/tools/bench_json.o $(BUILD)/tests/ref.o $(BUILD)/tests/problem.o
+CLI_OBJ  := $(BUILD)/tools/moeflow.o $(BUILD)/tools/bench_json.o $(WORKLOAD_OBJ)
 CLI_LIBS :=
 ifeq ($(CUDA),1)
 CLI_OBJ  += $(BUILD)/tools/bench_gemm.o
@@ -90,7 +93,7 @@ endif
 $(CLI): $(CLI_OBJ) $(STATIC)
 	$(CC) $(LDFLAGS) -o $@ $^ $(CLI_LIBS) $(LDLIBS)
 
-$(TESTS): $(TEST_OBJ) $(STATIC)
+$(TESTS): $(TEST_OBJ) $(WORKLOAD_OBJ) $(STATIC)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
 # The CUDA suite: tests/main.c compiled again with MFT_GPU_SUITE, the CUDA tests, the shared harness.
@@ -100,7 +103,7 @@ $(BUILD)/tests/gpu/main.o: tests/main.c $(FLAGS_STAMP)
 
 # The CUDA suite drives an ncclComm of its own (the nccl transport's test): it links libnccl; the
 # library never does (src/transport/nccl.c resolves NCCL in the process).
-$(GPU_TESTS): $(BUILD)/tests/gpu/main.o $(GPU_TEST_OBJ) $(addprefix $(BUILD)/tests/,harness.o problem.o ref.o) $(STATIC)
+$(GPU_TESTS): $(BUILD)/tests/gpu/main.o $(GPU_TEST_OBJ) $(BUILD)/tests/harness.o $(WORKLOAD_OBJ) $(STATIC)
 	$(CC) $(LDFLAGS) -o $@ $^ -lnccl $(LDLIBS)
 
 test: $(TESTS) $(CLI) $(SHARED)

@@ -1,9 +1,9 @@
 /*
  * test_layer.c — the whole EP MoE layer (mf_moe_forward on MF_BACKEND_CPU, R virtual ranks)
- * against the naive fp64 reference of tests/ref.c, on problems from tests/problem.c.
+ * against the naive fp64 reference of workload/ref.c, on problems from workload/problem.c.
  *
  * Judged as docs/DESIGN.md says: diff = 1 - 2 sum(xy) / sum(x^2 + y^2) per rank (BF16 < 1e-5,
- * FP8 < 1e-3) plus element-wise atol + rtol |ref| bounds (the CPU oracle's, tests/ref.h
+ * FP8 < 1e-3) plus element-wise atol + rtol |ref| bounds (the CPU oracle's, workload/ref.h
  * MFREF_ORACLE_*), and no NaN/Inf ever; tests/test_random.c adds random cases. The sweep covers
  * R in {1, 2, 4, 8}, both layouts, uniform / zipf / hot routing, T in {0, 1, S}, idle ranks, ranks
  * that receive nothing, -1 drops, UE8M0 scales, sizes that are not tile multiples, the edges of E
@@ -22,7 +22,7 @@
 
 #define LAYER_TIMEOUT_MS 20000 /* peer waits; below the test's own limit so a hang reports */
 
-/* Pass marks are tests/ref.h's: docs/DESIGN.md's diff per rank (MFREF_DIFF_MAX_*), and the
+/* Pass marks are workload/ref.h's: docs/DESIGN.md's diff per rank (MFREF_DIFF_MAX_*), and the
  * element-wise bounds that the CPU oracle achieves (MFREF_ORACLE_*, measured; tighter than the
  * MFREF_ATOL_* that `moeflow run` applies to any backend), so that a rounding point missing from
  * the CPU backend or the reference fails here. */

@@ -1,7 +1,7 @@
 /*
  * test_random.c — a randomised differential test of the whole EP MoE layer: random cases run
- * through mf_moe_forward on the CPU backend (tests/problem.h) and judged against the independent
- * fp64 reference (tests/ref.h): per rank by docs/DESIGN.md's diff measure and the element-wise
+ * through mf_moe_forward on the CPU backend (workload/problem.h) and judged against the independent
+ * fp64 reference (workload/ref.h): per rank by docs/DESIGN.md's diff measure and the element-wise
  * bounds the CPU oracle meets (MFREF_ORACLE_*), every value by NaN never passing and a token whose
  * ids are all -1 giving an exactly zero row, and per dtype by the diff pooled over the whole run
  * (MFREF_ORACLE_POOLED_DIFF_MAX: what catches a missing bf16 rounding, see ref.h).

@@ -1,8 +1,8 @@
 /*
  * moeflow.c — the `moeflow` command line.
  *
- *   moeflow run    builds a random EP MoE problem (tests/problem.c), runs the layer on the best
- *                  backend present and checks y against the fp64 reference (tests/ref.c);
+ *   moeflow run    builds a random EP MoE problem (workload/problem.c), runs the layer on the best
+ *                  backend present and checks y against the fp64 reference (workload/ref.c);
  *   moeflow bench  the same over a sweep of token counts, timing --iters forwards after --warmup.
  *
  * Output follows nccl-tests: `#` metadata lines, a `#` header, then one fixed-column row per
@@ -30,8 +30,8 @@
 #include <unistd.h>
 
 #include "moeflow.h"
-#include "../tests/problem.h"
-#include "../tests/ref.h"
+#include "problem.h"
+#include "ref.h"
 #include "bench.h" /* the H200 ceilings; `moeflow bench gemm` */
 
 /* ---- defaults and limits -------------------------------------------------------------------- */

@@ -5,7 +5,7 @@
  *   bitwise     publish/quantisation, plan, dispatch (both layouts, FP8 and BF16 payloads) and
  *               combine: recv rows, scales, sources, counts, offsets and y compared bit for bit
  *   layer       the whole layer against the naive fp64 reference and the CPU backend: the diff
- *               measure and the element-wise bounds of tests/ref.h (MFREF_*), NaN never passing
+ *               measure and the element-wise bounds of workload/ref.h (MFREF_*), NaN never passing
  *   awkward     T = 0, idle ranks, one hot expert, -1 drops, repeated calls, deepseek-v3 shapes
  *               (against the reference, on all host cores: mfref_layer_mt)
  *   random      tests/test_random.c's case space (shapes, R, uneven T, K, drops, routings,
@@ -22,8 +22,8 @@
 #include <unistd.h>
 
 #include "../harness.h"
-#include "../problem.h"
-#include "../ref.h"
+#include "problem.h"
+#include "ref.h"
 
 /* The random case space of the CPU suite (its generator, describer and judge), without its test. */
 #define MFT_RANDOM_CASE_SPACE_ONLY
@@ -65,7 +65,7 @@ static cudaError_t warm_stream(cudaStream_t stream, void *scratch) {
 
 /* ---- the layer against the CPU backend and the reference ---------------------------------- */
 
-/* The contract's pass marks for a layer output of any backend (tests/ref.h), per dtype. */
+/* The contract's pass marks for a layer output of any backend (workload/ref.h), per dtype. */
 static rnd_bounds_t layer_bounds(int32_t dtype) {
     rnd_bounds_t b = {MFREF_DIFF_MAX_BF16, MFREF_ATOL_BF16, MFREF_RTOL_BF16};
     if (dtype == MF_DTYPE_FP8_E4M3) b = (rnd_bounds_t){MFREF_DIFF_MAX_FP8, MFREF_ATOL_FP8, MFREF_RTOL_FP8};
@@ -105,7 +105,7 @@ typedef struct layer_case {
     uint64_t seed;
 } layer_case_t;
 
-/* The random problem of a case (tests/problem.h). */
+/* The random problem of a case (workload/problem.h). */
 static int generate_case(const layer_case_t *c, mfp_problem_t *p) {
     mfp_spec_t spec;
     memset(&spec, 0, sizeof spec);

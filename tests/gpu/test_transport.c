@@ -21,8 +21,8 @@
 #pragma GCC diagnostic pop
 
 #include "../harness.h"
-#include "../problem.h"
-#include "../ref.h"
+#include "problem.h"
+#include "ref.h"
 
 #define IPC_TIMEOUT_MS 30000
 

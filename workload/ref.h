@@ -91,7 +91,7 @@ double mfref_diff_bf16(const uint16_t *a, const uint16_t *b, int64_t n);
  * diff stays docs/DESIGN.md's: a short output can legitimately reach ~3e-5 from one flipped ulp.
  *
  * What a removed rounding does (a scratch copy, never committed, with the rounding taken out of
- * src/cpu/backend.c or tests/ref.c; 600 random cases, then the suite as `make test` runs it):
+ * src/cpu/backend.c or workload/ref.c; 600 random cases, then the suite as `make test` runs it):
  *  - FP8 requantisation of h before W2, taken out of mf__cpu_swiglu (or out of ref.c: the same):
  *    per-case excess 0.0072 .. 0.077 (median 0.032; 271 of 283 FP8 cases above 2^-6), pooled FP8
  *    diff 3.0e-4, per-rank diff <= 6.8e-4 (inside docs/DESIGN.md's 1e-3: the diff alone never

@@ -1,6 +1,6 @@
 /*
  * problem.h — random EP MoE problems and the R-thread driver that runs them through the public
- * API; shared by the tests and the `moeflow` CLI (which links tests/problem.o and tests/ref.o).
+ * API; shared by the tests and the `moeflow` CLI (workload/: neither includes the other).
  *
  * A problem holds, for every rank, its tokens, routing and local experts' weights in host memory,
  * generated from a seed (never zeros). `mfp_run_forward` creates a local group on a backend, one
