@@ -4,7 +4,7 @@
  * Pure C11: no CUDA types, fixed-width integers only. Streams cross as `mf_stream_t` (a
  * `cudaStream_t` cast to `void *` on the CUDA backend, ignored by the CPU backend).
  *
- * Dimension legend (DESIGN.md): T tokens on this rank in this call, S capacity (max tokens per rank
+ * Dimension legend (docs/DESIGN.md): T tokens on this rank in this call, S capacity (max tokens per rank
  * per call), H hidden, I expert intermediate size, E global experts, R ranks, L = E / R local
  * experts, K top-k. Shapes are row-major, innermost last: `[T, H]`.
  *

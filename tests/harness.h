@@ -144,7 +144,7 @@ uint64_t mft_hash4(uint64_t a, uint64_t b, uint64_t c, uint64_t d);
 
 /* ---- the quantisation contract, re-implemented independently ---------------------------------- */
 
-/* DESIGN.md "Numerics" block quantisation of nb matrices [M, N] (bf16) with blocks br x 128:
+/* docs/DESIGN.md "Numerics" block quantisation of nb matrices [M, N] (bf16) with blocks br x 128:
  * amax in fp32 clamped below at 1e-4; scale = amax / 448, q = e4m3(x * (448 / amax)); with ue8m0,
  * scale = 2^ceil(log2(amax / 448)) and q = e4m3(x * (1 / scale)). q [nb, M, N], scales
  * [nb, M / br, N / 128]. Uses only the public mf_fp8_e4m3_from_float / mf_bf16_to_float. */

@@ -1,5 +1,5 @@
 /*
- * test_api.c — the public API's contract under misuse (DESIGN.md "Bad input and faults"): every
+ * test_api.c — the public API's contract under misuse (docs/DESIGN.md "Bad input and faults"): every
  * rejected call returns its documented code, leaves a non-empty mf_last_error() naming the problem,
  * and leaves its outputs untouched (outputs are poisoned first and must still read as poison).
  *

@@ -1,6 +1,6 @@
 /*
  * test_quant.c — mf_quantize_fp8 (1x128 activation blocks, 128x128 weight blocks, batched
- * [L, M, N], UE8M0 scales) against the contract of DESIGN.md "Numerics", computed independently:
+ * [L, M, N], UE8M0 scales) against the contract of docs/DESIGN.md "Numerics", computed independently:
  * amax = max |x| over the block in fp32, clamped below at 1e-4; scale = amax / 448;
  * q = e4m3(x * (448 / amax)); UE8M0: scale = 2^ceil(log2(amax / 448)), q = e4m3(x * (1 / scale))
  * (mft_quant_blocks in harness.c, written from the contract, not from the library).

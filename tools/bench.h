@@ -1,5 +1,5 @@
 /*
- * bench.h — what the CLI's benchmarks share: the H200 ceilings of DESIGN.md "Performance doctrine"
+ * bench.h — what the CLI's benchmarks share: the H200 ceilings of docs/DESIGN.md "Performance doctrine"
  * (tools/moeflow.c and tools/bench_gemm.c compute their floors from them; bench/peers.py reads
  * them from this file), the entry of `moeflow bench gemm` (tools/bench_gemm.c, CUDA builds only) and
  * the JSON record writer (tools/bench_json.c).
@@ -9,7 +9,7 @@
 
 #include <stdio.h>
 
-/* DESIGN.md "Performance doctrine": ceilings measured on one H200. */
+/* docs/DESIGN.md "Performance doctrine": ceilings measured on one H200. */
 #define H200_COPY_BYTES_PER_S 4.24e12
 #define H200_BF16_FLOPS 795e12
 #define H200_FP8_FLOPS 1436e12

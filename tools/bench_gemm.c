@@ -23,12 +23,12 @@
  *                    same way; FP8 with Hopper block scales (128x128 weights, 1x128 activations) when
  *                    cuBLASLt offers an algorithm for them, else tensor-wide scales (said in the output).
  *
- * Counting (DESIGN.md "Performance doctrine"), rows = sum of counts, N / K the GEMM's output /
+ * Counting (docs/DESIGN.md "Performance doctrine"), rows = sum of counts, N / K the GEMM's output /
  * reduction sizes: FLOPs = 2 rows N K; weight bytes = N K (es + scales) of every expert with rows;
  * bytes = weight bytes + rows K (es + scales) + rows out_cols (es + scales); floor = max(FLOPs /
  * peak, bytes / copy rate) with the H200 ceilings of tools/bench.h; wTB/s = weight bytes / time.
  *
- * Output: nccl-tests style (`#` metadata, one fixed-column row per case); --json writes DESIGN.md's
+ * Output: nccl-tests style (`#` metadata, one fixed-column row per case); --json writes docs/DESIGN.md's
  * benchmark record (op "gemm"; extra fields: kernel, model, counts, rows, C, expert_rows,
  * weight_tbps). Exit status: 0 every case ran (or was skipped) and passed, 1 a case failed, 2 usage.
  */
@@ -77,7 +77,7 @@
 #define EXIT_FAIL 1
 #define EXIT_USAGE 2
 
-/* Check bounds (DESIGN.md "Numerics"; as dev/cuda/gemm_lab.cu): diff measure, and element-wise
+/* Check bounds (docs/DESIGN.md "Numerics"; as dev/cuda/gemm_lab.cu): diff measure, and element-wise
  * |got - ref| <= rtol max(|got|, |ref|) + 1e-5 rms(ref) (+ one E4M3 subnormal step x scale, FP8 h). */
 #define DIFF_MAX_BF16 1e-5
 #define DIFF_MAX_FP8 1e-3
@@ -163,7 +163,7 @@ static void usage(FILE *f) {
             "      --check             check every case against a double host reference first\n"
             "      --no-cublas         skip the cuBLAS dense ceiling\n"
             "      --seed N                                                                 [%d]\n"
-            "      --json FILE         write DESIGN.md's benchmark record (op \"gemm\")\n"
+            "      --json FILE         write docs/DESIGN.md's benchmark record (op \"gemm\")\n"
             "      --dry-run           list the cases with their sizes and floors; no GPU needed\n"
             "  -h, --help\n"
             "\n"
@@ -1294,7 +1294,7 @@ static void print_meta(const gopts_t *o, const char *device, int ncases) {
     printf("# timing   cudaEvents, median of %d after %d warm-up; a %zu MB memset before every launch (outside the "
            "events)\n",
            o->iters, o->warmup, FLUSH_BYTES >> 20);
-    printf("# floor    max(FLOPs / peak, bytes / %.2f TB/s), peak %.0f (bf16) / %.0f (fp8) TFLOP/s (H200, DESIGN.md);\n"
+    printf("# floor    max(FLOPs / peak, bytes / %.2f TB/s), peak %.0f (bf16) / %.0f (fp8) TFLOP/s (H200, docs/DESIGN.md);\n"
            "#          FLOPs = 2 rows N K; bytes = weights + scales of experts with rows + a + out; wTB/s = those "
            "weight bytes / time\n",
            H200_COPY_BYTES_PER_S / 1e12, H200_BF16_FLOPS / 1e12, H200_FP8_FLOPS / 1e12);

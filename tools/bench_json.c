@@ -1,5 +1,5 @@
 /*
- * bench_json.c — the JSON pieces both benchmarks of the CLI write (DESIGN.md "Benchmark records"):
+ * bench_json.c — the JSON pieces both benchmarks of the CLI write (docs/DESIGN.md "Benchmark records"):
  * escaped strings, numbers (null when not finite) and the record's meta header.
  */
 #include <math.h>

@@ -7,10 +7,10 @@
  *
  * Output follows nccl-tests: `#` metadata lines, a `#` header, then one fixed-column row per
  * (size, dtype), so `grep -v '^#'` leaves only data. Progress goes to stderr. --json writes the
- * DESIGN.md "Benchmark records" object. Exit status: 0 every row passed, 1 a row failed or the
+ * docs/DESIGN.md "Benchmark records" object. Exit status: 0 every row passed, 1 a row failed or the
  * library returned an error, 2 bad usage or not enough memory.
  *
- * Counting (DESIGN.md "Performance doctrine"), with rows = routed (token, k) pairs of all ranks:
+ * Counting (docs/DESIGN.md "Performance doctrine"), with rows = routed (token, k) pairs of all ranks:
  *   FLOPs = 2 * rows * H * I * 3
  *   bytes = weights of the experts that received rows, read once (with FP8 scales)
  *           + x and y (R * T * H * 2 each) + rows * H * (payload + 2) (dispatched rows, partials)
@@ -144,7 +144,7 @@ static void usage(FILE *f) {
             "                               enqueued (device time without host launch gaps,\n"
             "                               as a CUDA graph replay runs)\n"
             "      --timeout-ms N           bound on every wait for a peer       [library's]\n"
-            "      --json FILE              write the results as DESIGN.md's benchmark record\n"
+            "      --json FILE              write the results as docs/DESIGN.md's benchmark record\n"
             "  -h, --help\n"
             "\n"
             "Exit status: 0 every row passed, 1 a row failed or the library failed, 2 usage / memory.\n",
@@ -733,7 +733,7 @@ static int write_json(const opts_t *o, const row_t *rows, int nrows, int argc, c
             fprintf(f, "}");
         }
         fprintf(f, ", \"iters\": %d, \"warmup\": %d, \"peers\": []}", o->iters, o->warmup);
-        for (int p = 0; p < MF_NUM_PHASES; p++) { /* DESIGN.md: op may be a phase name */
+        for (int p = 0; p < MF_NUM_PHASES; p++) { /* docs/DESIGN.md: op may be a phase name */
             phase_stat_t ps;
             if (!phase_stat(o, r, p, &ps)) break;
             fprintf(f, ",\n  {\"op\": \"%s\", \"dataflow\": \"%s\", \"dtype\": \"%s\", \"layout\": \"%s\", \"shape\": {\"R\": %d, "
@@ -801,7 +801,7 @@ static void print_meta(const opts_t *o) {
     if (o->bench) {
         if (o->backend == MF_BACKEND_CUDA)
             printf("# floor    max(FLOPs / peak, bytes / %.2f TB/s), peak %.0f (bf16) / %.0f (fp8) "
-                   "TFLOP/s (H200, DESIGN.md)\n",
+                   "TFLOP/s (H200, docs/DESIGN.md)\n",
                    H200_COPY_BYTES_PER_S / 1e12, H200_BF16_FLOPS / 1e12, H200_FP8_FLOPS / 1e12);
         else printf("# floor    - (no CPU ceiling is defined)\n");
         printf("# count    FLOPs = 2 rows H I 3; bytes = routed experts' weights + x + y + rows H "

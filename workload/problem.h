@@ -1,5 +1,5 @@
 /*
- * problem.h — random EP MoE problems and the R-thread driver that runs them through the public
+ * problem.h — random EP MoE problems and the R-rank driver (threads or processes) that runs them through the public
  * API; shared by the tests and the `moeflow` CLI (workload/: neither includes the other).
  *
  * A problem holds, for every rank, its tokens, routing and local experts' weights in host memory,

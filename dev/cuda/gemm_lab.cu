@@ -603,7 +603,7 @@ static void init_operand(int dtype, void *data, int64_t n, float *scales, int64_
 static void run_bench(void) {
     const int L = 32, H = 7168, I = 2048, C = 1024;
     const int Ms[] = {8, 64, 256, 1024};
-    const double kPeakBf16 = 795e12, kPeakFp8 = 1436e12, kCopyBw = 4.24e12; /* DESIGN.md ceilings */
+    const double kPeakBf16 = 795e12, kPeakFp8 = 1436e12, kCopyBw = 4.24e12; /* docs/DESIGN.md ceilings */
     const int64_t rows = (int64_t)L * C;
     const size_t w13_elems = (size_t)L * 2 * I * H, w2_elems = (size_t)L * H * I;
     void *w13, *w2, *a, *hin, *h, *out;

@@ -23,7 +23,7 @@
  * Validation, one PASS/FAIL line per case (first mismatches printed with their coordinates):
  *   inputs      random, never zero; rows no expert owns hold NaN bytes and NaN scales; outputs (and
  *               combine slots) are poisoned with 0xFF bytes first
- *   reference   double sums per 128-wide K block, FP8: partial * fp32(a_scale * w_scale) (DESIGN.md);
+ *   reference   double sums per 128-wide K block, FP8: partial * fp32(a_scale * w_scale) (docs/DESIGN.md);
  *               then silu(g) * u in fp32 and the 1x128 requantisation of numerics.h
  *   diff        1 - 2 sum(x y) / sum(x^2 + y^2) < 1e-3 (FP8) / 1e-5 (BF16) over every checked value
  *   elements    BF16 out or h:  |x - y| <= |y| / 64 + 2e-3 rms(y)

@@ -2,7 +2,7 @@
  * internal.h — what every part of the library shares: the handle structs behind the opaque public
  * types, the backend interface, the error macros and the symmetric-heap layout.
  *
- * Layering (DESIGN.md): src/core validates every public call on the host and then calls the group's
+ * Layering (docs/DESIGN.md): src/core validates every public call on the host and then calls the group's
  * backend (src/cpu or src/cuda) through `mf__backend_ops`. A backend may assume its inputs passed
  * validation: shapes, dtypes and non-NULL data are checked here, once.
  *
@@ -70,7 +70,7 @@ void mf__free(void *p);
 /* Test hook: the n-th host allocation from now on fails (1 = the next); 0 disables. */
 void mf__test_fail_alloc_after(int64_t n);
 
-/* ---- tunables: every environment variable is read in params.c ---------------------------------- */
+/* ---- tunables: the one environment variable (MF_TIMEOUT_MS) is read in errors.c ----------------- */
 
 int64_t mf__param_timeout_ms(void); /* MF_TIMEOUT_MS, default 30000 */
 /* Resolves a config's timeout: 0 = mf__param_timeout_ms(). */
@@ -99,7 +99,7 @@ const char *mf__phase_name(int phase);
 #define MF__CALL_DISPATCH (1u << MF__PHASE_DISPATCH)
 #define MF__CALL_COMBINE (1u << MF__PHASE_COMBINE)
 
-/* ---- symmetric heap layout (identical on every rank; DESIGN.md "Symmetric heap") -------------- */
+/* ---- symmetric heap layout (identical on every rank; docs/DESIGN.md "Symmetric heap") -------------- */
 /* Every region is aligned to MF__HEAP_ALIGN:
  *   meta:     1 x int32              T of this rank's current call
  *   x:        S x H x (1 or 2) bytes published activations, FP8 (1 byte) or BF16 (2 bytes)
@@ -115,7 +115,7 @@ typedef struct mf__heap_layout {
 
 void mf__heap_layout_init(mf__heap_layout_t *layout, const mf_moe_config_t *config);
 
-/* ---- signals (every rank, one symmetric allocation; DESIGN.md "Symmetric heap") ----------- */
+/* ---- signals (every rank, one symmetric allocation; docs/DESIGN.md "Symmetric heap") ----------- */
 /* uint64 words:
  *   slots   [MF__NUM_PHASES][2][MF_MAX_RANKS]  peers write: slot [p][e % 2][q] = e << MF__EPOCH_SHIFT |
  *                                              layer << MF__STATUS_BITS | status, e = rank q's e-th

@@ -5,7 +5,7 @@
  * What is checked here, once, for every backend: NULLs, config headers, shapes and dtypes of every
  * tensor, T <= S, call order (weights set; dispatch/combine alternate; the comm not broken). What
  * only the CPU backend can check here: topk_ids values, because they are host memory there; on
- * CUDA they are device memory and the kernels check them (DESIGN.md "Bad input and faults").
+ * CUDA they are device memory and the kernels check them (docs/DESIGN.md "Bad input and faults").
  */
 #include <stdio.h>
 #include <string.h>

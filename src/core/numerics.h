@@ -1,5 +1,5 @@
 /*
- * numerics.h — the one definition of moeflow's number formats (DESIGN.md "Numerics"), shared by the
+ * numerics.h — the one definition of moeflow's number formats (docs/DESIGN.md "Numerics"), shared by the
  * CPU backend, the CUDA kernels (the functions are host+device inline) and the public helpers.
  *
  * FP8 is OCP E4M3 "fn": 1 sign, 4 exponent (bias 7), 3 mantissa bits; max 448; no infinities;

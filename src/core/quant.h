@@ -1,5 +1,5 @@
 /*
- * quant.h — host FP8 block quantisation (DESIGN.md "Numerics"), used by mf_quantize_fp8 and by
+ * quant.h — host FP8 block quantisation (docs/DESIGN.md "Numerics"), used by mf_quantize_fp8 and by
  * the CPU backend. The CUDA kernels use the same per-element functions from numerics.h.
  */
 #ifndef MF_CORE_QUANT_H

@@ -3,7 +3,7 @@
  * virtual rank runs on the caller's thread; ranks meet only through the symmetric heaps and the
  * epoch signals of the local transport (no lock around whole operations).
  *
- * One forward on rank r, DESIGN.md's unfused dataflow:
+ * One forward on rank r, docs/DESIGN.md's unfused dataflow:
  *   prepare   publish T, x (FP8 1x128 + scales, or BF16), topk ids and weights in r's heap
  *   dispatch  signal + wait (phase DISPATCH); plan from every rank's ids; gather the routed rows
  *             from the peers' heaps into the layer's receive buffer, in the configured layout

@@ -1,6 +1,6 @@
 /*
  * gemm.h — the CPU backend's expert GEMM: C[M, N] = A[M, Kd] . B[N, Kd]^T in fp32, with the FP8
- * per-128-K-block promotion of DESIGN.md ("Numerics"): the partial sum of every 128-wide K block
+ * per-128-K-block promotion of docs/DESIGN.md ("Numerics"): the partial sum of every 128-wide K block
  * is multiplied by (a_scale[m, kb] * b_scale[n / 128, kb]) and added into the fp32 accumulator.
  *
  * A arrives decoded to fp32 (FP8 codes as their unscaled values; scales apart); B is a weight

@@ -8,10 +8,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-/* internal.h is a C header without C++ guards: its functions (mf__error) have C linkage. */
-extern "C" {
-#include "core/internal.h"
-}
+#include "core/internal.h" /* C linkage through its own guards */
 #include "core/numerics.h"
 #include "cuda/gemm_bench.h"
 #include "cuda/grouped_gemm.h"

@@ -21,10 +21,7 @@
 
 #include <atomic>
 
-/* internal.h is a C header without C++ guards: its functions (mf__error) have C linkage. */
-extern "C" {
-#include "core/internal.h"
-}
+#include "core/internal.h" /* C linkage through its own guards */
 #include "cuda/configs.cuh"
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels/sm90_grouped_gemm.cuh"

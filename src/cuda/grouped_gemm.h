@@ -9,7 +9,7 @@
  * no host synchronisation, CUDA-graph capturable. Rows past counts[e] never reach a result and
  * are never written (a kernel may load them inside a TMA box; garbage or NaN there is harmless).
  *
- * Numerics (DESIGN.md): fp32 accumulation; FP8: for each 128-wide K block the partial sum of
+ * Numerics (docs/DESIGN.md): fp32 accumulation; FP8: for each 128-wide K block the partial sum of
  * E4M3 x E4M3 products is scaled by a_scale[row, kb] * w_scale[n / 128, kb] and added into the
  * fp32 accumulator. W13: gate = rows [0, I) and up = rows [I, 2I) of the expert's [2I, H] weight;
  * h = silu(gate) * up in fp32; FP8: h requantised 1x128 along I with mf__fp8_block_scale and

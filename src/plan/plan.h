@@ -1,5 +1,5 @@
 /*
- * plan.h — the routing plan of one rank (DESIGN.md layer 2), host version used by the CPU backend
+ * plan.h — the routing plan of one rank (docs/DESIGN.md layer 2), host version used by the CPU backend
  * and as the oracle for the CUDA plan kernels.
  *
  * From every rank's topk_ids it computes, for this rank's L local experts: rows per expert, the

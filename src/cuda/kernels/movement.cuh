@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(kMfPublishThreads) mf__publish_kernel(mf__publ
  *            remote id crosses the link once per call, not once per local expert) and counts
  *            rows per global expert (E counters, zero on entry);
  *   offsets  the capacity verdict from the global counts, for every rank's experts, so that all
- *            ranks reach the same one (DESIGN.md: an overflow writes nothing anywhere and every
+ *            ranks reach the same one (docs/DESIGN.md: an overflow writes nothing anywhere and every
  *            rank returns MF_ERR_CAPACITY); then this rank's counts and segment offsets; and it
  *            zeroes the global counters for the next call;
  *   fill     each local expert's source rows in rank-major, token, k order, from the local copy.
@@ -373,7 +373,7 @@ typedef struct mf__sum_params {
 
 /* Grid (T, column groups): each thread owns 8 columns of one token (16-byte loads and stores), so
  * a few tokens still spread over many SMs. A thread loads up to kMfSumBatch partials before adding
- * them, in k order (DESIGN.md's fixed order; skipped k add nothing, not even a zero). */
+ * them, in k order (docs/DESIGN.md's fixed order; skipped k add nothing, not even a zero). */
 __global__ void __launch_bounds__(kMfSumThreads) mf__sum_kernel(mf__sum_params_t p) {
     const int32_t t = blockIdx.x;
     const int32_t c = blockIdx.y * blockDim.x + threadIdx.x;

@@ -73,7 +73,7 @@
  * above any healthy wait, a slow but live peer included (gathered rows are peer reads): it exists
  * only so that a broken pipeline can never hang the GPU.
  *
- * FP8 (DESIGN.md "Numerics"): for each 128-wide K block the four k32 wgmmas go into a temporary
+ * FP8 (docs/DESIGN.md "Numerics"): for each 128-wide K block the four k32 wgmmas go into a temporary
  * fragment (scale-d = 0 on the first), then acc += tmp * (a_scale[column][kb] * w_scale[n/128][kb]):
  * w_scale is one scalar per (weight box, kb) since a box is one 128-row scale block, a_scale varies
  * along D's columns (tokens). Same arithmetic as the CPU oracle (src/cpu/gemm.c), other order; the

@@ -2,7 +2,7 @@
  * sm90_grouped_gemm.cuh — the grouped expert GEMMs of the CUDA backend, v1: warp-level tensor-core
  * MMAs (mma.sync), operands staged through shared memory by a cp.async pipeline. Included only by
  * src/cuda/grouped_gemm.cu, whose launchers validate the arguments; see cuda/grouped_gemm.h for the
- * contract and DESIGN.md "Numerics" for the one definition of the arithmetic.
+ * contract and docs/DESIGN.md "Numerics" for the one definition of the arithmetic.
  *
  * Dimension legend: H hidden, I intermediate, L local experts, rows = receive rows of this rank,
  * C rows per expert bound (max_rows_per_expert), K_ the GEMM's reduction dim (H for W13, I for
@@ -35,7 +35,7 @@
  * has no E4M3 mma.sync in hardware (see mma_k32bytes). Warps whose 16-row MMA tiles lie wholly
  * past counts[e] skip them (decode: a handful of rows per expert).
  *
- * FP8 promotion (DESIGN.md): each stage (= 128-wide K block kb) is accumulated into a separate
+ * FP8 promotion (docs/DESIGN.md): each stage (= 128-wide K block kb) is accumulated into a separate
  * fp32 fragment `part`, then acc += part * (a_scale[row][kb] * w_scale[n / 128][kb]), part = 0.
  */
 #ifndef MF_CUDA_KERNELS_SM90_GROUPED_GEMM_CUH

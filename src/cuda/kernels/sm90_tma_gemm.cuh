@@ -46,7 +46,7 @@
  *
  * Main loop. BF16: per stage 4 x wgmma m64n256k16 straight into the 128 accumulators (scale-d 0 on
  * the tile's first), one group kept in flight (a stage is released when the next stage's group is
- * issued and the previous one has completed). FP8 (DESIGN.md "Numerics"): per stage and weight box
+ * issued and the previous one has completed). FP8 (docs/DESIGN.md "Numerics"): per stage and weight box
  * 4 x wgmma m64n128k32 into a 64-register temporary (scale-d 0 on the first), wait, then
  * acc(box) (+)= tmp * (a_scale[row][kb] * w_scale[box][kb]) — the first K block assigns; one
  * warpgroup promotes while the other's wgmmas run (see "Issue order"). 256-wide tiles have no room
