@@ -200,6 +200,25 @@ static tr_shared_t *tr_shared_new(void) {
     return sh;
 }
 
+/* Rank `rank`'s layer of problem p on `comm` (collective), its host weights set. */
+static int open_layer(mf_comm_t comm, const mfp_problem_t *p, int32_t rank, mf_moe_t *moe) {
+    const mfp_spec_t *s = &p->spec;
+    mf_moe_config_t cfg = MF_MOE_CONFIG_INIT;
+    cfg.num_experts = s->E, cfg.num_topk = s->K, cfg.hidden = s->H, cfg.intermediate = s->I;
+    cfg.max_tokens_per_rank = s->S, cfg.dtype = s->dtype, cfg.layout = s->layout;
+    MFT_CHECK_OK(mf_moe_create(comm, &cfg, moe));
+    mf_moe_weights_t w;
+    memset(&w, 0, sizeof w);
+    w.w13 = mft_t3(p->w13[rank], (mf_dtype_t)s->dtype, p->L, 2 * s->I, s->H);
+    w.w2 = mft_t3(p->w2[rank], (mf_dtype_t)s->dtype, p->L, s->H, s->I);
+    if (s->dtype == MF_DTYPE_FP8_E4M3) {
+        w.w13_scales = mft_t3(p->w13_scales[rank], MF_DTYPE_FP32, p->L, 2 * s->I / 128, s->H / 128);
+        w.w2_scales = mft_t3(p->w2_scales[rank], MF_DTYPE_FP32, p->L, s->H / 128, s->I / 128);
+    }
+    MFT_CHECK_OK(mf_moe_set_weights(*moe, &w));
+    return 0;
+}
+
 /* One rank of a small BF16 layer over ipc: comm, layer, weights; the caller's steps follow. */
 typedef struct tr_rank {
     const mfp_problem_t *p;
@@ -223,15 +242,7 @@ static int tr_rank_open(tr_rank_t *t, const mfp_problem_t *p, int32_t rank, tr_s
     mf_transport_t tr;
     MFT_CHECK_OK(mf_comm_get_transport(t->comm, &tr));
     MFT_CHECK_EQ_INT(tr, MF_TRANSPORT_IPC); /* AUTO: the ranks are processes */
-    mf_moe_config_t cfg = MF_MOE_CONFIG_INIT;
-    cfg.num_experts = s->E, cfg.num_topk = s->K, cfg.hidden = s->H, cfg.intermediate = s->I;
-    cfg.max_tokens_per_rank = s->S, cfg.dtype = s->dtype, cfg.layout = s->layout;
-    MFT_CHECK_OK(mf_moe_create(t->comm, &cfg, &t->moe));
-    mf_moe_weights_t w;
-    memset(&w, 0, sizeof w);
-    w.w13 = mft_t3(p->w13[rank], (mf_dtype_t)s->dtype, p->L, 2 * s->I, s->H);
-    w.w2 = mft_t3(p->w2[rank], (mf_dtype_t)s->dtype, p->L, s->H, s->I);
-    MFT_CHECK_OK(mf_moe_set_weights(t->moe, &w));
+    if (open_layer(t->comm, p, rank, &t->moe)) return 1;
     const int64_t T = p->T[rank];
     t->y = mft_alloc((size_t)T * s->H * 2);
     t->in.x = mft_t2(p->x[rank], MF_DTYPE_BF16, T, s->H);
@@ -350,16 +361,8 @@ static int abort_thread_rank(int32_t rank, void *arg) {
     mf_comm_t comm, comm0;
     MFT_CHECK_OK(mf_group_get_comm(a->group, rank, &comm));
     MFT_CHECK_OK(mf_group_get_comm(a->group, 0, &comm0));
-    mf_moe_config_t cfg = MF_MOE_CONFIG_INIT;
-    cfg.num_experts = s->E, cfg.num_topk = s->K, cfg.hidden = s->H, cfg.intermediate = s->I;
-    cfg.max_tokens_per_rank = s->S;
     mf_moe_t moe;
-    MFT_CHECK_OK(mf_moe_create(comm, &cfg, &moe));
-    mf_moe_weights_t w;
-    memset(&w, 0, sizeof w);
-    w.w13 = mft_t3(a->p->w13[rank], MF_DTYPE_BF16, a->p->L, 2 * s->I, s->H);
-    w.w2 = mft_t3(a->p->w2[rank], MF_DTYPE_BF16, a->p->L, s->H, s->I);
-    MFT_CHECK_OK(mf_moe_set_weights(moe, &w));
+    if (open_layer(comm, a->p, rank, &moe)) return 1;
     if (rank == 1) {
         struct timespec nap = {0, 200000000};
         nanosleep(&nap, NULL);
@@ -475,20 +478,8 @@ static int user_rank_main(int32_t rank, void *arg) {
     MFT_CHECK_OK(mf_comm_get_transport(comm, &ub->got[rank]));
     const mfp_problem_t *p = ub->p;
     const mfp_spec_t *s = &p->spec;
-    mf_moe_config_t cfg = MF_MOE_CONFIG_INIT;
-    cfg.num_experts = s->E, cfg.num_topk = s->K, cfg.hidden = s->H, cfg.intermediate = s->I;
-    cfg.max_tokens_per_rank = s->S, cfg.dtype = s->dtype, cfg.layout = s->layout;
     mf_moe_t moe;
-    MFT_CHECK_OK(mf_moe_create(comm, &cfg, &moe));
-    mf_moe_weights_t w;
-    memset(&w, 0, sizeof w);
-    w.w13 = mft_t3(p->w13[rank], (mf_dtype_t)s->dtype, p->L, 2 * s->I, s->H);
-    w.w2 = mft_t3(p->w2[rank], (mf_dtype_t)s->dtype, p->L, s->H, s->I);
-    if (s->dtype == MF_DTYPE_FP8_E4M3) {
-        w.w13_scales = mft_t3(p->w13_scales[rank], MF_DTYPE_FP32, p->L, 2 * s->I / 128, s->H / 128);
-        w.w2_scales = mft_t3(p->w2_scales[rank], MF_DTYPE_FP32, p->L, s->H / 128, s->I / 128);
-    }
-    MFT_CHECK_OK(mf_moe_set_weights(moe, &w));
+    if (open_layer(comm, p, rank, &moe)) return 1;
     const int64_t T = p->T[rank];
     mf_moe_forward_in_t in = {mft_t2(p->x[rank], MF_DTYPE_BF16, T, s->H), mft_t2(p->topk_ids[rank], MF_DTYPE_INT32, T, s->K),
                               mft_t2(p->topk_weights[rank], MF_DTYPE_FP32, T, s->K)};
@@ -677,18 +668,9 @@ static int layers_rank(int32_t rank, void *arg) {
     const mfp_spec_t *s = &p->spec;
     mf_comm_t comm;
     MFT_CHECK_OK(mf_group_get_comm(c->group, rank, &comm));
-    mf_moe_config_t cfg = MF_MOE_CONFIG_INIT;
-    cfg.num_experts = s->E, cfg.num_topk = s->K, cfg.hidden = s->H, cfg.intermediate = s->I;
-    cfg.max_tokens_per_rank = s->S;
     mf_moe_t moe[2];
-    mf_moe_weights_t w;
-    memset(&w, 0, sizeof w);
-    w.w13 = mft_t3(p->w13[rank], MF_DTYPE_BF16, p->L, 2 * s->I, s->H);
-    w.w2 = mft_t3(p->w2[rank], MF_DTYPE_BF16, p->L, s->H, s->I);
-    for (int l = 0; l < 2; l++) {
-        MFT_CHECK_OK(mf_moe_create(comm, &cfg, &moe[l]));
-        MFT_CHECK_OK(mf_moe_set_weights(moe[l], &w));
-    }
+    for (int l = 0; l < 2; l++)
+        if (open_layer(comm, p, rank, &moe[l])) return 1;
     const int64_t T = p->T[rank];
     uint16_t *y = mft_alloc((size_t)T * s->H * 2);
     mf_moe_forward_in_t in = {mft_t2(p->x[rank], MF_DTYPE_BF16, T, s->H), mft_t2(p->topk_ids[rank], MF_DTYPE_INT32, T, s->K),

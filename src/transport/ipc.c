@@ -31,6 +31,29 @@ typedef struct mf__ipc_handle {
     char bytes[MF__IPC_HANDLE_BYTES]; /* a shm name (NUL-terminated) or a cudaIpcMemHandle_t */
 } mf__ipc_handle_t;
 
+/* Maps peer q's memory from its handle into this process; NULL with the error set on failure. */
+typedef void *(*mf__ipc_import_fn)(mf_comm_t comm, int32_t q, const mf__ipc_handle_t *handle, size_t bytes);
+
+/* The exchange both kinds of memory share: every rank's export verdict agreed, the handles
+ * allgathered, every peer's imported, the imports agreed. Fills sym (local = p); on failure the
+ * peers mapped so far stay in sym for the caller to undo. */
+static mf_result_t mf__ipc_exchange(mf_comm_t comm, size_t bytes, void *p, const mf__ipc_handle_t *mine,
+                                    mf__ipc_import_fn import, mf__sym_t *sym) {
+    mf__ipc_handle_t all[MF_MAX_RANKS];
+    mf_result_t res = mf__agree(comm, (mf_result_t)mine->status, "symmetric allocation (ipc)");
+    if (res == MF_SUCCESS) res = mf__allgather(comm, mine, all, sizeof *mine, "symmetric allocation (ipc)");
+    sym->bytes = bytes;
+    sym->local = sym->peers[comm->rank] = p;
+    mf_result_t mapped = MF_SUCCESS;
+    for (int32_t q = 0; res == MF_SUCCESS && q < comm->num_ranks && mapped == MF_SUCCESS; q++) {
+        if (q == comm->rank) continue;
+        sym->peers[q] = import(comm, q, &all[q], bytes);
+        if (!sym->peers[q]) mapped = comm->backend == MF_BACKEND_CUDA ? MF_ERR_CUDA : MF_ERR_SYSTEM;
+    }
+    if (res == MF_SUCCESS) res = mf__agree(comm, mapped, "mapping the peers' memory (ipc)");
+    return res;
+}
+
 /* ---- host memory: POSIX shared memory ------------------------------------------------------ */
 
 static void mf__shm_unmap(mf_comm_t comm, mf__sym_t *sym) {
@@ -55,9 +78,17 @@ static void *mf__shm_map(const char *name, size_t bytes, int create) {
     return p;
 }
 
+static void *mf__shm_import(mf_comm_t comm, int32_t q, const mf__ipc_handle_t *h, size_t bytes) {
+    void *p = mf__shm_map(h->bytes, bytes, 0);
+    if (!p)
+        mf__error(MF_ERR_SYSTEM, "ipc transport: rank %d cannot map rank %d's shared memory %s: %s", comm->rank, q,
+                  h->bytes, strerror(errno));
+    return p;
+}
+
 static mf_result_t mf__shm_alloc(mf_comm_t comm, size_t bytes, mf__sym_t *sym) {
     static int counter;
-    mf__ipc_handle_t mine, all[MF_MAX_RANKS];
+    mf__ipc_handle_t mine;
     memset(&mine, 0, sizeof mine);
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -67,19 +98,7 @@ static mf_result_t mf__shm_alloc(mf_comm_t comm, size_t bytes, mf__sym_t *sym) {
     if (!p)
         mine.status = mf__error(MF_ERR_SYSTEM, "ipc transport: rank %d: shared memory %s of %zu bytes: %s",
                                 comm->rank, mine.bytes, bytes, strerror(errno));
-    mf_result_t res = mf__agree(comm, mine.status, "symmetric allocation (ipc)");
-    if (res == MF_SUCCESS) res = mf__allgather(comm, &mine, all, sizeof mine, "symmetric allocation (ipc)");
-    sym->bytes = bytes;
-    sym->local = sym->peers[comm->rank] = p;
-    mf_result_t mapped = MF_SUCCESS;
-    for (int32_t q = 0; res == MF_SUCCESS && q < comm->num_ranks && mapped == MF_SUCCESS; q++) {
-        if (q == comm->rank) continue;
-        sym->peers[q] = mf__shm_map(all[q].bytes, bytes, 0);
-        if (!sym->peers[q])
-            mapped = mf__error(MF_ERR_SYSTEM, "ipc transport: rank %d cannot map rank %d's shared memory %s: %s",
-                               comm->rank, q, all[q].bytes, strerror(errno));
-    }
-    if (res == MF_SUCCESS) res = mf__agree(comm, mapped, "mapping the peers' memory (ipc)");
+    mf_result_t res = mf__ipc_exchange(comm, bytes, p, &mine, mf__shm_import, sym);
     if (p) shm_unlink(mine.bytes); /* every peer has mapped it (or given up): the name can go */
     if (res != MF_SUCCESS) {
         mf__shm_unmap(comm, sym);
@@ -98,9 +117,22 @@ static void mf__cuda_ipc_close(mf_comm_t comm, mf__sym_t *sym) {
     (void)cudaGetLastError();
 }
 
+static void *mf__cuda_ipc_import(mf_comm_t comm, int32_t q, const mf__ipc_handle_t *handle, size_t bytes) {
+    (void)bytes;
+    cudaIpcMemHandle_t h;
+    memcpy(&h, handle->bytes, sizeof h);
+    void *p = NULL;
+    cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+    if (e == cudaSuccess) return p;
+    (void)cudaGetLastError();
+    mf__error(MF_ERR_CUDA, "ipc transport: rank %d cannot open rank %d's CUDA IPC handle: %s", comm->rank, q,
+              cudaGetErrorString(e));
+    return NULL;
+}
+
 static mf_result_t mf__cuda_ipc_alloc(mf_comm_t comm, size_t bytes, mf__sym_t *sym) {
     _Static_assert(sizeof(cudaIpcMemHandle_t) <= MF__IPC_HANDLE_BYTES, "a CUDA IPC handle fits the exchange");
-    mf__ipc_handle_t mine, all[MF_MAX_RANKS];
+    mf__ipc_handle_t mine;
     memset(&mine, 0, sizeof mine);
     void *p = NULL;
     mine.status = comm->ops->mem_alloc(comm, bytes, &p);
@@ -114,26 +146,8 @@ static mf_result_t mf__cuda_ipc_alloc(mf_comm_t comm, size_t bytes, mf__sym_t *s
         }
         memcpy(mine.bytes, &h, sizeof h);
     }
-    mf_result_t res = mf__agree(comm, mine.status, "symmetric allocation (ipc)");
-    if (res == MF_SUCCESS) res = mf__allgather(comm, &mine, all, sizeof mine, "symmetric allocation (ipc)");
-    sym->bytes = bytes;
-    sym->local = sym->peers[comm->rank] = p;
-    mf_result_t mapped = MF_SUCCESS;
-    for (int32_t q = 0; res == MF_SUCCESS && q < comm->num_ranks && mapped == MF_SUCCESS; q++) {
-        if (q == comm->rank) continue;
-        cudaIpcMemHandle_t h;
-        memcpy(&h, all[q].bytes, sizeof h);
-        cudaError_t e = cudaIpcOpenMemHandle(&sym->peers[q], h, cudaIpcMemLazyEnablePeerAccess);
-        if (e != cudaSuccess) {
-            (void)cudaGetLastError();
-            sym->peers[q] = NULL;
-            mapped = mf__error(MF_ERR_CUDA, "ipc transport: rank %d cannot open rank %d's CUDA IPC handle: %s",
-                               comm->rank, q, cudaGetErrorString(e));
-        }
-    }
-    if (res == MF_SUCCESS) res = mf__agree(comm, mapped, "mapping the peers' memory (ipc)");
+    mf_result_t res = mf__ipc_exchange(comm, bytes, p, &mine, mf__cuda_ipc_import, sym);
     if (res != MF_SUCCESS) {
-        if (!p) sym->local = NULL;
         mf__cuda_ipc_close(comm, sym);
         memset(sym, 0, sizeof *sym);
     }
