@@ -987,15 +987,17 @@ static int bad_ids_case(int32_t no_clear) {
 
 static int cuda_bad_ids(void) { return bad_ids_case(0) || bad_ids_case(1); }
 
-/* A small config for compute-sanitizer (make test-gpu runs it under memcheck and racecheck). */
-static int cuda_small(void) {
-    layer_case_t c = {2, 4, 2, 128, 128, 5, 8, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 2, 0,
+/* The small cases on R ranks: FP8 EXPERT_MAJOR and BF16 MASKED layers, FP8 dispatch / combine. */
+static int small_cases(int32_t R) {
+    layer_case_t c = {R, 4, 2, 128, 128, 5, 8, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 2, 0,
                       NULL, 9};
     if (run_layer_case(&c)) return 1;
     c.dtype = MF_DTYPE_BF16, c.layout = MF_LAYOUT_MASKED;
     if (run_layer_case(&c)) return 1;
-    return comm_case(2, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, NULL, 9);
+    return comm_case(R, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, NULL, 9);
 }
+
+static int cuda_small(void) { return small_cases(2); }
 
 /* What make test-gpu runs under compute-sanitizer: every kernel of the layer and of dispatch /
  * combine, on one rank. Virtual ranks do not run under the sanitizer: it may serialise kernel
@@ -1003,14 +1005,7 @@ static int cuda_small(void) {
  * 2026-12-04 all 5 attempts of cuda_small (R = 2) timed out that way under memcheck, with no memory
  * error (earlier sessions needed 3 and 4 attempts). The R > 1 paths are the same kernels with more
  * peers, checked bit for bit by the rest of the suite. */
-static int cuda_sanitize(void) {
-    layer_case_t c = {1, 4, 2, 128, 128, 5, 8, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 2, 0,
-                      NULL, 9};
-    if (run_layer_case(&c)) return 1;
-    c.dtype = MF_DTYPE_BF16, c.layout = MF_LAYOUT_MASKED;
-    if (run_layer_case(&c)) return 1;
-    return comm_case(1, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, NULL, 9);
-}
+static int cuda_sanitize(void) { return small_cases(1); }
 
 const mft_test_t mft_tests_cuda[] = {
     {"cuda_small", cuda_small, 120},
