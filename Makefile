@@ -114,7 +114,8 @@ test: $(TESTS) $(CLI) $(SHARED)
 # The sm90 GEMM labs validate every kernel variant the library ships against their CPU references.
 test-gpu:
 ifeq ($(CUDA),1)
-	$(MAKE) $(GPU_TESTS) $(CLI) lab
+	$(MAKE) $(GPU_TESTS) $(CLI) $(SHARED) lab
+	bash tests/abi.sh $(SHARED) include/moeflow.h
 	@suite=0; ./$(GPU_TESTS) || suite=1; \
 	if ! ./$(GPU_TESTS) --has-gpu; then echo "test-gpu: no GPU: GEMM labs and sanitizers SKIP"; \
 	else set -e; for lab in sm90_decode_lab sm90_gemm_lab; do echo "# $$lab --validate (log: $(BUILD)/$$lab.log)"; \

@@ -12,3 +12,19 @@ if [ "$declared" != "$exported" ]; then
     exit 1
 fi
 echo "abi: $lib exports the $(echo "$declared" | wc -l) MF_API functions of $header, nothing else"
+# No process-wide side effects (issue 13): the library sets no environment variable and never
+# synchronises the whole device.
+bad=$(nm -D --undefined-only "$lib" | awk '{print $2}' | sed 's/@.*//' | grep -xE 'setenv|putenv|unsetenv|cudaDeviceSynchronize|cudaDeviceReset' || true)
+if [ -n "$bad" ]; then
+    echo "abi: $lib calls what a library must not: $bad"
+    exit 1
+fi
+echo "abi: $lib imports no setenv / putenv / cudaDeviceSynchronize / cudaDeviceReset"
+# And its kernels never trap (a trap kills every rank's context), where cuobjdump can tell.
+if command -v cuobjdump >/dev/null 2>&1 && cuobjdump -sass "$lib" >/dev/null 2>&1; then
+    if cuobjdump -sass "$lib" | grep -qE '\bBPT\.TRAP\b'; then
+        echo "abi: $lib has a trap in its device code"
+        exit 1
+    fi
+    echo "abi: $lib's device code has no trap"
+fi
