@@ -155,7 +155,6 @@ typedef struct mf__sym {
     void *local;                /* this rank's memory (== peers[rank]), zeroed at allocation */
     void *peers[MF_MAX_RANKS];  /* every rank's memory, addressable from this process */
     size_t bytes;               /* the same on every rank */
-    void *priv;                 /* the transport's bookkeeping (names, handles, mappings) */
 } mf__sym_t;
 
 /* R virtual ranks of one process (mf_group_create): their comms, made on R threads through
