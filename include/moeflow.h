@@ -310,14 +310,22 @@ typedef struct mf_moe_config {
     int32_t ue8m0_scales;         /* 1: activation scales rounded up to powers of two */
     int32_t profile;              /* 1: record per-phase times (mf_moe_get_phase_times) */
     int32_t dataflow;             /* mf_dataflow_t; 0 = AUTO */
+    /* Added after moeflow 0.2.0 (same MF_API_VERSION; older, shorter configs read 0 here). */
+    int32_t num_physical_experts; /* P: physical expert slots over all ranks (replicas included),
+                                     a multiple of R, >= E; 0 = E. Rank r holds the P / R slots
+                                     [r * P / R, (r + 1) * P / R) (mf_moe_set_expert_map) */
+    int32_t spare_slots;          /* B: per-step balancing slots per rank, 0..MF_MAX_SPARE_SLOTS;
+                                     0 = off (mf_moe_prefetch) */
 } mf_moe_config_t;
+
+#define MF_MAX_SPARE_SLOTS 16
 
 #define MF_MAX_TOPK 32
 
 #define MF_MOE_CONFIG_INIT                                                                       \
     {                                                                                            \
         sizeof(mf_moe_config_t), MF_MOE_CONFIG_MAGIC, MF_API_VERSION, 0, 0, 0, 0, 0,             \
-            MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, 0, 0, 0, 0, 0, MF_DATAFLOW_AUTO               \
+            MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, 0, 0, 0, 0, 0, MF_DATAFLOW_AUTO, 0, 0         \
     }
 
 /* What a layer resolved its defaults to, for sizing dispatch outputs. */
@@ -350,12 +358,14 @@ MF_API mf_result_t mf_moe_get_info(mf_moe_t moe, mf_moe_info_t *info);
 /* Destroys the layer. Not collective; no call on it may be in flight. NULL is a no-op. */
 MF_API mf_result_t mf_moe_destroy(mf_moe_t moe);
 
-/* This rank's L local experts' weights (local expert l is global expert first_expert + l). */
+/* This rank's expert weights, one per physical slot of the rank: Lp = P / R slots (Lp = L without
+ * replicas). Slot l holds the logical expert map[rank * Lp + l] of mf_moe_set_expert_map; with the
+ * default identity map, global expert first_expert + l. */
 typedef struct mf_moe_weights {
-    mf_tensor_t w13;        /* [L, 2I, H]: rows [0, I) gate, [I, 2I) up; the layer's dtype */
-    mf_tensor_t w13_scales; /* FP8: [L, 2I/128, H/128] fp32, one per 128x128 block; BF16: unused */
-    mf_tensor_t w2;         /* [L, H, I]; the layer's dtype */
-    mf_tensor_t w2_scales;  /* FP8: [L, H/128, I/128] fp32; BF16: unused */
+    mf_tensor_t w13;        /* [Lp, 2I, H]: rows [0, I) gate, [I, 2I) up; the layer's dtype */
+    mf_tensor_t w13_scales; /* FP8: [Lp, 2I/128, H/128] fp32, one per 128x128 block; BF16: unused */
+    mf_tensor_t w2;         /* [Lp, H, I]; the layer's dtype */
+    mf_tensor_t w2_scales;  /* FP8: [Lp, H/128, I/128] fp32; BF16: unused */
 } mf_moe_weights_t;
 
 /* Sets this rank's expert weights. The layer BORROWS the memory: it must stay valid and unchanged
@@ -380,6 +390,60 @@ typedef struct mf_moe_forward_out {
  * TIMEOUT. */
 MF_API mf_result_t mf_moe_forward(mf_moe_t moe, const mf_moe_forward_in_t *in,
                            const mf_moe_forward_out_t *out, mf_stream_t stream);
+
+/* ---------------------------------------------------------------------------------------------
+ * Balanced EP: logical experts, physical replicas, per-step spare slots (docs/API.md section 8)
+ *
+ * Routing ids stay logical (topk_ids in [-1, E)). A layer has P = num_physical_experts slots, P / R
+ * on each rank; the *expert map* names the logical expert each slot holds (vLLM EPLB's
+ * physical_to_logical_map for one layer). Every (token, k) is sent to exactly one replica of its
+ * expert, chosen in each call from the call's global per-expert counts so that rows per rank are
+ * as even as the replicas allow; the choice is a function of the routing and the map alone, the
+ * same on every rank. y is bit-identical to the same layer without replicas, whatever the map,
+ * for a fixed expert kernel (docs/API.md: AUTO may choose another GEMM variant when a replica's
+ * share changes the rows per expert; pin the dataflow to compare bit for bit on CUDA).
+ * ------------------------------------------------------------------------------------------- */
+
+/* Sets the layer's expert map: phys_to_logical[p] for every physical slot p in [0, P) is the
+ * logical expert in [0, E) that slot p holds (slot p lives on rank p / (P / R), local slot
+ * p % (P / R)). num_physical must be the layer's P. Every logical expert needs at least one slot.
+ * The default (never set) is the identity, which needs P = E. Not collective, but every rank sets
+ * the same map before its next forward (the forward checks it: INVALID_USAGE on every rank if
+ * not); the caller's weights (mf_moe_set_weights) must hold the new map's experts by then.
+ * Between calls only (no call in flight); host memory, copied; non-blocking, not
+ * graph-capturable. Errors: INVALID_ARGUMENT (NULL, wrong num_physical, an id outside [0, E), a
+ * logical expert with no slot; nothing is changed). */
+MF_API mf_result_t mf_moe_set_expert_map(mf_moe_t moe, const int32_t *phys_to_logical, int32_t num_physical);
+
+/* Per-step balancing (config.spare_slots = B > 0): from the global per-expert counts of this
+ * layer's last forward (every rank holds the same ones), every rank computes the same plan: the
+ * hot experts to replicate into the R * B spare slots and their destination ranks; each expert's
+ * weights (FP8: and scales) are copied peer to peer into the spare slots that need them (slots
+ * already holding the expert are kept). The next forward splits those experts' rows across the
+ * new replicas too. Call it between two forwards of the layer, e.g. on a side stream during
+ * attention; the next forward on the layer waits for it (on the device on CUDA: no host wait).
+ * Collective (every rank calls it between the same forwards), asynchronous on `stream` on CUDA
+ * (blocking on CPU), graph-capturable on CUDA. A layer with B = 0: a no-op. Errors: INVALID_USAGE
+ * (weights not set, comm broken), NOT_SUPPORTED (backend without balancing). */
+MF_API mf_result_t mf_moe_prefetch(mf_moe_t moe, mf_stream_t stream);
+
+/* What balancing did in this layer's last forward and prefetch, as every rank sees it. */
+typedef struct mf_moe_balance_stats {
+    uint32_t size;                       /* sizeof(mf_moe_balance_stats_t), set by the caller */
+    int32_t num_physical_experts;        /* P */
+    int32_t slots_per_rank;              /* Lp = P / R */
+    int32_t spare_slots;                 /* B */
+    int64_t recv_rows[MF_MAX_RANKS];     /* last forward: rows each rank's experts computed */
+    int64_t home_rows[MF_MAX_RANKS];     /* the same routing without replicas (rank of e = e / L) */
+    int64_t prefetch_bytes;              /* weight bytes this rank copied in the last prefetch */
+    int64_t prefetch_bytes_all;          /* the same over every rank */
+    int32_t spare_resident;              /* spare slots holding an expert after the last prefetch */
+    int32_t pad;
+} mf_moe_balance_stats_t;
+
+/* Fills *stats (stats->size must be set; a smaller size gets the fields that fit). Not
+ * collective; blocking on CUDA (synchronises with the last forward). */
+MF_API mf_result_t mf_moe_get_balance_stats(mf_moe_t moe, mf_moe_balance_stats_t *stats);
 
 /* Phases of mf_moe_forward, for profiling. */
 typedef enum mf_phase {
@@ -483,7 +547,8 @@ typedef enum mf_struct {
     MF_STRUCT_COMBINE_IN = 11,
     MF_STRUCT_COMBINE_OUT = 12,
     MF_STRUCT_PHASE_TIMES = 13,
-    MF_NUM_STRUCTS = 14
+    MF_STRUCT_MOE_BALANCE_STATS = 14,
+    MF_NUM_STRUCTS = 15
 } mf_struct_t;
 
 /* sizeof the struct `which` in this library (0 for an unknown value). Not collective, non-blocking;

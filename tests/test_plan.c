@@ -81,7 +81,7 @@ static int plan_random_case(int32_t R, int32_t E, int32_t K, int32_t S, int32_t 
         mf_moe_config_t c = plan_config(E, K, S, layout, block_m, R * S, R * S * K + (E / R) * (block_m - 1));
         mf__plan_t p;
         MFT_CHECK_OK(mf__plan_init(&p, &c, R, rank));
-        MFT_CHECK_OK(mf__plan_build(&p, K, (const int32_t *const *)ids, T));
+        MFT_CHECK_OK(mf__plan_build(&p, K, (const int32_t *const *)ids, T, NULL, NULL));
         int rc = check_plan(&p, R, K, (const int32_t *const *)ids, T);
         mf__plan_fini(&p);
         if (rc) return mft_fail(__FILE__, __LINE__, "rank %d of R=%d E=%d K=%d layout %d", rank, R, E, K, layout);
@@ -116,7 +116,7 @@ static int plan_hand_checked(void) {
     mf_moe_config_t c = plan_config(4, 2, 3, MF_LAYOUT_EXPERT_MAJOR, 4, 0, 16);
     mf__plan_t p;
     MFT_CHECK_OK(mf__plan_init(&p, &c, 2, 0)); /* rank 0 owns experts 0 and 1 */
-    MFT_CHECK_OK(mf__plan_build(&p, 2, ids, T));
+    MFT_CHECK_OK(mf__plan_build(&p, 2, ids, T, NULL, NULL));
     /* expert 0: (0,1,0), (1,0,1); expert 1: (0,0,0), (0,1,1), (1,0,0) */
     MFT_CHECK_EQ_INT(p.counts[0], 2);
     MFT_CHECK_EQ_INT(p.counts[1], 3);
@@ -143,14 +143,14 @@ static int plan_capacity(void) {
         mf_moe_config_t c = plan_config(4, 1, 3, MF_LAYOUT_MASKED, 128, 3, 0);
         mf__plan_t p;
         MFT_CHECK_OK(mf__plan_init(&p, &c, 2, rank));
-        MFT_CHECK_ERR(mf__plan_build(&p, 1, ids, T), MF_ERR_CAPACITY);
+        MFT_CHECK_ERR(mf__plan_build(&p, 1, ids, T, NULL, NULL), MF_ERR_CAPACITY);
         MFT_CHECK(mft_contains_ci(mf_last_error(), "expert 2"));
         mf__plan_fini(&p);
 
         /* EXPERT_MAJOR with block_m 4: rank 1 needs 4 + 4 = 8 rows, more than 6. */
         c = plan_config(4, 1, 3, MF_LAYOUT_EXPERT_MAJOR, 4, 0, 6);
         MFT_CHECK_OK(mf__plan_init(&p, &c, 2, rank));
-        MFT_CHECK_ERR(mf__plan_build(&p, 1, ids, T), MF_ERR_CAPACITY);
+        MFT_CHECK_ERR(mf__plan_build(&p, 1, ids, T, NULL, NULL), MF_ERR_CAPACITY);
         MFT_CHECK(mft_contains_ci(mf_last_error(), "rank 1"));
         mf__plan_fini(&p);
     }

@@ -482,6 +482,10 @@ typedef struct run_state {
     double *setup_done; /* [R] seconds */
     double *times;      /* [R][iters] ms */
     mf_phase_times_t *phases; /* [R][iters] */
+    mf_moe_balance_stats_t balance; /* rank 0, after the last forward */
+    int64_t prefetch_first_bytes, prefetch_last_bytes;
+    double prefetch_ms_sum;
+    int32_t prefetch_n;
 #if MF_WITH_CUDA
     cudaEvent_t *begins; /* [R][iters] LOCAL, CUDA with profile: recorded on each rank's stream before its forward */
 #endif
@@ -536,11 +540,36 @@ static void *rank_main(void *varg) {
     const mfp_spec_t *s = &p->spec;
     const mfp_run_opts_t *o = run->opts;
     const int32_t r = arg->rank, T = p->T[r], fp8 = s->dtype == MF_DTYPE_FP8_E4M3;
-    const size_t L = (size_t)p->L, H = (size_t)s->H, I = (size_t)s->I, K = (size_t)s->K;
+    const size_t H = (size_t)s->H, I = (size_t)s->I, K = (size_t)s->K;
     const size_t esize = fp8 ? 1 : 2, nsc = (2 * I / MFP_QBLOCK) * (H / MFP_QBLOCK);
     /* host or device addresses of: x, ids, topk weights, y, w13, w2, w13 scales, w2 scales */
     const void *host[8] = {p->x[r], p->topk_ids[r], p->topk_weights[r], run->y[r],
                            p->w13[r], p->w2[r], p->w13_scales[r], p->w2_scales[r]};
+    /* With an expert map, this rank's slots hold the map's logical experts: copied from the ranks
+     * that own them in the problem (logical e is local expert e % L of rank e / L). */
+    const size_t P = o->num_physical ? (size_t)o->num_physical : (size_t)s->E;
+    const size_t L = o->expert_map ? P / (size_t)s->R : (size_t)p->L;
+    void *phys[4] = {NULL, NULL, NULL, NULL};
+    if (o->expert_map) {
+        const size_t per[4] = {2 * I * H * esize, H * I * esize, fp8 ? nsc * 4 : 0, fp8 ? nsc / 2 * 4 : 0};
+        for (int i = 0; i < 4; i++) {
+            if (!per[i]) continue;
+            phys[i] = malloc(L * per[i]);
+            if (!phys[i]) {
+                fail(run, r, MF_ERR_OUT_OF_MEMORY, "laying out the mapped weights", "out of host memory");
+                for (int j = 0; j < 4; j++) free(phys[j]);
+                return NULL;
+            }
+            for (size_t l = 0; l < L; l++) {
+                int32_t e = o->expert_map[(size_t)r * L + l];
+                const uint8_t *src = i == 0 ? p->w13[e / p->L] : i == 1 ? p->w2[e / p->L]
+                                   : i == 2 ? (const uint8_t *)p->w13_scales[e / p->L]
+                                            : (const uint8_t *)p->w2_scales[e / p->L];
+                memcpy((uint8_t *)phys[i] + l * per[i], (const uint8_t *)src + (size_t)(e % p->L) * per[i], per[i]);
+            }
+            host[4 + i] = phys[i];
+        }
+    }
     const size_t bytes[8] = {T * H * 2, T * K * 4, T * K * 4, T * H * 2, L * 2 * I * H * esize,
                              L * H * I * esize, fp8 ? L * nsc * 4 : 0, fp8 ? L * nsc / 2 * 4 : 0};
     (void)bytes; /* only the CUDA path copies */
@@ -606,8 +635,14 @@ static void *rank_main(void *varg) {
     cfg.ue8m0_scales = s->ue8m0;
     cfg.profile = o->profile;
     cfg.dataflow = o->dataflow;
+    cfg.num_physical_experts = o->num_physical;
+    cfg.spare_slots = o->spare_slots;
     if ((res = mf_moe_create(comm, &cfg, &moe)) != MF_SUCCESS) {
         fail(run, r, res, "mf_moe_create", mf_last_error());
+        goto done;
+    }
+    if (o->expert_map && (res = mf_moe_set_expert_map(moe, o->expert_map, (int32_t)P)) != MF_SUCCESS) {
+        fail(run, r, res, "mf_moe_set_expert_map", mf_last_error());
         goto done;
     }
     const int32_t wdt = s->dtype;
@@ -641,6 +676,26 @@ static void *rank_main(void *varg) {
     for (int32_t it = 0; it < total; it++) {
         if (barrier_wait(&run->barrier) != 0) goto done; /* another rank failed */
         if (r == o->die_rank && it == o->die_at && !run->group) raise(SIGKILL); /* fault injection */
+        if (o->prefetch && it > 0) { /* between two forwards, as an engine would during attention */
+            double tp = now_s();
+            if ((res = mf_moe_prefetch(moe, stream)) != MF_SUCCESS) {
+                fail(run, r, res, "mf_moe_prefetch", mf_last_error());
+                goto done;
+            }
+#if MF_WITH_CUDA
+            if (on_device && cudaStreamSynchronize(cst) != cudaSuccess) {
+                fail(run, r, MF_ERR_CUDA, "cudaStreamSynchronize after mf_moe_prefetch", "");
+                goto done;
+            }
+#endif
+            mf_moe_balance_stats_t bs = {.size = sizeof bs};
+            if (r == 0 && mf_moe_get_balance_stats(moe, &bs) == MF_SUCCESS) {
+                if (run->prefetch_n == 0) run->prefetch_first_bytes = bs.prefetch_bytes_all;
+                run->prefetch_last_bytes = bs.prefetch_bytes_all;
+                run->prefetch_ms_sum += (now_s() - tp) * 1e3;
+                run->prefetch_n++;
+            }
+        }
         double t0 = now_s();
 #if MF_WITH_CUDA
         if (gated) {
@@ -696,6 +751,11 @@ static void *rank_main(void *varg) {
         }
         if (r == 0 && o->progress) o->progress(o->progress_ctx, it + 1, total);
     }
+    if (r == 0 && (o->num_physical || o->spare_slots || o->expert_map)) {
+        run->balance.size = sizeof run->balance;
+        if ((res = mf_moe_get_balance_stats(moe, &run->balance)) != MF_SUCCESS)
+            fail(run, r, res, "mf_moe_get_balance_stats", mf_last_error());
+    }
 #if MF_WITH_CUDA
     if (on_device && T > 0) {
         cudaError_t ce = cudaMemcpy(run->y[r], mem[3], bytes[3], cudaMemcpyDeviceToHost);
@@ -715,6 +775,7 @@ done:
         if (cst) cudaStreamDestroy(cst);
     }
 #endif
+    for (int i = 0; i < 4; i++) free(phys[i]);
     return NULL;
 }
 
@@ -981,6 +1042,13 @@ mf_result_t mfp_run(const mfp_problem_t *p, const mfp_run_opts_t *opts, uint16_t
             }
         }
         for (int32_t r = 0; r < MF_MAX_RANKS; r++) timing->rank_start_us[r] = -1;
+        if (run->balance.size) {
+            timing->have_balance = 1;
+            timing->balance = run->balance;
+            timing->prefetch_first_bytes = run->prefetch_first_bytes;
+            timing->prefetch_last_bytes = run->prefetch_last_bytes;
+            timing->prefetch_ms = run->prefetch_n ? run->prefetch_ms_sum / run->prefetch_n : 0.0;
+        }
 #if MF_WITH_CUDA
         if (run->begins) rank_starts(run, timing);
 #endif

@@ -82,6 +82,13 @@ typedef struct mfp_timing {
      * begin in the same iteration (median over iterations, us); with phase_rank_us, a timeline of
      * the ranks that time-share one GPU. -1 where not measured. */
     double rank_start_us[MF_MAX_RANKS];
+    /* Balanced EP (opts.num_physical / spare_slots): rank 0's mf_moe_get_balance_stats after the
+     * last forward; the weight bytes all ranks moved in the first prefetch and in the last one;
+     * the mean wall time of rank 0's prefetches (ms). */
+    int32_t have_balance;
+    mf_moe_balance_stats_t balance;
+    int64_t prefetch_first_bytes, prefetch_last_bytes;
+    double prefetch_ms;
 } mfp_timing_t;
 
 /* How mfp_run drives the layer. */
@@ -107,9 +114,15 @@ typedef struct mfp_run_opts {
     /* IPC fault injection for tests: rank `die_rank` kills itself (SIGKILL) just before the
      * forward of iteration `die_at` (counting warm-up); -1 = nobody. */
     int32_t die_rank, die_at;
+    /* Balanced EP: an expert map of num_physical slots (NULL: the identity, num_physical 0 = E);
+     * every rank's weights are laid out from it (slot l of rank r holds the problem's logical
+     * expert map[r * P / R + l]). spare_slots = B; prefetch = 1 calls mf_moe_prefetch before every
+     * forward but the first. */
+    const int32_t *expert_map;
+    int32_t num_physical, spare_slots, prefetch;
 } mfp_run_opts_t;
 
-#define MFP_RUN_OPTS_INIT {MF_BACKEND_AUTO, 1, 0, 0, 0, MF_DATAFLOW_AUTO, 0, NULL, NULL, MF_TRANSPORT_LOCAL, -1, -1}
+#define MFP_RUN_OPTS_INIT {MF_BACKEND_AUTO, 1, 0, 0, 0, MF_DATAFLOW_AUTO, 0, NULL, NULL, MF_TRANSPORT_LOCAL, -1, -1, NULL, 0, 0, 0}
 
 /* What a process that runs virtual ranks of one GPU should set before its first CUDA call (the
  * library sets no environment variable; docs/API.md "Virtual ranks on one GPU"): one hardware

@@ -83,6 +83,8 @@ static inline int64_t mf__timeout_or_default(int64_t ms) { return ms ? ms : mf__
 #define MF__VEC_ELEMS_BF16 8      /* 16-byte rows: H and I multiples of 8 in BF16 */
 #define MF__ROW_ALIGN 16          /* row tensors' data pointers: 16-byte vector loads and stores */
 
+#define MF__META_WORDS 4        /* heap meta: T, map hash, prefetch count, weights count */
+
 /* Collective phases of the data path; each has its own column of epoch signals. (Setup
  * collectives, mf_comm_init and mf_moe_create, meet over the bootstrap instead.) */
 typedef enum mf__phase {
@@ -101,7 +103,9 @@ const char *mf__phase_name(int phase);
 
 /* ---- symmetric heap layout (identical on every rank; docs/DESIGN.md "Symmetric heap") -------------- */
 /* Every region is aligned to MF__HEAP_ALIGN:
- *   meta:     1 x int32              T of this rank's current call
+ *   meta:     4 x int32              T of this rank's current call; with balancing (P != E or B > 0)
+ *                                    also the expert map's hash, the layer's prefetch count and
+ *                                    weights count, which every rank checks are the same on all
  *   x:        S x H x (1 or 2) bytes published activations, FP8 (1 byte) or BF16 (2 bytes)
  *   scales:   S x H/128 x fp32       FP8 only: 1x128 activation scales
  *   ids:      S x K x int32          published topk_ids (-1 = skip)
@@ -114,6 +118,23 @@ typedef struct mf__heap_layout {
 } mf__heap_layout_t;
 
 void mf__heap_layout_init(mf__heap_layout_t *layout, const mf_moe_config_t *config);
+
+/* ---- spare slots (balancing): one symmetric allocation per layer with B > 0 ------------------ */
+/* B slots, each one expert's weights, every region aligned to MF__HEAP_ALIGN:
+ *   w13:  2I x H x (1 or 2) bytes     w13_scales: 2I/128 x H/128 x fp32 (FP8)
+ *   w2:   H x I x (1 or 2) bytes      w2_scales:  H/128 x I/128 x fp32 (FP8)
+ * Slot j of rank q is written by the rank that holds the expert's first static replica (a push:
+ * the caller's weights are not symmetric memory), read by q's expert compute. */
+typedef struct mf__spare_layout {
+    size_t w13, w13_scales, w2, w2_scales; /* offsets inside one slot */
+    size_t slot_bytes;                     /* stride between slots */
+    size_t copy_bytes;                     /* bytes of weights (+ scales) one replica moves */
+} mf__spare_layout_t;
+
+void mf__spare_layout_init(mf__spare_layout_t *layout, const mf_moe_config_t *config);
+
+/* FNV-1a of an expert map, as published in the heap meta. */
+uint32_t mf__map_hash(const int32_t *map, int32_t num_physical);
 
 /* ---- signals (every rank, one symmetric allocation; docs/DESIGN.md "Symmetric heap") ----------- */
 /* uint64 words:
@@ -197,15 +218,28 @@ struct mf_comm {
 
 struct mf_moe {
     mf_comm_t comm;
-    mf_moe_config_t config; /* with defaults resolved */
+    mf_moe_config_t config; /* with defaults resolved (num_physical_experts never 0) */
     mf_moe_info_t info;
     mf__heap_layout_t heap;
     int32_t weights_set;
     mf_moe_weights_t weights; /* borrowed */
     int32_t dispatch_T;       /* T of the dispatch whose combine is pending */
     uint32_t id;              /* the comm's layer number (the same on every rank): carried by syncs */
+    /* Balanced EP (docs/DESIGN.md "Balanced EP"). */
+    int32_t slots_per_rank;   /* Lp = P / R */
+    int32_t *expert_map;      /* [P] logical expert of each physical slot (identity by default) */
+    int32_t map_set;          /* 1 once mf_moe_set_expert_map succeeded (needed when P != E) */
+    uint32_t map_hash;        /* mf__map_hash(expert_map) */
+    uint32_t weights_count;   /* mf_moe_set_weights calls so far */
+    mf__sym_t spare;          /* B > 0: the spare slots of every rank (mf__spare_layout_t) */
+    mf__spare_layout_t spare_layout;
     void *backend_state;
 };
+
+/* 1 when the layer balances: replicas in the map (P != E), a non-identity map, or B > 0. */
+static inline int32_t mf__moe_balanced(const struct mf_moe *m) {
+    return m->config.num_physical_experts != m->config.num_experts || m->config.spare_slots > 0 || m->map_set;
+}
 
 /* ---- backend interface ------------------------------------------------------------------------ */
 /* Called by src/core after validation. Collective entries are entered by every rank. */
@@ -241,6 +275,10 @@ struct mf__backend_ops {
     void (*abort)(mf_comm_t comm);
     mf_result_t (*get_async_error)(mf_comm_t comm);
     mf_result_t (*get_phase_times)(mf_moe_t moe, mf_phase_times_t *times);
+    /* Balanced EP; NULL where the backend has none (core answers NOT_SUPPORTED). */
+    mf_result_t (*set_expert_map)(mf_moe_t moe); /* after moe->expert_map changed */
+    mf_result_t (*prefetch)(mf_moe_t moe, mf_stream_t stream);
+    mf_result_t (*get_balance_stats)(mf_moe_t moe, mf_moe_balance_stats_t *stats);
 };
 
 extern const mf__backend_ops_t mf__cpu_backend;

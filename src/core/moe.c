@@ -7,6 +7,7 @@
  * only the CPU backend can check here: topk_ids values, because they are host memory there; on
  * CUDA they are device memory and the kernels check them (docs/DESIGN.md "Bad input and faults").
  */
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -26,7 +27,7 @@ void mf__heap_layout_init(mf__heap_layout_t *h, const mf_moe_config_t *c) {
         h->field = off;                          \
         off = mf__align_up(off + (bytes), MF__HEAP_ALIGN); \
     } while (0)
-    MF__REGION(meta, sizeof(int32_t));
+    MF__REGION(meta, MF__META_WORDS * sizeof(int32_t));
     MF__REGION(x, S * H * x_elem);
     MF__REGION(scales, c->dtype == MF_DTYPE_FP8_E4M3 ? S * (H / MF__QUANT_BLOCK) * sizeof(float) : 0);
     MF__REGION(ids, S * K * sizeof(int32_t));
@@ -36,13 +37,35 @@ void mf__heap_layout_init(mf__heap_layout_t *h, const mf_moe_config_t *c) {
     h->bytes = off;
 }
 
+void mf__spare_layout_init(mf__spare_layout_t *l, const mf_moe_config_t *c) {
+    size_t H = (size_t)c->hidden, I = (size_t)c->intermediate, Q = MF__QUANT_BLOCK;
+    int fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
+    size_t esz = fp8 ? 1 : 2, off = 0;
+    size_t w13s = fp8 ? (2 * I / Q) * (H / Q) * sizeof(float) : 0, w2s = fp8 ? (H / Q) * (I / Q) * sizeof(float) : 0;
+    l->w13 = off, off = mf__align_up(off + 2 * I * H * esz, MF__HEAP_ALIGN);
+    l->w13_scales = off, off = mf__align_up(off + w13s, MF__HEAP_ALIGN);
+    l->w2 = off, off = mf__align_up(off + H * I * esz, MF__HEAP_ALIGN);
+    l->w2_scales = off, off = mf__align_up(off + w2s, MF__HEAP_ALIGN);
+    l->slot_bytes = off;
+    l->copy_bytes = 3 * I * H * esz + w13s + w2s;
+}
+
+uint32_t mf__map_hash(const int32_t *map, int32_t n) {
+    uint32_t h = 2166136261u;
+    for (int32_t i = 0; i < n; i++)
+        for (int b = 0; b < 4; b++) h = (h ^ (((uint32_t)map[i] >> (8 * b)) & 0xffu)) * 16777619u;
+    return h;
+}
+
 /* ---- creation ----------------------------------------------------------------------------- */
 
 /* Validates `in` and writes it with defaults resolved to `out`. */
 static mf_result_t mf__resolve_config(const mf_moe_config_t *in, int32_t R, mf_moe_config_t *out) {
     const char *fn = "mf_moe_create";
     mf_moe_config_t c;
-    MF_CHECK(mf__read_config(in, sizeof c, sizeof c, MF_MOE_CONFIG_MAGIC, fn, "MF_MOE_CONFIG_INIT", &c));
+    /* Configs made before num_physical_experts / spare_slots existed end at dataflow. */
+    MF_CHECK(mf__read_config(in, sizeof c, offsetof(mf_moe_config_t, num_physical_experts), MF_MOE_CONFIG_MAGIC, fn,
+                             "MF_MOE_CONFIG_INIT", &c));
     MF_REQUIRE(c.num_experts >= 1, "%s: num_experts (E) is %d, must be >= 1", fn, c.num_experts);
     MF_REQUIRE(c.num_experts % R == 0, "%s: num_experts (E = %d) must be a multiple of the ranks (R = %d)",
                fn, c.num_experts, R);
@@ -69,7 +92,15 @@ static mf_result_t mf__resolve_config(const mf_moe_config_t *in, int32_t R, mf_m
     MF_REQUIRE(c.dataflow >= MF_DATAFLOW_AUTO && c.dataflow <= MF_DATAFLOW_UNFUSED,
                "%s: dataflow %d is not an mf_dataflow_t", fn, c.dataflow);
 
-    int64_t L = c.num_experts / R, S = c.max_tokens_per_rank, K = c.num_topk;
+    if (!c.num_physical_experts) c.num_physical_experts = c.num_experts;
+    MF_REQUIRE(c.num_physical_experts >= c.num_experts && c.num_physical_experts % R == 0,
+               "%s: num_physical_experts (P = %d) must be >= num_experts (E = %d) and a multiple of the ranks (R = %d)",
+               fn, c.num_physical_experts, c.num_experts, R);
+    MF_REQUIRE(c.spare_slots >= 0 && c.spare_slots <= MF_MAX_SPARE_SLOTS, "%s: spare_slots (B = %d) is outside [0, %d]",
+               fn, c.spare_slots, MF_MAX_SPARE_SLOTS);
+
+    /* Expert slots of a rank: its P / R static ones and its B spare ones (L of them without balancing). */
+    int64_t L = c.num_physical_experts / R + c.spare_slots, S = c.max_tokens_per_rank, K = c.num_topk;
     if (!c.block_m) c.block_m = MF__DEFAULT_BLOCK_M;
     /* A token's ids are distinct, so an expert receives at most one row per token: R * S. */
     int64_t worst_per_expert = (int64_t)R * S;
@@ -157,6 +188,25 @@ mf_result_t mf_moe_create(mf_comm_t comm, const mf_moe_config_t *config, mf_moe_
     mf_moe_t m = mf__calloc(1, sizeof *m);
     res = m ? MF_SUCCESS : mf__error(MF_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
     if (res == MF_SUCCESS) {
+        m->expert_map = mf__malloc((size_t)c.num_physical_experts * sizeof(int32_t));
+        if (!m->expert_map) res = mf__error(MF_ERR_OUT_OF_MEMORY, "%s: out of host memory for the expert map", fn);
+    }
+    /* Spare slots: their own symmetric allocation (collective; every rank has the same B). */
+    mf__spare_layout_init(m ? &m->spare_layout : &(mf__spare_layout_t){0}, &c);
+    if (c.spare_slots > 0) {
+        mf_result_t agreed_mem = mf__agree(comm, res, fn);
+        if (agreed_mem == MF_SUCCESS)
+            agreed_mem = comm->tops->sym_alloc(comm, (size_t)c.spare_slots * m->spare_layout.slot_bytes, &m->spare);
+        if (agreed_mem != MF_SUCCESS) {
+            if (m) mf__free(m->expert_map);
+            mf__free(m);
+            return agreed_mem;
+        }
+    }
+    if (res == MF_SUCCESS) {
+        m->slots_per_rank = c.num_physical_experts / comm->num_ranks;
+        for (int32_t p = 0; p < c.num_physical_experts; p++) m->expert_map[p] = p % c.num_experts;
+        m->map_hash = mf__map_hash(m->expert_map, c.num_physical_experts);
         m->comm = comm;
         m->config = c;
         m->heap = heap;
@@ -174,6 +224,8 @@ mf_result_t mf_moe_create(mf_comm_t comm, const mf_moe_config_t *config, mf_moe_
     mf_result_t agreed = mf__agree(comm, res, fn);
     if (agreed != MF_SUCCESS) {
         if (m && res == MF_SUCCESS) comm->ops->moe_fini(m);
+        if (m && m->spare.local) comm->tops->sym_free(comm, &m->spare);
+        if (m) mf__free(m->expert_map);
         mf__free(m);
         return agreed;
     }
@@ -192,10 +244,20 @@ mf_result_t mf_moe_get_info(mf_moe_t moe, mf_moe_info_t *info) {
 mf_result_t mf_moe_destroy(mf_moe_t moe) {
     mf__clear_error();
     if (!moe) return MF_SUCCESS;
-    if (moe->comm->pending_dispatch == moe) moe->comm->pending_dispatch = NULL;
-    moe->comm->ops->moe_fini(moe);
+    mf_comm_t comm = moe->comm;
+    if (comm->pending_dispatch == moe) comm->pending_dispatch = NULL;
+    comm->ops->moe_fini(moe);
+    mf_result_t res = MF_SUCCESS;
+    if (moe->spare.local) {
+        /* Peers push into this rank's spare slots: they must all have stopped (a barrier over the
+         * bootstrap, skipped on a broken or aborted comm, whose peers are not waited for). */
+        if (!comm->broken && !__atomic_load_n(&comm->aborted, __ATOMIC_ACQUIRE) && !comm->bootstrap_failed)
+            res = mf__barrier(comm, "mf_moe_destroy (spare slots)");
+        comm->tops->sym_free(comm, &moe->spare);
+    }
+    mf__free(moe->expert_map);
     mf__free(moe);
-    return MF_SUCCESS;
+    return res;
 }
 
 /* ---- weights ------------------------------------------------------------------------------ */
@@ -204,7 +266,7 @@ mf_result_t mf_moe_set_weights(mf_moe_t moe, const mf_moe_weights_t *w) {
     mf__clear_error();
     MF_REQUIRE(moe && w, "mf_moe_set_weights: moe and weights must not be NULL");
     const mf_moe_config_t *c = &moe->config;
-    int64_t L = moe->info.num_local_experts, H = c->hidden, I = c->intermediate, B = MF__QUANT_BLOCK;
+    int64_t L = moe->slots_per_rank, H = c->hidden, I = c->intermediate, B = MF__QUANT_BLOCK;
     MF_CHECK(mf__check_tensor(&w->w13, "weights.w13", c->dtype, 3, MF__DIMS(L, 2 * I, H), 0));
     MF_CHECK(mf__check_tensor(&w->w2, "weights.w2", c->dtype, 3, MF__DIMS(L, H, I), 0));
     MF_CHECK(mf__check_rows16(&w->w13, "weights.w13"));
@@ -227,6 +289,83 @@ mf_result_t mf_moe_set_weights(mf_moe_t moe, const mf_moe_weights_t *w) {
             return res;
         }
     }
+    moe->weights_count++;
+    return MF_SUCCESS;
+}
+
+/* ---- balanced EP -------------------------------------------------------------------------- */
+
+mf_result_t mf_moe_set_expert_map(mf_moe_t moe, const int32_t *map, int32_t num_physical) {
+    const char *fn = "mf_moe_set_expert_map";
+    mf__clear_error();
+    MF_REQUIRE(moe && map, "%s: moe and phys_to_logical must not be NULL", fn);
+    const int32_t P = moe->config.num_physical_experts, E = moe->config.num_experts;
+    MF_REQUIRE(num_physical == P, "%s: num_physical = %d, the layer has num_physical_experts P = %d", fn,
+               num_physical, P);
+    int32_t *seen = mf__calloc((size_t)E, sizeof(int32_t));
+    if (!seen) return mf__error(MF_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
+    mf_result_t res = MF_SUCCESS;
+    for (int32_t p = 0; p < P && res == MF_SUCCESS; p++) {
+        if (map[p] < 0 || map[p] >= E)
+            res = mf__error(MF_ERR_INVALID_ARGUMENT,
+                            "%s: phys_to_logical[%d] = %d (slot %d of rank %d) is outside [0, E = %d); nothing was "
+                            "changed", fn, p, map[p], p % moe->slots_per_rank, p / moe->slots_per_rank, E);
+        else seen[map[p]]++;
+    }
+    for (int32_t e = 0; e < E && res == MF_SUCCESS; e++)
+        if (!seen[e])
+            res = mf__error(MF_ERR_INVALID_ARGUMENT,
+                            "%s: logical expert %d has no physical slot (every expert needs a replica); nothing "
+                            "was changed", fn, e);
+    mf__free(seen);
+    if (res != MF_SUCCESS) return res;
+    int32_t identity = P == E;
+    for (int32_t p = 0; p < P && identity; p++) identity = map[p] == p;
+    if (!moe->comm->ops->set_expert_map && !identity)
+        return mf__error(MF_ERR_NOT_SUPPORTED, "%s: the %s backend has no expert maps yet (only the identity)", fn,
+                         moe->comm->ops->name);
+    int32_t *saved = mf__malloc((size_t)P * sizeof(int32_t));
+    if (!saved) return mf__error(MF_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
+    memcpy(saved, moe->expert_map, (size_t)P * sizeof(int32_t));
+    memcpy(moe->expert_map, map, (size_t)P * sizeof(int32_t));
+    if (moe->comm->ops->set_expert_map && (res = moe->comm->ops->set_expert_map(moe)) != MF_SUCCESS)
+        memcpy(moe->expert_map, saved, (size_t)P * sizeof(int32_t));
+    mf__free(saved);
+    if (res != MF_SUCCESS) return res;
+    moe->map_set = 1;
+    moe->map_hash = mf__map_hash(moe->expert_map, P);
+    return MF_SUCCESS;
+}
+
+mf_result_t mf_moe_prefetch(mf_moe_t moe, mf_stream_t stream) {
+    const char *fn = "mf_moe_prefetch";
+    mf__clear_error();
+    MF_REQUIRE(moe, "%s: moe must not be NULL", fn);
+    MF_CHECK(mf__check_comm_usable(moe->comm, fn));
+    if (!moe->weights_set)
+        return mf__error(MF_ERR_INVALID_USAGE, "%s: weights are not set (call mf_moe_set_weights first)", fn);
+    if (moe->config.spare_slots == 0) return MF_SUCCESS;
+    if (!moe->comm->ops->prefetch)
+        return mf__error(MF_ERR_NOT_SUPPORTED, "%s: the %s backend has no per-step balancing yet", fn,
+                         moe->comm->ops->name);
+    return moe->comm->ops->prefetch(moe, stream);
+}
+
+mf_result_t mf_moe_get_balance_stats(mf_moe_t moe, mf_moe_balance_stats_t *stats) {
+    const char *fn = "mf_moe_get_balance_stats";
+    mf__clear_error();
+    MF_REQUIRE(moe && stats, "%s: moe and stats must not be NULL", fn);
+    MF_REQUIRE(stats->size >= sizeof(uint32_t) && stats->size <= sizeof(mf_moe_balance_stats_t),
+               "%s: stats->size = %u is outside [4, %zu]; set it to sizeof(mf_moe_balance_stats_t)", fn, stats->size,
+               sizeof(mf_moe_balance_stats_t));
+    mf_moe_balance_stats_t s;
+    memset(&s, 0, sizeof s);
+    s.size = stats->size;
+    s.num_physical_experts = moe->config.num_physical_experts;
+    s.slots_per_rank = moe->slots_per_rank;
+    s.spare_slots = moe->config.spare_slots;
+    if (moe->comm->ops->get_balance_stats) MF_CHECK(moe->comm->ops->get_balance_stats(moe, &s));
+    memcpy(stats, &s, stats->size);
     return MF_SUCCESS;
 }
 
@@ -278,7 +417,11 @@ static mf_result_t mf__check_forward(mf_moe_t moe, const mf_moe_forward_in_t *in
         return mf__error(MF_ERR_INVALID_USAGE, "%s: weights are not set (call mf_moe_set_weights first)", fn);
     if (moe->comm->pending_dispatch)
         return mf__error(MF_ERR_INVALID_USAGE, "%s: an mf_dispatch on this comm awaits its mf_combine", fn);
-    int64_t T;
+    if (moe->config.num_physical_experts != moe->config.num_experts && !moe->map_set)
+        return mf__error(MF_ERR_INVALID_USAGE,
+                         "%s: the layer has P = %d physical experts for E = %d: set its expert map first "
+                         "(mf_moe_set_expert_map)", fn, moe->config.num_physical_experts, moe->config.num_experts);
+    int64_t T = 0;
     MF_CHECK(mf__check_tokens(moe, &in->x, &in->topk_ids, fn, &T));
     const mf_moe_config_t *c = &moe->config;
     MF_CHECK(mf__check_tensor(&in->topk_weights, "mf_moe_forward topk_weights", MF_DTYPE_FP32, 2,
@@ -304,7 +447,11 @@ static mf_result_t mf__check_dispatch(mf_moe_t moe, const mf_dispatch_in_t *in, 
     if (moe->comm->pending_dispatch)
         return mf__error(MF_ERR_INVALID_USAGE,
                          "%s: the previous mf_dispatch on this comm has not been combined yet", fn);
-    int64_t T;
+    if (mf__moe_balanced(moe))
+        return mf__error(MF_ERR_NOT_SUPPORTED,
+                         "%s: a layer with replicas, an expert map or spare slots runs mf_moe_forward only (the "
+                         "communication-only calls do not return replica slots yet)", fn);
+    int64_t T = 0;
     MF_CHECK(mf__check_tokens(moe, &in->x, &in->topk_ids, fn, &T));
     const mf_moe_config_t *c = &moe->config;
     int64_t L = moe->info.num_local_experts, H = c->hidden, B = MF__QUANT_BLOCK;

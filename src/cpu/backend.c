@@ -14,6 +14,13 @@
  * which every peer reaches only after it finished reading the publications of call n; a peer
  * writes my combine slots for call n+1 only after the DISPATCH wait of n+1, which I reach only
  * after summing call n. mf_dispatch / mf_combine follow the same two phases.
+ *
+ * Balanced EP (docs/DESIGN.md "Balanced EP"): the plan's units are slots (Lp static, B spare); a
+ * static slot's weights are the caller's, a spare slot's are in the layer's spare allocation.
+ * mf_moe_prefetch, between forward n and n+1, pushes experts into peers' spare slots. No extra
+ * synchronisation: a peer read its spare slots of call n before its COMBINE arrival of n, which
+ * this rank waited for before returning from forward n; it reads them again for n + 1 only after
+ * the DISPATCH wait of n + 1, which this rank reaches only after its prefetch.
  */
 #include <string.h>
 #include <time.h>
@@ -21,6 +28,7 @@
 #include "core/numerics.h"
 #include "core/quant.h"
 #include "cpu/gemm.h"
+#include "plan/balance.h"
 #include "plan/plan.h"
 #include "cpu/sync.h"
 
@@ -37,6 +45,15 @@ typedef struct mf__cpu_moe {
     uint16_t *part;     /* [H] one W2 partial rounded to BF16 */
     float *acc;         /* [H] combine accumulator */
     mf_phase_times_t times;
+    /* Balanced EP. */
+    int32_t *resident;      /* [R * B] expert in each rank's spare slot j (-1 = empty); all ranks alike */
+    int32_t *next;          /* [R * B] scratch: the table a prefetch computes */
+    int32_t *prev_counts;   /* [E] global counts of the last successful forward */
+    int32_t have_prev;
+    uint32_t prefetches;    /* mf_moe_prefetch calls so far (published, checked equal) */
+    uint32_t weights_seen;  /* moe->weights_count when `resident` was last valid */
+    int64_t recv_rows[MF_MAX_RANKS], home_rows[MF_MAX_RANKS];
+    int64_t prefetch_bytes, prefetch_bytes_all;
 } mf__cpu_moe_t;
 
 static double mf__now_us(void) {
@@ -101,6 +118,9 @@ static void mf__cpu_moe_fini(mf_moe_t moe) {
     mf__free(s->hq);
     mf__free(s->part);
     mf__free(s->acc);
+    mf__free(s->resident);
+    mf__free(s->next);
+    mf__free(s->prev_counts);
     mf__free(s);
     moe->backend_state = NULL;
 }
@@ -116,7 +136,7 @@ static mf_result_t mf__cpu_moe_init(mf_moe_t moe) {
         return res;
     }
     int64_t H = c->hidden, I = c->intermediate, KMAX = H > I ? H : I, NMAX = 2 * I > H ? 2 * I : H;
-    int64_t rows = c->layout == MF_LAYOUT_MASKED ? (int64_t)moe->info.num_local_experts * c->expert_capacity
+    int64_t rows = c->layout == MF_LAYOUT_MASKED ? (int64_t)s->plan.num_local * c->expert_capacity
                                                  : c->max_recv_rows;
     int fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
     s->recv_x = mf__malloc((size_t)(rows * H) * (fp8 ? 1 : 2));
@@ -127,8 +147,13 @@ static mf_result_t mf__cpu_moe_init(mf_moe_t moe) {
     s->hq = mf__malloc((size_t)(MF__CPU_ROWS * I));
     s->part = mf__malloc((size_t)H * sizeof(uint16_t));
     s->acc = mf__malloc((size_t)H * sizeof(float));
+    size_t RB = (size_t)moe->info.num_ranks * (size_t)c->spare_slots;
+    s->resident = mf__malloc((RB ? RB : 1) * sizeof(int32_t));
+    s->next = mf__malloc((RB ? RB : 1) * sizeof(int32_t));
+    s->prev_counts = mf__calloc((size_t)c->num_experts, sizeof(int32_t));
+    for (size_t i = 0; s->resident && i < RB; i++) s->resident[i] = -1;
     if (!s->recv_x || (fp8 && !s->recv_scales) || !s->a || !s->a_scales || !s->c || !s->hq || !s->part ||
-        !s->acc) {
+        !s->acc || !s->resident || !s->next || !s->prev_counts) {
         mf__cpu_moe_fini(moe);
         return mf__error(MF_ERR_OUT_OF_MEMORY, "cpu backend: out of host memory for a %lld-row receive buffer",
                          (long long)rows);
@@ -147,7 +172,12 @@ static void mf__cpu_publish(mf_moe_t moe, const mf_tensor_t *x, const mf_tensor_
     const mf_moe_config_t *c = &moe->config;
     int32_t r = moe->comm->rank, T = (int32_t)x->dims[0], K = c->num_topk;
     int64_t H = c->hidden;
-    *(int32_t *)mf__heap(moe, r, moe->heap.meta) = T;
+    mf__cpu_moe_t *st = moe->backend_state;
+    int32_t *meta = (int32_t *)mf__heap(moe, r, moe->heap.meta);
+    meta[0] = T;
+    meta[1] = (int32_t)moe->map_hash;
+    meta[2] = (int32_t)st->prefetches;
+    meta[3] = (int32_t)moe->weights_count;
     const uint16_t *xs = (const uint16_t *)x->data;
     if (c->dtype == MF_DTYPE_FP8_E4M3) {
         uint8_t *q = mf__heap(moe, r, moe->heap.x);
@@ -178,7 +208,31 @@ static mf_result_t mf__cpu_exchange_and_plan(mf_moe_t moe) {
         T[r] = *(const int32_t *)mf__heap(moe, r, moe->heap.meta);
         ids[r] = (const int32_t *)mf__heap(moe, r, moe->heap.ids);
     }
-    mf_result_t res = mf__plan_build(&s->plan, moe->config.num_topk, ids, T);
+    /* Every rank must run the same map, have made the same prefetches and weight settings (the
+     * spare table is a function of them); all read the same metas, so all reach one verdict. */
+    mf_result_t res = MF_SUCCESS;
+    const int32_t *meta0 = (const int32_t *)mf__heap(moe, 0, moe->heap.meta);
+    static const char *const what[MF__META_WORDS] = {"", "expert map (mf_moe_set_expert_map)",
+                                                     "mf_moe_prefetch calls", "mf_moe_set_weights calls"};
+    for (int32_t r = 1; r < R && res == MF_SUCCESS; r++) {
+        const int32_t *meta = (const int32_t *)mf__heap(moe, r, moe->heap.meta);
+        for (int32_t w = 1; w < MF__META_WORDS && res == MF_SUCCESS; w++)
+            if (meta[w] != meta0[w] && (w != 3 || moe->config.spare_slots > 0))
+                res = mf__error(MF_ERR_INVALID_USAGE,
+                                "mf_moe_forward: rank %d and rank 0 differ in their %s (0x%x and 0x%x); every rank "
+                                "makes the same balancing calls; nothing was written", r, what[w], (unsigned)meta[w],
+                                (unsigned)meta0[w]);
+    }
+    if (res == MF_SUCCESS) {
+        const int32_t *spare = moe->config.spare_slots && s->weights_seen == moe->weights_count ? s->resident : NULL;
+        res = mf__plan_build(&s->plan, moe->config.num_topk, ids, T, moe->expert_map, spare);
+    }
+    if (res == MF_SUCCESS) {
+        memcpy(s->prev_counts, s->plan.global_counts, (size_t)moe->config.num_experts * sizeof(int32_t));
+        s->have_prev = 1;
+        memcpy(s->recv_rows, s->plan.load, sizeof s->recv_rows);
+        memcpy(s->home_rows, s->plan.home_load, sizeof s->home_rows);
+    }
     if (res != MF_SUCCESS) {
         char why[512];
         strncpy(why, mf_last_error(), sizeof why - 1);
@@ -293,13 +347,22 @@ static void mf__cpu_experts(mf_moe_t moe, double *t_w13, double *t_w2) {
     int64_t H = c->hidden, I = c->intermediate;
     int fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
     size_t esz = fp8 ? 1 : 2;
-    for (int32_t e = 0; e < p->num_local; e++) {
-        mf__cpu_weight_t w13 = {(const uint8_t *)w->w13.data + (size_t)e * 2 * I * H * esz,
-                                fp8 ? (const float *)w->w13_scales.data + (size_t)e * (2 * I / MF__QUANT_BLOCK) * (H / MF__QUANT_BLOCK) : NULL,
-                                fp8};
-        mf__cpu_weight_t w2 = {(const uint8_t *)w->w2.data + (size_t)e * H * I * esz,
-                               fp8 ? (const float *)w->w2_scales.data + (size_t)e * (H / MF__QUANT_BLOCK) * (I / MF__QUANT_BLOCK) : NULL,
-                               fp8};
+    for (int32_t e = 0; e < p->num_local; e++) { /* e: a slot, static (the caller's) or spare (ours) */
+        if (!p->counts[e]) continue;
+        mf__cpu_weight_t w13, w2;
+        if (e < p->slots_per_rank) {
+            w13 = (mf__cpu_weight_t){(const uint8_t *)w->w13.data + (size_t)e * 2 * I * H * esz,
+                                     fp8 ? (const float *)w->w13_scales.data + (size_t)e * (2 * I / MF__QUANT_BLOCK) * (H / MF__QUANT_BLOCK) : NULL,
+                                     fp8};
+            w2 = (mf__cpu_weight_t){(const uint8_t *)w->w2.data + (size_t)e * H * I * esz,
+                                    fp8 ? (const float *)w->w2_scales.data + (size_t)e * (H / MF__QUANT_BLOCK) * (I / MF__QUANT_BLOCK) : NULL,
+                                    fp8};
+        } else {
+            const mf__spare_layout_t *sl = &moe->spare_layout;
+            const uint8_t *slot = (const uint8_t *)moe->spare.local + (size_t)(e - p->slots_per_rank) * sl->slot_bytes;
+            w13 = (mf__cpu_weight_t){slot + sl->w13, fp8 ? (const float *)(slot + sl->w13_scales) : NULL, fp8};
+            w2 = (mf__cpu_weight_t){slot + sl->w2, fp8 ? (const float *)(slot + sl->w2_scales) : NULL, fp8};
+        }
         for (int64_t j = 0; j < p->counts[e]; j += MF__CPU_ROWS) {
             int64_t m = p->counts[e] - j < MF__CPU_ROWS ? p->counts[e] - j : MF__CPU_ROWS;
             int64_t row = mf__plan_row(p, e, (int32_t)j);
@@ -388,6 +451,77 @@ static mf_result_t mf__cpu_reject(mf_moe_t moe, uint32_t phases, mf_result_t cod
     return res; /* a timeout or an abort says more than the rejection */
 }
 
+/* ---- balanced EP: the per-step prefetch ------------------------------------------------------ */
+
+/* Copies the weights (+ scales) of this rank's static slot `l` into spare slot j of rank q. */
+static void mf__cpu_push_expert(mf_moe_t moe, int32_t l, int32_t q, int32_t j) {
+    const mf_moe_config_t *c = &moe->config;
+    const mf__spare_layout_t *sl = &moe->spare_layout;
+    const mf_moe_weights_t *w = &moe->weights;
+    size_t H = (size_t)c->hidden, I = (size_t)c->intermediate, Q = MF__QUANT_BLOCK;
+    int fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
+    size_t esz = fp8 ? 1 : 2, w13s = (2 * I / Q) * (H / Q) * sizeof(float), w2s = (H / Q) * (I / Q) * sizeof(float);
+    uint8_t *slot = (uint8_t *)moe->spare.peers[q] + (size_t)j * sl->slot_bytes;
+    memcpy(slot + sl->w13, (const uint8_t *)w->w13.data + (size_t)l * 2 * I * H * esz, 2 * I * H * esz);
+    memcpy(slot + sl->w2, (const uint8_t *)w->w2.data + (size_t)l * H * I * esz, H * I * esz);
+    if (fp8) {
+        memcpy(slot + sl->w13_scales, (const uint8_t *)w->w13_scales.data + (size_t)l * w13s, w13s);
+        memcpy(slot + sl->w2_scales, (const uint8_t *)w->w2_scales.data + (size_t)l * w2s, w2s);
+    }
+}
+
+/* Every rank computes the same next table from the last forward's counts; the rank holding an
+ * expert's first static replica pushes it into each spare slot that does not hold it yet. */
+static mf_result_t mf__cpu_prefetch(mf_moe_t moe, mf_stream_t stream) {
+    (void)stream;
+    mf__cpu_moe_t *s = moe->backend_state;
+    mf__plan_t *p = &s->plan;
+    const mf_moe_config_t *c = &moe->config;
+    int32_t R = moe->info.num_ranks, B = c->spare_slots, E = c->num_experts, P = c->num_physical_experts;
+    int32_t Lp = moe->slots_per_rank, me = moe->info.rank;
+    if (s->weights_seen != moe->weights_count) { /* new weights: every spare copy is stale */
+        for (int32_t i = 0; i < R * B; i++) s->resident[i] = -1;
+        s->weights_seen = moe->weights_count;
+    }
+    /* The planner's scratch is the plan's replica arrays (rebuilt by every forward). */
+    if (s->have_prev)
+        mf__balance_pick(E, R, P, B, s->prev_counts, moe->expert_map, s->resident, s->next, p->rep_off, p->rep_rank,
+                         p->rep_slot, p->share, p->load, p->scratch);
+    else
+        for (int32_t i = 0; i < R * B; i++) s->next[i] = s->resident[i];
+    s->prefetch_bytes = s->prefetch_bytes_all = 0;
+    for (int32_t i = 0; i < R * B; i++) {
+        int32_t e = s->next[i];
+        if (e < 0 || e == s->resident[i]) continue;
+        int32_t src = 0;
+        while (moe->expert_map[src] != e) src++; /* the first static replica (every expert has one) */
+        s->prefetch_bytes_all += (int64_t)moe->spare_layout.copy_bytes;
+        if (src / Lp != me) continue;
+        mf__cpu_push_expert(moe, src % Lp, i / B, i % B);
+        s->prefetch_bytes += (int64_t)moe->spare_layout.copy_bytes;
+    }
+    memcpy(s->resident, s->next, (size_t)R * B * sizeof(int32_t));
+    s->prefetches++;
+    return MF_SUCCESS;
+}
+
+static mf_result_t mf__cpu_set_expert_map(mf_moe_t moe) {
+    (void)moe; /* the CPU plan reads moe->expert_map at every forward */
+    return MF_SUCCESS;
+}
+
+static mf_result_t mf__cpu_get_balance_stats(mf_moe_t moe, mf_moe_balance_stats_t *st) {
+    mf__cpu_moe_t *s = moe->backend_state;
+    int32_t RB = moe->info.num_ranks * moe->config.spare_slots;
+    memcpy(st->recv_rows, s->recv_rows, sizeof st->recv_rows);
+    memcpy(st->home_rows, s->home_rows, sizeof st->home_rows);
+    st->prefetch_bytes = s->prefetch_bytes;
+    st->prefetch_bytes_all = s->prefetch_bytes_all;
+    st->spare_resident = 0;
+    for (int32_t i = 0; i < RB; i++) st->spare_resident += s->resident[i] >= 0;
+    return MF_SUCCESS;
+}
+
 const mf__backend_ops_t mf__cpu_backend = {
     .name = "cpu",
     .available = mf__cpu_available,
@@ -406,4 +540,7 @@ const mf__backend_ops_t mf__cpu_backend = {
     .abort = mf__cpu_abort,
     .get_async_error = mf__cpu_get_async_error,
     .get_phase_times = mf__cpu_get_phase_times,
+    .set_expert_map = mf__cpu_set_expert_map,
+    .prefetch = mf__cpu_prefetch,
+    .get_balance_stats = mf__cpu_get_balance_stats,
 };

@@ -388,6 +388,12 @@ static int32_t mf__cuda_dataflow(mf_moe_t moe, int32_t T) {
 
 static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
     const mf_moe_config_t *c = &moe->config;
+    /* Balanced EP (docs/DESIGN.md "Balanced EP") is built on the CPU backend first; the CUDA plan,
+     * the spare-slot GEMM operands and the prefetch kernel are phase 2 (docs/DECISIONS.md). */
+    if (c->num_physical_experts != c->num_experts || c->spare_slots > 0)
+        return mf__error(MF_ERR_NOT_SUPPORTED,
+                         "mf_moe_create: the cuda backend has no replicas or spare slots yet (num_physical_experts "
+                         "= %d, E = %d, spare_slots = %d)", c->num_physical_experts, c->num_experts, c->spare_slots);
     MF_CUDA_CHECK(cudaSetDevice(moe->comm->device));
     mf__cuda_moe_t *s = (mf__cuda_moe_t *)mf__calloc(1, sizeof *s);
     if (!s) return mf__error(MF_ERR_OUT_OF_MEMORY, "cuda backend: out of host memory");

@@ -1,0 +1,180 @@
+/*
+ * balance.h — the balancing planner (docs/DESIGN.md "Balanced EP"): plain C, header-only, the same
+ * code on the host (CPU backend, the CLI's model, the CUDA backend's oracle) and on the device (one
+ * thread of the CUDA plan kernel, compiled by nvcc through MF_HD). No allocation, no libc: every
+ * array is the caller's, sized as each function says.
+ *
+ * Words. A *logical* expert is a routing id, e in [0, E). A *physical slot* holds the weights of one
+ * logical expert: the P static slots of the expert map (slot p on rank p / Lp, Lp = P / R) and the
+ * R * B spare slots (spare j of rank q holds spare[q * B + j], or -1). A *replica* is a slot
+ * holding e. Replicas are listed per expert in CSR form (rep_off[E + 1]), static slots in physical
+ * order, then spare slots in (rank, j) order; a replica is named by its rank and local slot (static
+ * l in [0, Lp), spare Lp + j).
+ *
+ * The three steps, all deterministic functions of their inputs (every rank computes the same):
+ *   mf__balance_replicas  map + spare table -> replica lists
+ *   mf__balance_split     global counts [E] + replica lists -> rows of every replica (share) and
+ *                         rows per rank: experts with one replica give it all; the others, in
+ *                         order of descending count (then ascending id), water-fill their
+ *                         replicas' ranks towards an equal level (ties to the earlier replica).
+ *                         Replica i of e takes e's global rows [begin_i, begin_i + share_i), in
+ *                         e's row order (source rank, token, k) and in replica order.
+ *   mf__balance_pick      the previous call's counts + map + resident spares -> the next spare
+ *                         table: R * B times, the busiest rank's largest share gets a new replica
+ *                         on the least loaded rank with a free spare slot (none there yet), while
+ *                         that lowers the busiest rank; then each rank's chosen experts keep the
+ *                         slots they already occupy, so that a steady routing copies nothing.
+ *
+ * Dimension legend: E logical experts, R ranks, P physical slots (P % R == 0), Lp = P / R, B spare
+ * slots per rank, N = P + R * B replica entries at most.
+ */
+#ifndef MF_PLAN_BALANCE_H
+#define MF_PLAN_BALANCE_H
+
+#include <stdint.h>
+
+#include "core/numerics.h" /* MF_HD: static inline on the host, __host__ __device__ under nvcc */
+
+/* Builds the replica lists. map [P] (values in [0, E), validated by the caller), spare [R * B]
+ * (-1 = empty) or NULL when B = 0. Out: rep_off [E + 1], rep_rank [N], rep_slot [N]; count [E]
+ * scratch. Returns the number of replicas. */
+MF_HD int32_t mf__balance_replicas(int32_t E, int32_t R, int32_t P, int32_t B, const int32_t *map,
+                                          const int32_t *spare, int32_t *rep_off, int32_t *rep_rank,
+                                          int32_t *rep_slot, int32_t *count) {
+    const int32_t Lp = P / R;
+    for (int32_t e = 0; e < E; e++) count[e] = 0;
+    for (int32_t p = 0; p < P; p++) count[map[p]]++;
+    for (int32_t i = 0; spare && i < R * B; i++)
+        if (spare[i] >= 0) count[spare[i]]++;
+    rep_off[0] = 0;
+    for (int32_t e = 0; e < E; e++) rep_off[e + 1] = rep_off[e] + count[e], count[e] = rep_off[e];
+    for (int32_t p = 0; p < P; p++) {
+        int32_t at = count[map[p]]++;
+        rep_rank[at] = p / Lp, rep_slot[at] = p % Lp;
+    }
+    for (int32_t i = 0; spare && i < R * B; i++)
+        if (spare[i] >= 0) {
+            int32_t at = count[spare[i]]++;
+            rep_rank[at] = i / B, rep_slot[at] = Lp + i % B;
+        }
+    return rep_off[E];
+}
+
+/* Water-fills `rows` over the replicas [a, b) of one expert: share[i] so that the loads of their
+ * ranks rise towards one level (a rank holding two replicas counts once per replica, seeing the
+ * load as it rises). Adds the shares to load [R]. */
+MF_HD void mf__balance_fill(int64_t rows, int32_t a, int32_t b, const int32_t *rep_rank, int32_t *share,
+                                   int64_t *load) {
+    if (b - a == 1) {
+        share[a] = (int32_t)rows;
+        load[rep_rank[a]] += rows;
+        return;
+    }
+    /* The smallest level lv with f(lv) = sum max(0, lv - load) >= rows, by bisection. */
+    int64_t lo = load[rep_rank[a]];
+    for (int32_t i = a; i < b; i++) lo = load[rep_rank[i]] < lo ? load[rep_rank[i]] : lo;
+    int64_t hi = lo + rows;
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo) / 2, f = 0;
+        for (int32_t i = a; i < b; i++) f += mid > load[rep_rank[i]] ? mid - load[rep_rank[i]] : 0;
+        if (f >= rows) hi = mid;
+        else lo = mid + 1;
+    }
+    /* Fill to lv - 1, then one more row each to the earliest replicas standing at lv - 1. */
+    int64_t left = rows;
+    for (int32_t i = a; i < b; i++) {
+        int64_t l = load[rep_rank[i]];
+        share[i] = (int32_t)(lo - 1 > l ? lo - 1 - l : 0);
+        left -= share[i];
+    }
+    for (int32_t i = a; i < b && left > 0; i++)
+        if (load[rep_rank[i]] + share[i] == lo - 1) share[i]++, left--;
+    for (int32_t i = a; i < b; i++) load[rep_rank[i]] += share[i];
+}
+
+/* Splits every expert's rows over its replicas. counts [E]; rep_* from mf__balance_replicas.
+ * Out: share [N] rows of each replica; load [R] rows per rank. order [E] scratch. */
+MF_HD void mf__balance_split(int32_t E, int32_t R, const int32_t *counts, const int32_t *rep_off,
+                                    const int32_t *rep_rank, int32_t *share, int64_t *load, int32_t *order) {
+    for (int32_t r = 0; r < R; r++) load[r] = 0;
+    int32_t m = 0;
+    for (int32_t e = 0; e < E; e++) {
+        if (rep_off[e + 1] - rep_off[e] == 1) mf__balance_fill(counts[e], rep_off[e], rep_off[e] + 1, rep_rank, share, load);
+        else order[m++] = e;
+    }
+    /* Replicated experts by descending count, then ascending id (insertion sort: m is small). */
+    for (int32_t i = 1; i < m; i++) {
+        int32_t e = order[i], j = i;
+        while (j > 0 && (counts[order[j - 1]] < counts[e] || (counts[order[j - 1]] == counts[e] && order[j - 1] > e)))
+            order[j] = order[j - 1], j--;
+        order[j] = e;
+    }
+    for (int32_t i = 0; i < m; i++) mf__balance_fill(counts[order[i]], rep_off[order[i]], rep_off[order[i] + 1], rep_rank, share, load);
+}
+
+/* The next spare table. counts [E] (the previous call's), map [P], resident [R * B] (the table now,
+ * -1 = empty). Out: spare [R * B]. Scratch: rep_off [E + 1], rep_rank [N], rep_slot [N], share [N],
+ * load [R], iscratch [E + R * B]. */
+MF_HD void mf__balance_pick(int32_t E, int32_t R, int32_t P, int32_t B, const int32_t *counts,
+                                   const int32_t *map, const int32_t *resident, int32_t *spare, int32_t *rep_off,
+                                   int32_t *rep_rank, int32_t *rep_slot, int32_t *share, int64_t *load,
+                                   int32_t *iscratch) {
+    const int32_t RB = R * B;
+    int32_t *chosen = iscratch + E; /* [R * B]: expert per (rank, n-th pick on the rank), unordered */
+    int32_t *order = iscratch;      /* [E] */
+    for (int32_t i = 0; i < RB; i++) spare[i] = -1, chosen[i] = -1;
+    if (B == 0) return;
+    mf__balance_replicas(E, R, P, 0, map, (const int32_t *)0, rep_off, rep_rank, rep_slot, order);
+    mf__balance_split(E, R, counts, rep_off, rep_rank, share, load, order);
+    for (int32_t it = 0; it < RB; it++) {
+        int32_t q = 0;
+        for (int32_t r = 1; r < R; r++) q = load[r] > load[q] ? r : q;
+        /* The expert with the largest share on q (ties: lowest id). */
+        int32_t best = -1;
+        int64_t best_rows = 0;
+        for (int32_t e = 0; e < E; e++) {
+            int64_t on_q = 0;
+            for (int32_t i = rep_off[e]; i < rep_off[e + 1]; i++) on_q += rep_rank[i] == q ? share[i] : 0;
+            if (on_q > best_rows) best = e, best_rows = on_q;
+        }
+        if (best < 0) break;
+        /* The least loaded rank with a free spare slot and no replica of `best` (ties: lowest). */
+        int32_t d = -1;
+        for (int32_t r = 0; r < R; r++) {
+            int32_t used = 0, has = 0;
+            for (int32_t n = 0; n < B; n++) used += chosen[r * B + n] >= 0, has |= chosen[r * B + n] == best;
+            for (int32_t i = rep_off[best]; i < rep_off[best + 1] && !has; i++) has = rep_rank[i] == r;
+            if (used < B && !has && (d < 0 || load[r] < load[d])) d = r;
+        }
+        if (d < 0 || load[d] + 1 >= load[q]) break; /* no move lowers the busiest rank */
+        int32_t n = 0;
+        while (chosen[d * B + n] >= 0) n++;
+        chosen[d * B + n] = best;
+        /* Re-split with the new replica: the lists are rebuilt from the map and the picks so far
+         * (R * B is small) and the loads recomputed, so the estimate is the split a forward with
+         * this table would make on these counts. */
+        mf__balance_replicas(E, R, P, B, map, chosen, rep_off, rep_rank, rep_slot, order);
+        mf__balance_split(E, R, counts, rep_off, rep_rank, share, load, order);
+    }
+    /* Slots: a chosen expert stays where it is resident; the others take the free slots in order. */
+    for (int32_t r = 0; r < R; r++) {
+        for (int32_t n = 0; n < B; n++) {
+            int32_t e = chosen[r * B + n];
+            if (e < 0) continue;
+            for (int32_t j = 0; j < B; j++)
+                if (resident && resident[r * B + j] == e && spare[r * B + j] < 0) {
+                    spare[r * B + j] = e, chosen[r * B + n] = -1;
+                    break;
+                }
+        }
+        for (int32_t n = 0; n < B; n++) {
+            int32_t e = chosen[r * B + n];
+            if (e < 0) continue;
+            int32_t j = 0;
+            while (spare[r * B + j] >= 0) j++;
+            spare[r * B + j] = e;
+        }
+    }
+}
+
+#endif /* MF_PLAN_BALANCE_H */
