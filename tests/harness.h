@@ -35,6 +35,7 @@ extern const mft_test_t mft_tests_plan[]; /* tests/test_plan.c (internal routing
 extern const mft_test_t mft_tests_transport[]; /* tests/test_transport.c (ranks as processes) */
 extern const mft_test_t mft_tests_rendezvous[]; /* tests/test_rendezvous.c (processes) */
 extern const mft_test_t mft_tests_random[]; /* tests/test_random.c (random layer cases) */
+extern const mft_test_t mft_tests_balance[]; /* tests/test_balance.c (balanced EP) */
 extern const mft_test_t mft_tests_cuda[]; /* tests/gpu/test_cuda.c (the CUDA suite) */
 extern const mft_test_t mft_tests_cuda_transport[]; /* tests/gpu/test_transport.c (ranks as processes) */
 

@@ -46,6 +46,7 @@ static const mft_test_t *const mft_tables[] = {
     mft_tests_transport,
     mft_tests_rendezvous,
     mft_tests_random,
+    mft_tests_balance,
     NULL,
 };
 #endif

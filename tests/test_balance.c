@@ -1,0 +1,393 @@
+/*
+ * test_balance.c — balanced EP on the CPU backend (docs/DESIGN.md "Balanced EP"): the planner of
+ * src/plan/balance.h on its own, then whole layers through the public API.
+ *
+ * The contract under test: whatever the expert map (replicas, permutations) and whatever the spare
+ * slots hold, y is bit-identical to the same layer without replicas (the per-row expert
+ * computation does not depend on the other rows, and the combine sums k ascending); balancing
+ * lowers the busiest rank's rows; a bad map is rejected with a clear error and changes nothing;
+ * ranks that disagree about the map or the prefetches all fail the call together.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "harness.h"
+#include "plan/balance.h"
+#include "problem.h"
+
+#define BAL_TIMEOUT_MS 20000
+
+static mfp_spec_t bal_spec(int32_t R, int32_t dtype, int32_t layout, int32_t routing, uint64_t seed) {
+    mfp_spec_t s;
+    memset(&s, 0, sizeof s);
+    s.R = R, s.E = 4 * R, s.K = 3, s.H = 256, s.I = 128, s.S = 12, s.T_per_rank = 12;
+    s.dtype = dtype, s.layout = layout, s.routing = routing, s.zipf_s = 1.2, s.hot_expert = 1, s.seed = seed;
+    return s;
+}
+
+/* A map of P slots: every logical expert once (permuted), then P - E extra replicas of random
+ * experts, the whole shuffled, from `seed`. */
+static void random_map(int32_t E, int32_t P, uint64_t seed, int32_t *map) {
+    mft_rng_t rng = {seed};
+    for (int32_t p = 0; p < P; p++) map[p] = p < E ? p : mft_rng_int(&rng, E);
+    for (int32_t p = P - 1; p > 0; p--) {
+        int32_t j = mft_rng_int(&rng, p + 1), t = map[p];
+        map[p] = map[j], map[j] = t;
+    }
+}
+
+static int64_t max_of(const int64_t *v, int32_t n) {
+    int64_t m = 0;
+    for (int32_t i = 0; i < n; i++) m = v[i] > m ? v[i] : m;
+    return m;
+}
+
+/* ---- the planner alone -------------------------------------------------------------------- */
+
+/* Shares sum to each expert's count, loads to the total; with one replica per expert the loads are
+ * the home loads; replicas water-fill (the loads of an expert's replica ranks end within one row
+ * of each other, or the lighter ones got nothing); the pick lowers the busiest rank and keeps a
+ * steady table in place. */
+static int test_planner(void) {
+    enum { E = 64, R = 8, B = 2, P = E };
+    int32_t counts[E], map[P], spare[R * B], again[R * B];
+    int32_t rep_off[E + 1], rep_rank[P + R * B], rep_slot[P + R * B], share[P + R * B], scratch[E + R * B];
+    int64_t load[R], home[R];
+    mft_rng_t rng = {7};
+    for (int32_t e = 0; e < E; e++) counts[e] = mft_rng_int(&rng, 40) + (e == 5 ? 900 : 0) + (e == 9 ? 500 : 0);
+    for (int32_t p = 0; p < P; p++) map[p] = p;
+    int32_t n = mf__balance_replicas(E, R, P, 0, map, NULL, rep_off, rep_rank, rep_slot, scratch);
+    MFT_CHECK_EQ_INT(n, P);
+    mf__balance_split(E, R, counts, rep_off, rep_rank, share, home, scratch);
+    int64_t total = 0;
+    for (int32_t r = 0; r < R; r++) total += home[r];
+    for (int32_t e = 0; e < E; e++) MFT_CHECK_EQ_INT(share[rep_off[e]], counts[e]);
+
+    mf__balance_pick(E, R, P, B, counts, map, NULL, spare, rep_off, rep_rank, rep_slot, share, load, scratch);
+    n = mf__balance_replicas(E, R, P, B, map, spare, rep_off, rep_rank, rep_slot, scratch);
+    mf__balance_split(E, R, counts, rep_off, rep_rank, share, load, scratch);
+    int64_t sum = 0;
+    for (int32_t r = 0; r < R; r++) sum += load[r];
+    MFT_CHECK_EQ_INT(sum, total);
+    for (int32_t e = 0; e < E; e++) {
+        int64_t s = 0;
+        for (int32_t i = rep_off[e]; i < rep_off[e + 1]; i++) s += share[i];
+        MFT_CHECK_EQ_INT(s, counts[e]);
+    }
+    mft_verbose("  planner: max/mean %.3f -> %.3f (%d replicas)\n", (double)max_of(home, R) * R / (double)total,
+                (double)max_of(load, R) * R / (double)total, (int)n);
+    MFT_CHECK_MSG(max_of(load, R) < max_of(home, R), "balancing did not lower the busiest rank (%lld -> %lld)",
+                  (long long)max_of(home, R), (long long)max_of(load, R));
+    MFT_CHECK_MSG((double)max_of(load, R) * R / (double)total < 1.1, "max/mean %.3f after balancing",
+                  (double)max_of(load, R) * R / (double)total);
+    /* The same counts again, from the table it made: nothing moves. */
+    mf__balance_pick(E, R, P, B, counts, map, spare, again, rep_off, rep_rank, rep_slot, share, load, scratch);
+    MFT_CHECK_MSG(memcmp(again, spare, sizeof spare) == 0, "a steady routing moved spare slots");
+    return 0;
+}
+
+/* ---- whole layers ------------------------------------------------------------------------- */
+
+/* Runs `p` plain and with (map, P, B, prefetch) on `transport`; y bit for bit. Fills stats. */
+static int run_vs_plain(const mfp_problem_t *p, const int32_t *map, int32_t P, int32_t B, int32_t iters,
+                        int32_t transport, mfp_timing_t *timing) {
+    const int32_t R = p->spec.R;
+    uint16_t *y0[MF_MAX_RANKS], *y1[MF_MAX_RANKS];
+    for (int32_t r = 0; r < R; r++) {
+        y0[r] = mft_alloc((size_t)p->T[r] * p->spec.H * 2 + 2);
+        y1[r] = mft_alloc((size_t)p->T[r] * p->spec.H * 2 + 2);
+        mft_poison(y1[r], (size_t)p->T[r] * p->spec.H * 2);
+    }
+    mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
+    o.backend = MF_BACKEND_CPU;
+    o.iters = 1;
+    o.timeout_ms = BAL_TIMEOUT_MS;
+    char err[512];
+    int rc = 0;
+    if (mfp_run(p, &o, y0, NULL, err, sizeof err) != MF_SUCCESS) rc = mft_fail(__FILE__, __LINE__, "plain: %s", err);
+    o.iters = iters;
+    o.transport = transport;
+    o.expert_map = map;
+    o.num_physical = P;
+    o.spare_slots = B;
+    o.prefetch = B > 0;
+    if (!rc && mfp_run(p, &o, y1, timing, err, sizeof err) != MF_SUCCESS)
+        rc = mft_fail(__FILE__, __LINE__, "balanced (P %d, B %d): %s", (int)P, (int)B, err);
+    for (int32_t r = 0; r < R && !rc; r++)
+        if (memcmp(y0[r], y1[r], (size_t)p->T[r] * p->spec.H * 2) != 0)
+            rc = mft_fail(__FILE__, __LINE__, "rank %d: y with P = %d, B = %d differs from y without replicas "
+                          "(R = %d, %s, %s)", (int)r, (int)P, (int)B, (int)R,
+                          p->spec.dtype == MF_DTYPE_FP8_E4M3 ? "fp8" : "bf16",
+                          p->spec.layout == MF_LAYOUT_MASKED ? "masked" : "expert-major");
+    for (int32_t r = 0; r < R; r++) free(y0[r]), free(y1[r]);
+    return rc;
+}
+
+/* Any map (permutations, replicas on the same rank or others) gives y bit-identical to no map. */
+static int test_maps_bitwise(void) {
+    static const struct { int32_t R, dtype, layout, routing, extra; } cases[] = {
+        {2, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0},
+        {2, MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED, MFP_ROUTING_HOT, 1},
+        {4, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_ZIPF, 2},
+        {4, MF_DTYPE_BF16, MF_LAYOUT_MASKED, MFP_ROUTING_ZIPF, 1},
+        {8, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_HOT, 3},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        mfp_spec_t s = bal_spec(cases[c].R, cases[c].dtype, cases[c].layout, cases[c].routing, 100 + c);
+        mfp_problem_t p;
+        MFT_CHECK(mfp_generate(&s, &p) == 0);
+        int32_t P = s.E + cases[c].extra * s.R, map[256];
+        random_map(s.E, P, 500 + c, map);
+        int rc = run_vs_plain(&p, map, P, 0, 2, MF_TRANSPORT_LOCAL, NULL);
+        mfp_free(&p);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+/* Spare slots with the per-step prefetch: y identical to balancing off, the busiest rank lighter
+ * under skew, and a steady routing copies weights once. */
+static int spare_case(int32_t R, int32_t dtype, int32_t layout, int32_t routing, int32_t B, int32_t transport,
+                      uint64_t seed) {
+    mfp_spec_t s = bal_spec(R, dtype, layout, routing, seed);
+    s.K = 2;
+    mfp_problem_t p;
+    MFT_CHECK(mfp_generate(&s, &p) == 0);
+    mfp_timing_t t;
+    memset(&t, 0, sizeof t);
+    int rc = run_vs_plain(&p, NULL, 0, B, 3, transport, &t);
+    mfp_free(&p);
+    if (rc) return rc;
+    MFT_CHECK(t.have_balance);
+    int64_t before = max_of(t.balance.home_rows, R), after = max_of(t.balance.recv_rows, R);
+    mft_verbose("  R %d B %d: busiest rank %lld -> %lld rows; moved %lld then %lld bytes; %d spares resident\n",
+                (int)R, (int)B, (long long)before, (long long)after, (long long)t.prefetch_first_bytes,
+                (long long)t.prefetch_last_bytes, (int)t.balance.spare_resident);
+    MFT_CHECK_MSG(after <= before, "balancing made the busiest rank heavier (%lld -> %lld)", (long long)before,
+                  (long long)after);
+    if (routing == MFP_ROUTING_HOT) {
+        MFT_CHECK_MSG(after < before, "hot routing: the busiest rank is not lighter (%lld rows)", (long long)after);
+        MFT_CHECK(t.prefetch_first_bytes > 0);
+    }
+    MFT_CHECK_MSG(t.prefetch_last_bytes == 0, "the same routing again moved %lld bytes", (long long)t.prefetch_last_bytes);
+    return 0;
+}
+
+static int test_spare_bitwise(void) {
+    return spare_case(2, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_HOT, 1, MF_TRANSPORT_LOCAL, 31) ||
+           spare_case(4, MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED, MFP_ROUTING_HOT, 2, MF_TRANSPORT_LOCAL, 32) ||
+           spare_case(8, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_ZIPF, 2, MF_TRANSPORT_LOCAL, 33) ||
+           spare_case(4, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 1, MF_TRANSPORT_LOCAL, 34);
+}
+
+/* The same with ranks as processes: the pushes cross POSIX shared memory. */
+static int test_ipc(void) {
+    mfp_spec_t s = bal_spec(4, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_ZIPF, 41);
+    mfp_problem_t p;
+    MFT_CHECK(mfp_generate(&s, &p) == 0);
+    int32_t map[64];
+    random_map(s.E, s.E + s.R, 42, map);
+    int rc = run_vs_plain(&p, map, s.E + s.R, 0, 2, MF_TRANSPORT_IPC, NULL);
+    mfp_free(&p);
+    if (rc) return rc;
+    return spare_case(4, MF_DTYPE_BF16, MF_LAYOUT_MASKED, MFP_ROUTING_HOT, 2, MF_TRANSPORT_IPC, 43);
+}
+
+/* ---- maps that change between calls, ranks that disagree, routing that changes -------------- */
+
+typedef struct change_ctx {
+    mf_group_t group;
+    const mfp_problem_t *p[2];   /* the same weights, two routings */
+    uint16_t *yref[2][MF_MAX_RANKS];
+    int32_t maps[3][64];
+    int32_t P, B;
+} change_ctx_t;
+
+/* This rank's weights laid out from `map` (slot l holds logical map[rank * Lp + l]). */
+static void layout_weights(const mfp_problem_t *p, const int32_t *map, int32_t P, int32_t rank, uint8_t *w13,
+                           uint8_t *w2) {
+    const int32_t Lp = P / p->spec.R, L = p->L;
+    const size_t n13 = (size_t)2 * p->spec.I * p->spec.H * 2, n2 = (size_t)p->spec.H * p->spec.I * 2;
+    for (int32_t l = 0; l < Lp; l++) {
+        int32_t e = map[rank * Lp + l];
+        memcpy(w13 + l * n13, (const uint8_t *)p->w13[e / L] + (size_t)(e % L) * n13, n13);
+        memcpy(w2 + l * n2, (const uint8_t *)p->w2[e / L] + (size_t)(e % L) * n2, n2);
+    }
+}
+
+static int forward_check(mf_moe_t moe, const change_ctx_t *c, int32_t which, int32_t rank, uint16_t *y,
+                         mf_result_t want) {
+    const mfp_problem_t *p = c->p[which];
+    int64_t T = p->T[rank], H = p->spec.H, K = p->spec.K;
+    mf_moe_forward_in_t in = {mft_t2(p->x[rank], MF_DTYPE_BF16, T, H), mft_t2(p->topk_ids[rank], MF_DTYPE_INT32, T, K),
+                              mft_t2(p->topk_weights[rank], MF_DTYPE_FP32, T, K)};
+    mft_poison(y, (size_t)(T * H * 2));
+    mf_moe_forward_out_t out = {mft_t2(y, MF_DTYPE_BF16, T, H)};
+    if (want != MF_SUCCESS) {
+        MFT_CHECK_ERR(mf_moe_forward(moe, &in, &out, NULL), want);
+        MFT_CHECK_MSG(mft_first_unpoisoned(y, (size_t)(T * H * 2)) < 0, "a failed forward wrote y");
+        return 0;
+    }
+    MFT_CHECK_OK(mf_moe_forward(moe, &in, &out, NULL));
+    MFT_CHECK_MSG(memcmp(y, c->yref[which][rank], (size_t)(T * H * 2)) == 0, "rank %d: y differs (routing %d)",
+                  (int)rank, (int)which);
+    return 0;
+}
+
+static int change_rank_body(int32_t rank, change_ctx_t *c, mf_moe_t moe, uint8_t *w13, uint8_t *w2, uint16_t *y) {
+    const mfp_problem_t *p = c->p[0];
+    const int32_t Lp = c->P / p->spec.R;
+    const int64_t H = p->spec.H, I = p->spec.I;
+    mf_moe_weights_t w = {mft_t3(w13, MF_DTYPE_BF16, Lp, 2 * I, H), mft_none(), mft_t3(w2, MF_DTYPE_BF16, Lp, H, I),
+                          mft_none()};
+    /* Before any map: a layer with replicas refuses to run. */
+    layout_weights(p, c->maps[0], c->P, rank, w13, w2);
+    MFT_CHECK_OK(mf_moe_set_weights(moe, &w));
+    MFT_CHECK(forward_check(moe, c, 0, rank, y, MF_ERR_INVALID_USAGE) == 0);
+    for (int32_t m = 0; m < 3; m++) {
+        MFT_CHECK_OK(mf_moe_set_expert_map(moe, c->maps[m], c->P));
+        layout_weights(p, c->maps[m], c->P, rank, w13, w2);
+        MFT_CHECK_OK(mf_moe_set_weights(moe, &w));
+        for (int32_t it = 0; it < 4; it++) { /* routing alternates; spare slots follow the last call */
+            MFT_CHECK(forward_check(moe, c, it % 2, rank, y, MF_SUCCESS) == 0);
+            MFT_CHECK_OK(mf_moe_prefetch(moe, NULL));
+        }
+    }
+    /* Rank 0 alone changes its map: every rank fails the next forward, nothing written. */
+    if (rank == 0) MFT_CHECK_OK(mf_moe_set_expert_map(moe, c->maps[0], c->P));
+    MFT_CHECK(forward_check(moe, c, 0, rank, y, MF_ERR_INVALID_USAGE) == 0);
+    if (rank == 0) MFT_CHECK(mft_contains_ci(mf_last_error(), "expert map"));
+    /* Agreeing again: it runs (rank 0's weights follow its map). */
+    if (rank != 0) MFT_CHECK_OK(mf_moe_set_expert_map(moe, c->maps[0], c->P));
+    layout_weights(p, c->maps[0], c->P, rank, w13, w2);
+    MFT_CHECK_OK(mf_moe_set_weights(moe, &w));
+    MFT_CHECK(forward_check(moe, c, 1, rank, y, MF_SUCCESS) == 0);
+    /* Only rank 1 prefetches: every rank fails the next forward. */
+    if (rank == 1) MFT_CHECK_OK(mf_moe_prefetch(moe, NULL));
+    MFT_CHECK(forward_check(moe, c, 0, rank, y, MF_ERR_INVALID_USAGE) == 0);
+    return 0;
+}
+
+static int change_rank(int32_t rank, void *arg) {
+    change_ctx_t *c = arg;
+    const mfp_problem_t *p = c->p[0];
+    mf_comm_t comm;
+    MFT_CHECK_OK(mf_group_get_comm(c->group, rank, &comm));
+    mf_moe_config_t cfg = MF_MOE_CONFIG_INIT;
+    cfg.num_experts = p->spec.E, cfg.num_topk = p->spec.K, cfg.hidden = p->spec.H, cfg.intermediate = p->spec.I;
+    cfg.max_tokens_per_rank = p->spec.S, cfg.dtype = MF_DTYPE_BF16;
+    cfg.num_physical_experts = c->P, cfg.spare_slots = c->B;
+    mf_moe_t moe;
+    MFT_CHECK_OK(mf_moe_create(comm, &cfg, &moe));
+    const int32_t Lp = c->P / p->spec.R;
+    uint8_t *w13 = mft_alloc((size_t)Lp * 2 * p->spec.I * p->spec.H * 2);
+    uint8_t *w2 = mft_alloc((size_t)Lp * p->spec.H * p->spec.I * 2);
+    uint16_t *y = mft_alloc((size_t)p->spec.S * p->spec.H * 2 + 2);
+    int rc = change_rank_body(rank, c, moe, w13, w2, y);
+    mf_result_t d = mf_moe_destroy(moe);
+    free(w13), free(w2), free(y);
+    if (!rc) MFT_CHECK_OK(d);
+    return rc;
+}
+
+static int test_map_changes(void) {
+    mfp_spec_t s = bal_spec(4, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_HOT, 61);
+    mfp_problem_t p0, p1;
+    MFT_CHECK(mfp_generate(&s, &p0) == 0);
+    MFT_CHECK(mfp_generate(&s, &p1) == 0);
+    s.routing = MFP_ROUTING_ZIPF;
+    p1.spec.routing = MFP_ROUTING_ZIPF;
+    MFT_CHECK(mfp_redraw_inputs(&p1, 62) == 0);
+    change_ctx_t c;
+    memset(&c, 0, sizeof c);
+    c.p[0] = &p0, c.p[1] = &p1;
+    c.P = s.E + s.R, c.B = 2;
+    for (int m = 0; m < 3; m++) random_map(s.E, c.P, 70 + m, c.maps[m]);
+    mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
+    o.backend = MF_BACKEND_CPU;
+    o.timeout_ms = BAL_TIMEOUT_MS;
+    char err[512];
+    for (int i = 0; i < 2; i++) {
+        for (int32_t r = 0; r < s.R; r++) c.yref[i][r] = mft_alloc((size_t)s.T_per_rank * s.H * 2 + 2);
+        MFT_CHECK_MSG(mfp_run(c.p[i], &o, c.yref[i], NULL, err, sizeof err) == MF_SUCCESS, "plain: %s", err);
+    }
+    c.group = mft_cpu_group(s.R, BAL_TIMEOUT_MS);
+    MFT_CHECK(c.group);
+    int rc = mft_run_ranks(s.R, change_rank, &c);
+    MFT_CHECK_OK(mf_group_destroy(c.group));
+    for (int i = 0; i < 2; i++)
+        for (int32_t r = 0; r < s.R; r++) free(c.yref[i][r]);
+    mfp_free(&p0), mfp_free(&p1);
+    return rc;
+}
+
+/* ---- misuse --------------------------------------------------------------------------------- */
+
+typedef struct bad_ctx {
+    mf_group_t group;
+} bad_ctx_t;
+
+static int bad_rank(int32_t rank, void *arg) {
+    bad_ctx_t *c = arg;
+    (void)rank;
+    mf_comm_t comm;
+    MFT_CHECK_OK(mf_group_get_comm(c->group, rank, &comm));
+    mf_moe_config_t cfg = MF_MOE_CONFIG_INIT;
+    cfg.num_experts = 8, cfg.num_topk = 2, cfg.hidden = 128, cfg.intermediate = 128, cfg.max_tokens_per_rank = 4;
+    mf_moe_t moe = NULL;
+    /* Configs: P not a multiple of R, P < E, B out of range (every rank alike). */
+    cfg.num_physical_experts = 9;
+    MFT_CHECK_ERR(mf_moe_create(comm, &cfg, &moe), MF_ERR_INVALID_ARGUMENT);
+    MFT_CHECK(mft_contains_ci(mf_last_error(), "num_physical_experts"));
+    cfg.num_physical_experts = 6;
+    MFT_CHECK_ERR(mf_moe_create(comm, &cfg, &moe), MF_ERR_INVALID_ARGUMENT);
+    cfg.num_physical_experts = 0, cfg.spare_slots = MF_MAX_SPARE_SLOTS + 1;
+    MFT_CHECK_ERR(mf_moe_create(comm, &cfg, &moe), MF_ERR_INVALID_ARGUMENT);
+    MFT_CHECK(mft_contains_ci(mf_last_error(), "spare_slots"));
+    cfg.num_physical_experts = 10, cfg.spare_slots = 1;
+    MFT_CHECK_OK(mf_moe_create(comm, &cfg, &moe));
+    int32_t map[10] = {0, 1, 2, 3, 4, 5, 6, 7, 0, 1};
+    int32_t bad[10];
+    MFT_CHECK_ERR(mf_moe_set_expert_map(moe, NULL, 10), MF_ERR_INVALID_ARGUMENT);
+    MFT_CHECK_ERR(mf_moe_set_expert_map(moe, map, 8), MF_ERR_INVALID_ARGUMENT);
+    MFT_CHECK(mft_contains_ci(mf_last_error(), "num_physical"));
+    memcpy(bad, map, sizeof map), bad[3] = 8; /* a slot naming no expert */
+    MFT_CHECK_ERR(mf_moe_set_expert_map(moe, bad, 10), MF_ERR_INVALID_ARGUMENT);
+    MFT_CHECK(mft_contains_ci(mf_last_error(), "phys_to_logical[3] = 8"));
+    bad[3] = -1;
+    MFT_CHECK_ERR(mf_moe_set_expert_map(moe, bad, 10), MF_ERR_INVALID_ARGUMENT);
+    memcpy(bad, map, sizeof map), bad[7] = 0; /* expert 7 has no replica */
+    MFT_CHECK_ERR(mf_moe_set_expert_map(moe, bad, 10), MF_ERR_INVALID_ARGUMENT);
+    MFT_CHECK(mft_contains_ci(mf_last_error(), "logical expert 7 has no physical slot"));
+    /* Nothing was set: a forward still refuses for want of a map; prefetch wants weights. */
+    MFT_CHECK_ERR(mf_moe_prefetch(moe, NULL), MF_ERR_INVALID_USAGE);
+    mf_moe_balance_stats_t st = {.size = 2};
+    MFT_CHECK_ERR(mf_moe_get_balance_stats(moe, &st), MF_ERR_INVALID_ARGUMENT);
+    st.size = sizeof st;
+    MFT_CHECK_OK(mf_moe_get_balance_stats(moe, &st));
+    MFT_CHECK_EQ_INT(st.num_physical_experts, 10);
+    MFT_CHECK_EQ_INT(st.slots_per_rank, 5);
+    MFT_CHECK_EQ_INT(st.spare_slots, 1);
+    MFT_CHECK_OK(mf_moe_set_expert_map(moe, map, 10));
+    MFT_CHECK_OK(mf_moe_destroy(moe));
+    return 0;
+}
+
+static int test_bad_maps(void) {
+    bad_ctx_t c = {mft_cpu_group(2, BAL_TIMEOUT_MS)};
+    MFT_CHECK(c.group);
+    int rc = mft_run_ranks(2, bad_rank, &c);
+    MFT_CHECK_OK(mf_group_destroy(c.group));
+    return rc;
+}
+
+const mft_test_t mft_tests_balance[] = {
+    {"balance_planner", test_planner, 0},
+    {"balance_maps_bitwise", test_maps_bitwise, 0},
+    {"balance_spare_bitwise", test_spare_bitwise, 0},
+    {"balance_ipc", test_ipc, 0},
+    {"balance_map_changes", test_map_changes, 0},
+    {"balance_bad_maps", test_bad_maps, 0},
+    {NULL, NULL, 0},
+};
