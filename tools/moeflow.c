@@ -58,6 +58,8 @@
 #define PROGRESS_TTY_EVERY_S 0.1
 #define PROGRESS_LINE_EVERY_S 5.0 /* stderr not a terminal: one line this often */
 #define MAX_REF_THREADS 64
+#define DEF_LINK_GBPS 450.0       /* --link-gbps: H200 NVLink 4, 900 GB/s both ways = 450 each way
+                                     (nominal; pass the rate measured on the node) */
 #define EXIT_FAIL 1
 #define EXIT_USAGE 2
 
@@ -96,6 +98,8 @@ typedef struct opts {
     int32_t cuda_present; /* a usable CUDA device was found (asked without touching CUDA for ipc) */
     int64_t timeout_ms;
     const char *json;
+    int32_t balance;   /* --balance B: spare slots per rank; each row also runs with B (0 = off) */
+    double link_gbps;  /* the step-time model's link rate */
 } opts_t;
 
 static void usage(FILE *f) {
@@ -132,6 +136,11 @@ static void usage(FILE *f) {
             "                               hot: every token picks expert e (default 0)\n"
             "      --drop P                 probability of a -1 (skipped) id per (t, k)   [0]\n"
             "      --seed N                                                               [%d]\n"
+            "      --balance B              per-step balancing with B spare slots per rank: each\n"
+            "                               row runs without, then with (mf_moe_prefetch between\n"
+            "                               forwards); prints rows per rank before / after, the\n"
+            "                               weights moved and the modelled R-GPU step (bench) [0]\n"
+            "      --link-gbps G            the model's link rate per direction, GB/s        [%g]\n"
             "running\n"
             "      --backend auto|cpu|cuda  auto: CUDA when present, else CPU          [auto]\n"
             "      --transport local|ipc    local: the ranks are threads of this process; ipc:\n"
@@ -148,7 +157,7 @@ static void usage(FILE *f) {
             "  -h, --help\n"
             "\n"
             "Exit status: 0 every row passed, 1 a row failed or the library failed, 2 usage / memory.\n",
-            DEF_R, DEF_E, MF_MAX_TOPK, DEF_K, DEF_H, DEF_I, DEF_T, PRESET_T, DEF_ZIPF_S, DEF_SEED,
+            DEF_R, DEF_E, MF_MAX_TOPK, DEF_K, DEF_H, DEF_I, DEF_T, PRESET_T, DEF_ZIPF_S, DEF_SEED, DEF_LINK_GBPS,
             RUN_ITERS, RUN_WARMUP, BENCH_ITERS_CUDA, BENCH_WARMUP_CUDA, BENCH_ITERS_CPU,
             BENCH_WARMUP_CPU);
 }
@@ -249,6 +258,7 @@ static const struct {
     {0, "backend", 1},  {0, "preset", 1},    {0, "ue8m0", 0},        {0, "iters", 1},
     {0, "warmup", 1},   {0, "json", 1},      {0, "timeout-ms", 1},   {0, "no-check", 0},
     {0, "dataflow", 1}, {0, "per-rank", 0}, {0, "gated", 0}, {0, "transport", 1},
+    {0, "balance", 1},  {0, "link-gbps", 1},
     {'h', "help", 0},
 };
 #define NUM_FLAGS ((int)(sizeof k_flags / sizeof k_flags[0]))
@@ -295,6 +305,7 @@ static void parse_args(int argc, char **argv, opts_t *o) {
     o->flows[0] = MF_DATAFLOW_AUTO, o->nflows = 1;
     o->seed = DEF_SEED, o->backend_req = MF_BACKEND_AUTO, o->iters = -1, o->warmup = -1;
     o->check = 1;
+    o->link_gbps = DEF_LINK_GBPS;
     /* Pass 1: the preset, so that every other flag overrides it wherever it stands. */
     for (int i = first; i < argc; i++) {
         const char *v, *name = next_flag(argc, argv, &i, &v);
@@ -352,6 +363,11 @@ static void parse_args(int argc, char **argv, opts_t *o) {
         else if (!strcmp(name, "--json")) o->json = v;
         else if (!strcmp(name, "--timeout-ms")) o->timeout_ms = parse_int(name, v, 0, INT64_MAX);
         else if (!strcmp(name, "--no-check")) o->check = 0;
+        else if (!strcmp(name, "--balance")) o->balance = (int32_t)parse_int(name, v, 0, MF_MAX_SPARE_SLOTS);
+        else if (!strcmp(name, "--link-gbps")) {
+            o->link_gbps = parse_double(name, v);
+            if (!(o->link_gbps > 0)) die_usage("--link-gbps needs a rate > 0");
+        }
     }
 }
 
@@ -386,6 +402,8 @@ static void resolve(opts_t *o) {
     if (o->iters < 0) o->iters = !o->bench ? RUN_ITERS : cuda ? BENCH_ITERS_CUDA : BENCH_ITERS_CPU;
     if (o->warmup < 0) o->warmup = !o->bench ? RUN_WARMUP : cuda ? BENCH_WARMUP_CUDA : BENCH_WARMUP_CPU;
     if (!o->bench && !o->check) die_usage("--no-check is for bench; run always checks");
+    /* Balancing plans from the previous forward: at least one forward before the measured one. */
+    if (o->balance && o->warmup < 1) o->warmup = 1;
 }
 
 /* ---- memory guard ----------------------------------------------------------------------------- */
@@ -470,7 +488,9 @@ static void on_run_progress(void *ctx, int32_t done, int32_t total) {
 
 /* ---- one result row ------------------------------------------------------------------------- */
 typedef struct row {
-    int32_t dtype, T, flow;
+    int32_t dtype, T, flow, balance;
+    double model_us;         /* --balance: the modelled R-GPU step (docs/PERFORMANCE.md) */
+    int64_t model_rows;      /* the busiest rank's rows the model ran */
     int64_t rows;
     double rank_lb, expert_lb; /* max / mean of received rows */
     mf_result_t code;
@@ -591,6 +611,7 @@ static void print_header(const opts_t *o) {
     char l1[512] = "", l2[512] = "";
     append(l1, sizeof l1, "#%5s %8s %7s %8s", "dtype", "dataflow", "T", "rows");
     append(l2, sizeof l2, "#%5s %8s %7s %8s", "", "", "", "");
+    if (o->balance) append(l1, sizeof l1, " %3s", "B"), append(l2, sizeof l2, " %3s", "");
     if (!o->bench) {
         append(l1, sizeof l1, " %7s %7s", "rank_lb", "exp_lb");
         append(l2, sizeof l2, " %7s %7s", "max/mn", "max/mn");
@@ -622,6 +643,7 @@ static void print_row(const opts_t *o, const row_t *r) {
         snprintf(wrong, sizeof wrong, "%lld", (long long)r->wrong);
     }
     printf(" %5s %8s %7d %8lld", dtype_name(r->dtype), k_flow_names[r->flow], r->T, (long long)r->rows);
+    if (o->balance) printf(" %3d", r->balance);
     if (!o->bench) printf(" %7.2f %7.2f", r->rank_lb, r->expert_lb);
     else if (r->code == MF_SUCCESS) printf(" %10.1f", r->time_us);
     else printf(" %10s", "-");
@@ -829,6 +851,8 @@ static void run_row(const opts_t *o, mfp_problem_t *p, row_t *row, uint16_t **y,
     ro.transport = o->transport;
     ro.progress = on_run_progress;
     ro.progress_ctx = &pg;
+    ro.spare_slots = row->balance;
+    ro.prefetch = row->balance > 0;
     char what[64];
     snprintf(what, sizeof what, "%s T=%d: %d forward%s", dtype_name(row->dtype), row->T,
              o->warmup + o->iters, o->warmup + o->iters > 1 ? "s" : "");
@@ -898,6 +922,76 @@ static void run_row(const opts_t *o, mfp_problem_t *p, row_t *row, uint16_t **y,
     row->pass = row->diff < (fp8 ? MFREF_DIFF_MAX_FP8 : MFREF_DIFF_MAX_BF16) && row->wrong == 0;
 }
 
+/* ---- balancing: rows per rank and the modelled R-GPU step (docs/PERFORMANCE.md) ----------- */
+
+/* The expert time (W13 + W2 phases, us) of one rank receiving `rows` rows: an R = 1 layer with
+ * that rank's L experts, K' = min(K, L) and ceil(rows / K') tokens routed uniformly. */
+static double share_expert_us(const opts_t *o, int32_t dtype, int64_t rows) {
+    const int32_t L = o->E / o->R, K1 = o->K < L ? o->K : L;
+    const int32_t T1 = (int32_t)((rows + K1 - 1) / K1);
+    if (T1 <= 0) return 0.0;
+    mfp_spec_t spec = {.R = 1, .E = L, .K = K1, .H = o->H, .I = o->I, .S = T1, .dtype = dtype, .layout = o->layout,
+                       .ue8m0 = o->ue8m0, .T_per_rank = T1, .routing = MFP_ROUTING_UNIFORM, .seed = o->seed};
+    mfp_problem_t p;
+    if (mfp_generate(&spec, &p) != 0) return -1.0;
+    uint16_t *y = malloc((size_t)T1 * o->H * 2 + 2);
+    mfp_run_opts_t ro = MFP_RUN_OPTS_INIT;
+    ro.backend = o->backend, ro.iters = o->iters, ro.warmup = o->warmup, ro.timeout_ms = o->timeout_ms;
+    ro.profile = 1, ro.gated = o->gated;
+    mfp_timing_t t;
+    char err[512];
+    double us = -1.0;
+    if (y && mfp_run(&p, &ro, &y, &t, err, sizeof err) == MF_SUCCESS)
+        us = t.phase_max_us[MF_PHASE_W13] + t.phase_max_us[MF_PHASE_W2];
+    free(y);
+    mfp_free(&p);
+    return us;
+}
+
+static int64_t max_rows(const int64_t *v, int32_t n) {
+    int64_t m = 0;
+    for (int32_t i = 0; i < n; i++) m = v[i] > m ? v[i] : m;
+    return m;
+}
+
+/* The model of one row: the busiest rank's expert time (measured at R = 1) plus its transfer at
+ * the link rate: its received rows in (payload + scales), their partials back (BF16), and, when
+ * balancing, its share of the weights the step copies. */
+static void model_row(const opts_t *o, row_t *r, const row_t *balanced) {
+    const mf_moe_balance_stats_t *b = &balanced->timing.balance;
+    const int fp8 = r->dtype == MF_DTYPE_FP8_E4M3;
+    const double row_bytes = o->H * ((fp8 ? 1.0 + 4.0 / QBLOCK : 2.0) + 2.0);
+    r->model_rows = r->balance ? max_rows(b->recv_rows, o->R) : max_rows(b->home_rows, o->R);
+    double us = share_expert_us(o, r->dtype, r->model_rows);
+    double moved = r->balance ? (double)r->timing.prefetch_last_bytes / o->R : 0.0;
+    r->model_us = us < 0 ? -1.0 : us + ((double)r->model_rows * row_bytes + moved) / (o->link_gbps * 1e3);
+}
+
+static void print_balance(const opts_t *o, row_t *rows, int nrows) {
+    printf("#\n# balance  rows per rank max/mean, without replicas (off) and with B spare slots (on); moved:\n"
+           "#          weight bytes all ranks copied in the first / the last prefetch (a steady routing copies\n"
+           "#          once); cost: time on / off - 1; model: the busiest rank's expert time at R = 1 plus its\n"
+           "#          transfer at %.0f GB/s (docs/PERFORMANCE.md)\n", o->link_gbps);
+    printf("#%5s %8s %7s %3s %7s %7s %12s %12s %10s %10s %7s %10s %10s\n", "dtype", "dataflow", "T", "B", "off",
+           "on", "moved_first", "moved_last", "time_off", "time_on", "cost", "model_off", "model_on");
+    printf("#%5s %8s %7s %3s %7s %7s %12s %12s %10s %10s %7s %10s %10s\n", "", "", "", "", "max/mn", "max/mn",
+           "(bytes)", "(bytes)", "(us)", "(us)", "", "(us)", "(us)");
+    for (int i = 0; i + 1 < nrows; i += 2) {
+        row_t *off = &rows[i], *on = &rows[i + 1];
+        if (off->code != MF_SUCCESS || on->code != MF_SUCCESS || !on->timing.have_balance) continue;
+        const mf_moe_balance_stats_t *b = &on->timing.balance;
+        double mean = on->rows ? (double)on->rows / o->R : 1.0;
+        model_row(o, off, on);
+        model_row(o, on, on);
+        printf(" %5s %8s %7d %3d %7.3f %7.3f %12lld %12lld %10.1f %10.1f %6.1f%% %10.1f %10.1f\n",
+               dtype_name(on->dtype), k_flow_names[on->flow], on->T, on->balance,
+               (double)max_rows(b->home_rows, o->R) / mean, (double)max_rows(b->recv_rows, o->R) / mean,
+               (long long)on->timing.prefetch_first_bytes, (long long)on->timing.prefetch_last_bytes, off->time_us,
+               on->time_us, off->time_us > 0 ? 100.0 * (on->time_us / off->time_us - 1.0) : 0.0, off->model_us,
+               on->model_us);
+    }
+}
+
 int main(int argc, char **argv) {
     mfp_cuda_env();
     if (argc > 2 && !strcmp(argv[1], "bench") && !strcmp(argv[2], "gemm")) {
@@ -916,7 +1010,8 @@ int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);
 
     print_meta(&o);
-    row_t *rows = calloc((size_t)(o.nT * o.ndtypes * o.nflows), sizeof *rows);
+    const int passes = o.balance ? 2 : 1; /* --balance: every row without, then with spare slots */
+    row_t *rows = calloc((size_t)(o.nT * o.ndtypes * o.nflows * passes), sizeof *rows);
     uint16_t **y = calloc((size_t)o.R, sizeof *y), **yref = calloc((size_t)o.R, sizeof *yref);
     if (!rows || !y || !yref) die_usage("out of host memory");
     for (int32_t r = 0; r < o.R; r++) {
@@ -957,11 +1052,12 @@ int main(int argc, char **argv) {
             header = 1;
         }
         for (int i = 0; i < o.nT; i++)
-            for (int fl = 0; fl < o.nflows; fl++) {
+            for (int fl = 0; fl < o.nflows * passes; fl++) {
                 row_t *row = &rows[nrows++];
                 int32_t empty;
                 row->dtype = o.dtypes[d];
-                row->flow = o.flows[fl];
+                row->flow = o.flows[fl / passes];
+                row->balance = fl % passes ? o.balance : 0;
                 row->T = o.T[i];
                 if (mfp_set_tokens(&p, o.T[i], o.seed) != 0) die_usage("out of host memory");
                 load_stats(&p, row, &empty);
@@ -973,6 +1069,7 @@ int main(int argc, char **argv) {
     }
     int passed = 0;
     for (int i = 0; i < nrows; i++) passed += rows[i].pass;
+    if (o.balance) print_balance(&o, rows, nrows);
     if (o.bench) print_phases(&o, rows, nrows);
     if (o.bench && o.per_rank) print_rank_phases(&o, rows, nrows);
     printf("# %s: %d of %d rows passed\n", all_pass ? "PASS" : "FAIL", passed, nrows);

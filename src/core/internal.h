@@ -120,15 +120,17 @@ typedef struct mf__heap_layout {
 void mf__heap_layout_init(mf__heap_layout_t *layout, const mf_moe_config_t *config);
 
 /* ---- spare slots (balancing): one symmetric allocation per layer with B > 0 ------------------ */
-/* B slots, each one expert's weights, every region aligned to MF__HEAP_ALIGN:
- *   w13:  2I x H x (1 or 2) bytes     w13_scales: 2I/128 x H/128 x fp32 (FP8)
- *   w2:   H x I x (1 or 2) bytes      w2_scales:  H/128 x I/128 x fp32 (FP8)
+/* Four tensors of B slots each, shaped as the caller's weights (so that a GEMM takes the spare
+ * slots as a second [B, N, K] operand), every region aligned to MF__HEAP_ALIGN:
+ *   w13:        B x 2I x H x (1 or 2) bytes     w13_scales: B x 2I/128 x H/128 x fp32 (FP8)
+ *   w2:         B x H x I x (1 or 2) bytes      w2_scales:  B x H/128 x I/128 x fp32 (FP8)
  * Slot j of rank q is written by the rank that holds the expert's first static replica (a push:
  * the caller's weights are not symmetric memory), read by q's expert compute. */
 typedef struct mf__spare_layout {
-    size_t w13, w13_scales, w2, w2_scales; /* offsets inside one slot */
-    size_t slot_bytes;                     /* stride between slots */
-    size_t copy_bytes;                     /* bytes of weights (+ scales) one replica moves */
+    size_t w13, w13_scales, w2, w2_scales;             /* offsets of the four tensors */
+    size_t w13_bytes, w13_scale_bytes, w2_bytes, w2_scale_bytes; /* one slot of each */
+    size_t bytes;                                      /* the allocation */
+    size_t copy_bytes;                                 /* bytes of weights (+ scales) one replica moves */
 } mf__spare_layout_t;
 
 void mf__spare_layout_init(mf__spare_layout_t *layout, const mf_moe_config_t *config);

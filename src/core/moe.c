@@ -38,16 +38,19 @@ void mf__heap_layout_init(mf__heap_layout_t *h, const mf_moe_config_t *c) {
 }
 
 void mf__spare_layout_init(mf__spare_layout_t *l, const mf_moe_config_t *c) {
-    size_t H = (size_t)c->hidden, I = (size_t)c->intermediate, Q = MF__QUANT_BLOCK;
+    size_t H = (size_t)c->hidden, I = (size_t)c->intermediate, Q = MF__QUANT_BLOCK, B = (size_t)c->spare_slots;
     int fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
     size_t esz = fp8 ? 1 : 2, off = 0;
-    size_t w13s = fp8 ? (2 * I / Q) * (H / Q) * sizeof(float) : 0, w2s = fp8 ? (H / Q) * (I / Q) * sizeof(float) : 0;
-    l->w13 = off, off = mf__align_up(off + 2 * I * H * esz, MF__HEAP_ALIGN);
-    l->w13_scales = off, off = mf__align_up(off + w13s, MF__HEAP_ALIGN);
-    l->w2 = off, off = mf__align_up(off + H * I * esz, MF__HEAP_ALIGN);
-    l->w2_scales = off, off = mf__align_up(off + w2s, MF__HEAP_ALIGN);
-    l->slot_bytes = off;
-    l->copy_bytes = 3 * I * H * esz + w13s + w2s;
+    l->w13_bytes = 2 * I * H * esz;
+    l->w13_scale_bytes = fp8 ? (2 * I / Q) * (H / Q) * sizeof(float) : 0;
+    l->w2_bytes = H * I * esz;
+    l->w2_scale_bytes = fp8 ? (H / Q) * (I / Q) * sizeof(float) : 0;
+    l->w13 = off, off = mf__align_up(off + B * l->w13_bytes, MF__HEAP_ALIGN);
+    l->w13_scales = off, off = mf__align_up(off + B * l->w13_scale_bytes, MF__HEAP_ALIGN);
+    l->w2 = off, off = mf__align_up(off + B * l->w2_bytes, MF__HEAP_ALIGN);
+    l->w2_scales = off, off = mf__align_up(off + B * l->w2_scale_bytes, MF__HEAP_ALIGN);
+    l->bytes = off;
+    l->copy_bytes = l->w13_bytes + l->w13_scale_bytes + l->w2_bytes + l->w2_scale_bytes;
 }
 
 uint32_t mf__map_hash(const int32_t *map, int32_t n) {
@@ -196,7 +199,7 @@ mf_result_t mf_moe_create(mf_comm_t comm, const mf_moe_config_t *config, mf_moe_
     if (c.spare_slots > 0) {
         mf_result_t agreed_mem = mf__agree(comm, res, fn);
         if (agreed_mem == MF_SUCCESS)
-            agreed_mem = comm->tops->sym_alloc(comm, (size_t)c.spare_slots * m->spare_layout.slot_bytes, &m->spare);
+            agreed_mem = comm->tops->sym_alloc(comm, m->spare_layout.bytes, &m->spare);
         if (agreed_mem != MF_SUCCESS) {
             if (m) mf__free(m->expert_map);
             mf__free(m);

@@ -359,9 +359,12 @@ static void mf__cpu_experts(mf_moe_t moe, double *t_w13, double *t_w2) {
                                     fp8};
         } else {
             const mf__spare_layout_t *sl = &moe->spare_layout;
-            const uint8_t *slot = (const uint8_t *)moe->spare.local + (size_t)(e - p->slots_per_rank) * sl->slot_bytes;
-            w13 = (mf__cpu_weight_t){slot + sl->w13, fp8 ? (const float *)(slot + sl->w13_scales) : NULL, fp8};
-            w2 = (mf__cpu_weight_t){slot + sl->w2, fp8 ? (const float *)(slot + sl->w2_scales) : NULL, fp8};
+            const uint8_t *base = (const uint8_t *)moe->spare.local;
+            size_t j = (size_t)(e - p->slots_per_rank);
+            w13 = (mf__cpu_weight_t){base + sl->w13 + j * sl->w13_bytes,
+                                     fp8 ? (const float *)(base + sl->w13_scales + j * sl->w13_scale_bytes) : NULL, fp8};
+            w2 = (mf__cpu_weight_t){base + sl->w2 + j * sl->w2_bytes,
+                                    fp8 ? (const float *)(base + sl->w2_scales + j * sl->w2_scale_bytes) : NULL, fp8};
         }
         for (int64_t j = 0; j < p->counts[e]; j += MF__CPU_ROWS) {
             int64_t m = p->counts[e] - j < MF__CPU_ROWS ? p->counts[e] - j : MF__CPU_ROWS;
@@ -455,18 +458,17 @@ static mf_result_t mf__cpu_reject(mf_moe_t moe, uint32_t phases, mf_result_t cod
 
 /* Copies the weights (+ scales) of this rank's static slot `l` into spare slot j of rank q. */
 static void mf__cpu_push_expert(mf_moe_t moe, int32_t l, int32_t q, int32_t j) {
-    const mf_moe_config_t *c = &moe->config;
     const mf__spare_layout_t *sl = &moe->spare_layout;
     const mf_moe_weights_t *w = &moe->weights;
-    size_t H = (size_t)c->hidden, I = (size_t)c->intermediate, Q = MF__QUANT_BLOCK;
-    int fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
-    size_t esz = fp8 ? 1 : 2, w13s = (2 * I / Q) * (H / Q) * sizeof(float), w2s = (H / Q) * (I / Q) * sizeof(float);
-    uint8_t *slot = (uint8_t *)moe->spare.peers[q] + (size_t)j * sl->slot_bytes;
-    memcpy(slot + sl->w13, (const uint8_t *)w->w13.data + (size_t)l * 2 * I * H * esz, 2 * I * H * esz);
-    memcpy(slot + sl->w2, (const uint8_t *)w->w2.data + (size_t)l * H * I * esz, H * I * esz);
-    if (fp8) {
-        memcpy(slot + sl->w13_scales, (const uint8_t *)w->w13_scales.data + (size_t)l * w13s, w13s);
-        memcpy(slot + sl->w2_scales, (const uint8_t *)w->w2_scales.data + (size_t)l * w2s, w2s);
+    uint8_t *base = (uint8_t *)moe->spare.peers[q];
+    size_t sj = (size_t)j, sl_ = (size_t)l;
+    memcpy(base + sl->w13 + sj * sl->w13_bytes, (const uint8_t *)w->w13.data + sl_ * sl->w13_bytes, sl->w13_bytes);
+    memcpy(base + sl->w2 + sj * sl->w2_bytes, (const uint8_t *)w->w2.data + sl_ * sl->w2_bytes, sl->w2_bytes);
+    if (moe->config.dtype == MF_DTYPE_FP8_E4M3) {
+        memcpy(base + sl->w13_scales + sj * sl->w13_scale_bytes,
+               (const uint8_t *)w->w13_scales.data + sl_ * sl->w13_scale_bytes, sl->w13_scale_bytes);
+        memcpy(base + sl->w2_scales + sj * sl->w2_scale_bytes,
+               (const uint8_t *)w->w2_scales.data + sl_ * sl->w2_scale_bytes, sl->w2_scale_bytes);
     }
 }
 

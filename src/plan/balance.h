@@ -20,10 +20,12 @@
  *                         Replica i of e takes e's global rows [begin_i, begin_i + share_i), in
  *                         e's row order (source rank, token, k) and in replica order.
  *   mf__balance_pick      the previous call's counts + map + resident spares -> the next spare
- *                         table: R * B times, the busiest rank's largest share gets a new replica
- *                         on the least loaded rank with a free spare slot (none there yet), while
- *                         that lowers the busiest rank; then each rank's chosen experts keep the
- *                         slots they already occupy, so that a steady routing copies nothing.
+ *                         table: up to R * B times, each of the busiest rank's 4 largest shares
+ *                         is tried as a new replica on the least loaded rank with a free spare
+ *                         slot (and none of it yet); the one whose split gives the lowest (max
+ *                         load, sum of squared loads) is kept, while one improves the table; then
+ *                         each rank's chosen experts keep the slots they already occupy, so that
+ *                         a steady routing copies nothing.
  *
  * Dimension legend: E logical experts, R ranks, P physical slots (P % R == 0), Lp = P / R, B spare
  * slots per rank, N = P + R * B replica entries at most.
@@ -34,6 +36,9 @@
 #include <stdint.h>
 
 #include "core/numerics.h" /* MF_HD: static inline on the host, __host__ __device__ under nvcc */
+
+/* mf__balance_pick tries this many of the busiest rank's experts per spare slot. */
+#define MF__BALANCE_CANDIDATES 4
 
 /* Builds the replica lists. map [P] (values in [0, E), validated by the caller), spare [R * B]
  * (-1 = empty) or NULL when B = 0. Out: rep_off [E + 1], rep_rank [N], rep_slot [N]; count [E]
@@ -129,32 +134,59 @@ MF_HD void mf__balance_pick(int32_t E, int32_t R, int32_t P, int32_t B, const in
     for (int32_t it = 0; it < RB; it++) {
         int32_t q = 0;
         for (int32_t r = 1; r < R; r++) q = load[r] > load[q] ? r : q;
-        /* The expert with the largest share on q (ties: lowest id). */
-        int32_t best = -1;
-        int64_t best_rows = 0;
+        /* Candidates: the experts with the largest shares on q (ties: lowest id), each with its
+         * destination, the least loaded rank with a free spare slot and no replica of it yet. */
+        int32_t cand[MF__BALANCE_CANDIDATES], dest[MF__BALANCE_CANDIDATES], nc = 0;
+        int64_t cand_rows[MF__BALANCE_CANDIDATES];
         for (int32_t e = 0; e < E; e++) {
             int64_t on_q = 0;
             for (int32_t i = rep_off[e]; i < rep_off[e + 1]; i++) on_q += rep_rank[i] == q ? share[i] : 0;
-            if (on_q > best_rows) best = e, best_rows = on_q;
+            if (on_q <= 0) continue;
+            int32_t at = nc < MF__BALANCE_CANDIDATES ? nc++ : MF__BALANCE_CANDIDATES;
+            while (at > 0 && cand_rows[at - 1] < on_q) {
+                if (at < MF__BALANCE_CANDIDATES) cand[at] = cand[at - 1], cand_rows[at] = cand_rows[at - 1];
+                at--;
+            }
+            if (at < MF__BALANCE_CANDIDATES) cand[at] = e, cand_rows[at] = on_q;
         }
-        if (best < 0) break;
-        /* The least loaded rank with a free spare slot and no replica of `best` (ties: lowest). */
-        int32_t d = -1;
-        for (int32_t r = 0; r < R; r++) {
-            int32_t used = 0, has = 0;
-            for (int32_t n = 0; n < B; n++) used += chosen[r * B + n] >= 0, has |= chosen[r * B + n] == best;
-            for (int32_t i = rep_off[best]; i < rep_off[best + 1] && !has; i++) has = rep_rank[i] == r;
-            if (used < B && !has && (d < 0 || load[r] < load[d])) d = r;
+        for (int32_t c = 0; c < nc; c++) {
+            int32_t e = cand[c], d = -1;
+            for (int32_t r = 0; r < R; r++) {
+                int32_t used = 0, has = 0;
+                for (int32_t n = 0; n < B; n++) used += chosen[r * B + n] >= 0;
+                for (int32_t i = rep_off[e]; i < rep_off[e + 1] && !has; i++) has = rep_rank[i] == r;
+                if (used < B && !has && (d < 0 || load[r] < load[d])) d = r;
+            }
+            dest[c] = d;
         }
-        if (d < 0 || load[d] + 1 >= load[q]) break; /* no move lowers the busiest rank */
-        int32_t n = 0;
-        while (chosen[d * B + n] >= 0) n++;
-        chosen[d * B + n] = best;
-        /* Re-split with the new replica: the lists are rebuilt from the map and the picks so far
-         * (R * B is small) and the loads recomputed, so the estimate is the split a forward with
-         * this table would make on these counts. */
+        /* Each candidate is tried (the lists and loads are rebuilt from the map and the picks: R * B
+         * is small); the one whose split has the lowest (max load, sum of squared loads) wins, if
+         * it beats the table without it. */
+        int64_t best_max = 0;
+        double best_sq = 0;
+        for (int32_t r = 0; r < R; r++) best_max = load[r] > best_max ? load[r] : best_max, best_sq += (double)load[r] * load[r];
+        int32_t pick = -1;
+        for (int32_t c = 0; c < nc; c++) {
+            if (dest[c] < 0) continue;
+            int32_t n = 0;
+            while (chosen[dest[c] * B + n] >= 0) n++;
+            chosen[dest[c] * B + n] = cand[c];
+            mf__balance_replicas(E, R, P, B, map, chosen, rep_off, rep_rank, rep_slot, order);
+            mf__balance_split(E, R, counts, rep_off, rep_rank, share, load, order);
+            chosen[dest[c] * B + n] = -1;
+            int64_t mx = 0;
+            double sq = 0;
+            for (int32_t r = 0; r < R; r++) mx = load[r] > mx ? load[r] : mx, sq += (double)load[r] * load[r];
+            if (mx < best_max || (mx == best_max && sq < best_sq)) best_max = mx, best_sq = sq, pick = c;
+        }
+        if (pick >= 0) {
+            int32_t n = 0;
+            while (chosen[dest[pick] * B + n] >= 0) n++;
+            chosen[dest[pick] * B + n] = cand[pick];
+        }
         mf__balance_replicas(E, R, P, B, map, chosen, rep_off, rep_rank, rep_slot, order);
         mf__balance_split(E, R, counts, rep_off, rep_rank, share, load, order);
+        if (pick < 0) break; /* no replica of q's experts improves the table */
     }
     /* Slots: a chosen expert stays where it is resident; the others take the free slots in order. */
     for (int32_t r = 0; r < R; r++) {
