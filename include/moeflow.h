@@ -355,7 +355,9 @@ MF_API mf_result_t mf_moe_create(mf_comm_t comm, const mf_moe_config_t *config, 
 
 MF_API mf_result_t mf_moe_get_info(mf_moe_t moe, mf_moe_info_t *info);
 
-/* Destroys the layer. Not collective; no call on it may be in flight. NULL is a no-op. */
+/* Destroys the layer; no call on it may be in flight. NULL is a no-op. Not collective, except for
+ * a layer with spare_slots > 0: every rank destroys it, meeting at a barrier over the bootstrap so
+ * that no peer still writes its spare slots (skipped on a broken or aborted comm). */
 MF_API mf_result_t mf_moe_destroy(mf_moe_t moe);
 
 /* This rank's expert weights, one per physical slot of the rank: Lp = P / R slots (Lp = L without
@@ -392,7 +394,7 @@ MF_API mf_result_t mf_moe_forward(mf_moe_t moe, const mf_moe_forward_in_t *in,
                            const mf_moe_forward_out_t *out, mf_stream_t stream);
 
 /* ---------------------------------------------------------------------------------------------
- * Balanced EP: logical experts, physical replicas, per-step spare slots (docs/API.md section 8)
+ * Balanced EP: logical experts, physical replicas, per-step spare slots (docs/API.md section 13)
  *
  * Routing ids stay logical (topk_ids in [-1, E)). A layer has P = num_physical_experts slots, P / R
  * on each rank; the *expert map* names the logical expert each slot holds (vLLM EPLB's
