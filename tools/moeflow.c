@@ -712,6 +712,8 @@ static void print_rank_phases(const opts_t *o, const row_t *rows, int nrows) {
     }
 }
 
+static int64_t max_rows(const int64_t *v, int32_t n);
+
 static int write_json(const opts_t *o, const row_t *rows, int nrows, int argc, char **argv) {
     FILE *f = fopen(o->json, "w");
     if (!f) {
@@ -752,6 +754,22 @@ static int write_json(const opts_t *o, const row_t *rows, int nrows, int argc, c
                 fprintf(f, "%s\"%s\": ", p ? ", " : "", k_phase_names[p]);
                 mf__json_number(f, r->timing.phase_max_us[p]);
             }
+            fprintf(f, "}");
+        }
+        if (o->balance && r->timing.have_balance) { /* --balance: rows per rank, bytes moved, model */
+            const mf_moe_balance_stats_t *b = &r->timing.balance;
+            double mean = r->rows ? (double)r->rows / o->R : 1.0;
+            fprintf(f, ", \"balance\": {\"B\": %d, \"rank_max_over_mean_home\": ", r->balance);
+            mf__json_number(f, (double)max_rows(b->home_rows, o->R) / mean);
+            fprintf(f, ", \"rank_max_over_mean\": ");
+            mf__json_number(f, (double)max_rows(b->recv_rows, o->R) / mean);
+            fprintf(f, ", \"moved_first_bytes\": %lld, \"moved_last_bytes\": %lld, \"prefetch_ms\": ",
+                    (long long)r->timing.prefetch_first_bytes, (long long)r->timing.prefetch_last_bytes);
+            mf__json_number(f, r->timing.prefetch_ms);
+            fprintf(f, ", \"model_us\": ");
+            mf__json_number(f, r->model_us);
+            fprintf(f, ", \"model_rows\": %lld, \"link_gbps\": ", (long long)r->model_rows);
+            mf__json_number(f, o->link_gbps);
             fprintf(f, "}");
         }
         fprintf(f, ", \"iters\": %d, \"warmup\": %d, \"peers\": []}", o->iters, o->warmup);
