@@ -194,6 +194,38 @@ static int test_ipc(void) {
     return spare_case(4, MF_DTYPE_BF16, MF_LAYOUT_MASKED, MFP_ROUTING_HOT, 2, MF_TRANSPORT_IPC, 43);
 }
 
+/* Random cases: R 1..8, both dtypes and layouts, uneven T with idle ranks, drops, every routing,
+ * random maps with 0..3 extra slots per rank, B 0..3: y bit-identical to the plain layer. */
+static int test_random_cases(void) {
+    mft_rng_t rng = {0xba1a};
+    for (int32_t i = 0; i < 24; i++) {
+        const int32_t R = 1 + mft_rng_int(&rng, 8);
+        mfp_spec_t s = bal_spec(R, mft_rng_int(&rng, 2) ? MF_DTYPE_FP8_E4M3 : MF_DTYPE_BF16,
+                                mft_rng_int(&rng, 2) ? MF_LAYOUT_MASKED : MF_LAYOUT_EXPERT_MAJOR, mft_rng_int(&rng, 3),
+                                900 + (uint64_t)i);
+        s.E = R * (1 + mft_rng_int(&rng, 4));
+        s.K = 1 + mft_rng_int(&rng, s.E < 4 ? s.E : 4);
+        s.hot_expert = mft_rng_int(&rng, s.E);
+        s.drop_prob = mft_rng_int(&rng, 3) == 0 ? 0.2 : 0.0;
+        int32_t T[MF_MAX_RANKS];
+        for (int32_t r = 0; r < R; r++) T[r] = mft_rng_int(&rng, 4) == 0 ? 0 : 1 + mft_rng_int(&rng, 12);
+        s.T_of_rank = T;
+        s.S = 12;
+        const int32_t P = s.E + R * mft_rng_int(&rng, 4), B = mft_rng_int(&rng, 4);
+        int32_t map[64 + 8 * 3];
+        random_map(s.E, P, 950 + (uint64_t)i, map);
+        mfp_problem_t p;
+        MFT_CHECK(mfp_generate(&s, &p) == 0);
+        mft_verbose("  case %d: R %d E %d K %d P %d B %d\n", (int)i, (int)R, (int)s.E, (int)s.K, (int)P, (int)B);
+        int rc = run_vs_plain(&p, mft_rng_int(&rng, 2) || P != s.E ? map : NULL, P == s.E ? 0 : P, B, 3,
+                              MF_TRANSPORT_LOCAL, NULL);
+        mfp_free(&p);
+        if (rc) return mft_fail(__FILE__, __LINE__, "random case %d (R %d, E %d, K %d, P %d, B %d) failed", (int)i,
+                                (int)R, (int)s.E, (int)s.K, (int)P, (int)B);
+    }
+    return 0;
+}
+
 /* ---- maps that change between calls, ranks that disagree, routing that changes -------------- */
 
 typedef struct change_ctx {
@@ -387,6 +419,7 @@ const mft_test_t mft_tests_balance[] = {
     {"balance_maps_bitwise", test_maps_bitwise, 0},
     {"balance_spare_bitwise", test_spare_bitwise, 0},
     {"balance_ipc", test_ipc, 0},
+    {"balance_random", test_random_cases, 0},
     {"balance_map_changes", test_map_changes, 0},
     {"balance_bad_maps", test_bad_maps, 0},
     {NULL, NULL, 0},
