@@ -33,6 +33,7 @@
 static const mft_test_t *const mft_tables[] = {
     mft_tests_cuda,
     mft_tests_cuda_transport,
+    mft_tests_cuda_balance,
     NULL,
 };
 #else
