@@ -4,6 +4,8 @@
 # date, command, commit) and logs into DIR, one archive DIR.tgz, and prints a table last.
 #
 #   MF_COMMIT=<hash> bash bench/multigpu.sh DIR [comm|layer|all]
+#   MF_TRANSPORTS="ipc" MF_PRESETS="deepseek-v3" ... to run a part (the full set on 8 GPUs is more
+#   than one 10-minute device call: e.g. `comm`, then `layer` once per transport)
 #
 # It counts the GPUs (nvidia-smi -L). With N >= 2 it measures, over the ipc transport and over the
 # nccl transport, R = N ranks, one process per GPU (rank r on GPU r):
@@ -37,18 +39,18 @@ if [ "$ngpu" -ge 2 ]; then
     mode=full
     R=$ngpu
     export MF_CARD=${MF_CARD:-h200x$ngpu}
-    transports="ipc nccl"
+    transports=${MF_TRANSPORTS:-ipc nccl}
     comm_T=128,4096
     comm_iters="--iters 50 --warmup 10"
     layer_T=1,8,32,128,512,4096
     layer_iters="--iters 10 --warmup 2"
     shrink=""
-    tmo=150
+    tmo=300
 else
     mode=DRY-RUN
     R=2
     export MF_CARD=${MF_CARD:-h200}
-    transports="ipc nccl"  # nccl runs at R = 1 below
+    transports=${MF_TRANSPORTS:-ipc nccl}  # nccl runs at R = 1 below
     comm_T=8,128
     comm_iters="--iters 3 --warmup 1"
     layer_T=1,8,128
@@ -82,7 +84,7 @@ fi
 if [ "$what" = layer ] || [ "$what" = all ]; then
     for tr in $transports; do
         r=$(ranks_for $tr)
-        for preset in deepseek-v3 kimi-k2 qwen3-235b-a22b; do
+        for preset in ${MF_PRESETS:-deepseek-v3 kimi-k2 qwen3-235b-a22b}; do
             [ "$mode" = DRY-RUN ] && [ "$tr" = nccl ] && [ "$preset" != deepseek-v3 ] && continue  # one is enough
             name=layer_${preset}_R${r}_$tr
             # shellcheck disable=SC2086
