@@ -932,7 +932,7 @@ static void run_row(const opts_t *o, mfp_problem_t *p, row_t *row, uint16_t **y,
         row->time_us = row->timing.phase_max_us[MF_PHASE_DISPATCH];
         const double per = row->dtype == MF_DTYPE_FP8_E4M3 ? o->H + o->H / 128 * 4 + 16 : 2.0 * o->H;
         row->gbps = row->time_us > 0 ? row->sel_per_rank * per / (row->time_us * 1e-6) / 1e9 : 0;
-        row->tflops = 0, row->floor_us = -1, row->pct = 0, row->floor_rank_us = -1;
+        row->tflops = NAN, row->floor_us = -1, row->pct = 0, row->floor_rank_us = -1; /* JSON null */
     }
     row->pass = 1;
     if (!o->check) return;
