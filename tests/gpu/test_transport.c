@@ -198,53 +198,84 @@ static int same_digests(int32_t R, const uint64_t *a, const uint64_t *b, int che
     return 0;
 }
 
-/* op DISPATCH_COMBINE (comm) or a captured FORWARD (graph), over every process transport, against
- * the same calls on local CUDA virtual ranks (eager) and, for comm, on the CPU backend. */
-static int mp_digest_case(const mp_case_t *c, int graph) {
+/* One case of op DISPATCH_COMBINE (comm) or a captured FORWARD (graph): its runs over every process
+ * transport, kept until the same calls run on local CUDA virtual ranks (eager) and, for comm, on the
+ * CPU backend. The process runs of every case come first: a process that has touched CUDA cannot
+ * fork rank processes that use it. */
+typedef struct mp_digest {
     mfp_problem_t p;
-    MFT_CHECK(mp_problem(c, graph ? 4 : 2, &p) == 0);
-    const int32_t R = c->R;
-    const size_t nd = (size_t)R * MP_CALLS * 2;
-    int32_t trs[2], ntr = mp_transports(R, trs);
-    uint64_t *d_mp[2], *d_local = mft_alloc(nd * 8), *d_cpu = mft_alloc(nd * 8);
-    uint16_t **y_mp[2], **y_local = alloc_ys(&p);
+    int32_t trs[2], ntr;
+    uint64_t *d_mp[2];
+    uint16_t **y_mp[2];
+} mp_digest_t;
+
+static mfp_run_opts_t mp_digest_opts(const mp_case_t *c, int graph) {
     mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
     o.op = graph ? MFP_OP_FORWARD : MFP_OP_DISPATCH_COMBINE;
     o.dataflow = c->dataflow;
+    return o;
+}
+
+static int mp_digest_run(const mp_case_t *c, int graph, mp_digest_t *s) {
+    MFT_CHECK(mp_problem(c, graph ? 4 : 2, &s->p) == 0);
+    const size_t nd = (size_t)c->R * MP_CALLS * 2;
+    s->ntr = mp_transports(c->R, s->trs);
+    mfp_run_opts_t og = mp_digest_opts(c, graph);
+    og.graph = graph;
     char err[512] = "";
-    for (int t = 0; t < ntr; t++) {
-        mfp_run_opts_t og = o;
-        og.graph = graph;
-        d_mp[t] = mft_alloc(nd * 8);
-        y_mp[t] = alloc_ys(&p);
-        MFT_CHECK_MSG(run_digests(&p, og, MF_BACKEND_CUDA, trs[t], d_mp[t], y_mp[t], err, sizeof err) == MF_SUCCESS,
+    for (int t = 0; t < s->ntr; t++) {
+        s->d_mp[t] = mft_alloc(nd * 8);
+        s->y_mp[t] = alloc_ys(&s->p);
+        MFT_CHECK_MSG(run_digests(&s->p, og, MF_BACKEND_CUDA, s->trs[t], s->d_mp[t], s->y_mp[t], err, sizeof err) ==
+                          MF_SUCCESS,
                       "%s over %s (R = %d processes): %s", graph ? "graph replay" : "dispatch / combine",
-                      tr_name(trs[t]), (int)R, err);
+                      tr_name(s->trs[t]), (int)c->R, err);
     }
-    MFT_CHECK_MSG(run_digests(&p, o, MF_BACKEND_CUDA, MF_TRANSPORT_LOCAL, d_local, y_local, err, sizeof err) ==
+    return 0;
+}
+
+static int mp_digest_check(const mp_case_t *c, int graph, mp_digest_t *s) {
+    const int32_t R = c->R;
+    const size_t nd = (size_t)R * MP_CALLS * 2;
+    uint64_t *d_local = mft_alloc(nd * 8), *d_cpu = mft_alloc(nd * 8);
+    uint16_t **y_local = alloc_ys(&s->p);
+    mfp_run_opts_t o = mp_digest_opts(c, graph);
+    char err[512] = "";
+    MFT_CHECK_MSG(run_digests(&s->p, o, MF_BACKEND_CUDA, MF_TRANSPORT_LOCAL, d_local, y_local, err, sizeof err) ==
                       MF_SUCCESS, "local (R = %d threads): %s", (int)R, err);
     if (!graph) {
-        uint16_t **y_cpu = alloc_ys(&p);
-        MFT_CHECK_MSG(run_digests(&p, o, MF_BACKEND_CPU, MF_TRANSPORT_LOCAL, d_cpu, y_cpu, err, sizeof err) ==
+        uint16_t **y_cpu = alloc_ys(&s->p);
+        MFT_CHECK_MSG(run_digests(&s->p, o, MF_BACKEND_CPU, MF_TRANSPORT_LOCAL, d_cpu, y_cpu, err, sizeof err) ==
                           MF_SUCCESS, "cpu: %s", err);
         if (same_digests(R, d_local, d_cpu, 1, "local CUDA vs CPU")) return 1;
         free_ys(y_cpu, R);
     }
-    for (int t = 0; t < ntr; t++) {
+    for (int t = 0; t < s->ntr; t++) {
         char what[64];
-        snprintf(what, sizeof what, "%s vs local", tr_name(trs[t]));
-        if (same_digests(R, d_mp[t], d_local, !graph, what) || same_y(&p, y_mp[t], y_local, what)) return 1;
+        snprintf(what, sizeof what, "%s vs local", tr_name(s->trs[t]));
+        if (same_digests(R, s->d_mp[t], d_local, !graph, what) || same_y(&s->p, s->y_mp[t], y_local, what)) return 1;
         mft_verbose("  R %d %s %s: %s == local%s, %d calls on new routing, bit for bit\n", (int)R,
                     c->dtype == MF_DTYPE_FP8_E4M3 ? "fp8" : "bf16",
-                    c->layout == MF_LAYOUT_MASKED ? "masked" : "expert_major", tr_name(trs[t]),
+                    c->layout == MF_LAYOUT_MASKED ? "masked" : "expert_major", tr_name(s->trs[t]),
                     graph ? " (graph replays vs eager)" : " and cpu (dispatch outputs and y)", MP_CALLS);
-        free(d_mp[t]);
-        free_ys(y_mp[t], R);
+        free(s->d_mp[t]);
+        free_ys(s->y_mp[t], R);
     }
     free(d_local);
     free(d_cpu);
     free_ys(y_local, R);
-    mfp_free(&p);
+    mfp_free(&s->p);
+    return 0;
+}
+
+/* Every case's process runs, then every case's local runs and comparisons (n <= 4). */
+static int mp_digest_cases(const mp_case_t *cases, int n, int graph) {
+    const char *name = graph ? "graph" : "comm";
+    mp_digest_t s[4];
+    for (int i = 0; i < n; i++)
+        if (mp_digest_run(&cases[i], graph, &s[i])) return mft_fail(__FILE__, __LINE__, "%s case %d", name, i);
+    for (int i = 0; i < n; i++)
+        if (mp_digest_check(&cases[i], graph, &s[i])) return mft_fail(__FILE__, __LINE__, "%s case %d", name, i);
     return 0;
 }
 
@@ -257,9 +288,7 @@ static int cuda_ipc_comm(void) {
         {R3, MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED, MF_DATAFLOW_AUTO, uneven_T(R3), 73},
         {1, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MF_DATAFLOW_AUTO, NULL, 74}, /* nccl on one GPU too */
     };
-    for (int i = 0; i < 4; i++)
-        if (mp_digest_case(&cases[i], 0)) return mft_fail(__FILE__, __LINE__, "comm case %d", i);
-    return 0;
+    return mp_digest_cases(cases, 4, 0);
 }
 
 /* A captured forward replayed over processes with the routing redrawn every replay: DIRECT
@@ -271,9 +300,7 @@ static int cuda_ipc_graph(void) {
         {R, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, MF_DATAFLOW_PULL, NULL, 82},
         {1, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MF_DATAFLOW_AUTO, NULL, 83}, /* nccl on one GPU too */
     };
-    for (int i = 0; i < 3; i++)
-        if (mp_digest_case(&cases[i], 1)) return mft_fail(__FILE__, __LINE__, "graph case %d", i);
-    return 0;
+    return mp_digest_cases(cases, 3, 1);
 }
 
 /* The last rank process is SIGKILLed right after it launched its second forward (its kernels in
