@@ -110,12 +110,14 @@ test: $(TESTS) $(CLI) $(SHARED)
 	./$(TESTS)
 	bash tests/abi.sh $(SHARED) include/moeflow.h
 
-# The whole CUDA suite, then compute-sanitizer memcheck and racecheck on its one-rank config.
+# The whole CUDA suite, then compute-sanitizer memcheck and racecheck on its one-rank config. The
+# suite's multi-process cases (tests/gpu/test_transport.c) take R = the GPUs visible where several.
 # The sm90 GEMM labs validate every kernel variant the library ships against their CPU references.
 test-gpu:
 ifeq ($(CUDA),1)
 	$(MAKE) $(GPU_TESTS) $(CLI) $(SHARED) lab
 	bash tests/abi.sh $(SHARED) include/moeflow.h
+	@echo "# test-gpu: $$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ') GPU(s) visible: the multi-process cases run with R = that many (ipc, nccl; one process per GPU) where > 1, else R processes share GPU 0 (ipc; nccl at R = 1)"
 	@suite=0; ./$(GPU_TESTS) || suite=1; \
 	if ! ./$(GPU_TESTS) --has-gpu; then echo "test-gpu: no GPU: GEMM labs and sanitizers SKIP"; \
 	else set -e; for lab in sm90_decode_lab sm90_gemm_lab; do echo "# $$lab --validate (log: $(BUILD)/$$lab.log)"; \

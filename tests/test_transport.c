@@ -138,6 +138,48 @@ static int test_ipc_rank_dies(void) {
     return 0;
 }
 
+/* mfp_run's dispatch + combine mode over processes (the driver of the CUDA suite's and bench's
+ * multi-process comm cases, walked here on the CPU backend): with the routing redrawn every call,
+ * each call's dispatch digest and combined y equal the local run's; and the forward with redraw
+ * equals it call by call too. */
+static int test_ipc_comm_digests(void) {
+    enum { kCalls = 3 };
+    static const int32_t T3[3] = {12, 0, 5};
+    for (int op = 0; op < 2; op++) {
+        mfp_spec_t spec = small_spec(3, op ? MF_DTYPE_FP8_E4M3 : MF_DTYPE_BF16,
+                                     op ? MF_LAYOUT_EXPERT_MAJOR : MF_LAYOUT_MASKED, 31 + (uint64_t)op);
+        spec.T_of_rank = T3;
+        spec.drop_prob = 0.1;
+        mfp_problem_t p;
+        MFT_CHECK(mfp_generate(&spec, &p) == 0);
+        uint64_t d[2][3 * kCalls * 2];
+        uint16_t *y[2][3];
+        for (int t = 0; t < 2; t++) {
+            for (int r = 0; r < 3; r++) y[t][r] = mft_alloc((size_t)p.T[r] * p.spec.H * 2 + 2);
+            mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
+            o.backend = MF_BACKEND_CPU, o.iters = kCalls, o.timeout_ms = TR_TIMEOUT_MS;
+            o.transport = t ? MF_TRANSPORT_IPC : MF_TRANSPORT_LOCAL;
+            o.op = op ? MFP_OP_DISPATCH_COMBINE : MFP_OP_FORWARD, o.profile = 1;
+            o.redraw = 1, o.redraw_seed = 700, o.digests = d[t];
+            char err[512];
+            MFT_CHECK_MSG(mfp_run(&p, &o, y[t], NULL, err, sizeof err) == MF_SUCCESS, "op %d %s: %s", op,
+                          t ? "ipc" : "local", err);
+        }
+        for (int i = 0; i < 3 * kCalls * 2; i++)
+            MFT_CHECK_MSG(d[0][i] == d[1][i], "op %d: rank %d call %d: %s digest differs", op, i / (2 * kCalls),
+                          (i / 2) % kCalls, i % 2 ? "y" : "dispatch");
+        for (int i = 0; op && i < 3 * kCalls; i++)
+            MFT_CHECK_MSG(d[0][2 * i] != 0 && d[0][2 * i] != d[0][(2 * i + 2) % (6 * kCalls)],
+                          "op %d: dispatch digests do not follow the routing", op);
+        for (int r = 0; r < 3; r++) {
+            MFT_CHECK(memcmp(y[0][r], y[1][r], (size_t)p.T[r] * p.spec.H * 2) == 0);
+            free(y[0][r]), free(y[1][r]);
+        }
+        mfp_free(&p);
+    }
+    return 0;
+}
+
 /* ---- rank processes driven by the test ------------------------------------------------------ */
 
 #define TR_MAX_CALLS 4
@@ -711,6 +753,7 @@ static int test_layer_mismatch(void) {
 const mft_test_t mft_tests_transport[] = {
     {"transport_ipc_bitwise", test_ipc_bitwise, 60},
     {"transport_ipc_rank_dies", test_ipc_rank_dies, 60},
+    {"transport_ipc_comm_digests", test_ipc_comm_digests, 60},
     {"transport_ipc_bad_id", test_ipc_bad_id, 60},
     {"transport_ipc_local_refused", test_ipc_local_refused, 60},
     {"transport_abort", test_abort, 60},

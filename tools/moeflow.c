@@ -19,6 +19,14 @@
  * bench also splits each row into its phases (count(): prepare and dispatch as copies, W13 and W2
  * as GEMMs that read the routed experts' weights once, combine as the partials' return and sum),
  * each with its own floor, in the table after the main one and as extra JSON rows (op = phase).
+ * floor/rk is the same floor for the busiest rank's share alone (its tokens, the rows it receives,
+ * its routed experts): the floor of one GPU per rank.
+ *
+ * bench --op comm times mf_dispatch and mf_combine alone (no expert GEMM between them: combine
+ * reads a fixed buffer), one row each, device events around each call on every rank (slowest rank,
+ * median). GB/s is counted as DeepEP's low-latency tests count it, per rank: every top-k selection
+ * (id != -1) of the rank's tokens moves H + H/128 * 4 + 16 bytes in an FP8 dispatch (2H in BF16)
+ * and 2H in the combine; the mean selections per rank over the slowest rank's time.
  */
 #include <errno.h>
 #include <math.h>
@@ -94,7 +102,8 @@ typedef struct opts {
     mf_backend_t backend_req, backend;
     const preset_t *preset;
     int32_t iters, warmup, check, per_rank, gated;
-    int32_t transport; /* MF_TRANSPORT_LOCAL (threads) or MF_TRANSPORT_IPC (a process per rank) */
+    int32_t transport; /* MF_TRANSPORT_LOCAL (threads), _IPC or _NCCL (a process per rank) */
+    int32_t comm_op;   /* --op comm: dispatch and combine alone */
     int32_t cuda_present; /* a usable CUDA device was found (asked without touching CUDA for ipc) */
     int64_t timeout_ms;
     const char *json;
@@ -143,9 +152,13 @@ static void usage(FILE *f) {
             "      --link-gbps G            the model's link rate per direction, GB/s        [%g]\n"
             "running\n"
             "      --backend auto|cpu|cuda  auto: CUDA when present, else CPU          [auto]\n"
-            "      --transport local|ipc    local: the ranks are threads of this process; ipc:\n"
-            "                               one process per rank, met through the built-in\n"
-            "                               rendezvous (mf_comm_init)                  [local]\n"
+            "      --transport local|ipc|nccl  local: the ranks are threads of this process (one\n"
+            "                               GPU); ipc: one process per rank, met through the\n"
+            "                               built-in rendezvous (mf_comm_init), rank r on GPU\n"
+            "                               r %% GPUs; nccl: as ipc, over an ncclComm per rank\n"
+            "                               (libnccl.so.2; one GPU per rank)          [local]\n"
+            "      --op layer|comm          bench: the whole layer, or mf_dispatch and\n"
+            "                               mf_combine alone (GB/s counted as DeepEP) [layer]\n"
             "      --iters N, --warmup N    run: %d, %d; bench: %d, %d on CUDA and %d, %d on CPU\n"
             "      --no-check               bench: skip the reference\n"
             "      --per-rank               bench: each rank's own phase medians too\n"
@@ -257,7 +270,7 @@ static const struct {
     {0, "layout", 1},   {0, "routing", 1},   {0, "drop", 1},         {0, "seed", 1},
     {0, "backend", 1},  {0, "preset", 1},    {0, "ue8m0", 0},        {0, "iters", 1},
     {0, "warmup", 1},   {0, "json", 1},      {0, "timeout-ms", 1},   {0, "no-check", 0},
-    {0, "dataflow", 1}, {0, "per-rank", 0}, {0, "gated", 0}, {0, "transport", 1},
+    {0, "dataflow", 1}, {0, "per-rank", 0}, {0, "gated", 0}, {0, "transport", 1}, {0, "op", 1},
     {0, "balance", 1},  {0, "link-gbps", 1},
     {'h', "help", 0},
 };
@@ -346,7 +359,12 @@ static void parse_args(int argc, char **argv, opts_t *o) {
         else if (!strcmp(name, "--transport")) {
             if (!strcmp(v, "local")) o->transport = MF_TRANSPORT_LOCAL;
             else if (!strcmp(v, "ipc")) o->transport = MF_TRANSPORT_IPC;
-            else die_usage("--transport: '%s' is not local or ipc", v);
+            else if (!strcmp(v, "nccl")) o->transport = MF_TRANSPORT_NCCL;
+            else die_usage("--transport: '%s' is not local, ipc or nccl", v);
+        } else if (!strcmp(name, "--op")) {
+            if (!strcmp(v, "layer")) o->comm_op = 0;
+            else if (!strcmp(v, "comm")) o->comm_op = 1;
+            else die_usage("--op: '%s' is not layer or comm", v);
         }
         else if (!strcmp(name, "--drop")) {
             o->drop = parse_double(name, v);
@@ -391,8 +409,8 @@ static void resolve(opts_t *o) {
     if (o->S < maxT) die_usage("-S %d is below -T %d (T <= S on every call)", o->S, maxT);
     /* With --transport ipc the rank processes are forked from this one, which must not have used
      * CUDA: a child process answers the question instead. */
-    const mf_backend_t cuda_here = o->transport == MF_TRANSPORT_IPC ? mfp_probe_backend(MF_BACKEND_AUTO)
-                                                                    : mfp_resolve_backend(MF_BACKEND_AUTO);
+    const mf_backend_t cuda_here = o->transport != MF_TRANSPORT_LOCAL ? mfp_probe_backend(MF_BACKEND_AUTO)
+                                                                      : mfp_resolve_backend(MF_BACKEND_AUTO);
     if (o->backend_req == MF_BACKEND_CUDA && cuda_here != MF_BACKEND_CUDA)
         die_usage("--backend cuda: %s", MF_WITH_CUDA ? "no usable CUDA device found"
                                                      : "this build has no CUDA (nvcc not found or CUDA=0)");
@@ -402,7 +420,15 @@ static void resolve(opts_t *o) {
     if (o->iters < 0) o->iters = !o->bench ? RUN_ITERS : cuda ? BENCH_ITERS_CUDA : BENCH_ITERS_CPU;
     if (o->warmup < 0) o->warmup = !o->bench ? RUN_WARMUP : cuda ? BENCH_WARMUP_CUDA : BENCH_WARMUP_CPU;
     if (!o->bench && !o->check) die_usage("--no-check is for bench; run always checks");
+    if (o->transport == MF_TRANSPORT_NCCL && o->backend != MF_BACKEND_CUDA)
+        die_usage("--transport nccl needs the CUDA backend");
+    if (o->comm_op && !o->bench) die_usage("--op comm is for bench");
+    if (o->comm_op) { /* nothing to check against the reference; one pass, no dataflows */
+        o->check = 0;
+        o->flows[0] = MF_DATAFLOW_AUTO, o->nflows = 1;
+    }
     /* Balancing plans from the previous forward: at least one forward before the measured one. */
+    if (o->balance && o->comm_op) die_usage("--balance is for the whole layer, not --op comm");
     if (o->balance && o->warmup < 1) o->warmup = 1;
 }
 
@@ -489,8 +515,11 @@ static void on_run_progress(void *ctx, int32_t done, int32_t total) {
 /* ---- one result row ------------------------------------------------------------------------- */
 typedef struct row {
     int32_t dtype, T, flow, balance;
-    double model_us;         /* --balance: the modelled R-GPU step (docs/PERFORMANCE.md) */
-    int64_t model_rows;      /* the busiest rank's rows the model ran */
+    int32_t op;            /* ROW_LAYER, ROW_DISPATCH, ROW_COMBINE */
+    double floor_rank_us;  /* the busiest rank's share alone; -1 on the CPU */
+    double sel_per_rank;   /* --op comm: mean top-k selections (id != -1) per rank */
+    double model_us;       /* --balance: the modelled R-GPU step (docs/PERFORMANCE.md) */
+    int64_t model_rows;    /* the busiest rank's rows the model ran */
     int64_t rows;
     double rank_lb, expert_lb; /* max / mean of received rows */
     mf_result_t code;
@@ -503,7 +532,21 @@ typedef struct row {
     int pass;
 } row_t;
 
+enum { ROW_LAYER = 0, ROW_DISPATCH = 1, ROW_COMBINE = 2 };
+static const char *const k_row_ops[] = {"layer", "dispatch", "combine"};
+
+static const char *transport_name(int32_t t) {
+    return t == MF_TRANSPORT_IPC ? "ipc" : t == MF_TRANSPORT_NCCL ? "nccl" : "local";
+}
+
+/* The dataflow column: the dataflow of a layer row, the call of a comm row. */
+static const char *row_flow_name(const row_t *r);
+
 static const char *dtype_name(int32_t dtype) { return dtype == MF_DTYPE_BF16 ? "bf16" : "fp8"; }
+
+static const char *row_flow_name(const row_t *r) {
+    return r->op == ROW_LAYER ? k_flow_names[r->flow] : k_row_ops[r->op];
+}
 
 static const char *routing_name(const opts_t *o, char *buf, size_t n) {
     if (o->routing == MFP_ROUTING_ZIPF) snprintf(buf, n, "zipf:%g", o->zipf_s);
@@ -558,6 +601,22 @@ static void count(const opts_t *o, const mfp_problem_t *p, row_t *row) {
     row->gbps = t > 0 ? bytes / t / 1e9 : 0;
     row->floor_us = floor_of(o, row->dtype, flops, bytes);
     row->pct = row->floor_us >= 0 && row->time_us > 0 ? 100.0 * row->floor_us / row->time_us : 0;
+    row->floor_rank_us = -1;
+    { /* the busiest rank's share: its received rows, its routed experts, its own x and y */
+        const int32_t L = o->E / o->R;
+        int64_t *pe2 = calloc((size_t)o->E, sizeof *pe2);
+        if (!pe2) die_usage("out of host memory");
+        mfp_count_rows(p, NULL, pe2);
+        for (int32_t q = 0; q < o->R; q++) {
+            double rq = 0, uq = 0;
+            for (int32_t e = q * L; e < (q + 1) * L; e++) rq += (double)pe2[e], uq += pe2[e] > 0;
+            double fq = 2.0 * rq * H * I * 3;
+            double bq = uq * 3 * I * H * (es + (fp8 ? 4.0 / (QBLOCK * QBLOCK) : 0)) + 2.0 * p->T[q] * H * 2 + rq * H * (es + 2);
+            double f = floor_of(o, row->dtype, fq, bq);
+            if (f > row->floor_rank_us) row->floor_rank_us = f;
+        }
+        free(pe2);
+    }
 
     /* Per phase, every rank's work (the ranks run their phases concurrently): bytes count reads
      * and writes, as the copy ceiling does; scales add 4 bytes per 128 FP8 elements. */
@@ -580,7 +639,7 @@ typedef struct phase_stat {
 } phase_stat_t;
 
 static int phase_stat(const opts_t *o, const row_t *r, int f, phase_stat_t *ps) {
-    if (r->code != MF_SUCCESS || !r->timing.have_phases) return 0;
+    if (r->code != MF_SUCCESS || !r->timing.have_phases || r->op != ROW_LAYER) return 0;
     ps->us = r->timing.phase_max_us[f];
     double t = ps->us * 1e-6;
     ps->tflops = t > 0 ? r->ph_flops[f] / t / 1e12 : 0;
@@ -627,9 +686,9 @@ static void print_header(const opts_t *o) {
         append(l1, sizeof l1, " %10s %10s %9s %8s %7s", "total", "diff", "max_err", "#wrong", "result");
         append(l2, sizeof l2, " %10s", "(us)");
     } else {
-        append(l1, sizeof l1, " %8s %8s %9s %7s %10s %8s", "TFLOP/s", "GB/s", "floor", "%floor", "diff",
-               "#wrong");
-        append(l2, sizeof l2, " %8s %8s %9s", "", "", "(us)");
+        append(l1, sizeof l1, " %8s %8s %9s %7s %9s %10s %8s", "TFLOP/s", "GB/s", "floor", "%floor", "floor/rk",
+               "diff", "#wrong");
+        append(l2, sizeof l2, " %8s %8s %9s %7s %9s", "", "", "(us)", "", "(us)");
     }
     print_line(l1);
     print_line(l2);
@@ -642,7 +701,7 @@ static void print_row(const opts_t *o, const row_t *r) {
         snprintf(max_err, sizeof max_err, "%.2e", r->max_abs);
         snprintf(wrong, sizeof wrong, "%lld", (long long)r->wrong);
     }
-    printf(" %5s %8s %7d %8lld", dtype_name(r->dtype), k_flow_names[r->flow], r->T, (long long)r->rows);
+    printf(" %5s %8s %7d %8lld", dtype_name(r->dtype), row_flow_name(r), r->T, (long long)r->rows);
     if (o->balance) printf(" %3d", r->balance);
     if (!o->bench) printf(" %7.2f %7.2f", r->rank_lb, r->expert_lb);
     else if (r->code == MF_SUCCESS) printf(" %10.1f", r->time_us);
@@ -659,12 +718,16 @@ static void print_row(const opts_t *o, const row_t *r) {
         return;
     }
     if (r->code != MF_SUCCESS) {
-        printf(" %8s %8s %9s %7s %10s %8s\n", "-", "-", "-", "-", "ERROR", "-");
+        printf(" %8s %8s %9s %7s %9s %10s %8s\n", "-", "-", "-", "-", "-", "ERROR", "-");
+        return;
+    }
+    if (r->op != ROW_LAYER) { /* GB/s as DeepEP counts it; no floor defined for a link here */
+        printf(" %8s %8.1f %9s %7s %9s %10s %8s\n", "-", r->gbps, "-", "-", "-", diff, wrong);
         return;
     }
     printf(" %8.3f %8.1f", r->tflops, r->gbps);
-    if (r->floor_us >= 0) printf(" %9.1f %6.1f%%", r->floor_us, r->pct);
-    else printf(" %9s %7s", "-", "-");
+    if (r->floor_us >= 0) printf(" %9.1f %6.1f%% %9.1f", r->floor_us, r->pct, r->floor_rank_us);
+    else printf(" %9s %7s %9s", "-", "-", "-");
     printf(" %10s %8s\n", diff, wrong);
 }
 
@@ -681,7 +744,7 @@ static void print_phases(const opts_t *o, const row_t *rows, int nrows) {
                        "time(us)", "TFLOP/s", "GB/s", "floor", "%floor");
                 any = 1;
             }
-            printf(" %5s %8s %7d %9s %9.1f %8.1f %8.1f", dtype_name(rows[i].dtype), k_flow_names[rows[i].flow], rows[i].T,
+            printf(" %5s %8s %7d %9s %9.1f %8.1f %8.1f", dtype_name(rows[i].dtype), row_flow_name(&rows[i]), rows[i].T,
                    k_phase_names[f],
                    ps.us, ps.tflops, ps.gbps);
             if (ps.floor_us >= 0) printf(" %9.1f %6.1f%%\n", ps.floor_us, ps.pct);
@@ -703,7 +766,7 @@ static void print_rank_phases(const opts_t *o, const row_t *rows, int nrows) {
         const row_t *r = &rows[i];
         if (r->code != MF_SUCCESS || !r->timing.have_phases) continue;
         for (int32_t q = 0; q < o->R; q++) {
-            printf(" %5s %8s %7d %5d", dtype_name(r->dtype), k_flow_names[r->flow], r->T, q);
+            printf(" %5s %8s %7d %5d", dtype_name(r->dtype), row_flow_name(r), r->T, q);
             if (r->timing.rank_start_us[q] >= 0) printf(" %9.1f", r->timing.rank_start_us[q]);
             else printf(" %9s", "-");
             for (int f = 0; f <= MF_NUM_PHASES; f++) printf(" %9.1f", r->timing.phase_rank_us[q][f]);
@@ -726,9 +789,21 @@ static int write_json(const opts_t *o, const row_t *rows, int nrows, int argc, c
         const row_t *r = &rows[i];
         if (r->code != MF_SUCCESS) continue; /* no measurement */
         fprintf(f, "%s\n  {\"op\": \"%s\", \"dataflow\": \"%s\", \"dtype\": \"%s\", \"layout\": \"%s\", ",
-                first ? "" : ",", r->flow == MF_DATAFLOW_UNFUSED ? "layer_unfused" : "layer", k_flow_names[r->flow],
-                dtype_name(r->dtype), o->layout == MF_LAYOUT_MASKED ? "masked" : "expert_major");
+                first ? "" : ",",
+                r->op != ROW_LAYER ? k_row_ops[r->op] : r->flow == MF_DATAFLOW_UNFUSED ? "layer_unfused" : "layer",
+                r->op != ROW_LAYER ? "-" : k_flow_names[r->flow], dtype_name(r->dtype),
+                o->layout == MF_LAYOUT_MASKED ? "masked" : "expert_major");
         first = 0;
+        fprintf(f, "\"transport\": \"%s\", \"gated\": %d, ", transport_name(o->transport), o->gated);
+        if (r->op != ROW_LAYER) {
+            fprintf(f, "\"counting\": \"deepep_low_latency\", \"selections_per_rank\": ");
+            mf__json_number(f, r->sel_per_rank);
+            fprintf(f, ", ");
+        } else if (r->floor_rank_us >= 0) {
+            fprintf(f, "\"floor_rank_us\": ");
+            mf__json_number(f, r->floor_rank_us);
+            fprintf(f, ", ");
+        }
         fprintf(f, "\"shape\": {\"R\": %d, \"E\": %d, \"K\": %d, \"H\": %d, \"I\": %d, \"T\": %d, "
                    "\"L\": %d, \"M\": %lld}, ",
                 o->R, o->E, o->K, o->H, o->I, r->T, o->E / o->R, (long long)r->rows);
@@ -738,7 +813,7 @@ static int write_json(const opts_t *o, const row_t *rows, int nrows, int argc, c
         mf__json_number(f, r->tflops);
         fprintf(f, ", \"gbps\": ");
         mf__json_number(f, r->gbps);
-        if (r->floor_us >= 0) {
+        if (r->floor_us >= 0 && r->op == ROW_LAYER) {
             fprintf(f, ", \"floor_us\": ");
             mf__json_number(f, r->floor_us);
             fprintf(f, ", \"pct_of_floor\": ");
@@ -778,7 +853,7 @@ static int write_json(const opts_t *o, const row_t *rows, int nrows, int argc, c
             if (!phase_stat(o, r, p, &ps)) break;
             fprintf(f, ",\n  {\"op\": \"%s\", \"dataflow\": \"%s\", \"dtype\": \"%s\", \"layout\": \"%s\", \"shape\": {\"R\": %d, "
                        "\"E\": %d, \"K\": %d, \"H\": %d, \"I\": %d, \"T\": %d, \"L\": %d, \"M\": %lld}, \"time_us\": ",
-                    k_phase_names[p], k_flow_names[r->flow], dtype_name(r->dtype),
+                    k_phase_names[p], row_flow_name(r), dtype_name(r->dtype),
                     o->layout == MF_LAYOUT_MASKED ? "masked" : "expert_major",
                     o->R, o->E, o->K, o->H, o->I, r->T, o->E / o->R, (long long)r->rows);
             mf__json_number(f, ps.us);
@@ -817,8 +892,10 @@ static void print_meta(const opts_t *o) {
            o->backend == MF_BACKEND_CUDA ? "cuda" : "cpu",
            o->backend_req == MF_BACKEND_AUTO ? "auto" : "requested",
            !MF_WITH_CUDA ? "not in this build" : cuda_here ? "present" : "no device",
-           o->transport == MF_TRANSPORT_IPC ? "ipc" : "local", o->R,
-           o->transport == MF_TRANSPORT_IPC ? "process" : "thread");
+           transport_name(o->transport), o->R, o->transport != MF_TRANSPORT_LOCAL ? "process" : "thread");
+    if (o->comm_op)
+        printf("# op       mf_dispatch and mf_combine alone (no GEMM between them); GB/s per rank as DeepEP counts:\n"
+               "#          selections x (H + H/128*4 + 16) FP8 dispatch (2H BF16), x 2H combine\n");
     printf("# shape    R %d  E %d  L %d  K %d  H %d  I %d  S %d  layout %s  ue8m0 %d%s%s\n", o->R, o->E,
            o->E / o->R, o->K, o->H, o->I, o->S, o->layout == MF_LAYOUT_MASKED ? "masked" : "expert_major",
            o->ue8m0, o->preset ? "  preset " : "", o->preset ? o->preset->name : "");
@@ -867,6 +944,7 @@ static void run_row(const opts_t *o, mfp_problem_t *p, row_t *row, uint16_t **y,
     ro.dataflow = row->flow;
     ro.gated = o->gated;
     ro.transport = o->transport;
+    ro.op = o->comm_op ? MFP_OP_DISPATCH_COMBINE : MFP_OP_FORWARD;
     ro.progress = on_run_progress;
     ro.progress_ctx = &pg;
     ro.spare_slots = row->balance;
@@ -888,6 +966,17 @@ static void run_row(const opts_t *o, mfp_problem_t *p, row_t *row, uint16_t **y,
                        ? row->timing.phase_max_us[MF_NUM_PHASES]
                        : row->timing.forward_max_ms * 1e3;
     count(o, p, row);
+    if (o->comm_op) { /* the dispatch row; main() derives the combine row from it */
+        int64_t sel = 0;
+        for (int32_t r = 0; r < o->R; r++)
+            for (int64_t i = 0; i < (int64_t)p->T[r] * o->K; i++) sel += p->topk_ids[r][i] >= 0;
+        row->op = ROW_DISPATCH;
+        row->sel_per_rank = (double)sel / o->R;
+        row->time_us = row->timing.phase_max_us[MF_PHASE_DISPATCH];
+        const double per = row->dtype == MF_DTYPE_FP8_E4M3 ? o->H + o->H / 128 * 4 + 16 : 2.0 * o->H;
+        row->gbps = row->time_us > 0 ? row->sel_per_rank * per / (row->time_us * 1e-6) / 1e9 : 0;
+        row->tflops = NAN, row->floor_us = -1, row->pct = 0, row->floor_rank_us = -1; /* JSON null */
+    }
     row->pass = 1;
     if (!o->check) return;
 
@@ -1029,7 +1118,7 @@ int main(int argc, char **argv) {
 
     print_meta(&o);
     const int passes = o.balance ? 2 : 1; /* --balance: every row without, then with spare slots */
-    row_t *rows = calloc((size_t)(o.nT * o.ndtypes * o.nflows * passes), sizeof *rows);
+    row_t *rows = calloc((size_t)(o.nT * o.ndtypes * o.nflows * 2 * passes), sizeof *rows);
     uint16_t **y = calloc((size_t)o.R, sizeof *y), **yref = calloc((size_t)o.R, sizeof *yref);
     if (!rows || !y || !yref) die_usage("out of host memory");
     for (int32_t r = 0; r < o.R; r++) {
@@ -1077,11 +1166,20 @@ int main(int argc, char **argv) {
                 row->flow = o.flows[fl / passes];
                 row->balance = fl % passes ? o.balance : 0;
                 row->T = o.T[i];
+                row->op = o.comm_op ? ROW_DISPATCH : ROW_LAYER;
                 if (mfp_set_tokens(&p, o.T[i], o.seed) != 0) die_usage("out of host memory");
                 load_stats(&p, row, &empty);
                 run_row(&o, &p, row, y, yref);
                 print_row(&o, row);
                 all_pass &= row->pass;
+                if (o.comm_op && row->code == MF_SUCCESS) { /* the same run's combine */
+                    row_t *c = &rows[nrows++];
+                    *c = *row;
+                    c->op = ROW_COMBINE;
+                    c->time_us = row->timing.phase_max_us[MF_PHASE_COMBINE];
+                    c->gbps = c->time_us > 0 ? c->sel_per_rank * 2.0 * o.H / (c->time_us * 1e-6) / 1e9 : 0;
+                    print_row(&o, c);
+                }
             }
         mfp_free(&p);
     }

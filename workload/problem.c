@@ -33,6 +33,7 @@
 
 #if MF_WITH_CUDA
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
 #include <sched.h>
 #include <stdatomic.h>
 #endif
@@ -43,6 +44,7 @@
 #define MFP_MIN_ALLOC 64          /* bytes: every per-rank array exists, even for T = 0 */
 #define MFP_ERRLEN 512
 #define MFP_MAX_K 64              /* K the generator accepts (above MF_MAX_TOPK, for misuse tests) */
+#define MFP_NCCL_ID_BYTES 128     /* sizeof(ncclUniqueId) (NCCL_UNIQUE_ID_BYTES) */
 
 /* Stream tags: different purposes never share a stream. */
 enum { TAG_W13 = 1, TAG_W2 = 2, TAG_INPUT = 3, TAG_ZIPF = 4 };
@@ -256,6 +258,26 @@ static void fill_ref_view(mfp_problem_t *p) {
     p->ref = v;
 }
 
+/* Rank r's T tokens, routing and weights from (seed, r); popularity: zipf weights (ZIPF only). */
+static void draw_rank(const mfp_spec_t *s, const double *pop, uint64_t seed, int32_t r, int32_t T, uint16_t *xs,
+                      int32_t *idss, float *ws) {
+    const int32_t H = s->H, K = s->K;
+    uint64_t st = stream_seed(seed, TAG_INPUT, (uint64_t)r);
+    for (size_t t = 0; t < (size_t)T; t++) { /* token by token: a prefix of tokens is seed-stable */
+        uint16_t *x = xs + t * H;
+        int32_t *ids = idss + t * K;
+        float *w = ws + t * K;
+        for (int32_t h = 0; h < H; h++) x[h] = bf16_nonzero(normal_ish(&st));
+        draw_routing(s, pop, &st, ids);
+        double sum = 0.0, wd[MFP_MAX_K];
+        for (int32_t k = 0; k < K; k++) {
+            if (uniform01(&st) < s->drop_prob) ids[k] = -1;
+            sum += wd[k] = MFP_MIN_WEIGHT + uniform01(&st);
+        }
+        for (int32_t k = 0; k < K; k++) w[k] = (float)(wd[k] / sum);
+    }
+}
+
 /* (Re)allocates and draws every rank's x, ids and weights for the current p->T. */
 static int draw_inputs(mfp_problem_t *p, uint64_t seed) {
     const mfp_spec_t *s = &p->spec;
@@ -273,24 +295,20 @@ static int draw_inputs(mfp_problem_t *p, uint64_t seed) {
             rc = -1;
             break;
         }
-        uint64_t st = stream_seed(seed, TAG_INPUT, (uint64_t)r);
-        for (size_t t = 0; t < T; t++) { /* token by token: a prefix of tokens is seed-stable */
-            uint16_t *x = p->x[r] + t * H;
-            int32_t *ids = p->topk_ids[r] + t * K;
-            float *w = p->topk_weights[r] + t * K;
-            for (int32_t h = 0; h < H; h++) x[h] = bf16_nonzero(normal_ish(&st));
-            draw_routing(s, pop, &st, ids);
-            double sum = 0.0, wd[MFP_MAX_K];
-            for (int32_t k = 0; k < K; k++) {
-                if (uniform01(&st) < s->drop_prob) ids[k] = -1;
-                sum += wd[k] = MFP_MIN_WEIGHT + uniform01(&st);
-            }
-            for (int32_t k = 0; k < K; k++) w[k] = (float)(wd[k] / sum);
-        }
+        draw_rank(s, pop, seed, r, p->T[r], p->x[r], p->topk_ids[r], p->topk_weights[r]);
     }
     free(pop);
     fill_ref_view(p);
     return rc;
+}
+
+int mfp_draw_rank_inputs(const mfp_problem_t *p, int32_t r, uint64_t seed, uint16_t *x, int32_t *topk_ids,
+                         float *topk_weights) {
+    double *pop = NULL;
+    if (p->spec.routing == MFP_ROUTING_ZIPF && !(pop = zipf_popularity(&p->spec))) return -1;
+    draw_rank(&p->spec, pop, seed, r, p->T[r], x, topk_ids, topk_weights);
+    free(pop);
+    return 0;
 }
 
 /* ---- problem -------------------------------------------------------------------------------- */
@@ -473,11 +491,13 @@ typedef struct run_state {
     mf_backend_t backend;
     mf_group_t group;          /* LOCAL: the ranks' group */
     char address[MF_ADDRESS_BYTES]; /* IPC: the rendezvous */
-    uint16_t *y[MF_MAX_RANKS]; /* where rank r writes its output (shared memory for IPC) */
+    uint8_t nccl_id[MFP_NCCL_ID_BYTES]; /* NCCL: rank 0's ncclUniqueId, handed to the others */
+    uint16_t *y[MF_MAX_RANKS]; /* where rank r writes its output (shared memory for IPC / NCCL) */
     run_barrier_t barrier;
-    pthread_mutex_t mu; /* guards code and err (process-shared) */
+    pthread_mutex_t mu; /* guards code, err and rank_code (process-shared) */
     mf_result_t code;
     char err[MFP_ERRLEN];
+    mf_result_t rank_code[MF_MAX_RANKS]; /* each rank's first failure */
     double t_start;     /* seconds, before the comms are made */
     double *setup_done; /* [R] seconds */
     double *times;      /* [R][iters] ms */
@@ -486,6 +506,7 @@ typedef struct run_state {
     int64_t prefetch_first_bytes, prefetch_last_bytes;
     double prefetch_ms_sum;
     int32_t prefetch_n;
+    uint64_t *digests;  /* [R][warmup + iters][2] when opts->digests */
 #if MF_WITH_CUDA
     cudaEvent_t *begins; /* [R][iters] LOCAL, CUDA with profile: recorded on each rank's stream before its forward */
 #endif
@@ -502,7 +523,7 @@ static double now_s(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* Records the first failure (code and message) and breaks the barrier. */
+/* Records the first failure (code and message) and each rank's own, and breaks the barrier. */
 static void fail(run_state_t *run, int32_t rank, mf_result_t code, const char *what, const char *msg) {
     pthread_mutex_lock(&run->mu);
     if (run->code == MF_SUCCESS) { /* library messages usually name the call already */
@@ -511,9 +532,101 @@ static void fail(run_state_t *run, int32_t rank, mf_result_t code, const char *w
         snprintf(run->err, sizeof run->err, "rank %d: %s%s%s", rank, named ? "" : what,
                  named ? "" : ": ", msg);
     }
+    if (rank >= 0 && rank < MF_MAX_RANKS && run->rank_code[rank] == MF_SUCCESS) run->rank_code[rank] = code;
     pthread_mutex_unlock(&run->mu);
     barrier_break(&run->barrier);
 }
+
+/* ---- digests and the identity expert (DISPATCH_COMBINE) ------------------------------------- */
+
+#define FNV_OFFSET 0xcbf29ce484222325ull
+#define FNV_PRIME 0x100000001b3ull
+
+static uint64_t fnv1a(uint64_t h, const void *data, size_t n) {
+    const uint8_t *b = data;
+    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * FNV_PRIME;
+    return h;
+}
+
+/* The expert output of a received row: its value (dequantised) plus a function of its source
+ * (rank, token, k) and column, rounded to bf16; the same on every backend and transport. */
+static uint16_t identity_expert(const int32_t *src, int64_t h, float value) {
+    uint64_t s = ((uint64_t)(uint32_t)src[0] << 40) ^ ((uint64_t)(uint32_t)src[1] << 16) ^ (uint64_t)(uint32_t)src[2];
+    s ^= (uint64_t)h * 0x9e3779b97f4a7c15ull;
+    uint64_t v = splitmix64(&s);
+    return mf_bf16_from_float(value * 0.5f + (float)((int64_t)(v % 2001) - 1000) / 256.0f);
+}
+
+/* The receive tensors of one rank (host copies for the identity expert and the digest). */
+typedef struct recv_bufs {
+    int64_t rows, cap;   /* rows of recv_x; MASKED capacity per expert (0 for EXPERT_MAJOR) */
+    void *x, *scales, *src, *counts, *offsets, *eo; /* backend memory */
+    uint8_t *hx;         /* host copies */
+    float *hscales;
+    int32_t *hsrc, *hcounts, *hoffsets;
+    uint16_t *heo;
+} recv_bufs_t;
+
+/* Host side of DISPATCH_COMBINE with digests: the digest of the dispatch outputs and the identity
+ * expert's outputs of every real row (copied to the backend's eo when that is not host memory). */
+static uint64_t identity_step(const mfp_problem_t *p, int32_t layout, recv_bufs_t *b) {
+    const mfp_spec_t *s = &p->spec;
+    const int64_t H = s->H, L = p->L, nsc = H / MFP_QBLOCK;
+    const int fp8 = s->dtype == MF_DTYPE_FP8_E4M3;
+    const size_t esz = fp8 ? 1 : 2;
+    uint64_t d = fnv1a(FNV_OFFSET, b->hcounts, (size_t)L * 4);
+    if (layout == MF_LAYOUT_EXPERT_MAJOR) d = fnv1a(d, b->hoffsets, (size_t)(L + 1) * 4);
+    for (int64_t e = 0; e < L; e++) {
+        const int64_t row0 = layout == MF_LAYOUT_MASKED ? e * b->cap : b->hoffsets[e];
+        for (int64_t j = 0; j < b->hcounts[e]; j++) {
+            const int64_t row = row0 + j;
+            const int32_t *src = b->hsrc + 3 * row;
+            const uint8_t *x = b->hx + row * H * esz;
+            d = fnv1a(d, src, 12);
+            d = fnv1a(d, x, (size_t)H * esz);
+            if (fp8) d = fnv1a(d, b->hscales + row * nsc, (size_t)nsc * 4);
+            for (int64_t h = 0; h < H; h++) {
+                float v = fp8 ? mf_fp8_e4m3_to_float(x[h]) * b->hscales[row * nsc + h / MFP_QBLOCK]
+                              : mf_bf16_to_float(((const uint16_t *)x)[h]);
+                b->heo[row * H + h] = identity_expert(src, h, v);
+            }
+        }
+    }
+    return d;
+}
+
+/* ---- NCCL, resolved at run time (the library does not link it, nor does the CLI) ------------- */
+#if MF_WITH_CUDA
+typedef struct nccl_id { uint8_t internal[MFP_NCCL_ID_BYTES]; } nccl_id_t; /* ncclUniqueId's layout */
+typedef struct nccl_api {
+    int (*get_unique_id)(nccl_id_t *id);
+    int (*comm_init_rank)(void **comm, int nranks, nccl_id_t id, int rank);
+    int (*comm_destroy)(void *comm);
+    int (*comm_abort)(void *comm);
+    const char *(*get_error_string)(int result);
+} nccl_api_t;
+
+/* Opens libnccl.so.2 (global, so that the library's own dlsym finds the same NCCL); 0 ok. */
+static int nccl_open(nccl_api_t *api, char *why, size_t n) {
+    void *lib = dlopen("libnccl.so.2", RTLD_NOW | RTLD_GLOBAL);
+    if (!lib) {
+        snprintf(why, n, "dlopen libnccl.so.2: %s", dlerror());
+        return -1;
+    }
+    *(void **)&api->get_unique_id = dlsym(lib, "ncclGetUniqueId");
+    *(void **)&api->comm_init_rank = dlsym(lib, "ncclCommInitRank");
+    *(void **)&api->comm_destroy = dlsym(lib, "ncclCommDestroy");
+    *(void **)&api->comm_abort = dlsym(lib, "ncclCommAbort");
+    *(void **)&api->get_error_string = dlsym(lib, "ncclGetErrorString");
+    if (!api->get_unique_id || !api->comm_init_rank || !api->comm_destroy || !api->comm_abort ||
+        !api->get_error_string) {
+        snprintf(why, n, "libnccl.so.2 lacks one of ncclGetUniqueId, ncclCommInitRank, ncclCommDestroy, "
+                         "ncclCommAbort, ncclGetErrorString");
+        return -1;
+    }
+    return 0;
+}
+#endif
 
 #if MF_WITH_CUDA
 /* opts->gated: a host function at the head of the rank's stream that holds the stream until the
@@ -533,6 +646,48 @@ static cudaError_t to_device(void **dst, const void *src, size_t bytes, cudaStre
 }
 #endif
 
+/* Backend memory of `bytes` (at least MFP_MIN_ALLOC): device memory on CUDA, host on the CPU. */
+static void *backend_alloc(int on_device, size_t bytes) {
+    bytes = bytes > MFP_MIN_ALLOC ? bytes : MFP_MIN_ALLOC;
+#if MF_WITH_CUDA
+    if (on_device) { /* zeroed, as calloc: a combine of the fixed buffer reads zeros */
+        void *d = NULL;
+        if (cudaMalloc(&d, bytes) != cudaSuccess) return NULL;
+        if (cudaMemset(d, 0, bytes) != cudaSuccess) {
+            cudaFree(d);
+            return NULL;
+        }
+        return d;
+    }
+#endif
+    (void)on_device;
+    return calloc(1, bytes);
+}
+
+static void backend_free(int on_device, void *ptr) {
+#if MF_WITH_CUDA
+    if (on_device) {
+        cudaFree(ptr);
+        return;
+    }
+#endif
+    (void)on_device;
+    free(ptr);
+}
+
+/* Copies between backend and host memory (a plain memcpy on the CPU); 0 ok. */
+static int backend_copy(int on_device, void *dst, const void *src, size_t bytes, int to_host) {
+    if (!bytes || dst == src) return 0;
+#if MF_WITH_CUDA
+    if (on_device)
+        return cudaMemcpy(dst, src, bytes, to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice) == cudaSuccess
+                   ? 0 : -1;
+#endif
+    (void)on_device, (void)to_host;
+    memcpy(dst, src, bytes);
+    return 0;
+}
+
 static void *rank_main(void *varg) {
     rank_arg_t *arg = varg;
     run_state_t *run = arg->run;
@@ -540,6 +695,8 @@ static void *rank_main(void *varg) {
     const mfp_spec_t *s = &p->spec;
     const mfp_run_opts_t *o = run->opts;
     const int32_t r = arg->rank, T = p->T[r], fp8 = s->dtype == MF_DTYPE_FP8_E4M3;
+    const int32_t procs = !run->group, comm_op = o->op == MFP_OP_DISPATCH_COMBINE;
+    const int32_t total = o->warmup + o->iters;
     const size_t H = (size_t)s->H, I = (size_t)s->I, K = (size_t)s->K;
     const size_t esize = fp8 ? 1 : 2, nsc = (2 * I / MFP_QBLOCK) * (H / MFP_QBLOCK);
     /* host or device addresses of: x, ids, topk weights, y, w13, w2, w13 scales, w2 scales */
@@ -572,7 +729,6 @@ static void *rank_main(void *varg) {
     }
     const size_t bytes[8] = {T * H * 2, T * K * 4, T * K * 4, T * H * 2, L * 2 * I * H * esize,
                              L * H * I * esize, fp8 ? L * nsc * 4 : 0, fp8 ? L * nsc / 2 * 4 : 0};
-    (void)bytes; /* only the CUDA path copies */
     uint16_t y_dummy[MFP_MIN_ALLOC / sizeof(uint16_t)]; /* a y for T = 0 when the caller has none */
     if (!host[3]) host[3] = y_dummy;
     void *mem[8];
@@ -581,16 +737,35 @@ static void *rank_main(void *varg) {
     mf_comm_t comm = NULL;
     mf_moe_t moe = NULL;
     mf_result_t res;
-
+    recv_bufs_t rb;
+    memset(&rb, 0, sizeof rb);
+    /* redraw: this rank's inputs of the iteration, drawn on the host */
+    uint16_t *rx_host = NULL;
+    int32_t *rids_host = NULL;
+    float *rw_host = NULL;
+    const int on_device = run->backend == MF_BACKEND_CUDA;
 #if MF_WITH_CUDA
-    int on_device = run->backend == MF_BACKEND_CUDA;
     cudaStream_t cst = NULL;
+    cudaEvent_t ev[4] = {NULL, NULL, NULL, NULL}; /* DISPATCH_COMBINE with profile: around each call */
+    cudaGraph_t graph = NULL;
+    cudaGraphExec_t graph_exec = NULL;
+    nccl_api_t nccl;
+    void *nccl_comm = NULL;
+    memset(&nccl, 0, sizeof nccl);
+    int32_t device = 0;
     if (on_device) {
-        cudaError_t ce = cudaSetDevice(0);
+        int n = 0;
+        cudaError_t ce = cudaSuccess;
+        if (procs) { /* one GPU per rank where there are R; else they share round robin */
+            ce = cudaGetDeviceCount(&n);
+            device = ce == cudaSuccess && n > 0 ? r % n : 0;
+        }
+        if (ce == cudaSuccess) ce = cudaSetDevice(device);
         if (ce == cudaSuccess) ce = cudaStreamCreateWithFlags(&cst, cudaStreamNonBlocking);
         for (int i = 0; i < 8; i++) mem[i] = NULL;
         for (int i = 0; i < 8 && ce == cudaSuccess; i++) /* y (3) is only allocated */
             if (host[i]) ce = to_device(&mem[i], i == 3 ? NULL : host[i], bytes[i], cst);
+        for (int i = 0; i < 4 && ce == cudaSuccess && comm_op && o->profile; i++) ce = cudaEventCreate(&ev[i]);
         if (ce == cudaSuccess) ce = cudaStreamSynchronize(cst);
         stream = (mf_stream_t)cst;
         if (ce != cudaSuccess) {
@@ -599,6 +774,16 @@ static void *rank_main(void *varg) {
         }
     }
 #endif
+    if (o->redraw) {
+        rx_host = malloc(bytes[0] + MFP_MIN_ALLOC);
+        rids_host = malloc(bytes[1] + MFP_MIN_ALLOC);
+        rw_host = malloc(bytes[2] + MFP_MIN_ALLOC);
+        if (!rx_host || !rids_host || !rw_host) {
+            fail(run, r, MF_ERR_OUT_OF_MEMORY, "redraw", "out of host memory");
+            goto done;
+        }
+        if (!on_device) mem[0] = rx_host, mem[1] = rids_host, mem[2] = rw_host;
+    }
 
     if (run->group) {
         if ((res = mf_group_get_comm(run->group, r, &comm)) != MF_SUCCESS) {
@@ -608,14 +793,42 @@ static void *rank_main(void *varg) {
     } else {
         mf_bootstrap_t boot;
         mf_comm_config_t cc = MF_COMM_CONFIG_INIT;
+        const mf_bootstrap_t *bp = &boot;
         cc.backend = run->backend;
-        cc.transport = MF_TRANSPORT_IPC;
+        cc.transport = o->transport;
         cc.timeout_ms = o->timeout_ms;
-        if ((res = mf_rendezvous_bootstrap(run->address, r, s->R, o->timeout_ms, &boot)) != MF_SUCCESS) {
+#if MF_WITH_CUDA
+        cc.device = device;
+        if (o->transport == MF_TRANSPORT_NCCL) {
+            /* rank 0 draws the unique id and hands it over in shared memory (the barrier) */
+            char why[256];
+            nccl_id_t id;
+            int nr = 0;
+            if (nccl_open(&nccl, why, sizeof why) != 0) {
+                fail(run, r, MF_ERR_NOT_SUPPORTED, "nccl transport", why);
+                goto done;
+            }
+            if (r == 0 && (nr = nccl.get_unique_id(&id)) != 0) {
+                fail(run, r, MF_ERR_NCCL, "ncclGetUniqueId", nccl.get_error_string(nr));
+                goto done;
+            }
+            if (r == 0) memcpy(run->nccl_id, id.internal, sizeof id.internal);
+            if (barrier_wait(&run->barrier) != 0) goto done;
+            memcpy(id.internal, run->nccl_id, sizeof id.internal);
+            if ((nr = nccl.comm_init_rank(&nccl_comm, s->R, id, r)) != 0) {
+                nccl_comm = NULL;
+                fail(run, r, MF_ERR_NCCL, "ncclCommInitRank", nccl.get_error_string(nr));
+                goto done;
+            }
+            cc.nccl_comm = nccl_comm;
+            bp = NULL; /* the ncclComm's allgather is the bootstrap */
+        }
+#endif
+        if (bp && (res = mf_rendezvous_bootstrap(run->address, r, s->R, o->timeout_ms, &boot)) != MF_SUCCESS) {
             fail(run, r, res, "mf_rendezvous_bootstrap", mf_last_error());
             goto done;
         }
-        if ((res = mf_comm_init(&cc, r, s->R, &boot, &comm)) != MF_SUCCESS) {
+        if ((res = mf_comm_init(&cc, r, s->R, bp, &comm)) != MF_SUCCESS) {
             comm = NULL;
             fail(run, r, res, "mf_comm_init", mf_last_error());
             goto done;
@@ -633,7 +846,7 @@ static void *rank_main(void *varg) {
     cfg.expert_capacity = s->expert_capacity;
     cfg.max_recv_rows = s->max_recv_rows;
     cfg.ue8m0_scales = s->ue8m0;
-    cfg.profile = o->profile;
+    cfg.profile = o->profile && !comm_op;
     cfg.dataflow = o->dataflow;
     cfg.num_physical_experts = o->num_physical;
     cfg.spare_slots = o->spare_slots;
@@ -660,7 +873,6 @@ static void *rank_main(void *varg) {
         fail(run, r, res, "mf_moe_set_weights", mf_last_error());
         goto done;
     }
-    run->setup_done[r] = now_s();
 
     mf_moe_forward_in_t in = {
         .x = {mem[0], MF_DTYPE_BF16, 2, {T, (int64_t)H}},
@@ -668,14 +880,97 @@ static void *rank_main(void *varg) {
         .topk_weights = {mem[2], MF_DTYPE_FP32, 2, {T, (int64_t)K}},
     };
     mf_moe_forward_out_t out = {.y = {mem[3], MF_DTYPE_BF16, 2, {T, (int64_t)H}}};
-    const int32_t total = o->warmup + o->iters;
+    mf_dispatch_in_t din = {in.x, in.topk_ids};
+    mf_dispatch_out_t dout;
+    mf_combine_in_t cin;
+    mf_combine_out_t cout = {out.y};
+    memset(&dout, 0, sizeof dout);
+    memset(&cin, 0, sizeof cin);
+    if (comm_op) { /* the receive tensors, sized by the layer (mf_moe_get_info) */
+        mf_moe_info_t info;
+        if ((res = mf_moe_get_info(moe, &info)) != MF_SUCCESS) {
+            fail(run, r, res, "mf_moe_get_info", mf_last_error());
+            goto done;
+        }
+        const int masked = s->layout == MF_LAYOUT_MASKED;
+        const int64_t Lq = (int64_t)L, Hq = (int64_t)H, nq = Hq / MFP_QBLOCK;
+        rb.cap = masked ? info.expert_capacity : 0;
+        rb.rows = masked ? Lq * info.expert_capacity : info.max_recv_rows;
+        const size_t rows = (size_t)rb.rows;
+        rb.x = backend_alloc(on_device, rows * H * esize);
+        rb.scales = backend_alloc(on_device, rows * (size_t)nq * 4);
+        rb.src = backend_alloc(on_device, rows * 12);
+        rb.counts = backend_alloc(on_device, L * 4);
+        rb.offsets = backend_alloc(on_device, (L + 1) * 4);
+        rb.eo = backend_alloc(on_device, rows * H * 2);
+        if (!rb.x || !rb.scales || !rb.src || !rb.counts || !rb.offsets || !rb.eo) {
+            fail(run, r, MF_ERR_OUT_OF_MEMORY, "receive tensors", "out of memory");
+            goto done;
+        }
+        if (o->digests) {
+            rb.hx = malloc(rows * H * esize + 1), rb.hscales = malloc(rows * (size_t)nq * 4 + 4);
+            rb.hsrc = malloc(rows * 12 + 4), rb.hcounts = malloc(L * 4 + 4), rb.hoffsets = malloc((L + 1) * 4);
+            rb.heo = calloc(rows * H + 1, 2);
+            if (!rb.hx || !rb.hscales || !rb.hsrc || !rb.hcounts || !rb.hoffsets || !rb.heo) {
+                fail(run, r, MF_ERR_OUT_OF_MEMORY, "receive tensors", "out of host memory");
+                goto done;
+            }
+        }
+        if (masked) {
+            dout.recv_x = (mf_tensor_t){rb.x, wdt, 3, {Lq, rb.cap, Hq}};
+            if (fp8) dout.recv_scales = (mf_tensor_t){rb.scales, MF_DTYPE_FP32, 3, {Lq, rb.cap, nq}};
+            dout.recv_src = (mf_tensor_t){rb.src, MF_DTYPE_INT32, 3, {Lq, rb.cap, 3}};
+            cin.expert_out = (mf_tensor_t){rb.eo, MF_DTYPE_BF16, 3, {Lq, rb.cap, Hq}};
+        } else {
+            dout.recv_x = (mf_tensor_t){rb.x, wdt, 2, {rb.rows, Hq}};
+            if (fp8) dout.recv_scales = (mf_tensor_t){rb.scales, MF_DTYPE_FP32, 2, {rb.rows, nq}};
+            dout.recv_src = (mf_tensor_t){rb.src, MF_DTYPE_INT32, 2, {rb.rows, 3}};
+            dout.expert_offsets = (mf_tensor_t){rb.offsets, MF_DTYPE_INT32, 1, {Lq + 1}};
+            cin.expert_out = (mf_tensor_t){rb.eo, MF_DTYPE_BF16, 2, {rb.rows, Hq}};
+        }
+        dout.expert_counts = (mf_tensor_t){rb.counts, MF_DTYPE_INT32, 1, {Lq}};
+        cin.topk_weights = in.topk_weights;
+    }
 #if MF_WITH_CUDA
-    const int gated = on_device && o->gated;
+    if (on_device && o->graph) { /* captured once, before any rank's first collective */
+        cudaError_t ce = cudaStreamBeginCapture(cst, cudaStreamCaptureModeThreadLocal);
+        if (ce != cudaSuccess) {
+            fail(run, r, MF_ERR_CUDA, "cudaStreamBeginCapture", cudaGetErrorString(ce));
+            goto done;
+        }
+        res = mf_moe_forward(moe, &in, &out, stream);
+        ce = cudaStreamEndCapture(cst, &graph);
+        if (res != MF_SUCCESS) {
+            fail(run, r, res, "mf_moe_forward (captured)", mf_last_error());
+            goto done;
+        }
+        if (ce == cudaSuccess) ce = cudaGraphInstantiate(&graph_exec, graph, 0);
+        if (ce == cudaSuccess) ce = cudaGraphUpload(graph_exec, cst);
+        if (ce == cudaSuccess) ce = cudaStreamSynchronize(cst);
+        if (ce != cudaSuccess) {
+            fail(run, r, MF_ERR_CUDA, "capturing the forward", cudaGetErrorString(ce));
+            goto done;
+        }
+    }
+#endif
+    run->setup_done[r] = now_s();
+
+#if MF_WITH_CUDA
+    const int gate_always = on_device && o->gated && !o->graph && !(comm_op && o->digests);
     atomic_int gate_open = 1;
 #endif
     for (int32_t it = 0; it < total; it++) {
         if (barrier_wait(&run->barrier) != 0) goto done; /* another rank failed */
-        if (r == o->die_rank && it == o->die_at && !run->group) raise(SIGKILL); /* fault injection */
+        if (o->redraw) { /* the iteration's inputs, into the tensors the calls (or the graph) use */
+            if (mfp_draw_rank_inputs(p, r, o->redraw_seed + (uint64_t)it, rx_host, rids_host, rw_host) != 0 ||
+                (on_device && (backend_copy(1, mem[0], rx_host, bytes[0], 0) != 0 ||
+                               backend_copy(1, mem[1], rids_host, bytes[1], 0) != 0 ||
+                               backend_copy(1, mem[2], rw_host, bytes[2], 0) != 0))) {
+                fail(run, r, MF_ERR_CUDA, "redraw", "drawing or uploading the iteration's inputs failed");
+                goto done;
+            }
+        }
+        if (r == o->die_rank && it == o->die_at && procs && !o->die_mid) raise(SIGKILL); /* fault injection */
         if (o->prefetch && it > 0) { /* between two forwards, as an engine would during attention */
             double tp = now_s();
             if ((res = mf_moe_prefetch(moe, stream)) != MF_SUCCESS) {
@@ -696,8 +991,13 @@ static void *rank_main(void *varg) {
                 run->prefetch_n++;
             }
         }
-        double t0 = now_s();
+        double t0 = now_s(), t_disp = 0, t_comb = 0;
+        uint64_t digest_disp = 0;
+        const int dies_mid = r == o->die_rank && it == o->die_at && procs && o->die_mid;
 #if MF_WITH_CUDA
+        /* A rank that dies mid-call holds its stream too: killed with its call launched and not
+         * run, whatever the timing, while its peers are inside the call. */
+        const int gated = gate_always || (on_device && dies_mid && !graph_exec && !(comm_op && o->digests));
         if (gated) {
             atomic_store_explicit(&gate_open, 0, memory_order_relaxed);
             cudaError_t ce = cudaLaunchHostFunc(cst, gate_hold, &gate_open);
@@ -707,9 +1007,9 @@ static void *rank_main(void *varg) {
             }
         }
         if (on_device && run->begins && it >= o->warmup) {
-            cudaEvent_t *ev = &run->begins[(size_t)r * o->iters + (it - o->warmup)];
-            cudaError_t ce = cudaEventCreate(ev);
-            if (ce == cudaSuccess) ce = cudaEventRecord(*ev, cst);
+            cudaEvent_t *bev = &run->begins[(size_t)r * o->iters + (it - o->warmup)];
+            cudaError_t ce = cudaEventCreate(bev);
+            if (ce == cudaSuccess) ce = cudaEventRecord(*bev, cst);
             if (ce != cudaSuccess) {
                 atomic_store_explicit(&gate_open, 1, memory_order_release);
                 fail(run, r, MF_ERR_CUDA, "recording the begin event", cudaGetErrorString(ce));
@@ -717,19 +1017,83 @@ static void *rank_main(void *varg) {
             }
         }
 #endif
-        res = mf_moe_forward(moe, &in, &out, stream);
+        const char *call = "mf_moe_forward";
+        if (!comm_op) {
+#if MF_WITH_CUDA
+            if (graph_exec) {
+                cudaError_t ce = cudaGraphLaunch(graph_exec, cst);
+                res = ce == cudaSuccess ? MF_SUCCESS : MF_ERR_CUDA;
+                if (ce != cudaSuccess) {
+                    fail(run, r, res, "cudaGraphLaunch", cudaGetErrorString(ce));
+                    goto done;
+                }
+            } else
+#endif
+                res = mf_moe_forward(moe, &in, &out, stream);
+        } else {
+            /* dispatch; with digests, the host's identity expert between the calls; combine */
+            call = "mf_dispatch";
+#if MF_WITH_CUDA
+            if (ev[0]) cudaEventRecord(ev[0], cst);
+#endif
+            double c0 = now_s();
+            res = mf_dispatch(moe, &din, &dout, stream);
+#if MF_WITH_CUDA
+            if (ev[1]) cudaEventRecord(ev[1], cst);
+#endif
+            t_disp = now_s() - c0;
+            if (res == MF_SUCCESS && o->digests) {
+                const size_t rows = (size_t)rb.rows, nq = H / MFP_QBLOCK;
+#if MF_WITH_CUDA
+                cudaError_t ce = on_device ? cudaStreamSynchronize(cst) : cudaSuccess;
+                if (ce == cudaSuccess && on_device) res = mf_comm_get_async_error(comm);
+                if (ce != cudaSuccess) {
+                    fail(run, r, MF_ERR_CUDA, "cudaStreamSynchronize after mf_dispatch", cudaGetErrorString(ce));
+                    goto done;
+                }
+#endif
+                if (res == MF_SUCCESS &&
+                    (backend_copy(on_device, rb.hcounts, rb.counts, L * 4, 1) != 0 ||
+                     backend_copy(on_device, rb.hoffsets, rb.offsets, (L + 1) * 4, 1) != 0 ||
+                     backend_copy(on_device, rb.hsrc, rb.src, rows * 12, 1) != 0 ||
+                     backend_copy(on_device, rb.hx, rb.x, rows * H * esize, 1) != 0 ||
+                     (fp8 && backend_copy(on_device, rb.hscales, rb.scales, rows * nq * 4, 1) != 0))) {
+                    fail(run, r, MF_ERR_CUDA, "copying the dispatch outputs", "copy failed");
+                    goto done;
+                }
+                if (res == MF_SUCCESS) {
+                    digest_disp = identity_step(p, s->layout, &rb);
+                    if (backend_copy(on_device, rb.eo, rb.heo, rows * H * 2, 0) != 0) {
+                        fail(run, r, MF_ERR_CUDA, "uploading the expert outputs", "copy failed");
+                        goto done;
+                    }
+                }
+            }
+            if (res == MF_SUCCESS) {
+                call = "mf_combine";
+#if MF_WITH_CUDA
+                if (ev[2]) cudaEventRecord(ev[2], cst);
+#endif
+                c0 = now_s();
+                res = mf_combine(moe, &cin, &cout, stream);
+                t_comb = now_s() - c0;
+#if MF_WITH_CUDA
+                if (ev[3]) cudaEventRecord(ev[3], cst);
+#endif
+            }
+        }
+        if (dies_mid) raise(SIGKILL); /* its call launched, its peers inside the call */
 #if MF_WITH_CUDA
         if (gated) atomic_store_explicit(&gate_open, 1, memory_order_release);
 #endif
         if (res != MF_SUCCESS) {
-            fail(run, r, res, "mf_moe_forward", mf_last_error());
+            fail(run, r, res, call, mf_last_error());
             goto done;
         }
 #if MF_WITH_CUDA
         cudaError_t ce = on_device ? cudaStreamSynchronize(cst) : cudaSuccess;
         if (ce != cudaSuccess) {
-            fail(run, r, MF_ERR_CUDA, "cudaStreamSynchronize after mf_moe_forward",
-                 cudaGetErrorString(ce));
+            fail(run, r, MF_ERR_CUDA, "cudaStreamSynchronize after the call", cudaGetErrorString(ce));
             goto done;
         }
 #endif
@@ -737,17 +1101,41 @@ static void *rank_main(void *varg) {
         /* Faults found by device code (a peer that never arrived) surface here, not as the
          * forward's result; outside the timed span. */
         if ((res = mf_comm_get_async_error(comm)) != MF_SUCCESS) {
-            fail(run, r, res, "mf_comm_get_async_error after mf_moe_forward", mf_last_error());
+            fail(run, r, res, "mf_comm_get_async_error after the call", mf_last_error());
             goto done;
         }
         const int32_t j = it - o->warmup;
         if (j >= 0) {
             run->times[(size_t)r * o->iters + j] = (t1 - t0) * 1e3;
             mf_phase_times_t *ph = &run->phases[(size_t)r * o->iters + j];
-            if (o->profile && (res = mf_moe_get_phase_times(moe, ph)) != MF_SUCCESS) {
+            if (o->profile && !comm_op && (res = mf_moe_get_phase_times(moe, ph)) != MF_SUCCESS) {
                 fail(run, r, res, "mf_moe_get_phase_times", mf_last_error());
                 goto done;
             }
+            if (o->profile && comm_op) { /* device events on CUDA, wall clock on the CPU */
+                memset(ph, 0, sizeof *ph);
+                ph->us[MF_PHASE_DISPATCH] = t_disp * 1e6;
+                ph->us[MF_PHASE_COMBINE] = t_comb * 1e6;
+#if MF_WITH_CUDA
+                float a = 0, b = 0;
+                if (on_device && (cudaEventElapsedTime(&a, ev[0], ev[1]) != cudaSuccess ||
+                                  cudaEventElapsedTime(&b, ev[2] ? ev[2] : ev[1], ev[3]) != cudaSuccess)) {
+                    fail(run, r, MF_ERR_CUDA, "reading the dispatch / combine events", "cudaEventElapsedTime failed");
+                    goto done;
+                }
+                if (on_device) ph->us[MF_PHASE_DISPATCH] = a * 1e3, ph->us[MF_PHASE_COMBINE] = b * 1e3;
+#endif
+                ph->total_us = ph->us[MF_PHASE_DISPATCH] + ph->us[MF_PHASE_COMBINE];
+            }
+        }
+        if (o->digests) { /* y of this call, bit for bit */
+            uint64_t *d = &run->digests[((size_t)r * total + it) * 2];
+            if (T > 0 && backend_copy(on_device, run->y[r], mem[3], bytes[3], 1) != 0) {
+                fail(run, r, MF_ERR_CUDA, "copying y to the host", "copy failed");
+                goto done;
+            }
+            d[0] = digest_disp;
+            d[1] = fnv1a(FNV_OFFSET, run->y[r], T > 0 ? bytes[3] : 0);
         }
         if (r == 0 && o->progress) o->progress(o->progress_ctx, it + 1, total);
     }
@@ -763,6 +1151,10 @@ static void *rank_main(void *varg) {
     }
 #endif
 done:
+#if MF_WITH_CUDA
+    if (graph_exec) cudaGraphExecDestroy(graph_exec);
+    if (graph) cudaGraphDestroy(graph);
+#endif
     mf_moe_destroy(moe);
     if (!run->group && comm) {
         /* A rank process's comm; a healthy one meets its peers here (they stop using its heap). */
@@ -770,8 +1162,21 @@ done:
         if (res != MF_SUCCESS) fail(run, r, res, "mf_comm_destroy", mf_last_error());
     }
 #if MF_WITH_CUDA
+    if (nccl_comm) { /* after the comm that borrowed it; a failed run aborts (peers may be gone) */
+        if (run->code == MF_SUCCESS) nccl.comm_destroy(nccl_comm);
+        else nccl.comm_abort(nccl_comm);
+    }
+#endif
+    void *rbufs[] = {rb.x, rb.scales, rb.src, rb.counts, rb.offsets, rb.eo};
+    for (size_t i = 0; i < sizeof rbufs / sizeof rbufs[0]; i++)
+        if (rbufs[i]) backend_free(on_device, rbufs[i]);
+    free(rb.hx), free(rb.hscales), free(rb.hsrc), free(rb.hcounts), free(rb.hoffsets), free(rb.heo);
+    free(rx_host), free(rids_host), free(rw_host);
+#if MF_WITH_CUDA
     if (on_device) {
         for (int i = 0; i < 8; i++) cudaFree(mem[i]);
+        for (int i = 0; i < 4; i++)
+            if (ev[i]) cudaEventDestroy(ev[i]);
         if (cst) cudaStreamDestroy(cst);
     }
 #endif
@@ -873,6 +1278,9 @@ static void rank_starts(run_state_t *run, mfp_timing_t *timing) {
 void mfp_cuda_env(void) {
     setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
     setenv("CUDA_MODULE_LOADING", "EAGER", 0);
+    /* NVLink multicast (NVLS) stays off in every NCCL comm the tools make: on shared multi-GPU
+     * hosts a program using it can put the GPUs out of service; moeflow needs none of it. */
+    setenv("NCCL_NVLS_ENABLE", "0", 1);
 }
 
 mf_backend_t mfp_resolve_backend(mf_backend_t backend) {
@@ -890,11 +1298,29 @@ mf_backend_t mfp_probe_backend(mf_backend_t backend) {
     return WEXITSTATUS(status) == 1 ? MF_BACKEND_CUDA : MF_BACKEND_CPU;
 }
 
+int32_t mfp_probe_device_count(void) {
+#if MF_WITH_CUDA
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        int n = 0;
+        if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
+        _exit(n > 255 ? 255 : n);
+    }
+    int status = 0;
+    if (pid < 0 || waitpid(pid, &status, 0) != pid || !WIFEXITED(status)) return 0;
+    return WEXITSTATUS(status);
+#else
+    return 0;
+#endif
+}
+
 /* The run's shared block: the state, then setup_done [R], times [R][iters], phases [R][iters] and
  * (IPC) every rank's y. Anonymous shared memory, so rank processes forked later see it too. */
 static size_t run_block_bytes(const mfp_problem_t *p, const mfp_run_opts_t *o, size_t *y_off) {
-    const size_t R = (size_t)p->spec.R, n = (size_t)o->iters;
+    const size_t R = (size_t)p->spec.R, n = (size_t)o->iters, calls = (size_t)(o->warmup + o->iters);
     size_t bytes = sizeof(run_state_t) + R * sizeof(double) + R * n * sizeof(double) + R * n * sizeof(mf_phase_times_t);
+    bytes = (bytes + 15) / 16 * 16 + (o->digests ? R * calls * 2 * sizeof(uint64_t) : 0);
     bytes = (bytes + 15) / 16 * 16;
     *y_off = bytes;
     for (size_t r = 0; r < R; r++) bytes += ((size_t)p->T[r] * (size_t)p->spec.H * 2 + 15) / 16 * 16;
@@ -933,6 +1359,9 @@ static void run_processes(run_state_t *run) {
         while (r < started && pids[r] != pid) r++;
         if (WIFSIGNALED(status) || (WIFEXITED(status) && WEXITSTATUS(status) != 0)) {
             if (died < 0) died = r, signal_no = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+            pthread_mutex_lock(&run->mu);
+            if (r < started) run->rank_code[r] = MF_ERR_SYSTEM;
+            pthread_mutex_unlock(&run->mu);
             barrier_break(&run->barrier);
         }
     }
@@ -947,11 +1376,19 @@ mf_result_t mfp_run(const mfp_problem_t *p, const mfp_run_opts_t *opts, uint16_t
                     mfp_timing_t *timing, char *err, int errlen) {
     if (err && errlen > 0) err[0] = '\0';
     if (!p || !p->T || !opts || !y || opts->iters < 1 || opts->warmup < 0 ||
-        (opts->transport != MF_TRANSPORT_LOCAL && opts->transport != MF_TRANSPORT_IPC)) {
+        (opts->transport != MF_TRANSPORT_LOCAL && opts->transport != MF_TRANSPORT_IPC &&
+         opts->transport != MF_TRANSPORT_NCCL) ||
+        (opts->op != MFP_OP_FORWARD && opts->op != MFP_OP_DISPATCH_COMBINE) ||
+        (opts->graph && (opts->op != MFP_OP_FORWARD || opts->profile || opts->gated))) {
         if (err && errlen > 0) snprintf(err, (size_t)errlen, "mfp_run: bad arguments");
         return MF_ERR_INVALID_ARGUMENT;
     }
-    const int32_t R = p->spec.R, ipc = opts->transport == MF_TRANSPORT_IPC;
+    if (opts->transport == MF_TRANSPORT_NCCL && (!MF_WITH_CUDA || opts->backend == MF_BACKEND_CPU)) {
+        if (err && errlen > 0) snprintf(err, (size_t)errlen, "mfp_run: the nccl transport needs the CUDA backend");
+        return MF_ERR_NOT_SUPPORTED;
+    }
+    /* ipc: rank processes, the problem's own transport between them; nccl: rank processes too */
+    const int32_t R = p->spec.R, ipc = opts->transport != MF_TRANSPORT_LOCAL;
     size_t y_off = 0, block_bytes = run_block_bytes(p, opts, &y_off);
     uint8_t *block = mmap(NULL, block_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     if (block == MAP_FAILED) {
@@ -966,6 +1403,11 @@ mf_result_t mfp_run(const mfp_problem_t *p, const mfp_run_opts_t *opts, uint16_t
     run->setup_done = (double *)(block + sizeof(run_state_t));
     run->times = run->setup_done + R;
     run->phases = (mf_phase_times_t *)(run->times + (size_t)R * opts->iters);
+    if (opts->digests) {
+        size_t at = sizeof(run_state_t) + (size_t)R * sizeof(double) * (1 + (size_t)opts->iters) +
+                    (size_t)R * opts->iters * sizeof(mf_phase_times_t);
+        run->digests = (uint64_t *)(block + (at + 15) / 16 * 16);
+    }
     uint8_t *yp = block + y_off;
     for (int32_t r = 0; r < R; r++) {
         run->y[r] = ipc ? (uint16_t *)yp : y[r];
@@ -1055,6 +1497,9 @@ mf_result_t mfp_run(const mfp_problem_t *p, const mfp_run_opts_t *opts, uint16_t
     }
 out:;
     mf_result_t code = run->code;
+    if (opts->rank_results) memcpy(opts->rank_results, run->rank_code, sizeof(mf_result_t) * (size_t)R);
+    if (opts->digests)
+        memcpy(opts->digests, run->digests, sizeof(uint64_t) * 2 * (size_t)R * (size_t)(opts->warmup + opts->iters));
     if (code != MF_SUCCESS && err && errlen > 0) snprintf(err, (size_t)errlen, "%s", run->err);
 #if MF_WITH_CUDA
     for (size_t i = 0; run->begins && i < (size_t)R * opts->iters; i++)

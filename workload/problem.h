@@ -111,23 +111,72 @@ typedef struct mfp_run_opts {
      * back through shared memory. This process must not have used CUDA yet (forked children
      * cannot use a parent's CUDA context): resolve the backend with mfp_probe_backend. */
     int32_t transport;
-    /* IPC fault injection for tests: rank `die_rank` kills itself (SIGKILL) just before the
-     * forward of iteration `die_at` (counting warm-up); -1 = nobody. */
-    int32_t die_rank, die_at;
+    /* MF_TRANSPORT_NCCL: processes as for IPC, each rank also making an ncclComm (rank 0 draws the
+     * unique id and hands it over in the run's shared memory; libnccl.so.2 is opened at run time)
+     * and passing it to mf_comm_init as its bootstrap and memory path. CUDA only; NCCL refuses two
+     * ranks on one device, so R <= the devices visible.
+     * Devices: rank processes (IPC, NCCL) take device r % (devices visible to them), one GPU per
+     * rank where there are R; virtual ranks (LOCAL) all run on device 0 (mf_group_create places a
+     * group on one device). */
+    /* IPC / NCCL fault injection for tests: rank `die_rank` kills itself (SIGKILL) at iteration
+     * `die_at` (counting warm-up): before its call (die_mid 0), or right after its call was
+     * launched (die_mid 1: on CUDA its stream is held until then, so the kill always lands with
+     * the call enqueued and not run while its peers are inside it); -1 = nobody. */
+    int32_t die_rank, die_at, die_mid;
+    int32_t op;        /* mfp_op_t: the whole layer, or dispatch + combine alone */
+    /* FORWARD, CUDA: capture the rank's forward into a CUDA graph once (before the first
+     * iteration) and replay it every iteration; with redraw, the new inputs are copied into the
+     * captured tensors first. Not with profile or gated. */
+    int32_t graph;
+    /* Iteration it (counting warm-up) runs on inputs redrawn from seed redraw_seed + it (same T
+     * per rank, same weights; mfp_draw_rank_inputs); 0 = the problem's inputs every time. */
+    int32_t redraw;
+    uint64_t redraw_seed;
+    /* Optional [R * (warmup + iters) * 2]: per rank and iteration, a 64-bit digest (FNV-1a) of
+     * {DISPATCH_COMBINE: the dispatch outputs (counts, offsets, and every real row's source,
+     * payload and scales); FORWARD: 0} and of y. For comparing runs bit for bit, call by call. */
+    uint64_t *digests;
+    /* Optional [R]: each rank's final code (MF_SUCCESS, the error its first failing call
+     * returned, or MF_ERR_SYSTEM for a rank process that died); filled on failure too. */
+    mf_result_t *rank_results;
     /* Balanced EP: an expert map of num_physical slots (NULL: the identity, num_physical 0 = E);
      * every rank's weights are laid out from it (slot l of rank r holds the problem's logical
      * expert map[r * P / R + l]). spare_slots = B; prefetch = 1 calls mf_moe_prefetch before every
-     * forward but the first. */
+     * forward but the first (FORWARD only). */
     const int32_t *expert_map;
     int32_t num_physical, spare_slots, prefetch;
 } mfp_run_opts_t;
 
-#define MFP_RUN_OPTS_INIT {MF_BACKEND_AUTO, 1, 0, 0, 0, MF_DATAFLOW_AUTO, 0, NULL, NULL, MF_TRANSPORT_LOCAL, -1, -1, NULL, 0, 0, 0}
+/* What each rank calls per iteration. */
+typedef enum mfp_op {
+    MFP_OP_FORWARD = 0, /* mf_moe_forward; phases from mf_moe_get_phase_times */
+    /* mf_dispatch, then mf_combine of expert outputs that are a function of each received row:
+     * with digests set, expert_out[row][h] = bf16(received value + identity(source, h)) computed
+     * on the host between the two calls (a misrouted row or payload changes y); without, a fixed
+     * device buffer (nothing between the calls: for timing). With profile, phase DISPATCH holds the
+     * dispatch's device time on the rank's stream (events around the call), COMBINE the
+     * combine's, total their sum; the other phases 0. */
+    MFP_OP_DISPATCH_COMBINE = 1
+} mfp_op_t;
+
+#define MFP_RUN_OPTS_INIT                                                                                \
+    {MF_BACKEND_AUTO, 1, 0, 0, 0, MF_DATAFLOW_AUTO, 0, NULL, NULL, MF_TRANSPORT_LOCAL, -1, -1, 0, MFP_OP_FORWARD, \
+     0, 0, 0, NULL, NULL, NULL, 0, 0, 0}
+
+/* Draws rank r's inputs for `seed` (as mfp_redraw_inputs would, for that rank alone) into x
+ * [T_r, H], topk_ids [T_r, K], topk_weights [T_r, K] (host). 0 ok, -1 no memory. */
+int mfp_draw_rank_inputs(const mfp_problem_t *p, int32_t r, uint64_t seed, uint16_t *x, int32_t *topk_ids,
+                         float *topk_weights);
+
+/* CUDA devices visible, asked in a forked child (this process never touches CUDA); 0 without
+ * CUDA or a device. */
+int32_t mfp_probe_device_count(void);
 
 /* What a process that runs virtual ranks of one GPU should set before its first CUDA call (the
  * library sets no environment variable; docs/API.md "Virtual ranks on one GPU"): one hardware
  * queue per stream (CUDA_DEVICE_MAX_CONNECTIONS=32) and modules loaded eagerly
- * (CUDA_MODULE_LOADING=EAGER), each unless the user already set it. The test runner and the CLI
+ * (CUDA_MODULE_LOADING=EAGER), each unless the user already set it; and NVLink multicast off in
+ * the NCCL comms of the nccl transport (NCCL_NVLS_ENABLE=0, always). The test runner and the CLI
  * call it first thing. */
 void mfp_cuda_env(void);
 

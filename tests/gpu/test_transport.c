@@ -1,18 +1,36 @@
 /*
- * test_transport.c (CUDA) — ranks as processes sharing the one GPU over the ipc transport (CUDA IPC
- * handles exchanged through the built-in rendezvous): y bit-identical to the same problem on
- * virtual ranks of one process (local transport).
+ * test_transport.c (CUDA) — ranks as processes over the ipc and nccl transports: the same problem
+ * on virtual ranks of one process (local transport) is the reference, bit for bit.
  *
- * Without MPS the GPU time-slices between processes (a round trip of two processes spinning on each
- * other's flags took ~4.5 ms on the H200), so the cases are small and the peer timeout generous.
- * The ipc run goes first: the test process must not have touched CUDA when it forks the ranks.
+ * The rank count follows the machine (mfp_probe_device_count, asked in a child so that this
+ * process has not touched CUDA when it forks the ranks): with several GPUs visible, R = their
+ * number, one process per GPU (mfp_run gives rank r device r), over ipc and over nccl; with one,
+ * R processes share GPU 0 over ipc (nccl only at R = 1: NCCL refuses two ranks on one device).
+ * The local reference is R virtual ranks on GPU 0 (mf_group_create places a group on one device;
+ * results do not depend on placement). Cases:
+ *   layer       mf_moe_forward, y bit for bit
+ *   comm        mf_dispatch and mf_combine alone, with the routing redrawn every call: each call's
+ *               dispatch outputs (digest of counts, offsets, every real row's source, payload and
+ *               scales) and combined y (expert outputs a function of each received row) equal the
+ *               local CUDA run's and the CPU backend's
+ *   graph       each rank's forward captured into a CUDA graph once and replayed with the routing
+ *               redrawn every replay: every replay's y equals an eager local run's
+ *   rank dies   a rank process SIGKILLed right after launching a forward (its kernels in flight):
+ *               every survivor returns an error within its timeout, nothing hangs, no process is
+ *               left behind
+ * Without MPS one GPU time-slices between processes (a round trip of two processes spinning on
+ * each other's flags took ~4.5 ms on the H200), so the cases are small and the timeouts generous.
  * Also here, on virtual ranks: the fault model's CUDA cases that need several ranks (a capacity
  * overflow every rank must report, ranks calling different layers) and the virtual-rank limit.
  */
+#define _DEFAULT_SOURCE /* for errno / waitpid's ECHILD check with _POSIX_C_SOURCE */
+#include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <time.h>
 
 #include <cuda_runtime_api.h>
 #pragma GCC diagnostic push
@@ -25,69 +43,300 @@
 #include "ref.h"
 
 #define IPC_TIMEOUT_MS 30000
+#define DIES_TIMEOUT_MS 3000 /* survivors' peer timeout when a rank is killed */
+#define MP_CALLS 4           /* comm and graph cases: calls per run, each on new routing */
 
-typedef struct ipc_case {
-    int32_t R, dtype, layout, dataflow;
-    const int32_t *T_of_rank;
-    uint64_t seed;
-    mfp_problem_t p;
-    uint16_t *y_ipc[MF_MAX_RANKS], *y_local[MF_MAX_RANKS];
-} ipc_case_t;
-
-static mf_result_t run_case(ipc_case_t *c, int32_t transport, char *err, int errlen) {
-    mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
-    o.backend = MF_BACKEND_CUDA;
-    o.iters = 2;
-    o.timeout_ms = IPC_TIMEOUT_MS;
-    o.dataflow = c->dataflow;
-    o.transport = transport;
-    return mfp_run(&c->p, &o, transport == MF_TRANSPORT_IPC ? c->y_ipc : c->y_local, NULL, err, errlen);
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* Every case's ipc run first (this process must not touch CUDA before it forks rank processes),
- * then every local run, then the comparison. */
+/* GPUs visible (asked once, in a child). */
+static int32_t gpus(void) {
+    static int32_t n = -1;
+    if (n < 0) n = mfp_probe_device_count();
+    return n;
+}
+
+/* R for a multi-process case: one process per GPU where there are several, else `one_gpu_R`
+ * processes sharing GPU 0. */
+static int32_t mp_ranks(int32_t one_gpu_R) {
+    int32_t n = gpus();
+    return n > 1 ? (n > MF_MAX_RANKS ? MF_MAX_RANKS : n) : one_gpu_R;
+}
+
+/* The process transports a case of R ranks runs over here: ipc always; nccl where every rank has
+ * its own GPU (R <= GPUs). */
+static int32_t mp_transports(int32_t R, int32_t *tr) {
+    int32_t n = 0;
+    tr[n++] = MF_TRANSPORT_IPC;
+    if (R <= gpus()) tr[n++] = MF_TRANSPORT_NCCL;
+    return n;
+}
+
+static const char *tr_name(int32_t t) {
+    return t == MF_TRANSPORT_IPC ? "ipc" : t == MF_TRANSPORT_NCCL ? "nccl" : "local";
+}
+
+static uint16_t **alloc_ys(const mfp_problem_t *p) {
+    uint16_t **y = mft_alloc(sizeof(uint16_t *) * (size_t)p->spec.R);
+    for (int32_t r = 0; r < p->spec.R; r++) {
+        y[r] = mft_alloc((size_t)p->T[r] * p->spec.H * 2 + 2);
+        mft_poison(y[r], (size_t)p->T[r] * p->spec.H * 2);
+    }
+    return y;
+}
+
+static void free_ys(uint16_t **y, int32_t R) {
+    for (int32_t r = 0; r < R; r++) free(y[r]);
+    free(y);
+}
+
+/* Every rank's y of two runs, bit for bit. */
+static int same_y(const mfp_problem_t *p, uint16_t *const *a, uint16_t *const *b, const char *what) {
+    for (int32_t r = 0; r < p->spec.R; r++) {
+        const int64_t n = (int64_t)p->T[r] * p->spec.H;
+        MFT_CHECK_MSG(memcmp(a[r], b[r], (size_t)n * 2) == 0, "%s: rank %d: y differs (diff %.3g)", what, (int)r,
+                      mfref_diff_bf16(a[r], b[r], n));
+    }
+    return 0;
+}
+
+/* ---- the layer: processes (ipc, nccl) against virtual ranks -------------------------------- */
+
+typedef struct mp_case {
+    int32_t R, dtype, layout, dataflow;
+    const int32_t *T_of_rank; /* [R] or NULL */
+    uint64_t seed;
+} mp_case_t;
+
+static int mp_problem(const mp_case_t *c, int32_t E_per_rank, mfp_problem_t *p) {
+    mfp_spec_t spec;
+    memset(&spec, 0, sizeof spec);
+    spec.R = c->R, spec.E = E_per_rank * c->R, spec.K = 4, spec.H = 512, spec.I = 256, spec.S = 24;
+    spec.T_per_rank = 24, spec.dtype = c->dtype, spec.layout = c->layout, spec.T_of_rank = c->T_of_rank;
+    spec.routing = MFP_ROUTING_ZIPF, spec.zipf_s = 1.2, spec.drop_prob = 0.05, spec.seed = c->seed;
+    return mfp_generate(&spec, p);
+}
+
+/* Idle and uneven ranks for R processes: rank 1 idle, the others 24, 7, 1, 24, 7, 1, ... */
+static const int32_t *uneven_T(int32_t R) {
+    static int32_t T[MF_MAX_RANKS];
+    static const int32_t pat[3] = {24, 7, 1};
+    for (int32_t r = 0; r < R; r++) T[r] = r == 1 ? 0 : pat[r % 3];
+    return T;
+}
+
+/* Every case over every process transport first (this process must not touch CUDA before it
+ * forks rank processes), then the local runs, then the comparison. */
 static int cuda_ipc_bitwise(void) {
-    static const int32_t uneven[4] = {24, 0, 7, 1};
-    ipc_case_t cases[3];
-    memset(cases, 0, sizeof cases);
-    cases[0].R = 2, cases[0].dtype = MF_DTYPE_FP8_E4M3, cases[0].layout = MF_LAYOUT_EXPERT_MAJOR;
-    cases[0].dataflow = MF_DATAFLOW_AUTO, cases[0].seed = 61;
-    cases[1].R = 4, cases[1].dtype = MF_DTYPE_BF16, cases[1].layout = MF_LAYOUT_MASKED;
-    cases[1].dataflow = MF_DATAFLOW_PULL, cases[1].T_of_rank = uneven, cases[1].seed = 62;
-    cases[2].R = 4, cases[2].dtype = MF_DTYPE_FP8_E4M3, cases[2].layout = MF_LAYOUT_MASKED;
-    cases[2].dataflow = MF_DATAFLOW_UNFUSED, cases[2].T_of_rank = uneven, cases[2].seed = 63;
-    const int n = (int)(sizeof cases / sizeof cases[0]);
+    const int32_t R = mp_ranks(2), R4 = mp_ranks(4);
+    /* the last case is one rank, so that the nccl path of mfp_run runs on one GPU too */
+    mp_case_t cases[4] = {
+        {R, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MF_DATAFLOW_AUTO, NULL, 61},
+        {R4, MF_DTYPE_BF16, MF_LAYOUT_MASKED, MF_DATAFLOW_PULL, uneven_T(R4), 62},
+        {R4, MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED, MF_DATAFLOW_UNFUSED, uneven_T(R4), 63},
+        {1, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MF_DATAFLOW_AUTO, NULL, 64},
+    };
+    enum { kCases = 4 };
+    mfp_problem_t p[kCases];
+    uint16_t **y_mp[kCases][2], **y_local[kCases];
+    int32_t trs[kCases][2], ntr[kCases];
     char err[512] = "";
-    for (int i = 0; i < n; i++) {
-        ipc_case_t *c = &cases[i];
-        mfp_spec_t spec;
-        memset(&spec, 0, sizeof spec);
-        spec.R = c->R, spec.E = 4 * c->R, spec.K = 4, spec.H = 512, spec.I = 256, spec.S = 24, spec.T_per_rank = 24;
-        spec.dtype = c->dtype, spec.layout = c->layout, spec.T_of_rank = c->T_of_rank;
-        spec.routing = MFP_ROUTING_ZIPF, spec.zipf_s = 1.2, spec.drop_prob = 0.05, spec.seed = c->seed;
-        MFT_CHECK(mfp_generate(&spec, &c->p) == 0);
-        for (int32_t r = 0; r < c->R; r++) {
-            c->y_ipc[r] = mft_alloc((size_t)c->p.T[r] * spec.H * 2 + 2);
-            c->y_local[r] = mft_alloc((size_t)c->p.T[r] * spec.H * 2 + 2);
+    mft_verbose("  %d GPU(s): R = %d / %d processes\n", (int)gpus(), (int)R, (int)R4);
+    for (int i = 0; i < kCases; i++) {
+        MFT_CHECK(mp_problem(&cases[i], 4, &p[i]) == 0);
+        ntr[i] = mp_transports(cases[i].R, trs[i]);
+        for (int t = 0; t < ntr[i]; t++) {
+            mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
+            o.backend = MF_BACKEND_CUDA, o.iters = 2, o.timeout_ms = IPC_TIMEOUT_MS, o.dataflow = cases[i].dataflow;
+            o.transport = trs[i][t];
+            y_mp[i][t] = alloc_ys(&p[i]);
+            MFT_CHECK_MSG(mfp_run(&p[i], &o, y_mp[i][t], NULL, err, sizeof err) == MF_SUCCESS,
+                          "case %d: %s (R = %d processes): %s", i, tr_name(trs[i][t]), (int)cases[i].R, err);
         }
-        MFT_CHECK_MSG(run_case(c, MF_TRANSPORT_IPC, err, sizeof err) == MF_SUCCESS, "case %d: ipc (R = %d processes): %s",
-                      i, (int)c->R, err);
     }
-    for (int i = 0; i < n; i++) {
-        ipc_case_t *c = &cases[i];
-        MFT_CHECK_MSG(run_case(c, MF_TRANSPORT_LOCAL, err, sizeof err) == MF_SUCCESS, "case %d: local (R = %d threads): %s",
-                      i, (int)c->R, err);
-        for (int32_t r = 0; r < c->R; r++) {
-            const int64_t n_el = (int64_t)c->p.T[r] * c->p.spec.H;
-            MFT_CHECK_MSG(memcmp(c->y_ipc[r], c->y_local[r], (size_t)n_el * 2) == 0,
-                          "case %d (R %d): rank %d: ipc y differs from local y (diff %.3g)", i, (int)c->R, (int)r,
-                          mfref_diff_bf16(c->y_ipc[r], c->y_local[r], n_el));
-            free(c->y_ipc[r]);
-            free(c->y_local[r]);
+    for (int i = 0; i < kCases; i++) {
+        mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
+        o.backend = MF_BACKEND_CUDA, o.iters = 2, o.timeout_ms = IPC_TIMEOUT_MS, o.dataflow = cases[i].dataflow;
+        y_local[i] = alloc_ys(&p[i]);
+        MFT_CHECK_MSG(mfp_run(&p[i], &o, y_local[i], NULL, err, sizeof err) == MF_SUCCESS,
+                      "case %d: local (R = %d threads): %s", i, (int)cases[i].R, err);
+        for (int t = 0; t < ntr[i]; t++) {
+            char what[64];
+            snprintf(what, sizeof what, "case %d, %s vs local", i, tr_name(trs[i][t]));
+            if (same_y(&p[i], y_mp[i][t], y_local[i], what)) return 1;
+            mft_verbose("  case %d: R %d: %s == local, bit for bit\n", i, (int)cases[i].R, tr_name(trs[i][t]));
+            free_ys(y_mp[i][t], cases[i].R);
         }
-        mft_verbose("  case %d: R %d: ipc == local, bit for bit\n", i, (int)c->R);
-        mfp_free(&c->p);
+        free_ys(y_local[i], cases[i].R);
+        mfp_free(&p[i]);
     }
+    return 0;
+}
+
+/* ---- dispatch and combine alone; graph replay; over processes -------------------------------- */
+
+/* Runs p as o says with MP_CALLS calls on redrawn routing, digests into d [R][MP_CALLS][2] and y. */
+static mf_result_t run_digests(const mfp_problem_t *p, mfp_run_opts_t o, int32_t backend, int32_t transport,
+                               uint64_t *d, uint16_t **y, char *err, int errlen) {
+    o.backend = backend, o.transport = transport, o.iters = MP_CALLS, o.warmup = 0;
+    o.timeout_ms = IPC_TIMEOUT_MS, o.redraw = 1, o.redraw_seed = 500, o.digests = d;
+    return mfp_run(p, &o, y, NULL, err, errlen);
+}
+
+/* Call by call, both digests of every rank equal (what: the runs' names). */
+static int same_digests(int32_t R, const uint64_t *a, const uint64_t *b, int check_dispatch, const char *what) {
+    for (int32_t r = 0; r < R; r++)
+        for (int32_t c = 0; c < MP_CALLS; c++) {
+            const uint64_t *x = a + ((size_t)r * MP_CALLS + c) * 2, *z = b + ((size_t)r * MP_CALLS + c) * 2;
+            MFT_CHECK_MSG(!check_dispatch || x[0] == z[0], "%s: rank %d call %d: dispatch outputs differ", what, (int)r,
+                          (int)c);
+            MFT_CHECK_MSG(x[1] == z[1], "%s: rank %d call %d: y differs", what, (int)r, (int)c);
+        }
+    return 0;
+}
+
+/* One case of op DISPATCH_COMBINE (comm) or a captured FORWARD (graph): its runs over every process
+ * transport, kept until the same calls run on local CUDA virtual ranks (eager) and, for comm, on the
+ * CPU backend. The process runs of every case come first: a process that has touched CUDA cannot
+ * fork rank processes that use it. */
+typedef struct mp_digest {
+    mfp_problem_t p;
+    int32_t trs[2], ntr;
+    uint64_t *d_mp[2];
+    uint16_t **y_mp[2];
+} mp_digest_t;
+
+static mfp_run_opts_t mp_digest_opts(const mp_case_t *c, int graph) {
+    mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
+    o.op = graph ? MFP_OP_FORWARD : MFP_OP_DISPATCH_COMBINE;
+    o.dataflow = c->dataflow;
+    return o;
+}
+
+static int mp_digest_run(const mp_case_t *c, int graph, mp_digest_t *s) {
+    MFT_CHECK(mp_problem(c, graph ? 4 : 2, &s->p) == 0);
+    const size_t nd = (size_t)c->R * MP_CALLS * 2;
+    s->ntr = mp_transports(c->R, s->trs);
+    mfp_run_opts_t og = mp_digest_opts(c, graph);
+    og.graph = graph;
+    char err[512] = "";
+    for (int t = 0; t < s->ntr; t++) {
+        s->d_mp[t] = mft_alloc(nd * 8);
+        s->y_mp[t] = alloc_ys(&s->p);
+        MFT_CHECK_MSG(run_digests(&s->p, og, MF_BACKEND_CUDA, s->trs[t], s->d_mp[t], s->y_mp[t], err, sizeof err) ==
+                          MF_SUCCESS,
+                      "%s over %s (R = %d processes): %s", graph ? "graph replay" : "dispatch / combine",
+                      tr_name(s->trs[t]), (int)c->R, err);
+    }
+    return 0;
+}
+
+static int mp_digest_check(const mp_case_t *c, int graph, mp_digest_t *s) {
+    const int32_t R = c->R;
+    const size_t nd = (size_t)R * MP_CALLS * 2;
+    uint64_t *d_local = mft_alloc(nd * 8), *d_cpu = mft_alloc(nd * 8);
+    uint16_t **y_local = alloc_ys(&s->p);
+    mfp_run_opts_t o = mp_digest_opts(c, graph);
+    char err[512] = "";
+    MFT_CHECK_MSG(run_digests(&s->p, o, MF_BACKEND_CUDA, MF_TRANSPORT_LOCAL, d_local, y_local, err, sizeof err) ==
+                      MF_SUCCESS, "local (R = %d threads): %s", (int)R, err);
+    if (!graph) {
+        uint16_t **y_cpu = alloc_ys(&s->p);
+        MFT_CHECK_MSG(run_digests(&s->p, o, MF_BACKEND_CPU, MF_TRANSPORT_LOCAL, d_cpu, y_cpu, err, sizeof err) ==
+                          MF_SUCCESS, "cpu: %s", err);
+        if (same_digests(R, d_local, d_cpu, 1, "local CUDA vs CPU")) return 1;
+        free_ys(y_cpu, R);
+    }
+    for (int t = 0; t < s->ntr; t++) {
+        char what[64];
+        snprintf(what, sizeof what, "%s vs local", tr_name(s->trs[t]));
+        if (same_digests(R, s->d_mp[t], d_local, !graph, what) || same_y(&s->p, s->y_mp[t], y_local, what)) return 1;
+        mft_verbose("  R %d %s %s: %s == local%s, %d calls on new routing, bit for bit\n", (int)R,
+                    c->dtype == MF_DTYPE_FP8_E4M3 ? "fp8" : "bf16",
+                    c->layout == MF_LAYOUT_MASKED ? "masked" : "expert_major", tr_name(s->trs[t]),
+                    graph ? " (graph replays vs eager)" : " and cpu (dispatch outputs and y)", MP_CALLS);
+        free(s->d_mp[t]);
+        free_ys(s->y_mp[t], R);
+    }
+    free(d_local);
+    free(d_cpu);
+    free_ys(y_local, R);
+    mfp_free(&s->p);
+    return 0;
+}
+
+/* Every case's process runs, then every case's local runs and comparisons (n <= 4). */
+static int mp_digest_cases(const mp_case_t *cases, int n, int graph) {
+    const char *name = graph ? "graph" : "comm";
+    mp_digest_t s[4];
+    for (int i = 0; i < n; i++)
+        if (mp_digest_run(&cases[i], graph, &s[i])) return mft_fail(__FILE__, __LINE__, "%s case %d", name, i);
+    for (int i = 0; i < n; i++)
+        if (mp_digest_check(&cases[i], graph, &s[i])) return mft_fail(__FILE__, __LINE__, "%s case %d", name, i);
+    return 0;
+}
+
+/* mf_dispatch and mf_combine alone over processes: both dtypes and layouts, an idle rank. */
+static int cuda_ipc_comm(void) {
+    const int32_t R = mp_ranks(2), R3 = mp_ranks(3);
+    mp_case_t cases[4] = {
+        {R, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MF_DATAFLOW_AUTO, NULL, 71},
+        {R, MF_DTYPE_BF16, MF_LAYOUT_MASKED, MF_DATAFLOW_AUTO, NULL, 72},
+        {R3, MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED, MF_DATAFLOW_AUTO, uneven_T(R3), 73},
+        {1, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MF_DATAFLOW_AUTO, NULL, 74}, /* nccl on one GPU too */
+    };
+    return mp_digest_cases(cases, 4, 0);
+}
+
+/* A captured forward replayed over processes with the routing redrawn every replay: DIRECT
+ * (decode GEMM reading peers' rows in place) and PULL. */
+static int cuda_ipc_graph(void) {
+    const int32_t R = mp_ranks(2);
+    mp_case_t cases[3] = {
+        {R, MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED, MF_DATAFLOW_DIRECT, NULL, 81},
+        {R, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, MF_DATAFLOW_PULL, NULL, 82},
+        {1, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MF_DATAFLOW_AUTO, NULL, 83}, /* nccl on one GPU too */
+    };
+    return mp_digest_cases(cases, 3, 1);
+}
+
+/* The last rank process is SIGKILLed right after it launched its second forward (its kernels in
+ * flight, its peers inside the call): every survivor returns an error (the timeout naming the
+ * rank, or a CUDA error if its mapped memory went with it) within a bound, and no process stays. */
+static int cuda_ipc_rank_dies(void) {
+    const int32_t R = mp_ranks(3);
+    mp_case_t c = {R, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, MF_DATAFLOW_AUTO, NULL, 91};
+    mfp_problem_t p;
+    MFT_CHECK(mp_problem(&c, 2, &p) == 0);
+    int32_t trs[2], ntr = mp_transports(R, trs);
+    for (int t = 0; t < ntr; t++) {
+        uint16_t **y = alloc_ys(&p);
+        mf_result_t codes[MF_MAX_RANKS];
+        mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
+        o.backend = MF_BACKEND_CUDA, o.iters = 3, o.timeout_ms = DIES_TIMEOUT_MS, o.transport = trs[t];
+        o.die_rank = R - 1, o.die_at = 1, o.die_mid = 1, o.rank_results = codes;
+        char err[512] = "";
+        double t0 = now_s();
+        mf_result_t res = mfp_run(&p, &o, y, NULL, err, sizeof err);
+        double elapsed = now_s() - t0;
+        mft_verbose("  %s, R %d: %s after %.2f s: %s\n", tr_name(trs[t]), (int)R, mft_result_name(res), elapsed, err);
+        MFT_CHECK_MSG(res != MF_SUCCESS, "%s: the run succeeded with a rank killed", tr_name(trs[t]));
+        for (int32_t r = 0; r < R; r++) {
+            mft_verbose("    rank %d: %s\n", (int)r, mft_result_name(codes[r]));
+            MFT_CHECK_MSG(codes[r] != MF_SUCCESS, "%s: rank %d returned success with rank %d killed", tr_name(trs[t]),
+                          (int)r, (int)(R - 1));
+        }
+        MFT_CHECK_EQ_INT(codes[R - 1], MF_ERR_SYSTEM);
+        /* setup (rendezvous, ncclCommInitRank), the first forward, then at most a timeout per wait */
+        MFT_CHECK_MSG(elapsed < 6 * DIES_TIMEOUT_MS / 1000.0 + 30, "%s: took %.1f s", tr_name(trs[t]), elapsed);
+        MFT_CHECK_MSG(waitpid(-1, NULL, WNOHANG) < 0 && errno == ECHILD, "%s: a rank process was left behind",
+                      tr_name(trs[t]));
+        free_ys(y, R);
+    }
+    mfp_free(&p);
     return 0;
 }
 
@@ -340,6 +589,9 @@ static int cuda_nccl_r1(void) {
 
 const mft_test_t mft_tests_cuda_transport[] = {
     {"cuda_ipc_bitwise", cuda_ipc_bitwise, 300},
+    {"cuda_ipc_comm", cuda_ipc_comm, 300},
+    {"cuda_ipc_graph", cuda_ipc_graph, 300},
+    {"cuda_ipc_rank_dies", cuda_ipc_rank_dies, 180},
     {"cuda_faults_all_ranks", cuda_faults_all_ranks, 300},
     {"cuda_nccl_r1", cuda_nccl_r1, 120},
     {NULL, NULL, 0},
