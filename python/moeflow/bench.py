@@ -199,6 +199,9 @@ def time_moeflow(comms, spec, weights, tokens_by_t, iters, warmup):
                 layer.set_weights(_desc(w13), _desc(s13) if fp8 else _lib.Tensor(), _desc(w2),
                                   _desc(s2) if fp8 else _lib.Tensor())
                 flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if cuda and r == 0 else None
+                if cuda:  # a stream's first launch must not be inside a collective (API.md section 10)
+                    torch.zeros(1, device=device).add_(1)
+                    stream.synchronize()
                 out = {}
                 for T, toks in tokens_by_t.items():
                     x, ids, wts = toks[r]

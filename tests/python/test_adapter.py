@@ -1,6 +1,10 @@
 """moeflow.adapter: vLLM's modular-kernel shape (prepare / experts.apply / finalize) on moeflow,
 R = 1 and R = 2 virtual ranks, against the fp64 reference; prepare's rows bit for bit (identity
-payloads); the contract's refusals."""
+payloads); the contract's refusals; the three examples run and pass."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -160,3 +164,19 @@ def test_contract_refusals():
     finally:
         layer.close()
         comms[0].group.close()
+
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples")
+
+
+@pytest.mark.parametrize("script,args", [
+    ("layer.py", ["-T", "8"]),
+    ("dispatch_combine.py", ["-T", "5"]),
+    ("distributed.py", ["-T", "3"]),
+])
+def test_examples_run_and_pass(script, args):
+    """The examples on the CPU: exit 0 and print PASS."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    r = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), "--backend", "cpu", *args],
+                       capture_output=True, text=True, env=env, timeout=180)
+    assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr
