@@ -44,9 +44,9 @@ def dequant(w, scale):
     return w.float() * scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
 
 
-def engine_experts(d, w13, w2, s13, s2):
-    """The engine's own GEMMs on the dispatched rows: expert_out [rows, H] bf16."""
-    out = torch.zeros(d.recv_x.shape, dtype=torch.bfloat16, device=d.recv_x.device)
+def engine_experts(d, w13, w2, s13, s2, out):
+    """The engine's own GEMMs on the dispatched rows, into out [max_recv_rows, H] bf16 (recv_x's
+    row positions; padding rows are not read by combine)."""
     counts, offsets = d.expert_counts.tolist(), d.expert_offsets.tolist()
     for e, (start, n) in enumerate(zip(offsets, counts)):
         if n == 0:
@@ -94,11 +94,16 @@ def main():
             layer = MoELayer(comms[r], E, K, H, I, max(tokens), dtype=dtype)  # collective
             w13, w2, s13, s2 = [t if t is None else t.to(dev) for t in p.local_weights(r)]
             x, ids, wts = p.x[r].to(dev), p.topk_ids[r].to(dev), p.topk_weights[r].to(dev)
-            if cuda:
+            # buffers before the first collective: with virtual ranks sharing one GPU, a
+            # cudaMalloc between dispatch and combine may wait behind a peer's spinning kernel
+            expert_out = torch.zeros(layer.info.max_recv_rows, H, dtype=torch.bfloat16, device=dev)
+            if cuda:  # and cache allocator blocks for the GEMMs' temporaries (small and large)
+                warm = [torch.empty(n, dtype=torch.uint8, device=dev) for n in (1 << 19, 64 << 20)]
+                del warm  # freed into the cache, not to the device
                 stream.synchronize()
             barrier.wait()  # every rank set up before the first data-path collective
             d = layer.dispatch(x, ids)                       # collective
-            expert_out = engine_experts(d, w13, w2, s13, s2)
+            engine_experts(d, w13, w2, s13, s2, expert_out)
             y = layer.combine(expert_out, wts, d)            # collective
             y = y.cpu()
             layer.close()

@@ -163,6 +163,7 @@ class MoeflowPrepareAndFinalize:
         self._pending = None       # the DispatchResult finalize combines
         self._num_tokens = 0
         self._on_input = False
+        self._ones = None          # combine's weights when the router weights went in with x
 
     # -- what vLLM asks of a prepare/finalize --------------------------------------------------------
     @property
@@ -216,10 +217,12 @@ class MoeflowPrepareAndFinalize:
         self._check_expert_map(expert_map)
         if a1.dtype != torch.bfloat16:
             raise TypeError(f"moeflow dispatches bf16 hidden states, not {a1.dtype}")
+        self._ones = None
         if apply_router_weight_on_input:
             if topk_ids.shape[1] != 1:
                 raise ValueError("apply_router_weight_on_input requires top-1 routing")
             a1 = (a1.to(torch.float32) * topk_weights.to(torch.float32)).to(torch.bfloat16)
+            self._ones = torch.ones(topk_weights.shape, dtype=torch.float32, device=a1.device)
         d = self.layer.dispatch(a1.contiguous(), topk_ids.contiguous())
         self._pending, self._num_tokens = d, a1.shape[0]
         self._on_input = apply_router_weight_on_input
@@ -238,8 +241,8 @@ class MoeflowPrepareAndFinalize:
             raise TypeError("moeflow's combine weights and reduces: pair it with "
                             f"TopKWeightAndReduceNoOP, not {type(weight_and_reduce_impl).__name__}")
         d, self._pending = self._pending, None
-        if apply_router_weight_on_input or self._on_input:
-            topk_weights = torch.ones_like(topk_weights, dtype=torch.float32)
+        if self._on_input:  # the router weights went in with x: combine applies 1
+            topk_weights = self._ones
         y = self.layer.combine(fused_expert_output.contiguous(),
                                topk_weights.to(torch.float32).contiguous(), d)
         output.copy_(y[: self._num_tokens])
@@ -348,9 +351,13 @@ class MoeflowFusedMoE(torch.nn.Module):
             pf._check_expert_map(expert_map)
             y = ex.forward_layer(hidden_states, w1, w2, topk_weights, topk_ids)
         else:
+            # every buffer before the first collective: on virtual ranks sharing a GPU an
+            # allocation between dispatch and combine may wait behind a peer's spinning kernel
+            expert_out = self._expert_out_buffer()
+            y = torch.empty_like(hidden_states)
+            topk_weights = topk_weights.to(torch.float32).contiguous()
             a = pf.prepare(hidden_states, topk_weights, topk_ids, E, expert_map,
                            apply_router_weight_on_input, ex.quant_config)
-            expert_out = torch.zeros(*a.a1q.shape, dtype=torch.bfloat16, device=a.a1q.device)
             try:
                 ex.apply(expert_out, a.a1q, w1, w2, topk_weights, topk_ids, activation, E, None,
                          a.a1q_scale, None, None, None, a.expert_tokens_meta,
@@ -360,7 +367,6 @@ class MoeflowFusedMoE(torch.nn.Module):
                 pf.finalize(torch.empty_like(hidden_states), expert_out, topk_weights, topk_ids,
                             apply_router_weight_on_input, ex.finalize_weight_and_reduce_impl())
                 raise
-            y = torch.empty_like(hidden_states)
             pf.finalize(y, expert_out, topk_weights, topk_ids, apply_router_weight_on_input,
                         ex.finalize_weight_and_reduce_impl())
         if inplace:
@@ -368,5 +374,18 @@ class MoeflowFusedMoE(torch.nn.Module):
             return hidden_states
         return y
 
+    def _expert_out_buffer(self):
+        """The experts' output [max_recv_rows, H] (EXPERT_MAJOR) or [L, C, H] (MASKED) bf16,
+        kept across calls (combine reads only the real rows, so stale rows are harmless)."""
+        layer, info = self.layer, self.layer.info
+        lead = ((info.num_local_experts, info.expert_capacity) if layer.layout == "masked"
+                else (info.max_recv_rows,))
+        buf = getattr(self, "_expert_out", None)
+        if buf is None:
+            buf = self._expert_out = torch.zeros(*lead, layer.hidden, dtype=torch.bfloat16,
+                                                 device=layer.device)
+        return buf
+
     def close(self):
+        self._expert_out = None
         self.layer.close()
