@@ -36,20 +36,26 @@ _UNUSED = _lib.Tensor()  # a field the layer's dtype or layout does not use
 def comm_from_process_group(group=None, backend="auto", device=None, transport="auto",
                             heap_bytes=0, timeout_ms=0):
     """This process's rank of torch.distributed process group `group` (None: the default group):
-    mf_comm_init with a bootstrap whose allgather is all_gather_object over the group. Collective
-    over the group. CUDA backend: `device` defaults to torch.cuda.current_device(). The group
-    must stay usable until the comm is closed (setup calls and close() use it)."""
+    mf_comm_init with a bootstrap whose allgather is dist.all_gather of a uint8 tensor over the
+    group (on the current CUDA device for an nccl group, else on the CPU). Collective over the
+    group. CUDA backend: `device` defaults to torch.cuda.current_device(). The group must stay
+    usable until the comm is closed (setup calls and close() use it)."""
     import torch.distributed as dist
 
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     backend = resolve_backend(backend)
     if backend == "cuda" and device is None:
         device = torch.cuda.current_device()
+    on = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
+          else torch.device("cpu"))
 
-    def allgather(data):
-        out = [None] * size
-        dist.all_gather_object(out, data, group=group)
-        return out
+    def allgather(data):  # every rank passes the same number of bytes (mf_allgather_fn)
+        if not data:
+            return [b""] * size
+        send = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(on)
+        recv = [torch.empty_like(send) for _ in range(size)]
+        dist.all_gather(recv, send, group=group)
+        return [bytes(t.cpu().tolist()) for t in recv]
 
     return Comm.init(rank, size, allgather, backend=backend, transport=transport,
                      device=device or 0, heap_bytes=heap_bytes, timeout_ms=timeout_ms)
