@@ -6,8 +6,9 @@
     python3 -m moeflow.bench --plot-records bench/results/h200/*.json --out docs/img
 
 For each preset and T (tokens per rank) it times, in one run on one device:
-  layer       moeflow's whole layer (mf_moe_forward, dataflow auto, EXPERT_MAJOR) on R virtual
-              ranks of this process, profiled: the W13 and W2 phases are the "w13" / "w2" rows;
+  layer       moeflow's whole layer (mf_moe_forward, EXPERT_MAJOR) on R virtual ranks of this
+              process, profiled: the W13 and W2 phases are the "w13" / "w2" rows; each --dataflow
+              (default auto; auto,unfused adds "layer_unfused" rows, as the CLI's records);
   torch peer  an unfused torch MoE layer on the same routing (all ranks' tokens, all experts):
               sort rows by expert, torch._grouped_mm (BF16) / torch._scaled_grouped_mm (FP8,
               row-wise scales: torch has no 128 x 128 block-scaled grouped GEMM) for W13, SwiGLU,
@@ -178,9 +179,9 @@ def _desc(t):
     return _lib.tensor(t.data_ptr() if t.numel() else 0, _DTYPES[t.dtype], t.shape)
 
 
-def time_moeflow(comms, spec, weights, tokens_by_t, iters, warmup):
-    """{T: (time_us, phases_us)}: the profiled layer on every rank (one thread each), the slowest
-    rank's median total and its phases' medians."""
+def time_moeflow(comms, spec, weights, tokens_by_t, iters, warmup, dataflow="auto"):
+    """{T: (time_us, phases_us)}: the profiled layer (`dataflow`) on every rank (one thread each),
+    the slowest rank's median total and its phases' medians."""
     R = len(comms)
     E, K, H, I, fp8 = spec
     S = max(tokens_by_t)
@@ -193,7 +194,8 @@ def time_moeflow(comms, spec, weights, tokens_by_t, iters, warmup):
         stream = torch.cuda.Stream(device) if cuda else None
         ctx = torch.cuda.stream(stream) if cuda else _Null()
         with ctx:
-            layer = Layer(comms[r], E, K, H, I, S, dtype="fp8" if fp8 else "bf16", profile=True)
+            layer = Layer(comms[r], E, K, H, I, S, dtype="fp8" if fp8 else "bf16", profile=True,
+                          dataflow=dataflow)
             try:
                 w13, s13, w2, s2 = (None if w is None else w[r * L:(r + 1) * L] for w in weights)
                 layer.set_weights(_desc(w13), _desc(s13) if fp8 else _lib.Tensor(), _desc(w2),
@@ -364,7 +366,8 @@ class TorchPeer:
 
 
 # ---- one preset ----------------------------------------------------------------------------------
-def bench_preset(name, spec, tokens, R, backend, device, iters, warmup, peers, ceil, log):
+def bench_preset(name, spec, tokens, R, backend, device, iters, warmup, peers, ceil, log,
+                 dataflows=("auto",)):
     E, K, H, I, fp8 = spec
     if E % R:
         raise ValueError(f"{name}: E = {E} does not divide over {R} ranks")
@@ -375,7 +378,7 @@ def bench_preset(name, spec, tokens, R, backend, device, iters, warmup, peers, c
     tokens_by_t = {T: make_tokens(R, T, E, K, H, device, seed=1000 + T) for T in tokens}
     comms = virtual_comms(R, backend)
     try:
-        timed = time_moeflow(comms, spec, weights, tokens_by_t, iters, warmup)
+        timed = {df: time_moeflow(comms, spec, weights, tokens_by_t, iters, warmup, df) for df in dataflows}
     finally:
         comms[0].group.close()
     del weights
@@ -398,7 +401,6 @@ def bench_preset(name, spec, tokens, R, backend, device, iters, warmup, peers, c
         nrows = int((flat >= 0).sum())
         used = int(torch.unique(flat[flat >= 0]).numel())
         cnt = counts(R, T, H, I, nrows, used, fp8)
-        t_us, phases = timed[T]
         pt = None
         if peer is not None:
             try:
@@ -406,35 +408,55 @@ def bench_preset(name, spec, tokens, R, backend, device, iters, warmup, peers, c
             except Exception as e:  # noqa: BLE001
                 pt = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
         shape = {"R": R, "E": E, "K": K, "H": H, "I": I, "T": T, "L": L, "M": nrows}
-        for op, us in (("layer", t_us), ("w13", phases["w13"]), ("w2", phases["w2"])):
-            flops, nbytes = cnt[op]
-            row = {"op": op, "preset": name, "dataflow": "auto", "dtype": "fp8" if fp8 else "bf16",
-                   "layout": "expert_major", "shape": dict(shape), "time_us": round(us, 3),
-                   "tflops": flops / us / 1e6 if us > 0 else None, "gbps": nbytes / us / 1e3 if us > 0 else None}
-            if cuda:
-                fl = floor_us(flops, nbytes, fp8, ceil)
-                row["floor_us"] = round(fl, 3)
-                row["pct_of_floor"] = round(100.0 * fl / us, 2) if us > 0 else None
-            if op == "layer":
-                row["phases_us"] = {k: round(v, 3) for k, v in phases.items()}
-            row["iters"], row["warmup"] = iters, warmup
-            row["peers"] = []
-            if pt is not None and "error" in pt:
-                row["peers"].append({"name": peer.name(), "error": pt["error"]})
-            elif pt is not None:
-                pname = peer.name() if op != "layer" else "torch_unfused_" + peer.name().removeprefix("torch_")
-                row["peers"].append({"name": pname, "time_us": round(pt[op], 3)})
-            elif peer_err:
-                row["peers"].append({"name": "torch", "error": peer_err})
-            rows_out.append(row)
-        peer_s = f"{pt['layer']:10.1f}" if pt and "layer" in pt else f"{'-':>10}"
-        fl_s = f"{rows_out[-3].get('floor_us', float('nan')):10.1f}" if cuda else f"{'-':>10}"
-        print(f" {name:<16} {R:>2} {T:>6} {nrows:>8} {t_us:10.1f} {phases['w13']:9.1f} {phases['w2']:9.1f} "
-              f"{peer_s} {fl_s}", flush=True)
+        for n_df, df in enumerate(dataflows):
+            t_us, phases = timed[df][T]
+            # the first dataflow's rows carry the GEMM phases and the peers; the others the layer
+            if n_df == 0:
+                ops = (("layer", t_us), ("w13", phases["w13"]), ("w2", phases["w2"]))
+            else:
+                ops = (("layer_unfused" if df == "unfused" else "layer", t_us),)
+            for op, us in ops:
+                row = _row(op, us, name, df, fp8, shape, cnt["layer" if op == "layer_unfused" else op],
+                           ceil if cuda else None, iters, warmup)
+                if op in ("layer", "layer_unfused"):
+                    row["phases_us"] = {k: round(v, 3) for k, v in phases.items()}
+                if n_df == 0:
+                    row["peers"] = _peers_of(op, peer, pt, peer_err)
+                rows_out.append(row)
+            peer_s = f"{pt['layer']:10.1f}" if n_df == 0 and pt and "layer" in pt else f"{'-':>10}"
+            fl_s = f"{floor_us(*cnt['layer'], fp8, ceil):10.1f}" if cuda else f"{'-':>10}"
+            print(f" {name:<16} {df:>8} {R:>2} {T:>6} {nrows:>8} {t_us:10.1f} {phases['w13']:9.1f} "
+                  f"{phases['w2']:9.1f} {peer_s} {fl_s}", flush=True)
     del peer
     if cuda:
         torch.cuda.empty_cache()
     return rows_out
+
+
+def _row(op, us, preset, dataflow, fp8, shape, flops_bytes, ceil, iters, warmup):
+    """One DESIGN.md record row (floor only with ceilings, i.e. on CUDA)."""
+    flops, nbytes = flops_bytes
+    row = {"op": op, "preset": preset, "dataflow": dataflow, "dtype": "fp8" if fp8 else "bf16",
+           "layout": "expert_major", "shape": dict(shape), "time_us": round(us, 3),
+           "tflops": flops / us / 1e6 if us > 0 else None, "gbps": nbytes / us / 1e3 if us > 0 else None}
+    if ceil is not None:
+        fl = floor_us(flops, nbytes, fp8, ceil)
+        row["floor_us"] = round(fl, 3)
+        row["pct_of_floor"] = round(100.0 * fl / us, 2) if us > 0 else None
+    row["iters"], row["warmup"], row["peers"] = iters, warmup, []
+    return row
+
+
+def _peers_of(op, peer, pt, peer_err):
+    """The peers entry of a row: the torch peer's time for this op, or why there is none."""
+    if pt is not None and "error" in pt:
+        return [{"name": peer.name(), "error": pt["error"]}]
+    if pt is not None:
+        pname = peer.name() if op != "layer" else "torch_unfused_" + peer.name().removeprefix("torch_")
+        return [{"name": pname, "time_us": round(pt[op], 3)}]
+    if peer_err:
+        return [{"name": "torch", "error": peer_err}]
+    return []
 
 
 def _all_tokens(per_rank):
@@ -690,6 +712,9 @@ def main(argv=None):
                     help="weights and payload (default: the dtype the model ships)")
     ap.add_argument("-R", "--ranks", type=int, default=1, help="virtual ranks on this device (default 1)")
     ap.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--dataflow", default="auto",
+                    help="comma list of auto, direct, pull, unfused (docs/API.md section 5); the first "
+                         "gives the GEMM rows and the peers (default auto)")
     ap.add_argument("--iters", type=int, help="timed iterations (default 10 CUDA, 3 CPU)")
     ap.add_argument("--warmup", type=int, help="untimed iterations first (default 2 CUDA, 1 CPU)")
     ap.add_argument("--out", default="bench_out", help="directory for records and plots")
@@ -718,6 +743,10 @@ def main(argv=None):
     tokens = parse_list(a.tokens or (DEFAULT_TOKENS if cuda else SMOKE_TOKENS), int)
     iters = a.iters or (10 if cuda else 3)
     warmup = a.warmup if a.warmup is not None else (2 if cuda else 1)
+    dataflows = parse_list(a.dataflow)
+    for df in dataflows:
+        if df not in _lib.DATAFLOW:
+            ap.error(f"--dataflow: unknown '{df}' ({', '.join(_lib.DATAFLOW)})")
     for p in presets:
         if p not in PRESETS:
             ap.error(f"--presets: unknown '{p}' ({', '.join(PRESETS)})")
@@ -736,14 +765,15 @@ def main(argv=None):
               f"{ceil[2] / 1e12:.0f} (fp8) TFLOP/s (tools/bench.h)")
     else:
         print("# floor    - (no CPU ceiling is defined)")
-    print(f"#{'preset':<16} {'R':>2} {'T':>6} {'rows':>8} {'moeflow':>10} {'w13':>9} {'w2':>9} {'torch':>10} {'floor':>10}")
-    print(f"#{'':<16} {'':>2} {'':>6} {'':>8} {'(us)':>10} {'(us)':>9} {'(us)':>9} {'(us)':>10} {'(us)':>10}")
+    print(f"#{'preset':<16} {'dataflow':>8} {'R':>2} {'T':>6} {'rows':>8} {'moeflow':>10} {'w13':>9} {'w2':>9} "
+          f"{'torch':>10} {'floor':>10}")
+    print(f"#{'':<16} {'':>8} {'':>2} {'':>6} {'':>8} {'(us)':>10} {'(us)':>9} {'(us)':>9} {'(us)':>10} {'(us)':>10}")
     all_rows, written = [], []
     for name in presets:
         E, K, H, I, dt = PRESETS[name]
         dt = dt if a.dtype == "preset" else a.dtype
         rows = bench_preset(name, (E, K, H, I, dt == "fp8"), tokens, a.ranks, backend, device, iters, warmup,
-                            not a.no_peers, ceil, log)
+                            not a.no_peers, ceil, log, dataflows)
         all_rows.extend(rows)
         rec = {"meta": {"card": card, "date": date, "commit": commit,
                         "command": "python3 -m moeflow.bench " + " ".join(sys.argv[1:] if argv is None else argv),

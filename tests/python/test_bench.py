@@ -42,19 +42,22 @@ def test_smoke_run_records_and_plots(tmp_path, capsys):
     assert set(rows[0]["phases_us"]) == {"prepare", "dispatch", "w13", "w2", "combine"}
     assert rows[1]["time_us"] == rows[0]["phases_us"]["w13"]
     text = capsys.readouterr().out
-    assert [ln.split()[2] for ln in text.splitlines() if not ln.startswith("#")] == ["1", "3"]
+    assert [ln.split()[3] for ln in text.splitlines() if not ln.startswith("#")] == ["1", "3"]
     if has_matplotlib():
         assert os.path.getsize(os.path.join(out, "pybench_fp8_R1.png")) > 1000
 
 
-def test_two_ranks_bf16_no_peers(tmp_path):
+def test_two_ranks_bf16_dataflows_no_peers(tmp_path):
     out = str(tmp_path)
     assert bench.main(["--smoke", "--backend", "cpu", "-R", "2", "--dtype", "bf16", "--tokens", "2",
-                       "--no-peers", "--no-plots", "--out", out]) == 0
+                       "--dataflow", "auto,unfused", "--no-peers", "--no-plots", "--out", out]) == 0
     _, recs = read_records(out)
     rows = recs[0]["rows"]
+    assert [(r["op"], r["dataflow"]) for r in rows] == [
+        ("layer", "auto"), ("w13", "auto"), ("w2", "auto"), ("layer_unfused", "unfused")]
     assert rows[0]["shape"]["R"] == 2 and rows[0]["shape"]["L"] == 4 and rows[0]["dtype"] == "bf16"
-    assert all(r["peers"] == [] for r in rows)
+    assert all(r["peers"] == [] for r in rows) and "phases_us" in rows[3]
+    assert set(bench.layer_series(rows)["tiny"]) == {"moeflow", "moeflow unfused"}
     assert not glob.glob(os.path.join(out, "*.png"))
 
 
