@@ -6,10 +6,13 @@ on the CPU everywhere and on CUDA where torch and the library both see a GPU.
 """
 import os
 import threading
+import warnings
 
 # Virtual ranks on one GPU need both before the process first uses CUDA (docs/API.md section 10).
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+# torch warns at import when numpy is absent; nothing here uses numpy.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
