@@ -62,7 +62,9 @@ def test_fused_moe_matches_reference(backend, dtype, mode, R, tokens, layout):
     for r in range(R):
         want = ref.reference_moe(p.x[r], p.topk_ids[r], p.topk_weights[r], full["w13"],
                                  full["w13_scale"], full["w2"], full["w2_scale"])
-        ref.assert_close(ys[r][0], want, dtype, oracle=False)
+        # the fused layer on the CPU meets the oracle's bounds; the torch experts (fp32 GEMMs,
+        # another summation order) and CUDA the bounds of any backend
+        ref.assert_close(ys[r][0], want, dtype, oracle=backend == "cpu" and mode == "layer")
         assert torch.equal(ys[r][0], ys[r][1])
 
 
