@@ -77,7 +77,8 @@ class MoeConfig(Structure):
                 ("intermediate", c_int32), ("max_tokens_per_rank", c_int32), ("dtype", c_int32),
                 ("layout", c_int32), ("block_m", c_int32), ("expert_capacity", c_int32),
                 ("max_recv_rows", c_int32), ("ue8m0_scales", c_int32), ("profile", c_int32),
-                ("dataflow", c_int32)]
+                ("dataflow", c_int32), ("num_physical_experts", c_int32),
+                ("spare_slots", c_int32)]
 
 
 class MoeInfo(Structure):
@@ -119,9 +120,19 @@ class PhaseTimes(Structure):
     _fields_ = [("us", c_double * len(PHASES)), ("total_us", c_double)]
 
 
+MAX_RANKS = 64  # MF_MAX_RANKS
+
+
+class BalanceStats(Structure):
+    _fields_ = [("size", c_uint32), ("num_physical_experts", c_int32), ("slots_per_rank", c_int32),
+                ("spare_slots", c_int32), ("recv_rows", c_int64 * MAX_RANKS),
+                ("home_rows", c_int64 * MAX_RANKS), ("prefetch_bytes", c_int64),
+                ("prefetch_bytes_all", c_int64), ("spare_resident", c_int32), ("pad", c_int32)]
+
+
 # mf_struct_t order: the index is the enum value.
 STRUCTS = (Tensor, GroupConfig, CommConfig, Bootstrap, MoeConfig, MoeInfo, MoeWeights, ForwardIn,
-           ForwardOut, DispatchIn, DispatchOut, CombineIn, CombineOut, PhaseTimes)
+           ForwardOut, DispatchIn, DispatchOut, CombineIn, CombineOut, PhaseTimes, BalanceStats)
 
 
 # ---- loading --------------------------------------------------------------------------------------
@@ -168,6 +179,9 @@ _FUNCTIONS = {
     "mf_moe_set_weights": (c_int32, [_handle, _P(MoeWeights)]),
     "mf_moe_forward": (c_int32, [_handle, _P(ForwardIn), _P(ForwardOut), c_void_p]),
     "mf_moe_get_phase_times": (c_int32, [_handle, _P(PhaseTimes)]),
+    "mf_moe_set_expert_map": (c_int32, [_handle, _P(c_int32), c_int32]),
+    "mf_moe_prefetch": (c_int32, [_handle, c_void_p]),
+    "mf_moe_get_balance_stats": (c_int32, [_handle, _P(BalanceStats)]),
     "mf_dispatch": (c_int32, [_handle, _P(DispatchIn), _P(DispatchOut), c_void_p]),
     "mf_combine": (c_int32, [_handle, _P(CombineIn), _P(CombineOut), c_void_p]),
     "mf_fp8_e4m3_from_float": (c_uint8, [c_float]),

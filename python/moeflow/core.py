@@ -194,7 +194,8 @@ class Layer:
 
     def __init__(self, comm, num_experts, topk, hidden, intermediate, max_tokens, dtype="fp8",
                  layout="expert_major", block_m=0, expert_capacity=0, max_recv_rows=0,
-                 dataflow="auto", ue8m0=False, profile=False):
+                 dataflow="auto", ue8m0=False, profile=False, num_physical_experts=0,
+                 spare_slots=0):
         if dtype not in ("fp8", "bf16"):
             raise ValueError(f"moeflow: dtype must be 'fp8' or 'bf16', not {dtype!r}")
         self.comm = comm
@@ -207,7 +208,8 @@ class Layer:
                           layout=_enum(_lib.LAYOUT, "layout", layout), block_m=block_m,
                           expert_capacity=expert_capacity, max_recv_rows=max_recv_rows,
                           ue8m0_scales=int(ue8m0), profile=int(profile),
-                          dataflow=_enum(_lib.DATAFLOW, "dataflow", dataflow))
+                          dataflow=_enum(_lib.DATAFLOW, "dataflow", dataflow),
+                          num_physical_experts=num_physical_experts, spare_slots=spare_slots)
         handle = ctypes.c_void_p()
         check(_lib.mf_moe_create(comm.handle, ctypes.byref(cfg), ctypes.byref(handle)))
         self.handle = handle.value
@@ -236,6 +238,29 @@ class Layer:
         """mf_combine with descriptors (collective)."""
         check(_lib.mf_combine(self.handle, ctypes.byref(_lib.CombineIn(expert_out, topk_weights)),
                               ctypes.byref(_lib.CombineOut(y)), stream))
+
+    def set_expert_map(self, phys_to_logical):
+        """mf_moe_set_expert_map: the logical expert of every physical slot (a sequence of P ints,
+        vLLM EPLB's physical_to_logical_map for this layer); every rank sets the same map."""
+        ids = [int(e) for e in phys_to_logical]
+        arr = (ctypes.c_int32 * max(len(ids), 1))(*ids)
+        check(_lib.mf_moe_set_expert_map(self.handle, arr, len(ids)))
+
+    def prefetch(self, stream=None):
+        """mf_moe_prefetch (collective between two forwards): fills the spare slots for the next
+        forward from the last forward's counts; `stream` a cudaStream_t address."""
+        check(_lib.mf_moe_prefetch(self.handle, stream))
+
+    def balance_stats(self):
+        """mf_moe_get_balance_stats as a dict: recv_rows / home_rows per rank (lists of R),
+        prefetch_bytes, prefetch_bytes_all, spare_resident, num_physical_experts, slots_per_rank,
+        spare_slots."""
+        st = _lib.BalanceStats(size=ctypes.sizeof(_lib.BalanceStats))
+        check(_lib.mf_moe_get_balance_stats(self.handle, ctypes.byref(st)))
+        R = self.info.num_ranks
+        out = {f: getattr(st, f) for f, _ in _lib.BalanceStats._fields_ if f not in ("size", "pad")}
+        out["recv_rows"], out["home_rows"] = list(st.recv_rows[:R]), list(st.home_rows[:R])
+        return out
 
     def phase_times(self):
         """Microseconds per phase of the last forward ({"prepare": .., "total": ..}); needs

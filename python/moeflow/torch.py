@@ -202,7 +202,8 @@ class MoELayer(torch.nn.Module):
 
     def __init__(self, comm, num_experts, topk, hidden, intermediate, max_tokens,
                  dtype=torch.float8_e4m3fn, layout="expert_major", block_m=0, expert_capacity=0,
-                 max_recv_rows=0, dataflow="auto", ue8m0=False):
+                 max_recv_rows=0, dataflow="auto", ue8m0=False, num_physical_experts=0,
+                 spare_slots=0):
         super().__init__()
         if dtype not in _LAYER_DTYPE:
             raise TypeError(f"moeflow: dtype must be torch.float8_e4m3fn or torch.bfloat16, "
@@ -210,11 +211,14 @@ class MoELayer(torch.nn.Module):
         self._core = Layer(comm, num_experts, topk, hidden, intermediate, max_tokens,
                            dtype=_LAYER_DTYPE[dtype], layout=layout, block_m=block_m,
                            expert_capacity=expert_capacity, max_recv_rows=max_recv_rows,
-                           dataflow=dataflow, ue8m0=ue8m0)
+                           dataflow=dataflow, ue8m0=ue8m0,
+                           num_physical_experts=num_physical_experts, spare_slots=spare_slots)
         self.comm, self.dtype, self.layout = comm, dtype, layout
         self.num_experts, self.topk, self.hidden = num_experts, topk, hidden
         self.intermediate, self.max_tokens = intermediate, max_tokens
         self.info = self._core.info
+        self.slots_per_rank = (num_physical_experts // self.info.num_ranks if num_physical_experts
+                               else self.info.num_local_experts)
         self.device = (torch.device("cuda", comm.device) if comm.backend == "cuda"
                        else torch.device("cpu"))
         self._weights = None
@@ -224,11 +228,12 @@ class MoELayer(torch.nn.Module):
 
     # -- weights ------------------------------------------------------------------------------------
     def set_weights(self, w13, w2, w13_scale=None, w2_scale=None):
-        """This rank's L local experts: w13 [L, 2I, H], w2 [L, H, I] in the layer's dtype; FP8
-        also fp32 block scales w13_scale [L, 2I/128, H/128], w2_scale [L, H/128, I/128]. The layer
-        keeps references (the library borrows the memory): do not resize them; in-place updates
-        are seen by the next forward."""
-        L, H, inter, dev = self.info.num_local_experts, self.hidden, self.intermediate, self.device
+        """This rank's L local experts (Lp = num_physical_experts / R slots with replicas, in
+        the expert map's order): w13 [L, 2I, H], w2 [L, H, I] in the layer's dtype; FP8 also fp32
+        block scales w13_scale [L, 2I/128, H/128], w2_scale [L, H/128, I/128]. The layer keeps
+        references (the library borrows the memory): do not resize them; in-place updates are
+        seen by the next forward."""
+        L, H, inter, dev = self.slots_per_rank, self.hidden, self.intermediate, self.device
         _check("w13", w13, self.dtype, (L, 2 * inter, H), dev, row=True)
         _check("w2", w2, self.dtype, (L, H, inter), dev, row=True)
         if self.dtype == torch.float8_e4m3fn:
@@ -265,6 +270,26 @@ class MoELayer(torch.nn.Module):
         _tensors(expert_out=expert_out, topk_weights=topk_weights)
         return torch.ops.moeflow.combine(self.handle, expert_out, topk_weights,
                                          dispatch_result.recv_src)
+
+    def set_expert_map(self, phys_to_logical):
+        """The logical expert of each of the P physical slots (a list or an integer tensor, vLLM
+        EPLB's physical_to_logical_map for this layer; slot p on rank p // (P / R)). Every rank
+        sets the same map between calls, with weights (set_weights) holding its experts."""
+        if isinstance(phys_to_logical, torch.Tensor):
+            phys_to_logical = phys_to_logical.detach().cpu().tolist()
+        self._core.set_expert_map(phys_to_logical)
+
+    def prefetch(self):
+        """Per-step balancing (spare_slots > 0): fills the spare slots for the next forward from
+        the last forward's counts, on the current stream (e.g. a side stream during attention;
+        the next forward waits for it on the device). Collective between two forwards. Not a
+        torch op: call it eagerly or inside a captured CUDA graph, not under torch.compile."""
+        self._core.prefetch(self._stream())
+
+    def balance_stats(self):
+        """Rows per rank with and without replicas in the last forward, bytes the last prefetch
+        moved (a dict; synchronises with the last forward on CUDA)."""
+        return self._core.balance_stats()
 
     def close(self):
         """Destroys the C layer (not collective) and drops the weights' references."""
