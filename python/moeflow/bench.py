@@ -7,7 +7,9 @@
 
 For each preset and T (tokens per rank) it times, in one run on one device:
   layer       moeflow's whole layer (mf_moe_forward, EXPERT_MAJOR) on R virtual ranks of this
-              process, profiled: the W13 and W2 phases are the "w13" / "w2" rows; each --dataflow
+              process, eager calls (host launch gaps included, unlike the CLI's gated times),
+              timed without profiling; a profiled twin layer's W13 and W2 phases are the
+              "w13" / "w2" rows; each --dataflow
               (default auto; auto,unfused adds "layer_unfused" rows, as the CLI's records);
   torch peer  an unfused torch MoE layer on the same routing (all ranks' tokens, all experts):
               sort rows by expert, torch._grouped_mm (BF16) / torch._scaled_grouped_mm (FP8,
@@ -180,8 +182,9 @@ def _desc(t):
 
 
 def time_moeflow(comms, spec, weights, tokens_by_t, iters, warmup, dataflow="auto"):
-    """{T: (time_us, phases_us)}: the profiled layer (`dataflow`) on every rank (one thread each),
-    the slowest rank's median total and its phases' medians."""
+    """{T: (time_us, phases_us)}: the layer (`dataflow`) on every rank (one thread each), eager
+    calls timed by CUDA events without profiling, then a profiled twin layer's phases: the slowest
+    rank's median total and its phases' medians."""
     R = len(comms)
     E, K, H, I, fp8 = spec
     S = max(tokens_by_t)
@@ -194,12 +197,15 @@ def time_moeflow(comms, spec, weights, tokens_by_t, iters, warmup, dataflow="aut
         stream = torch.cuda.Stream(device) if cuda else None
         ctx = torch.cuda.stream(stream) if cuda else _Null()
         with ctx:
-            layer = Layer(comms[r], E, K, H, I, S, dtype="fp8" if fp8 else "bf16", profile=True,
-                          dataflow=dataflow)
+            # Timed without profiling (its events cost time); the phases come from a profiled
+            # twin layer run after the timed calls.
+            layer, prof = (Layer(comms[r], E, K, H, I, S, dtype="fp8" if fp8 else "bf16",
+                                 profile=p, dataflow=dataflow) for p in (False, True))
             try:
                 w13, s13, w2, s2 = (None if w is None else w[r * L:(r + 1) * L] for w in weights)
-                layer.set_weights(_desc(w13), _desc(s13) if fp8 else _lib.Tensor(), _desc(w2),
-                                  _desc(s2) if fp8 else _lib.Tensor())
+                for lay in (layer, prof):
+                    lay.set_weights(_desc(w13), _desc(s13) if fp8 else _lib.Tensor(), _desc(w2),
+                                    _desc(s2) if fp8 else _lib.Tensor())
                 flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if cuda and r == 0 else None
                 if cuda:  # a stream's first launch must not be inside a collective (API.md section 10)
                     torch.zeros(1, device=device).add_(1)
@@ -212,7 +218,9 @@ def time_moeflow(comms, spec, weights, tokens_by_t, iters, warmup, dataflow="aut
                     times, phases = [], []
                     if cuda:
                         stream.synchronize()
-                    for it in range(warmup + iters):
+                    for it in range(2 * (warmup + iters)):
+                        profiled = it >= warmup + iters
+                        lay = prof if profiled else layer
                         if cuda:
                             if r == 0:
                                 flush.fill_(it & 0xFF)  # L2 flushed, outside the events
@@ -221,18 +229,20 @@ def time_moeflow(comms, spec, weights, tokens_by_t, iters, warmup, dataflow="aut
                         if cuda:
                             ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
                             ev[0].record(stream)
-                            layer.forward(_desc(x), _desc(ids), _desc(wts), _desc(y), st)
+                            lay.forward(_desc(x), _desc(ids), _desc(wts), _desc(y), st)
                             ev[1].record(stream)
                             ev[1].synchronize()
                             t = ev[0].elapsed_time(ev[1]) * 1e3
                         else:
                             t0 = time.perf_counter()
-                            layer.forward(_desc(x), _desc(ids), _desc(wts), _desc(y), st)
+                            lay.forward(_desc(x), _desc(ids), _desc(wts), _desc(y), st)
                             t = (time.perf_counter() - t0) * 1e6
-                        ph = layer.phase_times()
-                        if it >= warmup:
+                        if (it % (warmup + iters)) < warmup:
+                            continue
+                        if profiled:
+                            phases.append(lay.phase_times())
+                        else:
                             times.append(t)
-                            phases.append(ph)
                     out[T] = (statistics.median(times),
                               {k: statistics.median(p[k] for p in phases)
                                for k in ("prepare", "dispatch", "w13", "w2", "combine")})
@@ -244,6 +254,7 @@ def time_moeflow(comms, spec, weights, tokens_by_t, iters, warmup, dataflow="aut
                 if cuda:
                     stream.synchronize()
                 layer.close()
+                prof.close()
 
     from .core import run_ranks
     per_rank = run_ranks(rank_main, R)

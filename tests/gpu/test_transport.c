@@ -115,6 +115,7 @@ static int mp_problem(const mp_case_t *c, int32_t E_per_rank, mfp_problem_t *p) 
     mfp_spec_t spec;
     memset(&spec, 0, sizeof spec);
     spec.R = c->R, spec.E = E_per_rank * c->R, spec.K = 4, spec.H = 512, spec.I = 256, spec.S = 24;
+    while (spec.E < 2 * spec.K) spec.E += c->R; /* one rank: enough experts for K distinct ids */
     spec.T_per_rank = 24, spec.dtype = c->dtype, spec.layout = c->layout, spec.T_of_rank = c->T_of_rank;
     spec.routing = MFP_ROUTING_ZIPF, spec.zipf_s = 1.2, spec.drop_prob = 0.05, spec.seed = c->seed;
     return mfp_generate(&spec, p);
