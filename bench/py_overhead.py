@@ -4,7 +4,7 @@ Times, on the CPU backend with one rank, the same call four ways, median of 7 ba
   C           a C loop calling mf_moe_forward / mf_moe_get_info (compiled here with cc)
   ctypes      the raw ctypes function (moeflow._lib) with structs built once
   moeflow     moeflow.Layer.forward / LayerInfo read, building the descriptors each call
-  torch op    moeflow.torch.MoELayer.forward (torch.ops.moeflow.forward: checks + dispatcher)
+  torch op    moeflow.torch.MoELayer.forward (eager: checks, output, the op's body)
 The forward has T = 0 tokens (a full collective call on one rank that moves no data), so the
 difference to the C loop is the binding's own cost. Run from a checkout after `make`:
     PYTHONPATH=python python3 bench/py_overhead.py
