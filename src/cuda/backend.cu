@@ -434,7 +434,7 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
     /* Balanced EP: the planner's arrays live in shared memory (the plan's offsets kernel, the pick). */
     const size_t plan_smem = mf__plan_balance_smem(c->num_experts, R_, P, B);
     const size_t pick_smem = B ? mf__prefetch_smem_bytes(c->num_experts, R_, P, B) : 0;
-    if (plan_smem > kMfPrefetchMaxSmem || (B && !pick_smem))
+    if ((P != c->num_experts || B) && (plan_smem > kMfPrefetchMaxSmem || (B && !pick_smem)))
         return mf__error(MF_ERR_NOT_SUPPORTED, "mf_moe_create: the cuda backend's balancing planner keeps its arrays "
                          "in shared memory (at most %d bytes): E = %d, P = %d, R = %d, B = %d need more",
                          kMfPrefetchMaxSmem, c->num_experts, P, R_, B);
@@ -497,7 +497,7 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
     if (e == cudaSuccess) e = cudaMemsetAsync(s->next, 0xff, (size_t)(R * B + 1) * 4, setup);
     if (e == cudaSuccess) e = cudaMemsetAsync(s->words, 0, 2 * 4, setup);
     if (e == cudaSuccess) e = cudaMemsetAsync(s->stats, 0, (2 * MF_MAX_RANKS + 3) * 8, setup);
-    if (e == cudaSuccess && plan_smem > 48 * 1024)
+    if (e == cudaSuccess && plan_smem > 48 * 1024 && plan_smem <= kMfPrefetchMaxSmem)
         e = cudaFuncSetAttribute(mf__plan_offsets_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)plan_smem);
     if (e == cudaSuccess && B) e = mf__cuda_prefetch_preload(pick_smem) == MF_SUCCESS ? cudaSuccess : cudaErrorUnknown;
     if (e == cudaSuccess && B) e = cudaEventCreateWithFlags(&s->fwd_done, cudaEventDisableTiming);
@@ -883,6 +883,10 @@ static mf_result_t mf__cuda_reject(mf_moe_t moe, uint32_t phases, mf_result_t co
 static mf_result_t mf__cuda_set_expert_map(mf_moe_t moe) {
     mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
     mf__cuda_comm_t *c = mf__cc(moe->comm);
+    if (s->plan_smem > kMfPrefetchMaxSmem)
+        return mf__error(MF_ERR_NOT_SUPPORTED, "mf_moe_set_expert_map: the cuda backend's balancing planner keeps its "
+                         "arrays in shared memory (at most %d bytes); this layer needs %zu", kMfPrefetchMaxSmem,
+                         s->plan_smem);
     MF_CUDA_CHECK(cudaSetDevice(moe->comm->device));
     MF_CUDA_CHECK(cudaEventSynchronize(c->done));
     if (s->pf_done && s->pf_pending && !s->pf_capture) MF_CUDA_CHECK(cudaEventSynchronize(s->pf_done));
