@@ -214,21 +214,26 @@ __device__ void mf__plan_offsets_balanced(const mf__plan_params_t &p) {
             mf__balance_split(E, R, counts, rep_off, rep_rank, share, load, order);
             for (int32_t r = 0; r < R; r++) home[r] = 0;
             for (int32_t e = 0; e < E; e++) home[e / (E / R)] += counts[e];
-            /* Capacity verdict for every rank, in the CPU plan's order (rank, expert, replica). */
+            /* Capacity verdict for every rank, as the CPU plan reports it: the lowest failing rank (MASKED:
+             * its lowest overflowing expert), from one pass over the replicas (expert order). */
+            long long rows[MF_MAX_RANKS];
+            int32_t over[MF_MAX_RANKS];
+            for (int32_t q = 0; q < R; q++) rows[q] = 0, over[q] = -1;
+            for (int32_t e = 0; e < E; e++)
+                for (int32_t i = rep_off[e]; i < rep_off[e + 1]; i++) {
+                    const int32_t q = rep_rank[i];
+                    if (masked && share[i] > p.capacity && over[q] < 0) over[q] = i;
+                    rows[q] += ((long long)share[i] + p.block_m - 1) / p.block_m * p.block_m;
+                }
             for (int32_t q = 0; q < R && !faulted; q++) {
-                long long rows = 0;
-                for (int32_t e = 0; e < E && !faulted; e++)
-                    for (int32_t i = rep_off[e]; i < rep_off[e + 1] && !faulted; i++) {
-                        if (rep_rank[i] != q) continue;
-                        if (masked && share[i] > p.capacity) {
-                            mf__set_fault(p.sink, MF_ERR_CAPACITY, kMfFaultCapacity, q, MF__PHASE_DISPATCH, -1, 0, e,
-                                          share[i], p.capacity);
-                            faulted = true;
-                        }
-                        rows += ((long long)share[i] + p.block_m - 1) / p.block_m * p.block_m;
-                    }
-                if (!faulted && !masked && rows > p.max_rows) {
-                    mf__set_fault(p.sink, MF_ERR_CAPACITY, kMfFaultCapacity, q, MF__PHASE_DISPATCH, -2, 0, q, rows,
+                if (masked && over[q] >= 0) {
+                    int32_t e = 0;
+                    while (rep_off[e + 1] <= over[q]) e++;
+                    mf__set_fault(p.sink, MF_ERR_CAPACITY, kMfFaultCapacity, q, MF__PHASE_DISPATCH, -1, 0, e,
+                                  share[over[q]], p.capacity);
+                    faulted = true;
+                } else if (!masked && rows[q] > p.max_rows) {
+                    mf__set_fault(p.sink, MF_ERR_CAPACITY, kMfFaultCapacity, q, MF__PHASE_DISPATCH, -2, 0, q, rows[q],
                                   p.max_rows);
                     faulted = true;
                 }
