@@ -1,9 +1,9 @@
 # moeflow — the build. `make` builds libmoeflow (static + shared), the `moeflow` CLI and the test
 # runner into build/; the CUDA backend is compiled whenever nvcc is found (CUDA=0 turns it off).
 #
-#   make              library, CLI, tests          make test      CPU suite (CI)
+#   make              library, CLI, tests          make test      CPU suite (CI), Python tests
 #   make SAN=1 test   ASan + UBSan build, into build-san/ (CPU only)
-#   make test-gpu     CUDA suite (skips cleanly where no GPU is found)
+#   make test-gpu     CUDA suite, then the Python tests (on CUDA where torch sees a GPU)
 #   make clean
 
 CC      ?= cc
@@ -58,7 +58,7 @@ CLI    := $(BUILD)/moeflow
 TESTS  := $(BUILD)/moeflow_tests
 GPU_TESTS := $(BUILD)/moeflow_gpu_tests
 
-.PHONY: all lib test test-gpu clean
+.PHONY: all lib test test-python test-gpu clean
 all: lib $(CLI) $(TESTS)
 lib: $(STATIC) $(SHARED)
 
@@ -109,6 +109,20 @@ $(GPU_TESTS): $(BUILD)/tests/gpu/main.o $(GPU_TEST_OBJ) $(BUILD)/tests/harness.o
 test: $(TESTS) $(CLI) $(SHARED)
 	./$(TESTS)
 	bash tests/abi.sh $(SHARED) include/moeflow.h
+ifeq ($(SAN),0)
+	@$(MAKE) --no-print-directory test-python
+endif
+
+# The Python binding's tests (tests/python, pytest) on the checkout's python/ and this build's
+# library, where $(PYTHON) has torch and pytest (else a SKIP line; .ci/run installs both). Not under
+# SAN=1: a sanitized library cannot be loaded into an unsanitized python.
+PYTHON ?= python3
+test-python: $(SHARED)
+	@if $(PYTHON) -c "import torch, pytest" 2>/dev/null; then \
+	  echo "MOEFLOW_LIB=$(SHARED) PYTHONPATH=python $(PYTHON) -m pytest tests/python -q"; \
+	  MOEFLOW_LIB=$(abspath $(SHARED)) PYTHONPATH=python $(PYTHON) -m pytest tests/python -q \
+	    -p no:cacheprovider; \
+	else echo "test-python: SKIP ($(PYTHON) lacks torch or pytest: pip install torch pytest)"; fi
 
 # The whole CUDA suite, then compute-sanitizer memcheck and racecheck on its one-rank config. The
 # suite's multi-process cases (tests/gpu/test_transport.c) take R = the GPUs visible where several.
@@ -130,6 +144,7 @@ ifeq ($(CUDA),1)
 	    compute-sanitizer --tool memcheck --error-exitcode 1 ./$(BUILD)/dev/$$lab --selftest > $(BUILD)/$$lab.san.log 2>&1 \
 	      || { tail -20 $(BUILD)/$$lab.san.log; exit 1; }; tail -1 $(BUILD)/$$lab.san.log; done; fi; fi; \
 	if [ $$suite != 0 ]; then echo "test-gpu: the CUDA suite FAILED (above)"; exit 1; fi
+	@$(MAKE) --no-print-directory test-python
 else
 	@echo "test-gpu: SKIP (this build has no CUDA: nvcc not found or CUDA=0)"
 endif

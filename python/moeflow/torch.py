@@ -1,0 +1,361 @@
+"""moeflow.torch — the MoE layer, dispatch and combine on torch tensors.
+
+    comm = moeflow.torch.comm_from_process_group()      # one rank per process (torch.distributed)
+    comms = moeflow.torch.virtual_comms(4, "cpu")       # or R virtual ranks of this process
+    layer = MoELayer(comm, E, K, H, I, max_tokens, dtype=torch.float8_e4m3fn)
+    layer.set_weights(w13, w2, w13_scale, w2_scale)     # this rank's experts; borrowed
+    y = layer(x, topk_ids, topk_weights)                # collective
+
+The three calls are torch.library custom ops, torch.ops.moeflow.forward / dispatch / combine, whose
+first argument is the layer's int handle (a key of a registry in this module); they run on
+torch.cuda.current_stream() (CUDA backend) or synchronously on host memory (CPU backend), so CUDA
+graph capture and torch.compile see them as opaque ops with fake (meta) implementations.
+
+Every tensor is checked before the C call (dtype -> TypeError; device, shape, contiguity,
+alignment -> ValueError, naming the argument); the library's own failures raise MoeflowError.
+topk_ids may be int64 (torch.topk's dtype): MoELayer converts them to int32, one small copy.
+"""
+import itertools
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import _lib
+from .core import Comm, Group, Layer, resolve_backend
+
+_MF_DTYPE = {torch.bfloat16: _lib.DTYPE["bf16"], torch.float8_e4m3fn: _lib.DTYPE["fp8"],
+             torch.float32: _lib.DTYPE["fp32"], torch.int32: _lib.DTYPE["int32"]}
+_LAYER_DTYPE = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8"}
+_ROW_ALIGN = 16  # bytes: activations, payloads, expert outputs and weights (include/moeflow.h)
+_UNUSED = _lib.Tensor()  # a field the layer's dtype or layout does not use
+
+
+# ---- comms ----------------------------------------------------------------------------------------
+def comm_from_process_group(group=None, backend="auto", device=None, transport="auto",
+                            heap_bytes=0, timeout_ms=0):
+    """This process's rank of torch.distributed process group `group` (None: the default group):
+    mf_comm_init with a bootstrap whose allgather is dist.all_gather of a uint8 tensor over the
+    group (on the current CUDA device for an nccl group, else on the CPU). Collective over the
+    group. CUDA backend: `device` defaults to torch.cuda.current_device(). The group must stay
+    usable until the comm is closed (setup calls and close() use it)."""
+    import torch.distributed as dist
+
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    backend = resolve_backend(backend)
+    if backend == "cuda" and device is None:
+        device = torch.cuda.current_device()
+    on = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
+          else torch.device("cpu"))
+
+    def allgather(data):  # every rank passes the same number of bytes (mf_allgather_fn)
+        if not data:
+            return [b""] * size
+        send = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(on)
+        recv = [torch.empty_like(send) for _ in range(size)]
+        dist.all_gather(recv, send, group=group)
+        return [bytes(t.cpu().tolist()) for t in recv]
+
+    return Comm.init(rank, size, allgather, backend=backend, transport=transport,
+                     device=device or 0, heap_bytes=heap_bytes, timeout_ms=timeout_ms)
+
+
+def virtual_comms(num_ranks, backend="auto", device=None, timeout_ms=0, heap_bytes=0):
+    """The comms of a new Group of `num_ranks` virtual ranks of this process (one thread per rank
+    must make each collective call: moeflow.run_ranks). comms[0].group.close() frees them, after
+    their layers. CUDA with R > 1: each rank's thread must use its own torch.cuda.Stream (never
+    the default stream), and the process should set CUDA_DEVICE_MAX_CONNECTIONS=32 and
+    CUDA_MODULE_LOADING=EAGER before it first uses CUDA (docs/API.md section 10)."""
+    if device is None:
+        device = torch.cuda.current_device() if resolve_backend(backend) == "cuda" else 0
+    return Group(num_ranks, backend, device=device, timeout_ms=timeout_ms,
+                 heap_bytes=heap_bytes).comms
+
+
+# ---- checks ---------------------------------------------------------------------------------------
+def _check(name, t, dtype, shape, device, row=False):
+    """Raises TypeError / ValueError unless t is a contiguous tensor of `dtype` and `shape` (None:
+    any extent) on `device`, and, if `row` and t has memory (not a fake tensor of torch.compile),
+    16-byte aligned. (Plain loops: this runs on every call.)"""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"moeflow: {name} must be a torch.Tensor, not {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"moeflow: {name} must be {dtype}, not {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"moeflow: {name} is on {t.device}, the layer's comm on {device}")
+    got = t.shape
+    if len(got) != len(shape):
+        _bad_shape(name, shape, got)
+    for want, have in zip(shape, got):
+        if want is not None and want != have:
+            _bad_shape(name, shape, got)
+    if not t.is_contiguous():
+        raise ValueError(f"moeflow: {name} must be contiguous (call .contiguous())")
+    if row and not _is_fake(t) and t.data_ptr() % _ROW_ALIGN:
+        raise ValueError(f"moeflow: {name} must be {_ROW_ALIGN}-byte aligned")
+
+
+def _bad_shape(name, shape, got):
+    want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+    raise ValueError(f"moeflow: {name} must have shape {want}, not {list(got)}")
+
+
+def _is_fake(t):
+    return isinstance(t, torch._subclasses.fake_tensor.FakeTensor)
+
+
+def _desc(t):
+    ndim = t.dim()
+    d = _lib.Tensor(t.data_ptr() or None, _MF_DTYPE[t.dtype], ndim)
+    d.dims[:ndim] = t.shape
+    return d
+
+
+# ---- the layer registry and the custom ops --------------------------------------------------------
+_layers = {}
+_next_handle = itertools.count(1)
+_registry_lock = threading.Lock()
+
+
+def _layer(handle):
+    try:
+        return _layers[handle]
+    except KeyError:
+        raise ValueError(f"moeflow: no open MoELayer has handle {handle}") from None
+
+
+@torch.library.custom_op("moeflow::forward", mutates_args=())
+def _forward_op(handle: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+    layer = _layer(handle)
+    layer._check_tokens(x, topk_ids, topk_weights)
+    y = torch.empty_like(x)
+    layer._core.forward(_desc(x), _desc(topk_ids), _desc(topk_weights), _desc(y), layer._stream())
+    return y
+
+
+@_forward_op.register_fake
+def _(handle, x, topk_ids, topk_weights):
+    _layer(handle)._check_tokens(x, topk_ids, topk_weights)
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("moeflow::dispatch", mutates_args=())
+def _dispatch_op(handle: int, x: torch.Tensor, topk_ids: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    layer = _layer(handle)
+    layer._check_tokens(x, topk_ids)
+    out = layer._dispatch_outputs(torch.empty)
+    used = layer._dispatch_used()
+    layer._core.dispatch(_desc(x), _desc(topk_ids),
+                         *(_desc(t) if u else _UNUSED for t, u in zip(out, used)),
+                         stream=layer._stream())
+    return out
+
+
+@_dispatch_op.register_fake
+def _(handle, x, topk_ids):
+    layer = _layer(handle)
+    layer._check_tokens(x, topk_ids)
+    return layer._dispatch_outputs(torch.empty)
+
+
+@torch.library.custom_op("moeflow::combine", mutates_args=())
+def _combine_op(handle: int, expert_out: torch.Tensor, topk_weights: torch.Tensor,
+                recv_src: torch.Tensor) -> torch.Tensor:
+    # recv_src (of the dispatch being combined) is read by no one: it orders combine after
+    # its dispatch for graph transforms.
+    layer = _layer(handle)
+    layer._check_combine(expert_out, topk_weights, recv_src)
+    y = layer._new((topk_weights.shape[0], layer.hidden), torch.bfloat16)
+    layer._core.combine(_desc(expert_out), _desc(topk_weights), _desc(y), layer._stream())
+    return y
+
+
+@_combine_op.register_fake
+def _(handle, expert_out, topk_weights, recv_src):
+    layer = _layer(handle)
+    layer._check_combine(expert_out, topk_weights, recv_src)
+    return layer._new((topk_weights.shape[0], layer.hidden), torch.bfloat16)
+
+
+@dataclass
+class DispatchResult:
+    """mf_dispatch's outputs (docs/LAYOUTS.md). EXPERT_MAJOR: recv_x [rows, H], recv_scales
+    [rows, H/128], recv_src [rows, 3], expert_counts [L], expert_offsets [L + 1]; MASKED: recv_x
+    [L, C, H], recv_scales [L, C, H/128], recv_src [L, C, 3], expert_counts [L], expert_offsets
+    None. recv_scales is None for BF16. Rows past a segment's count hold no data."""
+    recv_x: torch.Tensor
+    recv_scales: Optional[torch.Tensor]
+    recv_src: torch.Tensor
+    expert_counts: torch.Tensor
+    expert_offsets: Optional[torch.Tensor]
+
+
+class MoELayer(torch.nn.Module):
+    """An EP MoE layer on one rank (`comm`): created collectively over the comm's group (virtual
+    ranks: one thread each). `dtype` is the weights' and dispatch payload's: torch.float8_e4m3fn
+    (block-scaled) or torch.bfloat16. Other arguments as mf_moe_config_t (docs/API.md). Call
+    close() before the comm (or its group) is closed; the registry keeps the layer alive until
+    then."""
+
+    def __init__(self, comm, num_experts, topk, hidden, intermediate, max_tokens,
+                 dtype=torch.float8_e4m3fn, layout="expert_major", block_m=0, expert_capacity=0,
+                 max_recv_rows=0, dataflow="auto", ue8m0=False, num_physical_experts=0,
+                 spare_slots=0):
+        super().__init__()
+        if dtype not in _LAYER_DTYPE:
+            raise TypeError(f"moeflow: dtype must be torch.float8_e4m3fn or torch.bfloat16, "
+                            f"not {dtype}")
+        self._core = Layer(comm, num_experts, topk, hidden, intermediate, max_tokens,
+                           dtype=_LAYER_DTYPE[dtype], layout=layout, block_m=block_m,
+                           expert_capacity=expert_capacity, max_recv_rows=max_recv_rows,
+                           dataflow=dataflow, ue8m0=ue8m0,
+                           num_physical_experts=num_physical_experts, spare_slots=spare_slots)
+        self.comm, self.dtype, self.layout = comm, dtype, layout
+        self.num_experts, self.topk, self.hidden = num_experts, topk, hidden
+        self.intermediate, self.max_tokens = intermediate, max_tokens
+        self.info = self._core.info
+        self.slots_per_rank = (num_physical_experts // self.info.num_ranks if num_physical_experts
+                               else self.info.num_local_experts)
+        self.device = (torch.device("cuda", comm.device) if comm.backend == "cuda"
+                       else torch.device("cpu"))
+        self._weights = None
+        with _registry_lock:
+            self.handle = next(_next_handle)
+            _layers[self.handle] = self
+
+    # -- weights ------------------------------------------------------------------------------------
+    def set_weights(self, w13, w2, w13_scale=None, w2_scale=None):
+        """This rank's L local experts (Lp = num_physical_experts / R slots with replicas, in
+        the expert map's order): w13 [L, 2I, H], w2 [L, H, I] in the layer's dtype; FP8 also fp32
+        block scales w13_scale [L, 2I/128, H/128], w2_scale [L, H/128, I/128]. The layer keeps
+        references (the library borrows the memory): do not resize them; in-place updates are
+        seen by the next forward."""
+        L, H, inter, dev = self.slots_per_rank, self.hidden, self.intermediate, self.device
+        _check("w13", w13, self.dtype, (L, 2 * inter, H), dev, row=True)
+        _check("w2", w2, self.dtype, (L, H, inter), dev, row=True)
+        if self.dtype == torch.float8_e4m3fn:
+            b = _lib.QUANT_BLOCK
+            _check("w13_scale", w13_scale, torch.float32, (L, 2 * inter // b, H // b), dev)
+            _check("w2_scale", w2_scale, torch.float32, (L, H // b, inter // b), dev)
+            scales = (_desc(w13_scale), _desc(w2_scale))
+        elif w13_scale is not None or w2_scale is not None:
+            raise ValueError("moeflow: a BF16 layer takes no weight scales")
+        else:
+            scales = (_UNUSED, _UNUSED)
+        self._core.set_weights(_desc(w13), scales[0], _desc(w2), scales[1])
+        self._weights = (w13, w2, w13_scale, w2_scale)
+
+    # -- the calls ----------------------------------------------------------------------------------
+    def forward(self, x, topk_ids, topk_weights):
+        """y [T, H] bf16 = sum over k of topk_weights[:, k] * expert_{topk_ids[:, k]}(x), for
+        x [T, H] bf16 (T <= max_tokens), topk_ids [T, K] int32 (or int64) global expert ids in
+        [-1, E), -1 skipping, topk_weights [T, K] fp32. Collective."""
+        _tensors(x=x, topk_ids=topk_ids, topk_weights=topk_weights)
+        return torch.ops.moeflow.forward(self.handle, x, _ids(topk_ids), topk_weights)
+
+    def dispatch(self, x, topk_ids):
+        """Sends every (token, k) to its expert's rank: a DispatchResult in the layer's layout.
+        Collective; a combine on this layer must follow."""
+        _tensors(x=x, topk_ids=topk_ids)
+        out = torch.ops.moeflow.dispatch(self.handle, x, _ids(topk_ids))
+        used = self._dispatch_used()
+        return DispatchResult(*(t if u else None for t, u in zip(out, used)))
+
+    def combine(self, expert_out, topk_weights, dispatch_result):
+        """y [T, H] bf16: the weighted K-sum of expert_out (bf16, recv_x's layout and rows) over
+        this rank's tokens of the preceding dispatch (`dispatch_result`). Collective."""
+        _tensors(expert_out=expert_out, topk_weights=topk_weights)
+        return torch.ops.moeflow.combine(self.handle, expert_out, topk_weights,
+                                         dispatch_result.recv_src)
+
+    def set_expert_map(self, phys_to_logical):
+        """The logical expert of each of the P physical slots (a list or an integer tensor, vLLM
+        EPLB's physical_to_logical_map for this layer; slot p on rank p // (P / R)). Every rank
+        sets the same map between calls, with weights (set_weights) holding its experts."""
+        if isinstance(phys_to_logical, torch.Tensor):
+            phys_to_logical = phys_to_logical.detach().cpu().tolist()
+        self._core.set_expert_map(phys_to_logical)
+
+    def prefetch(self):
+        """Per-step balancing (spare_slots > 0): fills the spare slots for the next forward from
+        the last forward's counts, on the current stream (e.g. a side stream during attention;
+        the next forward waits for it on the device). Collective between two forwards. Not a
+        torch op: call it eagerly or inside a captured CUDA graph, not under torch.compile."""
+        self._core.prefetch(self._stream())
+
+    def balance_stats(self):
+        """Rows per rank with and without replicas in the last forward, bytes the last prefetch
+        moved (a dict; synchronises with the last forward on CUDA)."""
+        return self._core.balance_stats()
+
+    def close(self):
+        """Destroys the C layer (not collective) and drops the weights' references."""
+        with _registry_lock:
+            _layers.pop(self.handle, None)
+        self._core.close()
+        self._weights = None
+
+    def extra_repr(self):
+        return (f"rank={self.info.rank}/{self.info.num_ranks}, experts={self.num_experts}, "
+                f"topk={self.topk}, hidden={self.hidden}, intermediate={self.intermediate}, "
+                f"dtype={self.dtype}, layout={self.layout!r}")
+
+    # -- internals (also used by the ops) -----------------------------------------------------------
+    def _stream(self):
+        if self.device.type == "cuda":
+            return torch.cuda.current_stream(self.device).cuda_stream
+        return None
+
+    def _new(self, shape, dtype):
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def _check_tokens(self, x, topk_ids, topk_weights=None):
+        _check("x", x, torch.bfloat16, (None, self.hidden), self.device, row=True)
+        T = x.shape[0]
+        if T > self.max_tokens:
+            raise ValueError(f"moeflow: x has {T} tokens, the layer at most {self.max_tokens}")
+        _check("topk_ids", topk_ids, torch.int32, (T, self.topk), self.device)
+        if topk_weights is not None:
+            _check("topk_weights", topk_weights, torch.float32, (T, self.topk), self.device)
+
+    def _rows_shape(self):
+        """The leading dims of dispatch outputs: [rows] or [L, C]."""
+        if self.layout == "masked":
+            return (self.info.num_local_experts, self.info.expert_capacity)
+        return (self.info.max_recv_rows,)
+
+    def _dispatch_used(self):
+        """Which of the five dispatch outputs this dtype and layout use."""
+        return (True, self.dtype == torch.float8_e4m3fn, True, True, self.layout != "masked")
+
+    def _dispatch_outputs(self, empty):
+        lead, L, H = self._rows_shape(), self.info.num_local_experts, self.hidden
+        used = self._dispatch_used()
+        scales = (*lead, H // _lib.QUANT_BLOCK) if used[1] else (0,)
+        shapes = (((*lead, H), self.dtype), (scales, torch.float32), ((*lead, 3), torch.int32),
+                  ((L,), torch.int32), (((L + 1,) if used[4] else (0,)), torch.int32))
+        return tuple(empty(s, dtype=d, device=self.device) for s, d in shapes)
+
+    def _check_combine(self, expert_out, topk_weights, recv_src):
+        lead = self._rows_shape()
+        _check("expert_out", expert_out, torch.bfloat16, (*lead, self.hidden), self.device,
+               row=True)
+        _check("topk_weights", topk_weights, torch.float32, (None, self.topk), self.device)
+        _check("recv_src", recv_src, torch.int32, (*lead, 3), self.device)
+
+
+def _tensors(**args):
+    """TypeError for an argument that is no tensor (the op's schema would say less)."""
+    for name, t in args.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"moeflow: {name} must be a torch.Tensor, not {type(t).__name__}")
+
+
+def _ids(topk_ids):
+    """int64 ids (torch.topk's dtype) as int32; anything else goes to the op's check."""
+    if topk_ids.dtype == torch.int64:
+        return topk_ids.to(torch.int32)
+    return topk_ids
