@@ -173,23 +173,34 @@ __global__ void __launch_bounds__(kMfPlanThreads) mf__plan_fetch_kernel(mf__plan
         if (hist[e]) atomicAdd(&p.global_counts[e], hist[e]);
 }
 
-/* Thread 0 of the offsets kernel: every rank's meta words 1..3 against rank 0's (word 3 only with
- * spare slots). The peers wrote them before their DISPATCH arrival, which this call waited for. */
+/* The offsets kernel's first step: every rank's meta words 1..3 against rank 0's (word 3 only with
+ * spare slots), thread r - 1 reading rank r; the lowest (rank, word) that differs faults the call.
+ * The peers wrote them before their DISPATCH arrival, which this call waited for. */
 __device__ void mf__plan_check_meta(const mf__plan_params_t &p) {
-    const volatile int32_t *m0 = (const volatile int32_t *)(p.view.heap[0] + p.view.meta);
-    for (int32_t r = 1; r < p.view.num_ranks; r++) {
+    __shared__ int32_t first; /* lowest r * MF__META_WORDS + w that differs */
+    if (threadIdx.x == 0) first = INT32_MAX;
+    __syncthreads();
+    const int32_t r = threadIdx.x + 1;
+    if (r < p.view.num_ranks && !mf__faulted(p.sink)) {
+        const volatile int32_t *m0 = (const volatile int32_t *)(p.view.heap[0] + p.view.meta);
         const volatile int32_t *m = (const volatile int32_t *)(p.view.heap[r] + p.view.meta);
-        for (int32_t w = 1; w < MF__META_WORDS; w++) {
-            if (w == 3 && !p.check_weights) continue;
-            const int32_t a = m[w], b = m0[w];
-            if (a != b) {
-                mf__set_fault(p.sink, MF_ERR_INVALID_USAGE, kMfFaultBalance, p.view.rank, MF__PHASE_DISPATCH, r, 0, w,
-                              (long long)(uint32_t)a, (long long)(uint32_t)b);
-                return;
+        for (int32_t w = 1; w < MF__META_WORDS; w++)
+            if ((w != 3 || p.check_weights) && m[w] != m0[w]) {
+                atomicMin(&first, r * MF__META_WORDS + w);
+                break;
             }
-        }
     }
+    __syncthreads();
+    if (threadIdx.x == 0 && first != INT32_MAX) {
+        const int32_t fr = first / MF__META_WORDS, w = first % MF__META_WORDS;
+        const int32_t a = ((const volatile int32_t *)(p.view.heap[fr] + p.view.meta))[w];
+        const int32_t b = ((const volatile int32_t *)(p.view.heap[0] + p.view.meta))[w];
+        mf__set_fault(p.sink, MF_ERR_INVALID_USAGE, kMfFaultBalance, p.view.rank, MF__PHASE_DISPATCH, fr, 0, w,
+                      (long long)(uint32_t)a, (long long)(uint32_t)b);
+    }
+    __syncthreads(); /* every thread sees the fault before it reads the counts */
 }
+static_assert(kMfPlanThreads >= MF_MAX_RANKS, "the meta check reads one rank per thread");
 
 /* The balanced plan of one call (one block; thread 0 runs the planner over shared memory, as the CPU
  * plan does; see the comment above the params). A faulted call leaves empty segments. */
@@ -275,11 +286,8 @@ __global__ void __launch_bounds__(kMfPlanThreads) mf__plan_offsets_kernel(mf__pl
     const int32_t lane = threadIdx.x % kMfWarp, warp = threadIdx.x / kMfWarp, nwarps = blockDim.x / kMfWarp;
     const bool masked = p.layout == MF_LAYOUT_MASKED;
     const int32_t R = p.view.num_ranks;
-    if (threadIdx.x == 0) {
-        worst = INT32_MAX;
-        if (!mf__faulted(p.sink)) mf__plan_check_meta(p);
-    }
-    __syncthreads();
+    if (threadIdx.x == 0) worst = INT32_MAX;
+    mf__plan_check_meta(p); /* block-wide; its __syncthreads also publish `worst` */
     if (p.balanced) {
         mf__plan_offsets_balanced(p);
         __syncthreads();
