@@ -36,6 +36,7 @@
 #include <stdint.h>
 
 #include "core/numerics.h" /* MF_HD: static inline on the host, __host__ __device__ under nvcc */
+#include "moeflow.h"       /* MF_MAX_RANKS */
 
 /* mf__balance_pick tries this many of the busiest rank's experts per spare slot. */
 #define MF__BALANCE_CANDIDATES 4
@@ -117,6 +118,44 @@ MF_HD void mf__balance_split(int32_t E, int32_t R, const int32_t *counts, const 
     for (int32_t i = 0; i < m; i++) mf__balance_fill(counts[order[i]], rep_off[order[i]], rep_off[order[i] + 1], rep_rank, share, load);
 }
 
+/* One trial of mf__balance_pick, without rebuilding the lists: the loads mf__balance_split would give
+ * if expert e gained a spare replica on rank d at spare-table index inew (d * B + n), from the
+ * current state (rep_off / rep_rank of the picks so far, order[0, m) the replicated experts in the
+ * split's order, base [R] the singletons' rows per rank, chosen [R * B]). Singletons only add their counts (order-free integer sums), and
+ * the replicated experts water-fill in the split's order, e inserted where the split would sort
+ * it, its new replica placed where mf__balance_replicas would list it (statics, then spares by
+ * table index): so the loads are the split's, bit for bit. tshare [N] and trank [N] are scratch
+ * (clobbered); out: tload [R], *mx, *sq as the pick measures them. */
+MF_HD void mf__balance_trial(int32_t E, int32_t R, int32_t B, const int32_t *counts, const int32_t *rep_off,
+                             const int32_t *rep_rank, const int32_t *order, int32_t m, const int64_t *base,
+                             const int32_t *chosen, int32_t e, int32_t d, int32_t inew, int32_t *tshare, int32_t *trank,
+                             int64_t *tload, int64_t *mx, double *sq) {
+    (void)E;
+    for (int32_t r = 0; r < R; r++) tload[r] = base[r];
+    if (rep_off[e + 1] - rep_off[e] == 1) tload[rep_rank[rep_off[e]]] -= counts[e]; /* e leaves the singletons */
+    /* e's replicas with the new one: its statics (listed first), then its spares by table index. */
+    int32_t k = 0, nspare = 0;
+    for (int32_t i = 0; i < R * B; i++) nspare += chosen[i] == e;
+    for (int32_t i = rep_off[e]; i < rep_off[e + 1] - nspare; i++) trank[k++] = rep_rank[i];
+    for (int32_t i = 0; i < R * B; i++) {
+        if (i == inew) trank[k++] = d;
+        else if (chosen[i] == e) trank[k++] = i / B;
+    }
+    const int32_t ce = counts[e];
+    int32_t inserted = 0;
+    for (int32_t j = 0; j <= m; j++) {
+        const int32_t x = j < m ? order[j] : -1;
+        if (!inserted && (x < 0 || x == e || counts[x] < ce || (counts[x] == ce && x > e))) {
+            mf__balance_fill(ce, 0, k, trank, tshare, tload);
+            inserted = 1;
+        }
+        if (x < 0 || x == e) continue;
+        mf__balance_fill(counts[x], rep_off[x], rep_off[x + 1], rep_rank, tshare, tload);
+    }
+    *mx = 0, *sq = 0;
+    for (int32_t r = 0; r < R; r++) *mx = tload[r] > *mx ? tload[r] : *mx, *sq += (double)tload[r] * tload[r];
+}
+
 /* The next spare table. counts [E] (the previous call's), map [P], resident [R * B] (the table now,
  * -1 = empty). Out: spare [R * B]. Scratch: rep_off [E + 1], rep_rank [N], rep_slot [N], share [N],
  * load [R], iscratch [E + R * B]. */
@@ -159,34 +198,36 @@ MF_HD void mf__balance_pick(int32_t E, int32_t R, int32_t P, int32_t B, const in
             }
             dest[c] = d;
         }
-        /* Each candidate is tried (the lists and loads are rebuilt from the map and the picks: R * B
-         * is small); the one whose split has the lowest (max load, sum of squared loads) wins, if
-         * it beats the table without it. */
-        int64_t best_max = 0;
+        /* Each candidate is tried (mf__balance_trial: the split's loads with that one replica added,
+         * without rebuilding the lists); the one whose split has the lowest (max load, sum of squared
+         * loads) wins, if it beats the table without it. The trials clobber share, rep_slot and load
+         * (scratch until the rebuild below). */
+        int64_t best_max = 0, base[MF_MAX_RANKS];
         double best_sq = 0;
         for (int32_t r = 0; r < R; r++) best_max = load[r] > best_max ? load[r] : best_max, best_sq += (double)load[r] * load[r];
+        int32_t m = 0;
+        for (int32_t r = 0; r < R; r++) base[r] = 0;
+        for (int32_t e = 0; e < E; e++) {
+            if (rep_off[e + 1] - rep_off[e] == 1) base[rep_rank[rep_off[e]]] += counts[e];
+            else m++;
+        }
         int32_t pick = -1;
         for (int32_t c = 0; c < nc; c++) {
             if (dest[c] < 0) continue;
             int32_t n = 0;
             while (chosen[dest[c] * B + n] >= 0) n++;
-            chosen[dest[c] * B + n] = cand[c];
-            mf__balance_replicas(E, R, P, B, map, chosen, rep_off, rep_rank, rep_slot, order);
-            mf__balance_split(E, R, counts, rep_off, rep_rank, share, load, order);
-            chosen[dest[c] * B + n] = -1;
-            int64_t mx = 0;
-            double sq = 0;
-            for (int32_t r = 0; r < R; r++) mx = load[r] > mx ? load[r] : mx, sq += (double)load[r] * load[r];
+            int64_t mx;
+            double sq;
+            mf__balance_trial(E, R, B, counts, rep_off, rep_rank, order, m, base, chosen, cand[c], dest[c],
+                              dest[c] * B + n, share, rep_slot, load, &mx, &sq);
             if (mx < best_max || (mx == best_max && sq < best_sq)) best_max = mx, best_sq = sq, pick = c;
         }
-        if (pick >= 0) {
-            int32_t n = 0;
-            while (chosen[dest[pick] * B + n] >= 0) n++;
-            chosen[dest[pick] * B + n] = cand[pick];
-        }
+        if (pick < 0) break; /* no replica of q's experts improves the table */
+        int32_t n = 0;
+        while (chosen[dest[pick] * B + n] >= 0) n++;
+        chosen[dest[pick] * B + n] = cand[pick];
         mf__balance_replicas(E, R, P, B, map, chosen, rep_off, rep_rank, rep_slot, order);
         mf__balance_split(E, R, counts, rep_off, rep_rank, share, load, order);
-        if (pick < 0) break; /* no replica of q's experts improves the table */
     }
     /* Slots: a chosen expert stays where it is resident; the others take the free slots in order. */
     for (int32_t r = 0; r < R; r++) {
