@@ -96,8 +96,8 @@ if [ "$what" = balance ]; then
 import json, sys, os
 d = sys.argv[1]
 print("# balance summary: deepseek-v3 R=8 fp8 (virtual ranks on one H200: time = all ranks' work)")
-print("%-9s %5s %9s %9s %7s %7s %7s %12s %10s %9s %9s" % ("routing", "T", "off_us", "on_us", "cost", "mx/mn0",
-      "mx/mn2", "moved_first", "moved_last", "pf_ms", "model_on"))
+print("%-9s %5s %9s %9s %7s %8s %8s %8s %8s %7s %7s %12s %10s %8s %9s" % ("routing", "T", "off_us", "on_us",
+      "cost", "disp0", "disp2", "gemm0", "gemm2", "mx/mn0", "mx/mn2", "moved_first", "moved_last", "pf_ms", "model_on"))
 for routing in ("zipf1.2", "uniform"):
     path = os.path.join(d, "balance_deepseek-v3_R8_%s.json" % routing)
     if not os.path.exists(path):
@@ -112,8 +112,11 @@ for routing in ("zipf1.2", "uniform"):
             continue
         a, b = off[0], on[0]
         bb = b["balance"]
-        print("%-9s %5d %9.1f %9.1f %6.1f%% %7.3f %7.3f %12d %10d %9.3f %9.1f" % (routing, T, a["time_us"], b["time_us"],
-              100.0 * (b["time_us"] / a["time_us"] - 1), bb["rank_max_over_mean_home"], bb["rank_max_over_mean"],
+        pa, pb = a.get("phases_us", {}), b.get("phases_us", {})
+        g = lambda ph: ph.get("w13", 0) + ph.get("w2", 0)
+        print("%-9s %5d %9.1f %9.1f %6.1f%% %8.1f %8.1f %8.1f %8.1f %7.3f %7.3f %12d %10d %8.3f %9.1f" % (routing, T,
+              a["time_us"], b["time_us"], 100.0 * (b["time_us"] / a["time_us"] - 1), pa.get("dispatch", 0),
+              pb.get("dispatch", 0), g(pa), g(pb), bb["rank_max_over_mean_home"], bb["rank_max_over_mean"],
               bb["moved_first_bytes"], bb["moved_last_bytes"], bb["prefetch_ms"], bb.get("model_us", 0)))
 PY
 fi

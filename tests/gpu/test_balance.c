@@ -609,9 +609,9 @@ static int cuda_balance_disagree(void) { return threads_case(1, 2, MF_LAYOUT_EXP
 
 const mft_test_t mft_tests_cuda_balance[] = {
     {"cuda_balance_pick", cuda_balance_pick, 120},
-    {"cuda_balance_bitwise", cuda_balance_bitwise, 300},
-    {"cuda_balance_graph", cuda_balance_graph, 300},
-    {"cuda_balance_capture", cuda_balance_capture, 120},
-    {"cuda_balance_disagree", cuda_balance_disagree, 120},
+    {"cuda_balance_bitwise", cuda_balance_bitwise, 180},
+    {"cuda_balance_graph", cuda_balance_graph, 120},
+    {"cuda_balance_capture", cuda_balance_capture, 60},
+    {"cuda_balance_disagree", cuda_balance_disagree, 60},
     {NULL, NULL, 0},
 };
