@@ -212,6 +212,76 @@ static int test_pick_incremental(void) {
     return 0;
 }
 
+/* mf__balance_plan_par (the CUDA plan's block-parallel version, here as plain loops) == the serial
+ * functions and the CPU plan's capacity verdict and slot table, over random shapes, counts, maps,
+ * spare tables and capacities. */
+static int test_plan_parallel(void) {
+    enum { MAXE = 256, MAXR = 8, MAXB = 4, MAXP = MAXE + MAXR * 4, MAXN = MAXP + MAXR * MAXB, MAXL = MAXP / 1 + MAXB };
+    static int32_t counts[MAXE], map[MAXP], spare[MAXR * MAXB];
+    static int32_t rep_off[MAXE + 1], rep_rank[MAXN], rep_slot[MAXN], share[MAXN], scratch[MAXE + MAXR * MAXB];
+    static int32_t cs[MAXE], cp[MAXE], p_off[MAXE + 1], p_rank[MAXN], p_slot[MAXN], p_share[MAXN], order[MAXE],
+        small[4], over[MAXR], sc[MAXL], sb[MAXL], se[MAXL];
+    static int64_t load[MAXR], p_load[MAXR], p_home[MAXR], p_rows[MAXR];
+    mft_rng_t rng = {0x9a7a};
+    int32_t verdicts = 0;
+    for (int32_t it = 0; it < 4000; it++) {
+        const int32_t R = 1 + mft_rng_int(&rng, MAXR), E = R * (1 + mft_rng_int(&rng, MAXE / R));
+        const int32_t P = E + R * mft_rng_int(&rng, 5), B = mft_rng_int(&rng, MAXB + 1), Lp = P / R, L = Lp + B;
+        const int32_t kind = mft_rng_int(&rng, 4), masked = mft_rng_int(&rng, 2), block_m = 1 << mft_rng_int(&rng, 8);
+        for (int32_t e = 0; e < E; e++)
+            counts[e] = kind == 0 ? 10 + mft_rng_int(&rng, 20)
+                      : kind == 1 ? (int32_t)(4096.0 / (1.0 + mft_rng_int(&rng, E)))
+                      : kind == 2 ? (e == 3 % E ? 5000 : mft_rng_int(&rng, 8))
+                                  : (mft_rng_int(&rng, 3) ? 0 : mft_rng_int(&rng, 100));
+        random_map(E, P, 2000 + (uint64_t)it, map);
+        for (int32_t i = 0; i < R * B; i++) spare[i] = mft_rng_int(&rng, 2) ? -1 : mft_rng_int(&rng, E);
+        int64_t total = 0;
+        for (int32_t e = 0; e < E; e++) total += counts[e];
+        const int32_t capacity = 1 + mft_rng_int(&rng, 3000), max_rows = (int32_t)(total / R + mft_rng_int(&rng, 4000));
+        /* serial */
+        mf__balance_replicas(E, R, P, B, map, B ? spare : NULL, rep_off, rep_rank, rep_slot, scratch);
+        mf__balance_split(E, R, counts, rep_off, rep_rank, share, load, scratch);
+        int32_t want_q = -1, want_i = -1;
+        for (int32_t q = 0; q < R && want_q < 0; q++) {
+            int64_t rows = 0;
+            for (int32_t e = 0; e < E && want_q < 0; e++)
+                for (int32_t i = rep_off[e]; i < rep_off[e + 1] && want_q < 0; i++) {
+                    if (rep_rank[i] != q) continue;
+                    if (masked && share[i] > capacity) want_q = q, want_i = i;
+                    rows += (share[i] + block_m - 1) / block_m * block_m;
+                }
+            if (want_q < 0 && !masked && rows > max_rows) want_q = q;
+        }
+        const int32_t me = mft_rng_int(&rng, R);
+        /* parallel (as loops) */
+        mf__balance_ws_t ws = {cs, cp, p_off, p_rank, p_slot, p_share, order, small, over, p_load, p_home, p_rows};
+        mf__balance_plan_par(E, R, P, B, me, masked, block_m, capacity, max_rows, map, spare, counts, &ws, sc, sb, se);
+        char what[160];
+        snprintf(what, sizeof what, "case %d (E %d R %d P %d B %d kind %d masked %d)", (int)it, (int)E, (int)R, (int)P,
+                 (int)B, (int)kind, (int)masked);
+        for (int32_t e = 0; e <= E; e++) MFT_CHECK_MSG(p_off[e] == rep_off[e], "%s: rep_off[%d]", what, (int)e);
+        for (int32_t i = 0; i < rep_off[E]; i++)
+            MFT_CHECK_MSG(p_rank[i] == rep_rank[i] && p_slot[i] == rep_slot[i] && p_share[i] == share[i],
+                          "%s: replica %d: rank %d/%d slot %d/%d share %d/%d", what, (int)i, (int)p_rank[i],
+                          (int)rep_rank[i], (int)p_slot[i], (int)rep_slot[i], (int)p_share[i], (int)share[i]);
+        for (int32_t r = 0; r < R; r++) MFT_CHECK_MSG(p_load[r] == load[r], "%s: load[%d]", what, (int)r);
+        MFT_CHECK_MSG(small[1] == want_q && (!masked || small[2] == want_i), "%s: verdict rank %d replica %d, serial %d %d",
+                      what, (int)small[1], (int)small[2], (int)want_q, (int)want_i);
+        verdicts += want_q >= 0;
+        for (int32_t s = 0; s < L; s++) {
+            int32_t c = 0, b = 0, x = s < Lp ? map[me * Lp + s] : spare[me * B + s - Lp];
+            for (int32_t e = 0; e < E; e++)
+                for (int32_t i = rep_off[e], begin = 0; i < rep_off[e + 1]; begin += share[i], i++)
+                    if (rep_rank[i] == me && rep_slot[i] == s) c = share[i], b = begin;
+            MFT_CHECK_MSG(sc[s] == c && sb[s] == b && se[s] == x, "%s: slot %d: count %d/%d begin %d/%d expert %d/%d",
+                          what, (int)s, (int)sc[s], (int)c, (int)sb[s], (int)b, (int)se[s], (int)x);
+        }
+    }
+    mft_verbose("  4000 random plans: the parallel plan equals the serial one (%d capacity faults)\n", (int)verdicts);
+    MFT_CHECK(verdicts > 100);
+    return 0;
+}
+
 /* ---- whole layers ------------------------------------------------------------------------- */
 
 /* Runs `p` plain and with (map, P, B, prefetch) on `transport`; y bit for bit. Fills stats. */
@@ -541,6 +611,7 @@ static int test_bad_maps(void) {
 
 const mft_test_t mft_tests_balance[] = {
     {"balance_pick_incremental", test_pick_incremental, 120},
+    {"balance_plan_parallel", test_plan_parallel, 120},
     {"balance_planner", test_planner, 0},
     {"balance_maps_bitwise", test_maps_bitwise, 0},
     {"balance_spare_bitwise", test_spare_bitwise, 0},
