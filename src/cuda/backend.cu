@@ -97,6 +97,8 @@ typedef struct mf__cuda_moe {
 
 static mf__cuda_comm_t *mf__cc(mf_comm_t comm) { return (mf__cuda_comm_t *)comm->backend_state; }
 
+extern "C" int32_t mf__cuda_plan_serial = 0; /* cuda/balance.h */
+
 /* ---- comm and memory ---------------------------------------------------------------------- */
 
 /* Kernels are built for sm_90a only. */
@@ -629,6 +631,7 @@ static mf_result_t mf__cuda_plan(mf_moe_t moe, int32_t *counts_out, int32_t *off
     p.offsets_out = offsets_out;
     p.check_weights = s->B > 0;
     p.balanced = s->balanced;
+    p.serial = mf__cuda_plan_serial;
     p.P = c->num_physical_experts;
     p.B = s->B;
     p.Lp = s->Lp;

@@ -17,6 +17,19 @@
 extern "C" {
 #endif
 
+/* The balanced plan's variant for the forwards launched from now on (a test hook, default 0):
+ * 0 = mf__balance_plan_par over the plan block's threads, 1 = the serial functions on thread 0. */
+extern int32_t mf__cuda_plan_serial;
+
+/* mf__balance_plan_par in one block of kMfPlanThreads threads, for tests: inputs map [P], spare
+ * [R * B], counts [E], outputs slot_count, slot_begin, slot_expert [Lp + B], verdict [2] (failing
+ * rank, replica) and load [R] int64; every pointer DEVICE memory. MF_ERR_CUDA if the launch fails. */
+mf_result_t mf__cuda_plan_par_test(int32_t E, int32_t R, int32_t P, int32_t B, int32_t me, int32_t masked,
+                                   int32_t block_m, int32_t capacity, int32_t max_rows, const int32_t *map,
+                                   const int32_t *spare, const int32_t *counts, int32_t *slot_count,
+                                   int32_t *slot_begin, int32_t *slot_expert, int32_t *verdict, int64_t *load,
+                                   void *stream);
+
 /* One call of mf__balance_pick; every pointer is DEVICE memory. */
 typedef struct mf__balance_pick_params {
     int32_t E, R, P, B;

@@ -130,6 +130,7 @@ typedef struct mf__plan_params {
     int32_t check_weights;  /* compare meta word 3 (weights count) too: B > 0 */
     /* Balanced EP (balanced = 1; L = Lp + B slots). Dynamic shared memory: mf__plan_balance_smem. */
     int32_t balanced, P, B, Lp;
+    int32_t serial;                /* 1: the planner on thread 0 (the CPU's functions); 0: mf__balance_plan_par */
     uint32_t weights_count;        /* the host's mf_moe_set_weights count at this call */
     const int32_t *map;            /* [P] device copy of the expert map */
     const int32_t *resident;       /* [R * B] spare table (-1 = empty); used when *weights_seen == weights_count */
@@ -141,11 +142,13 @@ typedef struct mf__plan_params {
     mf__fault_sink_t sink;
 } mf__plan_params_t;
 
-/* Bytes of dynamic shared memory of the balanced offsets kernel: load, home [R] int64; counts [E],
- * map [P], spare [R * B], rep_off [E + 1], rep_rank, rep_slot, share [N], order [E] int32. */
+/* Bytes of dynamic shared memory of the balanced offsets kernel: load, home, rows [R] int64; counts
+ * [E], map [P], spare [R * B], rep_off [E + 1], rep_rank, rep_slot, share [N], order [E],
+ * count_static, count_spare [E], small [4], over [R] int32. */
 static inline size_t mf__plan_balance_smem(int32_t E, int32_t R, int32_t P, int32_t B) {
     const size_t N = (size_t)P + (size_t)R * B;
-    return 2 * (size_t)R * sizeof(int64_t) + ((size_t)E + P + (size_t)R * B + E + 1 + 3 * N + E) * sizeof(int32_t);
+    return 3 * (size_t)R * sizeof(int64_t) +
+           ((size_t)E + P + (size_t)R * B + E + 1 + 3 * N + E + 2 * (size_t)E + 4 + R) * sizeof(int32_t);
 }
 
 /* Grid (kMfPlanFetchBlocks, R): blocks of rank r copy its routing and count it. */
@@ -210,58 +213,70 @@ __device__ void mf__plan_offsets_balanced(const mf__plan_params_t &p) {
     const int32_t E = p.E, R = p.view.num_ranks, P = p.P, B = p.B, Lp = p.Lp, L = p.L, me = p.view.rank;
     const int32_t N = P + R * B;
     const bool masked = p.layout == MF_LAYOUT_MASKED;
-    int64_t *load = mf__bal_smem, *home = load + R;
-    int32_t *counts = (int32_t *)(home + R), *map = counts + E, *spare = map + P, *rep_off = spare + R * B;
+    int64_t *load = mf__bal_smem, *home = load + R, *rows_q = home + R;
+    int32_t *counts = (int32_t *)(rows_q + R), *map = counts + E, *spare = map + P, *rep_off = spare + R * B;
     int32_t *rep_rank = rep_off + E + 1, *rep_slot = rep_rank + N, *share = rep_slot + N, *order = share + N;
+    int32_t *cs = order + E, *cp = cs + E, *small = cp + E, *over = small + 4;
     const bool use_spare = B > 0 && *p.weights_seen == p.weights_count;
     for (int32_t e = threadIdx.x; e < E; e += blockDim.x) counts[e] = p.global_counts[e];
     for (int32_t i = threadIdx.x; i < P; i += blockDim.x) map[i] = p.map[i];
     for (int32_t i = threadIdx.x; i < R * B; i += blockDim.x) spare[i] = use_spare ? p.resident[i] : -1;
     __syncthreads();
+    bool faulted = mf__faulted(p.sink); /* the same on every thread: set only in stream order, or by the meta check */
+    if (!faulted && !p.serial) {
+        /* Every thread: lists, split, capacity per rank, this rank's slots (src/plan/balance.h). */
+        const mf__balance_ws_t ws = {cs, cp, rep_off, rep_rank, rep_slot, share, order, small, over, load, home, rows_q};
+        mf__balance_plan_par(E, R, P, B, me, masked, p.block_m, p.capacity, p.max_rows, map, spare, counts, &ws, p.counts,
+                             p.slot_begin, p.slot_expert);
+    }
     if (threadIdx.x == 0) {
-        bool faulted = mf__faulted(p.sink);
-        if (!faulted) {
+        if (!faulted && p.serial) {
             mf__balance_replicas(E, R, P, B, map, B ? spare : (const int32_t *)0, rep_off, rep_rank, rep_slot, order);
             mf__balance_split(E, R, counts, rep_off, rep_rank, share, load, order);
             for (int32_t r = 0; r < R; r++) home[r] = 0;
             for (int32_t e = 0; e < E; e++) home[e / (E / R)] += counts[e];
             /* Capacity verdict for every rank, as the CPU plan reports it: the lowest failing rank (MASKED:
-             * its lowest overflowing expert), from one pass over the replicas (expert order). */
-            long long rows[MF_MAX_RANKS];
-            int32_t over[MF_MAX_RANKS];
-            for (int32_t q = 0; q < R; q++) rows[q] = 0, over[q] = -1;
-            for (int32_t e = 0; e < E; e++)
-                for (int32_t i = rep_off[e]; i < rep_off[e + 1]; i++) {
-                    const int32_t q = rep_rank[i];
-                    if (masked && share[i] > p.capacity && over[q] < 0) over[q] = i;
-                    rows[q] += ((long long)share[i] + p.block_m - 1) / p.block_m * p.block_m;
-                }
-            for (int32_t q = 0; q < R && !faulted; q++) {
-                if (masked && over[q] >= 0) {
-                    int32_t e = 0;
-                    while (rep_off[e + 1] <= over[q]) e++;
-                    mf__set_fault(p.sink, MF_ERR_CAPACITY, kMfFaultCapacity, q, MF__PHASE_DISPATCH, -1, 0, e,
-                                  share[over[q]], p.capacity);
-                    faulted = true;
-                } else if (!masked && rows[q] > p.max_rows) {
-                    mf__set_fault(p.sink, MF_ERR_CAPACITY, kMfFaultCapacity, q, MF__PHASE_DISPATCH, -2, 0, q, rows[q],
-                                  p.max_rows);
-                    faulted = true;
-                }
+             * its lowest overflowing replica), from one pass over the replicas (expert order). */
+            small[1] = -1, small[2] = -1;
+            for (int32_t q = 0; q < R; q++) rows_q[q] = 0, over[q] = -1;
+            for (int32_t i = 0; i < rep_off[E]; i++) {
+                const int32_t q = rep_rank[i];
+                if (masked && share[i] > p.capacity && over[q] < 0) over[q] = i;
+                rows_q[q] += ((long long)share[i] + p.block_m - 1) / p.block_m * p.block_m;
             }
-        }
-        /* This rank's slots: expert, count, first row in the expert's global order, offsets. */
-        for (int32_t s = 0; s < L; s++) {
-            p.counts[s] = 0;
-            p.slot_begin[s] = 0;
-            p.slot_expert[s] = s < Lp ? map[me * Lp + s] : spare[me * B + s - Lp];
-        }
-        if (!faulted)
+            for (int32_t q = 0; q < R && small[1] < 0; q++)
+                if ((masked && over[q] >= 0) || (!masked && rows_q[q] > p.max_rows)) small[1] = q, small[2] = over[q];
+            for (int32_t s = 0; s < L; s++) {
+                p.counts[s] = 0;
+                p.slot_begin[s] = 0;
+                p.slot_expert[s] = s < Lp ? map[me * Lp + s] : spare[me * B + s - Lp];
+            }
             for (int32_t e = 0; e < E; e++)
                 for (int32_t i = rep_off[e], begin = 0; i < rep_off[e + 1]; begin += share[i], i++)
                     if (rep_rank[i] == me) p.counts[rep_slot[i]] = share[i], p.slot_begin[rep_slot[i]] = begin;
+        }
+        if (!faulted && small[1] >= 0) {
+            const int32_t q = small[1];
+            if (masked) {
+                const int32_t i = small[2];
+                int32_t e = 0;
+                while (rep_off[e + 1] <= i) e++;
+                mf__set_fault(p.sink, MF_ERR_CAPACITY, kMfFaultCapacity, q, MF__PHASE_DISPATCH, -1, 0, e, share[i],
+                              p.capacity);
+            } else {
+                mf__set_fault(p.sink, MF_ERR_CAPACITY, kMfFaultCapacity, q, MF__PHASE_DISPATCH, -2, 0, q, rows_q[q],
+                              p.max_rows);
+            }
+            faulted = true;
+        }
+        /* Offsets over this rank's slots; a faulted call leaves empty segments. */
         int32_t off = 0;
         for (int32_t s = 0; s < L; s++) {
+            if (faulted) {
+                p.counts[s] = 0;
+                p.slot_begin[s] = 0;
+                p.slot_expert[s] = s < Lp ? map[me * Lp + s] : spare[me * B + s - Lp];
+            }
             const int32_t c = p.counts[s];
             p.offsets[s] = faulted ? 0 : masked ? s * p.capacity : off;
             off += (int32_t)(((int64_t)c + p.block_m - 1) / p.block_m * p.block_m);
