@@ -2,7 +2,7 @@
 # bench/h200.sh — the benchmark set behind docs/PERFORMANCE.md, for one H200 (run from the repo root
 # after `make -j16 all lab`). Writes JSON records and logs into DIR and prints a short summary.
 #
-#   MF_COMMIT=<hash> bash bench/h200.sh DIR [gemm|layer|transport|all]
+#   MF_COMMIT=<hash> bash bench/h200.sh DIR [gemm|layer|transport|balance|all]
 #
 # Everything lands in DIR and in one archive DIR.tgz (the device tool returns a limited number of
 # files: take the archive).
@@ -17,8 +17,12 @@
 #        rank process), each in its own process; the per-call synchronisation in each (a tiny
 #        layer whose time is its syncs: R = 1, 2, 4 as threads and as processes time-sharing the
 #        GPU); and deepseek-v3 at R = 8 virtual ranks for the plan that fetches routing once
+# balance: balanced EP (issue 16) on CUDA: deepseek-v3, R = 8 virtual ranks, T = 128 and 512 per
+#        rank, FP8, each row without and with B = 2 spare slots (mf_moe_prefetch between forwards),
+#        under zipf 1.2 routing (what balancing is for) and uniform routing (what it costs when
+#        there is nothing to balance); not in `all`
 set -u
-dir=${1:?usage: bench/h200.sh DIR [gemm|layer|transport|all]}
+dir=${1:?usage: bench/h200.sh DIR [gemm|layer|transport|balance|all]}
 what=${2:-all}
 mkdir -p "$dir"
 : "${MF_COMMIT:=unknown}"
@@ -77,6 +81,44 @@ if [ "$what" = transport ]; then
         --no-check --iters 10 --warmup 2 --json "$dir/layer_deepseek-v3_R8_local.json" \
         > "$dir/layer_deepseek-v3_R8_local.log" 2>&1 || rc=1
     grep -E "^ +fp8 +auto +[0-9]+ +[0-9]+ " "$dir/layer_deepseek-v3_R8_local.log" | sed "s/^/deepseek-v3 R8 local /"
+fi
+if [ "$what" = balance ]; then
+    for routing in zipf:1.2 uniform; do
+        name=balance_deepseek-v3_R8_${routing/:/}
+        timeout 150 ./build/moeflow bench layer --preset deepseek-v3 -R 8 -T 128,512 --dtype fp8 --gated \
+            --routing "$routing" --balance 2 --no-check --iters 10 --warmup 2 --json "$dir/$name.json" \
+            > "$dir/$name.log" 2>&1 || rc=1
+        grep -E "^ +fp8 +auto +[0-9]+ +[0-9]+ +[0-9]+ " "$dir/$name.log" | sed "s/^/$routing rows /"
+        grep -E "^ +fp8 +auto +[0-9]+ +[0-9]+ +[0-9]+\.[0-9]+ +[0-9]+\.[0-9]+ " "$dir/$name.log" | sed "s/^/$routing balance /"
+    done
+    # the short table: per routing and T, B = 0 beside B = 2 (cost = time_on / time_off - 1)
+    python3 - "$dir" <<'PY' || rc=1
+import json, sys, os
+d = sys.argv[1]
+print("# balance summary: deepseek-v3 R=8 fp8 (virtual ranks on one H200: time = all ranks' work)")
+print("%-9s %5s %9s %9s %7s %8s %8s %8s %8s %7s %7s %12s %10s %8s %9s" % ("routing", "T", "off_us", "on_us",
+      "cost", "disp0", "disp2", "gemm0", "gemm2", "mx/mn0", "mx/mn2", "moved_first", "moved_last", "pf_ms", "model_on"))
+for routing in ("zipf1.2", "uniform"):
+    path = os.path.join(d, "balance_deepseek-v3_R8_%s.json" % routing)
+    if not os.path.exists(path):
+        print("%-9s (no record)" % routing)
+        continue
+    rows = [r for r in json.load(open(path))["rows"] if r["op"] == "layer"]
+    for T in sorted({r["shape"]["T"] for r in rows}):
+        off = [r for r in rows if r["shape"]["T"] == T and "balance" not in r]
+        on = [r for r in rows if r["shape"]["T"] == T and "balance" in r]
+        if not off or not on:
+            print("%-9s %5d (a row failed: see the log)" % (routing, T))
+            continue
+        a, b = off[0], on[0]
+        bb = b["balance"]
+        pa, pb = a.get("phases_us", {}), b.get("phases_us", {})
+        g = lambda ph: ph.get("w13", 0) + ph.get("w2", 0)
+        print("%-9s %5d %9.1f %9.1f %6.1f%% %8.1f %8.1f %8.1f %8.1f %7.3f %7.3f %12d %10d %8.3f %9.1f" % (routing, T,
+              a["time_us"], b["time_us"], 100.0 * (b["time_us"] / a["time_us"] - 1), pa.get("dispatch", 0),
+              pb.get("dispatch", 0), g(pa), g(pb), bb["rank_max_over_mean_home"], bb["rank_max_over_mean"],
+              bb["moved_first_bytes"], bb["moved_last_bytes"], bb["prefetch_ms"], bb.get("model_us", 0)))
+PY
 fi
 tar czf "$dir.tgz" -C "$(dirname "$dir")" "$(basename "$dir")"
 exit $rc

@@ -412,8 +412,8 @@ MF_API mf_result_t mf_moe_forward(mf_moe_t moe, const mf_moe_forward_in_t *in,
  * The default (never set) is the identity, which needs P = E. Not collective, but every rank sets
  * the same map before its next forward (the forward checks it: INVALID_USAGE on every rank if
  * not); the caller's weights (mf_moe_set_weights) must hold the new map's experts by then.
- * Between calls only (no call in flight); host memory, copied; non-blocking, not
- * graph-capturable. Errors: INVALID_ARGUMENT (NULL, wrong num_physical, an id outside [0, E), a
+ * Between calls only; host memory, copied; not graph-capturable. CPU: non-blocking; CUDA: waits
+ * for this rank's last forward and prefetch (they read the device copy it replaces). Errors: INVALID_ARGUMENT (NULL, wrong num_physical, an id outside [0, E), a
  * logical expert with no slot; nothing is changed). */
 MF_API mf_result_t mf_moe_set_expert_map(mf_moe_t moe, const int32_t *phys_to_logical, int32_t num_physical);
 
@@ -424,6 +424,10 @@ MF_API mf_result_t mf_moe_set_expert_map(mf_moe_t moe, const int32_t *phys_to_lo
  * already holding the expert are kept). The next forward splits those experts' rows across the
  * new replicas too. Call it between two forwards of the layer, e.g. on a side stream during
  * attention; the next forward on the layer waits for it (on the device on CUDA: no host wait).
+ * CUDA ordering: the prefetch follows this rank's last forward and the next forward follows the
+ * prefetch through events moeflow records, whatever the two streams, when both calls are eager
+ * or both are captured into the same graph; when one is captured and the other is not, order
+ * them yourself (the same stream, or the graph launch and the eager call joined by events).
  * Collective (every rank calls it between the same forwards), asynchronous on `stream` on CUDA
  * (blocking on CPU), graph-capturable on CUDA. A layer with B = 0: a no-op. Errors: INVALID_USAGE
  * (weights not set, comm broken), NOT_SUPPORTED (backend without balancing). */

@@ -87,6 +87,201 @@ static int test_planner(void) {
     return 0;
 }
 
+/* The pick before mf__balance_trial (every candidate rebuilt the lists and split in full): the
+ * reference the incremental trials must match bit for bit. */
+static void ref_balance_pick(int32_t E, int32_t R, int32_t P, int32_t B, const int32_t *counts,
+                                   const int32_t *map, const int32_t *resident, int32_t *spare, int32_t *rep_off,
+                                   int32_t *rep_rank, int32_t *rep_slot, int32_t *share, int64_t *load,
+                                   int32_t *iscratch) {
+    const int32_t RB = R * B;
+    int32_t *chosen = iscratch + E; /* [R * B]: expert per (rank, n-th pick on the rank), unordered */
+    int32_t *order = iscratch;      /* [E] */
+    for (int32_t i = 0; i < RB; i++) spare[i] = -1, chosen[i] = -1;
+    if (B == 0) return;
+    mf__balance_replicas(E, R, P, 0, map, (const int32_t *)0, rep_off, rep_rank, rep_slot, order);
+    mf__balance_split(E, R, counts, rep_off, rep_rank, share, load, order);
+    for (int32_t it = 0; it < RB; it++) {
+        int32_t q = 0;
+        for (int32_t r = 1; r < R; r++) q = load[r] > load[q] ? r : q;
+        /* Candidates: the experts with the largest shares on q (ties: lowest id), each with its
+         * destination, the least loaded rank with a free spare slot and no replica of it yet. */
+        int32_t cand[MF__BALANCE_CANDIDATES], dest[MF__BALANCE_CANDIDATES], nc = 0;
+        int64_t cand_rows[MF__BALANCE_CANDIDATES];
+        for (int32_t e = 0; e < E; e++) {
+            int64_t on_q = 0;
+            for (int32_t i = rep_off[e]; i < rep_off[e + 1]; i++) on_q += rep_rank[i] == q ? share[i] : 0;
+            if (on_q <= 0) continue;
+            int32_t at = nc < MF__BALANCE_CANDIDATES ? nc++ : MF__BALANCE_CANDIDATES;
+            while (at > 0 && cand_rows[at - 1] < on_q) {
+                if (at < MF__BALANCE_CANDIDATES) cand[at] = cand[at - 1], cand_rows[at] = cand_rows[at - 1];
+                at--;
+            }
+            if (at < MF__BALANCE_CANDIDATES) cand[at] = e, cand_rows[at] = on_q;
+        }
+        for (int32_t c = 0; c < nc; c++) {
+            int32_t e = cand[c], d = -1;
+            for (int32_t r = 0; r < R; r++) {
+                int32_t used = 0, has = 0;
+                for (int32_t n = 0; n < B; n++) used += chosen[r * B + n] >= 0;
+                for (int32_t i = rep_off[e]; i < rep_off[e + 1] && !has; i++) has = rep_rank[i] == r;
+                if (used < B && !has && (d < 0 || load[r] < load[d])) d = r;
+            }
+            dest[c] = d;
+        }
+        /* Each candidate is tried (the lists and loads are rebuilt from the map and the picks: R * B
+         * is small); the one whose split has the lowest (max load, sum of squared loads) wins, if
+         * it beats the table without it. */
+        int64_t best_max = 0;
+        double best_sq = 0;
+        for (int32_t r = 0; r < R; r++) best_max = load[r] > best_max ? load[r] : best_max, best_sq += (double)load[r] * load[r];
+        int32_t pick = -1;
+        for (int32_t c = 0; c < nc; c++) {
+            if (dest[c] < 0) continue;
+            int32_t n = 0;
+            while (chosen[dest[c] * B + n] >= 0) n++;
+            chosen[dest[c] * B + n] = cand[c];
+            mf__balance_replicas(E, R, P, B, map, chosen, rep_off, rep_rank, rep_slot, order);
+            mf__balance_split(E, R, counts, rep_off, rep_rank, share, load, order);
+            chosen[dest[c] * B + n] = -1;
+            int64_t mx = 0;
+            double sq = 0;
+            for (int32_t r = 0; r < R; r++) mx = load[r] > mx ? load[r] : mx, sq += (double)load[r] * load[r];
+            if (mx < best_max || (mx == best_max && sq < best_sq)) best_max = mx, best_sq = sq, pick = c;
+        }
+        if (pick >= 0) {
+            int32_t n = 0;
+            while (chosen[dest[pick] * B + n] >= 0) n++;
+            chosen[dest[pick] * B + n] = cand[pick];
+        }
+        mf__balance_replicas(E, R, P, B, map, chosen, rep_off, rep_rank, rep_slot, order);
+        mf__balance_split(E, R, counts, rep_off, rep_rank, share, load, order);
+        if (pick < 0) break; /* no replica of q's experts improves the table */
+    }
+    /* Slots: a chosen expert stays where it is resident; the others take the free slots in order. */
+    for (int32_t r = 0; r < R; r++) {
+        for (int32_t n = 0; n < B; n++) {
+            int32_t e = chosen[r * B + n];
+            if (e < 0) continue;
+            for (int32_t j = 0; j < B; j++)
+                if (resident && resident[r * B + j] == e && spare[r * B + j] < 0) {
+                    spare[r * B + j] = e, chosen[r * B + n] = -1;
+                    break;
+                }
+        }
+        for (int32_t n = 0; n < B; n++) {
+            int32_t e = chosen[r * B + n];
+            if (e < 0) continue;
+            int32_t j = 0;
+            while (spare[r * B + j] >= 0) j++;
+            spare[r * B + j] = e;
+        }
+    }
+}
+
+
+/* mf__balance_pick (incremental trials) == the full-rebuild pick, over random shapes, counts (flat,
+ * zipf-like, one hot expert, zeros), maps with replicas and resident tables. */
+static int test_pick_incremental(void) {
+    enum { MAXE = 256, MAXR = 8, MAXB = 4, MAXP = MAXE + MAXR * 4, MAXN = MAXP + MAXR * MAXB };
+    static int32_t counts[MAXE], map[MAXP], resident[MAXR * MAXB], a[MAXR * MAXB], b[MAXR * MAXB];
+    static int32_t rep_off[MAXE + 1], rep_rank[MAXN], rep_slot[MAXN], share[MAXN], scratch[MAXE + MAXR * MAXB];
+    static int64_t load[MAXR];
+    mft_rng_t rng = {0x51c4};
+    int32_t picked = 0;
+    for (int32_t it = 0; it < 3000; it++) {
+        const int32_t R = 1 + mft_rng_int(&rng, MAXR), E = R * (1 + mft_rng_int(&rng, MAXE / R));
+        const int32_t P = E + R * mft_rng_int(&rng, 5), B = 1 + mft_rng_int(&rng, MAXB), kind = mft_rng_int(&rng, 4);
+        for (int32_t e = 0; e < E; e++)
+            counts[e] = kind == 0 ? 10 + mft_rng_int(&rng, 20)
+                      : kind == 1 ? (int32_t)(4096.0 / (1.0 + mft_rng_int(&rng, E)))
+                      : kind == 2 ? (e == 3 % E ? 5000 : mft_rng_int(&rng, 8))
+                                  : (mft_rng_int(&rng, 3) ? 0 : mft_rng_int(&rng, 100));
+        random_map(E, P, 1000 + (uint64_t)it, map);
+        for (int32_t i = 0; i < R * B; i++) resident[i] = mft_rng_int(&rng, 3) ? -1 : mft_rng_int(&rng, E);
+        const int32_t *res = mft_rng_int(&rng, 4) ? resident : NULL;
+        ref_balance_pick(E, R, P, B, counts, map, res, a, rep_off, rep_rank, rep_slot, share, load, scratch);
+        mf__balance_pick(E, R, P, B, counts, map, res, b, rep_off, rep_rank, rep_slot, share, load, scratch);
+        for (int32_t i = 0; i < R * B; i++) {
+            MFT_CHECK_MSG(a[i] == b[i], "case %d (E %d R %d P %d B %d kind %d): spare[%d] = %d, reference %d", (int)it,
+                          (int)E, (int)R, (int)P, (int)B, (int)kind, (int)i, (int)b[i], (int)a[i]);
+            picked += a[i] >= 0;
+        }
+    }
+    mft_verbose("  3000 random picks equal the full-rebuild pick (%d spare slots filled)\n", (int)picked);
+    MFT_CHECK(picked > 1000);
+    return 0;
+}
+
+/* mf__balance_plan_par (the CUDA plan's block-parallel version, here as plain loops) == the serial
+ * functions and the CPU plan's capacity verdict and slot table, over random shapes, counts, maps,
+ * spare tables and capacities. */
+static int test_plan_parallel(void) {
+    enum { MAXE = 256, MAXR = 8, MAXB = 4, MAXP = MAXE + MAXR * 4, MAXN = MAXP + MAXR * MAXB, MAXL = MAXP / 1 + MAXB };
+    static int32_t counts[MAXE], map[MAXP], spare[MAXR * MAXB];
+    static int32_t rep_off[MAXE + 1], rep_rank[MAXN], rep_slot[MAXN], share[MAXN], scratch[MAXE + MAXR * MAXB];
+    static int32_t cs[MAXE], cp[MAXE], p_off[MAXE + 1], p_rank[MAXN], p_slot[MAXN], p_share[MAXN], order[MAXE],
+        small[4], over[MAXR], sc[MAXL], sb[MAXL], se[MAXL];
+    static int64_t load[MAXR], p_load[MAXR], p_home[MAXR], p_rows[MAXR];
+    mft_rng_t rng = {0x9a7a};
+    int32_t verdicts = 0;
+    for (int32_t it = 0; it < 4000; it++) {
+        const int32_t R = 1 + mft_rng_int(&rng, MAXR), E = R * (1 + mft_rng_int(&rng, MAXE / R));
+        const int32_t P = E + R * mft_rng_int(&rng, 5), B = mft_rng_int(&rng, MAXB + 1), Lp = P / R, L = Lp + B;
+        const int32_t kind = mft_rng_int(&rng, 4), masked = mft_rng_int(&rng, 2), block_m = 1 << mft_rng_int(&rng, 8);
+        for (int32_t e = 0; e < E; e++)
+            counts[e] = kind == 0 ? 10 + mft_rng_int(&rng, 20)
+                      : kind == 1 ? (int32_t)(4096.0 / (1.0 + mft_rng_int(&rng, E)))
+                      : kind == 2 ? (e == 3 % E ? 5000 : mft_rng_int(&rng, 8))
+                                  : (mft_rng_int(&rng, 3) ? 0 : mft_rng_int(&rng, 100));
+        random_map(E, P, 2000 + (uint64_t)it, map);
+        for (int32_t i = 0; i < R * B; i++) spare[i] = mft_rng_int(&rng, 2) ? -1 : mft_rng_int(&rng, E);
+        int64_t total = 0;
+        for (int32_t e = 0; e < E; e++) total += counts[e];
+        const int32_t capacity = 1 + mft_rng_int(&rng, 3000), max_rows = (int32_t)(total / R + mft_rng_int(&rng, 4000));
+        /* serial */
+        mf__balance_replicas(E, R, P, B, map, B ? spare : NULL, rep_off, rep_rank, rep_slot, scratch);
+        mf__balance_split(E, R, counts, rep_off, rep_rank, share, load, scratch);
+        int32_t want_q = -1, want_i = -1;
+        for (int32_t q = 0; q < R && want_q < 0; q++) {
+            int64_t rows = 0;
+            for (int32_t e = 0; e < E && want_q < 0; e++)
+                for (int32_t i = rep_off[e]; i < rep_off[e + 1] && want_q < 0; i++) {
+                    if (rep_rank[i] != q) continue;
+                    if (masked && share[i] > capacity) want_q = q, want_i = i;
+                    rows += (share[i] + block_m - 1) / block_m * block_m;
+                }
+            if (want_q < 0 && !masked && rows > max_rows) want_q = q;
+        }
+        const int32_t me = mft_rng_int(&rng, R);
+        /* parallel (as loops) */
+        mf__balance_ws_t ws = {cs, cp, p_off, p_rank, p_slot, p_share, order, small, over, p_load, p_home, p_rows};
+        mf__balance_plan_par(E, R, P, B, me, masked, block_m, capacity, max_rows, map, spare, counts, &ws, sc, sb, se);
+        char what[160];
+        snprintf(what, sizeof what, "case %d (E %d R %d P %d B %d kind %d masked %d)", (int)it, (int)E, (int)R, (int)P,
+                 (int)B, (int)kind, (int)masked);
+        for (int32_t e = 0; e <= E; e++) MFT_CHECK_MSG(p_off[e] == rep_off[e], "%s: rep_off[%d]", what, (int)e);
+        for (int32_t i = 0; i < rep_off[E]; i++)
+            MFT_CHECK_MSG(p_rank[i] == rep_rank[i] && p_slot[i] == rep_slot[i] && p_share[i] == share[i],
+                          "%s: replica %d: rank %d/%d slot %d/%d share %d/%d", what, (int)i, (int)p_rank[i],
+                          (int)rep_rank[i], (int)p_slot[i], (int)rep_slot[i], (int)p_share[i], (int)share[i]);
+        for (int32_t r = 0; r < R; r++) MFT_CHECK_MSG(p_load[r] == load[r], "%s: load[%d]", what, (int)r);
+        MFT_CHECK_MSG(small[1] == want_q && (!masked || small[2] == want_i), "%s: verdict rank %d replica %d, serial %d %d",
+                      what, (int)small[1], (int)small[2], (int)want_q, (int)want_i);
+        verdicts += want_q >= 0;
+        for (int32_t s = 0; s < L; s++) {
+            int32_t c = 0, b = 0, x = s < Lp ? map[me * Lp + s] : spare[me * B + s - Lp];
+            for (int32_t e = 0; e < E; e++)
+                for (int32_t i = rep_off[e], begin = 0; i < rep_off[e + 1]; begin += share[i], i++)
+                    if (rep_rank[i] == me && rep_slot[i] == s) c = share[i], b = begin;
+            MFT_CHECK_MSG(sc[s] == c && sb[s] == b && se[s] == x, "%s: slot %d: count %d/%d begin %d/%d expert %d/%d",
+                          what, (int)s, (int)sc[s], (int)c, (int)sb[s], (int)b, (int)se[s], (int)x);
+        }
+    }
+    mft_verbose("  4000 random plans: the parallel plan equals the serial one (%d capacity faults)\n", (int)verdicts);
+    MFT_CHECK(verdicts > 100);
+    return 0;
+}
+
 /* ---- whole layers ------------------------------------------------------------------------- */
 
 /* Runs `p` plain and with (map, P, B, prefetch) on `transport`; y bit for bit. Fills stats. */
@@ -415,6 +610,8 @@ static int test_bad_maps(void) {
 }
 
 const mft_test_t mft_tests_balance[] = {
+    {"balance_pick_incremental", test_pick_incremental, 120},
+    {"balance_plan_parallel", test_plan_parallel, 120},
     {"balance_planner", test_planner, 0},
     {"balance_maps_bitwise", test_maps_bitwise, 0},
     {"balance_spare_bitwise", test_spare_bitwise, 0},

@@ -19,6 +19,16 @@
  * Buffer reuse follows the CPU backend's argument (src/cpu/backend.c): two phases per call order
  * every reuse, so nothing is cleared between calls.
  *
+ * Balanced EP (docs/DESIGN.md "Balanced EP"): the plan's units are slots (Lp static + B spare;
+ * L = E / R of them without balancing); the GEMMs run once over the static slots with the caller's
+ * weights and once over the spare slots with moeflow's spare allocation as the [B, N, K] operand
+ * (the same kernel family: rows_hint stays on logical E). mf_moe_prefetch (pick, push, commit,
+ * balance.cu) is ordered after this rank's previous forward and before its next one by two
+ * internal events (skipped where one call is captured and the other is not: the caller orders them
+ * then); this rank's COMBINE wait of that forward already saw every peer's arrival, so every peer
+ * has finished reading its spare slots before a push, and reads them again only after its next
+ * DISPATCH wait, which needs this rank's next publish, which follows the push.
+ *
  * Faults raised by kernels (bad ids, capacity, timeouts) land in mapped host memory; the next call
  * on the comm returns them without launching anything, and mf_comm_get_async_error reports them
  * after synchronising the comm's last stream. A timeout marks the comm broken.
@@ -28,6 +38,7 @@
 #include <string.h>
 
 #include "core/internal.h"
+#include "cuda/balance.h"
 #include "cuda/configs.cuh"
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels/movement.cuh"
@@ -68,9 +79,25 @@ typedef struct mf__cuda_moe {
     int64_t rows;
     cudaEvent_t events[MF_NUM_PHASES + 1];
     int32_t events_valid;            /* the last forward recorded every event */
+    /* Balanced EP. slots = Lp + B (= L without balancing); balanced: the slot plan runs. */
+    int32_t slots, Lp, B, balanced;
+    int32_t *map;                    /* [P] device copy of moe->expert_map */
+    int32_t *slot_expert, *slot_begin; /* [slots] */
+    int32_t *resident, *next;        /* [R * B] spare tables */
+    int32_t *prev_counts;            /* [E] global counts of the last plan that did not fault */
+    int32_t *words;                  /* [2]: have_prev, weights_seen */
+    int32_t *pick_scratch;           /* [mf__balance_scratch_words] */
+    int64_t *stats;                  /* [2 * MF_MAX_RANKS + 3]: plan loads, home loads, prefetch stats */
+    size_t plan_smem, pick_smem;     /* dynamic shared memory of the balanced plan / the pick */
+    uint32_t prefetches;             /* mf_moe_prefetch calls (published in the heap meta) */
+    cudaEvent_t fwd_done, pf_done;   /* orders a prefetch after the last forward, the next forward after it */
+    int32_t fwd_recorded, pf_pending;
+    unsigned long long fwd_capture, pf_capture; /* capture id of the recording call (0: eager) */
 } mf__cuda_moe_t;
 
 static mf__cuda_comm_t *mf__cc(mf_comm_t comm) { return (mf__cuda_comm_t *)comm->backend_state; }
+
+extern "C" int32_t mf__cuda_plan_serial = 0; /* cuda/balance.h */
 
 /* ---- comm and memory ---------------------------------------------------------------------- */
 
@@ -267,6 +294,13 @@ static mf_result_t mf__cuda_fault_message(mf_comm_t comm, const mf__device_error
     case kMfFaultLayer:
         return mf__error(code, "rank %d called a collective on layer %lld while rank %d called layer %lld: every rank "
                                "must call the same layers in the same order%s", r.peer, r.a, r.rank, r.b, tail);
+    case kMfFaultBalance: {
+        static const char *const what[MF__META_WORDS] = {"", "expert map (mf_moe_set_expert_map)",
+                                                         "mf_moe_prefetch calls", "mf_moe_set_weights calls"};
+        return mf__error(code, "mf_moe_forward: rank %d and rank 0 differ in their %s (0x%llx and 0x%llx); every rank "
+                               "makes the same balancing calls%s", r.peer, r.a >= 1 && r.a < MF__META_WORDS ? what[r.a] : "?",
+                         (unsigned long long)r.b, (unsigned long long)r.c, tail);
+    }
     default: return mf__error(MF_ERR_INTERNAL, "rank %d: unknown device fault kind %d (code %d)", r.rank, r.kind, r.code);
     }
 }
@@ -361,6 +395,15 @@ static void mf__cuda_moe_fini(mf_moe_t moe) {
     cudaFree(s->h);
     cudaFree(s->h_scales);
     cudaFree(s->expert_out);
+    if (s->pf_done) {
+        if (!s->pf_capture) cudaEventSynchronize(s->pf_done); /* an eager prefetch writes our tables */
+        cudaEventDestroy(s->pf_done);
+    }
+    if (s->fwd_done) cudaEventDestroy(s->fwd_done);
+    int32_t *balance_bufs[] = {s->map, s->slot_expert, s->slot_begin, s->resident, s->next, s->prev_counts, s->words,
+                               s->pick_scratch};
+    for (size_t i = 0; i < sizeof balance_bufs / sizeof balance_bufs[0]; i++) cudaFree(balance_bufs[i]);
+    cudaFree(s->stats);
     for (int i = 0; i <= MF_NUM_PHASES; i++)
         if (s->events[i]) cudaEventDestroy(s->events[i]);
     (void)cudaGetLastError();
@@ -388,17 +431,27 @@ static int32_t mf__cuda_dataflow(mf_moe_t moe, int32_t T) {
 
 static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
     const mf_moe_config_t *c = &moe->config;
-    /* Balanced EP (docs/DESIGN.md "Balanced EP") is built on the CPU backend first; the CUDA plan,
-     * the spare-slot GEMM operands and the prefetch kernel are phase 2 (docs/DECISIONS.md). */
-    if (c->num_physical_experts != c->num_experts || c->spare_slots > 0)
-        return mf__error(MF_ERR_NOT_SUPPORTED,
-                         "mf_moe_create: the cuda backend has no replicas or spare slots yet (num_physical_experts "
-                         "= %d, E = %d, spare_slots = %d)", c->num_physical_experts, c->num_experts, c->spare_slots);
+    const int32_t R_ = moe->comm->num_ranks, P = c->num_physical_experts, B = c->spare_slots;
     MF_CUDA_CHECK(cudaSetDevice(moe->comm->device));
+    /* Balanced EP: the planner's arrays live in shared memory (the plan's offsets kernel, the pick). */
+    const size_t plan_smem = mf__plan_balance_smem(c->num_experts, R_, P, B);
+    const size_t pick_smem = B ? mf__prefetch_smem_bytes(c->num_experts, R_, P, B) : 0;
+    if ((P != c->num_experts || B) && (plan_smem > kMfPrefetchMaxSmem || (B && !pick_smem)))
+        return mf__error(MF_ERR_NOT_SUPPORTED, "mf_moe_create: the cuda backend's balancing planner keeps its arrays "
+                         "in shared memory (at most %d bytes): E = %d, P = %d, R = %d, B = %d need more",
+                         kMfPrefetchMaxSmem, c->num_experts, P, R_, B);
+    if (B && (moe->spare_layout.w13_bytes % 16 || moe->spare_layout.w2_bytes % 16))
+        return mf__error(MF_ERR_NOT_SUPPORTED, "mf_moe_create: spare slots need expert weights of a multiple of 16 bytes");
     mf__cuda_moe_t *s = (mf__cuda_moe_t *)mf__calloc(1, sizeof *s);
     if (!s) return mf__error(MF_ERR_OUT_OF_MEMORY, "cuda backend: out of host memory");
     moe->backend_state = s;
-    int64_t L = moe->info.num_local_experts, H = c->hidden, I = c->intermediate;
+    s->Lp = moe->slots_per_rank;
+    s->B = B;
+    s->slots = s->Lp + B;
+    s->balanced = P != c->num_experts || B > 0;
+    s->plan_smem = plan_smem;
+    s->pick_smem = pick_smem;
+    int64_t L = s->slots, H = c->hidden, I = c->intermediate;
     int fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
     s->rows = c->layout == MF_LAYOUT_MASKED ? L * c->expert_capacity : c->max_recv_rows;
     size_t esz = fp8 ? 1 : 2;
@@ -417,6 +470,15 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
         {(void **)&s->h, (size_t)(s->rows * I) * esz},
         {(void **)&s->h_scales, fp8 ? (size_t)(s->rows * (I / MF__QUANT_BLOCK)) * 4 : 0},
         {(void **)&s->expert_out, c->dataflow == MF_DATAFLOW_UNFUSED ? (size_t)(s->rows * H) * 2 : 0},
+        {(void **)&s->map, (size_t)P * 4},
+        {(void **)&s->slot_expert, (size_t)L * 4},
+        {(void **)&s->slot_begin, (size_t)L * 4},
+        {(void **)&s->resident, (size_t)(R * B + 1) * 4},
+        {(void **)&s->next, (size_t)(R * B + 1) * 4},
+        {(void **)&s->prev_counts, (size_t)c->num_experts * 4},
+        {(void **)&s->words, 2 * 4},
+        {(void **)&s->pick_scratch, B ? (size_t)mf__balance_scratch_words(c->num_experts, R_, P, B) * 4 : 0},
+        {(void **)&s->stats, (2 * MF_MAX_RANKS + 3) * 8},
     };
     for (size_t i = 0; i < sizeof allocs / sizeof allocs[0]; i++) {
         if (!allocs[i].bytes) continue;
@@ -429,8 +491,20 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
         }
     }
     /* The plan's global counters are zero between calls (its offsets kernel re-zeroes them). */
-    cudaError_t e = cudaMemsetAsync(s->global_counts, 0, (size_t)c->num_experts * 4, mf__cc(moe->comm)->setup);
-    if (e == cudaSuccess) e = cudaStreamSynchronize(mf__cc(moe->comm)->setup);
+    cudaStream_t setup = mf__cc(moe->comm)->setup;
+    cudaError_t e = cudaMemsetAsync(s->global_counts, 0, (size_t)c->num_experts * 4, setup);
+    /* Balancing: the map, an empty spare table (-1), no previous forward, weights count 0. */
+    if (e == cudaSuccess) e = cudaMemcpyAsync(s->map, moe->expert_map, (size_t)P * 4, cudaMemcpyHostToDevice, setup);
+    if (e == cudaSuccess) e = cudaMemsetAsync(s->resident, 0xff, (size_t)(R * B + 1) * 4, setup);
+    if (e == cudaSuccess) e = cudaMemsetAsync(s->next, 0xff, (size_t)(R * B + 1) * 4, setup);
+    if (e == cudaSuccess) e = cudaMemsetAsync(s->words, 0, 2 * 4, setup);
+    if (e == cudaSuccess) e = cudaMemsetAsync(s->stats, 0, (2 * MF_MAX_RANKS + 3) * 8, setup);
+    if (e == cudaSuccess && plan_smem > 48 * 1024 && plan_smem <= kMfPrefetchMaxSmem)
+        e = cudaFuncSetAttribute(mf__plan_offsets_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)plan_smem);
+    if (e == cudaSuccess && B) e = mf__cuda_prefetch_preload(pick_smem) == MF_SUCCESS ? cudaSuccess : cudaErrorUnknown;
+    if (e == cudaSuccess && B) e = cudaEventCreateWithFlags(&s->fwd_done, cudaEventDisableTiming);
+    if (e == cudaSuccess && B) e = cudaEventCreateWithFlags(&s->pf_done, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(setup);
     if (e != cudaSuccess) {
         (void)cudaGetLastError();
         mf__cuda_moe_fini(moe);
@@ -514,6 +588,9 @@ static mf_result_t mf__cuda_publish(mf_moe_t moe, const mf_tensor_t *x, const mf
     p.E = c->num_experts;
     p.fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
     p.ue8m0 = c->ue8m0_scales;
+    p.meta_words[0] = (int32_t)moe->map_hash;
+    p.meta_words[1] = (int32_t)((mf__cuda_moe_t *)moe->backend_state)->prefetches;
+    p.meta_words[2] = (int32_t)moe->weights_count;
     p.heap = (uint8_t *)moe->comm->heap.local;
     p.meta = moe->heap.meta;
     p.x_off = moe->heap.x;
@@ -538,7 +615,7 @@ static mf_result_t mf__cuda_plan(mf_moe_t moe, int32_t *counts_out, int32_t *off
     p.K = c->num_topk;
     p.E = c->num_experts;
     p.S = c->max_tokens_per_rank;
-    p.L = moe->info.num_local_experts;
+    p.L = s->slots;
     p.first_expert = moe->info.first_expert;
     p.layout = c->layout;
     p.block_m = c->block_m;
@@ -552,10 +629,25 @@ static mf_result_t mf__cuda_plan(mf_moe_t moe, int32_t *counts_out, int32_t *off
     p.src = s->src;
     p.counts_out = counts_out;
     p.offsets_out = offsets_out;
+    p.check_weights = s->B > 0;
+    p.balanced = s->balanced;
+    p.serial = mf__cuda_plan_serial;
+    p.P = c->num_physical_experts;
+    p.B = s->B;
+    p.Lp = s->Lp;
+    p.weights_count = moe->weights_count;
+    p.map = s->map;
+    p.resident = s->resident;
+    p.weights_seen = (const uint32_t *)(s->words + 1);
+    p.slot_expert = s->slot_expert;
+    p.slot_begin = s->slot_begin;
+    p.prev_counts = s->prev_counts;
+    p.have_prev = s->words;
+    p.stats = s->stats;
     p.sink = mf__sink(moe->comm);
     mf__plan_fetch_kernel<<<dim3(kMfPlanFetchBlocks, (unsigned)moe->comm->num_ranks), kMfPlanThreads, 0, stream>>>(p);
     MF_CUDA_CHECK_LAUNCH();
-    mf__plan_offsets_kernel<<<1, kMfPlanThreads, 0, stream>>>(p);
+    mf__plan_offsets_kernel<<<1, kMfPlanThreads, s->balanced ? s->plan_smem : 0, stream>>>(p);
     MF_CUDA_CHECK_LAUNCH();
     mf__plan_fill_kernel<<<p.L, kMfPlanThreads, 0, stream>>>(p);
     MF_CUDA_CHECK_LAUNCH();
@@ -568,7 +660,7 @@ static mf__move_params_t mf__move_params(mf_moe_t moe) {
     memset(&p, 0, sizeof p);
     p.view = mf__view(moe);
     p.K = moe->config.num_topk;
-    p.L = moe->info.num_local_experts;
+    p.L = s->slots;
     p.H = moe->config.hidden;
     p.fp8 = moe->config.dtype == MF_DTYPE_FP8_E4M3;
     p.layout = moe->config.layout;
@@ -636,6 +728,17 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     const int32_t T = (int32_t)in->x.dims[0];
     const int32_t flow = mf__cuda_dataflow(moe, T);
 
+    /* Spare slots: after the prefetch issued since the last forward (see the file comment). */
+    unsigned long long capture_id = 0;
+    if (s->B) {
+        if (capture != cudaStreamCaptureStatusNone) {
+            cudaStreamCaptureStatus st;
+            MF_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &st, &capture_id));
+        }
+        if (s->pf_pending && s->pf_capture == capture_id) MF_CUDA_CHECK(cudaStreamWaitEvent(stream, s->pf_done, 0));
+        s->pf_pending = 0;
+    }
+
     MF__MARK(MF_PHASE_PREPARE);
     MF_CHECK(mf__cuda_publish(moe, &in->x, &in->topk_ids, (const float *)in->topk_weights.data, stream));
     MF__MARK(MF_PHASE_DISPATCH);
@@ -646,7 +749,7 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     mf__gemm_segments_t seg;
     seg.counts = s->counts;
     seg.offsets = s->offsets;
-    seg.num_experts = moe->info.num_local_experts;
+    seg.num_experts = s->Lp; /* the static slots; the spare slots are a second launch (mf__cuda_gemm_spare) */
     /* A token routes to an expert at most once: R * S rows (MASKED: at most C). */
     int64_t per_expert = (int64_t)comm->num_ranks * c->max_tokens_per_rank;
     if (c->layout == MF_LAYOUT_MASKED) per_expert = c->expert_capacity;
@@ -663,6 +766,18 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     mf__gemm_operand_t w13 = {w->w13.data, fp8 ? (const float *)w->w13_scales.data : NULL, NULL};
     MF_CHECK(mf__cuda_w13_swiglu(&seg, c->dtype, c->ue8m0_scales, a, w13, c->hidden, c->intermediate, s->h,
                                  s->h_scales, stream));
+    /* Spare slots: segments [Lp, Lp + B) over moeflow's [B, 2I, H] copies (rows stay absolute). */
+    mf__gemm_segments_t spare_seg = seg;
+    spare_seg.counts = s->counts + s->Lp;
+    spare_seg.offsets = s->offsets + s->Lp;
+    spare_seg.num_experts = s->B;
+    const mf__spare_layout_t *sl = &moe->spare_layout;
+    const uint8_t *spare = (const uint8_t *)moe->spare.local;
+    if (s->B) {
+        mf__gemm_operand_t sw13 = {spare + sl->w13, fp8 ? (const float *)(spare + sl->w13_scales) : NULL, NULL};
+        MF_CHECK(mf__cuda_w13_swiglu(&spare_seg, c->dtype, c->ue8m0_scales, a, sw13, c->hidden, c->intermediate, s->h,
+                                     s->h_scales, stream));
+    }
     MF__MARK(MF_PHASE_W2);
 
     mf__gemm_return_t ret;
@@ -673,8 +788,12 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     ret.num_topk = c->num_topk;
     mf__gemm_operand_t h = {s->h, s->h_scales, NULL};
     mf__gemm_operand_t w2 = {w->w2.data, fp8 ? (const float *)w->w2_scales.data : NULL, NULL};
+    mf__gemm_operand_t sw2 = {s->B ? spare + sl->w2 : NULL, fp8 && s->B ? (const float *)(spare + sl->w2_scales) : NULL,
+                              NULL};
     if (flow == MF_DATAFLOW_UNFUSED) {
         MF_CHECK(mf__cuda_w2(&seg, c->dtype, h, w2, c->hidden, c->intermediate, s->expert_out, NULL, stream));
+        if (s->B)
+            MF_CHECK(mf__cuda_w2(&spare_seg, c->dtype, h, sw2, c->hidden, c->intermediate, s->expert_out, NULL, stream));
         MF__MARK(MF_PHASE_COMBINE);
         mf__move_params_t p = mf__move_params(moe);
         p.expert_out = s->expert_out;
@@ -682,6 +801,7 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
         MF_CUDA_CHECK_LAUNCH();
     } else {
         MF_CHECK(mf__cuda_w2(&seg, c->dtype, h, w2, c->hidden, c->intermediate, NULL, &ret, stream));
+        if (s->B) MF_CHECK(mf__cuda_w2(&spare_seg, c->dtype, h, sw2, c->hidden, c->intermediate, NULL, &ret, stream));
         MF__MARK(MF_PHASE_COMBINE);
     }
 
@@ -689,6 +809,11 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     const float *weights = (const float *)((uint8_t *)comm->heap.local + moe->heap.weights);
     MF_CHECK(mf__cuda_sum(moe, T, weights, (uint16_t *)out->y.data, stream));
     MF__MARK(MF_NUM_PHASES);
+    if (s->B) { /* the next prefetch follows this forward */
+        MF_CUDA_CHECK(cudaEventRecord(s->fwd_done, stream));
+        s->fwd_recorded = 1;
+        s->fwd_capture = capture_id;
+    }
 #undef MF__MARK
     s->events_valid = timed;
     return MF_SUCCESS;
@@ -755,6 +880,102 @@ static mf_result_t mf__cuda_reject(mf_moe_t moe, uint32_t phases, mf_result_t co
     return mf__error(code, "%s", why);
 }
 
+/* ---- balanced EP -------------------------------------------------------------------------- */
+
+/* The map's device copy (setup: waits for this rank's last forward and prefetch, which read it). */
+static mf_result_t mf__cuda_set_expert_map(mf_moe_t moe) {
+    mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
+    mf__cuda_comm_t *c = mf__cc(moe->comm);
+    if (s->plan_smem > kMfPrefetchMaxSmem)
+        return mf__error(MF_ERR_NOT_SUPPORTED, "mf_moe_set_expert_map: the cuda backend's balancing planner keeps its "
+                         "arrays in shared memory (at most %d bytes); this layer needs %zu", kMfPrefetchMaxSmem,
+                         s->plan_smem);
+    MF_CUDA_CHECK(cudaSetDevice(moe->comm->device));
+    MF_CUDA_CHECK(cudaEventSynchronize(c->done));
+    if (s->pf_done && s->pf_pending && !s->pf_capture) MF_CUDA_CHECK(cudaEventSynchronize(s->pf_done));
+    MF_CUDA_CHECK(cudaMemcpyAsync(s->map, moe->expert_map, (size_t)moe->config.num_physical_experts * 4,
+                                  cudaMemcpyHostToDevice, c->setup));
+    MF_CUDA_CHECK(cudaStreamSynchronize(c->setup));
+    s->balanced = 1;
+    return MF_SUCCESS;
+}
+
+/* mf_moe_prefetch: pick, push, commit on `stream` (balance.cu), after this rank's last forward. */
+static mf_result_t mf__cuda_prefetch_op(mf_moe_t moe, mf_stream_t stream_) {
+    cudaStream_t stream = (cudaStream_t)stream_;
+    mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
+    mf_comm_t comm = moe->comm;
+    const mf_moe_config_t *c = &moe->config;
+    MF_CUDA_CHECK(cudaSetDevice(comm->device));
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    unsigned long long capture_id = 0;
+    if (stream) MF_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &capture, &capture_id));
+    if (capture == cudaStreamCaptureStatusNone) capture_id = 0;
+    if (comm->ranks_on_device > 1 && comm->transport == MF_TRANSPORT_LOCAL && capture == cudaStreamCaptureStatusNone) {
+        unsigned int flags = 0;
+        if (stream) MF_CUDA_CHECK(cudaStreamGetFlags(stream, &flags));
+        if (!stream || !(flags & cudaStreamNonBlocking))
+            return mf__error(MF_ERR_INVALID_ARGUMENT,
+                             "mf_moe_prefetch: rank %d: the stream must be created with cudaStreamNonBlocking when "
+                             "virtual ranks share a GPU (a blocking or legacy stream can deadlock)", comm->rank);
+    }
+    if (s->fwd_recorded && s->fwd_capture == capture_id) MF_CUDA_CHECK(cudaStreamWaitEvent(stream, s->fwd_done, 0));
+    mf__prefetch_params_t p;
+    memset(&p, 0, sizeof p);
+    p.E = c->num_experts;
+    p.R = comm->num_ranks;
+    p.P = c->num_physical_experts;
+    p.B = s->B;
+    p.Lp = s->Lp;
+    p.rank = comm->rank;
+    p.map = s->map;
+    p.prev_counts = s->prev_counts;
+    p.have_prev = s->words;
+    p.resident = s->resident;
+    p.next = s->next;
+    p.weights_seen = (uint32_t *)(s->words + 1);
+    p.weights_count = moe->weights_count;
+    p.scratch = s->pick_scratch;
+    const mf__spare_layout_t *sl = &moe->spare_layout;
+    p.w13 = (const uint8_t *)moe->weights.w13.data;
+    p.w2 = (const uint8_t *)moe->weights.w2.data;
+    p.w13_scales = (const uint8_t *)moe->weights.w13_scales.data;
+    p.w2_scales = (const uint8_t *)moe->weights.w2_scales.data;
+    for (int32_t q = 0; q < comm->num_ranks; q++) p.spare[q] = (uint8_t *)moe->spare.peers[q];
+    p.off_w13 = sl->w13, p.off_w13_scales = sl->w13_scales, p.off_w2 = sl->w2, p.off_w2_scales = sl->w2_scales;
+    p.bytes_w13 = sl->w13_bytes, p.bytes_w13_scales = sl->w13_scale_bytes;
+    p.bytes_w2 = sl->w2_bytes, p.bytes_w2_scales = sl->w2_scale_bytes;
+    p.stats = s->stats + 2 * MF_MAX_RANKS;
+    mf_result_t res = mf__cuda_prefetch(&p, s->pick_smem, stream);
+    if (res != MF_SUCCESS) {
+        comm->broken = 1; /* ranks' tables may now differ */
+        return res;
+    }
+    MF_CUDA_CHECK(cudaEventRecord(s->pf_done, stream));
+    s->pf_pending = 1;
+    s->pf_capture = capture_id;
+    s->prefetches++;
+    return MF_SUCCESS;
+}
+
+/* Reads the device stats (synchronises with this rank's last forward and prefetch). */
+static mf_result_t mf__cuda_get_balance_stats(mf_moe_t moe, mf_moe_balance_stats_t *st) {
+    mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
+    mf__cuda_comm_t *c = mf__cc(moe->comm);
+    int64_t h[2 * MF_MAX_RANKS + 3];
+    MF_CUDA_CHECK(cudaSetDevice(moe->comm->device));
+    MF_CUDA_CHECK(cudaEventSynchronize(c->done));
+    if (s->pf_done && !s->pf_capture) MF_CUDA_CHECK(cudaEventSynchronize(s->pf_done));
+    MF_CUDA_CHECK(cudaMemcpyAsync(h, s->stats, sizeof h, cudaMemcpyDeviceToHost, c->setup));
+    MF_CUDA_CHECK(cudaStreamSynchronize(c->setup));
+    const int32_t R = moe->comm->num_ranks;
+    for (int32_t r = 0; r < R; r++) st->recv_rows[r] = h[r], st->home_rows[r] = h[MF_MAX_RANKS + r];
+    st->prefetch_bytes = h[2 * MF_MAX_RANKS];
+    st->prefetch_bytes_all = h[2 * MF_MAX_RANKS + 1];
+    st->spare_resident = (int32_t)h[2 * MF_MAX_RANKS + 2];
+    return MF_SUCCESS;
+}
+
 const mf__backend_ops_t mf__cuda_backend = {
     "cuda",
     mf__cuda_available,
@@ -773,4 +994,7 @@ const mf__backend_ops_t mf__cuda_backend = {
     mf__cuda_abort,
     mf__cuda_get_async_error,
     mf__cuda_get_phase_times,
+    mf__cuda_set_expert_map,
+    mf__cuda_prefetch_op,
+    mf__cuda_get_balance_stats,
 };

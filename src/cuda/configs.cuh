@@ -31,6 +31,9 @@
 #define kMfWaitThreads 64      /* wait: one thread per peer (>= MF_MAX_RANKS) */
 #define kMfWaitBackoffNs 64    /* __nanosleep between polls of a peer's signal */
 #define kMfDecodeMaxRows 64    /* rows_hint <= this: the decode GEMMs and the DIRECT dataflow */
+#define kMfPushThreads 256     /* prefetch push: 16-byte copies of one spare slot's weights */
+#define kMfPrefetchMaxSmem (200 * 1024) /* prefetch pick: its planner's arrays in shared memory, at most */
+#define kMfPushBlocks 16       /* prefetch push: blocks per spare slot of the group (grid y = R * B) */
 
 /* Kinds of device-raised faults (mf__device_error.kind). */
 enum {
@@ -41,7 +44,8 @@ enum {
     kMfFaultAborted = 5,  /* mf_comm_abort on this rank, or on the peer waited for */
     kMfFaultPeer = 6,     /* another rank failed the call (its fault or its host's rejection) */
     kMfFaultRejected = 7, /* this rank's host rejected the call's input */
-    kMfFaultLayer = 8     /* ranks called the collective on different layers */
+    kMfFaultLayer = 8,    /* ranks called the collective on different layers */
+    kMfFaultBalance = 9   /* ranks differ in expert map, prefetch count or weights count (heap meta) */
 };
 
 /* Virtual ranks of one process on one device: CUDA gives a process at most 32 hardware queues

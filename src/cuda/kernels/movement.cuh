@@ -4,7 +4,8 @@
  * receive tensor), return (expert outputs into the owners' combine slots) and the owner's K-sum.
  *
  * Dimension legend: T tokens on this rank, S capacity, H hidden, E experts, R ranks, L local
- * experts, K top-k, C masked expert capacity. Every kernel reads peers only through the peer table
+ * experts (with balancing: this rank's slots Lp + B), K top-k, C masked expert capacity, P physical
+ * slots, Lp = P / R, B spare slots per rank, N = P + R * B replica entries. Every kernel reads peers only through the peer table
  * (`heap[R]`), so it runs unchanged on every transport. All of them match the CPU backend bit for
  * bit: same per-element functions (numerics.h), same row order, same fixed-order K-sum with
  * separate fp32 multiply and add (no contraction into FMA).
@@ -16,6 +17,7 @@
 
 #include "core/numerics.h"
 #include "cuda/kernels/sync.cuh"
+#include "plan/balance.h"
 
 /* Offsets of the symmetric-heap regions (mf__heap_layout_t) and the peer table. */
 typedef struct mf__heap_view {
@@ -31,6 +33,7 @@ typedef struct mf__publish_params {
     const int32_t *ids;    /* [T, K] */
     const float *weights;  /* [T, K] or NULL */
     int32_t T, H, K, E, fp8, ue8m0;
+    int32_t meta_words[MF__META_WORDS - 1]; /* map hash, prefetch count, weights count (all ranks check) */
     uint8_t *heap;         /* my heap */
     unsigned long long meta, x_off, scales_off, ids_off, weights_off;
     mf__fault_sink_t sink;
@@ -39,7 +42,7 @@ typedef struct mf__publish_params {
 /* One block per token (grid >= 1; block 0 also writes T). */
 __global__ void __launch_bounds__(kMfPublishThreads) mf__publish_kernel(mf__publish_params_t p) {
     const int32_t t = blockIdx.x, tid = threadIdx.x, lane = tid % kMfWarp, warp = tid / kMfWarp;
-    if (t == 0 && tid == 0) *(int32_t *)(p.heap + p.meta) = p.T;
+    if (t == 0 && tid < MF__META_WORDS) ((int32_t *)(p.heap + p.meta))[tid] = tid ? p.meta_words[tid - 1] : p.T;
     if (t >= p.T) return;
 
     /* Routing: validate, then copy; a bad or repeated id becomes -1 and raises a fault. */
@@ -102,6 +105,16 @@ __global__ void __launch_bounds__(kMfPublishThreads) mf__publish_kernel(mf__publ
  *            rank returns MF_ERR_CAPACITY); then this rank's counts and segment offsets; and it
  *            zeroes the global counters for the next call;
  *   fill     each local expert's source rows in rank-major, token, k order, from the local copy.
+ *
+ * Balanced EP (p.balanced; docs/DESIGN.md "Balanced EP"): the units are this rank's slots (L = Lp + B),
+ * not logical experts. offsets runs src/plan/balance.h on one thread over shared memory (the
+ * replica lists from the map and the resident spare table, the split of the global counts), which
+ * is the CPU oracle's code (src/plan/plan.c mf__plan_build) line for line; the capacity verdict
+ * runs over replicas; each slot gets its expert and the first row of its share in the expert's
+ * global (rank, token, k) order. fill then keeps, of that expert's hits in global order, the
+ * positions [begin, begin + count). Before any of it, offsets compares the heap meta words (map
+ * hash, prefetch count, weights count) of every rank: all ranks read the same words, so a
+ * disagreement faults every rank at the same call, before anything is written.
  */
 
 typedef struct mf__plan_params {
@@ -114,8 +127,29 @@ typedef struct mf__plan_params {
     int32_t *offsets;       /* [L + 1] */
     int32_t *src;           /* [rows, 3] */
     int32_t *counts_out, *offsets_out; /* mf_dispatch's copies for the caller, or NULL */
+    int32_t check_weights;  /* compare meta word 3 (weights count) too: B > 0 */
+    /* Balanced EP (balanced = 1; L = Lp + B slots). Dynamic shared memory: mf__plan_balance_smem. */
+    int32_t balanced, P, B, Lp;
+    int32_t serial;                /* 1: the planner on thread 0 (the CPU's functions); 0: mf__balance_plan_par */
+    uint32_t weights_count;        /* the host's mf_moe_set_weights count at this call */
+    const int32_t *map;            /* [P] device copy of the expert map */
+    const int32_t *resident;       /* [R * B] spare table (-1 = empty); used when *weights_seen == weights_count */
+    const uint32_t *weights_seen;  /* the weights count the resident table was pushed from */
+    int32_t *slot_expert, *slot_begin; /* [L] logical expert of each slot, its first row in the expert's order */
+    int32_t *prev_counts;          /* [E] out: the global counts of the last plan that did not fault */
+    int32_t *have_prev;            /* out: 1 once prev_counts holds a plan's counts */
+    int64_t *stats;                /* out: [2 * MF_MAX_RANKS] rows per rank with replicas, then without */
     mf__fault_sink_t sink;
 } mf__plan_params_t;
+
+/* Bytes of dynamic shared memory of the balanced offsets kernel: load, home, rows [R] int64; counts
+ * [E], map [P], spare [R * B], rep_off [E + 1], rep_rank, rep_slot, share [N], order [E],
+ * count_static, count_spare [E], small [4], over [R] int32. */
+static inline size_t mf__plan_balance_smem(int32_t E, int32_t R, int32_t P, int32_t B) {
+    const size_t N = (size_t)P + (size_t)R * B;
+    return 3 * (size_t)R * sizeof(int64_t) +
+           ((size_t)E + P + (size_t)R * B + E + 1 + 3 * N + E + 2 * (size_t)E + 4 + R) * sizeof(int32_t);
+}
 
 /* Grid (kMfPlanFetchBlocks, R): blocks of rank r copy its routing and count it. */
 __global__ void __launch_bounds__(kMfPlanThreads) mf__plan_fetch_kernel(mf__plan_params_t p) {
@@ -142,6 +176,123 @@ __global__ void __launch_bounds__(kMfPlanThreads) mf__plan_fetch_kernel(mf__plan
         if (hist[e]) atomicAdd(&p.global_counts[e], hist[e]);
 }
 
+/* The offsets kernel's first step: every rank's meta words 1..3 against rank 0's (word 3 only with
+ * spare slots), thread r - 1 reading rank r; the lowest (rank, word) that differs faults the call.
+ * The peers wrote them before their DISPATCH arrival, which this call waited for. */
+__device__ void mf__plan_check_meta(const mf__plan_params_t &p) {
+    __shared__ int32_t first; /* lowest r * MF__META_WORDS + w that differs */
+    if (threadIdx.x == 0) first = INT32_MAX;
+    __syncthreads();
+    const int32_t r = threadIdx.x + 1;
+    if (r < p.view.num_ranks && !mf__faulted(p.sink)) {
+        const volatile int32_t *m0 = (const volatile int32_t *)(p.view.heap[0] + p.view.meta);
+        const volatile int32_t *m = (const volatile int32_t *)(p.view.heap[r] + p.view.meta);
+        for (int32_t w = 1; w < MF__META_WORDS; w++)
+            if ((w != 3 || p.check_weights) && m[w] != m0[w]) {
+                atomicMin(&first, r * MF__META_WORDS + w);
+                break;
+            }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && first != INT32_MAX) {
+        const int32_t fr = first / MF__META_WORDS, w = first % MF__META_WORDS;
+        const int32_t a = ((const volatile int32_t *)(p.view.heap[fr] + p.view.meta))[w];
+        const int32_t b = ((const volatile int32_t *)(p.view.heap[0] + p.view.meta))[w];
+        mf__set_fault(p.sink, MF_ERR_INVALID_USAGE, kMfFaultBalance, p.view.rank, MF__PHASE_DISPATCH, fr, 0, w,
+                      (long long)(uint32_t)a, (long long)(uint32_t)b);
+    }
+    __syncthreads(); /* every thread sees the fault before it reads the counts */
+}
+static_assert(kMfPlanThreads >= MF_MAX_RANKS, "the meta check reads one rank per thread");
+
+/* The balanced plan of one call (one block; thread 0 runs the planner over shared memory, as the CPU
+ * plan does; see the comment above the params). A faulted call leaves empty segments. */
+__device__ void mf__plan_offsets_balanced(const mf__plan_params_t &p) {
+    extern __shared__ int64_t mf__bal_smem[];
+    __shared__ int32_t ok;
+    const int32_t E = p.E, R = p.view.num_ranks, P = p.P, B = p.B, Lp = p.Lp, L = p.L, me = p.view.rank;
+    const int32_t N = P + R * B;
+    const bool masked = p.layout == MF_LAYOUT_MASKED;
+    int64_t *load = mf__bal_smem, *home = load + R, *rows_q = home + R;
+    int32_t *counts = (int32_t *)(rows_q + R), *map = counts + E, *spare = map + P, *rep_off = spare + R * B;
+    int32_t *rep_rank = rep_off + E + 1, *rep_slot = rep_rank + N, *share = rep_slot + N, *order = share + N;
+    int32_t *cs = order + E, *cp = cs + E, *small = cp + E, *over = small + 4;
+    const bool use_spare = B > 0 && *p.weights_seen == p.weights_count;
+    for (int32_t e = threadIdx.x; e < E; e += blockDim.x) counts[e] = p.global_counts[e];
+    for (int32_t i = threadIdx.x; i < P; i += blockDim.x) map[i] = p.map[i];
+    for (int32_t i = threadIdx.x; i < R * B; i += blockDim.x) spare[i] = use_spare ? p.resident[i] : -1;
+    __syncthreads();
+    bool faulted = mf__faulted(p.sink); /* the same on every thread: set only in stream order, or by the meta check */
+    if (!faulted && !p.serial) {
+        /* Every thread: lists, split, capacity per rank, this rank's slots (src/plan/balance.h). */
+        const mf__balance_ws_t ws = {cs, cp, rep_off, rep_rank, rep_slot, share, order, small, over, load, home, rows_q};
+        mf__balance_plan_par(E, R, P, B, me, masked, p.block_m, p.capacity, p.max_rows, map, spare, counts, &ws, p.counts,
+                             p.slot_begin, p.slot_expert);
+    }
+    if (threadIdx.x == 0) {
+        if (!faulted && p.serial) {
+            mf__balance_replicas(E, R, P, B, map, B ? spare : (const int32_t *)0, rep_off, rep_rank, rep_slot, order);
+            mf__balance_split(E, R, counts, rep_off, rep_rank, share, load, order);
+            for (int32_t r = 0; r < R; r++) home[r] = 0;
+            for (int32_t e = 0; e < E; e++) home[e / (E / R)] += counts[e];
+            /* Capacity verdict for every rank, as the CPU plan reports it: the lowest failing rank (MASKED:
+             * its lowest overflowing replica), from one pass over the replicas (expert order). */
+            small[1] = -1, small[2] = -1;
+            for (int32_t q = 0; q < R; q++) rows_q[q] = 0, over[q] = -1;
+            for (int32_t i = 0; i < rep_off[E]; i++) {
+                const int32_t q = rep_rank[i];
+                if (masked && share[i] > p.capacity && over[q] < 0) over[q] = i;
+                rows_q[q] += ((long long)share[i] + p.block_m - 1) / p.block_m * p.block_m;
+            }
+            for (int32_t q = 0; q < R && small[1] < 0; q++)
+                if ((masked && over[q] >= 0) || (!masked && rows_q[q] > p.max_rows)) small[1] = q, small[2] = over[q];
+            for (int32_t s = 0; s < L; s++) {
+                p.counts[s] = 0;
+                p.slot_begin[s] = 0;
+                p.slot_expert[s] = s < Lp ? map[me * Lp + s] : spare[me * B + s - Lp];
+            }
+            for (int32_t e = 0; e < E; e++)
+                for (int32_t i = rep_off[e], begin = 0; i < rep_off[e + 1]; begin += share[i], i++)
+                    if (rep_rank[i] == me) p.counts[rep_slot[i]] = share[i], p.slot_begin[rep_slot[i]] = begin;
+        }
+        if (!faulted && small[1] >= 0) {
+            const int32_t q = small[1];
+            if (masked) {
+                const int32_t i = small[2];
+                int32_t e = 0;
+                while (rep_off[e + 1] <= i) e++;
+                mf__set_fault(p.sink, MF_ERR_CAPACITY, kMfFaultCapacity, q, MF__PHASE_DISPATCH, -1, 0, e, share[i],
+                              p.capacity);
+            } else {
+                mf__set_fault(p.sink, MF_ERR_CAPACITY, kMfFaultCapacity, q, MF__PHASE_DISPATCH, -2, 0, q, rows_q[q],
+                              p.max_rows);
+            }
+            faulted = true;
+        }
+        /* Offsets over this rank's slots; a faulted call leaves empty segments. */
+        int32_t off = 0;
+        for (int32_t s = 0; s < L; s++) {
+            if (faulted) {
+                p.counts[s] = 0;
+                p.slot_begin[s] = 0;
+                p.slot_expert[s] = s < Lp ? map[me * Lp + s] : spare[me * B + s - Lp];
+            }
+            const int32_t c = p.counts[s];
+            p.offsets[s] = faulted ? 0 : masked ? s * p.capacity : off;
+            off += (int32_t)(((int64_t)c + p.block_m - 1) / p.block_m * p.block_m);
+        }
+        p.offsets[L] = faulted ? 0 : masked ? L * p.capacity : off;
+        if (!faulted) {
+            for (int32_t r = 0; r < R; r++) p.stats[r] = load[r], p.stats[MF_MAX_RANKS + r] = home[r];
+            *p.have_prev = 1;
+        }
+        ok = !faulted;
+    }
+    __syncthreads();
+    if (ok)
+        for (int32_t e = threadIdx.x; e < E; e += blockDim.x) p.prev_counts[e] = counts[e];
+}
+
 /* One block: the capacity verdict (lowest overflowing expert, MASKED, or rank, EXPERT_MAJOR, as the
  * CPU plan reports it), then warp 0 scans this rank's padded counts into offsets, kMfWarp experts
  * at a time (a one-thread walk cost a dependent global load per expert: ~0.2 us each). */
@@ -151,7 +302,13 @@ __global__ void __launch_bounds__(kMfPlanThreads) mf__plan_offsets_kernel(mf__pl
     const bool masked = p.layout == MF_LAYOUT_MASKED;
     const int32_t R = p.view.num_ranks;
     if (threadIdx.x == 0) worst = INT32_MAX;
-    __syncthreads();
+    mf__plan_check_meta(p); /* block-wide; its __syncthreads also publish `worst` */
+    if (p.balanced) {
+        mf__plan_offsets_balanced(p);
+        __syncthreads();
+        for (int32_t e = threadIdx.x; e < p.E; e += blockDim.x) p.global_counts[e] = 0; /* for the next call */
+        return;
+    }
     bool faulted = mf__faulted(p.sink);
     if (!faulted && masked) {
         for (int32_t e = threadIdx.x; e < p.E; e += blockDim.x)
@@ -222,15 +379,19 @@ __global__ void __launch_bounds__(kMfPlanThreads) mf__plan_offsets_kernel(mf__pl
 __global__ void __launch_bounds__(kMfPlanThreads) mf__plan_fill_kernel(mf__plan_params_t p) {
     __shared__ int32_t warp_total[kMfPlanThreads / kMfWarp];
     if (mf__faulted(p.sink)) return;
-    const int32_t e = blockIdx.x, target = p.first_expert + e, lane = threadIdx.x % kMfWarp,
-                  warp = threadIdx.x / kMfWarp, nwarps = blockDim.x / kMfWarp;
-    const int32_t count = p.counts[e], row0 = p.offsets[e];
+    const int32_t e = blockIdx.x, lane = threadIdx.x % kMfWarp, warp = threadIdx.x / kMfWarp,
+                  nwarps = blockDim.x / kMfWarp;
+    /* Balanced: slot e holds expert slot_expert[e] and takes its hits [begin, begin + count) in global
+     * order; otherwise local expert e takes all of its hits. */
+    const int32_t target = p.balanced ? p.slot_expert[e] : p.first_expert + e;
+    const int32_t begin = p.balanced ? p.slot_begin[e] : 0;
+    const int32_t count = p.counts[e], row0 = p.offsets[e], end = begin + count;
     const int32_t per_pass = kMfPlanPerThread * blockDim.x;
     int32_t base = 0;
-    for (int32_t r = 0; r < p.view.num_ranks && base < count; r++) {
+    for (int32_t r = 0; r < p.view.num_ranks && base < end && count > 0; r++) {
         const int32_t entries = p.T_all[r] * p.K;
         const int32_t *ids = p.ids_all + (size_t)r * p.S * p.K;
-        for (int32_t chunk = 0; chunk < entries && base < count; chunk += per_pass) {
+        for (int32_t chunk = 0; chunk < entries && base < end; chunk += per_pass) {
             const int32_t i0 = chunk + kMfPlanPerThread * threadIdx.x;
             bool hit[kMfPlanPerThread];
             int32_t n = 0;
@@ -256,8 +417,8 @@ __global__ void __launch_bounds__(kMfPlanThreads) mf__plan_fill_kernel(mf__plan_
 #pragma unroll
             for (int q = 0; q < kMfPlanPerThread; q++) {
                 if (!hit[q]) continue;
-                if (pos < count) {
-                    int32_t *s = p.src + 3 * (size_t)(row0 + pos);
+                if (pos >= begin && pos < end) {
+                    int32_t *s = p.src + 3 * (size_t)(row0 + pos - begin);
                     s[0] = r;
                     s[1] = (i0 + q) / p.K;
                     s[2] = (i0 + q) % p.K;
