@@ -68,9 +68,12 @@ std::atomic<int> g_lab_variant;
 /* Per device: kConfigured | one bit per usable variant (0 = not examined yet); the SM count. */
 std::atomic<int> g_usable[kMaxDevices];
 std::atomic<int> g_sms[kMaxDevices];
+std::atomic<int> g_cc[kMaxDevices]; /* 10 * major + minor */
 
-/* Why the last call of this thread declined (for the lab; not the library's last error). */
+/* Why the last call of this thread declined (for the lab; not the library's last error), and, under
+ * MF_DEBUG, what its last launch ran (for the dispatcher's report). */
 thread_local char g_decline[256];
+thread_local char g_ran[256];
 
 mf_result_t decline(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 mf_result_t decline(const char *fmt, ...) {
@@ -102,8 +105,9 @@ mf_result_t configure(const char *who, int *dev_out, int *sms_out) {
         *sms_out = g_sms[dev].load();
         return MF_SUCCESS;
     }
-    int major = 0, sms = 0;
+    int major = 0, minor = 0, sms = 0;
     MF__TMA_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), who);
+    MF__TMA_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), who);
     MF__TMA_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), who);
     int usable = kConfigured;
     if (major == 9) {
@@ -116,6 +120,7 @@ mf_result_t configure(const char *who, int *dev_out, int *sms_out) {
         }
     }
     g_sms[dev].store(sms);
+    g_cc[dev].store(10 * major + minor);
     g_usable[dev].store(usable);
     *sms_out = sms;
     return MF_SUCCESS;
@@ -150,9 +155,11 @@ mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int
     MF_CHECK(configure(who, &dev, &sms));
     const int lab = fp8 ? g_lab_variant.load() : kMfTmaLabShipped;
     const int vi = 2 * fp8 + swiglu + ((lab & kMfTmaLabUnordered) ? 2 : 0);
-    if (!(g_usable[dev].load() & (1 << vi)))
-        return decline("variant fp8 %d swiglu %d unusable on device %d (not sm_90, or registers != %d)", fp8, swiglu, dev,
-                       kLaunchRegs);
+    if (!(g_usable[dev].load() & (1 << vi))) {
+        const int cc = g_cc[dev].load();
+        if (cc / 10 != 9) return decline("sm90 unsupported: device %d is sm_%d", dev, cc);
+        return decline("variant fp8 %d swiglu %d unusable on device %d (registers != %d)", fp8, swiglu, dev, kLaunchRegs);
+    }
     const int esz = fp8 ? 1 : 2;
     const uint64_t kbytes = (uint64_t)p->K * esz;
     const CUtensorMapDataType dt = fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
@@ -168,6 +175,10 @@ mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int
     void *args[] = {(void *)p};
     MF__TMA_CUDA(cudaLaunchKernel(kVariants[vi].fn, dim3((unsigned)grid), dim3(kThreads), args, (size_t)kSmemBytes, stream),
                  who);
+    if (mf__debug_on())
+        snprintf(g_ran, sizeof g_ran, "tma %s %s%s (%d-row tiles, %d stages, %d B smem, grid %d)", fp8 ? "fp8" : "bf16",
+                 swiglu ? "swiglu" : "plain", kVariants[vi].ordered || !fp8 ? "" : " unordered (lab A/B)", kBlockM, kStages,
+                 kSmemBytes, grid);
     return MF_SUCCESS;
 }
 
@@ -273,6 +284,8 @@ int mf__sm90_tma_variants(mf__tma_variant_info_t *out, int max) {
 }
 
 const char *mf__sm90_tma_last_decline(void) { return g_decline; }
+
+const char *mf__sm90_tma_last_launch(void) { return g_ran; }
 
 void mf__sm90_tma_lab_variant(int variant) { g_lab_variant.store(variant); }
 

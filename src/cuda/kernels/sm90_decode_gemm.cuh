@@ -598,6 +598,9 @@ int mf__sm90_decode_variants(mf__decode_variant_info_t *out, int max);
 /* Why the calling thread's last decode launcher call declined (MF_ERR_NOT_SUPPORTED is returned
  * without a library error, so that the dispatcher's fallback stays quiet); "" before any. */
 const char *mf__sm90_decode_last_decline(void);
+/* Under MF_DEBUG: what the calling thread's last decode launch ran (variant, stages, grid); "" before
+ * any. Not written when MF_DEBUG is off. */
+const char *mf__sm90_decode_last_launch(void);
 
 /* Registers a fault record (see sm90_ptx.cuh; NULL turns reporting off) for the decode kernels of
  * gemm_decode.cu, whose translation unit holds its own copy of the record pointer. */

@@ -644,6 +644,9 @@ int mf__sm90_tma_variants(mf__tma_variant_info_t *out, int max);
 /* Why the calling thread's last TMA launcher call declined (MF_ERR_NOT_SUPPORTED is returned
  * without a library error, so that the dispatcher's fallback stays quiet); "" before any. */
 const char *mf__sm90_tma_last_decline(void);
+/* Under MF_DEBUG: what the calling thread's last tma launch ran (variant, stages, grid); "" before
+ * any. Not written when MF_DEBUG is off. */
+const char *mf__sm90_tma_last_launch(void);
 
 /* Lab only: picks the FP8 kernels the launchers run in this process, for an A/B measurement in one
  * run: 0 = what ships, 1 = without the issue order (kOrdered = false). BF16 launches always run
