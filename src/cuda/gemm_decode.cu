@@ -37,10 +37,6 @@ using namespace mf__decode;
 
 namespace {
 
-constexpr int kMaxDevices = 64;
-constexpr int kMaxVariants = 32;
-constexpr int kDataAlign = 16;  /* TMA bases, cp.async rows, 16-byte stores */
-constexpr int kScaleAlign = 4;  /* 4-byte cp.async scales */
 constexpr int64_t kConfigured = (int64_t)1 << 62; /* g_usable: the device's variants were examined */
 static_assert(kMaxVariants < 62, "one usable bit per variant");
 

@@ -40,10 +40,7 @@ using namespace mf__tma;
 
 namespace {
 
-constexpr int kMaxDevices = 64;
 constexpr int kNumVariants = 6;
-constexpr int kDataAlign = 16;   /* TMA bases and row pitches, 16-byte stores */
-constexpr int kScaleAlign = 4;   /* 4-byte cp.async scales */
 constexpr int kConfigured = 1 << 30; /* g_usable: the device's variants were examined */
 
 struct variant_t {

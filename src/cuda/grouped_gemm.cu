@@ -28,8 +28,6 @@
 #include "cuda/kernels/sm90_grouped_gemm.cuh"
 #include "cuda/kernels/sm90_ptx.cuh" /* mf__sm90_fault_t: the record of expired pipeline waits */
 
-#define MF__GEMM_MAX_DEVICES 64
-#define MF__DATA_ALIGN 16 /* 16-byte cp.async loads and stores */
 
 /* Evaluates a CUDA runtime call; on failure clears the error and returns MF_ERR_CUDA naming it. */
 #define MF__CUDA_CHECK(call, who)                                                                  \
