@@ -622,6 +622,11 @@ const char *mf__sm90_tma_last_launch(void);
 enum { kMfTmaLabShipped = 0, kMfTmaLabUnordered = 1 };
 void mf__sm90_tma_lab_variant(int variant);
 
+/* Lab only: hands the launchers the FP8 kernels without the issue order, sm90_tma_kernel<true,
+ * kEpiPlain, false> and <true, kEpiSwiglu, false>, instantiated in the lab's own translation unit
+ * (the library compiles only what ships). Until then, kMfTmaLabUnordered launches decline. */
+void mf__sm90_tma_lab_register(const void *fp8_plain_unordered, const void *fp8_swiglu_unordered);
+
 /* Registers a fault record (see sm90_ptx.cuh; NULL turns reporting off) for the kernels of
  * gemm_tma.cu, whose translation unit holds its own copy of the record pointer. */
 cudaError_t mf__sm90_tma_set_fault_record(mf__sm90_fault_t *record);
