@@ -2,16 +2,36 @@
 """bench/summarize.py — markdown tables for docs/PERFORMANCE.md from benchmark records.
 
   python3 bench/summarize.py gemm RECORD.json [--layout expert_major] [--counts equal]
-  python3 bench/summarize.py layer RECORD.json [RECORD.json ...]
+                                   [--model NAME ...] [--dtype bf16|fp8] [--M 8,64,...]
+  python3 bench/summarize.py layer RECORD.json [RECORD.json ...] [--no-phases]
 
-gemm:  a `moeflow bench gemm --json` record merged by bench/peers.py: moeflow beside torch and cuBLAS
-       (rate: effective weight TB/s at M <= 128 rows per expert, else TFLOP/s).
-layer: `moeflow bench layer --json` records: the fused dataflow (auto) beside unfused, the floor,
-       and the grouped GEMMs' own phases (W13 + W2 of the slowest rank) for the prefill ratio.
+Every figure is printed beside the peers of the same record (one run, one machine state), and the
+comparison columns compare only like with like:
+
+gemm:  a `moeflow bench gemm --json` record merged by bench/peers.py. `best grouped peer` is the
+       fastest grouped GEMM over the same experts and rows (torch._grouped_mm / _scaled_grouped_mm;
+       DeepGEMM when a record has it), `peer / moeflow` > 1 when moeflow is faster. torch's W13 is
+       the plain GEMM without SwiGLU (moeflow's W13 includes it): the comparison favours torch.
+       cuBLAS dense, one GEMM of the same FLOPs, reads one expert-sized weight instead of L: it is a
+       compute ceiling, not a peer. Its time is shown on every row, but `dense / moeflow` only where
+       the shape is compute-bound (M >= 256 rows per expert); at M <= 128 the cell reads `ceiling
+       only` (moeflow streams L experts' weights there; dense reads one). A row without a grouped
+       peer in its record reads `none in this run`.
+       rate: effective weight TB/s at M <= 128 rows per expert, else TFLOP/s.
+layer: `moeflow bench layer --json` records: the fused dataflow (auto) beside unfused (the same
+       run's peer), the floor, and the grouped GEMMs' own phases (W13 + W2 of the slowest rank) for
+       the prefill ratio. These records carry no torch or cuBLAS run: the `torch peer` column says
+       so (`python3 -m moeflow.bench` records an unfused torch layer beside moeflow; none is
+       recorded yet on the H200).
 """
 import argparse
 import json
 import sys
+
+# Grouped GEMM peers: like with like (the same experts, rows per expert and weights read).
+GROUPED_PEERS = ("torch_grouped_mm", "torch_scaled_grouped_mm", "deepgemm")
+DENSE_PEER = "cublas_dense"
+COMPUTE_BOUND_M = 256  # rows per expert from which a GEMM is compute-shaped (docs/DESIGN.md floors)
 
 
 def peer(row, prefix):
@@ -21,36 +41,72 @@ def peer(row, prefix):
     return None
 
 
+def best_grouped(row):
+    """(name, time_us) of the fastest grouped peer in the row's record, or (None, None)."""
+    best = (None, None)
+    for p in row.get("peers", []):
+        if p["name"].startswith(GROUPED_PEERS) and (best[1] is None or p["time_us"] < best[1]):
+            best = (p["name"], p["time_us"])
+    return best
+
+
+def short(name):
+    return {"torch_grouped_mm": "torch", "torch_scaled_grouped_mm": "torch (scaled)"}.get(name, name)
+
+
 def fmt(x, spec=".1f"):
     return "-" if x is None else format(x, spec)
+
+
+def ratio(x):
+    return "-" if x is None else f"{x:.2f}x"
 
 
 def gemm(a):
     rec = json.load(open(a.record))
     m = rec["meta"]
-    print(f"<!-- {a.record}: card {m.get('card')}, {m.get('date')}, commit {m.get('commit')} -->")
-    print("| model | op | dtype | L | M | moeflow us | rate | % floor | torch us | torch / moeflow | cuBLAS dense us |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    pm = m.get("peers", {})
+    print(f"<!-- {a.record}: card {m.get('card')}, {m.get('date')}, commit {m.get('commit')}; peers "
+          f"{pm.get('date', '-')}, torch {pm.get('torch', '-')} -->")
+    print("| model | counts | op | dtype | L | M | moeflow us | rate | % floor | best grouped peer (same run) | "
+          "peer us | peer / moeflow | cuBLAS dense us (ceiling) | dense / moeflow |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rec["rows"]:
         if r.get("layout") != a.layout or r.get("counts") != a.counts:
             continue
+        if a.model and r["model"] not in a.model:
+            continue
+        if a.dtype and r["dtype"] != a.dtype:
+            continue
+        if a.M and r["shape"]["M"] not in a.M:
+            continue
         s = r["shape"]
-        rate = f"{r['weight_tbps']:.2f} TB/s" if s["M"] <= 128 else f"{r['tflops']:.0f} TFLOP/s"
-        torch = peer(r, "torch")
-        speed = None if torch is None else torch / r["time_us"]
+        rate = f"{r['weight_tbps']:.2f} TB/s" if s["M"] < COMPUTE_BOUND_M else f"{r['tflops']:.0f} TFLOP/s"
+        name, t = best_grouped(r)
         op = "W13+SwiGLU" if r["kernel"].startswith("w13") else "W2"
-        print(f"| {r['model']} | {op} | {r['dtype']} | {s['L']} | {s['M']} | {r['time_us']:.1f} | {rate} | "
-              f"{r['pct_of_floor']:.1f} | {fmt(torch)} | {fmt(speed, '.2f')}x | {fmt(peer(r, 'cublas'))} |")
+        dense = peer(r, DENSE_PEER)
+        if dense is None:
+            dense_cell, dense_ratio = "not run", "-"
+        elif s["M"] < COMPUTE_BOUND_M:
+            dense_cell, dense_ratio = f"{dense:.1f}", "ceiling only"
+        else:
+            dense_cell, dense_ratio = f"{dense:.1f}", f"{dense / r['time_us']:.2f}x"
+        peer_cells = ("none in this run", "-", "-") if t is None else (short(name), f"{t:.1f}",
+                                                                       f"{t / r['time_us']:.2f}x")
+        print(f"| {r['model']} | {r['counts']} | {op} | {r['dtype']} | {s['L']} | {s['M']} | {r['time_us']:.1f} | "
+              f"{rate} | {r['pct_of_floor']:.1f} | {' | '.join(peer_cells)} | {dense_cell} | {dense_ratio} |")
 
 
 def layer(a):
-    print("| preset | R | T / rank | fused us | unfused us | floor us | fused / floor | unfused / fused | "
-          "W13 + W2 us (fused) | fused / GEMMs |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for path in a.records:
-        rec = json.load(open(path))
+    recs = [(path, json.load(open(path))) for path in a.records]
+    for path, rec in recs:  # sources first: a comment line inside a table would split it
         m = rec["meta"]
         print(f"<!-- {path}: card {m.get('card')}, {m.get('date')}, commit {m.get('commit')} -->")
+    print("| preset | R | T / rank | fused us | unfused us (same run) | torch peer | floor us | fused / floor | "
+          "unfused / fused | W13 + W2 us (fused) | fused / GEMMs |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for path, rec in recs:
+        m = rec["meta"]
         rows = [r for r in rec["rows"] if r["op"] in ("layer", "layer_unfused")]
         preset = m.get("command", "").split("--preset ")[-1].split()[0] if "--preset" in m.get("command", "") else "-"
         for r in rows:
@@ -58,11 +114,13 @@ def layer(a):
                 continue
             s = r["shape"]
             un = next((u for u in rows if u["op"] == "layer_unfused" and u["shape"] == s), None)
-            gem = r["phases_us"]["w13"] + r["phases_us"]["w2"] if "phases_us" in r else None
+            tp = peer(r, "torch")  # python -m moeflow.bench: torch_unfused_<op> in the layer row's peers
+            gem = r["phases_us"]["w13"] + r["phases_us"]["w2"] if "phases_us" in r and not a.no_phases else None
             print(f"| {preset} | {s['R']} | {s['T']} | {r['time_us']:.0f} | {fmt(un and un['time_us'], '.0f')} | "
+                  f"{'not run' if tp is None else format(tp, '.0f')} | "
                   f"{r['floor_us']:.0f} | {r['time_us'] / r['floor_us']:.2f}x | "
-                  f"{fmt(un and un['time_us'] / r['time_us'], '.2f')}x | {fmt(gem, '.0f')} | "
-                  f"{fmt(gem and r['time_us'] / gem, '.2f')}x |")
+                  f"{ratio(un and un['time_us'] / r['time_us'])} | {fmt(gem, '.0f')} | "
+                  f"{ratio(gem and r['time_us'] / gem)} |")
 
 
 def main():
@@ -72,9 +130,15 @@ def main():
     g.add_argument("record")
     g.add_argument("--layout", default="expert_major")
     g.add_argument("--counts", default="equal")
+    g.add_argument("--model", nargs="*", default=None, help="only these models")
+    g.add_argument("--dtype", default=None, help="only this dtype (bf16 or fp8)")
+    g.add_argument("--M", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                   help="only these rows per expert, e.g. 8,64,128,256,1024,4096,8192")
     g.set_defaults(fn=gemm)
     l = sub.add_parser("layer")
     l.add_argument("records", nargs="+")
+    l.add_argument("--no-phases", action="store_true",
+                   help="leave the GEMM-phase columns empty (R > 1 virtual ranks: a rank's phases hold others' work)")
     l.set_defaults(fn=layer)
     a = p.parse_args()
     a.fn(a)

@@ -14,6 +14,7 @@ Each y is checked against the fp64 reference; exit status 0 when every rank matc
     torchrun --nproc-per-node 2 examples/distributed.py --backend cuda   # one GPU per rank
 """
 import argparse
+import faulthandler
 import os
 import sys
 import tempfile
@@ -33,6 +34,7 @@ PREFIX = "model.layers.5.mlp"
 
 
 def rank_main(rank, world, a, init):
+    faulthandler.enable()  # a crashing rank prints every thread's Python stack
     if init is not None:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     else:  # torchrun
@@ -77,8 +79,12 @@ def rank_main(rank, world, a, init):
     dist.destroy_process_group()
     if rank == 0:
         print(f"distributed.py: {a.backend} {a.dtype} R {world}: {'PASS' if not verdict.item() else 'FAIL'}")
-    if verdict.item():
-        raise SystemExit(1)
+    # os._exit, not a return: torch 2.15 can abort a process that used a torch.library custom op
+    # and a gloo group in its exit-time destructors ("terminate called without an active
+    # exception"; reproduced here without moeflow, 2 of 17 runs). Nothing is left to clean up.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if verdict.item() else 0)
 
 
 def main():
@@ -98,7 +104,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         try:
             mp.spawn(rank_main, args=(a.ranks, a, f"file://{tmp}/init"), nprocs=a.ranks, join=True)
-        except mp.ProcessExitedException:
+        except mp.ProcessExitedException as e:
+            print(f"distributed.py: a rank exited: {e}", file=sys.stderr)
             return 1
         except mp.ProcessRaisedException as e:
             print(f"distributed.py: a rank failed: {e}", file=sys.stderr)

@@ -15,7 +15,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
+#include "core/internal.h" /* mf__debug_reset: MF_DEBUG is read once per process */
 #include "harness.h"
 #include "problem.h"
 #include "ref.h"
@@ -714,6 +716,65 @@ static int test_two_layers(void) {
     return rc;
 }
 
+/* ---- MF_DEBUG ------------------------------------------------------------------------------ */
+
+/* Runs `spec` `iters` times with stderr sent to a file; the file's text into out (NUL-ended). */
+static int run_capturing_stderr(const mfp_spec_t *spec, int32_t iters, char *out, size_t bytes) {
+    FILE *f = tmpfile();
+    MFT_CHECK(f != NULL);
+    fflush(stderr);
+    int saved = dup(STDERR_FILENO);
+    MFT_CHECK(saved >= 0);
+    MFT_CHECK(dup2(fileno(f), STDERR_FILENO) >= 0);
+    int rc = run_spec(spec, iters, "debug");
+    fflush(stderr);
+    dup2(saved, STDERR_FILENO);
+    close(saved);
+    rewind(f);
+    size_t n = fread(out, 1, bytes - 1, f);
+    out[n] = '\0';
+    fclose(f);
+    return rc;
+}
+
+static int count_lines_with(const char *text, const char *a, const char *b) {
+    int n = 0;
+    for (const char *line = text; line && *line;) {
+        const char *end = strchr(line, '\n');
+        size_t len = end ? (size_t)(end - line) : strlen(line);
+        char buf[1024];
+        snprintf(buf, sizeof buf, "%.*s", (int)(len < sizeof buf ? len : sizeof buf - 1), line);
+        if (strstr(buf, a) && strstr(buf, b)) n++;
+        line = end ? end + 1 : NULL;
+    }
+    return n;
+}
+
+/* MF_DEBUG=1: each GEMM decision of the CPU backend is reported once per (layer, phase, shape),
+ * however many ranks and calls make it; unset, nothing is printed. */
+static int test_debug_report(void) {
+    static char text[1 << 16];
+    mfp_spec_t s = base_spec(2, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR);
+    MFT_CHECK(setenv("MF_DEBUG", "1", 1) == 0);
+    mf__debug_reset();
+    if (run_capturing_stderr(&s, 3, text, sizeof text)) return 1;
+    const char *pre = "moeflow DEBUG [pid ";
+    MFT_CHECK_MSG(count_lines_with(text, pre, "gemm layer 0 w13 bf16 H 256 I 256 L 8: ran cpu reference GEMM") == 1,
+                  "stderr was:\n%s", text);
+    MFT_CHECK_MSG(count_lines_with(text, pre, "gemm layer 0 w2 bf16 H 256 I 256 L 8: ran cpu reference GEMM") == 1,
+                  "stderr was:\n%s", text);
+    MFT_CHECK_MSG(count_lines_with(text, pre, "declined: none") == 2, "stderr was:\n%s", text);
+    MFT_CHECK(unsetenv("MF_DEBUG") == 0);
+    mf__debug_reset();
+    if (run_capturing_stderr(&s, 1, text, sizeof text)) return 1;
+    MFT_CHECK_MSG(strstr(text, "moeflow DEBUG") == NULL, "MF_DEBUG unset, stderr was:\n%s", text);
+    MFT_CHECK(setenv("MF_DEBUG", "0", 1) == 0);
+    mf__debug_reset();
+    if (run_capturing_stderr(&s, 1, text, sizeof text)) return 1;
+    MFT_CHECK_MSG(strstr(text, "moeflow DEBUG") == NULL, "MF_DEBUG=0, stderr was:\n%s", text);
+    return 0;
+}
+
 const mft_test_t mft_tests_layer[] = {
     {"layer_bf16_expert_major", test_bf16_expert_major, 60},
     {"layer_bf16_masked", test_bf16_masked, 60},
@@ -731,5 +792,6 @@ const mft_test_t mft_tests_layer[] = {
     {"layer_repeat", test_repeat, 90},
     {"layer_two_layers", test_two_layers, 60},
     {"layer_nan_isolation", test_nan_isolation, 60},
+    {"layer_debug_report", test_debug_report, 60},
     {NULL, NULL, 0},
 };

@@ -1159,7 +1159,10 @@ int main(int argc, char **argv) {
     }
     CUDA_OK(cudaHostAlloc((void **)&g_fault, sizeof *g_fault, cudaHostAllocMapped));
     memset((void *)g_fault, 0, sizeof *g_fault);
-    CUDA_OK(mf__sm90_set_fault_record(g_fault));   /* this file's selftest kernels */
+    /* The A/B kernels (FP8 without the issue order) are compiled here, never into libmoeflow. */
+    mf__sm90_tma_lab_register((const void *)mf__tma::sm90_tma_kernel<true, mf__tma::kEpiPlain, false>,
+                              (const void *)mf__tma::sm90_tma_kernel<true, mf__tma::kEpiSwiglu, false>);
+    CUDA_OK(mf__sm90_set_fault_record(g_fault));   /* this file's selftest kernels and the A/B kernels */
     CUDA_OK(mf__sm90_tma_set_fault_record(g_fault)); /* the library's TMA kernels */
     if (selftest) run_selftest();
     if (validate) run_validate();

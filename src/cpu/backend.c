@@ -339,8 +339,24 @@ static void mf__cpu_swiglu(mf_moe_t moe, int64_t m) {
     }
 }
 
+/* MF_DEBUG: the CPU backend has one GEMM; reported once per (layer, phase, shape). */
+static void mf__cpu_debug_gemm(mf_moe_t moe) {
+    const mf_moe_config_t *c = &moe->config;
+    static const char *const phase[2] = {"w13", "w2"};
+    for (int ph = 0; ph < 2; ph++) {
+        const int64_t key[7] = {0x637075 /* "cpu" */, moe->id, ph, c->dtype, c->hidden, c->intermediate,
+                                moe->info.num_local_experts};
+        if (!mf__debug_first(mf__debug_key(key, 7))) continue;
+        mf__debug("gemm layer %u %s %s H %d I %d L %d: ran cpu reference GEMM (plain C, fp32 accumulation, %d-row "
+                  "blocks); declined: none (the cpu backend has no other family)",
+                  moe->id, phase[ph], mf__dtype_name(c->dtype), c->hidden, c->intermediate, moe->info.num_local_experts,
+                  MF__CPU_ROWS);
+    }
+}
+
 static void mf__cpu_experts(mf_moe_t moe, double *t_w13, double *t_w2) {
     mf__cpu_moe_t *s = moe->backend_state;
+    if (mf__debug_on()) mf__cpu_debug_gemm(moe);
     const mf__plan_t *p = &s->plan;
     const mf_moe_config_t *c = &moe->config;
     const mf_moe_weights_t *w = &moe->weights;

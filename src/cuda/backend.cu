@@ -746,6 +746,7 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     if (flow != MF_DATAFLOW_DIRECT) MF_CHECK(mf__cuda_gather(moe, s->recv_x, s->recv_scales, NULL, stream));
     MF__MARK(MF_PHASE_W13);
 
+    mf__cuda_gemm_debug_layer(moe->id); /* MF_DEBUG's label for the two GEMMs below */
     mf__gemm_segments_t seg;
     seg.counts = s->counts;
     seg.offsets = s->offsets;

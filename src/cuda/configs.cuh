@@ -1,22 +1,19 @@
 /*
- * configs.cuh — the compile-time limits, block sizes and constants of the CUDA backend's data
- * movement and synchronisation (publish, plan, gather / return, combine sum, peer waits), the
- * dataflow threshold, and the kinds of device faults (DeepEP's `configs` habit). Kernel files
- * include this.
- *
- * It is not the only place: each GEMM kernel family keeps its tile, stage, shared-memory, register
- * and bounded-wait constants next to the code whose layout they define
- * (kernels/sm90_grouped_gemm.cuh, kernels/sm90_tma_gemm.cuh and kernels/sm90_decode_gemm.cuh, whose
- * mbarrier waits give up after kWaitTimeoutNs = 20 s; kernels/sm90_ptx.cuh: warpgroup and swizzle
- * sizes and the 4 s default bound MF__SM90_WAIT_TIMEOUT_NS); their launchers (grouped_gemm.cu,
- * gemm_tma.cu, gemm_decode.cu) keep device-table sizes and pointer alignments, gemm_bench.cu its
- * filler's launch shape; limits shared with the host (default block_m, heap and row alignments,
- * BF16 vector width) are in core/internal.h.
+ * configs.cuh — the compile-time limits, block sizes, timeouts and constants of the CUDA backend, in
+ * one place (DeepEP's `configs` habit): here the data movement and synchronisation (publish, plan,
+ * gather / return, combine sum, peer waits), the decode-rows threshold that picks the GEMM family
+ * and the dataflow, and the kinds of device faults; and, through cuda/gemm_configs.cuh (included
+ * below), every limit, size and timeout of the expert GEMMs (threads and register splits, tile,
+ * stage and K-block sizes, expert-table sizes, the mbarrier-wait bounds kWaitTimeoutNs = 20 s and
+ * MF__SM90_WAIT_TIMEOUT_NS = 4 s, launcher device tables and pointer alignments, the benchmark
+ * filler's launch shape). Kernel files include this or gemm_configs.cuh. Limits shared with the
+ * host (default block_m, heap and row alignments, BF16 vector width) are in core/internal.h.
  */
 #ifndef MF_CUDA_CONFIGS_CUH
 #define MF_CUDA_CONFIGS_CUH
 
 #include "core/internal.h"
+#include "cuda/gemm_configs.cuh"
 
 #define kMfWarp 32
 #define kMfPublishThreads 256  /* publish: one block per token, warps over 128-wide blocks */

@@ -11,12 +11,9 @@
 #include "core/internal.h" /* C linkage through its own guards */
 #include "core/numerics.h"
 #include "cuda/gemm_bench.h"
+#include "cuda/gemm_configs.cuh" /* kMfFill*: the filler's launch shape */
 #include "cuda/grouped_gemm.h"
 
-#define kMfFillThreads 256
-#define kMfFillBlocksPerSm 8
-#define kMfFillFp8MinExp 4 /* E4M3 exponent field 4..10: 2^-3 .. 2^3 (x 1..1.875) */
-#define kMfFillFp8Exps 7
 
 namespace {
 

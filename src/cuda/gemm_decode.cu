@@ -37,10 +37,6 @@ using namespace mf__decode;
 
 namespace {
 
-constexpr int kMaxDevices = 64;
-constexpr int kMaxVariants = 32;
-constexpr int kDataAlign = 16;  /* TMA bases, cp.async rows, 16-byte stores */
-constexpr int kScaleAlign = 4;  /* 4-byte cp.async scales */
 constexpr int64_t kConfigured = (int64_t)1 << 62; /* g_usable: the device's variants were examined */
 static_assert(kMaxVariants < 62, "one usable bit per variant");
 
@@ -94,9 +90,12 @@ int find_variant(int fp8, int swiglu, int block_t, int gather) {
 /* Per device: kConfigured | one bit per usable variant (0 = not examined yet); the SM count. */
 std::atomic<int64_t> g_usable[kMaxDevices];
 std::atomic<int> g_sms[kMaxDevices];
+std::atomic<int> g_cc[kMaxDevices]; /* 10 * major + minor */
 
-/* Why the last call of this thread declined (for the lab; not the library's last error). */
+/* Why the last call of this thread declined (for the lab; not the library's last error), and, under
+ * MF_DEBUG, what its last launch ran (for the dispatcher's report). */
 thread_local char g_decline[256];
+thread_local char g_ran[256];
 
 mf_result_t decline(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 mf_result_t decline(const char *fmt, ...) {
@@ -128,8 +127,9 @@ mf_result_t configure(const char *who, int *dev_out, int *sms_out) {
         *sms_out = g_sms[dev].load();
         return MF_SUCCESS;
     }
-    int major = 0, sms = 0;
+    int major = 0, minor = 0, sms = 0;
     MF__DECODE_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), who);
+    MF__DECODE_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), who);
     MF__DECODE_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), who);
     int64_t usable = kConfigured;
     if (major == 9) {
@@ -143,6 +143,7 @@ mf_result_t configure(const char *who, int *dev_out, int *sms_out) {
         }
     }
     g_sms[dev].store(sms);
+    g_cc[dev].store(10 * major + minor);
     g_usable[dev].store(usable);
     *sms_out = sms;
     return MF_SUCCESS;
@@ -182,9 +183,12 @@ mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int
     if (vi < 0) return decline("no variant fp8 %d swiglu %d T %d gather %d", fp8, swiglu, block_t, gather);
     int dev = 0, sms = 0;
     MF_CHECK(configure(who, &dev, &sms));
-    if (!(g_usable[dev].load() & ((int64_t)1 << vi)))
-        return decline("variant fp8 %d swiglu %d T %d gather %d unusable on device %d (not sm_90, or registers != %d)", fp8,
-                       swiglu, block_t, gather, dev, kLaunchRegs);
+    if (!(g_usable[dev].load() & ((int64_t)1 << vi))) {
+        const int cc = g_cc[dev].load();
+        if (cc / 10 != 9) return decline("sm90 unsupported: device %d is sm_%d", dev, cc);
+        return decline("variant fp8 %d swiglu %d T %d gather %d unusable on device %d (registers != %d)", fp8, swiglu,
+                       block_t, gather, dev, kLaunchRegs);
+    }
     int n = 0;
     const variant_t &v = variants(&n)[vi];
     const int esz = fp8 ? 1 : 2;
@@ -202,6 +206,9 @@ mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int
     if (grid <= 0) return MF_SUCCESS;
     void *args[] = {(void *)p};
     MF__DECODE_CUDA(cudaLaunchKernel(v.fn, dim3((unsigned)grid), dim3(kThreads), args, (size_t)v.smem, stream), who);
+    if (mf__debug_on())
+        snprintf(g_ran, sizeof g_ran, "decode %s %s T %d, A %s (%d stages, %d B smem, grid %d)", fp8 ? "fp8" : "bf16",
+                 swiglu ? "swiglu" : "plain", block_t, gather ? "gathered in place" : "by TMA", v.stages, v.smem, grid);
     return MF_SUCCESS;
 }
 
@@ -316,5 +323,7 @@ int mf__sm90_decode_variants(mf__decode_variant_info_t *out, int max) {
 }
 
 const char *mf__sm90_decode_last_decline(void) { return g_decline; }
+
+const char *mf__sm90_decode_last_launch(void) { return g_ran; }
 
 cudaError_t mf__sm90_decode_set_fault_record(mf__sm90_fault_t *record) { return mf__sm90_set_fault_record(record); }

@@ -16,7 +16,9 @@
  *
  * Variants (4 shipped): {FP8, BF16} x {W13 SwiGLU, W2 plain}; W2 sends rows to `out` or, with `ret`,
  * to the owners' combine slots (a runtime flag). Two more, the FP8 kernels without the issue order,
- * exist for the lab's A/B measurement only (mf__sm90_tma_lab_variant). mf__sm90_tma_preload loads
+ * exist for the lab's A/B measurement only (mf__sm90_tma_lab_variant): they are compiled in
+ * dev/cuda/sm90_gemm_lab.cu, never into the library, and registered by it
+ * (mf__sm90_tma_lab_register). mf__sm90_tma_preload loads
  * every variant and raises its shared-memory limit (group init calls it before any rank can spin:
  * no lazy module load ever happens on the data path); a launch on a device not yet configured does
  * the same first. A variant that did not get exactly kLaunchRegs registers (setmaxnreg's
@@ -40,10 +42,7 @@ using namespace mf__tma;
 
 namespace {
 
-constexpr int kMaxDevices = 64;
 constexpr int kNumVariants = 6;
-constexpr int kDataAlign = 16;   /* TMA bases and row pitches, 16-byte stores */
-constexpr int kScaleAlign = 4;   /* 4-byte cp.async scales */
 constexpr int kConfigured = 1 << 30; /* g_usable: the device's variants were examined */
 
 struct variant_t {
@@ -52,25 +51,34 @@ struct variant_t {
 };
 
 /* Every variant, in a fixed order: index 2 fp8 + swiglu ships; + 2 (FP8 without the issue order)
- * only runs under the lab's A/B switch. */
+ * only runs under the lab's A/B switch. Those two are not compiled into the library: the lab
+ * (dev/cuda/sm90_gemm_lab.cu) instantiates them and registers them (mf__sm90_tma_lab_register);
+ * until then their fn is NULL and they are unusable. */
+constexpr int kNumShipped = 4;
 const variant_t kVariants[kNumVariants] = {
     {(const void *)sm90_tma_kernel<false, kEpiPlain>, 0, 0, 0},
     {(const void *)sm90_tma_kernel<false, kEpiSwiglu>, 0, 1, 0},
     {(const void *)sm90_tma_kernel<true, kEpiPlain>, 1, 0, 1},
     {(const void *)sm90_tma_kernel<true, kEpiSwiglu>, 1, 1, 1},
-    {(const void *)sm90_tma_kernel<true, kEpiPlain, false>, 1, 0, 0},
-    {(const void *)sm90_tma_kernel<true, kEpiSwiglu, false>, 1, 1, 0},
+    {NULL, 1, 0, 0}, /* sm90_tma_kernel<true, kEpiPlain, false>: the lab's */
+    {NULL, 1, 1, 0}, /* sm90_tma_kernel<true, kEpiSwiglu, false>: the lab's */
 };
 
-/* The lab's A/B switch (mf__sm90_tma_lab_variant). */
+/* The lab's A/B switch (mf__sm90_tma_lab_variant) and its registered kernels. */
 std::atomic<int> g_lab_variant;
+std::atomic<const void *> g_lab_fn[kNumVariants - kNumShipped];
+
+const void *variant_fn(int i) { return i < kNumShipped ? kVariants[i].fn : g_lab_fn[i - kNumShipped].load(); }
 
 /* Per device: kConfigured | one bit per usable variant (0 = not examined yet); the SM count. */
 std::atomic<int> g_usable[kMaxDevices];
 std::atomic<int> g_sms[kMaxDevices];
+std::atomic<int> g_cc[kMaxDevices]; /* 10 * major + minor */
 
-/* Why the last call of this thread declined (for the lab; not the library's last error). */
+/* Why the last call of this thread declined (for the lab; not the library's last error), and, under
+ * MF_DEBUG, what its last launch ran (for the dispatcher's report). */
 thread_local char g_decline[256];
+thread_local char g_ran[256];
 
 mf_result_t decline(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 mf_result_t decline(const char *fmt, ...) {
@@ -102,20 +110,23 @@ mf_result_t configure(const char *who, int *dev_out, int *sms_out) {
         *sms_out = g_sms[dev].load();
         return MF_SUCCESS;
     }
-    int major = 0, sms = 0;
+    int major = 0, minor = 0, sms = 0;
     MF__TMA_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), who);
+    MF__TMA_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), who);
     MF__TMA_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), who);
     int usable = kConfigured;
     if (major == 9) {
         for (int i = 0; i < kNumVariants; i++) {
+            const void *fn = variant_fn(i);
+            if (!fn) continue; /* a lab variant not registered */
             cudaFuncAttributes fa;
-            MF__TMA_CUDA(cudaFuncGetAttributes(&fa, kVariants[i].fn), who);
-            MF__TMA_CUDA(cudaFuncSetAttribute(kVariants[i].fn, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes),
-                         who);
+            MF__TMA_CUDA(cudaFuncGetAttributes(&fa, fn), who);
+            MF__TMA_CUDA(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes), who);
             if (fa.numRegs == kLaunchRegs) usable |= 1 << i;
         }
     }
     g_sms[dev].store(sms);
+    g_cc[dev].store(10 * major + minor);
     g_usable[dev].store(usable);
     *sms_out = sms;
     return MF_SUCCESS;
@@ -150,9 +161,12 @@ mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int
     MF_CHECK(configure(who, &dev, &sms));
     const int lab = fp8 ? g_lab_variant.load() : kMfTmaLabShipped;
     const int vi = 2 * fp8 + swiglu + ((lab & kMfTmaLabUnordered) ? 2 : 0);
-    if (!(g_usable[dev].load() & (1 << vi)))
-        return decline("variant fp8 %d swiglu %d unusable on device %d (not sm_90, or registers != %d)", fp8, swiglu, dev,
-                       kLaunchRegs);
+    if (!(g_usable[dev].load() & (1 << vi))) {
+        const int cc = g_cc[dev].load();
+        if (cc / 10 != 9) return decline("sm90 unsupported: device %d is sm_%d", dev, cc);
+        if (!variant_fn(vi)) return decline("variant %d is the lab's and not registered (mf__sm90_tma_lab_register)", vi);
+        return decline("variant fp8 %d swiglu %d unusable on device %d (registers != %d)", fp8, swiglu, dev, kLaunchRegs);
+    }
     const int esz = fp8 ? 1 : 2;
     const uint64_t kbytes = (uint64_t)p->K * esz;
     const CUtensorMapDataType dt = fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
@@ -166,8 +180,12 @@ mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int
     const int grid = (int)(tiles < sms ? tiles : sms);
     if (grid <= 0) return MF_SUCCESS;
     void *args[] = {(void *)p};
-    MF__TMA_CUDA(cudaLaunchKernel(kVariants[vi].fn, dim3((unsigned)grid), dim3(kThreads), args, (size_t)kSmemBytes, stream),
+    MF__TMA_CUDA(cudaLaunchKernel(variant_fn(vi), dim3((unsigned)grid), dim3(kThreads), args, (size_t)kSmemBytes, stream),
                  who);
+    if (mf__debug_on())
+        snprintf(g_ran, sizeof g_ran, "tma %s %s%s (%d-row tiles, %d stages, %d B smem, grid %d)", fp8 ? "fp8" : "bf16",
+                 swiglu ? "swiglu" : "plain", kVariants[vi].ordered || !fp8 ? "" : " unordered (lab A/B)", kBlockM, kStages,
+                 kSmemBytes, grid);
     return MF_SUCCESS;
 }
 
@@ -255,7 +273,7 @@ int mf__sm90_tma_variants(mf__tma_variant_info_t *out, int max) {
     for (int i = 0; i < kNumVariants && out && i < max; i++) {
         cudaFuncAttributes fa;
         memset(&fa, 0, sizeof fa);
-        if (cudaFuncGetAttributes(&fa, kVariants[i].fn) != cudaSuccess) {
+        if (variant_fn(i) && cudaFuncGetAttributes(&fa, variant_fn(i)) != cudaSuccess) {
             (void)cudaGetLastError();
             return -1;
         }
@@ -274,6 +292,14 @@ int mf__sm90_tma_variants(mf__tma_variant_info_t *out, int max) {
 
 const char *mf__sm90_tma_last_decline(void) { return g_decline; }
 
+const char *mf__sm90_tma_last_launch(void) { return g_ran; }
+
 void mf__sm90_tma_lab_variant(int variant) { g_lab_variant.store(variant); }
+
+void mf__sm90_tma_lab_register(const void *fp8_plain_unordered, const void *fp8_swiglu_unordered) {
+    g_lab_fn[0].store(fp8_plain_unordered);
+    g_lab_fn[1].store(fp8_swiglu_unordered);
+    for (int d = 0; d < kMaxDevices; d++) g_usable[d].store(0); /* every device examines them on its next call */
+}
 
 cudaError_t mf__sm90_tma_set_fault_record(mf__sm90_fault_t *record) { return mf__sm90_set_fault_record(record); }

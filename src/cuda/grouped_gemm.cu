@@ -15,6 +15,7 @@
  */
 #include <cuda_runtime.h>
 #include <mutex>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdint.h>
 #include <string.h>
@@ -27,8 +28,6 @@
 #include "cuda/kernels/sm90_grouped_gemm.cuh"
 #include "cuda/kernels/sm90_ptx.cuh" /* mf__sm90_fault_t: the record of expired pipeline waits */
 
-#define MF__GEMM_MAX_DEVICES 64
-#define MF__DATA_ALIGN 16 /* 16-byte cp.async loads and stores */
 
 /* Evaluates a CUDA runtime call; on failure clears the error and returns MF_ERR_CUDA naming it. */
 #define MF__CUDA_CHECK(call, who)                                                                  \
@@ -112,7 +111,59 @@ int64_t max_tiles(const mf__gemm_segments_t *seg, int32_t col_tiles) {
     return (int64_t)seg->num_experts * mf__ceil_div(seg->max_rows_per_expert, mf__gemm::kBlockM) * col_tiles;
 }
 
+/* ---- MF_DEBUG: the report of one dispatcher decision ------------------------------------------ */
+
 } /* namespace */
+
+/* gemm_decode.cu and gemm_tma.cu (declared in their kernel headers, not included here). */
+const char *mf__sm90_decode_last_decline(void);
+const char *mf__sm90_decode_last_launch(void);
+const char *mf__sm90_tma_last_decline(void);
+const char *mf__sm90_tma_last_launch(void);
+
+namespace {
+
+/* The layer whose GEMMs this thread dispatches (mf__cuda_gemm_debug_layer). */
+thread_local uint32_t g_debug_layer;
+
+/* Families that declined one call and why, gathered while the dispatcher tries them. */
+struct decision_t {
+    char declined[768];
+    size_t n;
+};
+
+void declined(decision_t *d, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void declined(decision_t *d, const char *fmt, ...) {
+    if (d->n >= sizeof d->declined - 1) return;
+    if (d->n) d->n += (size_t)snprintf(d->declined + d->n, sizeof d->declined - d->n, "; ");
+    if (d->n >= sizeof d->declined - 1) return;
+    va_list ap;
+    va_start(ap, fmt);
+    const int k = vsnprintf(d->declined + d->n, sizeof d->declined - d->n, fmt, ap);
+    va_end(ap);
+    d->n += k > 0 ? (size_t)k : 0;
+    if (d->n > sizeof d->declined - 1) d->n = sizeof d->declined - 1;
+}
+
+/* 1 when this call's decision is new and must be reported: the key is the layer, the phase and the
+ * shape class (everything the choice reads from the host: dtype, H, I, L, the rows bound and hint,
+ * a gathered A, rows returned to the owners). */
+bool debug_first(int phase, const mf__gemm_segments_t *seg, int32_t dtype, int32_t H, int32_t I, int gather, int ret) {
+    const int64_t key[10] = {g_debug_layer, phase, dtype, H, I, seg->num_experts, seg->max_rows_per_expert,
+                             seg->rows_hint, gather, ret};
+    return mf__debug_first(mf__debug_key(key, 10)) != 0;
+}
+
+void debug_report(const char *phase, const mf__gemm_segments_t *seg, int32_t dtype, int32_t H, int32_t I, int gather,
+                  int ret, const char *ran, const decision_t *d) {
+    mf__debug("gemm layer %u %s %s H %d I %d L %d rows_hint %d max_rows %d%s%s: ran %s; declined: %s", g_debug_layer,
+              phase, mf__dtype_name(dtype), H, I, seg->num_experts, seg->rows_hint, seg->max_rows_per_expert,
+              gather ? " A gathered" : "", ret ? " to combine slots" : "", ran, d->n ? d->declined : "none");
+}
+
+} /* namespace */
+
+void mf__cuda_gemm_debug_layer(uint32_t layer) { g_debug_layer = layer; }
 
 /* ---- expired pipeline waits (sm90_ptx.cuh mf__mbar_wait_bounded) ------------------------------ */
 
@@ -173,16 +224,42 @@ mf_result_t mf__cuda_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, i
         MF_CHECK(check_scales(who, "w13.scales", w13.scales));
         MF_CHECK(check_scales(who, "h_scales", h_scales));
     }
+    const bool dbg = mf__debug_on() && debug_first(0, seg, dtype, H, I, a.gather != NULL, 0);
+    decision_t d;
+    d.n = 0;
+    d.declined[0] = '\0';
     mf_result_t r = MF_ERR_NOT_SUPPORTED;
-    if (seg->rows_hint <= kMfDecodeMaxRows)
+    if (seg->rows_hint <= kMfDecodeMaxRows) {
         r = mf__sm90_decode_w13_swiglu(seg, dtype, ue8m0, a, w13, H, I, h, h_scales, stream);
-    else if (!a.gather)
-        r = mf__sm90_tma_w13_swiglu(seg, dtype, ue8m0, a, w13, H, I, h, h_scales, stream);
-    if (r != MF_ERR_NOT_SUPPORTED) return r;
+        if (dbg) {
+            if (r == MF_ERR_NOT_SUPPORTED) declined(&d, "decode: %s", mf__sm90_decode_last_decline());
+            declined(&d, "tma: not tried (rows_hint %d <= kMfDecodeMaxRows %d)", seg->rows_hint, kMfDecodeMaxRows);
+        }
+    } else {
+        if (dbg) declined(&d, "decode: rows_hint %d > kMfDecodeMaxRows %d", seg->rows_hint, kMfDecodeMaxRows);
+        if (!a.gather) {
+            r = mf__sm90_tma_w13_swiglu(seg, dtype, ue8m0, a, w13, H, I, h, h_scales, stream);
+            if (dbg && r == MF_ERR_NOT_SUPPORTED) declined(&d, "tma: %s", mf__sm90_tma_last_decline());
+        } else if (dbg) {
+            declined(&d, "tma: A gathered in place (TMA cannot gather rows)");
+        }
+    }
+    if (r != MF_ERR_NOT_SUPPORTED) {
+        if (dbg && r == MF_SUCCESS)
+            debug_report("w13", seg, dtype, H, I, a.gather != NULL, 0,
+                         seg->num_experts == 0 || seg->max_rows_per_expert == 0 ? "nothing (no rows)"
+                         : seg->rows_hint <= kMfDecodeMaxRows                   ? mf__sm90_decode_last_launch()
+                                                                                : mf__sm90_tma_last_launch(),
+                         &d);
+        return r;
+    }
 
     const int32_t col_tiles = (int32_t)mf__ceil_div(I, mf__gemm::kW13BlockN);
     const int64_t tiles = max_tiles(seg, col_tiles);
-    if (tiles == 0) return MF_SUCCESS;
+    if (tiles == 0) {
+        if (dbg) debug_report("w13", seg, dtype, H, I, a.gather != NULL, 0, "nothing (no rows)", &d);
+        return MF_SUCCESS;
+    }
 
     mf__gemm::w13_params p;
     memset(&p, 0, sizeof p);
@@ -208,6 +285,12 @@ mf_result_t mf__cuda_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, i
     if (tiles < blocks) blocks = (int)tiles;
     kernel<<<blocks, mf__gemm::kThreads, mf__gemm::kSmemBytes, stream>>>(p);
     MF__CUDA_CHECK(cudaGetLastError(), who);
+    if (dbg) {
+        char ran[160];
+        snprintf(ran, sizeof ran, "v1 %s swiglu: the mma.sync fallback (%dx%d tiles, %d stages, grid %d)",
+                 fp8 ? "fp8" : "bf16", mf__gemm::kBlockM, mf__gemm::kW13BlockN, mf__gemm::kStages, blocks);
+        debug_report("w13", seg, dtype, H, I, a.gather != NULL, 0, ran, &d);
+    }
     return MF_SUCCESS;
 }
 
@@ -231,13 +314,38 @@ mf_result_t mf__cuda_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__gemm_
     } else {
         MF_CHECK(check_data(who, "out", out));
     }
-    mf_result_t r = seg->rows_hint <= kMfDecodeMaxRows ? mf__sm90_decode_w2(seg, dtype, h, w2, H, I, out, ret, stream)
-                                                       : mf__sm90_tma_w2(seg, dtype, h, w2, H, I, out, ret, stream);
-    if (r != MF_ERR_NOT_SUPPORTED) return r;
+    const bool decode = seg->rows_hint <= kMfDecodeMaxRows;
+    mf_result_t r = decode ? mf__sm90_decode_w2(seg, dtype, h, w2, H, I, out, ret, stream)
+                           : mf__sm90_tma_w2(seg, dtype, h, w2, H, I, out, ret, stream);
+    const bool dbg = mf__debug_on() && debug_first(1, seg, dtype, H, I, 0, ret != NULL);
+    decision_t d;
+    d.n = 0;
+    d.declined[0] = '\0';
+    if (dbg) {
+        if (decode) {
+            if (r == MF_ERR_NOT_SUPPORTED) declined(&d, "decode: %s", mf__sm90_decode_last_decline());
+            declined(&d, "tma: not tried (rows_hint %d <= kMfDecodeMaxRows %d)", seg->rows_hint, kMfDecodeMaxRows);
+        } else {
+            declined(&d, "decode: rows_hint %d > kMfDecodeMaxRows %d", seg->rows_hint, kMfDecodeMaxRows);
+            if (r == MF_ERR_NOT_SUPPORTED) declined(&d, "tma: %s", mf__sm90_tma_last_decline());
+        }
+    }
+    if (r != MF_ERR_NOT_SUPPORTED) {
+        if (dbg && r == MF_SUCCESS)
+            debug_report("w2", seg, dtype, H, I, 0, ret != NULL,
+                         seg->num_experts == 0 || seg->max_rows_per_expert == 0 ? "nothing (no rows)"
+                         : decode                                               ? mf__sm90_decode_last_launch()
+                                                                                : mf__sm90_tma_last_launch(),
+                         &d);
+        return r;
+    }
 
     const int32_t col_tiles = (int32_t)mf__ceil_div(H, mf__gemm::kW2BlockN);
     const int64_t tiles = max_tiles(seg, col_tiles);
-    if (tiles == 0) return MF_SUCCESS;
+    if (tiles == 0) {
+        if (dbg) debug_report("w2", seg, dtype, H, I, 0, ret != NULL, "nothing (no rows)", &d);
+        return MF_SUCCESS;
+    }
 
     mf__gemm::w2_params p;
     p.seg = *seg;
@@ -262,5 +370,11 @@ mf_result_t mf__cuda_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__gemm_
     if (tiles < blocks) blocks = (int)tiles;
     kernel<<<blocks, mf__gemm::kThreads, mf__gemm::kSmemBytes, stream>>>(p);
     MF__CUDA_CHECK(cudaGetLastError(), who);
+    if (dbg) {
+        char ran[160];
+        snprintf(ran, sizeof ran, "v1 %s plain: the mma.sync fallback (%dx%d tiles, %d stages, grid %d)",
+                 fp8 ? "fp8" : "bf16", mf__gemm::kBlockM, mf__gemm::kW2BlockN, mf__gemm::kStages, blocks);
+        debug_report("w2", seg, dtype, H, I, 0, ret != NULL, ran, &d);
+    }
     return MF_SUCCESS;
 }

@@ -91,6 +91,10 @@ mf_result_t mf__sm90_tma_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__g
                             cudaStream_t stream);
 mf_result_t mf__sm90_tma_preload(void);
 
+/* MF_DEBUG (core/internal.h): the layer id the calling thread's next dispatcher calls report under
+ * (a thread-local label; nothing else reads it). */
+void mf__cuda_gemm_debug_layer(uint32_t layer);
+
 /* h[rows, I] (+ h_scales [rows, I/128] for FP8) = swiglu(a[rows, H] . w13[e]^T) per expert. */
 mf_result_t mf__cuda_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, int32_t ue8m0,
                                 mf__gemm_operand_t a, mf__gemm_operand_t w13, int32_t H, int32_t I,

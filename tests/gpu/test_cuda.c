@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "../harness.h"
+#include "core/internal.h" /* mf__debug_reset: MF_DEBUG is read once per process */
 #include "problem.h"
 #include "ref.h"
 
@@ -1007,6 +1008,78 @@ static int cuda_small(void) { return small_cases(2); }
  * peers, checked bit for bit by the rest of the suite. */
 static int cuda_sanitize(void) { return small_cases(1); }
 
+/* ---- MF_DEBUG: the GEMM decisions reported ------------------------------------------------ */
+
+/* Runs a case on the CUDA backend with MF_DEBUG=1 and stderr sent to a file; its text into out. */
+static int debug_case(const layer_case_t *c, char *out, size_t bytes) {
+    mfp_problem_t p;
+    MFT_CHECK(generate_case(c, &p) == 0);
+    uint16_t *y[MF_MAX_RANKS];
+    for (int32_t r = 0; r < c->R; r++) y[r] = mft_alloc((size_t)(p.T[r] ? p.T[r] : 1) * c->H * 2);
+    MFT_CHECK(setenv("MF_DEBUG", "1", 1) == 0);
+    mf__debug_reset();
+    FILE *f = tmpfile();
+    MFT_CHECK(f != NULL);
+    fflush(stderr);
+    int saved = dup(STDERR_FILENO);
+    MFT_CHECK(saved >= 0 && dup2(fileno(f), STDERR_FILENO) >= 0);
+    char err[512] = "";
+    mf_result_t res = mfp_run_forward(&p, MF_BACKEND_CUDA, c->iters, peer_timeout_ms(), y, NULL, err, sizeof err);
+    fflush(stderr);
+    dup2(saved, STDERR_FILENO);
+    close(saved);
+    rewind(f);
+    size_t n = fread(out, 1, bytes - 1, f);
+    out[n] = '\0';
+    fclose(f);
+    for (int32_t r = 0; r < c->R; r++) free(y[r]);
+    mfp_free(&p);
+    MFT_CHECK_MSG(res == MF_SUCCESS, "cuda run failed: %s", err);
+    return 0;
+}
+
+/* Lines of `text` holding every one of the NULL-ended needles. */
+static int debug_lines(const char *text, const char *const *needles) {
+    int n = 0;
+    for (const char *line = text; line && *line;) {
+        const char *end = strchr(line, '\n');
+        char buf[2048];
+        size_t len = end ? (size_t)(end - line) : strlen(line);
+        snprintf(buf, sizeof buf, "%.*s", (int)(len < sizeof buf ? len : sizeof buf - 1), line);
+        int all = 1;
+        for (int i = 0; needles[i]; i++) all = all && strstr(buf, needles[i]) != NULL;
+        n += all;
+        line = end ? end + 1 : NULL;
+    }
+    return n;
+}
+
+/* MF_DEBUG=1 on the H200: a decode shape (rows_hint 1) runs the decode kernels and says why TMA was
+ * not tried; a large-M shape (rows_hint 512) runs the TMA kernels and says why decode declined.
+ * Each decision is reported once over the case's 3 forwards. */
+static int cuda_debug_report(void) {
+    static char text[1 << 16];
+    layer_case_t dec = {1, 8, 2, 256, 256, 4, 4, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 3, 0,
+                        NULL, 11};
+    if (debug_case(&dec, text, sizeof text)) return 1;
+    const char *d13[] = {"moeflow DEBUG", "gemm layer 0 w13 fp8_e4m3 H 256 I 256 L 8 rows_hint 1", "A gathered",
+                         "ran decode fp8 swiglu T 8, A gathered in place", "tma: not tried (rows_hint 1 <= kMfDecodeMaxRows 64)",
+                         NULL};
+    const char *d2[] = {"moeflow DEBUG", "gemm layer 0 w2 fp8_e4m3 H 256 I 256 L 8 rows_hint 1", "to combine slots",
+                        "ran decode fp8 plain T 8", NULL};
+    MFT_CHECK_MSG(debug_lines(text, d13) == 1 && debug_lines(text, d2) == 1, "decode shape, stderr:\n%s", text);
+
+    layer_case_t big = {1, 8, 2, 256, 256, 2048, 2048, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 3,
+                        0, NULL, 12};
+    if (debug_case(&big, text, sizeof text)) return 1;
+    const char *t13[] = {"moeflow DEBUG", "gemm layer 0 w13 fp8_e4m3 H 256 I 256 L 8 rows_hint 512", "ran tma fp8 swiglu",
+                         "decode: rows_hint 512 > kMfDecodeMaxRows 64", NULL};
+    const char *t2[] = {"moeflow DEBUG", "gemm layer 0 w2 fp8_e4m3 H 256 I 256 L 8 rows_hint 512", "ran tma fp8 plain",
+                        "decode: rows_hint 512 > kMfDecodeMaxRows 64", NULL};
+    MFT_CHECK_MSG(debug_lines(text, t13) == 1 && debug_lines(text, t2) == 1, "large-M shape, stderr:\n%s", text);
+    return 0;
+}
+
 const mft_test_t mft_tests_cuda[] = {
     {"cuda_small", cuda_small, 120},
     {"cuda_sanitize", cuda_sanitize, 120},
@@ -1020,5 +1093,6 @@ const mft_test_t mft_tests_cuda[] = {
     {"cuda_bad_ids", cuda_bad_ids, 60},
     {"cuda_random", cuda_random, 600},
     {"cuda_layer_deepseek", cuda_layer_deepseek, 400},
+    {"cuda_debug_report", cuda_debug_report, 120},
     {NULL, NULL, 0},
 };

@@ -97,6 +97,7 @@
 #include <stdint.h>
 
 #include "core/numerics.h"
+#include "cuda/gemm_configs.cuh"
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels/sm90_ptx.cuh"
 
@@ -104,33 +105,7 @@ namespace mf__decode {
 
 enum { kEpiPlain = 0, kEpiSwiglu = 1 };
 
-constexpr int kThreads = 3 * kMfWarpgroupThreads;         /* WG 0 producer, WG 1-2 consumers */
-constexpr int kConsumerThreads = 2 * kMfWarpgroupThreads;
-constexpr int kConsumerWarps = kConsumerThreads / 32;
-constexpr int kLaunchRegs = 168;                          /* 65536 / 384, rounded down to 8 */
-constexpr int kProducerRegs = 40;
-constexpr int kConsumerRegs = 232;
-static_assert(kProducerRegs * kMfWarpgroupThreads + kConsumerRegs * kConsumerThreads <= kLaunchRegs * kThreads,
-              "setmaxnreg.inc would wait forever for registers the CTA does not have");
-
-constexpr int kWgRows = 64;                               /* weight rows per consumer warpgroup per box */
-constexpr int kBoxRows = 2 * kWgRows;                     /* 128 rows per weight box (= scale block) */
-constexpr int kKBlock = 128;                              /* K bytes per K block (FP8: one scale block) */
-constexpr int kBoxBytes = kBoxRows * kKBlock;             /* 16 KB */
-constexpr int kWgOperandBytes = kWgRows * kKBlock;        /* 8 KB: warpgroup g's A operand at 8 KB g */
-constexpr int kKStepBytes = 32;                           /* K bytes per wgmma: BF16 k16, E4M3 k32 */
-constexpr int kKSteps = kKBlock / kKStepBytes;            /* 4 */
-constexpr int kTileCols = kBoxRows;                       /* output (or h) columns per tile */
-constexpr int kMaxExperts = 512;                          /* shared-memory tables */
-constexpr int kMaxStages = 16;
-constexpr int kSmemLimit = 227 * 1024;                    /* dynamic smem per block on sm_90 */
-constexpr int kScalePad = 4;                              /* w_scale slots after a K block's a_scales */
-constexpr int kEpiPadBytes = 16;                          /* staging row pad (bank spread) */
-constexpr int kBarEpilogue = 1;                           /* named barrier of the 256 consumer threads */
-constexpr int kChunk = 16;                                /* bytes per cp.async and per epilogue store */
-constexpr int kChunksPerKBlock = kKBlock / kChunk;        /* 8 chunks of an activation row per K block */
-constexpr int32_t kMaxRowCoord = 0x7fffffff;              /* rows of the activation tensor map (see top) */
-constexpr uint64_t kWaitTimeoutNs = 20000000000ull;       /* 20 s: see "Bounded waits" above */
+/* Threads, registers, tile sizes, table sizes and the wait bound: cuda/gemm_configs.cuh. */
 enum { kTagProducerEmpty = 1, kTagConsumerFull = 2 };     /* fault-record tags of the two waits */
 
 static_assert(kKBlock == kMfSwizzleBytes, "a K block is one 128B-swizzle row");
@@ -598,6 +573,9 @@ int mf__sm90_decode_variants(mf__decode_variant_info_t *out, int max);
 /* Why the calling thread's last decode launcher call declined (MF_ERR_NOT_SUPPORTED is returned
  * without a library error, so that the dispatcher's fallback stays quiet); "" before any. */
 const char *mf__sm90_decode_last_decline(void);
+/* Under MF_DEBUG: what the calling thread's last decode launch ran (variant, stages, grid); "" before
+ * any. Not written when MF_DEBUG is off. */
+const char *mf__sm90_decode_last_launch(void);
 
 /* Registers a fault record (see sm90_ptx.cuh; NULL turns reporting off) for the decode kernels of
  * gemm_decode.cu, whose translation unit holds its own copy of the record pointer. */

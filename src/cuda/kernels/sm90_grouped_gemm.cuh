@@ -45,38 +45,14 @@
 #include <stdint.h>
 
 #include "core/numerics.h"
+#include "cuda/gemm_configs.cuh"
 #include "cuda/grouped_gemm.h"
 
 namespace mf__gemm {
 
 /* ---- tile sizes and the shared-memory map ----------------------------------------------------- */
 
-constexpr int kThreads = 256;                         /* 8 warps */
-constexpr int kWarpsM = 2;                            /* warps along rows */
-constexpr int kWarpsN = 4;                            /* warps along weight rows */
-constexpr int kBlockM = 64;                           /* receive rows per tile */
-constexpr int kHalfN = 128;                           /* weight rows per half tile */
-constexpr int kBlockN = 2 * kHalfN;                   /* weight rows per tile */
-constexpr int kW13BlockN = kHalfN;                    /* h columns per W13 tile (= FP8 block) */
-constexpr int kW2BlockN = kBlockN;                    /* out columns per W2 tile */
-constexpr int kWarpRows = kBlockM / kWarpsM;          /* 32 */
-constexpr int kWarpHalfN = kHalfN / kWarpsN;          /* 32 weight rows of each half per warp */
-constexpr int kMmaM = 16;
-constexpr int kMmaN = 8;
-constexpr int kMmaKBytes = 32;                        /* bf16 k16 or e4m3 k32 */
-constexpr int kMTiles = kWarpRows / kMmaM;            /* 2 */
-constexpr int kNTilesHalf = kWarpHalfN / kMmaN;       /* 4 */
-constexpr int kNTiles = 2 * kNTilesHalf;              /* 8: [0, 4) half 0, [4, 8) half 1 */
-constexpr int kStageBytes = 128;                      /* K bytes per row per stage */
-constexpr int kKSteps = kStageBytes / kMmaKBytes;     /* 4 */
-constexpr int kChunk = 16;                            /* cp.async / ldmatrix row / store width */
-constexpr int kChunksPerRow = kStageBytes / kChunk;   /* 8 */
-/* cp.async pipeline depth (40 KB a stage). The lab builds variants with -DMF__GEMM_STAGES=n; on
- * an H200, 5 stages measured the same as 4 (bench/NOTES.md). */
-#ifndef MF__GEMM_STAGES
-#define MF__GEMM_STAGES 4
-#endif
-constexpr int kStages = MF__GEMM_STAGES;
+/* Warp grid, tile and stage sizes: cuda/gemm_configs.cuh. */
 static_assert(kStages >= 2, "the pipeline needs at least two stages");
 
 static_assert(kWarpsM * kWarpsN * 32 == kThreads, "warp grid must cover the block");

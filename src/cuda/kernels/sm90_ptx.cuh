@@ -36,15 +36,9 @@
 #include <stdint.h>
 #include <stdio.h>
 
-/* ---- constants --------------------------------------------------------------------------------- */
+/* ---- constants: warpgroup and swizzle sizes, the default wait bound (cuda/gemm_configs.cuh) ---- */
 
-#ifndef MF__SM90_WAIT_TIMEOUT_NS
-#define MF__SM90_WAIT_TIMEOUT_NS 4000000000ull /* 4 s: no healthy wait in a GEMM comes near it */
-#endif
-static constexpr uint64_t kMfSm90WaitTimeoutNs = MF__SM90_WAIT_TIMEOUT_NS;
-static constexpr int kMfWarpgroupThreads = 128;
-static constexpr int kMfSwizzleBytes = 128;      /* row length of a 128B-swizzled tile */
-static constexpr int kMfSwizzleAtomBytes = 1024; /* 8 rows x 128 B: alignment of such a tile */
+#include "cuda/gemm_configs.cuh"
 
 /* wgmma descriptor layout types (bits 62-63). */
 enum {

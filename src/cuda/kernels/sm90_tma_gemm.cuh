@@ -101,6 +101,7 @@
 #include <stdint.h>
 
 #include "core/numerics.h"
+#include "cuda/gemm_configs.cuh"
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels/sm90_ptx.cuh"
 
@@ -108,40 +109,7 @@ namespace mf__tma {
 
 enum { kEpiPlain = 0, kEpiSwiglu = 1 };
 
-constexpr int kThreads = 3 * kMfWarpgroupThreads;          /* WG 0 producer, WG 1-2 consumers */
-constexpr int kConsumerThreads = 2 * kMfWarpgroupThreads;
-constexpr int kConsumerWarps = kConsumerThreads / 32;
-constexpr int kLaunchRegs = 168;                           /* 65536 / 384, rounded down to 8 */
-constexpr int kProducerRegs = 40;
-constexpr int kConsumerRegs = 232;
-static_assert(kProducerRegs * kMfWarpgroupThreads + kConsumerRegs * kConsumerThreads <= kLaunchRegs * kThreads,
-              "setmaxnreg.inc would wait forever for registers the CTA does not have");
-
-constexpr int kBlockM = 128;                               /* receive rows per tile */
-constexpr int kWgRows = 64;                                /* rows per consumer warpgroup (wgmma M) */
-constexpr int kWarpRows = 16;                              /* rows per consumer warp */
-constexpr int kBoxRows = 128;                              /* weight rows per TMA box = FP8 scale block */
-constexpr int kBoxes = 2;                                  /* weight boxes per tile */
-constexpr int kTileN = kBoxes * kBoxRows;                  /* accumulator columns per tile */
-constexpr int kHCols = kBoxRows;                           /* h columns per swiglu tile */
-constexpr int kKBlock = 128;                               /* K bytes per stage */
-constexpr int kKStepBytes = 32;                            /* K bytes per wgmma: BF16 k16, E4M3 k32 */
-constexpr int kKSteps = kKBlock / kKStepBytes;             /* 4 */
-constexpr int kABytes = kBlockM * kKBlock;                 /* 16 KB */
-constexpr int kBoxBytes = kBoxRows * kKBlock;              /* 16 KB */
-constexpr int kStageBytes = kABytes + kBoxes * kBoxBytes;  /* 48 KB of TMA per stage */
-constexpr int kStages = 4;
-constexpr int kWgOperandBytes = kWgRows * kKBlock;         /* 8 KB: warpgroup g's A operand at 8 KB g */
-constexpr int kAcc = kTileN / 2;                           /* accumulators per consumer thread */
-constexpr int kBoxAcc = kBoxRows / 2;                      /* ... per weight box */
-constexpr int kChunk = 16;                                 /* bytes per staging chunk and global store */
-constexpr int kEpiRowBytes = 128;                          /* staging row: 64 BF16 or 128 FP8 columns */
-constexpr int kEpiWarpBytes = kWarpRows * kEpiRowBytes;    /* 2 KB staging per consumer warp */
-constexpr int kWScaleSlots = 4;                            /* w_scale floats per stage (2 used) */
-constexpr int kMaxExperts = 1024;                          /* shared-memory tables */
-constexpr int kSmemLimit = 227 * 1024;                     /* dynamic smem per block on sm_90 */
-constexpr int32_t kMaxRowCoord = 0x7fffffff;               /* rows of the activation tensor map (see top) */
-constexpr uint64_t kWaitTimeoutNs = 20000000000ull;        /* 20 s: see "Bounded waits" above */
+/* Threads, registers, tile and stage sizes, table sizes and the wait bound: cuda/gemm_configs.cuh. */
 enum { kTagProducerEmpty = 1, kTagConsumerFull = 2 };      /* fault-record tags of the waits */
 /* FP8 issue order (see "Issue order"): named barriers over the 256 consumer threads */
 enum { kBarIssued0 = 1,                                    /* WG 0 issued group i: WG 1 may issue group i */
@@ -644,12 +612,20 @@ int mf__sm90_tma_variants(mf__tma_variant_info_t *out, int max);
 /* Why the calling thread's last TMA launcher call declined (MF_ERR_NOT_SUPPORTED is returned
  * without a library error, so that the dispatcher's fallback stays quiet); "" before any. */
 const char *mf__sm90_tma_last_decline(void);
+/* Under MF_DEBUG: what the calling thread's last tma launch ran (variant, stages, grid); "" before
+ * any. Not written when MF_DEBUG is off. */
+const char *mf__sm90_tma_last_launch(void);
 
 /* Lab only: picks the FP8 kernels the launchers run in this process, for an A/B measurement in one
  * run: 0 = what ships, 1 = without the issue order (kOrdered = false). BF16 launches always run
  * what ships. */
 enum { kMfTmaLabShipped = 0, kMfTmaLabUnordered = 1 };
 void mf__sm90_tma_lab_variant(int variant);
+
+/* Lab only: hands the launchers the FP8 kernels without the issue order, sm90_tma_kernel<true,
+ * kEpiPlain, false> and <true, kEpiSwiglu, false>, instantiated in the lab's own translation unit
+ * (the library compiles only what ships). Until then, kMfTmaLabUnordered launches decline. */
+void mf__sm90_tma_lab_register(const void *fp8_plain_unordered, const void *fp8_swiglu_unordered);
 
 /* Registers a fault record (see sm90_ptx.cuh; NULL turns reporting off) for the kernels of
  * gemm_tma.cu, whose translation unit holds its own copy of the record pointer. */
