@@ -356,8 +356,9 @@ MF_API mf_result_t mf_moe_create(mf_comm_t comm, const mf_moe_config_t *config, 
 MF_API mf_result_t mf_moe_get_info(mf_moe_t moe, mf_moe_info_t *info);
 
 /* Destroys the layer; no call on it may be in flight. NULL is a no-op. Not collective, except for
- * a layer with spare_slots > 0: every rank destroys it, meeting at a barrier over the bootstrap so
- * that no peer still writes its spare slots (skipped on a broken or aborted comm). */
+ * a layer with spare_slots > 0 or one that staged a map (mf_moe_stage_expert_map): every rank
+ * destroys it, meeting at a barrier over the bootstrap so that no peer still writes its spare or
+ * staging slots (skipped on a broken or aborted comm). */
 MF_API mf_result_t mf_moe_destroy(mf_moe_t moe);
 
 /* This rank's expert weights, one per physical slot of the rank: Lp = P / R slots (Lp = L without
@@ -429,7 +430,8 @@ MF_API mf_result_t mf_moe_set_expert_map(mf_moe_t moe, const int32_t *phys_to_lo
  * or both are captured into the same graph; when one is captured and the other is not, order
  * them yourself (the same stream, or the graph launch and the eager call joined by events).
  * Collective (every rank calls it between the same forwards), asynchronous on `stream` on CUDA
- * (blocking on CPU), graph-capturable on CUDA. A layer with B = 0: a no-op. Errors: INVALID_USAGE
+ * (blocking on CPU), graph-capturable on CUDA. A layer with B = 0: a no-op, except for the step of
+ * a staged map (mf_moe_stage_expert_map) that each call makes while one is in flight. Errors: INVALID_USAGE
  * (weights not set, comm broken), NOT_SUPPORTED (backend without balancing). */
 MF_API mf_result_t mf_moe_prefetch(mf_moe_t moe, mf_stream_t stream);
 
@@ -456,8 +458,10 @@ MF_API mf_result_t mf_moe_prefetch(mf_moe_t moe, mf_stream_t stream);
  * Errors, on every rank alike and with nothing changed: INVALID_ARGUMENT (NULL, wrong
  * num_physical, an id outside [0, E), an expert with no slot, bad next_weights,
  * experts_per_step < 0, or ranks that staged different maps or steps), INVALID_USAGE (weights not
- * set, a stage already in progress, comm broken), NOT_SUPPORTED (the backend cannot move weights
- * yet: CUDA today). */
+ * set, a stage already in progress, comm broken), NOT_SUPPORTED (a backend without staging; CUDA:
+ * a layer whose balancing planner exceeds shared memory). CUDA: waits for this rank's last forward
+ * and prefetch (as mf_moe_set_expert_map); the steps copy with the copy engines on the prefetch's
+ * stream, no host wait; a captured prefetch replays the step it captured (stage eagerly). */
 MF_API mf_result_t mf_moe_stage_expert_map(mf_moe_t moe, const int32_t *phys_to_logical, int32_t num_physical,
                                            const mf_moe_weights_t *next_weights, int32_t experts_per_step);
 

@@ -767,6 +767,8 @@ static int stage_misuse_body(int32_t rank, change_ctx_t *c, mf_moe_t moe, uint8_
     short_w.w2.dims[0] = Lp - 1;
     MFT_CHECK_ERR(mf_moe_stage_expert_map(moe, c->maps[1], P, &short_w, 1), MF_ERR_INVALID_ARGUMENT);
     MFT_CHECK(mft_contains_ci(mf_last_error(), "next_weights.w2"));
+    MFT_CHECK_ERR(mf_moe_stage_expert_map(moe, c->maps[1], P, &w, 1), MF_ERR_INVALID_ARGUMENT); /* the current ones */
+    MFT_CHECK(mft_contains_ci(mf_last_error(), "current weights"));
     /* One rank's bad map: every rank fails (the others name it). */
     memcpy(bad, c->maps[1], sizeof bad), bad[0] = rank == 1 ? -1 : bad[0];
     MFT_CHECK_ERR(mf_moe_stage_expert_map(moe, bad, P, &nw, 1), MF_ERR_INVALID_ARGUMENT);

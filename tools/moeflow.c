@@ -849,6 +849,18 @@ static int write_json(const opts_t *o, const row_t *rows, int nrows, int argc, c
             fprintf(f, ", \"pct_of_floor\": ");
             mf__json_number(f, r->pct);
         }
+        if (o->rebalance >= 0 && r->op == ROW_LAYER && r->code == MF_SUCCESS) { /* --rebalance */
+            const mfp_timing_t *t = &r->timing;
+            fprintf(f, ", \"rebalance\": {\"experts_per_step\": %d, \"steps\": %d, \"forwards_staging\": %d, "
+                    "\"forward_off_us\": ", o->rebalance, t->stage_steps, t->stage_forwards);
+            mf__json_number(f, t->plain_forward_max_ms * 1e3);
+            fprintf(f, ", \"forward_on_us\": ");
+            mf__json_number(f, t->stage_forward_max_ms * 1e3);
+            fprintf(f, ", \"step_us\": ");
+            mf__json_number(f, t->stage_prefetch_ms * 1e3);
+            fprintf(f, ", \"pushed_step_max_bytes\": %lld, \"pushed_bytes\": %lld}",
+                    (long long)t->stage_step_bytes_max, (long long)t->stage_bytes_total);
+        }
         if (r->checked) {
             fprintf(f, ", \"wrong\": %lld, \"diff\": ", (long long)r->wrong);
             mf__json_number(f, r->diff);

@@ -401,6 +401,10 @@ mf_result_t mf_moe_stage_expert_map(mf_moe_t moe, const int32_t *map, int32_t nu
                                                    fn, experts_per_step);
     if (res == MF_SUCCESS) res = mf__check_map(moe, map, num_physical, fn);
     if (res == MF_SUCCESS) res = mf__check_weights(moe, next_weights, "next_weights");
+    if (res == MF_SUCCESS && (next_weights->w13.data == moe->weights.w13.data ||
+                              next_weights->w2.data == moe->weights.w2.data))
+        res = mf__error(MF_ERR_INVALID_ARGUMENT, "%s: next_weights are the current weights (they are the source "
+                        "until the switch: pass other buffers)", fn);
     char why[512];
     snprintf(why, sizeof why, "%s", mf_last_error());
     mine.status = res;

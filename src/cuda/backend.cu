@@ -966,8 +966,8 @@ static mf_result_t mf__cuda_prefetch_op(mf_moe_t moe, mf_stream_t stream_) {
 
 /* ---- rebalancing without a stall: a staged map's steps (src/plan/stage.h) ------------------- */
 
-/* The staged map's device copy, installed by the last step (blocking: a previous stage's last
- * step may still read the buffer on its stream). */
+/* The staged map's device copy, installed by the last step (blocking: this rank's last forward
+ * reads the map, a previous stage's last step may still read the buffer on its stream). */
 static mf_result_t mf__cuda_stage_begin(mf_moe_t moe, const int32_t *map) {
     mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
     mf__cuda_comm_t *c = mf__cc(moe->comm);
@@ -976,6 +976,9 @@ static mf_result_t mf__cuda_stage_begin(mf_moe_t moe, const int32_t *map) {
                          "its arrays in shared memory (at most %d bytes); this layer needs %zu", kMfPrefetchMaxSmem,
                          s->plan_smem);
     MF_CUDA_CHECK(cudaSetDevice(moe->comm->device));
+    /* The last step rewrites the map: a one-step stage has no staged forward before it that
+     * recorded fwd_done, so the last call is waited for here (as mf_moe_set_expert_map does). */
+    MF_CUDA_CHECK(cudaEventSynchronize(c->done));
     if (s->pf_pending && !s->pf_capture) MF_CUDA_CHECK(cudaEventSynchronize(s->pf_done));
     MF_CUDA_CHECK(cudaMemcpyAsync(s->staged_map, map, (size_t)moe->config.num_physical_experts * 4,
                                   cudaMemcpyHostToDevice, c->setup));
