@@ -2,7 +2,7 @@
 # bench/h200.sh — the benchmark set behind docs/PERFORMANCE.md, for one H200 (run from the repo root
 # after `make -j16 all lab`). Writes JSON records and logs into DIR and prints a short summary.
 #
-#   MF_COMMIT=<hash> bash bench/h200.sh DIR [gemm|layer|transport|balance|all]
+#   MF_COMMIT=<hash> bash bench/h200.sh DIR [gemm|layer|transport|balance|rebalance|all]
 #
 # Everything lands in DIR and in one archive DIR.tgz (the device tool returns a limited number of
 # files: take the archive).
@@ -21,8 +21,12 @@
 #        rank, FP8, each row without and with B = 2 spare slots (mf_moe_prefetch between forwards),
 #        under zipf 1.2 routing (what balancing is for) and uniform routing (what it costs when
 #        there is nothing to balance); not in `all`
+# rebalance: a staged expert map (mf_moe_stage_expert_map, issue 16 item 3) on CUDA: deepseek-v3,
+#        R = 8 virtual ranks, T = 128, FP8, zipf 1.2; half of every rank's experts move, 4 per rank
+#        per prefetch step; the forward time while staging and not, the step time, bytes per step;
+#        not in `all`
 set -u
-dir=${1:?usage: bench/h200.sh DIR [gemm|layer|transport|balance|all]}
+dir=${1:?usage: bench/h200.sh DIR [gemm|layer|transport|balance|rebalance|all]}
 what=${2:-all}
 mkdir -p "$dir"
 : "${MF_COMMIT:=unknown}"
@@ -119,6 +123,15 @@ for routing in ("zipf1.2", "uniform"):
               pb.get("dispatch", 0), g(pa), g(pb), bb["rank_max_over_mean_home"], bb["rank_max_over_mean"],
               bb["moved_first_bytes"], bb["moved_last_bytes"], bb["prefetch_ms"], bb.get("model_us", 0)))
 PY
+fi
+if [ "$what" = rebalance ]; then
+    name=rebalance_deepseek-v3_R8_zipf1.2
+    timeout 150 ./build/moeflow bench layer --preset deepseek-v3 -R 8 -T 128 --dtype fp8 --gated \
+        --routing zipf:1.2 --rebalance 4 --no-check --iters 20 --warmup 2 --json "$dir/$name.json" \
+        > "$dir/$name.log" 2>&1 || rc=1
+    grep -E "^#dtype +dataflow +T +B +steps" "$dir/$name.log" | sed "s/^#/rebalance /"
+    grep -E "^ +fp8 +auto +128 +[0-9]+ +[0-9]+ +[0-9]+ +[0-9]+\.[0-9]" "$dir/$name.log" | sed "s/^/rebalance /"
+    tail -1 "$dir/$name.log"
 fi
 tar czf "$dir.tgz" -C "$(dirname "$dir")" "$(basename "$dir")"
 exit $rc

@@ -356,8 +356,9 @@ MF_API mf_result_t mf_moe_create(mf_comm_t comm, const mf_moe_config_t *config, 
 MF_API mf_result_t mf_moe_get_info(mf_moe_t moe, mf_moe_info_t *info);
 
 /* Destroys the layer; no call on it may be in flight. NULL is a no-op. Not collective, except for
- * a layer with spare_slots > 0: every rank destroys it, meeting at a barrier over the bootstrap so
- * that no peer still writes its spare slots (skipped on a broken or aborted comm). */
+ * a layer with spare_slots > 0 or one that staged a map (mf_moe_stage_expert_map): every rank
+ * destroys it, meeting at a barrier over the bootstrap so that no peer still writes its spare or
+ * staging slots (skipped on a broken or aborted comm). */
 MF_API mf_result_t mf_moe_destroy(mf_moe_t moe);
 
 /* This rank's expert weights, one per physical slot of the rank: Lp = P / R slots (Lp = L without
@@ -429,9 +430,40 @@ MF_API mf_result_t mf_moe_set_expert_map(mf_moe_t moe, const int32_t *phys_to_lo
  * or both are captured into the same graph; when one is captured and the other is not, order
  * them yourself (the same stream, or the graph launch and the eager call joined by events).
  * Collective (every rank calls it between the same forwards), asynchronous on `stream` on CUDA
- * (blocking on CPU), graph-capturable on CUDA. A layer with B = 0: a no-op. Errors: INVALID_USAGE
+ * (blocking on CPU), graph-capturable on CUDA. A layer with B = 0: a no-op, except for the step of
+ * a staged map (mf_moe_stage_expert_map) that each call makes while one is in flight. Errors: INVALID_USAGE
  * (weights not set, comm broken), NOT_SUPPORTED (backend without balancing). */
 MF_API mf_result_t mf_moe_prefetch(mf_moe_t moe, mf_stream_t stream);
+
+/* Rebalancing without a stall (docs/API.md section 13, "A new map without a stall"): stages a new
+ * expert map whose weights moeflow moves itself, while the current map and weights keep serving.
+ * `next_weights` are this rank's Lp slots under the new map, caller-allocated [Lp, ...] buffers
+ * shaped like mf_moe_set_weights' (checked the same way); the layer BORROWS them and WRITES them:
+ * do not read, write or free them until the switch. The moves run inside the following
+ * mf_moe_prefetch calls, one bounded step per call: in each, every rank pushes at most
+ * `experts_per_step` experts into each peer's staging slots (0 = all in one step) and copies the
+ * previous step's arrivals into `next_weights`; the first step also copies the experts the rank
+ * already holds (local copies). The old map and weights serve every forward meanwhile. The
+ * prefetch that completes the last copy switches the layer, on every rank alike, to the staged
+ * map and `next_weights` (as mf_moe_set_expert_map + mf_moe_set_weights would; spare copies are
+ * dropped and refilled by later prefetches); the next forward is the first under the new map.
+ * From then the old weights are never read again: the caller may free or reuse them once that
+ * prefetch has returned (CPU) or completed on its stream (CUDA); mf_moe_get_balance_stats'
+ * stage_steps_left is 0 and map_switches counts the switches. A layer with P / R slots needs
+ * ceil(max moves per rank / experts_per_step) + 1 prefetches (1 when no expert crosses ranks).
+ * Collective and blocking: every rank stages the same map with the same experts_per_step
+ * between the same two forwards (they meet over the bootstrap, as in mf_moe_create; the first
+ * stage allocates 2 x experts_per_step staging slots per rank in the symmetric heap of each
+ * peer, kept until the layer is destroyed or a stage needs more). Not graph-capturable.
+ * Errors, on every rank alike and with nothing changed: INVALID_ARGUMENT (NULL, wrong
+ * num_physical, an id outside [0, E), an expert with no slot, bad next_weights,
+ * experts_per_step < 0, or ranks that staged different maps or steps), INVALID_USAGE (weights not
+ * set, a stage already in progress, comm broken), NOT_SUPPORTED (a backend without staging; CUDA:
+ * a layer whose balancing planner exceeds shared memory). CUDA: waits for this rank's last forward
+ * and prefetch (as mf_moe_set_expert_map); the steps copy with the copy engines on the prefetch's
+ * stream, no host wait; a captured prefetch replays the step it captured (stage eagerly). */
+MF_API mf_result_t mf_moe_stage_expert_map(mf_moe_t moe, const int32_t *phys_to_logical, int32_t num_physical,
+                                           const mf_moe_weights_t *next_weights, int32_t experts_per_step);
 
 /* What balancing did in this layer's last forward and prefetch, as every rank sees it. */
 typedef struct mf_moe_balance_stats {
@@ -445,6 +477,13 @@ typedef struct mf_moe_balance_stats {
     int64_t prefetch_bytes_all;          /* the same over every rank */
     int32_t spare_resident;              /* spare slots holding an expert after the last prefetch */
     int32_t pad;
+    /* mf_moe_stage_expert_map: */
+    int64_t stage_bytes;                 /* weight bytes this rank pushed to peers in the last prefetch */
+    int64_t stage_bytes_all;             /* the same over every rank */
+    int64_t stage_local_bytes;           /* weight bytes this rank copied locally in it (held experts
+                                            and arrivals from the staging slots into next_weights) */
+    int32_t stage_steps_left;            /* prefetches until the staged map serves; 0 = none staged */
+    int32_t map_switches;                /* staged maps switched to so far */
 } mf_moe_balance_stats_t;
 
 /* Fills *stats (stats->size must be set; a smaller size gets the fields that fit). Not

@@ -14,6 +14,7 @@
 
 #include "harness.h"
 #include "plan/balance.h"
+#include "plan/stage.h"
 #include "problem.h"
 
 #define BAL_TIMEOUT_MS 20000
@@ -609,7 +610,272 @@ static int test_bad_maps(void) {
     return rc;
 }
 
+/* ---- rebalancing without a stall (mf_moe_stage_expert_map) ---------------------------------- */
+
+/* Stages `next` over `prev` (n experts per step, B spare slots) with the routing redrawn every
+ * call: every call's y equals the plain layer's bit for bit, while staging (old map) and after the
+ * switch (new map); mfp_run checks next_weights byte for byte against the experts and that the
+ * map switched; the steps, the forwards served while staging and the bytes pushed are the
+ * schedule's. */
+static int stage_case(int32_t R, int32_t dtype, int32_t B, int32_t extra, int32_t n, int32_t transport, uint64_t seed) {
+    mfp_spec_t s = bal_spec(R, dtype, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_ZIPF, seed);
+    s.K = 2;
+    mfp_problem_t p;
+    MFT_CHECK(mfp_generate(&s, &p) == 0);
+    const int32_t P = s.E + extra * R, Lp = P / R;
+    int32_t prev[64], next[64];
+    random_map(s.E, P, seed + 1, prev);
+    random_map(s.E, P, seed + 2, next);
+    mf__stage_slot_t plan[64];
+    int32_t moved = 0, most = 0;
+    for (int32_t q = 0; q < R; q++) {
+        int32_t m = mf__stage_moved(prev, next, Lp, q);
+        moved += m, most = m > most ? m : most;
+    }
+    const int32_t steps = mf__stage_schedule(prev, next, P, R, n ? n : (most ? most : 1), plan);
+    const int32_t total = steps + 3;
+    uint64_t *d[2];
+    uint16_t *y[2][MF_MAX_RANKS];
+    mfp_timing_t t;
+    memset(&t, 0, sizeof t);
+    int rc = 0;
+    for (int k = 0; k < 2; k++) {
+        d[k] = calloc((size_t)R * total * 2, sizeof(uint64_t));
+        for (int32_t r = 0; r < R; r++) y[k][r] = mft_alloc((size_t)p.T[r] * s.H * 2 + 2);
+    }
+    for (int k = 0; k < 2 && !rc; k++) {
+        mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
+        o.backend = MF_BACKEND_CPU, o.iters = total, o.timeout_ms = BAL_TIMEOUT_MS;
+        o.redraw = 1, o.redraw_seed = seed * 100, o.digests = d[k];
+        if (k) {
+            o.transport = transport;
+            o.expert_map = prev, o.num_physical = P, o.spare_slots = B, o.prefetch = 1;
+            o.stage_map = next, o.stage_at = 1, o.stage_per_step = n;
+        }
+        char err[512];
+        if (mfp_run(&p, &o, y[k], k ? &t : NULL, err, sizeof err) != MF_SUCCESS)
+            rc = mft_fail(__FILE__, __LINE__, "%s run (R %d, B %d, n %d): %s", k ? "staged" : "plain", (int)R, (int)B,
+                          (int)n, err);
+    }
+    for (int32_t i = 0; i < R * total && !rc; i++)
+        if (d[0][2 * i + 1] != d[1][2 * i + 1])
+            rc = mft_fail(__FILE__, __LINE__, "rank %d call %d: y differs from the plain layer's (%s; stage at call "
+                          "1, switch after %d steps; R %d, B %d, n %d)", (int)(i / total), (int)(i % total),
+                          i % total >= 1 && i % total < steps ? "staging, old map" : "new map", (int)steps, (int)R,
+                          (int)B, (int)n);
+    if (!rc) {
+        const int64_t copy = (int64_t)(2 * s.I * s.H + s.H * s.I) * (dtype == MF_DTYPE_FP8_E4M3 ? 1 : 2) +
+                             (dtype == MF_DTYPE_FP8_E4M3 ? (int64_t)3 * (s.I / 128) * (s.H / 128) * 4 : 0);
+        mft_verbose("  R %d B %d n %d: %d moved experts, %d steps, %d forwards while staging, %lld bytes pushed "
+                    "(at most %lld in a step)\n", (int)R, (int)B, (int)n, (int)moved, (int)t.stage_steps,
+                    (int)t.stage_forwards, (long long)t.stage_bytes_total, (long long)t.stage_step_bytes_max);
+        if (t.stage_steps != steps || t.stage_forwards != steps - 1 || t.stage_bytes_total != moved * copy ||
+            t.stage_step_bytes_max > (int64_t)R * (n ? n : most) * copy)
+            rc = mft_fail(__FILE__, __LINE__, "R %d B %d n %d: %d steps (want %d), %d forwards while staging (want %d), "
+                          "%lld bytes pushed (want %lld), %lld in a step (at most %lld)", (int)R, (int)B, (int)n,
+                          (int)t.stage_steps, (int)steps, (int)t.stage_forwards, (int)steps - 1,
+                          (long long)t.stage_bytes_total, (long long)(moved * copy), (long long)t.stage_step_bytes_max,
+                          (long long)((int64_t)R * (n ? n : most) * copy));
+    }
+    for (int k = 0; k < 2; k++) {
+        free(d[k]);
+        for (int32_t r = 0; r < R; r++) free(y[k][r]);
+    }
+    mfp_free(&p);
+    return rc;
+}
+
+/* The schedule itself: every moved slot once, at most n per rank and step, sources hold it. */
+static int test_stage_schedule(void) {
+    mft_rng_t rng = {0x57a9e};
+    for (int i = 0; i < 2000; i++) {
+        const int32_t R = 1 + mft_rng_int(&rng, 8), E = R * (1 + mft_rng_int(&rng, 6)), P = E + R * mft_rng_int(&rng, 4);
+        const int32_t Lp = P / R, n = 1 + mft_rng_int(&rng, 4);
+        int32_t prev[96], next[96];
+        random_map(E, P, 3 * (uint64_t)i + 1, prev);
+        random_map(E, P, 3 * (uint64_t)i + 2, next);
+        if (i % 5 == 0) memcpy(next, prev, sizeof prev); /* the same map: local copies only */
+        mf__stage_slot_t plan[96];
+        const int32_t steps = mf__stage_schedule(prev, next, P, R, n, plan);
+        int32_t per[96][2 * 4 + 1];
+        memset(per, 0, sizeof per);
+        int32_t last = -1;
+        for (int32_t p = 0; p < P; p++) {
+            const mf__stage_slot_t *st = &plan[p];
+            const int32_t q = p / Lp;
+            if (st->held >= 0) {
+                MFT_CHECK_MSG(prev[q * Lp + st->held] == next[p], "case %d slot %d: held slot has another expert", i, p);
+                continue;
+            }
+            MFT_CHECK(mf__stage_held(prev, Lp, q, next[p]) < 0);
+            MFT_CHECK_MSG(prev[st->source] == next[p], "case %d slot %d: the source does not hold the expert", i, p);
+            MFT_CHECK(st->staging >= 0 && st->staging < 2 * n && st->staging / n == st->step % 2);
+            MFT_CHECK(st->step + 1 < steps);
+            per[q][st->staging]++;
+            MFT_CHECK_MSG(per[q][st->staging] <= (st->step / 2 + 1), "case %d: staging slot reused within a step", i);
+            last = st->step > last ? st->step : last;
+        }
+        MFT_CHECK_EQ_INT(steps, last + 2 > 1 ? last + 2 : 1);
+        if (i % 5 == 0) MFT_CHECK_EQ_INT(steps, 1);
+    }
+    return 0;
+}
+
+static int test_stage_bitwise(void) {
+    return stage_case(2, MF_DTYPE_BF16, 0, 1, 1, MF_TRANSPORT_LOCAL, 71) ||
+           stage_case(4, MF_DTYPE_FP8_E4M3, 2, 1, 2, MF_TRANSPORT_LOCAL, 72) ||
+           stage_case(4, MF_DTYPE_BF16, 1, 2, 0, MF_TRANSPORT_LOCAL, 73) ||
+           stage_case(8, MF_DTYPE_FP8_E4M3, 0, 0, 3, MF_TRANSPORT_LOCAL, 74) ||
+           stage_case(1, MF_DTYPE_BF16, 1, 2, 1, MF_TRANSPORT_LOCAL, 75);
+}
+
+static int test_stage_ipc(void) {
+    return stage_case(4, MF_DTYPE_FP8_E4M3, 2, 1, 1, MF_TRANSPORT_IPC, 81) ||
+           stage_case(3, MF_DTYPE_BF16, 0, 2, 0, MF_TRANSPORT_IPC, 82);
+}
+
+/* Misuse: bad staged maps and weights, ranks that disagree, calls during a stage; each fails on
+ * every rank with nothing changed (the old map still serves, bit for bit), then a good stage runs. */
+static int stage_misuse_body(int32_t rank, change_ctx_t *c, mf_moe_t moe, uint8_t *w13, uint8_t *w2, uint16_t *y,
+                             uint8_t *n13, uint8_t *n2) {
+    const mfp_problem_t *p = c->p[0];
+    const int32_t Lp = c->P / p->spec.R, P = c->P;
+    const int64_t H = p->spec.H, I = p->spec.I;
+    mf_moe_weights_t w = {mft_t3(w13, MF_DTYPE_BF16, Lp, 2 * I, H), mft_none(), mft_t3(w2, MF_DTYPE_BF16, Lp, H, I),
+                          mft_none()};
+    mf_moe_weights_t nw = {mft_t3(n13, MF_DTYPE_BF16, Lp, 2 * I, H), mft_none(), mft_t3(n2, MF_DTYPE_BF16, Lp, H, I),
+                           mft_none()};
+    int32_t bad[64];
+    /* Before weights: every rank is refused (the old weights are the source). */
+    MFT_CHECK_ERR(mf_moe_stage_expert_map(moe, c->maps[1], P, &nw, 1), MF_ERR_INVALID_USAGE);
+    MFT_CHECK_OK(mf_moe_set_expert_map(moe, c->maps[0], P));
+    layout_weights(p, c->maps[0], P, rank, w13, w2);
+    MFT_CHECK_OK(mf_moe_set_weights(moe, &w));
+    MFT_CHECK(forward_check(moe, c, 0, rank, y, MF_SUCCESS) == 0);
+    /* Bad maps and arguments, the same on every rank. */
+    memcpy(bad, c->maps[1], sizeof bad), bad[2] = p->spec.E;
+    MFT_CHECK_ERR(mf_moe_stage_expert_map(moe, bad, P, &nw, 1), MF_ERR_INVALID_ARGUMENT);
+    MFT_CHECK(mft_contains_ci(mf_last_error(), "phys_to_logical[2]"));
+    memcpy(bad, c->maps[1], sizeof bad);
+    for (int32_t q = 0; q < P; q++) bad[q] = bad[q] == 3 ? 4 : bad[q];
+    MFT_CHECK_ERR(mf_moe_stage_expert_map(moe, bad, P, &nw, 1), MF_ERR_INVALID_ARGUMENT);
+    MFT_CHECK(mft_contains_ci(mf_last_error(), "logical expert 3 has no physical slot"));
+    MFT_CHECK_ERR(mf_moe_stage_expert_map(moe, c->maps[1], P - 1, &nw, 1), MF_ERR_INVALID_ARGUMENT);
+    MFT_CHECK_ERR(mf_moe_stage_expert_map(moe, c->maps[1], P, NULL, 1), MF_ERR_INVALID_ARGUMENT);
+    MFT_CHECK_ERR(mf_moe_stage_expert_map(moe, c->maps[1], P, &nw, -1), MF_ERR_INVALID_ARGUMENT);
+    mf_moe_weights_t short_w = nw;
+    short_w.w2.dims[0] = Lp - 1;
+    MFT_CHECK_ERR(mf_moe_stage_expert_map(moe, c->maps[1], P, &short_w, 1), MF_ERR_INVALID_ARGUMENT);
+    MFT_CHECK(mft_contains_ci(mf_last_error(), "next_weights.w2"));
+    MFT_CHECK_ERR(mf_moe_stage_expert_map(moe, c->maps[1], P, &w, 1), MF_ERR_INVALID_ARGUMENT); /* the current ones */
+    MFT_CHECK(mft_contains_ci(mf_last_error(), "current weights"));
+    /* One rank's bad map: every rank fails (the others name it). */
+    memcpy(bad, c->maps[1], sizeof bad), bad[0] = rank == 1 ? -1 : bad[0];
+    MFT_CHECK_ERR(mf_moe_stage_expert_map(moe, bad, P, &nw, 1), MF_ERR_INVALID_ARGUMENT);
+    if (rank != 1) MFT_CHECK(mft_contains_ci(mf_last_error(), "rank 1 rejected"));
+    /* Ranks that stage different maps, or steps: every rank fails. */
+    MFT_CHECK_ERR(mf_moe_stage_expert_map(moe, c->maps[rank == 0 ? 2 : 1], P, &nw, 1), MF_ERR_INVALID_ARGUMENT);
+    MFT_CHECK(mft_contains_ci(mf_last_error(), "every rank stages the same"));
+    MFT_CHECK_ERR(mf_moe_stage_expert_map(moe, c->maps[1], P, &nw, rank == 2 ? 2 : 1), MF_ERR_INVALID_ARGUMENT);
+    /* Nothing changed: no stage in flight, the old map serves; a prefetch moves nothing. */
+    mf_moe_balance_stats_t st = {.size = sizeof st};
+    MFT_CHECK_OK(mf_moe_get_balance_stats(moe, &st));
+    MFT_CHECK_EQ_INT(st.stage_steps_left, 0);
+    MFT_CHECK_EQ_INT(st.map_switches, 0);
+    MFT_CHECK_OK(mf_moe_prefetch(moe, NULL));
+    MFT_CHECK_OK(mf_moe_get_balance_stats(moe, &st));
+    MFT_CHECK(st.stage_bytes == 0 && st.stage_local_bytes == 0);
+    MFT_CHECK(forward_check(moe, c, 1, rank, y, MF_SUCCESS) == 0);
+    /* A good stage, one expert per step; during it: no second stage, no set_expert_map or
+     * set_weights; forwards serve the old map. */
+    memset(n13, 0xA5, (size_t)Lp * 2 * I * H * 2), memset(n2, 0xA5, (size_t)Lp * H * I * 2);
+    MFT_CHECK_OK(mf_moe_stage_expert_map(moe, c->maps[1], P, &nw, 1));
+    MFT_CHECK_ERR(mf_moe_stage_expert_map(moe, c->maps[1], P, &nw, 1), MF_ERR_INVALID_USAGE);
+    MFT_CHECK(mft_contains_ci(mf_last_error(), "in progress"));
+    MFT_CHECK_ERR(mf_moe_set_expert_map(moe, c->maps[1], P), MF_ERR_INVALID_USAGE);
+    MFT_CHECK_ERR(mf_moe_set_weights(moe, &w), MF_ERR_INVALID_USAGE);
+    int32_t steps = 0;
+    for (;; steps++) {
+        MFT_CHECK_OK(mf_moe_get_balance_stats(moe, &st));
+        if (!st.stage_steps_left) break;
+        MFT_CHECK(steps < 64);
+        MFT_CHECK_OK(mf_moe_prefetch(moe, NULL));
+        MFT_CHECK(forward_check(moe, c, steps % 2, rank, y, MF_SUCCESS) == 0);
+    }
+    MFT_CHECK_EQ_INT(st.map_switches, 1);
+    /* The moved weights are the new map's experts, byte for byte. */
+    layout_weights(p, c->maps[1], P, rank, w13, w2);
+    MFT_CHECK_MSG(memcmp(n13, w13, (size_t)Lp * 2 * I * H * 2) == 0 && memcmp(n2, w2, (size_t)Lp * H * I * 2) == 0,
+                  "rank %d: next_weights differ from the new map's experts", (int)rank);
+    memset(w13, 0x5A, (size_t)Lp * 2 * I * H * 2), memset(w2, 0x5A, (size_t)Lp * H * I * 2); /* old ones reusable */
+    for (int32_t it = 0; it < 3; it++) {
+        MFT_CHECK(forward_check(moe, c, it % 2, rank, y, MF_SUCCESS) == 0);
+        MFT_CHECK_OK(mf_moe_prefetch(moe, NULL));
+    }
+    /* A rank that skips a step: every rank fails the next forward (the prefetch counts differ). */
+    MFT_CHECK_OK(mf_moe_stage_expert_map(moe, c->maps[2], P, &w, 1)); /* into the old buffers */
+    if (rank != 0) MFT_CHECK_OK(mf_moe_prefetch(moe, NULL));
+    MFT_CHECK(forward_check(moe, c, 0, rank, y, MF_ERR_INVALID_USAGE) == 0);
+    return 0;
+}
+
+static int stage_misuse_rank(int32_t rank, void *arg) {
+    change_ctx_t *c = arg;
+    const mfp_problem_t *p = c->p[0];
+    mf_comm_t comm;
+    MFT_CHECK_OK(mf_group_get_comm(c->group, rank, &comm));
+    mf_moe_config_t cfg = MF_MOE_CONFIG_INIT;
+    cfg.num_experts = p->spec.E, cfg.num_topk = p->spec.K, cfg.hidden = p->spec.H, cfg.intermediate = p->spec.I;
+    cfg.max_tokens_per_rank = p->spec.S, cfg.dtype = MF_DTYPE_BF16;
+    cfg.num_physical_experts = c->P, cfg.spare_slots = c->B;
+    mf_moe_t moe;
+    MFT_CHECK_OK(mf_moe_create(comm, &cfg, &moe));
+    const int32_t Lp = c->P / p->spec.R;
+    const size_t b13 = (size_t)Lp * 2 * p->spec.I * p->spec.H * 2, b2 = (size_t)Lp * p->spec.H * p->spec.I * 2;
+    uint8_t *w13 = mft_alloc(b13), *w2 = mft_alloc(b2), *n13 = mft_alloc(b13), *n2 = mft_alloc(b2);
+    uint16_t *y = mft_alloc((size_t)p->spec.S * p->spec.H * 2 + 2);
+    int rc = stage_misuse_body(rank, c, moe, w13, w2, y, n13, n2);
+    mf_result_t d = mf_moe_destroy(moe);
+    free(w13), free(w2), free(n13), free(n2), free(y);
+    if (!rc) MFT_CHECK_OK(d);
+    return rc;
+}
+
+static int test_stage_misuse(void) {
+    mfp_spec_t s = bal_spec(4, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_HOT, 91);
+    mfp_problem_t p0, p1;
+    MFT_CHECK(mfp_generate(&s, &p0) == 0);
+    MFT_CHECK(mfp_generate(&s, &p1) == 0);
+    p1.spec.routing = MFP_ROUTING_ZIPF;
+    MFT_CHECK(mfp_redraw_inputs(&p1, 92) == 0);
+    change_ctx_t c;
+    memset(&c, 0, sizeof c);
+    c.p[0] = &p0, c.p[1] = &p1;
+    c.P = s.E + s.R, c.B = 1;
+    for (int m = 0; m < 3; m++) random_map(s.E, c.P, 93 + m, c.maps[m]);
+    mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
+    o.backend = MF_BACKEND_CPU;
+    o.timeout_ms = BAL_TIMEOUT_MS;
+    char err[512];
+    for (int i = 0; i < 2; i++) {
+        for (int32_t r = 0; r < s.R; r++) c.yref[i][r] = mft_alloc((size_t)s.T_per_rank * s.H * 2 + 2);
+        MFT_CHECK_MSG(mfp_run(c.p[i], &o, c.yref[i], NULL, err, sizeof err) == MF_SUCCESS, "plain: %s", err);
+    }
+    c.group = mft_cpu_group(s.R, BAL_TIMEOUT_MS);
+    MFT_CHECK(c.group);
+    int rc = mft_run_ranks(s.R, stage_misuse_rank, &c);
+    MFT_CHECK_OK(mf_group_destroy(c.group));
+    for (int i = 0; i < 2; i++)
+        for (int32_t r = 0; r < s.R; r++) free(c.yref[i][r]);
+    mfp_free(&p0), mfp_free(&p1);
+    return rc;
+}
+
 const mft_test_t mft_tests_balance[] = {
+    {"balance_stage_schedule", test_stage_schedule, 0},
+    {"balance_stage_bitwise", test_stage_bitwise, 0},
+    {"balance_stage_ipc", test_stage_ipc, 0},
+    {"balance_stage_misuse", test_stage_misuse, 0},
     {"balance_pick_incremental", test_pick_incremental, 120},
     {"balance_plan_parallel", test_plan_parallel, 120},
     {"balance_planner", test_planner, 0},

@@ -40,6 +40,7 @@
 #include "moeflow.h"
 #include "problem.h"
 #include "ref.h"
+#include "plan/stage.h" /* --rebalance: the schedule of a staged map */
 #include "bench.h" /* the H200 ceilings; `moeflow bench gemm` */
 
 /* ---- defaults and limits -------------------------------------------------------------------- */
@@ -109,6 +110,7 @@ typedef struct opts {
     const char *json;
     int32_t balance;   /* --balance B: spare slots per rank; each row also runs with B (0 = off) */
     double link_gbps;  /* the step-time model's link rate */
+    int32_t rebalance; /* --rebalance N: each row stages a new map, N experts per step (-1 = off) */
 } opts_t;
 
 static void usage(FILE *f) {
@@ -150,6 +152,11 @@ static void usage(FILE *f) {
             "                               forwards); prints rows per rank before / after, the\n"
             "                               weights moved and the modelled R-GPU step (bench) [0]\n"
             "      --link-gbps G            the model's link rate per direction, GB/s        [%g]\n"
+            "      --rebalance N            each row stages a new expert map a quarter into its\n"
+            "                               timed forwards (mf_moe_stage_expert_map, N experts per\n"
+            "                               rank per prefetch step, 0 = all): half of each rank's\n"
+            "                               experts move to the previous rank; prints the forward\n"
+            "                               time while staging and not, steps and bytes per step\n"
             "running\n"
             "      --backend auto|cpu|cuda  auto: CUDA when present, else CPU          [auto]\n"
             "      --transport local|ipc|nccl  local: the ranks are threads of this process (one\n"
@@ -271,7 +278,7 @@ static const struct {
     {0, "backend", 1},  {0, "preset", 1},    {0, "ue8m0", 0},        {0, "iters", 1},
     {0, "warmup", 1},   {0, "json", 1},      {0, "timeout-ms", 1},   {0, "no-check", 0},
     {0, "dataflow", 1}, {0, "per-rank", 0}, {0, "gated", 0}, {0, "transport", 1}, {0, "op", 1},
-    {0, "balance", 1},  {0, "link-gbps", 1},
+    {0, "balance", 1},  {0, "link-gbps", 1}, {0, "rebalance", 1},
     {'h', "help", 0},
 };
 #define NUM_FLAGS ((int)(sizeof k_flags / sizeof k_flags[0]))
@@ -319,6 +326,7 @@ static void parse_args(int argc, char **argv, opts_t *o) {
     o->seed = DEF_SEED, o->backend_req = MF_BACKEND_AUTO, o->iters = -1, o->warmup = -1;
     o->check = 1;
     o->link_gbps = DEF_LINK_GBPS;
+    o->rebalance = -1;
     /* Pass 1: the preset, so that every other flag overrides it wherever it stands. */
     for (int i = first; i < argc; i++) {
         const char *v, *name = next_flag(argc, argv, &i, &v);
@@ -382,6 +390,7 @@ static void parse_args(int argc, char **argv, opts_t *o) {
         else if (!strcmp(name, "--timeout-ms")) o->timeout_ms = parse_int(name, v, 0, INT64_MAX);
         else if (!strcmp(name, "--no-check")) o->check = 0;
         else if (!strcmp(name, "--balance")) o->balance = (int32_t)parse_int(name, v, 0, MF_MAX_SPARE_SLOTS);
+        else if (!strcmp(name, "--rebalance")) o->rebalance = (int32_t)parse_int(name, v, 0, 1000000);
         else if (!strcmp(name, "--link-gbps")) {
             o->link_gbps = parse_double(name, v);
             if (!(o->link_gbps > 0)) die_usage("--link-gbps needs a rate > 0");
@@ -430,6 +439,26 @@ static void resolve(opts_t *o) {
     /* Balancing plans from the previous forward: at least one forward before the measured one. */
     if (o->balance && o->comm_op) die_usage("--balance is for the whole layer, not --op comm");
     if (o->balance && o->warmup < 1) o->warmup = 1;
+    if (o->rebalance >= 0 && o->comm_op) die_usage("--rebalance is for the whole layer, not --op comm");
+    if (o->rebalance >= 0 && o->warmup < 1) o->warmup = 1;
+}
+
+/* --rebalance: the identity map, and the staged one: slot p takes the expert of slot p + Lp / 2,
+ * so that the second half of every rank's slots holds experts of the next rank (moved) and the
+ * first half experts it already has (local copies). Returns the schedule's steps. */
+static int32_t rebalance_maps(const opts_t *o, int32_t *prev, int32_t *next) {
+    const int32_t P = o->E, Lp = P / o->R, shift = Lp / 2 > 0 ? Lp / 2 : 1;
+    for (int32_t p = 0; p < P; p++) prev[p] = p, next[p] = (p + shift) % P;
+    int32_t n = o->rebalance, most = 0;
+    for (int32_t q = 0; q < o->R; q++) {
+        int32_t m = mf__stage_moved(prev, next, Lp, q);
+        most = m > most ? m : most;
+    }
+    mf__stage_slot_t *plan = malloc(sizeof *plan * (size_t)P);
+    if (!plan) die_usage("out of host memory");
+    int32_t steps = mf__stage_schedule(prev, next, P, o->R, n ? n : (most ? most : 1), plan);
+    free(plan);
+    return steps;
 }
 
 /* ---- memory guard ----------------------------------------------------------------------------- */
@@ -515,6 +544,7 @@ static void on_run_progress(void *ctx, int32_t done, int32_t total) {
 /* ---- one result row ------------------------------------------------------------------------- */
 typedef struct row {
     int32_t dtype, T, flow, balance;
+    int32_t stage_steps;   /* --rebalance: the schedule's prefetch steps */
     int32_t op;            /* ROW_LAYER, ROW_DISPATCH, ROW_COMBINE */
     double floor_rank_us;  /* the busiest rank's share alone; -1 on the CPU */
     double sel_per_rank;   /* --op comm: mean top-k selections (id != -1) per rank */
@@ -819,6 +849,18 @@ static int write_json(const opts_t *o, const row_t *rows, int nrows, int argc, c
             fprintf(f, ", \"pct_of_floor\": ");
             mf__json_number(f, r->pct);
         }
+        if (o->rebalance >= 0 && r->op == ROW_LAYER && r->code == MF_SUCCESS) { /* --rebalance */
+            const mfp_timing_t *t = &r->timing;
+            fprintf(f, ", \"rebalance\": {\"experts_per_step\": %d, \"steps\": %d, \"forwards_staging\": %d, "
+                    "\"forward_off_us\": ", o->rebalance, t->stage_steps, t->stage_forwards);
+            mf__json_number(f, t->plain_forward_max_ms * 1e3);
+            fprintf(f, ", \"forward_on_us\": ");
+            mf__json_number(f, t->stage_forward_max_ms * 1e3);
+            fprintf(f, ", \"step_us\": ");
+            mf__json_number(f, t->stage_prefetch_ms * 1e3);
+            fprintf(f, ", \"pushed_step_max_bytes\": %lld, \"pushed_bytes\": %lld}",
+                    (long long)t->stage_step_bytes_max, (long long)t->stage_bytes_total);
+        }
         if (r->checked) {
             fprintf(f, ", \"wrong\": %lld, \"diff\": ", (long long)r->wrong);
             mf__json_number(f, r->diff);
@@ -949,12 +991,23 @@ static void run_row(const opts_t *o, mfp_problem_t *p, row_t *row, uint16_t **y,
     ro.progress_ctx = &pg;
     ro.spare_slots = row->balance;
     ro.prefetch = row->balance > 0;
+    int32_t *maps = NULL;
+    if (o->rebalance >= 0) { /* stage a quarter into the timed forwards; enough forwards to switch */
+        maps = malloc(sizeof(int32_t) * 2 * (size_t)o->E);
+        if (!maps) die_usage("out of host memory");
+        row->stage_steps = rebalance_maps(o, maps, maps + o->E);
+        ro.expert_map = maps, ro.num_physical = o->E, ro.prefetch = 1;
+        ro.stage_map = maps + o->E, ro.stage_per_step = o->rebalance;
+        ro.stage_at = o->warmup + o->iters / 4;
+        if (ro.iters < o->iters / 4 + row->stage_steps + 2) ro.iters = o->iters / 4 + row->stage_steps + 2;
+    }
     char what[64];
     snprintf(what, sizeof what, "%s T=%d: %d forward%s", dtype_name(row->dtype), row->T,
              o->warmup + o->iters, o->warmup + o->iters > 1 ? "s" : "");
     progress_start(&pg, what);
     row->code = mfp_run(p, &ro, y, &row->timing, err, sizeof err);
     progress_end(&pg);
+    free(maps);
     if (row->code != MF_SUCCESS) {
         fprintf(stderr, "moeflow: %s T=%d: %s: %s\n", dtype_name(row->dtype), row->T,
                 mf_result_string(row->code), err);
@@ -1099,6 +1152,28 @@ static void print_balance(const opts_t *o, row_t *rows, int nrows) {
     }
 }
 
+static void print_rebalance(const opts_t *o, const row_t *rows, int nrows) {
+    printf("#\n# rebalance  a staged map (--rebalance %d experts per rank per step; half of each rank's experts\n"
+           "#            move): forwards served while the stage was in flight (old map) and the others, medians\n"
+           "#            of the slowest rank's wall time per forward (host-synchronised); step: mean wall time\n"
+           "#            of a prefetch that made a stage step (synchronised); pushed: weight bytes all ranks\n"
+           "#            pushed peer to peer in the largest step and in all\n", o->rebalance);
+    printf("#%5s %8s %7s %3s %5s %6s %10s %10s %7s %10s %14s %14s\n", "dtype", "dataflow", "T", "B", "steps",
+           "fwd_st", "fwd_off", "fwd_on", "cost", "step", "pushed_step", "pushed_all");
+    printf("#%5s %8s %7s %3s %5s %6s %10s %10s %7s %10s %14s %14s\n", "", "", "", "", "", "", "(us)", "(us)", "",
+           "(us)", "(bytes)", "(bytes)");
+    for (int i = 0; i < nrows; i++) {
+        const row_t *r = &rows[i];
+        if (r->code != MF_SUCCESS || r->op != ROW_LAYER) continue;
+        const mfp_timing_t *t = &r->timing;
+        double off = t->plain_forward_max_ms * 1e3, on = t->stage_forward_max_ms * 1e3;
+        printf(" %5s %8s %7d %3d %5d %6d %10.1f %10.1f %6.1f%% %10.1f %14lld %14lld\n", dtype_name(r->dtype),
+               k_flow_names[r->flow], r->T, r->balance, t->stage_steps, t->stage_forwards, off, on,
+               off > 0 && t->stage_forwards ? 100.0 * (on / off - 1.0) : 0.0, t->stage_prefetch_ms * 1e3,
+               (long long)t->stage_step_bytes_max, (long long)t->stage_bytes_total);
+    }
+}
+
 int main(int argc, char **argv) {
     mfp_cuda_env();
     if (argc > 2 && !strcmp(argv[1], "bench") && !strcmp(argv[2], "gemm")) {
@@ -1186,6 +1261,7 @@ int main(int argc, char **argv) {
     int passed = 0;
     for (int i = 0; i < nrows; i++) passed += rows[i].pass;
     if (o.balance) print_balance(&o, rows, nrows);
+    if (o.rebalance >= 0) print_rebalance(&o, rows, nrows);
     if (o.bench) print_phases(&o, rows, nrows);
     if (o.bench && o.per_rank) print_rank_phases(&o, rows, nrows);
     printf("# %s: %d of %d rows passed\n", all_pass ? "PASS" : "FAIL", passed, nrows);

@@ -506,6 +506,10 @@ typedef struct run_state {
     int64_t prefetch_first_bytes, prefetch_last_bytes;
     double prefetch_ms_sum;
     int32_t prefetch_n;
+    uint8_t staged_iter[MFP_STAGE_ITERS]; /* rank 0: 1 where a timed forward ran while a stage was in flight */
+    int32_t stage_steps;
+    double stage_prefetch_ms_sum;
+    int64_t stage_step_bytes_max, stage_bytes_total;
     uint64_t *digests;  /* [R][warmup + iters][2] when opts->digests */
 #if MF_WITH_CUDA
     cudaEvent_t *begins; /* [R][iters] LOCAL, CUDA with profile: recorded on each rank's stream before its forward */
@@ -688,6 +692,69 @@ static int backend_copy(int on_device, void *dst, const void *src, size_t bytes,
     return 0;
 }
 
+/* Fills backend memory with 0xA5 bytes (0 ok). */
+static int backend_poison(int on_device, void *ptr, size_t bytes) {
+#if MF_WITH_CUDA
+    if (on_device) return cudaMemset(ptr, 0xA5, bytes) == cudaSuccess ? 0 : -1;
+#endif
+    (void)on_device;
+    memset(ptr, 0xA5, bytes);
+    return 0;
+}
+
+/* stage_map: this rank's next_weights [L, ...] (backend memory) hold, byte for byte, the problem's
+ * experts of stage_map, and the layer switched to it. 0 ok; else the run failed naming the slot. */
+static int check_next_weights(run_state_t *run, int32_t r, mf_moe_t moe, void *const next[4], size_t L) {
+    const mfp_problem_t *p = run->p;
+    const mfp_spec_t *s = &p->spec;
+    const int32_t fp8 = s->dtype == MF_DTYPE_FP8_E4M3;
+    const size_t H = (size_t)s->H, I = (size_t)s->I, esize = fp8 ? 1 : 2;
+    const size_t nsc = (2 * I / MFP_QBLOCK) * (H / MFP_QBLOCK);
+    const size_t per[4] = {2 * I * H * esize, H * I * esize, fp8 ? nsc * 4 : 0, fp8 ? nsc / 2 * 4 : 0};
+    static const char *const names[4] = {"w13", "w2", "w13_scales", "w2_scales"};
+    mf_moe_balance_stats_t bs = {.size = sizeof bs};
+    mf_result_t res = mf_moe_get_balance_stats(moe, &bs);
+    if (res != MF_SUCCESS) {
+        fail(run, r, res, "mf_moe_get_balance_stats", mf_last_error());
+        return -1;
+    }
+    if (bs.map_switches != 1 || bs.stage_steps_left != 0) {
+        char msg[128];
+        snprintf(msg, sizeof msg, "%d switches, %d steps left after the run (want 1, 0)", (int)bs.map_switches,
+                 (int)bs.stage_steps_left);
+        fail(run, r, MF_ERR_INTERNAL, "the staged map", msg);
+        return -1;
+    }
+    for (int i = 0; i < 4; i++) {
+        if (!per[i]) continue;
+        uint8_t *h = malloc(L * per[i]);
+        if (!h || backend_copy(run->backend == MF_BACKEND_CUDA, h, next[i], L * per[i], 1) != 0) {
+            free(h);
+            fail(run, r, MF_ERR_CUDA, "next_weights", "copying them to the host failed");
+            return -1;
+        }
+        for (size_t l = 0; l < L; l++) {
+            const int32_t e = run->opts->stage_map[(size_t)r * L + l];
+            const uint8_t *src = i == 0 ? p->w13[e / p->L] : i == 1 ? p->w2[e / p->L]
+                               : i == 2 ? (const uint8_t *)p->w13_scales[e / p->L]
+                                        : (const uint8_t *)p->w2_scales[e / p->L];
+            src += (size_t)(e % p->L) * per[i];
+            if (memcmp(h + l * per[i], src, per[i]) != 0) {
+                size_t b = 0;
+                while (h[l * per[i] + b] == src[b]) b++;
+                char msg[160];
+                snprintf(msg, sizeof msg, "slot %zu (expert %d): %s differs from the expert at byte %zu (0x%02x, want "
+                         "0x%02x)", l, (int)e, names[i], b, h[l * per[i] + b], src[b]);
+                free(h);
+                fail(run, r, MF_ERR_INTERNAL, "next_weights", msg);
+                return -1;
+            }
+        }
+        free(h);
+    }
+    return 0;
+}
+
 static void *rank_main(void *varg) {
     rank_arg_t *arg = varg;
     run_state_t *run = arg->run;
@@ -707,6 +774,7 @@ static void *rank_main(void *varg) {
     const size_t P = o->num_physical ? (size_t)o->num_physical : (size_t)s->E;
     const size_t L = o->expert_map ? P / (size_t)s->R : (size_t)p->L;
     void *phys[4] = {NULL, NULL, NULL, NULL};
+    void *next[4] = {NULL, NULL, NULL, NULL}; /* stage_map: next_weights */
     if (o->expert_map) {
         const size_t per[4] = {2 * I * H * esize, H * I * esize, fp8 ? nsc * 4 : 0, fp8 ? nsc / 2 * 4 : 0};
         for (int i = 0; i < 4; i++) {
@@ -873,6 +941,21 @@ static void *rank_main(void *varg) {
         fail(run, r, res, "mf_moe_set_weights", mf_last_error());
         goto done;
     }
+    /* A staged map's weights: the run's buffers, poisoned, that moeflow fills. */
+    mf_moe_weights_t nw = w;
+    int staging = 0; /* a stage is in flight (its prefetch steps are counted) */
+    if (o->stage_map) {
+        for (int i = 0; i < 4; i++) {
+            if (!bytes[4 + i]) continue;
+            next[i] = backend_alloc(on_device, bytes[4 + i]);
+            if (!next[i] || backend_poison(on_device, next[i], bytes[4 + i]) != 0) {
+                fail(run, r, MF_ERR_OUT_OF_MEMORY, "next_weights", "out of memory");
+                goto done;
+            }
+        }
+        nw.w13.data = next[0], nw.w2.data = next[1];
+        if (fp8) nw.w13_scales.data = next[2], nw.w2_scales.data = next[3];
+    }
 
     mf_moe_forward_in_t in = {
         .x = {mem[0], MF_DTYPE_BF16, 2, {T, (int64_t)H}},
@@ -971,6 +1054,12 @@ static void *rank_main(void *varg) {
             }
         }
         if (r == o->die_rank && it == o->die_at && procs && !o->die_mid) raise(SIGKILL); /* fault injection */
+        if (o->stage_map && it == o->stage_at &&
+            (res = mf_moe_stage_expert_map(moe, o->stage_map, (int32_t)P, &nw, o->stage_per_step)) != MF_SUCCESS) {
+            fail(run, r, res, "mf_moe_stage_expert_map", mf_last_error());
+            goto done;
+        }
+        if (o->stage_map && it == o->stage_at) staging = 1;
         if (o->prefetch && it > 0) { /* between two forwards, as an engine would during attention */
             double tp = now_s();
             if ((res = mf_moe_prefetch(moe, stream)) != MF_SUCCESS) {
@@ -989,6 +1078,15 @@ static void *rank_main(void *varg) {
                 run->prefetch_last_bytes = bs.prefetch_bytes_all;
                 run->prefetch_ms_sum += (now_s() - tp) * 1e3;
                 run->prefetch_n++;
+                if (staging) { /* this prefetch made a step of the stage */
+                    staging = bs.stage_steps_left > 0;
+                    run->stage_steps++;
+                    run->stage_prefetch_ms_sum += (now_s() - tp) * 1e3;
+                    run->stage_bytes_total += bs.stage_bytes_all;
+                    if (bs.stage_bytes_all > run->stage_step_bytes_max) run->stage_step_bytes_max = bs.stage_bytes_all;
+                }
+                const int32_t jt = it - o->warmup;
+                if (jt >= 0 && jt < MFP_STAGE_ITERS) run->staged_iter[jt] = bs.stage_steps_left > 0;
             }
         }
         double t0 = now_s(), t_disp = 0, t_comb = 0;
@@ -1139,6 +1237,7 @@ static void *rank_main(void *varg) {
         }
         if (r == 0 && o->progress) o->progress(o->progress_ctx, it + 1, total);
     }
+    if (o->stage_map && check_next_weights(run, r, moe, next, L) != 0) goto done;
     if (r == 0 && (o->num_physical || o->spare_slots || o->expert_map)) {
         run->balance.size = sizeof run->balance;
         if ((res = mf_moe_get_balance_stats(moe, &run->balance)) != MF_SUCCESS)
@@ -1181,7 +1280,34 @@ done:
     }
 #endif
     for (int i = 0; i < 4; i++) free(phys[i]);
+    for (int i = 0; i < 4; i++)
+        if (next[i]) backend_free(on_device, next[i]);
     return NULL;
+}
+
+static double median(double *v, int32_t n);
+
+/* Forward times split by whether a stage was in flight (rank 0's flags; first MFP_STAGE_ITERS). */
+static void stage_medians(const run_state_t *run, mfp_timing_t *t) {
+    const int32_t R = run->p->spec.R, n = run->opts->iters < MFP_STAGE_ITERS ? run->opts->iters : MFP_STAGE_ITERS;
+    double *a[2] = {malloc(sizeof(double) * (size_t)(n + 1)), malloc(sizeof(double) * (size_t)(n + 1))};
+    double *b[2] = {malloc(sizeof(double) * (size_t)(n + 1)), malloc(sizeof(double) * (size_t)(n + 1))};
+    int32_t m[2] = {0, 0};
+    for (int32_t j = 0; a[0] && a[1] && b[0] && b[1] && j < n; j++) {
+        const int32_t k = run->staged_iter[j];
+        double worst = 0;
+        for (int32_t r = 0; r < R; r++) worst = run->times[(size_t)r * run->opts->iters + j] > worst
+                                                    ? run->times[(size_t)r * run->opts->iters + j] : worst;
+        a[k][m[k]] = run->times[j], b[k][m[k]] = worst, m[k]++;
+    }
+    t->stage_forwards = m[1];
+    if (m[1]) t->stage_forward_ms = median(a[1], m[1]), t->stage_forward_max_ms = median(b[1], m[1]);
+    if (m[0]) t->plain_forward_ms = median(a[0], m[0]), t->plain_forward_max_ms = median(b[0], m[0]);
+    t->stage_steps = run->stage_steps;
+    t->stage_prefetch_ms = run->stage_steps ? run->stage_prefetch_ms_sum / run->stage_steps : 0.0;
+    t->stage_step_bytes_max = run->stage_step_bytes_max;
+    t->stage_bytes_total = run->stage_bytes_total;
+    for (int i = 0; i < 2; i++) free(a[i]), free(b[i]);
 }
 
 static int cmp_double(const void *a, const void *b) {
@@ -1491,6 +1617,7 @@ mf_result_t mfp_run(const mfp_problem_t *p, const mfp_run_opts_t *opts, uint16_t
             timing->prefetch_last_bytes = run->prefetch_last_bytes;
             timing->prefetch_ms = run->prefetch_n ? run->prefetch_ms_sum / run->prefetch_n : 0.0;
         }
+        if (opts->stage_map) stage_medians(run, timing);
 #if MF_WITH_CUDA
         if (run->begins) rank_starts(run, timing);
 #endif

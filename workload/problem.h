@@ -89,7 +89,16 @@ typedef struct mfp_timing {
     mf_moe_balance_stats_t balance;
     int64_t prefetch_first_bytes, prefetch_last_bytes;
     double prefetch_ms;
+    /* With stage_map: the forwards served while the stage was in flight (old map) and the others,
+     * medians of rank 0's wall time and of the slowest rank's (ms; only iterations below
+     * MFP_STAGE_ITERS are classified); the stage's prefetch calls, their mean wall time (rank 0,
+     * ms, synchronised) and the most weight bytes all ranks pushed in one of them. */
+    int32_t stage_forwards, stage_steps;
+    double stage_forward_ms, stage_forward_max_ms, plain_forward_ms, plain_forward_max_ms, stage_prefetch_ms;
+    int64_t stage_step_bytes_max, stage_bytes_total;
 } mfp_timing_t;
+
+#define MFP_STAGE_ITERS 4096
 
 /* How mfp_run drives the layer. */
 typedef struct mfp_run_opts {
@@ -145,6 +154,13 @@ typedef struct mfp_run_opts {
      * forward but the first (FORWARD only). */
     const int32_t *expert_map;
     int32_t num_physical, spare_slots, prefetch;
+    /* Rebalancing (mf_moe_stage_expert_map; needs prefetch = 1): before the prefetch of iteration
+     * stage_at (>= 1, counting warm-up), every rank stages stage_map [num_physical] with
+     * stage_per_step experts per step, into next_weights the run allocates (poisoned first); at
+     * the end each rank checks them byte for byte against the problem's experts of stage_map and
+     * that the map switched (a mismatch fails the run, naming the slot). NULL: no stage. */
+    const int32_t *stage_map;
+    int32_t stage_at, stage_per_step;
 } mfp_run_opts_t;
 
 /* What each rank calls per iteration. */
@@ -161,7 +177,7 @@ typedef enum mfp_op {
 
 #define MFP_RUN_OPTS_INIT                                                                                \
     {MF_BACKEND_AUTO, 1, 0, 0, 0, MF_DATAFLOW_AUTO, 0, NULL, NULL, MF_TRANSPORT_LOCAL, -1, -1, 0, MFP_OP_FORWARD, \
-     0, 0, 0, NULL, NULL, NULL, 0, 0, 0}
+     0, 0, 0, NULL, NULL, NULL, 0, 0, 0, NULL, 0, 0}
 
 /* Draws rank r's inputs for `seed` (as mfp_redraw_inputs would, for that rank alone) into x
  * [T_r, H], topk_ids [T_r, K], topk_weights [T_r, K] (host). 0 ok, -1 no memory. */

@@ -127,7 +127,9 @@ class BalanceStats(Structure):
     _fields_ = [("size", c_uint32), ("num_physical_experts", c_int32), ("slots_per_rank", c_int32),
                 ("spare_slots", c_int32), ("recv_rows", c_int64 * MAX_RANKS),
                 ("home_rows", c_int64 * MAX_RANKS), ("prefetch_bytes", c_int64),
-                ("prefetch_bytes_all", c_int64), ("spare_resident", c_int32), ("pad", c_int32)]
+                ("prefetch_bytes_all", c_int64), ("spare_resident", c_int32), ("pad", c_int32),
+                ("stage_bytes", c_int64), ("stage_bytes_all", c_int64), ("stage_local_bytes", c_int64),
+                ("stage_steps_left", c_int32), ("map_switches", c_int32)]
 
 
 # mf_struct_t order: the index is the enum value.
@@ -181,6 +183,7 @@ _FUNCTIONS = {
     "mf_moe_get_phase_times": (c_int32, [_handle, _P(PhaseTimes)]),
     "mf_moe_set_expert_map": (c_int32, [_handle, _P(c_int32), c_int32]),
     "mf_moe_prefetch": (c_int32, [_handle, c_void_p]),
+    "mf_moe_stage_expert_map": (c_int32, [_handle, _P(c_int32), c_int32, _P(MoeWeights), c_int32]),
     "mf_moe_get_balance_stats": (c_int32, [_handle, _P(BalanceStats)]),
     "mf_dispatch": (c_int32, [_handle, _P(DispatchIn), _P(DispatchOut), c_void_p]),
     "mf_combine": (c_int32, [_handle, _P(CombineIn), _P(CombineOut), c_void_p]),

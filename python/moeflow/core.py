@@ -246,6 +246,16 @@ class Layer:
         arr = (ctypes.c_int32 * max(len(ids), 1))(*ids)
         check(_lib.mf_moe_set_expert_map(self.handle, arr, len(ids)))
 
+    def stage_expert_map(self, phys_to_logical, w13, w13_scales, w2, w2_scales, experts_per_step=0):
+        """mf_moe_stage_expert_map (collective, blocking): stages a new map whose weights moeflow
+        moves into the given next-weights descriptors (borrowed and written) over the following
+        prefetch calls, the old map serving until the switch (balance_stats()["stage_steps_left"]
+        reads 0 once switched)."""
+        ids = [int(e) for e in phys_to_logical]
+        arr = (ctypes.c_int32 * max(len(ids), 1))(*ids)
+        w = _lib.MoeWeights(w13, w13_scales, w2, w2_scales)
+        check(_lib.mf_moe_stage_expert_map(self.handle, arr, len(ids), ctypes.byref(w), int(experts_per_step)))
+
     def prefetch(self, stream=None):
         """mf_moe_prefetch (collective between two forwards): fills the spare slots for the next
         forward from the last forward's counts; `stream` a cudaStream_t address."""

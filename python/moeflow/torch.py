@@ -236,6 +236,11 @@ class MoELayer(torch.nn.Module):
         block scales w13_scale [L, 2I/128, H/128], w2_scale [L, H/128, I/128]. The layer keeps
         references (the library borrows the memory): do not resize them; in-place updates are
         seen by the next forward."""
+        self._core.set_weights(*self._weight_descs(w13, w2, w13_scale, w2_scale))
+        self._weights = (w13, w2, w13_scale, w2_scale)
+
+    def _weight_descs(self, w13, w2, w13_scale, w2_scale):
+        """Checked descriptors (w13, w13_scale, w2, w2_scale) of one rank's slot weights."""
         L, H, inter, dev = self.slots_per_rank, self.hidden, self.intermediate, self.device
         _check("w13", w13, self.dtype, (L, 2 * inter, H), dev, row=True)
         _check("w2", w2, self.dtype, (L, H, inter), dev, row=True)
@@ -248,8 +253,7 @@ class MoELayer(torch.nn.Module):
             raise ValueError("moeflow: a BF16 layer takes no weight scales")
         else:
             scales = (_UNUSED, _UNUSED)
-        self._core.set_weights(_desc(w13), scales[0], _desc(w2), scales[1])
-        self._weights = (w13, w2, w13_scale, w2_scale)
+        return _desc(w13), scales[0], _desc(w2), scales[1]
 
     # -- the calls ----------------------------------------------------------------------------------
     def forward(self, x, topk_ids, topk_weights):
@@ -284,6 +288,19 @@ class MoELayer(torch.nn.Module):
         if isinstance(phys_to_logical, torch.Tensor):
             phys_to_logical = phys_to_logical.detach().cpu().tolist()
         self._core.set_expert_map(phys_to_logical)
+
+    def stage_expert_map(self, phys_to_logical, w13, w2, w13_scale=None, w2_scale=None, experts_per_step=0):
+        """Rebalancing without a stall: stages a new map whose weights moeflow moves into the given
+        tensors (shaped as set_weights'; the library writes them) over the next prefetch() calls,
+        at most experts_per_step per rank per call (0 = all at once); the old map and weights serve
+        until the switch, after which these tensors are the weights (balance_stats()
+        ["stage_steps_left"] == 0; the old ones may then be freed). Collective and blocking; every
+        rank stages the same map. The layer keeps references to both sets."""
+        if isinstance(phys_to_logical, torch.Tensor):
+            phys_to_logical = phys_to_logical.detach().cpu().tolist()
+        descs = self._weight_descs(w13, w2, w13_scale, w2_scale)
+        self._core.stage_expert_map(phys_to_logical, *descs, experts_per_step=experts_per_step)
+        self._staged_weights = (w13, w2, w13_scale, w2_scale)
 
     def prefetch(self):
         """Per-step balancing (spare_slots > 0): fills the spare slots for the next forward from

@@ -255,6 +255,17 @@ struct mf_moe {
     uint32_t weights_count;   /* mf_moe_set_weights calls so far */
     mf__sym_t spare;          /* B > 0: the spare slots of every rank (mf__spare_layout_t) */
     mf__spare_layout_t spare_layout;
+    /* A staged map (mf_moe_stage_expert_map; docs/DESIGN.md "Balanced EP", rebalancing). */
+    int32_t *staged_map;      /* [P] the map that serves after the switch, or NULL when none is staged */
+    mf_moe_weights_t staged_weights; /* borrowed and written: this rank's slots under staged_map */
+    int32_t stage_per_step;   /* n: experts each rank receives per step at most (>= 1) */
+    int32_t stage_steps;      /* prefetches the stage takes (the last one switches) */
+    int32_t stage_step;       /* prefetches of it done so far */
+    uint32_t map_switches;    /* staged maps switched to */
+    struct mf__stage_slot *stage_plan; /* [P] the schedule (src/plan/stage.h), or NULL */
+    mf__sym_t stage;          /* the staging slots of every rank: [2n] experts (mf__spare_layout_t) */
+    int64_t stage_bytes, stage_bytes_all, stage_local_bytes; /* moved by the last prefetch */
+    mf__spare_layout_t stage_layout;
     void *backend_state;
 };
 
@@ -301,6 +312,15 @@ struct mf__backend_ops {
     mf_result_t (*set_expert_map)(mf_moe_t moe); /* after moe->expert_map changed */
     mf_result_t (*prefetch)(mf_moe_t moe, mf_stream_t stream);
     mf_result_t (*get_balance_stats)(mf_moe_t moe, mf_moe_balance_stats_t *stats);
+    /* Rebalancing; NULL where the backend cannot move weights (core answers NOT_SUPPORTED). One
+     * step of the staged map's moves (moe->stage_step of them done before it, src/plan/stage.h),
+     * in mf_moe_prefetch before the spare-slot step. The last one (stage_step + 1 == stage_steps)
+     * also switches the backend's own copy of the map to moe->staged_map and its weights to
+     * moe->staged_weights (ordered on the stream, no host wait); core then switches its state. */
+    mf_result_t (*stage_step)(mf_moe_t moe, mf_stream_t stream);
+    /* Optional: a stage of `map` [P] is about to start (blocking, every rank; nothing in flight
+     * reads what it prepares, e.g. a device copy of the map that the last step installs). */
+    mf_result_t (*stage_begin)(mf_moe_t moe, const int32_t *map);
 };
 
 extern const mf__backend_ops_t mf__cpu_backend;

@@ -14,6 +14,7 @@
 #include "core/internal.h"
 #include "core/tensor.h"
 #include "core/numerics.h"
+#include "plan/stage.h"
 #include "transport/transport.h"
 
 /* ---- symmetric heap layout ---------------------------------------------------------------- */
@@ -251,13 +252,17 @@ mf_result_t mf_moe_destroy(mf_moe_t moe) {
     if (comm->pending_dispatch == moe) comm->pending_dispatch = NULL;
     comm->ops->moe_fini(moe);
     mf_result_t res = MF_SUCCESS;
-    if (moe->spare.local) {
-        /* Peers push into this rank's spare slots: they must all have stopped (a barrier over the
-         * bootstrap, skipped on a broken or aborted comm, whose peers are not waited for). */
+    if (moe->spare.local || moe->stage.local) {
+        /* Peers push into this rank's spare and staging slots: they must all have stopped (a
+         * barrier over the bootstrap, skipped on a broken or aborted comm, whose peers are not
+         * waited for). */
         if (!comm->broken && !__atomic_load_n(&comm->aborted, __ATOMIC_ACQUIRE) && !comm->bootstrap_failed)
-            res = mf__barrier(comm, "mf_moe_destroy (spare slots)");
-        comm->tops->sym_free(comm, &moe->spare);
+            res = mf__barrier(comm, "mf_moe_destroy (spare and staging slots)");
+        if (moe->spare.local) comm->tops->sym_free(comm, &moe->spare);
+        if (moe->stage.local) comm->tops->sym_free(comm, &moe->stage);
     }
+    mf__free(moe->staged_map);
+    mf__free(moe->stage_plan);
     mf__free(moe->expert_map);
     mf__free(moe);
     return res;
@@ -265,21 +270,33 @@ mf_result_t mf_moe_destroy(mf_moe_t moe) {
 
 /* ---- weights ------------------------------------------------------------------------------ */
 
+/* Shapes of a rank's weights [Lp, ...]; `name` prefixes the messages ("weights", "next_weights"). */
+static mf_result_t mf__check_weights(mf_moe_t moe, const mf_moe_weights_t *w, const char *name) {
+    const mf_moe_config_t *c = &moe->config;
+    int64_t L = moe->slots_per_rank, H = c->hidden, I = c->intermediate, B = MF__QUANT_BLOCK;
+    char what[64];
+#define MF__NAME(field) (snprintf(what, sizeof what, "%s." field, name), what)
+    MF_CHECK(mf__check_tensor(&w->w13, MF__NAME("w13"), c->dtype, 3, MF__DIMS(L, 2 * I, H), 0));
+    MF_CHECK(mf__check_tensor(&w->w2, MF__NAME("w2"), c->dtype, 3, MF__DIMS(L, H, I), 0));
+    MF_CHECK(mf__check_rows16(&w->w13, MF__NAME("w13")));
+    MF_CHECK(mf__check_rows16(&w->w2, MF__NAME("w2")));
+    if (c->dtype == MF_DTYPE_FP8_E4M3) {
+        MF_CHECK(mf__check_tensor(&w->w13_scales, MF__NAME("w13_scales"), MF_DTYPE_FP32, 3,
+                                  MF__DIMS(L, 2 * I / B, H / B), 0));
+        MF_CHECK(mf__check_tensor(&w->w2_scales, MF__NAME("w2_scales"), MF_DTYPE_FP32, 3,
+                                  MF__DIMS(L, H / B, I / B), 0));
+    }
+#undef MF__NAME
+    return MF_SUCCESS;
+}
+
 mf_result_t mf_moe_set_weights(mf_moe_t moe, const mf_moe_weights_t *w) {
     mf__clear_error();
     MF_REQUIRE(moe && w, "mf_moe_set_weights: moe and weights must not be NULL");
-    const mf_moe_config_t *c = &moe->config;
-    int64_t L = moe->slots_per_rank, H = c->hidden, I = c->intermediate, B = MF__QUANT_BLOCK;
-    MF_CHECK(mf__check_tensor(&w->w13, "weights.w13", c->dtype, 3, MF__DIMS(L, 2 * I, H), 0));
-    MF_CHECK(mf__check_tensor(&w->w2, "weights.w2", c->dtype, 3, MF__DIMS(L, H, I), 0));
-    MF_CHECK(mf__check_rows16(&w->w13, "weights.w13"));
-    MF_CHECK(mf__check_rows16(&w->w2, "weights.w2"));
-    if (c->dtype == MF_DTYPE_FP8_E4M3) {
-        MF_CHECK(mf__check_tensor(&w->w13_scales, "weights.w13_scales", MF_DTYPE_FP32, 3,
-                                  MF__DIMS(L, 2 * I / B, H / B), 0));
-        MF_CHECK(mf__check_tensor(&w->w2_scales, "weights.w2_scales", MF_DTYPE_FP32, 3,
-                                  MF__DIMS(L, H / B, I / B), 0));
-    }
+    if (moe->staged_map)
+        return mf__error(MF_ERR_INVALID_USAGE, "mf_moe_set_weights: a staged map is in progress "
+                         "(mf_moe_stage_expert_map); its switch sets the weights");
+    MF_CHECK(mf__check_weights(moe, w, "weights"));
     mf_moe_weights_t saved = moe->weights;
     int32_t saved_set = moe->weights_set;
     moe->weights = *w;
@@ -298,10 +315,8 @@ mf_result_t mf_moe_set_weights(mf_moe_t moe, const mf_moe_weights_t *w) {
 
 /* ---- balanced EP -------------------------------------------------------------------------- */
 
-mf_result_t mf_moe_set_expert_map(mf_moe_t moe, const int32_t *map, int32_t num_physical) {
-    const char *fn = "mf_moe_set_expert_map";
-    mf__clear_error();
-    MF_REQUIRE(moe && map, "%s: moe and phys_to_logical must not be NULL", fn);
+/* A map is valid: P entries, every id in [0, E), every expert with a slot. */
+static mf_result_t mf__check_map(mf_moe_t moe, const int32_t *map, int32_t num_physical, const char *fn) {
     const int32_t P = moe->config.num_physical_experts, E = moe->config.num_experts;
     MF_REQUIRE(num_physical == P, "%s: num_physical = %d, the layer has num_physical_experts P = %d", fn,
                num_physical, P);
@@ -321,7 +336,19 @@ mf_result_t mf_moe_set_expert_map(mf_moe_t moe, const int32_t *map, int32_t num_
                             "%s: logical expert %d has no physical slot (every expert needs a replica); nothing "
                             "was changed", fn, e);
     mf__free(seen);
-    if (res != MF_SUCCESS) return res;
+    return res;
+}
+
+mf_result_t mf_moe_set_expert_map(mf_moe_t moe, const int32_t *map, int32_t num_physical) {
+    const char *fn = "mf_moe_set_expert_map";
+    mf__clear_error();
+    MF_REQUIRE(moe && map, "%s: moe and phys_to_logical must not be NULL", fn);
+    if (moe->staged_map)
+        return mf__error(MF_ERR_INVALID_USAGE, "%s: a staged map is in progress (mf_moe_stage_expert_map); it "
+                         "switches by itself", fn);
+    MF_CHECK(mf__check_map(moe, map, num_physical, fn));
+    const int32_t P = moe->config.num_physical_experts, E = moe->config.num_experts;
+    mf_result_t res = MF_SUCCESS;
     int32_t identity = P == E;
     for (int32_t p = 0; p < P && identity; p++) identity = map[p] == p;
     if (!moe->comm->ops->set_expert_map && !identity)
@@ -340,6 +367,142 @@ mf_result_t mf_moe_set_expert_map(mf_moe_t moe, const int32_t *map, int32_t num_
     return MF_SUCCESS;
 }
 
+/* ---- rebalancing without a stall (docs/DESIGN.md "Balanced EP") ------------------------------ */
+
+/* What every rank tells the others when it stages a map. */
+typedef struct mf__stage_info {
+    int32_t status;          /* this rank's verdict on its arguments */
+    uint32_t map_hash;       /* mf__map_hash of the staged map */
+    int32_t experts_per_step;
+} mf__stage_info_t;
+
+mf_result_t mf_moe_stage_expert_map(mf_moe_t moe, const int32_t *map, int32_t num_physical,
+                                    const mf_moe_weights_t *next_weights, int32_t experts_per_step) {
+    const char *fn = "mf_moe_stage_expert_map";
+    mf__clear_error();
+    MF_REQUIRE(moe, "%s: moe must not be NULL", fn);
+    mf_comm_t comm = moe->comm;
+    MF_CHECK(mf__check_comm_usable(comm, fn));
+    if (!comm->ops->stage_step) /* the same backend on every rank: all return here */
+        return mf__error(MF_ERR_NOT_SUPPORTED, "%s: the %s backend cannot move a staged map's weights yet; set the "
+                         "map and its weights between two forwards instead (mf_moe_set_expert_map, "
+                         "mf_moe_set_weights)", fn, comm->ops->name);
+
+    /* This rank's verdict, then every rank's: all fail together, nothing changed. */
+    mf__stage_info_t mine = {0}, all[MF_MAX_RANKS];
+    mf_result_t res = MF_SUCCESS;
+    if (!map || !next_weights) res = mf__error(MF_ERR_INVALID_ARGUMENT, "%s: phys_to_logical and next_weights must "
+                                               "not be NULL", fn);
+    else if (!moe->weights_set) res = mf__error(MF_ERR_INVALID_USAGE, "%s: weights are not set (the current map's "
+                                                "weights are the source; call mf_moe_set_weights first)", fn);
+    else if (moe->staged_map) res = mf__error(MF_ERR_INVALID_USAGE, "%s: a staged map is in progress (%d of its %d "
+                                              "prefetch steps done)", fn, moe->stage_step, moe->stage_steps);
+    else if (experts_per_step < 0) res = mf__error(MF_ERR_INVALID_ARGUMENT, "%s: experts_per_step = %d is negative",
+                                                   fn, experts_per_step);
+    if (res == MF_SUCCESS) res = mf__check_map(moe, map, num_physical, fn);
+    if (res == MF_SUCCESS) res = mf__check_weights(moe, next_weights, "next_weights");
+    if (res == MF_SUCCESS && (next_weights->w13.data == moe->weights.w13.data ||
+                              next_weights->w2.data == moe->weights.w2.data))
+        res = mf__error(MF_ERR_INVALID_ARGUMENT, "%s: next_weights are the current weights (they are the source "
+                        "until the switch: pass other buffers)", fn);
+    char why[512];
+    snprintf(why, sizeof why, "%s", mf_last_error());
+    mine.status = res;
+    mine.map_hash = res == MF_SUCCESS ? mf__map_hash(map, num_physical) : 0;
+    mine.experts_per_step = experts_per_step;
+    MF_CHECK(mf__allgather(comm, &mine, all, sizeof mine, fn));
+    if (res != MF_SUCCESS) return mf__error(res, "%s", why);
+    for (int32_t r = 0; r < comm->num_ranks; r++) {
+        if (all[r].status != MF_SUCCESS)
+            return mf__error((mf_result_t)all[r].status, "%s: rank %d rejected its staged map; nothing was changed",
+                             fn, r);
+        if (all[r].map_hash != all[0].map_hash || all[r].experts_per_step != all[0].experts_per_step)
+            return mf__error(MF_ERR_INVALID_ARGUMENT,
+                             "%s: rank %d staged another map or experts_per_step than rank 0 (map 0x%x, %d; rank 0: "
+                             "0x%x, %d); every rank stages the same; nothing was changed", fn, r,
+                             (unsigned)all[r].map_hash, all[r].experts_per_step, (unsigned)all[0].map_hash,
+                             all[0].experts_per_step);
+    }
+
+    /* The schedule (the same on every rank) and the staging slots it needs: 2n experts per rank. */
+    const int32_t P = moe->config.num_physical_experts, R = comm->num_ranks, Lp = moe->slots_per_rank;
+    int32_t n = experts_per_step;
+    if (n == 0) /* all in one step: n = the most any rank receives */
+        for (int32_t q = 0; q < R; q++) {
+            int32_t m = mf__stage_moved(moe->expert_map, map, Lp, q);
+            n = m > n ? m : n;
+        }
+    n = n > 0 ? n : 1;
+    int32_t *staged = mf__malloc((size_t)P * sizeof(int32_t));
+    mf__stage_slot_t *plan = mf__malloc((size_t)P * sizeof(mf__stage_slot_t));
+    res = staged && plan ? MF_SUCCESS : mf__error(MF_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
+    int32_t steps = 0;
+    if (res == MF_SUCCESS) {
+        memcpy(staged, map, (size_t)P * sizeof(int32_t));
+        steps = mf__stage_schedule(moe->expert_map, staged, P, R, n, plan);
+    }
+    mf_moe_config_t sc = moe->config;
+    sc.spare_slots = 2 * n;
+    mf__spare_layout_t layout;
+    mf__spare_layout_init(&layout, &sc);
+    int32_t need = steps > 1 && (!moe->stage.local || moe->stage.bytes < layout.bytes);
+    if (res == MF_SUCCESS && comm->ops->stage_begin) res = comm->ops->stage_begin(moe, staged);
+    res = mf__agree(comm, res, fn); /* the same `need` on every rank: same maps, same n */
+    if (res == MF_SUCCESS && need) {
+        /* No peer writes the old staging slots any more: their last pushes preceded the forward
+         * after the last switch, and every rank is here. */
+        if (moe->stage.local) comm->tops->sym_free(comm, &moe->stage);
+        res = comm->tops->sym_alloc(comm, layout.bytes, &moe->stage); /* collective, agreed */
+    }
+    if (res != MF_SUCCESS) {
+        mf__free(staged);
+        mf__free(plan);
+        return res;
+    }
+    moe->stage_layout = layout;
+    moe->staged_map = staged;
+    moe->stage_plan = plan;
+    moe->staged_weights = *next_weights;
+    moe->stage_per_step = n;
+    moe->stage_steps = steps;
+    moe->stage_step = 0;
+    return MF_SUCCESS;
+}
+
+/* After the last step: the staged map and its weights serve from the next forward on (every rank
+ * switches in the same prefetch). As mf_moe_set_expert_map + mf_moe_set_weights: the weights
+ * count grows, so spare copies are dropped. The backend switched its own state (a device copy of
+ * the map) in its last stage_step, ordered on the stream without a host wait. */
+static void mf__stage_switch(mf_moe_t moe) {
+    const int32_t P = moe->config.num_physical_experts;
+    memcpy(moe->expert_map, moe->staged_map, (size_t)P * sizeof(int32_t));
+    moe->map_set = 1;
+    moe->map_hash = mf__map_hash(moe->expert_map, P);
+    moe->weights = moe->staged_weights;
+    moe->weights_count++;
+    mf__free(moe->staged_map);
+    mf__free(moe->stage_plan);
+    moe->staged_map = NULL;
+    moe->stage_plan = NULL;
+    moe->map_switches++;
+}
+
+/* The bytes one step moves (the schedule is known on every rank). */
+static void mf__stage_count_bytes(mf_moe_t moe, int32_t step) {
+    const int32_t P = moe->config.num_physical_experts, Lp = moe->slots_per_rank, me = moe->comm->rank;
+    const int64_t bytes = (int64_t)moe->stage_layout.copy_bytes;
+    for (int32_t p = 0; p < P; p++) {
+        const mf__stage_slot_t *s = &moe->stage_plan[p];
+        if (s->held >= 0) {
+            moe->stage_local_bytes += step == 0 && p / Lp == me ? bytes : 0;
+            continue;
+        }
+        moe->stage_bytes_all += s->step == step ? bytes : 0;
+        moe->stage_bytes += s->step == step && s->source / Lp == me ? bytes : 0;
+        moe->stage_local_bytes += s->step + 1 == step && p / Lp == me ? bytes : 0;
+    }
+}
+
 mf_result_t mf_moe_prefetch(mf_moe_t moe, mf_stream_t stream) {
     const char *fn = "mf_moe_prefetch";
     mf__clear_error();
@@ -347,6 +510,12 @@ mf_result_t mf_moe_prefetch(mf_moe_t moe, mf_stream_t stream) {
     MF_CHECK(mf__check_comm_usable(moe->comm, fn));
     if (!moe->weights_set)
         return mf__error(MF_ERR_INVALID_USAGE, "%s: weights are not set (call mf_moe_set_weights first)", fn);
+    moe->stage_bytes = moe->stage_bytes_all = moe->stage_local_bytes = 0;
+    if (moe->staged_map) { /* one step of the staged map's moves, then (the last) the switch */
+        MF_CHECK(moe->comm->ops->stage_step(moe, stream));
+        mf__stage_count_bytes(moe, moe->stage_step);
+        if (++moe->stage_step == moe->stage_steps) mf__stage_switch(moe);
+    }
     if (moe->config.spare_slots == 0) return MF_SUCCESS;
     if (!moe->comm->ops->prefetch)
         return mf__error(MF_ERR_NOT_SUPPORTED, "%s: the %s backend has no per-step balancing yet", fn,
@@ -368,6 +537,11 @@ mf_result_t mf_moe_get_balance_stats(mf_moe_t moe, mf_moe_balance_stats_t *stats
     s.slots_per_rank = moe->slots_per_rank;
     s.spare_slots = moe->config.spare_slots;
     if (moe->comm->ops->get_balance_stats) MF_CHECK(moe->comm->ops->get_balance_stats(moe, &s));
+    s.stage_bytes = moe->stage_bytes;
+    s.stage_bytes_all = moe->stage_bytes_all;
+    s.stage_local_bytes = moe->stage_local_bytes;
+    s.stage_steps_left = moe->staged_map ? moe->stage_steps - moe->stage_step : 0;
+    s.map_switches = (int32_t)moe->map_switches;
     memcpy(stats, &s, stats->size);
     return MF_SUCCESS;
 }

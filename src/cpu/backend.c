@@ -30,6 +30,7 @@
 #include "cpu/gemm.h"
 #include "plan/balance.h"
 #include "plan/plan.h"
+#include "plan/stage.h"
 #include "cpu/sync.h"
 
 typedef struct mf__cpu_moe {
@@ -523,6 +524,70 @@ static mf_result_t mf__cpu_prefetch(mf_moe_t moe, mf_stream_t stream) {
     return MF_SUCCESS;
 }
 
+/* ---- balanced EP: a staged map's moves (mf_moe_stage_expert_map) ------------------------------ */
+
+/* One expert's weights (+ FP8 scales) somewhere: the caller's [Lp, ...] tensors or a slot region. */
+typedef struct mf__cpu_expert {
+    uint8_t *w13, *w13_scales, *w2, *w2_scales;
+} mf__cpu_expert_t;
+
+static mf__cpu_expert_t mf__cpu_weights_slot(const mf_moe_weights_t *w, const mf__spare_layout_t *sl, int32_t l) {
+    size_t i = (size_t)l;
+    return (mf__cpu_expert_t){(uint8_t *)w->w13.data + i * sl->w13_bytes,
+                              w->w13_scales.data ? (uint8_t *)w->w13_scales.data + i * sl->w13_scale_bytes : NULL,
+                              (uint8_t *)w->w2.data + i * sl->w2_bytes,
+                              w->w2_scales.data ? (uint8_t *)w->w2_scales.data + i * sl->w2_scale_bytes : NULL};
+}
+
+static mf__cpu_expert_t mf__cpu_region_slot(void *region, const mf__spare_layout_t *sl, int32_t j) {
+    uint8_t *base = region;
+    size_t i = (size_t)j;
+    return (mf__cpu_expert_t){base + sl->w13 + i * sl->w13_bytes, base + sl->w13_scales + i * sl->w13_scale_bytes,
+                              base + sl->w2 + i * sl->w2_bytes, base + sl->w2_scales + i * sl->w2_scale_bytes};
+}
+
+static void mf__cpu_copy_expert(mf__cpu_expert_t dst, mf__cpu_expert_t src, const mf__spare_layout_t *sl, int fp8) {
+    memcpy(dst.w13, src.w13, sl->w13_bytes);
+    memcpy(dst.w2, src.w2, sl->w2_bytes);
+    if (fp8) {
+        memcpy(dst.w13_scales, src.w13_scales, sl->w13_scale_bytes);
+        memcpy(dst.w2_scales, src.w2_scales, sl->w2_scale_bytes);
+    }
+}
+
+/* Step `moe->stage_step` of the schedule (src/plan/stage.h) on this rank: in step 0 the local
+ * copies; the arrivals of the previous step from this rank's staging slots into next_weights; the
+ * pushes of this step from the old weights into the peers' staging slots (the other half). No
+ * synchronisation: a peer pushed step i - 1 before its DISPATCH arrival of the forward between,
+ * which this rank waited for; it pushes step i + 1 (into the half read here) only after its
+ * COMBINE wait of the next forward, which this rank reaches after this step. */
+static mf_result_t mf__cpu_stage_step(mf_moe_t moe, mf_stream_t stream) {
+    (void)stream;
+    mf__cpu_moe_t *st = moe->backend_state;
+    const mf__spare_layout_t *sl = &moe->stage_layout;
+    const int32_t P = moe->config.num_physical_experts, Lp = moe->slots_per_rank, me = moe->info.rank;
+    const int32_t step = moe->stage_step, fp8 = moe->config.dtype == MF_DTYPE_FP8_E4M3;
+    for (int32_t p = 0; p < P; p++) {
+        const mf__stage_slot_t *s = &moe->stage_plan[p];
+        int32_t q = p / Lp, l = p % Lp;
+        if (s->held >= 0) {
+            if (step == 0 && q == me)
+                mf__cpu_copy_expert(mf__cpu_weights_slot(&moe->staged_weights, sl, l),
+                                    mf__cpu_weights_slot(&moe->weights, sl, s->held), sl, fp8);
+            continue;
+        }
+        if (s->step + 1 == step && q == me)
+            mf__cpu_copy_expert(mf__cpu_weights_slot(&moe->staged_weights, sl, l),
+                                mf__cpu_region_slot(moe->stage.local, sl, s->staging), sl, fp8);
+        if (s->step == step && s->source / Lp == me)
+            mf__cpu_copy_expert(mf__cpu_region_slot(moe->stage.peers[q], sl, s->staging),
+                                mf__cpu_weights_slot(&moe->weights, sl, s->source % Lp), sl, fp8);
+    }
+    /* A step is a prefetch: counted (and checked equal by the forward) with or without spares. */
+    if (moe->config.spare_slots == 0) st->prefetches++;
+    return MF_SUCCESS;
+}
+
 static mf_result_t mf__cpu_set_expert_map(mf_moe_t moe) {
     (void)moe; /* the CPU plan reads moe->expert_map at every forward */
     return MF_SUCCESS;
@@ -561,4 +626,5 @@ const mf__backend_ops_t mf__cpu_backend = {
     .set_expert_map = mf__cpu_set_expert_map,
     .prefetch = mf__cpu_prefetch,
     .get_balance_stats = mf__cpu_get_balance_stats,
+    .stage_step = mf__cpu_stage_step,
 };

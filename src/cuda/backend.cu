@@ -39,6 +39,7 @@
 
 #include "core/internal.h"
 #include "cuda/balance.h"
+#include "plan/stage.h"
 #include "cuda/configs.cuh"
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels/movement.cuh"
@@ -82,6 +83,7 @@ typedef struct mf__cuda_moe {
     /* Balanced EP. slots = Lp + B (= L without balancing); balanced: the slot plan runs. */
     int32_t slots, Lp, B, balanced;
     int32_t *map;                    /* [P] device copy of moe->expert_map */
+    int32_t *staged_map;             /* [P] device copy of moe->staged_map, installed by the last stage step */
     int32_t *slot_expert, *slot_begin; /* [slots] */
     int32_t *resident, *next;        /* [R * B] spare tables */
     int32_t *prev_counts;            /* [E] global counts of the last plan that did not fault */
@@ -400,7 +402,7 @@ static void mf__cuda_moe_fini(mf_moe_t moe) {
         cudaEventDestroy(s->pf_done);
     }
     if (s->fwd_done) cudaEventDestroy(s->fwd_done);
-    int32_t *balance_bufs[] = {s->map, s->slot_expert, s->slot_begin, s->resident, s->next, s->prev_counts, s->words,
+    int32_t *balance_bufs[] = {s->map, s->staged_map, s->slot_expert, s->slot_begin, s->resident, s->next, s->prev_counts, s->words,
                                s->pick_scratch};
     for (size_t i = 0; i < sizeof balance_bufs / sizeof balance_bufs[0]; i++) cudaFree(balance_bufs[i]);
     cudaFree(s->stats);
@@ -471,6 +473,7 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
         {(void **)&s->h_scales, fp8 ? (size_t)(s->rows * (I / MF__QUANT_BLOCK)) * 4 : 0},
         {(void **)&s->expert_out, c->dataflow == MF_DATAFLOW_UNFUSED ? (size_t)(s->rows * H) * 2 : 0},
         {(void **)&s->map, (size_t)P * 4},
+        {(void **)&s->staged_map, (size_t)P * 4},
         {(void **)&s->slot_expert, (size_t)L * 4},
         {(void **)&s->slot_begin, (size_t)L * 4},
         {(void **)&s->resident, (size_t)(R * B + 1) * 4},
@@ -502,8 +505,9 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
     if (e == cudaSuccess && plan_smem > 48 * 1024 && plan_smem <= kMfPrefetchMaxSmem)
         e = cudaFuncSetAttribute(mf__plan_offsets_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)plan_smem);
     if (e == cudaSuccess && B) e = mf__cuda_prefetch_preload(pick_smem) == MF_SUCCESS ? cudaSuccess : cudaErrorUnknown;
-    if (e == cudaSuccess && B) e = cudaEventCreateWithFlags(&s->fwd_done, cudaEventDisableTiming);
-    if (e == cudaSuccess && B) e = cudaEventCreateWithFlags(&s->pf_done, cudaEventDisableTiming);
+    /* Events of the prefetch ordering: spare slots and staged maps (any layer may stage one). */
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&s->fwd_done, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&s->pf_done, cudaEventDisableTiming);
     if (e == cudaSuccess) e = cudaStreamSynchronize(setup);
     if (e != cudaSuccess) {
         (void)cudaGetLastError();
@@ -728,9 +732,11 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     const int32_t T = (int32_t)in->x.dims[0];
     const int32_t flow = mf__cuda_dataflow(moe, T);
 
-    /* Spare slots: after the prefetch issued since the last forward (see the file comment). */
+    /* Spare slots, staged maps: after the prefetch issued since the last forward (see the file
+     * comment); the next prefetch follows this forward. */
     unsigned long long capture_id = 0;
-    if (s->B) {
+    const int32_t ordered = s->B || s->pf_pending || moe->staged_map;
+    if (ordered) {
         if (capture != cudaStreamCaptureStatusNone) {
             cudaStreamCaptureStatus st;
             MF_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &st, &capture_id));
@@ -810,7 +816,7 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     const float *weights = (const float *)((uint8_t *)comm->heap.local + moe->heap.weights);
     MF_CHECK(mf__cuda_sum(moe, T, weights, (uint16_t *)out->y.data, stream));
     MF__MARK(MF_NUM_PHASES);
-    if (s->B) { /* the next prefetch follows this forward */
+    if (ordered) { /* the next prefetch follows this forward */
         MF_CUDA_CHECK(cudaEventRecord(s->fwd_done, stream));
         s->fwd_recorded = 1;
         s->fwd_capture = capture_id;
@@ -959,6 +965,128 @@ static mf_result_t mf__cuda_prefetch_op(mf_moe_t moe, mf_stream_t stream_) {
     return MF_SUCCESS;
 }
 
+/* ---- rebalancing without a stall: a staged map's steps (src/plan/stage.h) ------------------- */
+
+/* The staged map's device copy, installed by the last step (blocking: this rank's last forward
+ * reads the map, a previous stage's last step may still read the buffer on its stream). */
+static mf_result_t mf__cuda_stage_begin(mf_moe_t moe, const int32_t *map) {
+    mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
+    mf__cuda_comm_t *c = mf__cc(moe->comm);
+    if (s->plan_smem > kMfPrefetchMaxSmem)
+        return mf__error(MF_ERR_NOT_SUPPORTED, "mf_moe_stage_expert_map: the cuda backend's balancing planner keeps "
+                         "its arrays in shared memory (at most %d bytes); this layer needs %zu", kMfPrefetchMaxSmem,
+                         s->plan_smem);
+    MF_CUDA_CHECK(cudaSetDevice(moe->comm->device));
+    /* The last step rewrites the map: a one-step stage has no staged forward before it that
+     * recorded fwd_done, so the last call is waited for here (as mf_moe_set_expert_map does). */
+    MF_CUDA_CHECK(cudaEventSynchronize(c->done));
+    if (s->pf_pending && !s->pf_capture) MF_CUDA_CHECK(cudaEventSynchronize(s->pf_done));
+    MF_CUDA_CHECK(cudaMemcpyAsync(s->staged_map, map, (size_t)moe->config.num_physical_experts * 4,
+                                  cudaMemcpyHostToDevice, c->setup));
+    MF_CUDA_CHECK(cudaStreamSynchronize(c->setup));
+    return MF_SUCCESS;
+}
+
+/* Copies one expert (weights + FP8 scales) between two slots; `dst_*` / `src_*` are the four
+ * tensors' bases and slot indices (caller tensors [Lp, ...] or a [2n, ...] staging region, any
+ * rank's: peer pointers are device addresses here). Copy engines, on `stream`. */
+typedef struct mf__cuda_expert_at {
+    uint8_t *w13, *w13_scales, *w2, *w2_scales;
+} mf__cuda_expert_at_t;
+
+static mf__cuda_expert_at_t mf__cuda_weights_at(const mf_moe_weights_t *w, const mf__spare_layout_t *sl, int32_t l) {
+    size_t i = (size_t)l;
+    mf__cuda_expert_at_t a;
+    a.w13 = (uint8_t *)w->w13.data + i * sl->w13_bytes;
+    a.w13_scales = w->w13_scales.data ? (uint8_t *)w->w13_scales.data + i * sl->w13_scale_bytes : NULL;
+    a.w2 = (uint8_t *)w->w2.data + i * sl->w2_bytes;
+    a.w2_scales = w->w2_scales.data ? (uint8_t *)w->w2_scales.data + i * sl->w2_scale_bytes : NULL;
+    return a;
+}
+
+static mf__cuda_expert_at_t mf__cuda_region_at(void *region, const mf__spare_layout_t *sl, int32_t j) {
+    uint8_t *base = (uint8_t *)region;
+    size_t i = (size_t)j;
+    mf__cuda_expert_at_t a = {base + sl->w13 + i * sl->w13_bytes, base + sl->w13_scales + i * sl->w13_scale_bytes,
+                              base + sl->w2 + i * sl->w2_bytes, base + sl->w2_scales + i * sl->w2_scale_bytes};
+    return a;
+}
+
+static mf_result_t mf__cuda_copy_expert(mf__cuda_expert_at_t dst, mf__cuda_expert_at_t src,
+                                        const mf__spare_layout_t *sl, int32_t fp8, cudaStream_t stream) {
+    MF_CUDA_CHECK(cudaMemcpyAsync(dst.w13, src.w13, sl->w13_bytes, cudaMemcpyDefault, stream));
+    MF_CUDA_CHECK(cudaMemcpyAsync(dst.w2, src.w2, sl->w2_bytes, cudaMemcpyDefault, stream));
+    if (fp8) {
+        MF_CUDA_CHECK(cudaMemcpyAsync(dst.w13_scales, src.w13_scales, sl->w13_scale_bytes, cudaMemcpyDefault, stream));
+        MF_CUDA_CHECK(cudaMemcpyAsync(dst.w2_scales, src.w2_scales, sl->w2_scale_bytes, cudaMemcpyDefault, stream));
+    }
+    return MF_SUCCESS;
+}
+
+/* One step on `stream`, ordered like the prefetch (after this rank's last forward by fwd_done;
+ * the next forward waits for pf_done): step 0's local copies, the previous step's arrivals from
+ * this rank's staging slots into next_weights, this step's pushes from the old weights into the
+ * peers' staging slots (the other half); the last step installs the staged map's device copy.
+ * The ordering argument is the CPU backend's (src/cpu/backend.c) with the forward's device waits:
+ * a peer's step i - 1 copies precede its forward's publish on its stream, which this rank's
+ * DISPATCH wait saw before fwd_done; a peer's step i + 1 follows its COMBINE wait, which needs
+ * this rank's arrival, which follows this step by pf_done. No host wait; capturable (the copies
+ * are memcpy nodes), but the step is chosen on the host: a graph replays the step it captured. */
+static mf_result_t mf__cuda_stage_step(mf_moe_t moe, mf_stream_t stream_) {
+    cudaStream_t stream = (cudaStream_t)stream_;
+    mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
+    mf_comm_t comm = moe->comm;
+    MF_CUDA_CHECK(cudaSetDevice(comm->device));
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    unsigned long long capture_id = 0;
+    if (stream) MF_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &capture, &capture_id));
+    if (capture == cudaStreamCaptureStatusNone) capture_id = 0;
+    if (comm->ranks_on_device > 1 && comm->transport == MF_TRANSPORT_LOCAL && capture == cudaStreamCaptureStatusNone) {
+        unsigned int flags = 0;
+        if (stream) MF_CUDA_CHECK(cudaStreamGetFlags(stream, &flags));
+        if (!stream || !(flags & cudaStreamNonBlocking))
+            return mf__error(MF_ERR_INVALID_ARGUMENT,
+                             "mf_moe_prefetch: rank %d: the stream must be created with cudaStreamNonBlocking when "
+                             "virtual ranks share a GPU (a blocking or legacy stream can deadlock)", comm->rank);
+    }
+    if (s->fwd_recorded && s->fwd_capture == capture_id) MF_CUDA_CHECK(cudaStreamWaitEvent(stream, s->fwd_done, 0));
+    const mf__spare_layout_t *sl = &moe->stage_layout;
+    const int32_t P = moe->config.num_physical_experts, Lp = moe->slots_per_rank, me = comm->rank;
+    const int32_t step = moe->stage_step, fp8 = moe->config.dtype == MF_DTYPE_FP8_E4M3;
+    mf_result_t res = MF_SUCCESS;
+    for (int32_t p = 0; p < P && res == MF_SUCCESS; p++) {
+        const mf__stage_slot_t *st = &moe->stage_plan[p];
+        const int32_t q = p / Lp, l = p % Lp;
+        if (st->held >= 0) {
+            if (step == 0 && q == me)
+                res = mf__cuda_copy_expert(mf__cuda_weights_at(&moe->staged_weights, sl, l),
+                                           mf__cuda_weights_at(&moe->weights, sl, st->held), sl, fp8, stream);
+            continue;
+        }
+        if (st->step + 1 == step && q == me)
+            res = mf__cuda_copy_expert(mf__cuda_weights_at(&moe->staged_weights, sl, l),
+                                       mf__cuda_region_at(moe->stage.local, sl, st->staging), sl, fp8, stream);
+        if (res == MF_SUCCESS && st->step == step && st->source / Lp == me)
+            res = mf__cuda_copy_expert(mf__cuda_region_at(moe->stage.peers[q], sl, st->staging),
+                                       mf__cuda_weights_at(&moe->weights, sl, st->source % Lp), sl, fp8, stream);
+    }
+    if (res == MF_SUCCESS && step + 1 == moe->stage_steps) { /* the switch: the next forward plans with it */
+        res = cudaMemcpyAsync(s->map, s->staged_map, (size_t)P * 4, cudaMemcpyDeviceToDevice, stream) == cudaSuccess
+                  ? MF_SUCCESS : mf__error(MF_ERR_CUDA, "mf_moe_prefetch: installing the staged map failed");
+        s->balanced = 1;
+    }
+    if (res != MF_SUCCESS) {
+        (void)cudaGetLastError();
+        comm->broken = 1; /* ranks' steps may now differ */
+        return res;
+    }
+    MF_CUDA_CHECK(cudaEventRecord(s->pf_done, stream));
+    s->pf_pending = 1;
+    s->pf_capture = capture_id;
+    if (!s->B) s->prefetches++; /* a step is a prefetch (published, checked equal); with B the spare step counts */
+    return MF_SUCCESS;
+}
+
 /* Reads the device stats (synchronises with this rank's last forward and prefetch). */
 static mf_result_t mf__cuda_get_balance_stats(mf_moe_t moe, mf_moe_balance_stats_t *st) {
     mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
@@ -998,4 +1126,6 @@ const mf__backend_ops_t mf__cuda_backend = {
     mf__cuda_set_expert_map,
     mf__cuda_prefetch_op,
     mf__cuda_get_balance_stats,
+    mf__cuda_stage_step,
+    mf__cuda_stage_begin,
 };

@@ -16,7 +16,13 @@
  *                          changing routing: y equals the plain layer's every time;
  *   cuda_balance_disagree  ranks that set different maps, or prefetch a different number of times,
  *                          fail the call on every rank (INVALID_USAGE, y untouched) and recover once
- *                          they agree; bad maps are rejected with nothing changed.
+ *                          they agree; bad maps are rejected with nothing changed;
+ *   cuda_balance_stage     mf_moe_stage_expert_map on virtual ranks (R 2, 4, 8; both dtypes; B 0 and
+ *                          2; 1, 2 or all experts per step), routing redrawn every call: y of every
+ *                          call equals the plain CUDA layer's bit for bit, while staging (old map) and
+ *                          after the switch (new map); next_weights equal the experts byte for byte
+ *                          (mfp_run checks); steps, forwards while staging and bytes equal the CPU's;
+ *   cuda_balance_stage_ipc the same with ranks as processes (CUDA IPC pushes; one or more GPUs).
  * Every failure names the case (R, dtype, layout, dataflow, P, B) and, for y, the first differing
  * element, so one GPU run tells where a misroute is.
  */
@@ -29,6 +35,7 @@
 #include "../harness.h"
 #include "cuda/balance.h"
 #include "plan/balance.h"
+#include "plan/stage.h"
 #include "problem.h"
 #include "ref.h"
 
@@ -678,7 +685,77 @@ static int cuda_balance_capture(void) {
 
 static int cuda_balance_disagree(void) { return threads_case(1, 2, MF_LAYOUT_EXPERT_MAJOR, 1, 1); }
 
+/* ---- rebalancing without a stall ----------------------------------------------------------- */
+
+/* tests/test_balance.c's stage case on CUDA (dataflow pinned): plain vs staged, call by call. */
+static int stage_case(int32_t R, int32_t dtype, int32_t B, int32_t extra, int32_t n, int32_t transport, uint64_t seed) {
+    bal_case_t c = {R, dtype, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_ZIPF, MF_DATAFLOW_PULL, extra, B, 16, 0, 2, seed};
+    mfp_problem_t p;
+    MFT_CHECK(bal_problem(&c, &p) == 0);
+    const int32_t E = p.spec.E, P = E + extra * R, Lp = P / R;
+    int32_t prev[1024], next[1024];
+    random_map(E, P, seed + 1, prev);
+    random_map(E, P, seed + 2, next);
+    int32_t most = 0;
+    for (int32_t q = 0; q < R; q++) {
+        int32_t m = mf__stage_moved(prev, next, Lp, q);
+        most = m > most ? m : most;
+    }
+    mf__stage_slot_t plan[1024];
+    const int32_t steps = mf__stage_schedule(prev, next, P, R, n ? n : (most ? most : 1), plan), total = steps + 3;
+    char label[256], err[512] = "";
+    snprintf(label, sizeof label, "stage R=%d %s B=%d P=%d n=%d %s", (int)R, dtype == MF_DTYPE_FP8_E4M3 ? "fp8" : "bf16",
+             (int)B, (int)P, (int)n, transport == MF_TRANSPORT_IPC ? "ipc" : "local");
+    uint64_t *d[3];
+    uint16_t *y[3][MF_MAX_RANKS];
+    mfp_timing_t t[3];
+    memset(t, 0, sizeof t);
+    for (int k = 0; k < 3; k++) d[k] = (uint64_t *)calloc((size_t)R * total * 2, sizeof(uint64_t)), alloc_ys(&p, y[k]);
+    int rc = 0;
+    for (int k = 0; k < 3 && !rc; k++) { /* plain cuda, staged cuda, staged cpu */
+        mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
+        o.backend = k == 2 ? MF_BACKEND_CPU : MF_BACKEND_CUDA, o.iters = total, o.timeout_ms = bal_timeout_ms();
+        o.dataflow = k == 2 ? MF_DATAFLOW_AUTO : c.flow, o.transport = transport;
+        o.redraw = 1, o.redraw_seed = seed * 100, o.digests = d[k];
+        if (k) {
+            o.expert_map = prev, o.num_physical = P, o.spare_slots = B, o.prefetch = 1;
+            o.stage_map = next, o.stage_at = 1, o.stage_per_step = n;
+        }
+        if (mfp_run(&p, &o, y[k], k ? &t[k] : NULL, err, sizeof err) != MF_SUCCESS)
+            rc = mft_fail(__FILE__, __LINE__, "%s: %s run: %s", label, k == 0 ? "plain cuda" : k == 1 ? "staged cuda"
+                          : "staged cpu", err);
+    }
+    for (int32_t i = 0; i < R * total && !rc; i++)
+        if (d[0][2 * i + 1] != d[1][2 * i + 1])
+            rc = mft_fail(__FILE__, __LINE__, "%s: rank %d call %d: y differs from the plain layer's (%s; stage at call 1, "
+                          "switch after %d steps)", label, (int)(i / total), (int)(i % total),
+                          i % total >= 1 && i % total < steps ? "staging, old map" : "new map", (int)steps);
+    if (!rc && (t[1].stage_steps != t[2].stage_steps || t[1].stage_forwards != t[2].stage_forwards ||
+                t[1].stage_bytes_total != t[2].stage_bytes_total || t[1].stage_steps != steps))
+        rc = mft_fail(__FILE__, __LINE__, "%s: cuda %d steps, %d forwards while staging, %lld bytes; cpu %d, %d, %lld; "
+                      "schedule %d steps", label, (int)t[1].stage_steps, (int)t[1].stage_forwards,
+                      (long long)t[1].stage_bytes_total, (int)t[2].stage_steps, (int)t[2].stage_forwards,
+                      (long long)t[2].stage_bytes_total, (int)steps);
+    if (!rc)
+        mft_verbose("  %s: %d steps, %d forwards while staging, %lld bytes pushed: bitwise ok\n", label,
+                    (int)t[1].stage_steps, (int)t[1].stage_forwards, (long long)t[1].stage_bytes_total);
+    for (int k = 0; k < 3; k++) free(d[k]), free_ys(&p, y[k]);
+    mfp_free(&p);
+    return rc;
+}
+
+static int cuda_balance_stage(void) {
+    return stage_case(2, MF_DTYPE_BF16, 0, 1, 1, MF_TRANSPORT_LOCAL, 71) ||
+           stage_case(4, MF_DTYPE_FP8_E4M3, 2, 1, 2, MF_TRANSPORT_LOCAL, 72) ||
+           stage_case(4, MF_DTYPE_BF16, 1, 2, 0, MF_TRANSPORT_LOCAL, 73) ||
+           stage_case(8, MF_DTYPE_FP8_E4M3, 0, 0, 3, MF_TRANSPORT_LOCAL, 74);
+}
+
+static int cuda_balance_stage_ipc(void) { return stage_case(2, MF_DTYPE_FP8_E4M3, 2, 1, 1, MF_TRANSPORT_IPC, 81); }
+
 const mft_test_t mft_tests_cuda_balance[] = {
+    {"cuda_balance_stage", cuda_balance_stage, 120},
+    {"cuda_balance_stage_ipc", cuda_balance_stage_ipc, 120},
     {"cuda_balance_pick", cuda_balance_pick, 120},
     {"cuda_balance_plan_par", cuda_balance_plan_par, 60},
     {"cuda_balance_bitwise", cuda_balance_bitwise, 180},

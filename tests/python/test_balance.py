@@ -94,3 +94,54 @@ def test_bad_maps_raise(backend):
             layer.close()
     finally:
         comms[0].group.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_staged_map_moves_weights_without_a_stall(backend, dtype):
+    """A staged map (one expert per rank per step): every call's y equals the plain layer's, while
+    staging and after the switch; the moved weights equal the new map's experts bit for bit."""
+    p = skewed(ref.make_problem(R, E, K, H, I, [24, 17], dtype=dtype, seed=13))
+    new_map = [5, 4, 7, 6, 1, 0, 3, 2, 1, 5, 0, 2]
+    P, calls = len(MAP), 8
+    comms = virtual_comms(R, backend)
+    try:
+        plain = run(p, comms, dtype)
+        dev = device_of(comms[0].backend)
+
+        def slots(m, r):
+            idx = torch.tensor(m[r * P // R:(r + 1) * P // R])
+            return [w if w is None else w[idx].contiguous().to(dev) for w in (p.w13, p.w2, p.w13_scale, p.w2_scale)]
+
+        def rank(r, comm, ready):
+            x, ids, wts = (t.to(dev) for t in (p.x[r], p.topk_ids[r], p.topk_weights[r]))
+            layer = MoELayer(comm, E, K, H, I, 32, dtype=dtype, num_physical_experts=P, spare_slots=1)
+            try:
+                layer.set_expert_map(MAP)
+                layer.set_weights(*slots(MAP, r))
+                nxt = [w if w is None else torch.zeros_like(w) for w in slots(new_map, r)]
+                ready()
+                ys, left = [], []
+                for c in range(calls):
+                    if c == 1:
+                        layer.stage_expert_map(new_map, *nxt, experts_per_step=1)
+                    if c > 0:
+                        layer.prefetch()
+                    left.append(layer.balance_stats()["stage_steps_left"])
+                    ys.append(layer(x, ids, wts).cpu())
+                return ys, left, [w if w is None else w.cpu() for w in nxt], layer.balance_stats()
+            finally:
+                layer.close()
+
+        staged = run_layer_ranks(comms, rank)
+    finally:
+        comms[0].group.close()
+    for r in range(R):
+        (y_plain,), _ = plain[r]
+        ys, left, nxt, stats = staged[r]
+        assert any(left) and left[-1] == 0 and stats["map_switches"] == 1, (left, stats)
+        for c, y in enumerate(ys):
+            assert torch.equal(y_plain, y), f"rank {r} call {c} (steps left {left[c]}): y changed"
+        idx = torch.tensor(new_map[r * P // R:(r + 1) * P // R])
+        for got, w in zip(nxt, (p.w13, p.w2, p.w13_scale, p.w2_scale)):
+            if w is not None:
+                assert torch.equal(got.view(torch.uint8), w[idx].contiguous().view(torch.uint8)), f"rank {r}"
