@@ -657,7 +657,7 @@ static void *backend_alloc(int on_device, size_t bytes) {
     if (on_device) { /* zeroed, as calloc: a combine of the fixed buffer reads zeros */
         void *d = NULL;
         if (cudaMalloc(&d, bytes) != cudaSuccess) return NULL;
-        if (cudaMemset(d, 0, bytes) != cudaSuccess) {
+        if (cudaMemset(d, 0, bytes) != cudaSuccess || cudaStreamSynchronize(cudaStreamLegacy) != cudaSuccess) {
             cudaFree(d);
             return NULL;
         }
@@ -683,8 +683,12 @@ static void backend_free(int on_device, void *ptr) {
 static int backend_copy(int on_device, void *dst, const void *src, size_t bytes, int to_host) {
     if (!bytes || dst == src) return 0;
 #if MF_WITH_CUDA
+    /* cudaMemcpy from pageable memory may return before its DMA reaches the device, and the
+     * ranks' streams do not wait for the legacy stream: wait for it here (never the whole device:
+     * virtual ranks' kernels may be waiting on this rank) */
     if (on_device)
-        return cudaMemcpy(dst, src, bytes, to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice) == cudaSuccess
+        return cudaMemcpy(dst, src, bytes, to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice) == cudaSuccess &&
+                       cudaStreamSynchronize(cudaStreamLegacy) == cudaSuccess
                    ? 0 : -1;
 #endif
     (void)on_device, (void)to_host;
@@ -695,7 +699,9 @@ static int backend_copy(int on_device, void *dst, const void *src, size_t bytes,
 /* Fills backend memory with 0xA5 bytes (0 ok). */
 static int backend_poison(int on_device, void *ptr, size_t bytes) {
 #if MF_WITH_CUDA
-    if (on_device) return cudaMemset(ptr, 0xA5, bytes) == cudaSuccess ? 0 : -1;
+    if (on_device)
+        return cudaMemset(ptr, 0xA5, bytes) == cudaSuccess && cudaStreamSynchronize(cudaStreamLegacy) == cudaSuccess
+                   ? 0 : -1;
 #endif
     (void)on_device;
     memset(ptr, 0xA5, bytes);
