@@ -241,3 +241,18 @@ mf_group_t mft_cpu_group(int32_t R, int64_t timeout_ms) {
     }
     return group;
 }
+
+void mft_random_map(int32_t E, int32_t P, uint64_t seed, int32_t *map) {
+    mft_rng_t rng = {seed};
+    for (int32_t p = 0; p < P; p++) map[p] = p < E ? p : mft_rng_int(&rng, E);
+    for (int32_t p = P - 1; p > 0; p--) {
+        int32_t j = mft_rng_int(&rng, p + 1), t = map[p];
+        map[p] = map[j], map[j] = t;
+    }
+}
+
+int64_t mft_max_i64(const int64_t *v, int32_t n) {
+    int64_t m = 0;
+    for (int32_t i = 0; i < n; i++) m = v[i] > m ? v[i] : m;
+    return m;
+}

@@ -141,6 +141,10 @@ typedef struct mft_rng { uint64_t s; } mft_rng_t;
 uint64_t mft_rng_u64(mft_rng_t *rng);
 double mft_rng_uniform(mft_rng_t *rng);               /* [0, 1) */
 int32_t mft_rng_int(mft_rng_t *rng, int32_t n);       /* [0, n) */
+/* A balanced-EP expert map of P slots (P >= E): every logical expert once, then P - E extra
+ * replicas of random experts, the whole shuffled, from `seed`. */
+void mft_random_map(int32_t E, int32_t P, uint64_t seed, int32_t *map);
+int64_t mft_max_i64(const int64_t *v, int32_t n); /* the largest of v[0..n), 0 for n = 0 or all < 0 */
 /* A stateless hash of up to four integers, for payloads that encode their coordinates. */
 uint64_t mft_hash4(uint64_t a, uint64_t b, uint64_t c, uint64_t d);
 

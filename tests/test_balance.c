@@ -27,23 +27,6 @@ static mfp_spec_t bal_spec(int32_t R, int32_t dtype, int32_t layout, int32_t rou
     return s;
 }
 
-/* A map of P slots: every logical expert once (permuted), then P - E extra replicas of random
- * experts, the whole shuffled, from `seed`. */
-static void random_map(int32_t E, int32_t P, uint64_t seed, int32_t *map) {
-    mft_rng_t rng = {seed};
-    for (int32_t p = 0; p < P; p++) map[p] = p < E ? p : mft_rng_int(&rng, E);
-    for (int32_t p = P - 1; p > 0; p--) {
-        int32_t j = mft_rng_int(&rng, p + 1), t = map[p];
-        map[p] = map[j], map[j] = t;
-    }
-}
-
-static int64_t max_of(const int64_t *v, int32_t n) {
-    int64_t m = 0;
-    for (int32_t i = 0; i < n; i++) m = v[i] > m ? v[i] : m;
-    return m;
-}
-
 /* ---- the planner alone -------------------------------------------------------------------- */
 
 /* Shares sum to each expert's count, loads to the total; with one replica per expert the loads are
@@ -76,12 +59,12 @@ static int test_planner(void) {
         for (int32_t i = rep_off[e]; i < rep_off[e + 1]; i++) s += share[i];
         MFT_CHECK_EQ_INT(s, counts[e]);
     }
-    mft_verbose("  planner: max/mean %.3f -> %.3f (%d replicas)\n", (double)max_of(home, R) * R / (double)total,
-                (double)max_of(load, R) * R / (double)total, (int)n);
-    MFT_CHECK_MSG(max_of(load, R) < max_of(home, R), "balancing did not lower the busiest rank (%lld -> %lld)",
-                  (long long)max_of(home, R), (long long)max_of(load, R));
-    MFT_CHECK_MSG((double)max_of(load, R) * R / (double)total < 1.1, "max/mean %.3f after balancing",
-                  (double)max_of(load, R) * R / (double)total);
+    mft_verbose("  planner: max/mean %.3f -> %.3f (%d replicas)\n", (double)mft_max_i64(home, R) * R / (double)total,
+                (double)mft_max_i64(load, R) * R / (double)total, (int)n);
+    MFT_CHECK_MSG(mft_max_i64(load, R) < mft_max_i64(home, R), "balancing did not lower the busiest rank (%lld -> %lld)",
+                  (long long)mft_max_i64(home, R), (long long)mft_max_i64(load, R));
+    MFT_CHECK_MSG((double)mft_max_i64(load, R) * R / (double)total < 1.1, "max/mean %.3f after balancing",
+                  (double)mft_max_i64(load, R) * R / (double)total);
     /* The same counts again, from the table it made: nothing moves. */
     mf__balance_pick(E, R, P, B, counts, map, spare, again, rep_off, rep_rank, rep_slot, share, load, scratch);
     MFT_CHECK_MSG(memcmp(again, spare, sizeof spare) == 0, "a steady routing moved spare slots");
@@ -197,7 +180,7 @@ static int test_pick_incremental(void) {
                       : kind == 1 ? (int32_t)(4096.0 / (1.0 + mft_rng_int(&rng, E)))
                       : kind == 2 ? (e == 3 % E ? 5000 : mft_rng_int(&rng, 8))
                                   : (mft_rng_int(&rng, 3) ? 0 : mft_rng_int(&rng, 100));
-        random_map(E, P, 1000 + (uint64_t)it, map);
+        mft_random_map(E, P, 1000 + (uint64_t)it, map);
         for (int32_t i = 0; i < R * B; i++) resident[i] = mft_rng_int(&rng, 3) ? -1 : mft_rng_int(&rng, E);
         const int32_t *res = mft_rng_int(&rng, 4) ? resident : NULL;
         ref_balance_pick(E, R, P, B, counts, map, res, a, rep_off, rep_rank, rep_slot, share, load, scratch);
@@ -234,7 +217,7 @@ static int test_plan_parallel(void) {
                       : kind == 1 ? (int32_t)(4096.0 / (1.0 + mft_rng_int(&rng, E)))
                       : kind == 2 ? (e == 3 % E ? 5000 : mft_rng_int(&rng, 8))
                                   : (mft_rng_int(&rng, 3) ? 0 : mft_rng_int(&rng, 100));
-        random_map(E, P, 2000 + (uint64_t)it, map);
+        mft_random_map(E, P, 2000 + (uint64_t)it, map);
         for (int32_t i = 0; i < R * B; i++) spare[i] = mft_rng_int(&rng, 2) ? -1 : mft_rng_int(&rng, E);
         int64_t total = 0;
         for (int32_t e = 0; e < E; e++) total += counts[e];
@@ -334,7 +317,7 @@ static int test_maps_bitwise(void) {
         mfp_problem_t p;
         MFT_CHECK(mfp_generate(&s, &p) == 0);
         int32_t P = s.E + cases[c].extra * s.R, map[256];
-        random_map(s.E, P, 500 + c, map);
+        mft_random_map(s.E, P, 500 + c, map);
         int rc = run_vs_plain(&p, map, P, 0, 2, MF_TRANSPORT_LOCAL, NULL);
         mfp_free(&p);
         if (rc) return rc;
@@ -356,7 +339,7 @@ static int spare_case(int32_t R, int32_t dtype, int32_t layout, int32_t routing,
     mfp_free(&p);
     if (rc) return rc;
     MFT_CHECK(t.have_balance);
-    int64_t before = max_of(t.balance.home_rows, R), after = max_of(t.balance.recv_rows, R);
+    int64_t before = mft_max_i64(t.balance.home_rows, R), after = mft_max_i64(t.balance.recv_rows, R);
     mft_verbose("  R %d B %d: busiest rank %lld -> %lld rows; moved %lld then %lld bytes; %d spares resident\n",
                 (int)R, (int)B, (long long)before, (long long)after, (long long)t.prefetch_first_bytes,
                 (long long)t.prefetch_last_bytes, (int)t.balance.spare_resident);
@@ -383,7 +366,7 @@ static int test_ipc(void) {
     mfp_problem_t p;
     MFT_CHECK(mfp_generate(&s, &p) == 0);
     int32_t map[64];
-    random_map(s.E, s.E + s.R, 42, map);
+    mft_random_map(s.E, s.E + s.R, 42, map);
     int rc = run_vs_plain(&p, map, s.E + s.R, 0, 2, MF_TRANSPORT_IPC, NULL);
     mfp_free(&p);
     if (rc) return rc;
@@ -409,7 +392,7 @@ static int test_random_cases(void) {
         s.S = 12;
         const int32_t P = s.E + R * mft_rng_int(&rng, 4), B = mft_rng_int(&rng, 4);
         int32_t map[64 + 8 * 3];
-        random_map(s.E, P, 950 + (uint64_t)i, map);
+        mft_random_map(s.E, P, 950 + (uint64_t)i, map);
         mfp_problem_t p;
         MFT_CHECK(mfp_generate(&s, &p) == 0);
         mft_verbose("  case %d: R %d E %d K %d P %d B %d\n", (int)i, (int)R, (int)s.E, (int)s.K, (int)P, (int)B);
@@ -531,7 +514,7 @@ static int test_map_changes(void) {
     memset(&c, 0, sizeof c);
     c.p[0] = &p0, c.p[1] = &p1;
     c.P = s.E + s.R, c.B = 2;
-    for (int m = 0; m < 3; m++) random_map(s.E, c.P, 70 + m, c.maps[m]);
+    for (int m = 0; m < 3; m++) mft_random_map(s.E, c.P, 70 + m, c.maps[m]);
     mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
     o.backend = MF_BACKEND_CPU;
     o.timeout_ms = BAL_TIMEOUT_MS;
@@ -624,8 +607,8 @@ static int stage_case(int32_t R, int32_t dtype, int32_t B, int32_t extra, int32_
     MFT_CHECK(mfp_generate(&s, &p) == 0);
     const int32_t P = s.E + extra * R, Lp = P / R;
     int32_t prev[64], next[64];
-    random_map(s.E, P, seed + 1, prev);
-    random_map(s.E, P, seed + 2, next);
+    mft_random_map(s.E, P, seed + 1, prev);
+    mft_random_map(s.E, P, seed + 2, next);
     mf__stage_slot_t plan[64];
     int32_t moved = 0, most = 0;
     for (int32_t q = 0; q < R; q++) {
@@ -692,8 +675,8 @@ static int test_stage_schedule(void) {
         const int32_t R = 1 + mft_rng_int(&rng, 8), E = R * (1 + mft_rng_int(&rng, 6)), P = E + R * mft_rng_int(&rng, 4);
         const int32_t Lp = P / R, n = 1 + mft_rng_int(&rng, 4);
         int32_t prev[96], next[96];
-        random_map(E, P, 3 * (uint64_t)i + 1, prev);
-        random_map(E, P, 3 * (uint64_t)i + 2, next);
+        mft_random_map(E, P, 3 * (uint64_t)i + 1, prev);
+        mft_random_map(E, P, 3 * (uint64_t)i + 2, next);
         if (i % 5 == 0) memcpy(next, prev, sizeof prev); /* the same map: local copies only */
         mf__stage_slot_t plan[96];
         const int32_t steps = mf__stage_schedule(prev, next, P, R, n, plan);
@@ -852,7 +835,7 @@ static int test_stage_misuse(void) {
     memset(&c, 0, sizeof c);
     c.p[0] = &p0, c.p[1] = &p1;
     c.P = s.E + s.R, c.B = 1;
-    for (int m = 0; m < 3; m++) random_map(s.E, c.P, 93 + m, c.maps[m]);
+    for (int m = 0; m < 3; m++) mft_random_map(s.E, c.P, 93 + m, c.maps[m]);
     mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
     o.backend = MF_BACKEND_CPU;
     o.timeout_ms = BAL_TIMEOUT_MS;

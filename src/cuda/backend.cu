@@ -336,6 +336,19 @@ static mf_result_t mf__cuda_get_async_error(mf_comm_t comm) {
     return mf__cuda_take_fault(comm, 0);
 }
 
+/* Virtual ranks share one GPU: a blocking stream waits for legacy-stream work that other threads
+ * issue, which waits for this group's spinning kernels: a deadlock. INVALID_ARGUMENT for such a
+ * stream. (Not queried while capturing: cudaStreamGetFlags invalidated a capture on the H200.) */
+static mf_result_t mf__cuda_check_stream(mf_comm_t comm, cudaStream_t stream, int capturing, const char *call) {
+    if (comm->ranks_on_device <= 1 || comm->transport != MF_TRANSPORT_LOCAL || capturing) return MF_SUCCESS;
+    unsigned int flags = 0;
+    if (stream) MF_CUDA_CHECK(cudaStreamGetFlags(stream, &flags));
+    if (stream && (flags & cudaStreamNonBlocking)) return MF_SUCCESS;
+    return mf__error(MF_ERR_INVALID_ARGUMENT,
+                     "%srank %d: the stream must be created with cudaStreamNonBlocking when virtual ranks share a "
+                     "GPU (a blocking or legacy stream can deadlock)", call, comm->rank);
+}
+
 /* Every data-path call starts here. It never refuses to launch because of a fault (a rank that
  * stayed out of a collective would leave its peers waiting): a fault this host has not reported yet
  * is returned by the call after its launches, and the device makes the call write nothing. */
@@ -344,17 +357,8 @@ static mf_result_t mf__cuda_enter(mf_comm_t comm, cudaStream_t stream, mf_result
     MF_CUDA_CHECK(cudaSetDevice(comm->device));
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     if (stream) MF_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    if (comm->ranks_on_device > 1 && comm->transport == MF_TRANSPORT_LOCAL && capture == cudaStreamCaptureStatusNone) {
-        /* Virtual ranks share one GPU: a blocking stream waits for legacy-stream work that other
-         * threads issue, which waits for this group's spinning kernels: a deadlock. (Not queried
-         * while capturing: cudaStreamGetFlags invalidated a capture on the H200.) */
-        unsigned int flags = 0;
-        if (stream) MF_CUDA_CHECK(cudaStreamGetFlags(stream, &flags));
-        if (!stream || !(flags & cudaStreamNonBlocking))
-            return mf__error(MF_ERR_INVALID_ARGUMENT,
-                             "rank %d: the stream must be created with cudaStreamNonBlocking when virtual ranks "
-                             "share a GPU (a blocking or legacy stream can deadlock)", comm->rank);
-    }
+    const mf_result_t bad = mf__cuda_check_stream(comm, stream, capture != cudaStreamCaptureStatusNone, "");
+    if (bad != MF_SUCCESS) return bad;
     mf__cuda_comm_t *c = mf__cc(comm);
     c->stream = stream;
     c->capturing = capture != cudaStreamCaptureStatusNone;
@@ -907,26 +911,31 @@ static mf_result_t mf__cuda_set_expert_map(mf_moe_t moe) {
     return MF_SUCCESS;
 }
 
+/* A prefetch (and a stage step in it) starts here: the stream's check, its capture id (0 when not
+ * capturing), and its order after this rank's last forward of the same capture (or eager). */
+static mf_result_t mf__cuda_prefetch_enter(mf_moe_t moe, cudaStream_t stream, unsigned long long *capture_id) {
+    mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
+    MF_CUDA_CHECK(cudaSetDevice(moe->comm->device));
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    *capture_id = 0;
+    if (stream) MF_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &capture, capture_id));
+    if (capture == cudaStreamCaptureStatusNone) *capture_id = 0;
+    const mf_result_t bad =
+        mf__cuda_check_stream(moe->comm, stream, capture != cudaStreamCaptureStatusNone, "mf_moe_prefetch: ");
+    if (bad != MF_SUCCESS) return bad;
+    if (s->fwd_recorded && s->fwd_capture == *capture_id) MF_CUDA_CHECK(cudaStreamWaitEvent(stream, s->fwd_done, 0));
+    return MF_SUCCESS;
+}
+
 /* mf_moe_prefetch: pick, push, commit on `stream` (balance.cu), after this rank's last forward. */
 static mf_result_t mf__cuda_prefetch_op(mf_moe_t moe, mf_stream_t stream_) {
     cudaStream_t stream = (cudaStream_t)stream_;
     mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
     mf_comm_t comm = moe->comm;
     const mf_moe_config_t *c = &moe->config;
-    MF_CUDA_CHECK(cudaSetDevice(comm->device));
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     unsigned long long capture_id = 0;
-    if (stream) MF_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &capture, &capture_id));
-    if (capture == cudaStreamCaptureStatusNone) capture_id = 0;
-    if (comm->ranks_on_device > 1 && comm->transport == MF_TRANSPORT_LOCAL && capture == cudaStreamCaptureStatusNone) {
-        unsigned int flags = 0;
-        if (stream) MF_CUDA_CHECK(cudaStreamGetFlags(stream, &flags));
-        if (!stream || !(flags & cudaStreamNonBlocking))
-            return mf__error(MF_ERR_INVALID_ARGUMENT,
-                             "mf_moe_prefetch: rank %d: the stream must be created with cudaStreamNonBlocking when "
-                             "virtual ranks share a GPU (a blocking or legacy stream can deadlock)", comm->rank);
-    }
-    if (s->fwd_recorded && s->fwd_capture == capture_id) MF_CUDA_CHECK(cudaStreamWaitEvent(stream, s->fwd_done, 0));
+    const mf_result_t entered = mf__cuda_prefetch_enter(moe, stream, &capture_id);
+    if (entered != MF_SUCCESS) return entered;
     mf__prefetch_params_t p;
     memset(&p, 0, sizeof p);
     p.E = c->num_experts;
@@ -1036,20 +1045,9 @@ static mf_result_t mf__cuda_stage_step(mf_moe_t moe, mf_stream_t stream_) {
     cudaStream_t stream = (cudaStream_t)stream_;
     mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
     mf_comm_t comm = moe->comm;
-    MF_CUDA_CHECK(cudaSetDevice(comm->device));
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     unsigned long long capture_id = 0;
-    if (stream) MF_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &capture, &capture_id));
-    if (capture == cudaStreamCaptureStatusNone) capture_id = 0;
-    if (comm->ranks_on_device > 1 && comm->transport == MF_TRANSPORT_LOCAL && capture == cudaStreamCaptureStatusNone) {
-        unsigned int flags = 0;
-        if (stream) MF_CUDA_CHECK(cudaStreamGetFlags(stream, &flags));
-        if (!stream || !(flags & cudaStreamNonBlocking))
-            return mf__error(MF_ERR_INVALID_ARGUMENT,
-                             "mf_moe_prefetch: rank %d: the stream must be created with cudaStreamNonBlocking when "
-                             "virtual ranks share a GPU (a blocking or legacy stream can deadlock)", comm->rank);
-    }
-    if (s->fwd_recorded && s->fwd_capture == capture_id) MF_CUDA_CHECK(cudaStreamWaitEvent(stream, s->fwd_done, 0));
+    const mf_result_t entered = mf__cuda_prefetch_enter(moe, stream, &capture_id);
+    if (entered != MF_SUCCESS) return entered;
     const mf__spare_layout_t *sl = &moe->stage_layout;
     const int32_t P = moe->config.num_physical_experts, Lp = moe->slots_per_rank, me = comm->rank;
     const int32_t step = moe->stage_step, fp8 = moe->config.dtype == MF_DTYPE_FP8_E4M3;

@@ -165,23 +165,6 @@ static const char *flow_name(int32_t f) {
     return f == MF_DATAFLOW_DIRECT ? "direct" : f == MF_DATAFLOW_PULL ? "pull" : f == MF_DATAFLOW_UNFUSED ? "unfused" : "auto";
 }
 
-/* A map of P slots: every logical expert once (permuted), then P - E extra replicas of random
- * experts, the whole shuffled (tests/test_balance.c's). */
-static void random_map(int32_t E, int32_t P, uint64_t seed, int32_t *map) {
-    mft_rng_t rng = {seed};
-    for (int32_t p = 0; p < P; p++) map[p] = p < E ? p : mft_rng_int(&rng, E);
-    for (int32_t p = P - 1; p > 0; p--) {
-        int32_t j = mft_rng_int(&rng, p + 1), t = map[p];
-        map[p] = map[j], map[j] = t;
-    }
-}
-
-static int64_t max_of(const int64_t *v, int32_t n) {
-    int64_t m = 0;
-    for (int32_t i = 0; i < n; i++) m = v[i] > m ? v[i] : m;
-    return m;
-}
-
 /* y[r] == want[r] bit for bit on every rank, else the first differing element. */
 static int same_y(const char *label, const mfp_problem_t *p, uint16_t *const *got, uint16_t *const *want) {
     const int64_t H = p->spec.H;
@@ -255,7 +238,7 @@ static int bitwise_case(const bal_case_t *c) {
     MFT_CHECK(bal_problem(c, &p) == 0);
     const int32_t E = p.spec.E, P = E + c->extra * c->R;
     int32_t map[1024];
-    random_map(E, P, 7000 + c->seed, map);
+    mft_random_map(E, P, 7000 + c->seed, map);
     char label[256], err[512] = "";
     bal_label(c, P, label, sizeof label);
     uint16_t *y0[MF_MAX_RANKS], *y1[MF_MAX_RANKS], *yc[MF_MAX_RANKS], *yc1[MF_MAX_RANKS];
@@ -303,7 +286,7 @@ static int bitwise_case(const bal_case_t *c) {
         return 1;
     }
     if (close_y(label, &p, y0, yc)) return 1;
-    const int64_t before = max_of(tg.balance.home_rows, c->R), after = max_of(tg.balance.recv_rows, c->R);
+    const int64_t before = mft_max_i64(tg.balance.home_rows, c->R), after = mft_max_i64(tg.balance.recv_rows, c->R);
     mft_verbose("  %s: busiest rank %lld -> %lld rows; moved %lld then %lld bytes; %d resident; bitwise ok\n", label,
                 (long long)before, (long long)after, (long long)tg.prefetch_first_bytes,
                 (long long)tg.prefetch_last_bytes, (int)tg.balance.spare_resident);
@@ -366,7 +349,7 @@ static int graph_case(const bal_case_t *c) {
     MFT_CHECK(bal_problem(c, &p) == 0);
     const int32_t E = p.spec.E, P = E + c->extra * c->R, iters = 5;
     int32_t map[1024];
-    random_map(E, P, 8000 + c->seed, map);
+    mft_random_map(E, P, 8000 + c->seed, map);
     char label[256], err[512] = "";
     bal_label(c, P, label, sizeof label);
     uint16_t *y[3][MF_MAX_RANKS];
@@ -533,7 +516,7 @@ static int rank_body(int32_t rank, rank_ctx_t *c, cudaStream_t stream, mf_comm_t
         if (rank == 0)
             mft_verbose("  capture: 6 replays of prefetch + forward equal the plain layer; %d spares resident, "
                         "busiest rank %lld rows (home %lld)\n", (int)st.spare_resident,
-                        (long long)max_of(st.recv_rows, p->spec.R), (long long)max_of(st.home_rows, p->spec.R));
+                        (long long)mft_max_i64(st.recv_rows, p->spec.R), (long long)mft_max_i64(st.home_rows, p->spec.R));
         cudaGraphExecDestroy(exec);
         cudaGraphDestroy(graph);
         return 0;
@@ -656,8 +639,8 @@ static int threads_case(int mode, int32_t R, int32_t layout, int32_t extra, int3
     memset(&c, 0, sizeof c);
     c.p[0] = &p0, c.p[1] = &p1;
     c.P = s.E + extra * R, c.B = B, c.mode = mode;
-    random_map(s.E, c.P, 900 + (uint64_t)mode, c.maps[0]);
-    random_map(s.E, c.P, 901 + (uint64_t)mode, c.maps[1]);
+    mft_random_map(s.E, c.P, 900 + (uint64_t)mode, c.maps[0]);
+    mft_random_map(s.E, c.P, 901 + (uint64_t)mode, c.maps[1]);
     char err[512] = "";
     for (int k = 0; k < 2; k++) {
         alloc_ys(c.p[k], c.yref[k]);
@@ -694,8 +677,8 @@ static int stage_case(int32_t R, int32_t dtype, int32_t B, int32_t extra, int32_
     MFT_CHECK(bal_problem(&c, &p) == 0);
     const int32_t E = p.spec.E, P = E + extra * R, Lp = P / R;
     int32_t prev[1024], next[1024];
-    random_map(E, P, seed + 1, prev);
-    random_map(E, P, seed + 2, next);
+    mft_random_map(E, P, seed + 1, prev);
+    mft_random_map(E, P, seed + 2, next);
     int32_t most = 0;
     for (int32_t q = 0; q < R; q++) {
         int32_t m = mf__stage_moved(prev, next, Lp, q);
