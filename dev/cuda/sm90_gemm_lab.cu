@@ -422,6 +422,77 @@ static void selftest_conversions(void) {
 }
 
 
+/* Every float bit pattern x: the device's call-free numerics.h functions (mf__div) against the
+ * same formulas with IEEE division (div.rn.f32, its called slow path included): mf__silu(x) and
+ * mf__fp8_block_scale(x, ue8m0) for both scale formats, bit for bit (a NaN matches any NaN).
+ * bad[0..2] / first[0..2]: silu, block scale, UE8M0 block scale. */
+__device__ bool same_bits(float a, float b) { return (a != a && b != b) || __float_as_uint(a) == __float_as_uint(b); }
+
+__device__ void ieee_block_scale(float amax, int ue8m0, float *scale, float *inv_scale) {
+    if (!(amax >= MF__FP8_AMAX_MIN)) amax = amax != amax ? amax : MF__FP8_AMAX_MIN;
+    if (ue8m0) {
+        uint32_t s = __float_as_uint(amax / MF__FP8_MAX);
+        if (s & 0x7fffffu) s = (s & 0xff800000u) + 0x800000u;
+        *scale = __uint_as_float(s);
+        *inv_scale = 1.0f / *scale;
+    } else {
+        *scale = amax / MF__FP8_MAX;
+        *inv_scale = MF__FP8_MAX / amax;
+    }
+}
+
+__global__ void division_kernel(unsigned long long *bad, unsigned int *first) {
+    const uint64_t step = (uint64_t)gridDim.x * blockDim.x;
+    for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < (1ull << 32); i += step) {
+        const uint32_t u = (uint32_t)i;
+        const float x = __uint_as_float(u);
+        bool wrong[3];
+        wrong[0] = !same_bits(mf__silu(x), x / (1.0f + expf(-x)));
+        for (int ue = 0; ue < 2; ue++) {
+            float s, v, rs, rv;
+            mf__fp8_block_scale(x, ue, &s, &v);
+            ieee_block_scale(x, ue, &rs, &rv);
+            wrong[1 + ue] = !same_bits(s, rs) || !same_bits(v, rv);
+        }
+        for (int k = 0; k < 3; k++)
+            if (wrong[k]) {
+                atomicAdd(&bad[k], 1ull);
+                atomicMin(&first[k], u);
+            }
+    }
+}
+
+static void selftest_division(void) {
+    g_case = "selftest call-free division (all 2^32 floats)";
+    unsigned long long *d_bad = dev_alloc<unsigned long long>(3);
+    unsigned int *d_first = dev_alloc<unsigned int>(3);
+    CUDA_OK(cudaMemset(d_bad, 0, 3 * sizeof(unsigned long long)));
+    CUDA_OK(cudaMemset(d_first, 0xFF, 3 * sizeof(unsigned int)));
+    int sms = 0, dev = 0;
+    CUDA_OK(cudaGetDevice(&dev));
+    CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    division_kernel<<<sms * 8, 256>>>(d_bad, d_first);
+    CUDA_OK(cudaGetLastError());
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<unsigned long long> bad = to_host(d_bad, 3);
+    std::vector<unsigned int> first = to_host(d_first, 3);
+    const char *names[3] = {"mf__silu == g / (1 + expf(-g))", "mf__fp8_block_scale == IEEE (E4M3 scales)",
+                            "mf__fp8_block_scale == IEEE (UE8M0 scales)"};
+    for (int i = 0; i < 3; i++) {
+        if (bad[i] == 0) {
+            printf("PASS selftest %-54s every float, bit for bit\n", names[i]);
+            continue;
+        }
+        g_failures++;
+        float x;
+        memcpy(&x, &first[i], 4);
+        printf("FAIL selftest %-54s %llu mismatches; first at bits 0x%08x (%.9g)\n", names[i], bad[i], first[i],
+               (double)x);
+    }
+    CUDA_OK(cudaFree(d_bad));
+    CUDA_OK(cudaFree(d_first));
+}
+
 /* ====================================================================================================
  * validation
  * ==================================================================================================== */
@@ -753,6 +824,7 @@ static void run_selftest(void) {
     selftest_tile(1);
     selftest_tile(0);
     selftest_conversions();
+    selftest_division();
     run_case({"selftest fp8 expert_major W13 swiglu I=256 K=384", 1, 1, 256, 384, {130, 0, 257}, 0, 0, 0, 0});
     run_case({"selftest bf16 masked W13 swiglu I=128 K=256", 0, 1, 128, 256, {1, 200}, 256, 0, 0, 0});
     run_case({"selftest fp8 expert_major W2 ret N=256 K=256", 1, 0, 256, 256, {77, 130}, 0, 0, 1, 0});

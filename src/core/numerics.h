@@ -88,21 +88,47 @@ MF_HD uint16_t mf__bf16_from_float(float x) {
 
 MF_HD float mf__bf16_to_float(uint16_t h) { return mf__bits_float((uint32_t)h << 16); }
 
+/* a / b rounded to nearest even: IEEE division everywhere. On the device it is computed without
+ * div.rn.f32's called slow path (a call while wgmmas are in flight makes ptxas serialise every
+ * wgmma of the kernel: docs/DESIGN.md "Numerics"): the reciprocal refined by one Newton step, then
+ * one FMA correction of the quotient (div.rn's own fast path), with |b| >= 2^126 scaled by 1/4
+ * first and the infinite and NaN cases selected explicitly. Its bits equal div.rn's wherever the
+ * quotient is normal or zero and b is not subnormal; every use below is proved equal to IEEE
+ * division over all 2^32 inputs by sm90_gemm_lab --selftest (`make test-gpu`). */
+MF_HD float mf__div(float a, float b) {
+#if defined(__CUDA_ARCH__)
+    const float s = fabsf(b) >= 0x1p126f ? 0.25f : 1.0f; /* 1/b would be subnormal: exact rescale */
+    const float as = a * s, bs = b * s;
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(bs));
+    r = fmaf(fmaf(-bs, r, 1.0f), r, r);
+    const float q0 = as * r;
+    const float q = fmaf(fmaf(-bs, q0, as), r, q0);
+    if (q == q || a != a || b != b) return q; /* NaN only from the infinities below */
+    const uint32_t sign = (__float_as_uint(a) ^ __float_as_uint(b)) & 0x80000000u;
+    if (isinf(b)) return isinf(a) ? q : __uint_as_float(sign);               /* inf/inf: NaN; x/inf: +-0 */
+    if (b == 0.0f) return a == 0.0f ? q : __uint_as_float(sign | 0x7f800000u); /* 0/0: NaN; x/0: +-inf */
+    return q0; /* inf/finite, or a quotient past FLT_MAX: +-inf */
+#else
+    return a / b;
+#endif
+}
+
 /* The scale of a block whose max |x| is `amax`, and the factor that maps x to FP8 range. */
 MF_HD void mf__fp8_block_scale(float amax, int ue8m0, float *scale, float *inv_scale) {
     if (!(amax >= MF__FP8_AMAX_MIN)) amax = amax != amax ? amax : MF__FP8_AMAX_MIN;
     if (ue8m0) {
-        uint32_t s = mf__float_bits(amax / MF__FP8_MAX);
+        uint32_t s = mf__float_bits(mf__div(amax, MF__FP8_MAX));
         if (s & 0x7fffffu) s = (s & 0xff800000u) + 0x800000u; /* round up to 2^ceil(log2) */
         *scale = mf__bits_float(s);
-        *inv_scale = 1.0f / *scale;
+        *inv_scale = mf__div(1.0f, *scale);
     } else {
-        *scale = amax / MF__FP8_MAX;
-        *inv_scale = MF__FP8_MAX / amax;
+        *scale = mf__div(amax, MF__FP8_MAX);
+        *inv_scale = mf__div(MF__FP8_MAX, amax);
     }
 }
 
 /* SwiGLU's activation in fp32: silu(g) = g / (1 + exp(-g)). */
-MF_HD float mf__silu(float g) { return g / (1.0f + expf(-g)); }
+MF_HD float mf__silu(float g) { return mf__div(g, 1.0f + expf(-g)); }
 
 #endif /* MF_CORE_NUMERICS_H */

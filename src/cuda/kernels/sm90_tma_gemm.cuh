@@ -64,13 +64,14 @@
  * one tile). Both warpgroups issue the same groups in the same order: 2 per K block, + 1 per tile
  * for the overlap below; WG 1 arrives once before its first group, WG 0 syncs once after its last.
  *
- * Epilogue overlap (FP8 plain). Before a consumer stores tile t it already issues box 0 of tile
- * t + grid's first K block into the (free) temporary, so the tensor cores work on the next tile
- * while the warps convert and store; the next tile's main loop starts by waiting for that group.
- * Without a next tile the group reruns the last (consumed) stage and is dropped: wgmmas issued on a
- * divergent path make ptxas serialise every wgmma of the kernel. Not for SwiGLU: the IEEE division
- * of mf__silu has a called slow path, and a call while wgmmas are in flight does the same. (BF16
- * accumulates straight into acc: nothing to overlap with.)
+ * Epilogue overlap (FP8, plain and SwiGLU). Before a consumer stores tile t it already issues box 0
+ * of tile t + grid's first K block into the (free) temporary, so the tensor cores work on the next
+ * tile while the warps convert and store; the next tile's main loop starts by waiting for that
+ * group. Without a next tile the group reruns the last (consumed) stage and is dropped: wgmmas
+ * issued on a divergent path make ptxas serialise every wgmma of the kernel, and so does a call
+ * while wgmmas are in flight, which is why the epilogue's divisions (mf__silu, the h scales) use
+ * numerics.h's call-free mf__div (no div.rn slow path; equal to IEEE division over every input,
+ * proved by the lab's --selftest). (BF16 accumulates straight into acc: nothing to overlap with.)
  *
  * Epilogue, per consumer warp (its 16 rows; no barrier wider than the warp): fragments -> BF16
  * pairs (cvt.rn.bf16x2, stmatrix) or FP8 pairs (cvt.rn.satfinite.e4m3x2) into the warp's 2 KB
@@ -472,10 +473,8 @@ __device__ __forceinline__ void epilogue(const tma_params &p, const consumer_t &
 template <bool kFp8, int kEpi, bool kOrdered>
 __device__ __forceinline__ void consumer(const tma_params &p, const tables_t &tb, int32_t nblocks, consumer_t &c,
                                          float *acc, float *tmp) {
-    /* FP8 plain: the next tile's first wgmmas overlap this tile's epilogue (see "Epilogue overlap").
-     * Not for SwiGLU: its IEEE division has a called slow path, and a call while wgmmas are in
-     * flight makes ptxas serialise every wgmma of the kernel. */
-    constexpr bool kOverlap = kFp8 && kEpi == kEpiPlain;
+    /* FP8: the next tile's first wgmmas overlap this tile's epilogue (see "Epilogue overlap"). */
+    constexpr bool kOverlap = kFp8;
     const int32_t kblocks = (p.K * (kFp8 ? 1 : 2) + kKBlock - 1) / kKBlock;
     uint32_t it = 0;
     int32_t cursor = 0, idx = (int32_t)blockIdx.x;
