@@ -103,7 +103,8 @@ MF_HD float mf__div(float a, float b) {
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(bs));
     r = fmaf(fmaf(-bs, r, 1.0f), r, r);
     const float q0 = as * r;
-    const float q = fmaf(fmaf(-bs, q0, as), r, q0);
+    const float rem = fmaf(-bs, q0, as);
+    const float q = rem == 0.0f ? q0 : fmaf(rem, r, q0); /* exact: q0 (keeps the sign of a zero) */
     if (q == q || a != a || b != b) return q; /* NaN only from the infinities below */
     const uint32_t sign = (__float_as_uint(a) ^ __float_as_uint(b)) & 0x80000000u;
     if (isinf(b)) return isinf(a) ? q : __uint_as_float(sign);               /* inf/inf: NaN; x/inf: +-0 */
