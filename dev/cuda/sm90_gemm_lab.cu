@@ -14,6 +14,7 @@
  *                               three small cases of the shipped kernels (memchecked by test-gpu)
  *   sm90_gemm_lab --validate    small, awkward and DeepSeek-shaped cases vs the CPU reference below
  *   sm90_gemm_lab --bench [--json FILE]   DeepSeek-V3 W13 / W2 shapes, kernel time, L2 flushed
+ *   sm90_gemm_lab --ab                  only the A/B of FP8 W13 SwiGLU with and without the epilogue overlap
  *   sm90_gemm_lab               selftest, validate, bench
  *
  * Dimension legend: L local experts, N weight rows per expert of a plain GEMM (its output columns),
@@ -505,7 +506,7 @@ struct vcase {
     int capacity;             /* 0: EXPERT_MAJOR (128-aligned segments), else MASKED with C = capacity */
     int ue8m0;
     int ret;                  /* plain: rows to R fake owners' combine slots */
-    int unordered;            /* FP8: the lab-only kernel without the issue order (A/B) */
+    int unordered;            /* FP8 lab-only kernels (A/B): kMfTmaLabUnordered, kMfTmaLabNoOverlap; 0 ships */
 };
 
 static void parallel_for(int n, const std::function<void(int)> &f) {
@@ -698,7 +699,7 @@ static void run_case(const vcase &c) {
     /* three runs: the launcher, again (bitwise repeat), the dispatcher (bitwise the same) */
     std::vector<uint8_t> out[3];
     std::vector<float> osc[3];
-    mf__sm90_tma_lab_variant(c.unordered ? kMfTmaLabUnordered : kMfTmaLabShipped);
+    mf__sm90_tma_lab_variant(c.unordered);
     for (int run = 0; run < 3; run++) {
         CUDA_OK(cudaMemset(d_out, kPoison, out_bytes));
         if (sc_n) CUDA_OK(cudaMemset(d_osc, kPoison, sc_n * 4));
@@ -947,6 +948,8 @@ static void run_validate(void) {
     /* the lab-only FP8 kernels without the issue order, so that their bench numbers are trusted */
     cases.push_back({"fp8 expert_major W13 swiglu I=2048 H=7168 [unordered]", 1, 1, 2048, 7168, {3, 130}, 0, 0, 0, 1});
     cases.push_back({"fp8 masked W2 plain N=512 K=384 [unordered]", 1, 0, 512, 384, {130, 0, 257}, 320, 0, 0, 1});
+    cases.push_back({"fp8 expert_major W13 swiglu I=2048 H=7168 [no overlap]", 1, 1, 2048, 7168, {3, 130}, 0, 0, 0,
+                     kMfTmaLabNoOverlap});
     cases.push_back({"fp8 expert_major W2 plain L=40 N=256 K=256 [unordered]", 1, 0, 256, 256,
                      {1, 300, 0, 129, 128, 77, 256, 5, 0, 200}, 0, 0, 0, 1});
     for (auto &c : cases) run_case(c);
@@ -988,7 +991,7 @@ struct bench_row {
     double us, tflops;
 };
 
-static void run_bench(const char *json_path, int argc, char **argv) {
+static void run_bench(const char *json_path, int argc, char **argv, bool ab_only) {
     struct shape {
         const char *name;
         int swiglu, ret;
@@ -1041,7 +1044,7 @@ static void run_bench(const char *json_path, int argc, char **argv) {
     printf("# W13 plain = mf__sm90_tma_w2 on W13's shapes (the SwiGLU epilogue's baseline); W2 ret = rows to combine "
            "slots (one rank); %% = of the H200 dense ceiling (FP8 1436, BF16 795 TFLOP/s)\n");
     printf("# %-5s %-11s %3s %5s %5s %5s %10s %9s %6s\n", "dtype", "gemm", "L", "N", "K", "M", "time_us", "TFLOP/s", "%peak");
-    for (int di = 0; di < 2; di++) {
+    for (int di = 0; di < 2 && !ab_only; di++) {
         const int fp8 = di == 0, esize = fp8 ? 1 : 2;
         fill_random(d_a, a_bytes / esize, fp8 ? 0 : 1);
         fill_random(d_w, w_bytes / esize, fp8 ? 0 : 1);
@@ -1102,7 +1105,7 @@ static void run_bench(const char *json_path, int argc, char **argv) {
                 }
     }
     /* A/B: the FP8 kernels without the issue order (lab only), the same data */
-    {
+    if (!ab_only) {
         const int fp8 = 1;
         fill_random(d_a, a_bytes, 0);
         fill_random(d_w, w_bytes, 0);
@@ -1156,6 +1159,53 @@ static void run_bench(const char *json_path, int argc, char **argv) {
             }
         }
     }
+    /* A/B: FP8 W13 SwiGLU with (ships) and without the epilogue overlap (lab), interleaved over 3
+     * rounds on the same data so that the card's drift hits both alike; median of the rounds */
+    {
+        fill_random(d_a, a_bytes, 0);
+        fill_random(d_w, w_bytes, 0);
+        printf("# A/B: FP8 W13 swiglu, epilogue overlapped (ships) vs not (kMfTmaLabNoOverlap), 3 rounds interleaved\n");
+        const int ab[5][2] = {{4, 4096}, {4, 8192}, {32, 256}, {32, 1024}, {32, 4096}};
+        const shape &sh = shapes[0];
+        for (int ci = 0; ci < 5; ci++) {
+            const int L = ab[ci][0], M = ab[ci][1];
+            std::vector<int32_t> cnt(L, M), off(L);
+            for (int e = 0; e < L; e++) off[e] = e * M;
+            CUDA_OK(cudaMemcpy(d_cnt, cnt.data(), L * 4, cudaMemcpyHostToDevice));
+            CUDA_OK(cudaMemcpy(d_off, off.data(), L * 4, cudaMemcpyHostToDevice));
+            gemm_call g;
+            memset(&g, 0, sizeof g);
+            g.fp8 = 1, g.swiglu = 1, g.n = sh.n, g.k = sh.k, g.L = L, g.max_rows = M, g.counts = d_cnt, g.offsets = d_off;
+            g.a = d_a, g.w = d_w, g.a_scales = d_as, g.w_scales = d_ws, g.out = d_out, g.out_scales = d_osc;
+            std::vector<double> med[2];
+            for (int round = 0; round < 3; round++)
+                for (int v = 0; v < 2; v++) {
+                    char name[128];
+                    snprintf(name, sizeof name, "bench fp8 W13 swiglu L=%d M=%d %s", L, M, v ? "no overlap" : "overlap");
+                    g_case = name;
+                    mf__sm90_tma_lab_variant(v ? kMfTmaLabNoOverlap : kMfTmaLabShipped);
+                    std::vector<float> ts;
+                    for (int i = 0; i < kWarmupRuns + kTimedRuns; i++) {
+                        CUDA_OK(cudaMemsetAsync(d_flush, i & 0xff, kFlushBytes, 0));
+                        CUDA_OK(cudaEventRecord(ev0, 0));
+                        if (!launched(run_call(g, 0))) exit(1);
+                        CUDA_OK(cudaEventRecord(ev1, 0));
+                        CUDA_OK(cudaEventSynchronize(ev1));
+                        float ms = 0;
+                        CUDA_OK(cudaEventElapsedTime(&ms, ev0, ev1));
+                        if (i >= kWarmupRuns) ts.push_back(ms);
+                    }
+                    mf__sm90_tma_lab_variant(kMfTmaLabShipped);
+                    std::sort(ts.begin(), ts.end());
+                    med[v].push_back(ts[ts.size() / 2] * 1e3);
+                }
+            for (int v = 0; v < 2; v++) std::sort(med[v].begin(), med[v].end());
+            const double on = med[0][1], off_us = med[1][1], fl = 2.0 * L * M * (double)sh.nw * sh.k * 1e-6;
+            printf("  fp8   W13 swiglu  L=%2d M=%5d  overlap %9.1f us %7.1f TF/s   no overlap %9.1f us %7.1f TF/s   gain %+5.1f %%\n",
+                   L, M, on, fl / on, off_us, fl / off_us, 100.0 * (off_us / on - 1.0));
+            fflush(stdout);
+        }
+    }
     /* the SwiGLU epilogue's cost: W13 swiglu against W13 plain (same GEMM, plain BF16 epilogue) */
     printf("# swiglu epilogue cost = time(W13 swiglu) / time(W13 plain) - 1\n");
     for (const bench_row &s : rows_out) {
@@ -1205,15 +1255,16 @@ static void run_bench(const char *json_path, int argc, char **argv) {
  * ==================================================================================================== */
 
 int main(int argc, char **argv) {
-    bool selftest = false, validate = false, bench = false;
+    bool selftest = false, validate = false, bench = false, ab_only = false;
     const char *json = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--selftest")) selftest = true;
         else if (!strcmp(argv[i], "--validate")) validate = true;
         else if (!strcmp(argv[i], "--bench")) bench = true;
+        else if (!strcmp(argv[i], "--ab")) bench = ab_only = true;
         else if (!strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
         else {
-            fprintf(stderr, "usage: %s [--selftest] [--validate] [--bench [--json FILE]]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--selftest] [--validate] [--bench [--json FILE] | --ab]\n", argv[0]);
             return 2;
         }
     }
@@ -1231,14 +1282,16 @@ int main(int argc, char **argv) {
     }
     CUDA_OK(cudaHostAlloc((void **)&g_fault, sizeof *g_fault, cudaHostAllocMapped));
     memset((void *)g_fault, 0, sizeof *g_fault);
-    /* The A/B kernels (FP8 without the issue order) are compiled here, never into libmoeflow. */
+    /* The A/B kernels (FP8 without the issue order; SwiGLU without the epilogue overlap) are compiled
+     * here, never into libmoeflow. */
     mf__sm90_tma_lab_register((const void *)mf__tma::sm90_tma_kernel<true, mf__tma::kEpiPlain, false>,
-                              (const void *)mf__tma::sm90_tma_kernel<true, mf__tma::kEpiSwiglu, false>);
+                              (const void *)mf__tma::sm90_tma_kernel<true, mf__tma::kEpiSwiglu, false>,
+                              (const void *)mf__tma::sm90_tma_kernel<true, mf__tma::kEpiSwiglu, true, true>);
     CUDA_OK(mf__sm90_set_fault_record(g_fault));   /* this file's selftest kernels and the A/B kernels */
     CUDA_OK(mf__sm90_tma_set_fault_record(g_fault)); /* the library's TMA kernels */
     if (selftest) run_selftest();
     if (validate) run_validate();
-    if (bench) run_bench(json, argc, argv);
+    if (bench) run_bench(json, argc, argv, ab_only);
     if (selftest || validate) printf("# %d failure(s)\n", g_failures);
     return g_failures ? 1 : 0;
 }

@@ -606,7 +606,8 @@ static mf_result_t mf__cuda_publish(mf_moe_t moe, const mf_tensor_t *x, const mf
     p.ids_off = moe->heap.ids;
     p.weights_off = moe->heap.weights;
     p.sink = mf__sink(moe->comm);
-    mf__publish_kernel<<<p.T > 0 ? p.T : 1, kMfPublishThreads, 0, stream>>>(p);
+    const dim3 grid(p.T > 0 ? (unsigned)p.T : 1u, (unsigned)((p.H + kMfPublishCols - 1) / kMfPublishCols));
+    mf__publish_kernel<<<grid, kMfPublishThreads, 0, stream>>>(p);
     MF_CUDA_CHECK_LAUNCH();
     return MF_SUCCESS;
 }

@@ -42,7 +42,7 @@ using namespace mf__tma;
 
 namespace {
 
-constexpr int kNumVariants = 6;
+constexpr int kNumVariants = 7;
 constexpr int kConfigured = 1 << 30; /* g_usable: the device's variants were examined */
 
 struct variant_t {
@@ -51,9 +51,9 @@ struct variant_t {
 };
 
 /* Every variant, in a fixed order: index 2 fp8 + swiglu ships; + 2 (FP8 without the issue order)
- * only runs under the lab's A/B switch. Those two are not compiled into the library: the lab
- * (dev/cuda/sm90_gemm_lab.cu) instantiates them and registers them (mf__sm90_tma_lab_register);
- * until then their fn is NULL and they are unusable. */
+ * and 6 (FP8 SwiGLU without the epilogue overlap) only run under the lab's A/B switch. Those three
+ * are not compiled into the library: the lab (dev/cuda/sm90_gemm_lab.cu) instantiates them and
+ * registers them (mf__sm90_tma_lab_register); until then their fn is NULL and they are unusable. */
 constexpr int kNumShipped = 4;
 const variant_t kVariants[kNumVariants] = {
     {(const void *)sm90_tma_kernel<false, kEpiPlain>, 0, 0, 0},
@@ -62,6 +62,7 @@ const variant_t kVariants[kNumVariants] = {
     {(const void *)sm90_tma_kernel<true, kEpiSwiglu>, 1, 1, 1},
     {NULL, 1, 0, 0}, /* sm90_tma_kernel<true, kEpiPlain, false>: the lab's */
     {NULL, 1, 1, 0}, /* sm90_tma_kernel<true, kEpiSwiglu, false>: the lab's */
+    {NULL, 1, 1, 1}, /* sm90_tma_kernel<true, kEpiSwiglu, true, true>: the lab's */
 };
 
 /* The lab's A/B switch (mf__sm90_tma_lab_variant) and its registered kernels. */
@@ -160,7 +161,7 @@ mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int
     int dev = 0, sms = 0;
     MF_CHECK(configure(who, &dev, &sms));
     const int lab = fp8 ? g_lab_variant.load() : kMfTmaLabShipped;
-    const int vi = 2 * fp8 + swiglu + ((lab & kMfTmaLabUnordered) ? 2 : 0);
+    const int vi = (lab & kMfTmaLabNoOverlap) && fp8 && swiglu ? 6 : 2 * fp8 + swiglu + ((lab & kMfTmaLabUnordered) ? 2 : 0);
     if (!(g_usable[dev].load() & (1 << vi))) {
         const int cc = g_cc[dev].load();
         if (cc / 10 != 9) return decline("sm90 unsupported: device %d is sm_%d", dev, cc);
@@ -184,7 +185,7 @@ mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int
                  who);
     if (mf__debug_on())
         snprintf(g_ran, sizeof g_ran, "tma %s %s%s (%d-row tiles, %d stages, %d B smem, grid %d)", fp8 ? "fp8" : "bf16",
-                 swiglu ? "swiglu" : "plain", kVariants[vi].ordered || !fp8 ? "" : " unordered (lab A/B)", kBlockM, kStages,
+                 swiglu ? "swiglu" : "plain", vi == 6 ? " no overlap (lab A/B)" : kVariants[vi].ordered || !fp8 ? "" : " unordered (lab A/B)", kBlockM, kStages,
                  kSmemBytes, grid);
     return MF_SUCCESS;
 }
@@ -296,9 +297,11 @@ const char *mf__sm90_tma_last_launch(void) { return g_ran; }
 
 void mf__sm90_tma_lab_variant(int variant) { g_lab_variant.store(variant); }
 
-void mf__sm90_tma_lab_register(const void *fp8_plain_unordered, const void *fp8_swiglu_unordered) {
+void mf__sm90_tma_lab_register(const void *fp8_plain_unordered, const void *fp8_swiglu_unordered,
+                               const void *fp8_swiglu_no_overlap) {
     g_lab_fn[0].store(fp8_plain_unordered);
     g_lab_fn[1].store(fp8_swiglu_unordered);
+    g_lab_fn[2].store(fp8_swiglu_no_overlap);
     for (int d = 0; d < kMaxDevices; d++) g_usable[d].store(0); /* every device examines them on its next call */
 }
 

@@ -39,14 +39,21 @@ typedef struct mf__publish_params {
     mf__fault_sink_t sink;
 } mf__publish_params_t;
 
-/* One block per token (grid >= 1; block 0 also writes T). */
+/* Columns of one token per publish block: one 128-wide block per warp (FP8 1x128). */
+#define kMfPublishCols (kMfPublishThreads / kMfWarp * MF__QUANT_BLOCK)
+
+/* Grid (max(T, 1), ceil(H / kMfPublishCols)): block (t, g) publishes columns [g, g + 1) x
+ * kMfPublishCols of token t, every warp one 128-wide block, so that a few tokens still spread over
+ * many SMs with one load in flight per lane (a loop of 7 dependent blocks per warp cost ~7 us at
+ * T = 1); blocks (t, 0) also validate and copy the routing, block (0, 0) writes T. */
 __global__ void __launch_bounds__(kMfPublishThreads) mf__publish_kernel(mf__publish_params_t p) {
     const int32_t t = blockIdx.x, tid = threadIdx.x, lane = tid % kMfWarp, warp = tid / kMfWarp;
-    if (t == 0 && tid < MF__META_WORDS) ((int32_t *)(p.heap + p.meta))[tid] = tid ? p.meta_words[tid - 1] : p.T;
+    if (t == 0 && blockIdx.y == 0 && tid < MF__META_WORDS)
+        ((int32_t *)(p.heap + p.meta))[tid] = tid ? p.meta_words[tid - 1] : p.T;
     if (t >= p.T) return;
 
     /* Routing: validate, then copy; a bad or repeated id becomes -1 and raises a fault. */
-    if (tid < p.K) {
+    if (blockIdx.y == 0 && tid < p.K) {
         const int32_t *row = p.ids + (size_t)t * p.K;
         int32_t id = row[tid];
         if (id < -1 || id >= p.E) {
@@ -63,16 +70,17 @@ __global__ void __launch_bounds__(kMfPublishThreads) mf__publish_kernel(mf__publ
     }
 
     const uint16_t *xr = p.x + (size_t)t * p.H;
+    const int32_t c0 = (int32_t)blockIdx.y * kMfPublishCols, c1 = min(c0 + kMfPublishCols, p.H);
     if (!p.fp8) {
         const uint4 *src = (const uint4 *)xr;
         uint4 *dst = (uint4 *)(p.heap + p.x_off + (size_t)t * p.H * 2);
-        for (int32_t i = tid; i < p.H / 8; i += blockDim.x) dst[i] = src[i];
+        for (int32_t i = c0 / 8 + tid; i < c1 / 8; i += blockDim.x) dst[i] = src[i];
         return;
     }
     /* FP8 1x128: one warp per 128-wide block, 4 values per lane. */
     uint8_t *q = p.heap + p.x_off + (size_t)t * p.H;
     float *scales = (float *)(p.heap + p.scales_off) + (size_t)t * (p.H / MF__QUANT_BLOCK);
-    for (int32_t b = warp; b < p.H / MF__QUANT_BLOCK; b += blockDim.x / kMfWarp) {
+    for (int32_t b = c0 / MF__QUANT_BLOCK + warp; b < c1 / MF__QUANT_BLOCK; b += blockDim.x / kMfWarp) {
         uint2 raw = *(const uint2 *)(xr + b * MF__QUANT_BLOCK + lane * 4);
         float v[4] = {mf__bf16_to_float((uint16_t)(raw.x & 0xffff)), mf__bf16_to_float((uint16_t)(raw.x >> 16)),
                       mf__bf16_to_float((uint16_t)(raw.y & 0xffff)), mf__bf16_to_float((uint16_t)(raw.y >> 16))};
@@ -294,8 +302,7 @@ __device__ void mf__plan_offsets_balanced(const mf__plan_params_t &p) {
 }
 
 /* One block: the capacity verdict (lowest overflowing expert, MASKED, or rank, EXPERT_MAJOR, as the
- * CPU plan reports it), then warp 0 scans this rank's padded counts into offsets, kMfWarp experts
- * at a time (a one-thread walk cost a dependent global load per expert: ~0.2 us each). */
+ * CPU plan reports it), then a block-wide scan of this rank's padded counts into offsets. */
 __global__ void __launch_bounds__(kMfPlanThreads) mf__plan_offsets_kernel(mf__plan_params_t p) {
     __shared__ int32_t worst;
     const int32_t lane = threadIdx.x % kMfWarp, warp = threadIdx.x / kMfWarp, nwarps = blockDim.x / kMfWarp;
@@ -336,38 +343,41 @@ __global__ void __launch_bounds__(kMfPlanThreads) mf__plan_offsets_kernel(mf__pl
                       masked ? -1 : -2, 0, worst, seen, masked ? p.capacity : p.max_rows);
     }
     faulted = faulted || worst != INT32_MAX;
-    if (warp == 0) {
-        int64_t base = 0; /* padded rows of the experts before this chunk */
-        for (int32_t e0 = 0; e0 < p.L; e0 += kMfWarp) {
-            const int32_t e = e0 + lane;
-            const bool live = e < p.L;
-            const int32_t c = live && !faulted ? p.global_counts[p.first_expert + e] : 0;
-            int32_t offset;
-            if (masked) {
-                offset = e * p.capacity;
-            } else {
-                const int64_t padded = ((int64_t)c + p.block_m - 1) / p.block_m * p.block_m;
-                int64_t incl = padded; /* inclusive scan over the lanes */
+    /* This rank's padded counts, scanned block-wide: thread i owns experts [i per, (i + 1) per), its
+     * loads independent of each other (warp 0 walking kMfWarp experts at a time cost a dependent
+     * load per chunk: ~5 us at L = 256). */
+    __shared__ int64_t warp_sum[kMfPlanThreads / kMfWarp];
+    const int32_t per = (p.L + (int32_t)blockDim.x - 1) / (int32_t)blockDim.x;
+    const int32_t e0 = min((int32_t)threadIdx.x * per, p.L), e1 = min(e0 + per, p.L);
+    int64_t mine = 0;
+    for (int32_t e = e0; e < e1 && !masked && !faulted; e++)
+        mine += ((int64_t)p.global_counts[p.first_expert + e] + p.block_m - 1) / p.block_m * p.block_m;
+    int64_t incl = mine; /* inclusive scan over the lanes, then over the warps */
 #pragma unroll
-                for (int off = 1; off < kMfWarp; off <<= 1) {
-                    const int64_t v = __shfl_up_sync(0xffffffffu, incl, off);
-                    if (lane >= off) incl += v;
-                }
-                offset = (int32_t)(base + incl - padded);
-                base += __shfl_sync(0xffffffffu, incl, kMfWarp - 1);
-            }
-            if (live) {
-                /* A faulted call leaves empty segments: the GEMMs and moves that follow do nothing. */
-                p.offsets[e] = faulted ? 0 : offset;
-                p.counts[e] = c;
-                if (p.counts_out && !faulted) p.counts_out[e] = c;
-                if (p.offsets_out && !faulted) p.offsets_out[e] = offset;
-            }
-        }
-        if (lane == 0) {
-            p.offsets[p.L] = faulted ? 0 : masked ? p.L * p.capacity : (int32_t)base;
-            if (p.offsets_out && !faulted) p.offsets_out[p.L] = p.offsets[p.L];
-        }
+    for (int off = 1; off < kMfWarp; off <<= 1) {
+        const int64_t v = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += v;
+    }
+    if (lane == kMfWarp - 1) warp_sum[warp] = incl;
+    __syncthreads();
+    int64_t base = incl - mine, total = 0;
+    for (int32_t w = 0; w < nwarps; w++) {
+        base += w < warp ? warp_sum[w] : 0;
+        total += warp_sum[w];
+    }
+    for (int32_t e = e0; e < e1; e++) {
+        /* A faulted call leaves empty segments: the GEMMs and moves that follow do nothing. */
+        const int32_t c = faulted ? 0 : p.global_counts[p.first_expert + e];
+        const int32_t offset = masked ? e * p.capacity : (int32_t)base;
+        base += masked ? 0 : ((int64_t)c + p.block_m - 1) / p.block_m * p.block_m;
+        p.offsets[e] = faulted ? 0 : offset;
+        p.counts[e] = c;
+        if (p.counts_out && !faulted) p.counts_out[e] = c;
+        if (p.offsets_out && !faulted) p.offsets_out[e] = offset;
+    }
+    if (threadIdx.x == 0) {
+        p.offsets[p.L] = faulted ? 0 : masked ? p.L * p.capacity : (int32_t)total;
+        if (p.offsets_out && !faulted) p.offsets_out[p.L] = p.offsets[p.L];
     }
     __syncthreads();
     for (int32_t e = threadIdx.x; e < p.E; e += blockDim.x) p.global_counts[e] = 0; /* for the next call */

@@ -470,11 +470,12 @@ __device__ __forceinline__ void epilogue(const tma_params &p, const consumer_t &
     }
 }
 
-template <bool kFp8, int kEpi, bool kOrdered>
+template <bool kFp8, int kEpi, bool kOrdered, bool kNoOverlap>
 __device__ __forceinline__ void consumer(const tma_params &p, const tables_t &tb, int32_t nblocks, consumer_t &c,
                                          float *acc, float *tmp) {
-    /* FP8: the next tile's first wgmmas overlap this tile's epilogue (see "Epilogue overlap"). */
-    constexpr bool kOverlap = kFp8;
+    /* FP8: the next tile's first wgmmas overlap this tile's epilogue (see "Epilogue overlap");
+     * kNoOverlap: the lab's A/B kernel without it. */
+    constexpr bool kOverlap = kFp8 && !kNoOverlap;
     const int32_t kblocks = (p.K * (kFp8 ? 1 : 2) + kKBlock - 1) / kKBlock;
     uint32_t it = 0;
     int32_t cursor = 0, idx = (int32_t)blockIdx.x;
@@ -511,9 +512,10 @@ __device__ __forceinline__ void consumer(const tma_params &p, const tables_t &tb
     if (kFp8 && kOrdered && c.wg == 0) mf__named_barrier_sync(kBarIssued1, kConsumerThreads);
 }
 
-/* kOrdered: the FP8 issue order. What ships is <kFp8, kEpi, true>; kOrdered = false exists for the
- * lab's A/B measurement (mf__sm90_tma_lab_variant). */
-template <bool kFp8, int kEpi, bool kOrdered = true>
+/* kOrdered: the FP8 issue order; kNoOverlap: FP8 without the epilogue overlap. What ships is
+ * <kFp8, kEpi, true, false>; the others exist for the lab's A/B measurements
+ * (mf__sm90_tma_lab_variant). */
+template <bool kFp8, int kEpi, bool kOrdered = true, bool kNoOverlap = false>
 __global__ void __launch_bounds__(kThreads, 1) sm90_tma_kernel(const __grid_constant__ tma_params p) {
     /* full[s]: the producer's arrive.expect_tx, + FP8 one cp.async arrival per producer lane */
     constexpr uint32_t kFullArrivals = kFp8 ? 1 + 32 : 1;
@@ -590,7 +592,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_tma_kernel(const __grid_cons
         float tmp[kFp8 ? kBoxAcc : 1];
 #pragma unroll
         for (int i = 0; i < (kFp8 ? kBoxAcc : 1); i++) tmp[i] = 0.0f;
-        consumer<kFp8, kEpi, kOrdered>(p, tb, nblocks, c, acc, tmp);
+        consumer<kFp8, kEpi, kOrdered, kNoOverlap>(p, tb, nblocks, c, acc, tmp);
     }
 }
 
@@ -616,15 +618,16 @@ const char *mf__sm90_tma_last_decline(void);
 const char *mf__sm90_tma_last_launch(void);
 
 /* Lab only: picks the FP8 kernels the launchers run in this process, for an A/B measurement in one
- * run: 0 = what ships, 1 = without the issue order (kOrdered = false). BF16 launches always run
- * what ships. */
-enum { kMfTmaLabShipped = 0, kMfTmaLabUnordered = 1 };
+ * run: 0 = what ships, 1 = without the issue order (kOrdered = false), 2 = SwiGLU without the
+ * epilogue overlap (kNoOverlap = true; plain runs what ships). BF16 launches always run what ships. */
+enum { kMfTmaLabShipped = 0, kMfTmaLabUnordered = 1, kMfTmaLabNoOverlap = 2 };
 void mf__sm90_tma_lab_variant(int variant);
 
-/* Lab only: hands the launchers the FP8 kernels without the issue order, sm90_tma_kernel<true,
- * kEpiPlain, false> and <true, kEpiSwiglu, false>, instantiated in the lab's own translation unit
- * (the library compiles only what ships). Until then, kMfTmaLabUnordered launches decline. */
-void mf__sm90_tma_lab_register(const void *fp8_plain_unordered, const void *fp8_swiglu_unordered);
+/* Lab only: hands the launchers the lab's FP8 kernels, sm90_tma_kernel<true, kEpiPlain, false>,
+ * <true, kEpiSwiglu, false> and <true, kEpiSwiglu, true, true>, instantiated in the lab's own
+ * translation unit (the library compiles only what ships). Until then, lab variants decline. */
+void mf__sm90_tma_lab_register(const void *fp8_plain_unordered, const void *fp8_swiglu_unordered,
+                               const void *fp8_swiglu_no_overlap);
 
 /* Registers a fault record (see sm90_ptx.cuh; NULL turns reporting off) for the kernels of
  * gemm_tma.cu, whose translation unit holds its own copy of the record pointer. */
