@@ -171,12 +171,12 @@ static mf_result_t run_call(const call_t &c, cudaStream_t stream, int dispatcher
     const mf__gemm_operand_t w = {c.w, c.w_scales, NULL};
     if (c.epi == kEpiSwiglu) {
         const mf__gemm_operand_t a = {c.a, c.a_scales, c.gather};
-        return dispatcher ? mf__cuda_w13_swiglu(&seg, dtype, c.ue8m0, a, w, c.K, c.N / 2, c.out, c.out_scales, stream)
-                          : mf__sm90_decode_w13_swiglu(&seg, dtype, c.ue8m0, a, w, c.K, c.N / 2, c.out, c.out_scales, stream);
+        return dispatcher ? mf__cuda_w13_swiglu(&seg, dtype, c.ue8m0, a, w, c.K, c.N / 2, c.out, c.out_scales, stream, 0)
+                          : mf__sm90_decode_w13_swiglu(&seg, dtype, c.ue8m0, a, w, c.K, c.N / 2, c.out, c.out_scales, stream, 0);
     }
     const mf__gemm_operand_t h = {c.a, c.a_scales, NULL};
-    return dispatcher ? mf__cuda_w2(&seg, dtype, h, w, c.N, c.K, (uint16_t *)c.out, c.ret, stream)
-                      : mf__sm90_decode_w2(&seg, dtype, h, w, c.N, c.K, (uint16_t *)c.out, c.ret, stream);
+    return dispatcher ? mf__cuda_w2(&seg, dtype, h, w, c.N, c.K, (uint16_t *)c.out, c.ret, stream, 0)
+                      : mf__sm90_decode_w2(&seg, dtype, h, w, c.N, c.K, (uint16_t *)c.out, c.ret, stream, 0);
 }
 
 /* True when the call launched; else prints FAIL (declined: the reason; CUDA: the error). */

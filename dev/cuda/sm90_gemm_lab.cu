@@ -208,10 +208,10 @@ static mf_result_t run_call(const gemm_call &c, cudaStream_t st, int dispatcher 
     mf__gemm_operand_t a = {c.a, c.a_scales, c.gather};
     mf__gemm_operand_t w = {c.w, c.w_scales, NULL};
     if (c.swiglu)
-        return dispatcher ? mf__cuda_w13_swiglu(&seg, dtype, c.ue8m0, a, w, c.k, c.n, c.out, c.out_scales, st)
-                          : mf__sm90_tma_w13_swiglu(&seg, dtype, c.ue8m0, a, w, c.k, c.n, c.out, c.out_scales, st);
-    return dispatcher ? mf__cuda_w2(&seg, dtype, a, w, c.n, c.k, (uint16_t *)c.out, c.ret, st)
-                      : mf__sm90_tma_w2(&seg, dtype, a, w, c.n, c.k, (uint16_t *)c.out, c.ret, st);
+        return dispatcher ? mf__cuda_w13_swiglu(&seg, dtype, c.ue8m0, a, w, c.k, c.n, c.out, c.out_scales, st, 0)
+                          : mf__sm90_tma_w13_swiglu(&seg, dtype, c.ue8m0, a, w, c.k, c.n, c.out, c.out_scales, st, 0);
+    return dispatcher ? mf__cuda_w2(&seg, dtype, a, w, c.n, c.k, (uint16_t *)c.out, c.ret, st, 0)
+                      : mf__sm90_tma_w2(&seg, dtype, a, w, c.n, c.k, (uint16_t *)c.out, c.ret, st, 0);
 }
 
 /* A call that must launch: on any other result, the case fails loudly. */

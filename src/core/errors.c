@@ -76,17 +76,22 @@ void mf__free(void *p) { free(p); }
 
 /* ---- environment variables: the one table ------------------------------------------------- */
 /* MF_TIMEOUT_MS   bound on every wait for a peer, in milliseconds (default 30000)
- * MF_DEBUG        1: report each distinct expert-GEMM decision once on stderr (default 0; below) */
+ * MF_DEBUG        1: report each distinct expert-GEMM decision once on stderr (default 0; below)
+ * MF_PDL          0: the CUDA backend launches its kernels without programmatic dependent launch
+ *                 (default 1; cuda/pdl.cuh), for A/B measurements */
 
-static int64_t mf__env_int(const char *name, int64_t fallback) {
+/* The integer value of `name`, or `fallback` when it is unset, not an integer, or below `min`. */
+static int64_t mf__env_int(const char *name, int64_t fallback, int64_t min) {
     const char *s = getenv(name);
     if (!s || !*s) return fallback;
     char *end = NULL;
     long long v = strtoll(s, &end, 10);
-    return (end && *end == '\0' && v > 0) ? (int64_t)v : fallback;
+    return (end && *end == '\0' && v >= min) ? (int64_t)v : fallback;
 }
 
-int64_t mf__param_timeout_ms(void) { return mf__env_int("MF_TIMEOUT_MS", 30000); }
+int64_t mf__param_timeout_ms(void) { return mf__env_int("MF_TIMEOUT_MS", 30000, 1); }
+
+int32_t mf__param_pdl(void) { return mf__env_int("MF_PDL", 1, 0) != 0; }
 
 /* ---- MF_DEBUG: decision reports (internal.h) ---------------------------------------------- */
 #define MF__DEBUG_KEYS 4096 /* distinct decisions remembered; past this, no more reports */
@@ -99,7 +104,7 @@ static int32_t mf__debug_count;
 int mf__debug_on(void) {
     int s = atomic_load_explicit(&mf__debug_state, memory_order_relaxed);
     if (s < 0) { /* concurrent first calls read the same environment: the same answer */
-        s = mf__env_int("MF_DEBUG", 0) > 0;
+        s = mf__env_int("MF_DEBUG", 0, 1) > 0;
         atomic_store_explicit(&mf__debug_state, s, memory_order_relaxed);
     }
     return s;

@@ -70,9 +70,10 @@ void mf__free(void *p);
 /* Test hook: the n-th host allocation from now on fails (1 = the next); 0 disables. */
 void mf__test_fail_alloc_after(int64_t n);
 
-/* ---- tunables: the environment variables (MF_TIMEOUT_MS, MF_DEBUG) are read in errors.c -------- */
+/* ---- tunables: the environment variables (MF_TIMEOUT_MS, MF_DEBUG, MF_PDL) are read in errors.c - */
 
 int64_t mf__param_timeout_ms(void); /* MF_TIMEOUT_MS, default 30000 */
+int32_t mf__param_pdl(void);        /* MF_PDL: 0 when it is 0, else 1 (read by each CUDA comm's init) */
 /* Resolves a config's timeout: 0 = mf__param_timeout_ms(). */
 static inline int64_t mf__timeout_or_default(int64_t ms) { return ms ? ms : mf__param_timeout_ms(); }
 

@@ -19,6 +19,26 @@
  * Buffer reuse follows the CPU backend's argument (src/cpu/backend.c): two phases per call order
  * every reuse, so nothing is cleared between calls.
  *
+ * Programmatic dependent launch (cuda/pdl.cuh; MF_PDL=0 turns it off): every kernel above waits
+ * for its predecessor (mf__pdl_wait) before touching global memory and only then lets its
+ * successor start (mf__pdl_trigger), so a kernel launched with the attribute has its launch and
+ * prologue hidden under the previous kernel's tail, and each kernel still completes after all the
+ * ones before it (a sync's arrival still publishes everything its stream wrote). The edges with the
+ * attribute: publish -> sync DISPATCH -> plan fetch -> offsets -> fill -> [gather] -> w13 ->
+ * [spare w13] -> w2 -> [spare w2] -> [return] -> sync COMBINE -> sum; mf_dispatch the same from
+ * publish to gather, mf_combine return -> sync -> sum. A call's first kernel (publish; mf_combine's
+ * return) has none: it follows the caller's kernels. A rejected call's syncs have none. Why this
+ * is safe with virtual ranks, whose sync kernels spin until every peer's arrival runs on the same
+ * GPU: a resident kernel that waits holds its SMs, so no rank may fill the GPU with CTAs that wait
+ * behind its spinning sync while a peer still needs SMs to reach its arrival. Only the sync's
+ * successor can be resident during that spin (the trigger follows the wait: at most one grid per
+ * stream runs ahead), and it gets the attribute only when its grid has at most this rank's share of
+ * the SMs, comm->num_sms = SMs / ranks on the device (mf__pdl_after_sync: the plan fetch, R x 8
+ * CTAs, and the sum, T x H/1024 CTAs; larger grids launch without it). So the waiting CTAs of all
+ * the other ranks together touch fewer SMs than the GPU has. Every other successor waits for a
+ * predecessor that depends on no peer (GEMMs, moves, plan kernels) and is fully resident before it
+ * triggers, so it finishes.
+ *
  * Balanced EP (docs/DESIGN.md "Balanced EP"): the plan's units are slots (Lp static + B spare;
  * L = E / R of them without balancing); the GEMMs run once over the static slots with the caller's
  * weights and once over the spare slots with moeflow's spare allocation as the [B, N, K] operand
@@ -43,6 +63,7 @@
 #include "cuda/configs.cuh"
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels/movement.cuh"
+#include "cuda/pdl.cuh"
 
 #define MF_CUDA_CHECK(call)                                                                      \
     do {                                                                                         \
@@ -53,8 +74,6 @@
                              cudaGetErrorString(mf__e));                                         \
         }                                                                                        \
     } while (0)
-
-#define MF_CUDA_CHECK_LAUNCH() MF_CUDA_CHECK(cudaGetLastError())
 
 typedef struct mf__cuda_comm {
     mf__device_state_t *state;    /* device: the fault state (sync.cuh) */
@@ -180,6 +199,7 @@ static mf_result_t mf__cuda_comm_init(mf_comm_t comm) {
     }
     MF_CHECK(mf__cuda_gemm_preload());
     MF_CHECK(mf__cuda_gemm_watch());
+    if (!mf__param_pdl()) __atomic_store_n(&mf__cuda_pdl, 0, __ATOMIC_RELAXED); /* MF_PDL=0 (cuda/pdl.cuh) */
 
     mf__cuda_comm_t *c = (mf__cuda_comm_t *)mf__calloc(1, sizeof *c);
     if (!c) return mf__error(MF_ERR_OUT_OF_MEMORY, "cuda backend: out of host memory");
@@ -563,8 +583,15 @@ static mf__heap_view_t mf__view(mf_moe_t moe) {
     return v;
 }
 
-/* One synchronisation of the call (sync.cuh); `reject`: the host rejected the call (its code). */
-static mf_result_t mf__cuda_sync(mf_comm_t comm, uint32_t layer, int32_t phase, mf_result_t reject, cudaStream_t stream) {
+/* Whether a kernel that follows a sync kernel may be launched with the PDL attribute: its CTAs may
+ * then sit on SMs, waiting, for as long as the sync waits for the peers, so only a grid of at most
+ * this rank's share of the SMs does (see the file comment). */
+static int32_t mf__pdl_after_sync(mf_comm_t comm, int64_t blocks) { return blocks <= comm->num_sms; }
+
+/* One synchronisation of the call (sync.cuh); `reject`: the host rejected the call (its code);
+ * `pdl`: launched with the PDL attribute (cuda/pdl.cuh; not as a call's first kernel). */
+static mf_result_t mf__cuda_sync(mf_comm_t comm, uint32_t layer, int32_t phase, mf_result_t reject, int32_t pdl,
+                                 cudaStream_t stream) {
     mf__sync_params_t p;
     memset(&p, 0, sizeof p);
     for (int32_t r = 0; r < comm->num_ranks; r++) p.signals[r] = (uint64_t *)comm->signals.peers[r];
@@ -576,8 +603,7 @@ static mf_result_t mf__cuda_sync(mf_comm_t comm, uint32_t layer, int32_t phase, 
     p.acked_id = mf__cc(comm)->call_acked;
     p.timeout_ns = (uint64_t)comm->timeout_ms * 1000000ull;
     p.sink = mf__sink(comm);
-    mf__sync_kernel<<<1, kMfWaitThreads, 0, stream>>>(p);
-    MF_CUDA_CHECK_LAUNCH();
+    MF_CUDA_CHECK(mf__cuda_launch(mf__sync_kernel, dim3(1), dim3(kMfWaitThreads), 0, stream, pdl, p));
     __atomic_fetch_add(&mf__cc(comm)->launched[phase], 1, __ATOMIC_RELAXED);
     return MF_SUCCESS;
 }
@@ -606,9 +632,9 @@ static mf_result_t mf__cuda_publish(mf_moe_t moe, const mf_tensor_t *x, const mf
     p.ids_off = moe->heap.ids;
     p.weights_off = moe->heap.weights;
     p.sink = mf__sink(moe->comm);
+    /* A call's first kernel: no PDL attribute (it follows the caller's kernels) */
     const dim3 grid(p.T > 0 ? (unsigned)p.T : 1u, (unsigned)((p.H + kMfPublishCols - 1) / kMfPublishCols));
-    mf__publish_kernel<<<grid, kMfPublishThreads, 0, stream>>>(p);
-    MF_CUDA_CHECK_LAUNCH();
+    MF_CUDA_CHECK(mf__cuda_launch(mf__publish_kernel, grid, dim3(kMfPublishThreads), 0, stream, 0, p));
     return MF_SUCCESS;
 }
 
@@ -617,7 +643,7 @@ static mf_result_t mf__cuda_publish(mf_moe_t moe, const mf_tensor_t *x, const mf
 static mf_result_t mf__cuda_plan(mf_moe_t moe, int32_t *counts_out, int32_t *offsets_out, cudaStream_t stream) {
     mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
     const mf_moe_config_t *c = &moe->config;
-    MF_CHECK(mf__cuda_sync(moe->comm, moe->id, MF__PHASE_DISPATCH, MF_SUCCESS, stream));
+    MF_CHECK(mf__cuda_sync(moe->comm, moe->id, MF__PHASE_DISPATCH, MF_SUCCESS, 1, stream));
     mf__plan_params_t p;
     memset(&p, 0, sizeof p);
     p.view = mf__view(moe);
@@ -654,12 +680,12 @@ static mf_result_t mf__cuda_plan(mf_moe_t moe, int32_t *counts_out, int32_t *off
     p.have_prev = s->words;
     p.stats = s->stats;
     p.sink = mf__sink(moe->comm);
-    mf__plan_fetch_kernel<<<dim3(kMfPlanFetchBlocks, (unsigned)moe->comm->num_ranks), kMfPlanThreads, 0, stream>>>(p);
-    MF_CUDA_CHECK_LAUNCH();
-    mf__plan_offsets_kernel<<<1, kMfPlanThreads, s->balanced ? s->plan_smem : 0, stream>>>(p);
-    MF_CUDA_CHECK_LAUNCH();
-    mf__plan_fill_kernel<<<p.L, kMfPlanThreads, 0, stream>>>(p);
-    MF_CUDA_CHECK_LAUNCH();
+    const dim3 fetch(kMfPlanFetchBlocks, (unsigned)moe->comm->num_ranks);
+    MF_CUDA_CHECK(mf__cuda_launch(mf__plan_fetch_kernel, fetch, dim3(kMfPlanThreads), 0, stream,
+                                  mf__pdl_after_sync(moe->comm, (int64_t)fetch.x * fetch.y), p));
+    MF_CUDA_CHECK(mf__cuda_launch(mf__plan_offsets_kernel, dim3(1), dim3(kMfPlanThreads),
+                                  s->balanced ? s->plan_smem : 0, stream, 1, p));
+    MF_CUDA_CHECK(mf__cuda_launch(mf__plan_fill_kernel, dim3((unsigned)p.L), dim3(kMfPlanThreads), 0, stream, 1, p));
     return MF_SUCCESS;
 }
 
@@ -689,14 +715,14 @@ static mf_result_t mf__cuda_gather(mf_moe_t moe, void *recv_x, float *recv_scale
     p.recv_x = (uint8_t *)recv_x;
     p.recv_scales = recv_scales;
     p.recv_src = recv_src;
-    mf__gather_kernel<<<mf__move_blocks(moe), kMfMoveThreads, 0, stream>>>(p);
-    MF_CUDA_CHECK_LAUNCH();
+    MF_CUDA_CHECK(mf__cuda_launch(mf__gather_kernel, dim3((unsigned)mf__move_blocks(moe)), dim3(kMfMoveThreads), 0,
+                                  stream, 1, p)); /* after the plan's fill */
     return MF_SUCCESS;
 }
 
 /* Waits for every rank's partials and sums this rank's tokens. */
 static mf_result_t mf__cuda_sum(mf_moe_t moe, int32_t T, const float *weights, uint16_t *y, cudaStream_t stream) {
-    MF_CHECK(mf__cuda_sync(moe->comm, moe->id, MF__PHASE_COMBINE, MF_SUCCESS, stream));
+    MF_CHECK(mf__cuda_sync(moe->comm, moe->id, MF__PHASE_COMBINE, MF_SUCCESS, 1, stream));
     if (T == 0) return MF_SUCCESS;
     mf__sum_params_t p;
     memset(&p, 0, sizeof p);
@@ -710,8 +736,8 @@ static mf_result_t mf__cuda_sum(mf_moe_t moe, int32_t T, const float *weights, u
     p.K = moe->config.num_topk;
     p.sink = mf__sink(moe->comm);
     const dim3 grid((unsigned)T, (unsigned)((p.H / 8 + kMfSumThreads - 1) / kMfSumThreads));
-    mf__sum_kernel<<<grid, kMfSumThreads, 0, stream>>>(p);
-    MF_CUDA_CHECK_LAUNCH();
+    MF_CUDA_CHECK(mf__cuda_launch(mf__sum_kernel, grid, dim3(kMfSumThreads), 0, stream,
+                                  mf__pdl_after_sync(moe->comm, (int64_t)grid.x * grid.y), p));
     return MF_SUCCESS;
 }
 
@@ -777,7 +803,7 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     mf__gemm_operand_t a = {s->recv_x, s->recv_scales, flow == MF_DATAFLOW_DIRECT ? &gather : NULL};
     mf__gemm_operand_t w13 = {w->w13.data, fp8 ? (const float *)w->w13_scales.data : NULL, NULL};
     MF_CHECK(mf__cuda_w13_swiglu(&seg, c->dtype, c->ue8m0_scales, a, w13, c->hidden, c->intermediate, s->h,
-                                 s->h_scales, stream));
+                                 s->h_scales, stream, 1));
     /* Spare slots: segments [Lp, Lp + B) over moeflow's [B, 2I, H] copies (rows stay absolute). */
     mf__gemm_segments_t spare_seg = seg;
     spare_seg.counts = s->counts + s->Lp;
@@ -788,7 +814,7 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     if (s->B) {
         mf__gemm_operand_t sw13 = {spare + sl->w13, fp8 ? (const float *)(spare + sl->w13_scales) : NULL, NULL};
         MF_CHECK(mf__cuda_w13_swiglu(&spare_seg, c->dtype, c->ue8m0_scales, a, sw13, c->hidden, c->intermediate, s->h,
-                                     s->h_scales, stream));
+                                     s->h_scales, stream, 1));
     }
     MF__MARK(MF_PHASE_W2);
 
@@ -803,17 +829,18 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     mf__gemm_operand_t sw2 = {s->B ? spare + sl->w2 : NULL, fp8 && s->B ? (const float *)(spare + sl->w2_scales) : NULL,
                               NULL};
     if (flow == MF_DATAFLOW_UNFUSED) {
-        MF_CHECK(mf__cuda_w2(&seg, c->dtype, h, w2, c->hidden, c->intermediate, s->expert_out, NULL, stream));
+        MF_CHECK(mf__cuda_w2(&seg, c->dtype, h, w2, c->hidden, c->intermediate, s->expert_out, NULL, stream, 1));
         if (s->B)
-            MF_CHECK(mf__cuda_w2(&spare_seg, c->dtype, h, sw2, c->hidden, c->intermediate, s->expert_out, NULL, stream));
+            MF_CHECK(mf__cuda_w2(&spare_seg, c->dtype, h, sw2, c->hidden, c->intermediate, s->expert_out, NULL, stream,
+                                 1));
         MF__MARK(MF_PHASE_COMBINE);
         mf__move_params_t p = mf__move_params(moe);
         p.expert_out = s->expert_out;
-        mf__return_kernel<<<mf__move_blocks(moe), kMfMoveThreads, 0, stream>>>(p);
-        MF_CUDA_CHECK_LAUNCH();
+        MF_CUDA_CHECK(mf__cuda_launch(mf__return_kernel, dim3((unsigned)mf__move_blocks(moe)), dim3(kMfMoveThreads), 0,
+                                      stream, 1, p));
     } else {
-        MF_CHECK(mf__cuda_w2(&seg, c->dtype, h, w2, c->hidden, c->intermediate, NULL, &ret, stream));
-        if (s->B) MF_CHECK(mf__cuda_w2(&spare_seg, c->dtype, h, sw2, c->hidden, c->intermediate, NULL, &ret, stream));
+        MF_CHECK(mf__cuda_w2(&seg, c->dtype, h, w2, c->hidden, c->intermediate, NULL, &ret, stream, 1));
+        if (s->B) MF_CHECK(mf__cuda_w2(&spare_seg, c->dtype, h, sw2, c->hidden, c->intermediate, NULL, &ret, stream, 1));
         MF__MARK(MF_PHASE_COMBINE);
     }
 
@@ -860,8 +887,9 @@ static mf_result_t mf__cuda_combine_launch(mf_moe_t moe, const mf_combine_in_t *
                                            cudaStream_t stream) {
     mf__move_params_t p = mf__move_params(moe);
     p.expert_out = (const uint16_t *)in->expert_out.data;
-    mf__return_kernel<<<mf__move_blocks(moe), kMfMoveThreads, 0, stream>>>(p);
-    MF_CUDA_CHECK_LAUNCH();
+    /* mf_combine's first kernel: no PDL attribute (it follows the caller's expert kernels) */
+    MF_CUDA_CHECK(mf__cuda_launch(mf__return_kernel, dim3((unsigned)mf__move_blocks(moe)), dim3(kMfMoveThreads), 0,
+                                  stream, 0, p));
     return mf__cuda_sum(moe, moe->dispatch_T, (const float *)in->topk_weights.data, (uint16_t *)out->y.data, stream);
 }
 
@@ -885,7 +913,7 @@ static mf_result_t mf__cuda_reject(mf_moe_t moe, uint32_t phases, mf_result_t co
     if (mf__cuda_enter(comm, stream, NULL) != MF_SUCCESS) return mf__error(code, "%s", why);
     mf_result_t res = MF_SUCCESS;
     for (int32_t phase = 0; phase < MF__NUM_PHASES && res == MF_SUCCESS; phase++)
-        if (phases & (1u << phase)) res = mf__cuda_sync(comm, moe->id, phase, code, stream);
+        if (phases & (1u << phase)) res = mf__cuda_sync(comm, moe->id, phase, code, 0, stream); /* no PDL: error path */
     if ((res = mf__cuda_leave(comm, res, MF_SUCCESS)) != MF_SUCCESS) return res;
     if (!mf__cc(comm)->capturing && cudaStreamSynchronize(stream) == cudaSuccess) (void)mf__cuda_take_fault(comm, 1);
     (void)cudaGetLastError();

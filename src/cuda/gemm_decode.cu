@@ -32,6 +32,7 @@
 #include "core/internal.h"
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels/sm90_decode_gemm.cuh"
+#include "cuda/pdl.cuh"
 
 using namespace mf__decode;
 
@@ -177,7 +178,7 @@ int grid_of(const mf__gemm_segments_t *seg, int64_t N, int swiglu, int block_t, 
 
 /* Picks the variant, encodes the weight map (and the contiguous activation map) and launches. */
 mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int swiglu, int gather, const void *w,
-                   const void *a, decode_params *p, cudaStream_t stream) {
+                   const void *a, decode_params *p, cudaStream_t stream, int32_t pdl) {
     const int block_t = block_t_for(seg->rows_hint, seg->max_rows_per_expert);
     const int vi = find_variant(fp8, swiglu, block_t, gather);
     if (vi < 0) return decline("no variant fp8 %d swiglu %d T %d gather %d", fp8, swiglu, block_t, gather);
@@ -205,7 +206,7 @@ mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int
     const int grid = grid_of(seg, p->N, swiglu, block_t, sms);
     if (grid <= 0) return MF_SUCCESS;
     void *args[] = {(void *)p};
-    MF__DECODE_CUDA(cudaLaunchKernel(v.fn, dim3((unsigned)grid), dim3(kThreads), args, (size_t)v.smem, stream), who);
+    MF__DECODE_CUDA(mf__cuda_launch(v.fn, dim3((unsigned)grid), dim3(kThreads), (size_t)v.smem, stream, pdl, args), who);
     if (mf__debug_on())
         snprintf(g_ran, sizeof g_ran, "decode %s %s T %d, A %s (%d stages, %d B smem, grid %d)", fp8 ? "fp8" : "bf16",
                  swiglu ? "swiglu" : "plain", block_t, gather ? "gathered in place" : "by TMA", v.stages, v.smem, grid);
@@ -216,7 +217,7 @@ mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int
 
 mf_result_t mf__sm90_decode_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, int32_t ue8m0, mf__gemm_operand_t a,
                                        mf__gemm_operand_t w13, int32_t H, int32_t I, void *h, float *h_scales,
-                                       cudaStream_t stream) {
+                                       cudaStream_t stream, int32_t pdl) {
     static const char *who = "mf__sm90_decode_w13_swiglu";
     const int64_t N = 2 * (int64_t)I, K = H;
     const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
@@ -249,11 +250,12 @@ mf_result_t mf__sm90_decode_w13_swiglu(const mf__gemm_segments_t *seg, int32_t d
     p.N = (int32_t)N;
     p.K = (int32_t)K;
     p.ue8m0 = ue8m0 ? 1 : 0;
-    return launch(who, seg, fp8, 1, a.gather ? 1 : 0, w13.data, a.data, &p, stream);
+    return launch(who, seg, fp8, 1, a.gather ? 1 : 0, w13.data, a.data, &p, stream, pdl);
 }
 
 mf_result_t mf__sm90_decode_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__gemm_operand_t h, mf__gemm_operand_t w2,
-                               int32_t H, int32_t I, uint16_t *out, const mf__gemm_return_t *ret, cudaStream_t stream) {
+                               int32_t H, int32_t I, uint16_t *out, const mf__gemm_return_t *ret, cudaStream_t stream,
+                               int32_t pdl) {
     static const char *who = "mf__sm90_decode_w2";
     const int64_t N = H, K = I;
     const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
@@ -286,7 +288,7 @@ mf_result_t mf__sm90_decode_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf
     p.max_rows = seg->max_rows_per_expert;
     p.N = (int32_t)N;
     p.K = (int32_t)K;
-    return launch(who, seg, fp8, 0, 0, w2.data, h.data, &p, stream);
+    return launch(who, seg, fp8, 0, 0, w2.data, h.data, &p, stream, pdl);
 }
 
 mf_result_t mf__sm90_decode_preload(void) {

@@ -37,6 +37,7 @@
 #include "core/internal.h"
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels/sm90_tma_gemm.cuh"
+#include "cuda/pdl.cuh"
 
 using namespace mf__tma;
 
@@ -157,7 +158,7 @@ mf_result_t check_shape(const mf__gemm_segments_t *seg, int32_t dtype, int swigl
 
 /* Encodes the tensor maps and launches variant (fp8, swiglu) on a persistent grid. */
 mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int swiglu, const void *a, const void *w,
-                   tma_params *p, cudaStream_t stream) {
+                   tma_params *p, cudaStream_t stream, int32_t pdl) {
     int dev = 0, sms = 0;
     MF_CHECK(configure(who, &dev, &sms));
     const int lab = fp8 ? g_lab_variant.load() : kMfTmaLabShipped;
@@ -181,7 +182,8 @@ mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int
     const int grid = (int)(tiles < sms ? tiles : sms);
     if (grid <= 0) return MF_SUCCESS;
     void *args[] = {(void *)p};
-    MF__TMA_CUDA(cudaLaunchKernel(variant_fn(vi), dim3((unsigned)grid), dim3(kThreads), args, (size_t)kSmemBytes, stream),
+    MF__TMA_CUDA(mf__cuda_launch(variant_fn(vi), dim3((unsigned)grid), dim3(kThreads), (size_t)kSmemBytes, stream, pdl,
+                                 args),
                  who);
     if (mf__debug_on())
         snprintf(g_ran, sizeof g_ran, "tma %s %s%s (%d-row tiles, %d stages, %d B smem, grid %d)", fp8 ? "fp8" : "bf16",
@@ -194,7 +196,7 @@ mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int
 
 mf_result_t mf__sm90_tma_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, int32_t ue8m0, mf__gemm_operand_t a,
                                     mf__gemm_operand_t w13, int32_t H, int32_t I, void *h, float *h_scales,
-                                    cudaStream_t stream) {
+                                    cudaStream_t stream, int32_t pdl) {
     static const char *who = "mf__sm90_tma_w13_swiglu";
     if (a.gather) return decline("a.gather: TMA cannot gather rows (the dispatcher sends gathers elsewhere)");
     const int64_t N = 2 * (int64_t)I, K = H;
@@ -221,11 +223,12 @@ mf_result_t mf__sm90_tma_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtyp
     p.N = (int32_t)N;
     p.K = (int32_t)K;
     p.ue8m0 = ue8m0 ? 1 : 0;
-    return launch(who, seg, fp8, 1, a.data, w13.data, &p, stream);
+    return launch(who, seg, fp8, 1, a.data, w13.data, &p, stream, pdl);
 }
 
 mf_result_t mf__sm90_tma_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__gemm_operand_t h, mf__gemm_operand_t w2,
-                            int32_t H, int32_t I, uint16_t *out, const mf__gemm_return_t *ret, cudaStream_t stream) {
+                            int32_t H, int32_t I, uint16_t *out, const mf__gemm_return_t *ret, cudaStream_t stream,
+                            int32_t pdl) {
     static const char *who = "mf__sm90_tma_w2";
     const int64_t N = H, K = I;
     const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
@@ -258,7 +261,7 @@ mf_result_t mf__sm90_tma_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__g
     p.max_rows = seg->max_rows_per_expert;
     p.N = (int32_t)N;
     p.K = (int32_t)K;
-    return launch(who, seg, fp8, 0, h.data, w2.data, &p, stream);
+    return launch(who, seg, fp8, 0, h.data, w2.data, &p, stream, pdl);
 }
 
 mf_result_t mf__sm90_tma_preload(void) {

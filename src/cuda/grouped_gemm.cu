@@ -27,6 +27,7 @@
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels/sm90_grouped_gemm.cuh"
 #include "cuda/kernels/sm90_ptx.cuh" /* mf__sm90_fault_t: the record of expired pipeline waits */
+#include "cuda/pdl.cuh"
 
 
 /* Evaluates a CUDA runtime call; on failure clears the error and returns MF_ERR_CUDA naming it. */
@@ -211,7 +212,7 @@ mf_result_t mf__cuda_gemm_preload(void) {
 
 mf_result_t mf__cuda_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, int32_t ue8m0, mf__gemm_operand_t a,
                                 mf__gemm_operand_t w13, int32_t H, int32_t I, void *h, float *h_scales,
-                                cudaStream_t stream) {
+                                cudaStream_t stream, int32_t pdl) {
     static const char *who = "mf__cuda_w13_swiglu";
     MF_CHECK(check_common(who, seg, dtype, H, I));
     const bool fp8 = dtype == MF_DTYPE_FP8_E4M3;
@@ -230,7 +231,7 @@ mf_result_t mf__cuda_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, i
     d.declined[0] = '\0';
     mf_result_t r = MF_ERR_NOT_SUPPORTED;
     if (seg->rows_hint <= kMfDecodeMaxRows) {
-        r = mf__sm90_decode_w13_swiglu(seg, dtype, ue8m0, a, w13, H, I, h, h_scales, stream);
+        r = mf__sm90_decode_w13_swiglu(seg, dtype, ue8m0, a, w13, H, I, h, h_scales, stream, pdl);
         if (dbg) {
             if (r == MF_ERR_NOT_SUPPORTED) declined(&d, "decode: %s", mf__sm90_decode_last_decline());
             declined(&d, "tma: not tried (rows_hint %d <= kMfDecodeMaxRows %d)", seg->rows_hint, kMfDecodeMaxRows);
@@ -238,7 +239,7 @@ mf_result_t mf__cuda_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, i
     } else {
         if (dbg) declined(&d, "decode: rows_hint %d > kMfDecodeMaxRows %d", seg->rows_hint, kMfDecodeMaxRows);
         if (!a.gather) {
-            r = mf__sm90_tma_w13_swiglu(seg, dtype, ue8m0, a, w13, H, I, h, h_scales, stream);
+            r = mf__sm90_tma_w13_swiglu(seg, dtype, ue8m0, a, w13, H, I, h, h_scales, stream, pdl);
             if (dbg && r == MF_ERR_NOT_SUPPORTED) declined(&d, "tma: %s", mf__sm90_tma_last_decline());
         } else if (dbg) {
             declined(&d, "tma: A gathered in place (TMA cannot gather rows)");
@@ -283,8 +284,9 @@ mf_result_t mf__cuda_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, i
     int blocks = 0;
     MF_CHECK(persistent_grid(kernel, fp8 ? kKernelW13Fp8 : kKernelW13Bf16, who, &blocks));
     if (tiles < blocks) blocks = (int)tiles;
-    kernel<<<blocks, mf__gemm::kThreads, mf__gemm::kSmemBytes, stream>>>(p);
-    MF__CUDA_CHECK(cudaGetLastError(), who);
+    MF__CUDA_CHECK(mf__cuda_launch(kernel, dim3((unsigned)blocks), dim3(mf__gemm::kThreads), mf__gemm::kSmemBytes, stream,
+                                   pdl, p),
+                   who);
     if (dbg) {
         char ran[160];
         snprintf(ran, sizeof ran, "v1 %s swiglu: the mma.sync fallback (%dx%d tiles, %d stages, grid %d)",
@@ -295,7 +297,8 @@ mf_result_t mf__cuda_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, i
 }
 
 mf_result_t mf__cuda_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__gemm_operand_t h, mf__gemm_operand_t w2,
-                        int32_t H, int32_t I, uint16_t *out, const mf__gemm_return_t *ret, cudaStream_t stream) {
+                        int32_t H, int32_t I, uint16_t *out, const mf__gemm_return_t *ret, cudaStream_t stream,
+                        int32_t pdl) {
     static const char *who = "mf__cuda_w2";
     MF_CHECK(check_common(who, seg, dtype, H, I));
     const bool fp8 = dtype == MF_DTYPE_FP8_E4M3;
@@ -315,8 +318,8 @@ mf_result_t mf__cuda_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__gemm_
         MF_CHECK(check_data(who, "out", out));
     }
     const bool decode = seg->rows_hint <= kMfDecodeMaxRows;
-    mf_result_t r = decode ? mf__sm90_decode_w2(seg, dtype, h, w2, H, I, out, ret, stream)
-                           : mf__sm90_tma_w2(seg, dtype, h, w2, H, I, out, ret, stream);
+    mf_result_t r = decode ? mf__sm90_decode_w2(seg, dtype, h, w2, H, I, out, ret, stream, pdl)
+                           : mf__sm90_tma_w2(seg, dtype, h, w2, H, I, out, ret, stream, pdl);
     const bool dbg = mf__debug_on() && debug_first(1, seg, dtype, H, I, 0, ret != NULL);
     decision_t d;
     d.n = 0;
@@ -368,8 +371,9 @@ mf_result_t mf__cuda_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__gemm_
     int blocks = 0;
     MF_CHECK(persistent_grid(kernel, fp8 ? kKernelW2Fp8 : kKernelW2Bf16, who, &blocks));
     if (tiles < blocks) blocks = (int)tiles;
-    kernel<<<blocks, mf__gemm::kThreads, mf__gemm::kSmemBytes, stream>>>(p);
-    MF__CUDA_CHECK(cudaGetLastError(), who);
+    MF__CUDA_CHECK(mf__cuda_launch(kernel, dim3((unsigned)blocks), dim3(mf__gemm::kThreads), mf__gemm::kSmemBytes, stream,
+                                   pdl, p),
+                   who);
     if (dbg) {
         char ran[160];
         snprintf(ran, sizeof ran, "v1 %s plain: the mma.sync fallback (%dx%d tiles, %d stages, grid %d)",

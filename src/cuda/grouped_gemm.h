@@ -16,6 +16,11 @@
  * mf__fp8_from_float (numerics.h), BF16: h rounded with mf__bf16_from_float. W2: out = h . W2^T,
  * rounded to BF16 and written either to out[row] or, when `ret` is given, to the token owner's
  * combine slot ret->slots[rank] + (token * K + k) * H with (rank, token, k) = ret->src[row].
+ *
+ * `pdl` (every launcher, last): 1 launches the kernel with programmatic dependent launch
+ * (cuda/pdl.cuh): it may start while the previous kernel on `stream` drains and waits for it
+ * before reading anything. Only the forward's chain passes 1 (src/cuda/backend.cu); benchmarks and
+ * labs pass 0, so that back-to-back launches are timed as they were.
  */
 #ifndef MF_CUDA_GROUPED_GEMM_H
 #define MF_CUDA_GROUPED_GEMM_H
@@ -78,17 +83,17 @@ int32_t mf__cuda_gemm_expired(char *what, size_t bytes);
  * Every variant takes the arguments of its dispatcher and honours the same contract. */
 mf_result_t mf__sm90_decode_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, int32_t ue8m0,
                                        mf__gemm_operand_t a, mf__gemm_operand_t w13, int32_t H, int32_t I, void *h,
-                                       float *h_scales, cudaStream_t stream);
+                                       float *h_scales, cudaStream_t stream, int32_t pdl);
 mf_result_t mf__sm90_decode_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__gemm_operand_t h,
                                mf__gemm_operand_t w2, int32_t H, int32_t I, uint16_t *out,
-                               const mf__gemm_return_t *ret, cudaStream_t stream);
+                               const mf__gemm_return_t *ret, cudaStream_t stream, int32_t pdl);
 mf_result_t mf__sm90_decode_preload(void);
 mf_result_t mf__sm90_tma_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, int32_t ue8m0,
                                     mf__gemm_operand_t a, mf__gemm_operand_t w13, int32_t H, int32_t I, void *h,
-                                    float *h_scales, cudaStream_t stream);
+                                    float *h_scales, cudaStream_t stream, int32_t pdl);
 mf_result_t mf__sm90_tma_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__gemm_operand_t h,
                             mf__gemm_operand_t w2, int32_t H, int32_t I, uint16_t *out, const mf__gemm_return_t *ret,
-                            cudaStream_t stream);
+                            cudaStream_t stream, int32_t pdl);
 mf_result_t mf__sm90_tma_preload(void);
 
 /* MF_DEBUG (core/internal.h): the layer id the calling thread's next dispatcher calls report under
@@ -98,12 +103,12 @@ void mf__cuda_gemm_debug_layer(uint32_t layer);
 /* h[rows, I] (+ h_scales [rows, I/128] for FP8) = swiglu(a[rows, H] . w13[e]^T) per expert. */
 mf_result_t mf__cuda_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, int32_t ue8m0,
                                 mf__gemm_operand_t a, mf__gemm_operand_t w13, int32_t H, int32_t I,
-                                void *h, float *h_scales, cudaStream_t stream);
+                                void *h, float *h_scales, cudaStream_t stream, int32_t pdl);
 
 /* out = bf16(h[rows, I] . w2[e]^T) per expert: into out[rows, H] when `ret` is NULL, else into
  * the owners' combine slots. */
 mf_result_t mf__cuda_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__gemm_operand_t h,
                         mf__gemm_operand_t w2, int32_t H, int32_t I, uint16_t *out,
-                        const mf__gemm_return_t *ret, cudaStream_t stream);
+                        const mf__gemm_return_t *ret, cudaStream_t stream, int32_t pdl);
 
 #endif /* MF_CUDA_GROUPED_GEMM_H */

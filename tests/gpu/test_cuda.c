@@ -12,6 +12,7 @@
  *               dtypes, layouts, UE8M0, capacities, dataflows): the layer against the reference
  *               and the CPU backend, dispatch and combine bit for bit against the CPU backend
  *   graphs      every rank's forward captured once and replayed 100 times on new inputs
+ *   pdl         programmatic dependent launch on and off (MF_PDL=0): the same y, bit for bit
  *   faults      a rank that never calls (timeout), device ids out of range or repeated
  */
 #include <cuda_runtime_api.h>
@@ -736,6 +737,98 @@ static int cuda_dataflow_bitwise(void) {
     return 0;
 }
 
+/* ---- programmatic dependent launch: on and off give the same y, bit for bit ------------------ */
+
+/* The switch of cuda/pdl.cuh (C++ only there); a comm's init clears it when MF_PDL=0. */
+extern int32_t mf__cuda_pdl;
+
+typedef struct pdl_case {
+    layer_case_t layer;
+    int32_t dataflow, op, graph, spare_slots;
+} pdl_case_t;
+
+static mf_result_t pdl_run(const pdl_case_t *c, const mfp_problem_t *p, uint16_t **y, char *err, int errlen) {
+    mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
+    o.backend = MF_BACKEND_CUDA, o.iters = 3, o.timeout_ms = peer_timeout_ms(), o.dataflow = c->dataflow;
+    o.op = c->op, o.graph = c->graph;
+    if (c->spare_slots) o.spare_slots = c->spare_slots, o.prefetch = 1;
+    return mfp_run(p, &o, y, NULL, err, errlen);
+}
+
+/* Every case with PDL on (the switch set), then with MF_PDL=0 in the environment (which the next
+ * group's comm init reads, clearing the switch for the rest of this process): y equal bit for bit,
+ * and the PDL run within the contract's bounds of the CPU backend. */
+static int cuda_pdl_bitwise(void) {
+    const pdl_case_t cases[] = {
+        /* decode GEMMs, A gathered in place (DIRECT): fill -> w13 -> w2 -> sync -> sum */
+        {{2, 8, 2, 256, 256, 4, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 3, 0.05, NULL, 21},
+         MF_DATAFLOW_DIRECT, MFP_OP_FORWARD, 0, 0},
+        /* PULL: the gather kernel between fill and w13 */
+        {{4, 16, 4, 256, 256, 8, 0, MF_DTYPE_BF16, MF_LAYOUT_MASKED, MFP_ROUTING_ZIPF, 0, 3, 0.05, NULL, 22},
+         MF_DATAFLOW_PULL, MFP_OP_FORWARD, 0, 0},
+        /* UNFUSED: the return kernel between w2 and the COMBINE sync */
+        {{2, 8, 2, 256, 256, 8, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 3, 0, NULL, 23},
+         MF_DATAFLOW_UNFUSED, MFP_OP_FORWARD, 0, 0},
+        /* spare slots: the second w13 and w2 launches */
+        {{2, 8, 2, 256, 256, 8, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_ZIPF, 0, 3, 0, NULL, 24},
+         MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 0, 1},
+        /* TMA GEMMs (rows_hint 256) and a sum grid larger than a rank's SMs (launched without) */
+        {{2, 8, 4, 256, 256, 256, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 3, 0, NULL, 25},
+         MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 0, 0},
+        /* captured once, replayed: programmatic edges inside the graph */
+        {{2, 8, 2, 256, 256, 4, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED, MFP_ROUTING_UNIFORM, 0, 3, 0, NULL, 26},
+         MF_DATAFLOW_DIRECT, MFP_OP_FORWARD, 1, 0},
+        /* mf_dispatch + mf_combine */
+        {{2, 8, 2, 256, 256, 8, 0, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 3, 0, NULL, 27},
+         MF_DATAFLOW_AUTO, MFP_OP_DISPATCH_COMBINE, 0, 0},
+    };
+    enum { kCases = sizeof cases / sizeof cases[0] };
+    mfp_problem_t p[kCases];
+    uint16_t *y[2][kCases][MF_MAX_RANKS];
+    char err[512] = "";
+    for (int i = 0; i < kCases; i++) {
+        MFT_CHECK(generate_case(&cases[i].layer, &p[i]) == 0);
+        for (int32_t r = 0; r < cases[i].layer.R; r++)
+            for (int on = 0; on < 2; on++) {
+                const size_t n = (size_t)p[i].T[r] * cases[i].layer.H * 2;
+                y[on][i][r] = mft_alloc(n);
+                mft_poison(y[on][i][r], n);
+            }
+    }
+    for (int off = 0; off < 2; off++) {
+        if (off) setenv("MF_PDL", "0", 1);
+        else __atomic_store_n(&mf__cuda_pdl, 1, __ATOMIC_RELAXED); /* an earlier test of this process may have cleared it */
+        for (int i = 0; i < kCases; i++) {
+            mf_result_t res = pdl_run(&cases[i], &p[i], y[!off][i], err, sizeof err);
+            MFT_CHECK_MSG(res == MF_SUCCESS, "case %d, PDL %s: %s", i, off ? "off" : "on", err);
+        }
+        MFT_CHECK_MSG(__atomic_load_n(&mf__cuda_pdl, __ATOMIC_RELAXED) == !off, "the switch reads %d after the %s runs",
+                      (int)mf__cuda_pdl, off ? "MF_PDL=0" : "default");
+    }
+    unsetenv("MF_PDL");
+    for (int i = 0; i < kCases; i++) {
+        const layer_case_t *c = &cases[i].layer;
+        for (int32_t r = 0; r < c->R; r++)
+            MFT_CHECK_MSG(memcmp(y[1][i][r], y[0][i][r], (size_t)p[i].T[r] * c->H * 2) == 0,
+                          "case %d rank %d: y with PDL differs from y without", i, r);
+        if (cases[i].op == MFP_OP_FORWARD) {
+            uint16_t *y_cpu[MF_MAX_RANKS];
+            for (int32_t r = 0; r < c->R; r++) y_cpu[r] = mft_alloc((size_t)p[i].T[r] * c->H * 2);
+            mf_result_t res = mfp_run_forward(&p[i], MF_BACKEND_CPU, 1, 0, y_cpu, NULL, err, sizeof err);
+            MFT_CHECK_MSG(res == MF_SUCCESS, "cpu run failed: %s", err);
+            char label[32];
+            snprintf(label, sizeof label, "PDL case %d", i);
+            if (check_layer_y(label, "cpu", c->dtype, c->R, p[i].T, c->H, y[1][i], y_cpu, NULL)) return 1;
+            for (int32_t r = 0; r < c->R; r++) free(y_cpu[r]);
+        }
+        mft_verbose("  PDL case %d (R=%d T=%d dataflow %d op %d graph %d B %d): on and off bitwise equal\n", i, c->R,
+                    c->T, cases[i].dataflow, cases[i].op, cases[i].graph, cases[i].spare_slots);
+        for (int32_t r = 0; r < c->R; r++) free(y[0][i][r]), free(y[1][i][r]);
+        mfp_free(&p[i]);
+    }
+    return 0;
+}
+
 /* ---- layers share one workspace: interleaved forwards of two layers on the same comms ------- */
 
 #define SHARED_ROUNDS 3
@@ -1105,6 +1198,7 @@ const mft_test_t mft_tests_cuda[] = {
     {"cuda_layer_awkward", cuda_layer_awkward, 300},
     {"cuda_graph_replay", cuda_graph_replay, 300},
     {"cuda_dataflow_bitwise", cuda_dataflow_bitwise, 300},
+    {"cuda_pdl_bitwise", cuda_pdl_bitwise, 300},
     {"cuda_layers_share_workspace", cuda_layers_share_workspace, 300},
     {"cuda_timeout", cuda_timeout, 60},
     {"cuda_bad_ids", cuda_bad_ids, 60},

@@ -8,7 +8,8 @@
  * slots, Lp = P / R, B spare slots per rank, N = P + R * B replica entries. Every kernel reads peers only through the peer table
  * (`heap[R]`), so it runs unchanged on every transport. All of them match the CPU backend bit for
  * bit: same per-element functions (numerics.h), same row order, same fixed-order K-sum with
- * separate fp32 multiply and add (no contraction into FMA).
+ * separate fp32 multiply and add (no contraction into FMA). Each kernel calls mf__pdl_wait() before
+ * its first global access and mf__pdl_trigger() right after it (cuda/pdl.cuh).
  */
 #ifndef MF_CUDA_MOVEMENT_CUH
 #define MF_CUDA_MOVEMENT_CUH
@@ -48,6 +49,8 @@ typedef struct mf__publish_params {
  * T = 1); blocks (t, 0) also validate and copy the routing, block (0, 0) writes T. */
 __global__ void __launch_bounds__(kMfPublishThreads) mf__publish_kernel(mf__publish_params_t p) {
     const int32_t t = blockIdx.x, tid = threadIdx.x, lane = tid % kMfWarp, warp = tid / kMfWarp;
+    mf__pdl_wait(); /* a call's first kernel is launched without the attribute: returns at once */
+    mf__pdl_trigger();
     if (t == 0 && blockIdx.y == 0 && tid < MF__META_WORDS)
         ((int32_t *)(p.heap + p.meta))[tid] = tid ? p.meta_words[tid - 1] : p.T;
     if (t >= p.T) return;
@@ -162,13 +165,15 @@ static inline size_t mf__plan_balance_smem(int32_t E, int32_t R, int32_t P, int3
 /* Grid (kMfPlanFetchBlocks, R): blocks of rank r copy its routing and count it. */
 __global__ void __launch_bounds__(kMfPlanThreads) mf__plan_fetch_kernel(mf__plan_params_t p) {
     __shared__ int32_t hist[kMfPlanSmemExperts];
+    const bool smem = p.E <= kMfPlanSmemExperts;
+    if (smem)
+        for (int32_t e = threadIdx.x; e < p.E; e += blockDim.x) hist[e] = 0;
+    mf__pdl_wait();
+    mf__pdl_trigger();
     if (mf__faulted(p.sink)) return;
     const int32_t r = blockIdx.y;
     const int32_t T = *(const volatile int32_t *)(p.view.heap[r] + p.view.meta);
     if (blockIdx.x == 0 && threadIdx.x == 0) p.T_all[r] = T;
-    const bool smem = p.E <= kMfPlanSmemExperts;
-    if (smem)
-        for (int32_t e = threadIdx.x; e < p.E; e += blockDim.x) hist[e] = 0;
     __syncthreads();
     const int32_t *ids = (const int32_t *)(p.view.heap[r] + p.view.ids);
     int32_t *copy = p.ids_all + (size_t)r * p.S * p.K;
@@ -309,6 +314,8 @@ __global__ void __launch_bounds__(kMfPlanThreads) mf__plan_offsets_kernel(mf__pl
     const bool masked = p.layout == MF_LAYOUT_MASKED;
     const int32_t R = p.view.num_ranks;
     if (threadIdx.x == 0) worst = INT32_MAX;
+    mf__pdl_wait();
+    mf__pdl_trigger();
     mf__plan_check_meta(p); /* block-wide; its __syncthreads also publish `worst` */
     if (p.balanced) {
         mf__plan_offsets_balanced(p);
@@ -388,6 +395,8 @@ __global__ void __launch_bounds__(kMfPlanThreads) mf__plan_offsets_kernel(mf__pl
  * block-wide exclusive scan of the per-thread hit counts places the hits in entry order. */
 __global__ void __launch_bounds__(kMfPlanThreads) mf__plan_fill_kernel(mf__plan_params_t p) {
     __shared__ int32_t warp_total[kMfPlanThreads / kMfWarp];
+    mf__pdl_wait();
+    mf__pdl_trigger();
     if (mf__faulted(p.sink)) return;
     const int32_t e = blockIdx.x, lane = threadIdx.x % kMfWarp, warp = threadIdx.x / kMfWarp,
                   nwarps = blockDim.x / kMfWarp;
@@ -498,6 +507,8 @@ __global__ void __launch_bounds__(kMfMoveThreads) mf__gather_kernel(mf__move_par
     const int64_t nwarps = (int64_t)gridDim.x * blockDim.x / kMfWarp;
     const size_t row_bytes = (size_t)p.H * (p.fp8 ? 1 : 2);
     const int32_t nsc = p.H / MF__QUANT_BLOCK;
+    mf__pdl_wait();
+    mf__pdl_trigger();
     const int64_t rows = mf__faulted(p.sink) ? 0 : p.offsets[p.L];
     for (int64_t row = gwarp; row < rows; row += nwarps) {
         bool pad;
@@ -521,6 +532,8 @@ __global__ void __launch_bounds__(kMfMoveThreads) mf__return_kernel(mf__move_par
     const int64_t gwarp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / kMfWarp;
     const int64_t nwarps = (int64_t)gridDim.x * blockDim.x / kMfWarp;
     const size_t row_bytes = (size_t)p.H * 2;
+    mf__pdl_wait();
+    mf__pdl_trigger();
     const int64_t rows = mf__faulted(p.sink) ? 0 : p.offsets[p.L];
     for (int64_t row = gwarp; row < rows; row += nwarps) {
         bool pad;
@@ -548,6 +561,8 @@ typedef struct mf__sum_params {
 __global__ void __launch_bounds__(kMfSumThreads) mf__sum_kernel(mf__sum_params_t p) {
     const int32_t t = blockIdx.x;
     const int32_t c = blockIdx.y * blockDim.x + threadIdx.x;
+    mf__pdl_wait();
+    mf__pdl_trigger();
     if (c >= p.H / 8 || mf__faulted(p.sink)) return;
     const int32_t *ids = (const int32_t *)(p.heap + p.ids) + (size_t)t * p.K;
     const uint16_t *slots = (const uint16_t *)(p.heap + p.combine) + (size_t)t * p.K * p.H;

@@ -37,6 +37,9 @@
  *
  * FP8 promotion (docs/DESIGN.md): each stage (= 128-wide K block kb) is accumulated into a separate
  * fp32 fragment `part`, then acc += part * (a_scale[row][kb] * w_scale[n / 128][kb]), part = 0.
+ *
+ * Both kernels start with mf__pdl_wait() (the tile walk reads the plan's counts) and then
+ * mf__pdl_trigger(): cuda/pdl.cuh.
  */
 #ifndef MF_CUDA_KERNELS_SM90_GROUPED_GEMM_CUH
 #define MF_CUDA_KERNELS_SM90_GROUPED_GEMM_CUH
@@ -47,6 +50,7 @@
 #include "core/numerics.h"
 #include "cuda/gemm_configs.cuh"
 #include "cuda/grouped_gemm.h"
+#include "cuda/pdl.cuh"
 
 namespace mf__gemm {
 
@@ -473,6 +477,8 @@ template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) sm90_w13_swiglu_kernel(const __grid_constant__ w13_params p) {
     extern __shared__ __align__(128) uint8_t smem[];
     const coords c = thread_coords();
+    mf__pdl_wait(); /* the tile walk reads the plan's counts (cuda/pdl.cuh) */
+    mf__pdl_trigger();
     constexpr int kEsz = kFp8 ? 1 : 2;
     constexpr int kRowBytes = kFp8 ? kEpiRowBytesW13Fp8 : kEpiRowBytesW13Bf16;
     const int32_t col_tiles = (p.I + kW13BlockN - 1) / kW13BlockN;
@@ -605,6 +611,8 @@ template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) sm90_w2_kernel(const __grid_constant__ w2_params p) {
     extern __shared__ __align__(128) uint8_t smem[];
     const coords c = thread_coords();
+    mf__pdl_wait(); /* the tile walk reads the plan's counts (cuda/pdl.cuh) */
+    mf__pdl_trigger();
     constexpr int kEsz = kFp8 ? 1 : 2;
     const int32_t col_tiles = (p.H + kW2BlockN - 1) / kW2BlockN;
     const int32_t k_bytes = p.I * kEsz;

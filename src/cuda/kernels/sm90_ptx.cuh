@@ -39,6 +39,7 @@
 /* ---- constants: warpgroup and swizzle sizes, the default wait bound (cuda/gemm_configs.cuh) ---- */
 
 #include "cuda/gemm_configs.cuh"
+#include "cuda/pdl.cuh" /* mf__pdl_wait / mf__pdl_trigger: griddepcontrol, for every kernel built on this file */
 
 /* wgmma descriptor layout types (bits 62-63). */
 enum {

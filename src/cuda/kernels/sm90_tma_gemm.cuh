@@ -23,7 +23,9 @@
  * without rows have no tiles (m-major keeps the ~132 running tiles on ~8 A blocks and one stripe of
  * weights, both L2-resident: FP8 W13's 29 MB per expert fits the 50 MB L2). counts/offsets are read
  * on the device at kernel start into shared tables (a warp scan gives each expert's first
- * m-block), clamped to [0, max_rows].
+ * m-block), clamped to [0, max_rows]. Before that read the kernel waits for the previous kernel
+ * (mf__pdl_wait, cuda/pdl.cuh; barrier init and tensor-map prefetch run before it) and then lets
+ * the next one start (mf__pdl_trigger).
  *
  * Row shift. A full m-block covers rows [row0, row0 + 128). The last, partial m-block of an expert
  * (v < 128 rows left) is shifted so that it ENDS at the expert's last row: row0 = (expert end) - 128,
@@ -195,10 +197,6 @@ __device__ __forceinline__ void producer(const tma_params &p, const tables_t &tb
                                          float *a_sc, float *w_sc, uint64_t *full, uint64_t *empty) {
     const int lane = (int)(threadIdx.x & 31);
     const int32_t kblocks = (p.K * (kFp8 ? 1 : 2) + kKBlock - 1) / kKBlock; /* FP8: K/128 scale columns */
-    if (lane == 0) {
-        mf__prefetch_tensormap(&p.tmap_a);
-        mf__prefetch_tensormap(&p.tmap_w);
-    }
     uint32_t it = 0;
     int32_t cursor = 0;
     tile_t t;
@@ -533,21 +531,26 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_tma_kernel(const __grid_cons
     tb.row0 = tb.rows + kMaxExperts;
     tb.first = tb.row0 + kMaxExperts;
 
-    /* ---- setup: expert tables, barriers ---- */
+    /* ---- setup: barriers and tensor maps (they depend on no earlier kernel: under PDL they run
+     * while the previous kernel drains), then the expert tables from the plan's counts ---- */
     const int L = p.num_experts;
     const int32_t nblocks = kEpi == kEpiSwiglu ? p.N / (2 * kHCols) : p.N / kTileN; /* n-blocks per expert */
-    for (int e = (int)threadIdx.x; e < L; e += kThreads) {
-        int32_t n = p.counts[e];
-        n = n < 0 ? 0 : (n > p.max_rows ? p.max_rows : n);
-        tb.rows[e] = n;
-        tb.row0[e] = p.offsets[e];
-    }
     if (threadIdx.x == 0) {
         for (int s = 0; s < kStages; s++) {
             mf__mbar_init(&full[s], kFullArrivals);
             mf__mbar_init(&empty[s], kConsumerWarps);
         }
         mf__fence_mbarrier_init();
+        mf__prefetch_tensormap(&p.tmap_a);
+        mf__prefetch_tensormap(&p.tmap_w);
+    }
+    mf__pdl_wait(); /* counts, offsets and the activations are the previous kernels' (cuda/pdl.cuh) */
+    mf__pdl_trigger();
+    for (int e = (int)threadIdx.x; e < L; e += kThreads) {
+        int32_t n = p.counts[e];
+        n = n < 0 ? 0 : (n > p.max_rows ? p.max_rows : n);
+        tb.rows[e] = n;
+        tb.row0[e] = p.offsets[e];
     }
     __syncthreads();
     if (threadIdx.x < 32) {

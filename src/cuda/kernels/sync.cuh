@@ -34,6 +34,7 @@
 #include <stdint.h>
 
 #include "cuda/configs.cuh"
+#include "cuda/pdl.cuh"
 
 /* The host's view of the comm's fault, in mapped host memory; `code` is written last. */
 typedef struct mf__device_error {
@@ -149,6 +150,11 @@ __global__ void __launch_bounds__(kMfWaitThreads) mf__sync_kernel(mf__sync_param
     __shared__ int32_t stop;
     mf__device_state_t *s = p.sink.state;
     uint64_t *mine = p.signals[p.rank];
+    /* The arrival publishes everything this stream wrote before: the previous kernel must have
+     * completed. The kernel that follows (a small grid, backend.cu) may then take its place on the
+     * SMs while this one waits for the peers. */
+    mf__pdl_wait();
+    mf__pdl_trigger();
     if (threadIdx.x == 0) {
         const int32_t fault = s->fault;
         const bool ack = fault && p.acked_id == s->fault_id;
