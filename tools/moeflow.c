@@ -102,7 +102,7 @@ typedef struct opts {
     uint64_t seed;
     mf_backend_t backend_req, backend;
     const preset_t *preset;
-    int32_t iters, warmup, check, per_rank, gated;
+    int32_t iters, warmup, check, per_rank, gated, no_phases;
     int32_t transport; /* MF_TRANSPORT_LOCAL (threads), _IPC or _NCCL (a process per rank) */
     int32_t comm_op;   /* --op comm: dispatch and combine alone */
     int32_t cuda_present; /* a usable CUDA device was found (asked without touching CUDA for ipc) */
@@ -172,6 +172,9 @@ static void usage(FILE *f) {
             "      --gated                  CUDA: hold each rank's stream until its forward is\n"
             "                               enqueued (device time without host launch gaps,\n"
             "                               as a CUDA graph replay runs)\n"
+            "      --no-phases              CUDA layer: time each forward between two events only\n"
+            "                               (no phase events, which end programmatic dependent\n"
+            "                               launches between kernels); the phases print as 0\n"
             "      --timeout-ms N           bound on every wait for a peer       [library's]\n"
             "      --json FILE              write the results as docs/DESIGN.md's benchmark record\n"
             "  -h, --help\n"
@@ -277,7 +280,7 @@ static const struct {
     {0, "layout", 1},   {0, "routing", 1},   {0, "drop", 1},         {0, "seed", 1},
     {0, "backend", 1},  {0, "preset", 1},    {0, "ue8m0", 0},        {0, "iters", 1},
     {0, "warmup", 1},   {0, "json", 1},      {0, "timeout-ms", 1},   {0, "no-check", 0},
-    {0, "dataflow", 1}, {0, "per-rank", 0}, {0, "gated", 0}, {0, "transport", 1}, {0, "op", 1},
+    {0, "dataflow", 1}, {0, "per-rank", 0}, {0, "gated", 0}, {0, "no-phases", 0}, {0, "transport", 1}, {0, "op", 1},
     {0, "balance", 1},  {0, "link-gbps", 1}, {0, "rebalance", 1},
     {'h', "help", 0},
 };
@@ -364,6 +367,7 @@ static void parse_args(int argc, char **argv, opts_t *o) {
         else if (!strcmp(name, "--routing")) parse_routing(o, v);
         else if (!strcmp(name, "--per-rank")) o->per_rank = 1;
         else if (!strcmp(name, "--gated")) o->gated = 1;
+        else if (!strcmp(name, "--no-phases")) o->no_phases = 1;
         else if (!strcmp(name, "--transport")) {
             if (!strcmp(v, "local")) o->transport = MF_TRANSPORT_LOCAL;
             else if (!strcmp(v, "ipc")) o->transport = MF_TRANSPORT_IPC;
@@ -983,6 +987,7 @@ static void run_row(const opts_t *o, mfp_problem_t *p, row_t *row, uint16_t **y,
     ro.warmup = o->warmup;
     ro.timeout_ms = o->timeout_ms;
     ro.profile = 1;
+    ro.no_phases = o->no_phases && !o->comm_op;
     ro.dataflow = row->flow;
     ro.gated = o->gated;
     ro.transport = o->transport;

@@ -840,6 +840,7 @@ static void *rank_main(void *varg) {
         for (int i = 0; i < 8 && ce == cudaSuccess; i++) /* y (3) is only allocated */
             if (host[i]) ce = to_device(&mem[i], i == 3 ? NULL : host[i], bytes[i], cst);
         for (int i = 0; i < 4 && ce == cudaSuccess && comm_op && o->profile; i++) ce = cudaEventCreate(&ev[i]);
+        if (ce == cudaSuccess && !comm_op && o->profile && o->no_phases) ce = cudaEventCreate(&ev[3]); /* the end */
         if (ce == cudaSuccess) ce = cudaStreamSynchronize(cst);
         stream = (mf_stream_t)cst;
         if (ce != cudaSuccess) {
@@ -920,7 +921,7 @@ static void *rank_main(void *varg) {
     cfg.expert_capacity = s->expert_capacity;
     cfg.max_recv_rows = s->max_recv_rows;
     cfg.ue8m0_scales = s->ue8m0;
-    cfg.profile = o->profile && !comm_op;
+    cfg.profile = o->profile && !comm_op && !o->no_phases;
     cfg.dataflow = o->dataflow;
     cfg.num_physical_experts = o->num_physical;
     cfg.spare_slots = o->spare_slots;
@@ -1186,6 +1187,9 @@ static void *rank_main(void *varg) {
 #endif
             }
         }
+#if MF_WITH_CUDA
+        if (ev[3] && !comm_op && res == MF_SUCCESS) cudaEventRecord(ev[3], cst); /* no_phases: the forward's end */
+#endif
         if (dies_mid) raise(SIGKILL); /* its call launched, its peers inside the call */
 #if MF_WITH_CUDA
         if (gated) atomic_store_explicit(&gate_open, 1, memory_order_release);
@@ -1212,9 +1216,21 @@ static void *rank_main(void *varg) {
         if (j >= 0) {
             run->times[(size_t)r * o->iters + j] = (t1 - t0) * 1e3;
             mf_phase_times_t *ph = &run->phases[(size_t)r * o->iters + j];
-            if (o->profile && !comm_op && (res = mf_moe_get_phase_times(moe, ph)) != MF_SUCCESS) {
+            if (o->profile && !comm_op && !o->no_phases && (res = mf_moe_get_phase_times(moe, ph)) != MF_SUCCESS) {
                 fail(run, r, res, "mf_moe_get_phase_times", mf_last_error());
                 goto done;
+            }
+            if (o->profile && !comm_op && o->no_phases) { /* begin -> end on the device, nothing between */
+                memset(ph, 0, sizeof *ph);
+#if MF_WITH_CUDA
+                float ms = 0;
+                if (on_device && (!run->begins || cudaEventElapsedTime(&ms, run->begins[(size_t)r * o->iters + j], ev[3]) !=
+                                                      cudaSuccess)) {
+                    fail(run, r, MF_ERR_CUDA, "reading the begin / end events", "cudaEventElapsedTime failed");
+                    goto done;
+                }
+                ph->total_us = ms * 1e3;
+#endif
             }
             if (o->profile && comm_op) { /* device events on CUDA, wall clock on the CPU */
                 memset(ph, 0, sizeof *ph);

@@ -161,6 +161,12 @@ typedef struct mfp_run_opts {
      * that the map switched (a mismatch fails the run, naming the slot). NULL: no stage. */
     const int32_t *stage_map;
     int32_t stage_at, stage_per_step;
+    /* FORWARD, CUDA, with profile: 1 = no events between the phases (config.profile = 0), only one
+     * before and one after each rank's forward on its stream: timing.phase_*[MF_NUM_PHASES] is that
+     * device time and the phases are 0. An event between two kernels also ends a programmatic
+     * dependent launch there (docs/DESIGN.md "Performance doctrine"), so phase events cost the
+     * forward what they measure; this is the total as a graph replay runs it. */
+    int32_t no_phases;
 } mfp_run_opts_t;
 
 /* What each rank calls per iteration. */
@@ -177,7 +183,7 @@ typedef enum mfp_op {
 
 #define MFP_RUN_OPTS_INIT                                                                                \
     {MF_BACKEND_AUTO, 1, 0, 0, 0, MF_DATAFLOW_AUTO, 0, NULL, NULL, MF_TRANSPORT_LOCAL, -1, -1, 0, MFP_OP_FORWARD, \
-     0, 0, 0, NULL, NULL, NULL, 0, 0, 0, NULL, 0, 0}
+     0, 0, 0, NULL, NULL, NULL, 0, 0, 0, NULL, 0, 0, 0}
 
 /* Draws rank r's inputs for `seed` (as mfp_redraw_inputs would, for that rank alone) into x
  * [T_r, H], topk_ids [T_r, K], topk_weights [T_r, K] (host). 0 ok, -1 no memory. */
