@@ -52,8 +52,9 @@
  * counts and offsets are read on the device (CUDA-graph capturable) into shared-memory tables
  * at kernel start (a warp scan gives each expert's first tile); counts are clamped to
  * [0, max_rows]. Before that read the kernel waits for the previous kernel (mf__pdl_wait,
- * cuda/pdl.cuh; barrier init and tensor-map prefetch run before it) and then lets the next one
- * start (mf__pdl_trigger).
+ * cuda/pdl.cuh; barrier init runs before it) and then lets the next one start (mf__pdl_trigger).
+ * (The tensor-map prefetch stays in the producer: moved into the prologue it cost one variant
+ * a 4-byte spill.)
  *
  * Pipeline. Warpgroup 0 is the producer (setmaxnreg 40; one warp issues everything), warpgroups 1
  * and 2 are the consumers (setmaxnreg 232). kStages stages ring through shared memory, each holding
@@ -214,6 +215,10 @@ __device__ __forceinline__ void producer(const decode_params &p, const tables_t 
     const int32_t half = p.N / 2;                              /* swiglu: first up row */
     const uint64_t pol_w = mf__l2_policy(kMfL2EvictFirst);    /* weights: read once */
     const uint64_t pol_a = mf__l2_policy(kMfL2EvictLast);     /* activations: read by every n-block */
+    if (lane == 0) {
+        mf__prefetch_tensormap(&p.tmap_w);
+        if constexpr (!kGather) mf__prefetch_tensormap(&p.tmap_a);
+    }
     uint32_t it = 0;
     int32_t cursor = 0;
     tile_t t;
@@ -496,8 +501,8 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_decode_kernel(const __grid_c
     uint64_t *full = (uint64_t *)(smem + C::kOffBars);
     uint64_t *empty = full + C::kStages;
 
-    /* ---- setup: barriers and tensor maps (they depend on no earlier kernel: under PDL they run
-     * while the previous kernel drains), then the expert tables from the plan's counts ---- */
+    /* ---- setup: barriers (they depend on no earlier kernel: under PDL they run while the previous
+     * kernel drains), then the expert tables from the plan's counts ---- */
     const int L = p.num_experts;
     const int32_t nblocks = kEpi == kEpiSwiglu ? p.N / (2 * kTileCols) : p.N / kTileCols; /* n-blocks per expert */
     if (threadIdx.x == 0) {
@@ -506,8 +511,6 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_decode_kernel(const __grid_c
             mf__mbar_init(&empty[s], kConsumerWarps);
         }
         mf__fence_mbarrier_init();
-        mf__prefetch_tensormap(&p.tmap_w);
-        if constexpr (!kGather) mf__prefetch_tensormap(&p.tmap_a);
     }
     mf__pdl_wait(); /* counts, offsets and the activations are the previous kernels' (cuda/pdl.cuh) */
     mf__pdl_trigger();
