@@ -119,6 +119,7 @@ typedef struct mf__cuda_moe {
 static mf__cuda_comm_t *mf__cc(mf_comm_t comm) { return (mf__cuda_comm_t *)comm->backend_state; }
 
 extern "C" int32_t mf__cuda_plan_serial = 0; /* cuda/balance.h */
+extern "C" int32_t mf__cuda_plan_small = 1;  /* cuda/balance.h */
 
 /* ---- comm and memory ---------------------------------------------------------------------- */
 
@@ -192,7 +193,8 @@ static mf_result_t mf__cuda_comm_init(mf_comm_t comm) {
     const void *kernels[] = {(const void *)mf__publish_kernel, (const void *)mf__plan_fetch_kernel,
                              (const void *)mf__plan_offsets_kernel, (const void *)mf__plan_fill_kernel,
                              (const void *)mf__gather_kernel, (const void *)mf__return_kernel,
-                             (const void *)mf__sum_kernel, (const void *)mf__sync_kernel};
+                             (const void *)mf__sum_kernel, (const void *)mf__sync_kernel,
+                             (const void *)mf__plan_small_kernel};
     for (size_t i = 0; i < sizeof kernels / sizeof kernels[0]; i++) {
         cudaFuncAttributes attr;
         MF_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernels[i]));
@@ -590,8 +592,7 @@ static int32_t mf__pdl_after_sync(mf_comm_t comm, int64_t blocks) { return block
 
 /* One synchronisation of the call (sync.cuh); `reject`: the host rejected the call (its code);
  * `pdl`: launched with the PDL attribute (cuda/pdl.cuh; not as a call's first kernel). */
-static mf_result_t mf__cuda_sync(mf_comm_t comm, uint32_t layer, int32_t phase, mf_result_t reject, int32_t pdl,
-                                 cudaStream_t stream) {
+static mf__sync_params_t mf__sync_params(mf_comm_t comm, uint32_t layer, int32_t phase, mf_result_t reject) {
     mf__sync_params_t p;
     memset(&p, 0, sizeof p);
     for (int32_t r = 0; r < comm->num_ranks; r++) p.signals[r] = (uint64_t *)comm->signals.peers[r];
@@ -603,6 +604,13 @@ static mf_result_t mf__cuda_sync(mf_comm_t comm, uint32_t layer, int32_t phase, 
     p.acked_id = mf__cc(comm)->call_acked;
     p.timeout_ns = (uint64_t)comm->timeout_ms * 1000000ull;
     p.sink = mf__sink(comm);
+    return p;
+}
+
+/* One synchronisation of the call (sync.cuh); `reject`: the host rejected the call (its code). */
+static mf_result_t mf__cuda_sync(mf_comm_t comm, uint32_t layer, int32_t phase, mf_result_t reject, int32_t pdl,
+                                 cudaStream_t stream) {
+    const mf__sync_params_t p = mf__sync_params(comm, layer, phase, reject);
     MF_CUDA_CHECK(mf__cuda_launch(mf__sync_kernel, dim3(1), dim3(kMfWaitThreads), 0, stream, pdl, p));
     __atomic_fetch_add(&mf__cc(comm)->launched[phase], 1, __ATOMIC_RELAXED);
     return MF_SUCCESS;
@@ -643,7 +651,6 @@ static mf_result_t mf__cuda_publish(mf_moe_t moe, const mf_tensor_t *x, const mf
 static mf_result_t mf__cuda_plan(mf_moe_t moe, int32_t *counts_out, int32_t *offsets_out, cudaStream_t stream) {
     mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
     const mf_moe_config_t *c = &moe->config;
-    MF_CHECK(mf__cuda_sync(moe->comm, moe->id, MF__PHASE_DISPATCH, MF_SUCCESS, 1, stream));
     mf__plan_params_t p;
     memset(&p, 0, sizeof p);
     p.view = mf__view(moe);
@@ -680,6 +687,16 @@ static mf_result_t mf__cuda_plan(mf_moe_t moe, int32_t *counts_out, int32_t *off
     p.have_prev = s->words;
     p.stats = s->stats;
     p.sink = mf__sink(moe->comm);
+    if (!s->balanced && mf__cuda_plan_small &&
+        mf__plan_small_fits(moe->comm->num_ranks, p.S, p.K, p.E, p.L)) { /* the sync and the plan in one block */
+        const mf__sync_params_t sp = mf__sync_params(moe->comm, moe->id, MF__PHASE_DISPATCH, MF_SUCCESS);
+        void *args[] = {(void *)&sp, (void *)&p};
+        MF_CUDA_CHECK(mf__cuda_launch((const void *)mf__plan_small_kernel, dim3(1), dim3(kMfPlanSmallThreads), 0, stream,
+                                      1, args));
+        __atomic_fetch_add(&mf__cc(moe->comm)->launched[MF__PHASE_DISPATCH], 1, __ATOMIC_RELAXED);
+        return MF_SUCCESS;
+    }
+    MF_CHECK(mf__cuda_sync(moe->comm, moe->id, MF__PHASE_DISPATCH, MF_SUCCESS, 1, stream));
     const dim3 fetch(kMfPlanFetchBlocks, (unsigned)moe->comm->num_ranks);
     MF_CUDA_CHECK(mf__cuda_launch(mf__plan_fetch_kernel, fetch, dim3(kMfPlanThreads), 0, stream,
                                   mf__pdl_after_sync(moe->comm, (int64_t)fetch.x * fetch.y), p));

@@ -21,6 +21,11 @@ extern "C" {
  * 0 = mf__balance_plan_par over the plan block's threads, 1 = the serial functions on thread 0. */
 extern int32_t mf__cuda_plan_serial;
 
+/* The plan without balancing for the forwards launched from now on (a test hook, default 1): 1 =
+ * the small plan (the DISPATCH sync and the plan in one block, movement.cuh) where it fits, 0 =
+ * always the sync kernel and the three plan kernels. */
+extern int32_t mf__cuda_plan_small;
+
 /* mf__balance_plan_par in one block of kMfPlanThreads threads, for tests: inputs map [P], spare
  * [R * B], counts [E], outputs slot_count, slot_begin, slot_expert [Lp + B], verdict [2] (failing
  * rank, replica) and load [R] int64; every pointer DEVICE memory. MF_ERR_CUDA if the launch fails. */

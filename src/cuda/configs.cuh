@@ -21,6 +21,11 @@
 #define kMfPlanPerThread 4     /* plan fill: consecutive routing entries per thread per pass */
 #define kMfPlanFetchBlocks 8   /* plan fetch: blocks per rank copying its routing */
 #define kMfPlanSmemExperts 8192 /* plan fetch: experts counted in shared memory (more: global atomics) */
+#define kMfPlanSmallThreads 512 /* the small plan (sync + plan in one block, movement.cuh) */
+#define kMfPlanSmallEntries 4096 /* the small plan: R S K routing entries at most */
+#define kMfPlanSmallExperts 1024 /* the small plan: E at most (counts in shared memory) */
+#define kMfPlanSmallLocal 256   /* the small plan: local experts L at most */
+#define kMfMaxWarps 32          /* warps of a 1024-thread block */
 #define kMfMoveThreads 256     /* gather / return: one warp per row, grid-stride */
 #define kMfMoveBlocksPerSm 4   /* gather / return grid = SMs of this rank x this */
 #define kMfSumThreads 128      /* combine sum: blocks of (token, column group), 8 columns per thread */

@@ -741,6 +741,7 @@ static int cuda_dataflow_bitwise(void) {
 
 /* The switch of cuda/pdl.cuh (C++ only there); a comm's init clears it when MF_PDL=0. */
 extern int32_t mf__cuda_pdl;
+extern int32_t mf__cuda_plan_small; /* cuda/balance.h */
 
 typedef struct pdl_case {
     layer_case_t layer;
@@ -753,6 +754,89 @@ static mf_result_t pdl_run(const pdl_case_t *c, const mfp_problem_t *p, uint16_t
     o.op = c->op, o.graph = c->graph;
     if (c->spare_slots) o.spare_slots = c->spare_slots, o.prefetch = 1;
     return mfp_run(p, &o, y, NULL, err, errlen);
+}
+
+/* The small plan (the DISPATCH sync and the plan in one block; mf__cuda_plan_small) against the
+ * sync kernel + fetch / offsets / fill, on cases it takes (R S K <= 4096): mf_dispatch's outputs
+ * (counts, offsets, every row's source, payload and scales: the digests) and the forward's y bit
+ * for bit, idle ranks, both layouts, padding, a capacity overflow (every rank fails alike) and
+ * a captured graph included. */
+static int cuda_plan_small_bitwise(void) {
+    const int32_t idle[4] = {3, 0, 9, 0};
+    const pdl_case_t cases[] = {
+        {{1, 16, 4, 256, 256, 3, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 3, 0, NULL, 31},
+         MF_DATAFLOW_AUTO, MFP_OP_DISPATCH_COMBINE, 0, 0},
+        {{4, 16, 4, 256, 256, 0, 9, MF_DTYPE_BF16, MF_LAYOUT_MASKED, MFP_ROUTING_ZIPF, 0, 3, 0.1, idle, 32},
+         MF_DATAFLOW_AUTO, MFP_OP_DISPATCH_COMBINE, 0, 0},
+        {{4, 32, 8, 256, 256, 40, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_HOT, 2, 3, 0, NULL, 33},
+         MF_DATAFLOW_AUTO, MFP_OP_DISPATCH_COMBINE, 0, 0},
+        {{2, 8, 2, 256, 256, 4, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 3, 0.05, NULL, 34},
+         MF_DATAFLOW_DIRECT, MFP_OP_FORWARD, 0, 0},
+        {{2, 8, 2, 256, 256, 4, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED, MFP_ROUTING_UNIFORM, 0, 3, 0, NULL, 35},
+         MF_DATAFLOW_DIRECT, MFP_OP_FORWARD, 1, 0},
+    };
+    enum { kCases = sizeof cases / sizeof cases[0] };
+    for (int i = 0; i < kCases; i++) {
+        const layer_case_t *c = &cases[i].layer;
+        mfp_problem_t p;
+        MFT_CHECK(generate_case(c, &p) == 0);
+        const int32_t S = p.spec.S;
+        MFT_CHECK_MSG((int64_t)c->R * S * c->K <= 4096, "case %d: R S K = %lld is not a small plan", i,
+                      (long long)c->R * S * c->K);
+        const size_t nd = (size_t)c->R * 3 * 2; /* [R][warmup 0 + iters 3][2] */
+        uint64_t *dig[2] = {mft_alloc(nd * 8), mft_alloc(nd * 8)};
+        uint16_t *y[2][MF_MAX_RANKS];
+        char err[512] = "";
+        for (int small = 0; small < 2; small++) {
+            for (int32_t r = 0; r < c->R; r++) {
+                y[small][r] = mft_alloc((size_t)p.T[r] * c->H * 2 + 2);
+                mft_poison(y[small][r], (size_t)p.T[r] * c->H * 2);
+            }
+            __atomic_store_n(&mf__cuda_plan_small, small, __ATOMIC_RELAXED);
+            mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
+            o.backend = MF_BACKEND_CUDA, o.iters = 3, o.timeout_ms = peer_timeout_ms(), o.dataflow = cases[i].dataflow;
+            o.op = cases[i].op, o.graph = cases[i].graph;
+            if (cases[i].op == MFP_OP_DISPATCH_COMBINE) o.digests = dig[small];
+            mf_result_t res = mfp_run(&p, &o, y[small], NULL, err, sizeof err);
+            __atomic_store_n(&mf__cuda_plan_small, 1, __ATOMIC_RELAXED);
+            MFT_CHECK_MSG(res == MF_SUCCESS, "case %d, small plan %d: %s", i, small, err);
+        }
+        if (cases[i].op == MFP_OP_DISPATCH_COMBINE)
+            MFT_CHECK_MSG(memcmp(dig[0], dig[1], nd * 8) == 0, "case %d: the dispatch outputs differ (small plan)", i);
+        for (int32_t r = 0; r < c->R; r++) {
+            MFT_CHECK_MSG(memcmp(y[0][r], y[1][r], (size_t)p.T[r] * c->H * 2) == 0, "case %d rank %d: y differs", i, r);
+            free(y[0][r]);
+            free(y[1][r]);
+        }
+        free(dig[0]);
+        free(dig[1]);
+        mfp_free(&p);
+    }
+    /* a capacity overflow: both plans fail the call on every rank with MF_ERR_CAPACITY */
+    {
+        const layer_case_t c = {2, 8, 2, 256, 256, 16, 0, MF_DTYPE_BF16, MF_LAYOUT_MASKED, MFP_ROUTING_HOT, 0, 2, 0,
+                                NULL, 36};
+        mfp_problem_t p;
+        MFT_CHECK(generate_case(&c, &p) == 0);
+        p.spec.expert_capacity = 4; /* the hot expert takes 16 rows of every rank */
+        for (int small = 0; small < 2; small++) {
+            uint16_t *y[MF_MAX_RANKS];
+            for (int32_t r = 0; r < c.R; r++) y[r] = mft_alloc((size_t)p.T[r] * c.H * 2 + 2);
+            mf_result_t codes[MF_MAX_RANKS];
+            char err[512] = "";
+            __atomic_store_n(&mf__cuda_plan_small, small, __ATOMIC_RELAXED);
+            mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
+            o.backend = MF_BACKEND_CUDA, o.iters = 1, o.timeout_ms = peer_timeout_ms(), o.rank_results = codes;
+            mf_result_t res = mfp_run(&p, &o, y, NULL, err, sizeof err);
+            __atomic_store_n(&mf__cuda_plan_small, 1, __ATOMIC_RELAXED);
+            MFT_CHECK_MSG(res == MF_ERR_CAPACITY, "small plan %d: %s (%s)", small, mft_result_name(res), err);
+            for (int32_t r = 0; r < c.R; r++)
+                MFT_CHECK_MSG(codes[r] == MF_ERR_CAPACITY, "small plan %d rank %d: %s", small, r, mft_result_name(codes[r]));
+            for (int32_t r = 0; r < c.R; r++) free(y[r]);
+        }
+        mfp_free(&p);
+    }
+    return 0;
 }
 
 /* Every case with PDL on (the switch set), then with MF_PDL=0 in the environment (which the next
@@ -1199,6 +1283,7 @@ const mft_test_t mft_tests_cuda[] = {
     {"cuda_graph_replay", cuda_graph_replay, 300},
     {"cuda_dataflow_bitwise", cuda_dataflow_bitwise, 300},
     {"cuda_pdl_bitwise", cuda_pdl_bitwise, 300},
+    {"cuda_plan_small_bitwise", cuda_plan_small_bitwise, 300},
     {"cuda_layers_share_workspace", cuda_layers_share_workspace, 300},
     {"cuda_timeout", cuda_timeout, 60},
     {"cuda_bad_ids", cuda_bad_ids, 60},

@@ -306,32 +306,27 @@ __device__ void mf__plan_offsets_balanced(const mf__plan_params_t &p) {
         for (int32_t e = threadIdx.x; e < E; e += blockDim.x) p.prev_counts[e] = counts[e];
 }
 
-/* One block: the capacity verdict (lowest overflowing expert, MASKED, or rank, EXPERT_MAJOR, as the
- * CPU plan reports it), then a block-wide scan of this rank's padded counts into offsets. */
-__global__ void __launch_bounds__(kMfPlanThreads) mf__plan_offsets_kernel(mf__plan_params_t p) {
+/* The verdict and offsets of the plan without balancing, block-wide (after mf__plan_check_meta):
+ * the capacity verdict (lowest overflowing expert, MASKED, or rank, EXPERT_MAJOR, as the CPU plan
+ * reports it) from the global counts `gc` [E] (global memory, or the small plan's shared copy),
+ * then a block-wide scan of this rank's padded counts into offsets and counts. */
+__device__ void mf__plan_offsets_static(const mf__plan_params_t &p, const int32_t *gc) {
     __shared__ int32_t worst;
+    __shared__ int64_t warp_sum[kMfMaxWarps];
     const int32_t lane = threadIdx.x % kMfWarp, warp = threadIdx.x / kMfWarp, nwarps = blockDim.x / kMfWarp;
     const bool masked = p.layout == MF_LAYOUT_MASKED;
     const int32_t R = p.view.num_ranks;
     if (threadIdx.x == 0) worst = INT32_MAX;
-    mf__pdl_wait();
-    mf__pdl_trigger();
-    mf__plan_check_meta(p); /* block-wide; its __syncthreads also publish `worst` */
-    if (p.balanced) {
-        mf__plan_offsets_balanced(p);
-        __syncthreads();
-        for (int32_t e = threadIdx.x; e < p.E; e += blockDim.x) p.global_counts[e] = 0; /* for the next call */
-        return;
-    }
+    __syncthreads();
     bool faulted = mf__faulted(p.sink);
     if (!faulted && masked) {
         for (int32_t e = threadIdx.x; e < p.E; e += blockDim.x)
-            if (p.global_counts[e] > p.capacity) atomicMin(&worst, e);
+            if (gc[e] > p.capacity) atomicMin(&worst, e);
     } else if (!faulted) {
         for (int32_t q = warp; q < R; q += nwarps) {
             long long rows = 0;
             for (int32_t e = q * p.L + lane; e < (q + 1) * p.L; e += kMfWarp)
-                rows += ((long long)p.global_counts[e] + p.block_m - 1) / p.block_m * p.block_m;
+                rows += ((long long)gc[e] + p.block_m - 1) / p.block_m * p.block_m;
             for (int off = kMfWarp / 2; off > 0; off /= 2) rows += __shfl_xor_sync(0xffffffffu, rows, off);
             if (lane == 0 && rows > p.max_rows) atomicMin(&worst, q);
         }
@@ -340,10 +335,10 @@ __global__ void __launch_bounds__(kMfPlanThreads) mf__plan_offsets_kernel(mf__pl
     if (worst != INT32_MAX && threadIdx.x == 0) {
         long long seen = 0;
         if (masked) {
-            seen = p.global_counts[worst];
+            seen = gc[worst];
         } else {
             for (int32_t e = worst * p.L; e < (worst + 1) * p.L; e++)
-                seen += ((long long)p.global_counts[e] + p.block_m - 1) / p.block_m * p.block_m;
+                seen += ((long long)gc[e] + p.block_m - 1) / p.block_m * p.block_m;
         }
         /* Every rank sets the same fault from the same counts: no rank writes anything. */
         mf__set_fault(p.sink, MF_ERR_CAPACITY, kMfFaultCapacity, masked ? worst / p.L : worst, MF__PHASE_DISPATCH,
@@ -353,12 +348,11 @@ __global__ void __launch_bounds__(kMfPlanThreads) mf__plan_offsets_kernel(mf__pl
     /* This rank's padded counts, scanned block-wide: thread i owns experts [i per, (i + 1) per), its
      * loads independent of each other (warp 0 walking kMfWarp experts at a time cost a dependent
      * load per chunk: ~5 us at L = 256). */
-    __shared__ int64_t warp_sum[kMfPlanThreads / kMfWarp];
     const int32_t per = (p.L + (int32_t)blockDim.x - 1) / (int32_t)blockDim.x;
     const int32_t e0 = min((int32_t)threadIdx.x * per, p.L), e1 = min(e0 + per, p.L);
     int64_t mine = 0;
     for (int32_t e = e0; e < e1 && !masked && !faulted; e++)
-        mine += ((int64_t)p.global_counts[p.first_expert + e] + p.block_m - 1) / p.block_m * p.block_m;
+        mine += ((int64_t)gc[p.first_expert + e] + p.block_m - 1) / p.block_m * p.block_m;
     int64_t incl = mine; /* inclusive scan over the lanes, then over the warps */
 #pragma unroll
     for (int off = 1; off < kMfWarp; off <<= 1) {
@@ -374,7 +368,7 @@ __global__ void __launch_bounds__(kMfPlanThreads) mf__plan_offsets_kernel(mf__pl
     }
     for (int32_t e = e0; e < e1; e++) {
         /* A faulted call leaves empty segments: the GEMMs and moves that follow do nothing. */
-        const int32_t c = faulted ? 0 : p.global_counts[p.first_expert + e];
+        const int32_t c = faulted ? 0 : gc[p.first_expert + e];
         const int32_t offset = masked ? e * p.capacity : (int32_t)base;
         base += masked ? 0 : ((int64_t)c + p.block_m - 1) / p.block_m * p.block_m;
         p.offsets[e] = faulted ? 0 : offset;
@@ -387,6 +381,20 @@ __global__ void __launch_bounds__(kMfPlanThreads) mf__plan_offsets_kernel(mf__pl
         if (p.offsets_out && !faulted) p.offsets_out[p.L] = p.offsets[p.L];
     }
     __syncthreads();
+}
+
+/* One block: the meta check, then the balanced plan or the verdict and offsets (above); it zeroes
+ * the global counts for the next call. */
+__global__ void __launch_bounds__(kMfPlanThreads) mf__plan_offsets_kernel(mf__plan_params_t p) {
+    mf__pdl_wait();
+    mf__pdl_trigger();
+    mf__plan_check_meta(p); /* block-wide */
+    if (p.balanced) {
+        mf__plan_offsets_balanced(p);
+        __syncthreads();
+    } else {
+        mf__plan_offsets_static(p, p.global_counts);
+    }
     for (int32_t e = threadIdx.x; e < p.E; e += blockDim.x) p.global_counts[e] = 0; /* for the next call */
 }
 
@@ -453,6 +461,111 @@ __global__ void __launch_bounds__(kMfPlanThreads) mf__plan_fill_kernel(mf__plan_
             int32_t *s = p.src + 3 * (size_t)(row0 + j);
             s[0] = s[1] = s[2] = -1;
         }
+}
+
+/* ---- the small plan: the DISPATCH sync and the whole plan in one block ----------------------
+ *
+ * For small problems without balancing (the host's test: mf__plan_small_fits) one block of
+ * kMfPlanSmallThreads does what mf__sync_kernel, fetch, offsets and fill do, with the same
+ * results bit for bit: the global counts live in shared memory (the global counters are never
+ * touched, so they stay zero), the verdict and offsets are mf__plan_offsets_static's, and the fill
+ * places each hit at (its expert's hits in earlier rounds) + (in earlier warps of this round) +
+ * (in earlier lanes of its warp: __match_any_sync), i.e. rank-major, token, k order. Four kernel
+ * boundaries fewer on the decode path (each ~2-3 us at T = 1). The block triggers its dependents
+ * only after its sync wait: the next kernel is a GEMM or the gather, large grids that must not
+ * sit on SMs while this rank waits for its peers (docs/DESIGN.md "Performance doctrine"). */
+static inline bool mf__plan_small_fits(int32_t R, int32_t S, int32_t K, int32_t E, int32_t L) {
+    return (int64_t)R * S * K <= kMfPlanSmallEntries && E <= kMfPlanSmallExperts && L <= kMfPlanSmallLocal;
+}
+
+__global__ void __launch_bounds__(kMfPlanSmallThreads) mf__plan_small_kernel(mf__sync_params_t sp, mf__plan_params_t p) {
+    __shared__ int32_t cnt[kMfPlanSmallExperts];                          /* global counts [E] */
+    __shared__ int32_t run[kMfPlanSmallLocal];                            /* hits placed per local expert */
+    __shared__ int32_t tbl[kMfPlanSmallThreads / kMfWarp][kMfPlanSmallLocal]; /* this round's hits per warp */
+    __shared__ int32_t first_entry[MF_MAX_RANKS + 1];                    /* rank r's entries start here */
+    __shared__ int32_t seg_off[kMfPlanSmallLocal + 1], seg_cnt[kMfPlanSmallLocal]; /* the plan's offsets, counts */
+    const int32_t lane = threadIdx.x % kMfWarp, warp = threadIdx.x / kMfWarp, nwarps = blockDim.x / kMfWarp;
+    const int32_t R = p.view.num_ranks, L = p.L;
+    mf__pdl_wait();
+    for (int32_t e = threadIdx.x; e < p.E; e += blockDim.x) cnt[e] = 0;
+    for (int32_t e = threadIdx.x; e < L; e += blockDim.x) {
+        run[e] = 0;
+        for (int32_t w = 0; w < nwarps; w++) tbl[w][e] = 0;
+    }
+    mf__sync_block(sp); /* ends with a barrier: the peers' publications are visible to every thread */
+    mf__pdl_trigger();
+    const bool faulted = mf__faulted(p.sink);
+    /* fetch: every rank's T and routing (a faulted call fetches nothing, as fetch does) */
+    if (threadIdx.x == 0) {
+        int32_t at = 0;
+        for (int32_t r = 0; r < R; r++) {
+            const int32_t T = faulted ? 0 : *(const volatile int32_t *)(p.view.heap[r] + p.view.meta);
+            if (!faulted) p.T_all[r] = T;
+            first_entry[r] = at;
+            at += T * p.K;
+        }
+        first_entry[R] = at;
+    }
+    __syncthreads();
+    const int32_t entries = first_entry[R];
+    for (int32_t g = threadIdx.x; g < entries; g += blockDim.x) {
+        int32_t r = 0;
+        while (first_entry[r + 1] <= g) r++;
+        const int32_t i = g - first_entry[r];
+        const int32_t id = ((const int32_t *)(p.view.heap[r] + p.view.ids))[i]; /* -1 or in [0, E) */
+        p.ids_all[(size_t)r * p.S * p.K + i] = id;
+        if (id >= 0) atomicAdd(&cnt[id], 1);
+    }
+    __syncthreads();
+    /* offsets: the meta check, the verdict and this rank's segments */
+    mf__plan_check_meta(p);
+    mf__plan_offsets_static(p, cnt); /* ends with a barrier */
+    if (mf__faulted(p.sink)) return;
+    for (int32_t e = threadIdx.x; e <= L; e += blockDim.x) {
+        seg_off[e] = p.offsets[e];
+        if (e < L) seg_cnt[e] = p.counts[e];
+    }
+    __syncthreads();
+    /* fill, kMfPlanSmallThreads entries a round in global order */
+    for (int32_t g0 = 0; g0 < entries; g0 += blockDim.x) {
+        const int32_t g = g0 + threadIdx.x;
+        int32_t e = -1, r = 0, i = 0;
+        if (g < entries) {
+            while (first_entry[r + 1] <= g) r++;
+            i = g - first_entry[r];
+            const int32_t id = p.ids_all[(size_t)r * p.S * p.K + i];
+            e = id >= p.first_expert && id < p.first_expert + L ? id - p.first_expert : -1;
+        }
+        const uint32_t peers = __match_any_sync(0xffffffffu, e);
+        const uint32_t before = peers & ((1u << lane) - 1u);
+        if (e >= 0 && before == 0) tbl[warp][e] = __popc(peers); /* the warp's hits of e, by its first lane */
+        __syncthreads();
+        if (e >= 0) {
+            int32_t pos = run[e] + __popc(before);
+            for (int32_t w = 0; w < warp; w++) pos += tbl[w][e];
+            int32_t *s = p.src + 3 * (size_t)(seg_off[e] + pos);
+            s[0] = r;
+            s[1] = i / p.K;
+            s[2] = i % p.K;
+        }
+        __syncthreads();
+        for (int32_t x = threadIdx.x; x < L; x += blockDim.x) {
+            int32_t sum = 0;
+            for (int32_t w = 0; w < nwarps; w++) {
+                sum += tbl[w][x];
+                tbl[w][x] = 0;
+            }
+            run[x] += sum;
+        }
+        __syncthreads();
+    }
+    /* padding markers (EXPERT_MAJOR), as fill writes them: a warp per expert */
+    if (p.layout == MF_LAYOUT_EXPERT_MAJOR)
+        for (int32_t e = warp; e < L; e += nwarps)
+            for (int32_t j = seg_cnt[e] + lane; j < seg_off[e + 1] - seg_off[e]; j += kMfWarp) {
+                int32_t *s = p.src + 3 * (size_t)(seg_off[e] + j);
+                s[0] = s[1] = s[2] = -1;
+            }
 }
 
 /* ---- gather and return: one warp per receive row, grid-stride over all of them ----------------

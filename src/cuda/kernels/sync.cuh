@@ -141,20 +141,57 @@ typedef struct mf__sync_params {
     mf__fault_sink_t sink;
 } mf__sync_params_t;
 
-/* One block. Thread 0 arrives with this rank's status; one thread per peer waits for that peer's
- * arrival; then thread 0 reads every status and applies the fault model above. A comm that timed
- * out or was aborted still arrives but no longer waits (its protocol state is gone). One kernel for
- * both halves: a kernel boundary fewer per synchronisation. */
-__global__ void __launch_bounds__(kMfWaitThreads) mf__sync_kernel(mf__sync_params_t p) {
+/* The end of a sync, thread 0: every arrival's status through the fault model (file comment). */
+__device__ void mf__sync_verdict(const mf__sync_params_t &p, uint64_t want, int32_t stop) {
+    mf__device_state_t *s = p.sink.state;
+    uint64_t *mine = p.signals[p.rank];
+    const int32_t fault = s->fault;
+    s->claim = 0; /* this call's fresh fault, if any, travelled in the arrival */
+    if (stop || fault == MF_ERR_TIMEOUT || fault == MF_ERR_ABORTED) return;
+    bool all_ack = true;
+    int32_t failed = -1, other_layer = -1;
+    uint64_t failed_status = 0;
+    for (int32_t r = 0; r < p.num_ranks; r++) {
+        const uint64_t v = mf__ld_acquire_sys(mine + MF__SIGNAL_SLOT(p.phase, want, r));
+        all_ack = all_ack && (v & kMfStatusAck);
+        if (failed < 0 && (v & kMfStatusCode)) {
+            failed = r;
+            failed_status = v;
+        }
+        if (other_layer < 0 && MF__SLOT_LAYER(v) != (p.layer & MF__LAYER_MASK)) other_layer = r;
+    }
+    if (fault && all_ack && p.phase == MF__PHASE_DISPATCH) {
+        /* Every host has reported it: the fault ends here, for every rank at once. */
+        s->fault = 0;
+        p.sink.record->code = 0;
+        __threadfence_system();
+    }
+    if (failed < 0 && other_layer >= 0) {
+        /* Ranks called different layers: every rank sees the mismatch and fails the call (after
+         * the clear above, so that a fault every host reported gives way to this one). */
+        mf__set_fault(p.sink, MF_ERR_INVALID_USAGE, kMfFaultLayer, p.rank, p.phase, other_layer, 0,
+                      (long long)MF__SLOT_LAYER(mf__ld_acquire_sys(mine + MF__SIGNAL_SLOT(p.phase, want, other_layer))),
+                      (long long)(p.layer & MF__LAYER_MASK), 0);
+        return;
+    }
+    if (failed < 0) return;
+    const int32_t code = (int32_t)(failed_status & kMfStatusCode);
+    if (failed == p.rank && !p.reject && s->code == code)
+        mf__set_fault(p.sink, code, s->kind, p.rank, s->phase, s->peer, 0, s->a, s->b, s->c);
+    else
+        mf__set_fault(p.sink, code, failed == p.rank ? kMfFaultRejected : kMfFaultPeer, failed, p.phase, failed,
+                      failed == p.rank && (failed_status & kMfStatusReported) ? 1 : 0, 0, 0, 0);
+}
+
+/* One sync, block-wide (blockDim.x >= kMfWaitThreads): thread 0 arrives with this rank's status;
+ * one thread per peer waits for that peer's arrival; then thread 0 reads every status and applies
+ * the fault model above; every thread returns after it (a trailing barrier). A comm that timed out
+ * or was aborted still arrives but no longer waits (its protocol state is gone). */
+__device__ void mf__sync_block(const mf__sync_params_t &p) {
     __shared__ uint64_t want;
     __shared__ int32_t stop;
     mf__device_state_t *s = p.sink.state;
     uint64_t *mine = p.signals[p.rank];
-    /* The arrival publishes everything this stream wrote before: the previous kernel must have
-     * completed. The kernel that follows (a small grid, backend.cu) may then take its place on the
-     * SMs while this one waits for the peers. */
-    mf__pdl_wait();
-    mf__pdl_trigger();
     if (threadIdx.x == 0) {
         const int32_t fault = s->fault;
         const bool ack = fault && p.acked_id == s->fault_id;
@@ -196,43 +233,18 @@ __global__ void __launch_bounds__(kMfWaitThreads) mf__sync_kernel(mf__sync_param
         }
     }
     __syncthreads();
-    if (threadIdx.x != 0) return;
-    const int32_t fault = s->fault;
-    s->claim = 0; /* this call's fresh fault, if any, travelled in the arrival */
-    if (stop || fault == MF_ERR_TIMEOUT || fault == MF_ERR_ABORTED) return;
-    bool all_ack = true;
-    int32_t failed = -1, other_layer = -1;
-    uint64_t failed_status = 0;
-    for (int32_t r = 0; r < p.num_ranks; r++) {
-        const uint64_t v = mf__ld_acquire_sys(mine + MF__SIGNAL_SLOT(p.phase, want, r));
-        all_ack = all_ack && (v & kMfStatusAck);
-        if (failed < 0 && (v & kMfStatusCode)) {
-            failed = r;
-            failed_status = v;
-        }
-        if (other_layer < 0 && MF__SLOT_LAYER(v) != (p.layer & MF__LAYER_MASK)) other_layer = r;
-    }
-    if (fault && all_ack && p.phase == MF__PHASE_DISPATCH) {
-        /* Every host has reported it: the fault ends here, for every rank at once. */
-        s->fault = 0;
-        p.sink.record->code = 0;
-        __threadfence_system();
-    }
-    if (failed < 0 && other_layer >= 0) {
-        /* Ranks called different layers: every rank sees the mismatch and fails the call (after
-         * the clear above, so that a fault every host reported gives way to this one). */
-        mf__set_fault(p.sink, MF_ERR_INVALID_USAGE, kMfFaultLayer, p.rank, p.phase, other_layer, 0,
-                      (long long)MF__SLOT_LAYER(mf__ld_acquire_sys(mine + MF__SIGNAL_SLOT(p.phase, want, other_layer))),
-                      (long long)(p.layer & MF__LAYER_MASK), 0);
-        return;
-    }
-    if (failed < 0) return;
-    const int32_t code = (int32_t)(failed_status & kMfStatusCode);
-    if (failed == p.rank && !p.reject && s->code == code)
-        mf__set_fault(p.sink, code, s->kind, p.rank, s->phase, s->peer, 0, s->a, s->b, s->c);
-    else
-        mf__set_fault(p.sink, code, failed == p.rank ? kMfFaultRejected : kMfFaultPeer, failed, p.phase, failed,
-                      failed == p.rank && (failed_status & kMfStatusReported) ? 1 : 0, 0, 0, 0);
+    if (threadIdx.x == 0) mf__sync_verdict(p, want, stop);
+    __syncthreads();
+}
+
+/* One block: mf__sync_block. One kernel for both halves: a kernel boundary fewer per
+ * synchronisation. The arrival publishes everything this stream wrote before: the previous kernel
+ * must have completed. The kernel that follows (a small grid, backend.cu) may then take its place
+ * on the SMs while this one waits for the peers. */
+__global__ void __launch_bounds__(kMfWaitThreads) mf__sync_kernel(mf__sync_params_t p) {
+    mf__pdl_wait();
+    mf__pdl_trigger();
+    mf__sync_block(p);
 }
 
 #endif /* MF_CUDA_SYNC_CUH */
