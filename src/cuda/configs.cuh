@@ -24,7 +24,7 @@
 #define kMfPlanSmallThreads 512 /* the small plan (sync + plan in one block, movement.cuh) */
 #define kMfPlanSmallEntries 4096 /* the small plan: R S K routing entries at most */
 #define kMfPlanSmallExperts 1024 /* the small plan: E at most (counts in shared memory) */
-#define kMfPlanSmallLocal 256   /* the small plan: local experts L at most */
+#define kMfPlanSmallLocal 512   /* the small plan: local experts L at most (kimi-k2 at R = 1: 384) */
 #define kMfMaxWarps 32          /* warps of a 1024-thread block */
 #define kMfMoveThreads 256     /* gather / return: one warp per row, grid-stride */
 #define kMfMoveBlocksPerSm 4   /* gather / return grid = SMs of this rank x this */

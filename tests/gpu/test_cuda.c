@@ -772,6 +772,9 @@ static int cuda_plan_small_bitwise(void) {
          MF_DATAFLOW_AUTO, MFP_OP_DISPATCH_COMBINE, 0, 0},
         {{2, 8, 2, 256, 256, 4, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 3, 0.05, NULL, 34},
          MF_DATAFLOW_DIRECT, MFP_OP_FORWARD, 0, 0},
+        /* kimi-k2's expert count on one rank: L = 384 local experts */
+        {{1, 384, 8, 256, 256, 8, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 3, 0, NULL, 37},
+         MF_DATAFLOW_AUTO, MFP_OP_DISPATCH_COMBINE, 0, 0},
         {{2, 8, 2, 256, 256, 4, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED, MFP_ROUTING_UNIFORM, 0, 3, 0, NULL, 35},
          MF_DATAFLOW_DIRECT, MFP_OP_FORWARD, 1, 0},
     };
