@@ -9,6 +9,7 @@
  *   sync              phase DISPATCH: arrive, then wait (one block; device epochs; bounded by the
  *                     timeout)
  *   plan              count per local expert, offsets + capacity check, rank-major source rows
+ *                     (small problems: the sync and the plan in one block, mf__plan_small_kernel)
  *   gather            PULL / UNFUSED: pull the routed rows from the peers' heaps into the receive
  *                     tensor; DIRECT: none, W13 reads each row at its owner through the plan
  *   w13, w2           grouped GEMMs (grouped_gemm.cu); W2 writes BF16 partials into the owners'
