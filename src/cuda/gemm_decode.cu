@@ -8,7 +8,8 @@
  *
  * Declining: a shape or argument the kernel does not take returns MF_ERR_NOT_SUPPORTED without
  * launching and without recording a library error (the dispatcher then runs v1); the reason is kept
- * per thread for the lab (mf__sm90_decode_last_decline). The kernel takes: BF16 or FP8 E4M3, N a
+ * per thread for the lab (mf__sm90_decode_last_decline). Configuring, declining and the MF_DEBUG
+ * report go through the families' one skeleton, cuda/gemm_family.cuh. The kernel takes: BF16 or FP8 E4M3, N a
  * multiple of 128 (W2: H) or 256 (W13: 2I), K * element bytes a multiple of 128 (W13: H, W2: I),
  * L <= kMaxExperts, L * N < 2^31, 16-byte aligned data, 4-byte aligned scales.
  *
@@ -22,14 +23,12 @@
  */
 #include <cuda.h>
 #include <cuda_runtime.h>
-#include <stdarg.h>
 #include <stdint.h>
-#include <stdio.h>
 #include <string.h>
 
-#include <atomic>
 
 #include "core/internal.h"
+#include "cuda/gemm_family.cuh"
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels/sm90_decode_gemm.cuh"
 #include "cuda/pdl.cuh"
@@ -38,8 +37,8 @@ using namespace mf__decode;
 
 namespace {
 
-constexpr int64_t kConfigured = (int64_t)1 << 62; /* g_usable: the device's variants were examined */
-static_assert(kMaxVariants < 62, "one usable bit per variant");
+static_assert(kMaxVariants <= kMfGemmMaxVariants, "one usable bit per variant");
+static_assert(kMaxDevices == kMfGemmMaxDevices, "one per-device table size");
 
 struct variant_t {
     const void *fn;
@@ -88,84 +87,37 @@ int find_variant(int fp8, int swiglu, int block_t, int gather) {
     return -1;
 }
 
-/* Per device: kConfigured | one bit per usable variant (0 = not examined yet); the SM count. */
-std::atomic<int64_t> g_usable[kMaxDevices];
-std::atomic<int> g_sms[kMaxDevices];
-std::atomic<int> g_cc[kMaxDevices]; /* 10 * major + minor */
-
-/* Why the last call of this thread declined (for the lab; not the library's last error), and, under
- * MF_DEBUG, what its last launch ran (for the dispatcher's report). */
-thread_local char g_decline[256];
-thread_local char g_ran[256];
-
-mf_result_t decline(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-mf_result_t decline(const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(g_decline, sizeof g_decline, fmt, ap);
-    va_end(ap);
-    return MF_ERR_NOT_SUPPORTED;
+int variant_count(void) {
+    int n = 0;
+    (void)variants(&n);
+    return n;
+}
+const void *variant_fn(int i) {
+    int n = 0;
+    return variants(&n)[i].fn;
+}
+int variant_smem(int i) {
+    int n = 0;
+    return variants(&n)[i].smem;
 }
 
-#define MF__DECODE_CUDA(call, who)                                                                 \
-    do {                                                                                           \
-        cudaError_t mf__e = (call);                                                                \
-        if (mf__e != cudaSuccess) {                                                                \
-            (void)cudaGetLastError();                                                              \
-            return mf__error(MF_ERR_CUDA, "%s: %s failed: %s", who, #call, cudaGetErrorString(mf__e)); \
-        }                                                                                          \
-    } while (0)
-
-/* Examines every variant on the current device once: loads it (cudaFuncGetAttributes), checks its
- * register count and raises its dynamic shared-memory limit. Concurrent first calls from several
- * rank threads do the same idempotent work. `dev` and `sms` out. */
-mf_result_t configure(const char *who, int *dev_out, int *sms_out) {
-    int dev = 0;
-    MF__DECODE_CUDA(cudaGetDevice(&dev), who);
-    *dev_out = dev;
-    if (dev < 0 || dev >= kMaxDevices) return decline("device %d is beyond the launcher's table (%d)", dev, kMaxDevices);
-    if (g_usable[dev].load() != 0) {
-        *sms_out = g_sms[dev].load();
-        return MF_SUCCESS;
-    }
-    int major = 0, minor = 0, sms = 0;
-    MF__DECODE_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), who);
-    MF__DECODE_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), who);
-    MF__DECODE_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), who);
-    int64_t usable = kConfigured;
-    if (major == 9) {
-        int n = 0;
-        const variant_t *v = variants(&n);
-        for (int i = 0; i < n; i++) {
-            cudaFuncAttributes fa;
-            MF__DECODE_CUDA(cudaFuncGetAttributes(&fa, v[i].fn), who);
-            MF__DECODE_CUDA(cudaFuncSetAttribute(v[i].fn, cudaFuncAttributeMaxDynamicSharedMemorySize, v[i].smem), who);
-            if (fa.numRegs == kLaunchRegs) usable |= (int64_t)1 << i;
-        }
-    }
-    g_sms[dev].store(sms);
-    g_cc[dev].store(10 * major + minor);
-    g_usable[dev].store(usable);
-    *sms_out = sms;
-    return MF_SUCCESS;
-}
-
-bool aligned(const void *p, uintptr_t a) { return ((uintptr_t)p % a) == 0; }
+/* The family's per-device state and reports (cuda/gemm_family.cuh). */
+mf__gemm_family_t g_family = {kMfGemmFamilyDecode, kLaunchRegs, variant_count, variant_fn, variant_smem};
 
 /* The checks shared by both GEMMs; `N` weight rows per expert, `K` reduction elements. */
 mf_result_t check_shape(const mf__gemm_segments_t *seg, int32_t dtype, int swiglu, int64_t N, int64_t K) {
-    if (!seg) return decline("no segments");
-    if (dtype != MF_DTYPE_FP8_E4M3 && dtype != MF_DTYPE_BF16) return decline("dtype %d is not BF16 or FP8 E4M3", dtype);
+    if (!seg) return mf__gemm_decline(&g_family, "no segments");
+    if (dtype != MF_DTYPE_FP8_E4M3 && dtype != MF_DTYPE_BF16) return mf__gemm_decline(&g_family, "dtype %d is not BF16 or FP8 E4M3", dtype);
     const int esz = dtype == MF_DTYPE_FP8_E4M3 ? 1 : 2;
     const int64_t nmult = swiglu ? 2 * kTileCols : kTileCols;
-    if (N <= 0 || N % nmult) return decline("N = %lld is not a positive multiple of %lld", (long long)N, (long long)nmult);
-    if (K <= 0 || (K * esz) % kKBlock) return decline("K = %lld: K bytes not a multiple of %d", (long long)K, kKBlock);
+    if (N <= 0 || N % nmult) return mf__gemm_decline(&g_family, "N = %lld is not a positive multiple of %lld", (long long)N, (long long)nmult);
+    if (K <= 0 || (K * esz) % kKBlock) return mf__gemm_decline(&g_family, "K = %lld: K bytes not a multiple of %d", (long long)K, kKBlock);
     if (seg->num_experts < 0 || seg->num_experts > kMaxExperts)
-        return decline("L = %d outside [0, %d]", seg->num_experts, kMaxExperts);
-    if ((int64_t)seg->num_experts * N > kMaxRowCoord) return decline("L * N = %lld rows exceed int32 TMA coordinates",
+        return mf__gemm_decline(&g_family, "L = %d outside [0, %d]", seg->num_experts, kMaxExperts);
+    if ((int64_t)seg->num_experts * N > kMaxRowCoord) return mf__gemm_decline(&g_family, "L * N = %lld rows exceed int32 TMA coordinates",
                                                                      (long long)seg->num_experts * N);
-    if (seg->max_rows_per_expert < 0) return decline("max_rows_per_expert %d < 0", seg->max_rows_per_expert);
-    if (seg->num_experts > 0 && (!seg->counts || !seg->offsets)) return decline("counts / offsets NULL");
+    if (seg->max_rows_per_expert < 0) return mf__gemm_decline(&g_family, "max_rows_per_expert %d < 0", seg->max_rows_per_expert);
+    if (seg->num_experts > 0 && (!seg->counts || !seg->offsets)) return mf__gemm_decline(&g_family, "counts / offsets NULL");
     return MF_SUCCESS;
 }
 
@@ -181,15 +133,10 @@ mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int
                    const void *a, decode_params *p, cudaStream_t stream, int32_t pdl) {
     const int block_t = block_t_for(seg->rows_hint, seg->max_rows_per_expert);
     const int vi = find_variant(fp8, swiglu, block_t, gather);
-    if (vi < 0) return decline("no variant fp8 %d swiglu %d T %d gather %d", fp8, swiglu, block_t, gather);
+    if (vi < 0) return mf__gemm_decline(&g_family, "no variant fp8 %d swiglu %d T %d gather %d", fp8, swiglu, block_t, gather);
     int dev = 0, sms = 0;
-    MF_CHECK(configure(who, &dev, &sms));
-    if (!(g_usable[dev].load() & ((int64_t)1 << vi))) {
-        const int cc = g_cc[dev].load();
-        if (cc / 10 != 9) return decline("sm90 unsupported: device %d is sm_%d", dev, cc);
-        return decline("variant fp8 %d swiglu %d T %d gather %d unusable on device %d (registers != %d)", fp8, swiglu,
-                       block_t, gather, dev, kLaunchRegs);
-    }
+    MF_CHECK(mf__gemm_configure(&g_family, who, &dev, &sms));
+    MF_CHECK(mf__gemm_require(&g_family, dev, vi));
     int n = 0;
     const variant_t &v = variants(&n)[vi];
     const int esz = fp8 ? 1 : 2;
@@ -197,18 +144,17 @@ mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int
     const CUtensorMapDataType dt = fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
     CUresult r = mf__tma_encode_2d(&p->tmap_w, dt, w, (uint64_t)p->K, (uint64_t)seg->num_experts * p->N, kbytes,
                                    (uint32_t)(kKBlock / esz), (uint32_t)kBoxRows, CU_TENSOR_MAP_SWIZZLE_128B);
-    if (r != CUDA_SUCCESS) return decline("weight tensor map: CUresult %d", (int)r);
+    if (r != CUDA_SUCCESS) return mf__gemm_decline(&g_family, "weight tensor map: CUresult %d", (int)r);
     if (!gather) {
         r = mf__tma_encode_2d(&p->tmap_a, dt, a, (uint64_t)p->K, (uint64_t)kMaxRowCoord, kbytes, (uint32_t)(kKBlock / esz),
                               (uint32_t)block_t, CU_TENSOR_MAP_SWIZZLE_128B);
-        if (r != CUDA_SUCCESS) return decline("activation tensor map: CUresult %d", (int)r);
+        if (r != CUDA_SUCCESS) return mf__gemm_decline(&g_family, "activation tensor map: CUresult %d", (int)r);
     }
     const int grid = grid_of(seg, p->N, swiglu, block_t, sms);
     if (grid <= 0) return MF_SUCCESS;
     void *args[] = {(void *)p};
-    MF__DECODE_CUDA(mf__cuda_launch(v.fn, dim3((unsigned)grid), dim3(kThreads), (size_t)v.smem, stream, pdl, args), who);
-    if (mf__debug_on())
-        snprintf(g_ran, sizeof g_ran, "decode %s %s T %d, A %s (%d stages, %d B smem, grid %d)", fp8 ? "fp8" : "bf16",
+    MF__GEMM_CUDA(mf__cuda_launch(v.fn, dim3((unsigned)grid), dim3(kThreads), (size_t)v.smem, stream, pdl, args), who);
+    mf__gemm_report_launch(&g_family, "decode %s %s T %d, A %s (%d stages, %d B smem, grid %d)", fp8 ? "fp8" : "bf16",
                  swiglu ? "swiglu" : "plain", block_t, gather ? "gathered in place" : "by TMA", v.stages, v.smem, grid);
     return MF_SUCCESS;
 }
@@ -222,17 +168,17 @@ mf_result_t mf__sm90_decode_w13_swiglu(const mf__gemm_segments_t *seg, int32_t d
     const int64_t N = 2 * (int64_t)I, K = H;
     const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
     MF_CHECK(check_shape(seg, dtype, 1, N, K));
-    if (!aligned(w13.data, kDataAlign) || !w13.data || !h || !aligned(h, kDataAlign)) return decline("w13 / h not 16-byte aligned");
-    if (fp8 && (!w13.scales || !h_scales || !aligned(w13.scales, kScaleAlign) || !aligned(h_scales, kScaleAlign)))
-        return decline("FP8 scales missing or misaligned");
+    if (!mf__gemm_aligned(w13.data, kDataAlign) || !w13.data || !h || !mf__gemm_aligned(h, kDataAlign)) return mf__gemm_decline(&g_family, "w13 / h not 16-byte aligned");
+    if (fp8 && (!w13.scales || !h_scales || !mf__gemm_aligned(w13.scales, kScaleAlign) || !mf__gemm_aligned(h_scales, kScaleAlign)))
+        return mf__gemm_decline(&g_family, "FP8 scales missing or misaligned");
     if (a.gather) {
         const mf__gemm_gather_t *g = a.gather;
-        if (!g->src || g->x % kDataAlign || (fp8 && g->scales % kScaleAlign)) return decline("gather offsets misaligned");
+        if (!g->src || g->x % kDataAlign || (fp8 && g->scales % kScaleAlign)) return mf__gemm_decline(&g_family, "gather offsets misaligned");
         for (int r = 0; r < MF_MAX_RANKS; r++)
-            if (!aligned(g->heap[r], kDataAlign)) return decline("gather heap %d not 16-byte aligned", r);
+            if (!mf__gemm_aligned(g->heap[r], kDataAlign)) return mf__gemm_decline(&g_family, "gather heap %d not 16-byte aligned", r);
     } else {
-        if (!a.data || !aligned(a.data, kDataAlign)) return decline("a not 16-byte aligned");
-        if (fp8 && (!a.scales || !aligned(a.scales, kScaleAlign))) return decline("FP8 a.scales missing or misaligned");
+        if (!a.data || !mf__gemm_aligned(a.data, kDataAlign)) return mf__gemm_decline(&g_family, "a not 16-byte aligned");
+        if (fp8 && (!a.scales || !mf__gemm_aligned(a.scales, kScaleAlign))) return mf__gemm_decline(&g_family, "FP8 a.scales missing or misaligned");
     }
     if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) return MF_SUCCESS;
 
@@ -260,17 +206,7 @@ mf_result_t mf__sm90_decode_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf
     const int64_t N = H, K = I;
     const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
     MF_CHECK(check_shape(seg, dtype, 0, N, K));
-    if (!h.data || !w2.data || !aligned(h.data, kDataAlign) || !aligned(w2.data, kDataAlign))
-        return decline("h / w2 not 16-byte aligned");
-    if (fp8 && (!h.scales || !w2.scales || !aligned(h.scales, kScaleAlign) || !aligned(w2.scales, kScaleAlign)))
-        return decline("FP8 scales missing or misaligned");
-    if (ret) {
-        if (!ret->src || ret->num_topk <= 0) return decline("ret without src or num_topk");
-        for (int r = 0; r < MF_MAX_RANKS; r++)
-            if (!aligned(ret->slots[r], kDataAlign)) return decline("ret slots %d not 16-byte aligned", r);
-    } else if (!out || !aligned(out, kDataAlign)) {
-        return decline("out not 16-byte aligned");
-    }
+    MF_CHECK(mf__gemm_check_w2_args(&g_family, fp8, h, w2, out, ret));
     if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) return MF_SUCCESS;
 
     decode_params p;
@@ -293,14 +229,14 @@ mf_result_t mf__sm90_decode_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf
 
 mf_result_t mf__sm90_decode_preload(void) {
     int dev = 0, sms = 0;
-    mf_result_t r = configure("mf__sm90_decode_preload", &dev, &sms);
+    mf_result_t r = mf__gemm_configure(&g_family, "mf__sm90_decode_preload", &dev, &sms);
     return r == MF_ERR_NOT_SUPPORTED ? MF_SUCCESS : r; /* a device beyond the table: its calls decline */
 }
 
 int mf__sm90_decode_variants(mf__decode_variant_info_t *out, int max) {
     int dev = 0, sms = 0;
-    if (configure("mf__sm90_decode_variants", &dev, &sms) == MF_ERR_CUDA) return -1;
-    const int64_t usable = dev >= 0 && dev < kMaxDevices ? g_usable[dev].load() : 0;
+    if (mf__gemm_configure(&g_family, "mf__sm90_decode_variants", &dev, &sms) == MF_ERR_CUDA) return -1;
+    const int64_t usable = mf__gemm_usable(&g_family, dev);
     int n = 0;
     const variant_t *v = variants(&n);
     for (int i = 0; i < n && out && i < max; i++) {
@@ -324,8 +260,8 @@ int mf__sm90_decode_variants(mf__decode_variant_info_t *out, int max) {
     return n;
 }
 
-const char *mf__sm90_decode_last_decline(void) { return g_decline; }
+const char *mf__sm90_decode_last_decline(void) { return mf__gemm_last_decline(&g_family); }
 
-const char *mf__sm90_decode_last_launch(void) { return g_ran; }
+const char *mf__sm90_decode_last_launch(void) { return mf__gemm_last_launch(&g_family); }
 
 cudaError_t mf__sm90_decode_set_fault_record(mf__sm90_fault_t *record) { return mf__sm90_set_fault_record(record); }

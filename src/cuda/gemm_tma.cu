@@ -9,7 +9,8 @@
  *
  * Declining: a shape or argument the kernel does not take returns MF_ERR_NOT_SUPPORTED without
  * launching and without recording a library error (the dispatcher then runs v1); the reason is kept
- * per thread for the lab (mf__sm90_tma_last_decline). The kernel takes: BF16 or FP8 E4M3; W13:
+ * per thread for the lab (mf__sm90_tma_last_decline). Configuring, declining and the MF_DEBUG
+ * report go through the families' one skeleton, cuda/gemm_family.cuh. The kernel takes: BF16 or FP8 E4M3; W13:
  * contiguous A (a.gather declines: TMA cannot gather rows), I a multiple of 128; W2: H a multiple
  * of 256; K * element bytes a multiple of 16 (FP8: K a multiple of 128); L <= kMaxExperts;
  * L * N < 2^31; 16-byte aligned data, 4-byte aligned scales.
@@ -27,14 +28,13 @@
  */
 #include <cuda.h>
 #include <cuda_runtime.h>
-#include <stdarg.h>
 #include <stdint.h>
-#include <stdio.h>
 #include <string.h>
 
 #include <atomic>
 
 #include "core/internal.h"
+#include "cuda/gemm_family.cuh"
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels/sm90_tma_gemm.cuh"
 #include "cuda/pdl.cuh"
@@ -44,7 +44,7 @@ using namespace mf__tma;
 namespace {
 
 constexpr int kNumVariants = 7;
-constexpr int kConfigured = 1 << 30; /* g_usable: the device's variants were examined */
+static_assert(kMaxDevices == kMfGemmMaxDevices, "one per-device table size");
 
 struct variant_t {
     const void *fn;
@@ -72,87 +72,29 @@ std::atomic<const void *> g_lab_fn[kNumVariants - kNumShipped];
 
 const void *variant_fn(int i) { return i < kNumShipped ? kVariants[i].fn : g_lab_fn[i - kNumShipped].load(); }
 
-/* Per device: kConfigured | one bit per usable variant (0 = not examined yet); the SM count. */
-std::atomic<int> g_usable[kMaxDevices];
-std::atomic<int> g_sms[kMaxDevices];
-std::atomic<int> g_cc[kMaxDevices]; /* 10 * major + minor */
+int variant_count(void) { return kNumVariants; }
+int variant_smem(int) { return kSmemBytes; }
 
-/* Why the last call of this thread declined (for the lab; not the library's last error), and, under
- * MF_DEBUG, what its last launch ran (for the dispatcher's report). */
-thread_local char g_decline[256];
-thread_local char g_ran[256];
-
-mf_result_t decline(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-mf_result_t decline(const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(g_decline, sizeof g_decline, fmt, ap);
-    va_end(ap);
-    return MF_ERR_NOT_SUPPORTED;
-}
-
-#define MF__TMA_CUDA(call, who)                                                                    \
-    do {                                                                                           \
-        cudaError_t mf__e = (call);                                                                \
-        if (mf__e != cudaSuccess) {                                                                \
-            (void)cudaGetLastError();                                                              \
-            return mf__error(MF_ERR_CUDA, "%s: %s failed: %s", who, #call, cudaGetErrorString(mf__e)); \
-        }                                                                                          \
-    } while (0)
-
-/* Examines every variant on the current device once: loads it (cudaFuncGetAttributes), checks its
- * register count and raises its dynamic shared-memory limit. Concurrent first calls from several
- * rank threads do the same idempotent work. `dev` and `sms` out. */
-mf_result_t configure(const char *who, int *dev_out, int *sms_out) {
-    int dev = 0;
-    MF__TMA_CUDA(cudaGetDevice(&dev), who);
-    *dev_out = dev;
-    if (dev < 0 || dev >= kMaxDevices) return decline("device %d is beyond the launcher's table (%d)", dev, kMaxDevices);
-    if (g_usable[dev].load() != 0) {
-        *sms_out = g_sms[dev].load();
-        return MF_SUCCESS;
-    }
-    int major = 0, minor = 0, sms = 0;
-    MF__TMA_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), who);
-    MF__TMA_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), who);
-    MF__TMA_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), who);
-    int usable = kConfigured;
-    if (major == 9) {
-        for (int i = 0; i < kNumVariants; i++) {
-            const void *fn = variant_fn(i);
-            if (!fn) continue; /* a lab variant not registered */
-            cudaFuncAttributes fa;
-            MF__TMA_CUDA(cudaFuncGetAttributes(&fa, fn), who);
-            MF__TMA_CUDA(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes), who);
-            if (fa.numRegs == kLaunchRegs) usable |= 1 << i;
-        }
-    }
-    g_sms[dev].store(sms);
-    g_cc[dev].store(10 * major + minor);
-    g_usable[dev].store(usable);
-    *sms_out = sms;
-    return MF_SUCCESS;
-}
-
-bool aligned(const void *p, uintptr_t a) { return ((uintptr_t)p % a) == 0; }
+/* The family's per-device state and reports (cuda/gemm_family.cuh). */
+mf__gemm_family_t g_family = {kMfGemmFamilyTma, kLaunchRegs, variant_count, variant_fn, variant_smem};
 
 /* The checks shared by both GEMMs; `N` weight rows per expert, `K` reduction elements. */
 mf_result_t check_shape(const mf__gemm_segments_t *seg, int32_t dtype, int swiglu, int64_t N, int64_t K) {
-    if (!seg) return decline("no segments");
-    if (dtype != MF_DTYPE_FP8_E4M3 && dtype != MF_DTYPE_BF16) return decline("dtype %d is not BF16 or FP8 E4M3", dtype);
+    if (!seg) return mf__gemm_decline(&g_family, "no segments");
+    if (dtype != MF_DTYPE_FP8_E4M3 && dtype != MF_DTYPE_BF16) return mf__gemm_decline(&g_family, "dtype %d is not BF16 or FP8 E4M3", dtype);
     const int fp8 = dtype == MF_DTYPE_FP8_E4M3, esz = fp8 ? 1 : 2;
     if (N <= 0 || N % kTileN)
-        return decline("%s = %lld is not a positive multiple of %d", swiglu ? "2I" : "H", (long long)N, kTileN);
+        return mf__gemm_decline(&g_family, "%s = %lld is not a positive multiple of %d", swiglu ? "2I" : "H", (long long)N, kTileN);
     if (K <= 0 || (K * esz) % kDataAlign || (fp8 && K % MF__QUANT_BLOCK))
-        return decline("K = %lld: rows must be 16-byte multiples (FP8: K a multiple of %d)", (long long)K, MF__QUANT_BLOCK);
+        return mf__gemm_decline(&g_family, "K = %lld: rows must be 16-byte multiples (FP8: K a multiple of %d)", (long long)K, MF__QUANT_BLOCK);
     if (seg->num_experts < 0 || seg->num_experts > kMaxExperts)
-        return decline("L = %d outside [0, %d]", seg->num_experts, kMaxExperts);
+        return mf__gemm_decline(&g_family, "L = %d outside [0, %d]", seg->num_experts, kMaxExperts);
     if ((int64_t)seg->num_experts * N > kMaxRowCoord)
-        return decline("L * N = %lld rows exceed int32 TMA coordinates", (long long)seg->num_experts * N);
-    if (seg->max_rows_per_expert < 0) return decline("max_rows_per_expert %d < 0", seg->max_rows_per_expert);
-    if (seg->num_experts > 0 && (!seg->counts || !seg->offsets)) return decline("counts / offsets NULL");
+        return mf__gemm_decline(&g_family, "L * N = %lld rows exceed int32 TMA coordinates", (long long)seg->num_experts * N);
+    if (seg->max_rows_per_expert < 0) return mf__gemm_decline(&g_family, "max_rows_per_expert %d < 0", seg->max_rows_per_expert);
+    if (seg->num_experts > 0 && (!seg->counts || !seg->offsets)) return mf__gemm_decline(&g_family, "counts / offsets NULL");
     const int64_t tiles = (int64_t)seg->num_experts * ((seg->max_rows_per_expert + kBlockM - 1) / kBlockM) * (N / kTileN);
-    if (tiles > kMaxRowCoord) return decline("%lld tiles exceed the kernel's int32 tile index", (long long)tiles);
+    if (tiles > kMaxRowCoord) return mf__gemm_decline(&g_family, "%lld tiles exceed the kernel's int32 tile index", (long long)tiles);
     return MF_SUCCESS;
 }
 
@@ -160,33 +102,27 @@ mf_result_t check_shape(const mf__gemm_segments_t *seg, int32_t dtype, int swigl
 mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int swiglu, const void *a, const void *w,
                    tma_params *p, cudaStream_t stream, int32_t pdl) {
     int dev = 0, sms = 0;
-    MF_CHECK(configure(who, &dev, &sms));
+    MF_CHECK(mf__gemm_configure(&g_family, who, &dev, &sms));
     const int lab = fp8 ? g_lab_variant.load() : kMfTmaLabShipped;
     const int vi = (lab & kMfTmaLabNoOverlap) && fp8 && swiglu ? 6 : 2 * fp8 + swiglu + ((lab & kMfTmaLabUnordered) ? 2 : 0);
-    if (!(g_usable[dev].load() & (1 << vi))) {
-        const int cc = g_cc[dev].load();
-        if (cc / 10 != 9) return decline("sm90 unsupported: device %d is sm_%d", dev, cc);
-        if (!variant_fn(vi)) return decline("variant %d is the lab's and not registered (mf__sm90_tma_lab_register)", vi);
-        return decline("variant fp8 %d swiglu %d unusable on device %d (registers != %d)", fp8, swiglu, dev, kLaunchRegs);
-    }
+    MF_CHECK(mf__gemm_require(&g_family, dev, vi));
     const int esz = fp8 ? 1 : 2;
     const uint64_t kbytes = (uint64_t)p->K * esz;
     const CUtensorMapDataType dt = fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
     CUresult r = mf__tma_encode_2d(&p->tmap_a, dt, a, (uint64_t)p->K, (uint64_t)kMaxRowCoord, kbytes,
                                    (uint32_t)(kKBlock / esz), (uint32_t)kBlockM, CU_TENSOR_MAP_SWIZZLE_128B);
-    if (r != CUDA_SUCCESS) return decline("activation tensor map: CUresult %d", (int)r);
+    if (r != CUDA_SUCCESS) return mf__gemm_decline(&g_family, "activation tensor map: CUresult %d", (int)r);
     r = mf__tma_encode_2d(&p->tmap_w, dt, w, (uint64_t)p->K, (uint64_t)seg->num_experts * p->N, kbytes,
                           (uint32_t)(kKBlock / esz), (uint32_t)kBoxRows, CU_TENSOR_MAP_SWIZZLE_128B);
-    if (r != CUDA_SUCCESS) return decline("weight tensor map: CUresult %d", (int)r);
+    if (r != CUDA_SUCCESS) return mf__gemm_decline(&g_family, "weight tensor map: CUresult %d", (int)r);
     const int64_t tiles = (int64_t)seg->num_experts * ((seg->max_rows_per_expert + kBlockM - 1) / kBlockM) * (p->N / kTileN);
     const int grid = (int)(tiles < sms ? tiles : sms);
     if (grid <= 0) return MF_SUCCESS;
     void *args[] = {(void *)p};
-    MF__TMA_CUDA(mf__cuda_launch(variant_fn(vi), dim3((unsigned)grid), dim3(kThreads), (size_t)kSmemBytes, stream, pdl,
+    MF__GEMM_CUDA(mf__cuda_launch(variant_fn(vi), dim3((unsigned)grid), dim3(kThreads), (size_t)kSmemBytes, stream, pdl,
                                  args),
                  who);
-    if (mf__debug_on())
-        snprintf(g_ran, sizeof g_ran, "tma %s %s%s (%d-row tiles, %d stages, %d B smem, grid %d)", fp8 ? "fp8" : "bf16",
+    mf__gemm_report_launch(&g_family, "tma %s %s%s (%d-row tiles, %d stages, %d B smem, grid %d)", fp8 ? "fp8" : "bf16",
                  swiglu ? "swiglu" : "plain", vi == 6 ? " no overlap (lab A/B)" : kVariants[vi].ordered || !fp8 ? "" : " unordered (lab A/B)", kBlockM, kStages,
                  kSmemBytes, grid);
     return MF_SUCCESS;
@@ -198,16 +134,16 @@ mf_result_t mf__sm90_tma_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtyp
                                     mf__gemm_operand_t w13, int32_t H, int32_t I, void *h, float *h_scales,
                                     cudaStream_t stream, int32_t pdl) {
     static const char *who = "mf__sm90_tma_w13_swiglu";
-    if (a.gather) return decline("a.gather: TMA cannot gather rows (the dispatcher sends gathers elsewhere)");
+    if (a.gather) return mf__gemm_decline(&g_family, "a.gather: TMA cannot gather rows (the dispatcher sends gathers elsewhere)");
     const int64_t N = 2 * (int64_t)I, K = H;
     const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
     MF_CHECK(check_shape(seg, dtype, 1, N, K));
-    if (!a.data || !w13.data || !h || !aligned(a.data, kDataAlign) || !aligned(w13.data, kDataAlign) ||
-        !aligned(h, kDataAlign))
-        return decline("a / w13 / h missing or not 16-byte aligned");
-    if (fp8 && (!a.scales || !w13.scales || !h_scales || !aligned(a.scales, kScaleAlign) ||
-                !aligned(w13.scales, kScaleAlign) || !aligned(h_scales, kScaleAlign)))
-        return decline("FP8 scales missing or misaligned");
+    if (!a.data || !w13.data || !h || !mf__gemm_aligned(a.data, kDataAlign) || !mf__gemm_aligned(w13.data, kDataAlign) ||
+        !mf__gemm_aligned(h, kDataAlign))
+        return mf__gemm_decline(&g_family, "a / w13 / h missing or not 16-byte aligned");
+    if (fp8 && (!a.scales || !w13.scales || !h_scales || !mf__gemm_aligned(a.scales, kScaleAlign) ||
+                !mf__gemm_aligned(w13.scales, kScaleAlign) || !mf__gemm_aligned(h_scales, kScaleAlign)))
+        return mf__gemm_decline(&g_family, "FP8 scales missing or misaligned");
     if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) return MF_SUCCESS;
 
     tma_params p;
@@ -233,17 +169,7 @@ mf_result_t mf__sm90_tma_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__g
     const int64_t N = H, K = I;
     const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
     MF_CHECK(check_shape(seg, dtype, 0, N, K));
-    if (!h.data || !w2.data || !aligned(h.data, kDataAlign) || !aligned(w2.data, kDataAlign))
-        return decline("h / w2 missing or not 16-byte aligned");
-    if (fp8 && (!h.scales || !w2.scales || !aligned(h.scales, kScaleAlign) || !aligned(w2.scales, kScaleAlign)))
-        return decline("FP8 scales missing or misaligned");
-    if (ret) {
-        if (!ret->src || ret->num_topk <= 0) return decline("ret without src or num_topk");
-        for (int r = 0; r < MF_MAX_RANKS; r++)
-            if (!aligned(ret->slots[r], kDataAlign)) return decline("ret slots %d not 16-byte aligned", r);
-    } else if (!out || !aligned(out, kDataAlign)) {
-        return decline("out missing or not 16-byte aligned");
-    }
+    MF_CHECK(mf__gemm_check_w2_args(&g_family, fp8, h, w2, out, ret));
     if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) return MF_SUCCESS;
 
     tma_params p;
@@ -266,14 +192,14 @@ mf_result_t mf__sm90_tma_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__g
 
 mf_result_t mf__sm90_tma_preload(void) {
     int dev = 0, sms = 0;
-    mf_result_t r = configure("mf__sm90_tma_preload", &dev, &sms);
+    mf_result_t r = mf__gemm_configure(&g_family, "mf__sm90_tma_preload", &dev, &sms);
     return r == MF_ERR_NOT_SUPPORTED ? MF_SUCCESS : r; /* a device beyond the table: its calls decline */
 }
 
 int mf__sm90_tma_variants(mf__tma_variant_info_t *out, int max) {
     int dev = 0, sms = 0;
-    if (configure("mf__sm90_tma_variants", &dev, &sms) == MF_ERR_CUDA) return -1;
-    const int usable = dev >= 0 && dev < kMaxDevices ? g_usable[dev].load() : 0;
+    if (mf__gemm_configure(&g_family, "mf__sm90_tma_variants", &dev, &sms) == MF_ERR_CUDA) return -1;
+    const int64_t usable = mf__gemm_usable(&g_family, dev);
     for (int i = 0; i < kNumVariants && out && i < max; i++) {
         cudaFuncAttributes fa;
         memset(&fa, 0, sizeof fa);
@@ -294,9 +220,9 @@ int mf__sm90_tma_variants(mf__tma_variant_info_t *out, int max) {
     return kNumVariants;
 }
 
-const char *mf__sm90_tma_last_decline(void) { return g_decline; }
+const char *mf__sm90_tma_last_decline(void) { return mf__gemm_last_decline(&g_family); }
 
-const char *mf__sm90_tma_last_launch(void) { return g_ran; }
+const char *mf__sm90_tma_last_launch(void) { return mf__gemm_last_launch(&g_family); }
 
 void mf__sm90_tma_lab_variant(int variant) { g_lab_variant.store(variant); }
 
@@ -305,7 +231,7 @@ void mf__sm90_tma_lab_register(const void *fp8_plain_unordered, const void *fp8_
     g_lab_fn[0].store(fp8_plain_unordered);
     g_lab_fn[1].store(fp8_swiglu_unordered);
     g_lab_fn[2].store(fp8_swiglu_no_overlap);
-    for (int d = 0; d < kMaxDevices; d++) g_usable[d].store(0); /* every device examines them on its next call */
+    mf__gemm_reconfigure(&g_family); /* every device examines them on its next call */
 }
 
 cudaError_t mf__sm90_tma_set_fault_record(mf__sm90_fault_t *record) { return mf__sm90_set_fault_record(record); }

@@ -24,21 +24,13 @@
 
 #include "core/internal.h" /* C linkage through its own guards */
 #include "cuda/configs.cuh"
+#include "cuda/gemm_family.cuh" /* MF__GEMM_CUDA */
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels/sm90_grouped_gemm.cuh"
 #include "cuda/kernels/sm90_ptx.cuh" /* mf__sm90_fault_t: the record of expired pipeline waits */
 #include "cuda/pdl.cuh"
 
 
-/* Evaluates a CUDA runtime call; on failure clears the error and returns MF_ERR_CUDA naming it. */
-#define MF__CUDA_CHECK(call, who)                                                                  \
-    do {                                                                                           \
-        cudaError_t mf__e = (call);                                                                \
-        if (mf__e != cudaSuccess) {                                                                \
-            (void)cudaGetLastError();                                                              \
-            return mf__error(MF_ERR_CUDA, "%s: %s failed: %s", who, #call, cudaGetErrorString(mf__e)); \
-        }                                                                                          \
-    } while (0)
 
 namespace {
 
@@ -52,14 +44,14 @@ std::atomic<int> g_blocks_per_sm[kNumKernels][MF__GEMM_MAX_DEVICES];
 template <typename Params>
 mf_result_t persistent_grid(void (*kernel)(Params), int which, const char *who, int *blocks) {
     int dev = 0, sms = 0;
-    MF__CUDA_CHECK(cudaGetDevice(&dev), who);
-    MF__CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), who);
+    MF__GEMM_CUDA(cudaGetDevice(&dev), who);
+    MF__GEMM_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), who);
     int per_sm = dev >= 0 && dev < MF__GEMM_MAX_DEVICES ? g_blocks_per_sm[which][dev].load() : 0;
     if (per_sm == 0) {
-        MF__CUDA_CHECK(cudaFuncSetAttribute((const void *)kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        MF__GEMM_CUDA(cudaFuncSetAttribute((const void *)kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             mf__gemm::kSmemBytes),
                        who);
-        MF__CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, mf__gemm::kThreads,
+        MF__GEMM_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, mf__gemm::kThreads,
                                                                      mf__gemm::kSmemBytes),
                        who);
         if (per_sm < 1)
@@ -284,7 +276,7 @@ mf_result_t mf__cuda_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, i
     int blocks = 0;
     MF_CHECK(persistent_grid(kernel, fp8 ? kKernelW13Fp8 : kKernelW13Bf16, who, &blocks));
     if (tiles < blocks) blocks = (int)tiles;
-    MF__CUDA_CHECK(mf__cuda_launch(kernel, dim3((unsigned)blocks), dim3(mf__gemm::kThreads), mf__gemm::kSmemBytes, stream,
+    MF__GEMM_CUDA(mf__cuda_launch(kernel, dim3((unsigned)blocks), dim3(mf__gemm::kThreads), mf__gemm::kSmemBytes, stream,
                                    pdl, p),
                    who);
     if (dbg) {
@@ -371,7 +363,7 @@ mf_result_t mf__cuda_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__gemm_
     int blocks = 0;
     MF_CHECK(persistent_grid(kernel, fp8 ? kKernelW2Fp8 : kKernelW2Bf16, who, &blocks));
     if (tiles < blocks) blocks = (int)tiles;
-    MF__CUDA_CHECK(mf__cuda_launch(kernel, dim3((unsigned)blocks), dim3(mf__gemm::kThreads), mf__gemm::kSmemBytes, stream,
+    MF__GEMM_CUDA(mf__cuda_launch(kernel, dim3((unsigned)blocks), dim3(mf__gemm::kThreads), mf__gemm::kSmemBytes, stream,
                                    pdl, p),
                    who);
     if (dbg) {

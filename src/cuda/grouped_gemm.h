@@ -80,7 +80,8 @@ int32_t mf__cuda_gemm_expired(char *what, size_t bytes);
  *   tma (larger):  kernels/sm90_tma_gemm.cuh, gemm_tma.cu — TMA + wgmma, 128-row tiles
  *   v1:            kernels/sm90_grouped_gemm.cuh — mma.sync; the fallback for any shape the
  *                  others decline (they return MF_ERR_NOT_SUPPORTED without launching)
- * Every variant takes the arguments of its dispatcher and honours the same contract. */
+ * Every variant takes the arguments of its dispatcher and honours the same contract. decode and tma
+ * configure, decline and report through one skeleton (cuda/gemm_family.cuh). */
 mf_result_t mf__sm90_decode_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, int32_t ue8m0,
                                        mf__gemm_operand_t a, mf__gemm_operand_t w13, int32_t H, int32_t I, void *h,
                                        float *h_scales, cudaStream_t stream, int32_t pdl);

@@ -1,0 +1,99 @@
+/*
+ * gemm_family.cu — the launch scaffolding shared by the sm90 GEMM families (gemm_family.cuh).
+ */
+#include <stdarg.h>
+#include <stdio.h>
+
+#include "cuda/gemm_family.cuh"
+
+namespace {
+/* Why the last call of this thread declined, and (MF_DEBUG) what its last launch ran, per family. */
+thread_local char g_decline[kMfGemmFamilies][256];
+thread_local char g_ran[kMfGemmFamilies][256];
+} /* namespace */
+
+mf_result_t mf__gemm_decline(const mf__gemm_family_t *f, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g_decline[f->id], sizeof g_decline[f->id], fmt, ap);
+    va_end(ap);
+    return MF_ERR_NOT_SUPPORTED;
+}
+
+void mf__gemm_report_launch(const mf__gemm_family_t *f, const char *fmt, ...) {
+    if (!mf__debug_on()) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g_ran[f->id], sizeof g_ran[f->id], fmt, ap);
+    va_end(ap);
+}
+
+const char *mf__gemm_last_decline(const mf__gemm_family_t *f) { return g_decline[f->id]; }
+
+const char *mf__gemm_last_launch(const mf__gemm_family_t *f) { return g_ran[f->id]; }
+
+mf_result_t mf__gemm_configure(mf__gemm_family_t *f, const char *who, int *dev_out, int *sms_out) {
+    int dev = 0;
+    MF__GEMM_CUDA(cudaGetDevice(&dev), who);
+    *dev_out = dev;
+    if (dev < 0 || dev >= kMfGemmMaxDevices)
+        return mf__gemm_decline(f, "device %d is beyond the launcher's table (%d)", dev, kMfGemmMaxDevices);
+    if (f->usable[dev].load() != 0) {
+        *sms_out = f->sms[dev].load();
+        return MF_SUCCESS;
+    }
+    int major = 0, minor = 0, sms = 0;
+    MF__GEMM_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), who);
+    MF__GEMM_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), who);
+    MF__GEMM_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), who);
+    int64_t usable = kMfGemmConfigured;
+    if (major == 9) {
+        const int n = f->count();
+        for (int i = 0; i < n && i < kMfGemmMaxVariants; i++) {
+            const void *fn = f->fn(i);
+            if (!fn) continue; /* a lab variant not registered */
+            cudaFuncAttributes fa;
+            MF__GEMM_CUDA(cudaFuncGetAttributes(&fa, fn), who);
+            MF__GEMM_CUDA(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, f->smem(i)), who);
+            if (fa.numRegs == f->launch_regs) usable |= (int64_t)1 << i;
+        }
+    }
+    f->sms[dev].store(sms);
+    f->cc[dev].store(10 * major + minor);
+    f->usable[dev].store(usable);
+    *sms_out = sms;
+    return MF_SUCCESS;
+}
+
+mf_result_t mf__gemm_require(const mf__gemm_family_t *f, int dev, int vi) {
+    if (f->usable[dev].load() & ((int64_t)1 << vi)) return MF_SUCCESS;
+    const int cc = f->cc[dev].load();
+    if (cc / 10 != 9) return mf__gemm_decline(f, "sm90 unsupported: device %d is sm_%d", dev, cc);
+    if (!f->fn(vi)) return mf__gemm_decline(f, "variant %d is the lab's and not registered", vi);
+    return mf__gemm_decline(f, "variant %d unusable on device %d (registers != %d)", vi, dev, f->launch_regs);
+}
+
+int64_t mf__gemm_usable(const mf__gemm_family_t *f, int dev) {
+    return dev >= 0 && dev < kMfGemmMaxDevices ? f->usable[dev].load() : 0;
+}
+
+void mf__gemm_reconfigure(mf__gemm_family_t *f) {
+    for (int d = 0; d < kMfGemmMaxDevices; d++) f->usable[d].store(0);
+}
+
+mf_result_t mf__gemm_check_w2_args(const mf__gemm_family_t *f, int fp8, mf__gemm_operand_t h, mf__gemm_operand_t w2,
+                                   const uint16_t *out, const mf__gemm_return_t *ret) {
+    const uintptr_t data = 16, scale = 4;
+    if (!h.data || !w2.data || !mf__gemm_aligned(h.data, data) || !mf__gemm_aligned(w2.data, data))
+        return mf__gemm_decline(f, "h / w2 missing or not 16-byte aligned");
+    if (fp8 && (!h.scales || !w2.scales || !mf__gemm_aligned(h.scales, scale) || !mf__gemm_aligned(w2.scales, scale)))
+        return mf__gemm_decline(f, "FP8 scales missing or misaligned");
+    if (ret) {
+        if (!ret->src || ret->num_topk <= 0) return mf__gemm_decline(f, "ret without src or num_topk");
+        for (int r = 0; r < MF_MAX_RANKS; r++)
+            if (!mf__gemm_aligned(ret->slots[r], data)) return mf__gemm_decline(f, "ret slots %d not 16-byte aligned", r);
+    } else if (!out || !mf__gemm_aligned(out, data)) {
+        return mf__gemm_decline(f, "out missing or not 16-byte aligned");
+    }
+    return MF_SUCCESS;
+}

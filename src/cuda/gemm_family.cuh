@@ -1,0 +1,88 @@
+/*
+ * gemm_family.cuh — the launch scaffolding every sm90 expert-GEMM family shares: the decode kernels
+ * (gemm_decode.cu) and the large-M TMA kernels (gemm_tma.cu) configure, decline and report through
+ * these functions, one path for both (the mma.sync kernels of grouped_gemm.cu are the dispatcher's
+ * named fallback, "v1", and size their grids by occupancy instead).
+ *
+ *   configure  per device, once: every variant loaded (cudaFuncGetAttributes: no lazy module load
+ *              can happen later on the data path), its dynamic shared-memory limit raised, and its
+ *              register count checked against the family's launch_regs (setmaxnreg's assumption:
+ *              with fewer, the consumers' setmaxnreg.inc would wait forever); the usable variants
+ *              form a bit mask. Concurrent first calls from several rank threads do the same
+ *              idempotent work.
+ *   decline    a shape or argument the family does not take returns MF_ERR_NOT_SUPPORTED without
+ *              launching and without a library error (the dispatcher then tries the next family);
+ *              the reason is kept per thread and family (the dispatcher's MF_DEBUG report, the labs).
+ *   report     under MF_DEBUG, what the last launch of this thread ran.
+ *
+ * C++ (CUDA) linkage, included by .cu files only.
+ */
+#ifndef MF_CUDA_GEMM_FAMILY_CUH
+#define MF_CUDA_GEMM_FAMILY_CUH
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <atomic>
+
+#include "core/internal.h"
+#include "cuda/grouped_gemm.h"
+
+enum { kMfGemmFamilyDecode = 0, kMfGemmFamilyTma = 1, kMfGemmFamilies = 2 };
+constexpr int kMfGemmMaxDevices = 64;   /* per-device tables */
+constexpr int kMfGemmMaxVariants = 62;  /* one usable bit each, below kMfGemmConfigured */
+constexpr int64_t kMfGemmConfigured = (int64_t)1 << 62; /* usable[dev]: the device was examined */
+
+typedef struct mf__gemm_family {
+    int id;                           /* kMfGemmFamily*: the per-thread report buffers */
+    int launch_regs;                  /* registers every usable variant was compiled to */
+    int (*count)(void);               /* variants, at most kMfGemmMaxVariants */
+    const void *(*fn)(int variant);   /* its kernel; NULL: a lab variant not registered (skipped) */
+    int (*smem)(int variant);         /* its dynamic shared memory, bytes */
+    std::atomic<int64_t> usable[kMfGemmMaxDevices]; /* kMfGemmConfigured | a bit per usable variant; 0: not yet */
+    std::atomic<int> sms[kMfGemmMaxDevices];
+    std::atomic<int> cc[kMfGemmMaxDevices]; /* 10 * major + minor */
+} mf__gemm_family_t;
+
+/* Evaluates a CUDA runtime call; on failure clears the error and returns MF_ERR_CUDA naming it. */
+#define MF__GEMM_CUDA(call, who)                                                                   \
+    do {                                                                                           \
+        cudaError_t mf__e = (call);                                                                \
+        if (mf__e != cudaSuccess) {                                                                \
+            (void)cudaGetLastError();                                                              \
+            return mf__error(MF_ERR_CUDA, "%s: %s failed: %s", who, #call, cudaGetErrorString(mf__e)); \
+        }                                                                                          \
+    } while (0)
+
+static inline bool mf__gemm_aligned(const void *p, uintptr_t a) { return ((uintptr_t)p % a) == 0; }
+
+/* Records why this thread's call declined and returns MF_ERR_NOT_SUPPORTED. */
+mf_result_t mf__gemm_decline(const mf__gemm_family_t *f, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* Under MF_DEBUG (mf__debug_on): records what this thread's launch ran; otherwise nothing. */
+void mf__gemm_report_launch(const mf__gemm_family_t *f, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+const char *mf__gemm_last_decline(const mf__gemm_family_t *f); /* "" before any */
+const char *mf__gemm_last_launch(const mf__gemm_family_t *f);  /* "" before any or without MF_DEBUG */
+
+/* The current device (dev) and its SM count (sms), the device examined first if it was not yet
+ * (see the file comment). A device beyond the tables declines; CUDA errors are MF_ERR_CUDA. */
+mf_result_t mf__gemm_configure(mf__gemm_family_t *f, const char *who, int *dev, int *sms);
+
+/* MF_SUCCESS when variant `vi` can launch on configured device `dev`; else declines saying why
+ * (not an sm_90 device, a lab variant not registered, or the wrong register count). */
+mf_result_t mf__gemm_require(const mf__gemm_family_t *f, int dev, int vi);
+
+/* The usable mask of device `dev` (0 beyond the tables or before configure). */
+int64_t mf__gemm_usable(const mf__gemm_family_t *f, int dev);
+
+/* Every device examines the variants again at its next call (after the lab registers its own). */
+void mf__gemm_reconfigure(mf__gemm_family_t *f);
+
+/* W2's operands, as both families take them: h and w2 16-byte aligned, FP8 scales 4-byte aligned,
+ * rows to `out` (16-byte aligned) or, with `ret`, to the owners' combine slots. MF_SUCCESS or a
+ * decline saying what is wrong. */
+mf_result_t mf__gemm_check_w2_args(const mf__gemm_family_t *f, int fp8, mf__gemm_operand_t h, mf__gemm_operand_t w2,
+                                   const uint16_t *out, const mf__gemm_return_t *ret);
+
+#endif /* MF_CUDA_GEMM_FAMILY_CUH */
