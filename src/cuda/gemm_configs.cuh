@@ -33,6 +33,13 @@ static constexpr int kMfWarpgroupThreads = 128;
 static constexpr int kMfSwizzleBytes = 128;      /* row length of a 128B-swizzled tile */
 static constexpr int kMfSwizzleAtomBytes = 1024; /* 8 rows x 128 B: alignment of such a tile */
 
+/* ---- every launcher (cuda/gemm_family.cuh, grouped_gemm.cu) --------------------------------------- */
+
+static constexpr int kMfGemmMaxDevices = 64;  /* per-device tables of the launchers */
+static constexpr int kMfGemmMaxVariants = 62; /* variants of one family: one usable bit each */
+static constexpr int kMfGemmDataAlign = 16;   /* operand rows and bases: TMA, cp.async, 16-byte stores */
+static constexpr int kMfGemmScaleAlign = 4;   /* FP8 scales: 4-byte cp.async */
+
 /* ---- decode family (kernels/sm90_decode_gemm.cuh, gemm_decode.cu) -------------------------------- */
 
 namespace mf__decode {
@@ -66,8 +73,7 @@ constexpr int32_t kMaxRowCoord = 0x7fffffff;              /* rows of the activat
 constexpr uint64_t kWaitTimeoutNs = 20000000000ull;       /* 20 s: see "Bounded waits" in kernels/sm90_decode_gemm.cuh */
 
 /* gemm_decode.cu */
-constexpr int kMaxDevices = 64;  /* per-device tables of the launcher */
-constexpr int kMaxVariants = 32; /* variant table (one usable bit each) */
+constexpr int kMaxVariants = 32; /* variant table (<= kMfGemmMaxVariants) */
 constexpr int kDataAlign = 16;   /* TMA bases, cp.async rows, 16-byte stores */
 constexpr int kScaleAlign = 4;   /* 4-byte cp.async scales */
 
@@ -113,7 +119,6 @@ constexpr int32_t kMaxRowCoord = 0x7fffffff;               /* rows of the activa
 constexpr uint64_t kWaitTimeoutNs = 20000000000ull;        /* 20 s: see "Bounded waits" in kernels/sm90_tma_gemm.cuh */
 
 /* gemm_tma.cu */
-constexpr int kMaxDevices = 64;  /* per-device tables of the launcher */
 constexpr int kDataAlign = 16;   /* TMA bases and row pitches, 16-byte stores */
 constexpr int kScaleAlign = 4;   /* 4-byte cp.async scales */
 
@@ -153,7 +158,6 @@ constexpr int kStages = MF__GEMM_STAGES;
 } /* namespace mf__gemm */
 
 /* grouped_gemm.cu */
-#define MF__GEMM_MAX_DEVICES 64
 #define MF__DATA_ALIGN 16 /* 16-byte cp.async loads and stores */
 
 /* ---- the benchmark operand filler (gemm_bench.cu) ------------------------------------------------- */

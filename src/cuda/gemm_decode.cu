@@ -38,7 +38,6 @@ using namespace mf__decode;
 namespace {
 
 static_assert(kMaxVariants <= kMfGemmMaxVariants, "one usable bit per variant");
-static_assert(kMaxDevices == kMfGemmMaxDevices, "one per-device table size");
 
 struct variant_t {
     const void *fn;

@@ -83,7 +83,7 @@ void mf__gemm_reconfigure(mf__gemm_family_t *f) {
 
 mf_result_t mf__gemm_check_w2_args(const mf__gemm_family_t *f, int fp8, mf__gemm_operand_t h, mf__gemm_operand_t w2,
                                    const uint16_t *out, const mf__gemm_return_t *ret) {
-    const uintptr_t data = 16, scale = 4;
+    const uintptr_t data = kMfGemmDataAlign, scale = kMfGemmScaleAlign;
     if (!h.data || !w2.data || !mf__gemm_aligned(h.data, data) || !mf__gemm_aligned(w2.data, data))
         return mf__gemm_decline(f, "h / w2 missing or not 16-byte aligned");
     if (fp8 && (!h.scales || !w2.scales || !mf__gemm_aligned(h.scales, scale) || !mf__gemm_aligned(w2.scales, scale)))

@@ -26,11 +26,11 @@
 #include <atomic>
 
 #include "core/internal.h"
+#include "cuda/gemm_configs.cuh" /* kMfGemmMaxDevices, kMfGemmMaxVariants, the alignments */
 #include "cuda/grouped_gemm.h"
 
 enum { kMfGemmFamilyDecode = 0, kMfGemmFamilyTma = 1, kMfGemmFamilies = 2 };
-constexpr int kMfGemmMaxDevices = 64;   /* per-device tables */
-constexpr int kMfGemmMaxVariants = 62;  /* one usable bit each, below kMfGemmConfigured */
+static_assert(kMfGemmMaxVariants < 63, "one usable bit per variant, below kMfGemmConfigured");
 constexpr int64_t kMfGemmConfigured = (int64_t)1 << 62; /* usable[dev]: the device was examined */
 
 typedef struct mf__gemm_family {

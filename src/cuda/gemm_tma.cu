@@ -44,7 +44,6 @@ using namespace mf__tma;
 namespace {
 
 constexpr int kNumVariants = 7;
-static_assert(kMaxDevices == kMfGemmMaxDevices, "one per-device table size");
 
 struct variant_t {
     const void *fn;

@@ -37,7 +37,7 @@ namespace {
 enum { kKernelW13Bf16, kKernelW13Fp8, kKernelW2Bf16, kKernelW2Fp8, kNumKernels };
 
 /* Blocks per SM of each kernel on each device (0 = not yet configured). */
-std::atomic<int> g_blocks_per_sm[kNumKernels][MF__GEMM_MAX_DEVICES];
+std::atomic<int> g_blocks_per_sm[kNumKernels][kMfGemmMaxDevices];
 
 /* Grid size of a persistent launch of `kernel`: SMs x resident blocks per SM (first use per device
  * also raises the kernel's dynamic shared-memory limit). */
@@ -46,7 +46,7 @@ mf_result_t persistent_grid(void (*kernel)(Params), int which, const char *who, 
     int dev = 0, sms = 0;
     MF__GEMM_CUDA(cudaGetDevice(&dev), who);
     MF__GEMM_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), who);
-    int per_sm = dev >= 0 && dev < MF__GEMM_MAX_DEVICES ? g_blocks_per_sm[which][dev].load() : 0;
+    int per_sm = dev >= 0 && dev < kMfGemmMaxDevices ? g_blocks_per_sm[which][dev].load() : 0;
     if (per_sm == 0) {
         MF__GEMM_CUDA(cudaFuncSetAttribute((const void *)kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             mf__gemm::kSmemBytes),
@@ -57,7 +57,7 @@ mf_result_t persistent_grid(void (*kernel)(Params), int which, const char *who, 
         if (per_sm < 1)
             return mf__error(MF_ERR_CUDA, "%s: the kernel (%d threads, %d bytes of shared memory) fits no SM of device %d",
                              who, mf__gemm::kThreads, mf__gemm::kSmemBytes, dev);
-        if (dev >= 0 && dev < MF__GEMM_MAX_DEVICES) g_blocks_per_sm[which][dev].store(per_sm);
+        if (dev >= 0 && dev < kMfGemmMaxDevices) g_blocks_per_sm[which][dev].store(per_sm);
     }
     *blocks = sms * per_sm;
     return MF_SUCCESS;
