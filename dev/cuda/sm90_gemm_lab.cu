@@ -991,6 +991,24 @@ struct bench_row {
     double us, tflops;
 };
 
+/* One GEMM call timed as the bench times every call: kWarmupRuns untimed then kTimedRuns timed
+ * launches, each after a kFlushBytes memset (L2 flushed, outside the events); the median in us. */
+static double time_call_us(const gemm_call &g, uint8_t *d_flush, cudaEvent_t ev0, cudaEvent_t ev1) {
+    std::vector<float> ts;
+    for (int i = 0; i < kWarmupRuns + kTimedRuns; i++) {
+        CUDA_OK(cudaMemsetAsync(d_flush, i & 0xff, kFlushBytes, 0));
+        CUDA_OK(cudaEventRecord(ev0, 0));
+        if (!launched(run_call(g, 0))) exit(1);
+        CUDA_OK(cudaEventRecord(ev1, 0));
+        CUDA_OK(cudaEventSynchronize(ev1));
+        float ms = 0;
+        CUDA_OK(cudaEventElapsedTime(&ms, ev0, ev1));
+        if (i >= kWarmupRuns) ts.push_back(ms);
+    }
+    std::sort(ts.begin(), ts.end());
+    return ts[ts.size() / 2] * 1e3;
+}
+
 static void run_bench(const char *json_path, int argc, char **argv, bool ab_only) {
     struct shape {
         const char *name;
@@ -1077,18 +1095,7 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
                     g.out = sh.ret ? NULL : d_out;
                     g.out_scales = d_osc;
                     g.ret = sh.ret ? &ret : NULL;
-                    std::vector<float> ts;
-                    for (int i = 0; i < kWarmupRuns + kTimedRuns; i++) {
-                        CUDA_OK(cudaMemsetAsync(d_flush, i & 0xff, kFlushBytes, 0));
-                        CUDA_OK(cudaEventRecord(ev0, 0));
-                        if (!launched(run_call(g, 0))) exit(1);
-                        CUDA_OK(cudaEventRecord(ev1, 0));
-                        CUDA_OK(cudaEventSynchronize(ev1));
-                        float ms = 0;
-                        CUDA_OK(cudaEventElapsedTime(&ms, ev0, ev1));
-                        if (i >= kWarmupRuns) ts.push_back(ms);
-                    }
-                    std::sort(ts.begin(), ts.end());
+                    const double median_us = time_call_us(g, d_flush, ev0, ev1);
                     bench_row br;
                     br.name = sh.name;
                     br.dtype = fp8 ? "fp8" : "bf16";
@@ -1096,7 +1103,7 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
                     br.N = sh.nw;
                     br.K = sh.k;
                     br.M = M;
-                    br.us = ts[ts.size() / 2] * 1e3;
+                    br.us = median_us;
                     br.tflops = 2.0 * L * M * (double)sh.nw * sh.k / br.us * 1e-6;
                     rows_out.push_back(br);
                     printf("  %-5s %-11s %3d %5d %5d %5d %10.1f %9.1f %6.1f\n", br.dtype.c_str(), sh.name, L, sh.nw, sh.k, M,
@@ -1139,20 +1146,9 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
                 g.out = d_out;
                 g.out_scales = d_osc;
                 mf__sm90_tma_lab_variant(kMfTmaLabUnordered);
-                std::vector<float> ts;
-                for (int i = 0; i < kWarmupRuns + kTimedRuns; i++) {
-                    CUDA_OK(cudaMemsetAsync(d_flush, i & 0xff, kFlushBytes, 0));
-                    CUDA_OK(cudaEventRecord(ev0, 0));
-                    if (!launched(run_call(g, 0))) exit(1);
-                    CUDA_OK(cudaEventRecord(ev1, 0));
-                    CUDA_OK(cudaEventSynchronize(ev1));
-                    float ms = 0;
-                    CUDA_OK(cudaEventElapsedTime(&ms, ev0, ev1));
-                    if (i >= kWarmupRuns) ts.push_back(ms);
-                }
+                const double us = time_call_us(g, d_flush, ev0, ev1);
                 mf__sm90_tma_lab_variant(kMfTmaLabShipped);
-                std::sort(ts.begin(), ts.end());
-                const double us = ts[ts.size() / 2] * 1e3, tf = 2.0 * L * M * (double)sh.nw * sh.k / us * 1e-6;
+                const double tf = 2.0 * L * M * (double)sh.nw * sh.k / us * 1e-6;
                 printf("  %-5s %-11s %3d %5d %5d %5d %10.1f %9.1f %6.1f  unordered\n", "fp8", sh.name, L, sh.nw, sh.k, M, us,
                        tf, 100.0 * tf / 1436.0);
                 fflush(stdout);
@@ -1184,20 +1180,8 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
                     snprintf(name, sizeof name, "bench fp8 W13 swiglu L=%d M=%d %s", L, M, v ? "no overlap" : "overlap");
                     g_case = name;
                     mf__sm90_tma_lab_variant(v ? kMfTmaLabNoOverlap : kMfTmaLabShipped);
-                    std::vector<float> ts;
-                    for (int i = 0; i < kWarmupRuns + kTimedRuns; i++) {
-                        CUDA_OK(cudaMemsetAsync(d_flush, i & 0xff, kFlushBytes, 0));
-                        CUDA_OK(cudaEventRecord(ev0, 0));
-                        if (!launched(run_call(g, 0))) exit(1);
-                        CUDA_OK(cudaEventRecord(ev1, 0));
-                        CUDA_OK(cudaEventSynchronize(ev1));
-                        float ms = 0;
-                        CUDA_OK(cudaEventElapsedTime(&ms, ev0, ev1));
-                        if (i >= kWarmupRuns) ts.push_back(ms);
-                    }
+                    med[v].push_back(time_call_us(g, d_flush, ev0, ev1));
                     mf__sm90_tma_lab_variant(kMfTmaLabShipped);
-                    std::sort(ts.begin(), ts.end());
-                    med[v].push_back(ts[ts.size() / 2] * 1e3);
                 }
             for (int v = 0; v < 2; v++) std::sort(med[v].begin(), med[v].end());
             const double on = med[0][1], off_us = med[1][1], fl = 2.0 * L * M * (double)sh.nw * sh.k * 1e-6;
