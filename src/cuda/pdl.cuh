@@ -59,7 +59,8 @@ extern "C" int32_t mf__cuda_pdl;
 cudaError_t mf__cuda_launch(const void *fn, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int32_t pdl,
                             void **args);
 
-/* The same for a kernel that takes one parameter struct (every kernel here), type-checked. */
+/* The same for a kernel that takes one parameter struct (every kernel here but the small plan,
+ * which takes two and uses the form above), type-checked. */
 template <typename P>
 static inline cudaError_t mf__cuda_launch(void (*fn)(P), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                                           int32_t pdl, const P &params) {
