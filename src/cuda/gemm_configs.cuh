@@ -74,8 +74,6 @@ constexpr uint64_t kWaitTimeoutNs = 20000000000ull;       /* 20 s: see "Bounded 
 
 /* gemm_decode.cu */
 constexpr int kMaxVariants = 32; /* variant table (<= kMfGemmMaxVariants) */
-constexpr int kDataAlign = 16;   /* TMA bases, cp.async rows, 16-byte stores */
-constexpr int kScaleAlign = 4;   /* 4-byte cp.async scales */
 
 } /* namespace mf__decode */
 
@@ -119,8 +117,6 @@ constexpr int32_t kMaxRowCoord = 0x7fffffff;               /* rows of the activa
 constexpr uint64_t kWaitTimeoutNs = 20000000000ull;        /* 20 s: see "Bounded waits" in kernels/sm90_tma_gemm.cuh */
 
 /* gemm_tma.cu */
-constexpr int kDataAlign = 16;   /* TMA bases and row pitches, 16-byte stores */
-constexpr int kScaleAlign = 4;   /* 4-byte cp.async scales */
 
 } /* namespace mf__tma */
 
@@ -156,9 +152,6 @@ constexpr int kChunksPerRow = kStageBytes / kChunk;   /* 8 */
 constexpr int kStages = MF__GEMM_STAGES;
 
 } /* namespace mf__gemm */
-
-/* grouped_gemm.cu */
-#define MF__DATA_ALIGN 16 /* 16-byte cp.async loads and stores */
 
 /* ---- the benchmark operand filler (gemm_bench.cu) ------------------------------------------------- */
 

@@ -106,17 +106,23 @@ mf__gemm_family_t g_family = {kMfGemmFamilyDecode, kLaunchRegs, variant_count, v
 /* The checks shared by both GEMMs; `N` weight rows per expert, `K` reduction elements. */
 mf_result_t check_shape(const mf__gemm_segments_t *seg, int32_t dtype, int swiglu, int64_t N, int64_t K) {
     if (!seg) return mf__gemm_decline(&g_family, "no segments");
-    if (dtype != MF_DTYPE_FP8_E4M3 && dtype != MF_DTYPE_BF16) return mf__gemm_decline(&g_family, "dtype %d is not BF16 or FP8 E4M3", dtype);
+    if (dtype != MF_DTYPE_FP8_E4M3 && dtype != MF_DTYPE_BF16)
+        return mf__gemm_decline(&g_family, "dtype %d is not BF16 or FP8 E4M3", dtype);
     const int esz = dtype == MF_DTYPE_FP8_E4M3 ? 1 : 2;
     const int64_t nmult = swiglu ? 2 * kTileCols : kTileCols;
-    if (N <= 0 || N % nmult) return mf__gemm_decline(&g_family, "N = %lld is not a positive multiple of %lld", (long long)N, (long long)nmult);
-    if (K <= 0 || (K * esz) % kKBlock) return mf__gemm_decline(&g_family, "K = %lld: K bytes not a multiple of %d", (long long)K, kKBlock);
+    if (N <= 0 || N % nmult)
+        return mf__gemm_decline(&g_family, "N = %lld is not a positive multiple of %lld", (long long)N, (long long)nmult);
+    if (K <= 0 || (K * esz) % kKBlock)
+        return mf__gemm_decline(&g_family, "K = %lld: K bytes not a multiple of %d", (long long)K, kKBlock);
     if (seg->num_experts < 0 || seg->num_experts > kMaxExperts)
         return mf__gemm_decline(&g_family, "L = %d outside [0, %d]", seg->num_experts, kMaxExperts);
-    if ((int64_t)seg->num_experts * N > kMaxRowCoord) return mf__gemm_decline(&g_family, "L * N = %lld rows exceed int32 TMA coordinates",
-                                                                     (long long)seg->num_experts * N);
-    if (seg->max_rows_per_expert < 0) return mf__gemm_decline(&g_family, "max_rows_per_expert %d < 0", seg->max_rows_per_expert);
-    if (seg->num_experts > 0 && (!seg->counts || !seg->offsets)) return mf__gemm_decline(&g_family, "counts / offsets NULL");
+    if ((int64_t)seg->num_experts * N > kMaxRowCoord)
+        return mf__gemm_decline(&g_family, "L * N = %lld rows exceed int32 TMA coordinates",
+                                (long long)seg->num_experts * N);
+    if (seg->max_rows_per_expert < 0)
+        return mf__gemm_decline(&g_family, "max_rows_per_expert %d < 0", seg->max_rows_per_expert);
+    if (seg->num_experts > 0 && (!seg->counts || !seg->offsets))
+        return mf__gemm_decline(&g_family, "counts / offsets NULL");
     return MF_SUCCESS;
 }
 
@@ -132,7 +138,8 @@ mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int
                    const void *a, decode_params *p, cudaStream_t stream, int32_t pdl) {
     const int block_t = block_t_for(seg->rows_hint, seg->max_rows_per_expert);
     const int vi = find_variant(fp8, swiglu, block_t, gather);
-    if (vi < 0) return mf__gemm_decline(&g_family, "no variant fp8 %d swiglu %d T %d gather %d", fp8, swiglu, block_t, gather);
+    if (vi < 0)
+        return mf__gemm_decline(&g_family, "no variant fp8 %d swiglu %d T %d gather %d", fp8, swiglu, block_t, gather);
     int dev = 0, sms = 0;
     MF_CHECK(mf__gemm_configure(&g_family, who, &dev, &sms));
     MF_CHECK(mf__gemm_require(&g_family, dev, vi));
@@ -167,17 +174,23 @@ mf_result_t mf__sm90_decode_w13_swiglu(const mf__gemm_segments_t *seg, int32_t d
     const int64_t N = 2 * (int64_t)I, K = H;
     const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
     MF_CHECK(check_shape(seg, dtype, 1, N, K));
-    if (!mf__gemm_aligned(w13.data, kDataAlign) || !w13.data || !h || !mf__gemm_aligned(h, kDataAlign)) return mf__gemm_decline(&g_family, "w13 / h not 16-byte aligned");
-    if (fp8 && (!w13.scales || !h_scales || !mf__gemm_aligned(w13.scales, kScaleAlign) || !mf__gemm_aligned(h_scales, kScaleAlign)))
+    if (!mf__gemm_aligned(w13.data, kMfGemmDataAlign) || !w13.data || !h || !mf__gemm_aligned(h, kMfGemmDataAlign))
+        return mf__gemm_decline(&g_family, "w13 / h not 16-byte aligned");
+    if (fp8 && (!w13.scales || !h_scales || !mf__gemm_aligned(w13.scales, kMfGemmScaleAlign) ||
+                !mf__gemm_aligned(h_scales, kMfGemmScaleAlign)))
         return mf__gemm_decline(&g_family, "FP8 scales missing or misaligned");
     if (a.gather) {
         const mf__gemm_gather_t *g = a.gather;
-        if (!g->src || g->x % kDataAlign || (fp8 && g->scales % kScaleAlign)) return mf__gemm_decline(&g_family, "gather offsets misaligned");
+        if (!g->src || g->x % kMfGemmDataAlign || (fp8 && g->scales % kMfGemmScaleAlign))
+            return mf__gemm_decline(&g_family, "gather offsets misaligned");
         for (int r = 0; r < MF_MAX_RANKS; r++)
-            if (!mf__gemm_aligned(g->heap[r], kDataAlign)) return mf__gemm_decline(&g_family, "gather heap %d not 16-byte aligned", r);
+            if (!mf__gemm_aligned(g->heap[r], kMfGemmDataAlign))
+                return mf__gemm_decline(&g_family, "gather heap %d not 16-byte aligned", r);
     } else {
-        if (!a.data || !mf__gemm_aligned(a.data, kDataAlign)) return mf__gemm_decline(&g_family, "a not 16-byte aligned");
-        if (fp8 && (!a.scales || !mf__gemm_aligned(a.scales, kScaleAlign))) return mf__gemm_decline(&g_family, "FP8 a.scales missing or misaligned");
+        if (!a.data || !mf__gemm_aligned(a.data, kMfGemmDataAlign))
+            return mf__gemm_decline(&g_family, "a not 16-byte aligned");
+        if (fp8 && (!a.scales || !mf__gemm_aligned(a.scales, kMfGemmScaleAlign)))
+            return mf__gemm_decline(&g_family, "FP8 a.scales missing or misaligned");
     }
     if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) return MF_SUCCESS;
 

@@ -80,20 +80,27 @@ mf__gemm_family_t g_family = {kMfGemmFamilyTma, kLaunchRegs, variant_count, vari
 /* The checks shared by both GEMMs; `N` weight rows per expert, `K` reduction elements. */
 mf_result_t check_shape(const mf__gemm_segments_t *seg, int32_t dtype, int swiglu, int64_t N, int64_t K) {
     if (!seg) return mf__gemm_decline(&g_family, "no segments");
-    if (dtype != MF_DTYPE_FP8_E4M3 && dtype != MF_DTYPE_BF16) return mf__gemm_decline(&g_family, "dtype %d is not BF16 or FP8 E4M3", dtype);
+    if (dtype != MF_DTYPE_FP8_E4M3 && dtype != MF_DTYPE_BF16)
+        return mf__gemm_decline(&g_family, "dtype %d is not BF16 or FP8 E4M3", dtype);
     const int fp8 = dtype == MF_DTYPE_FP8_E4M3, esz = fp8 ? 1 : 2;
     if (N <= 0 || N % kTileN)
-        return mf__gemm_decline(&g_family, "%s = %lld is not a positive multiple of %d", swiglu ? "2I" : "H", (long long)N, kTileN);
-    if (K <= 0 || (K * esz) % kDataAlign || (fp8 && K % MF__QUANT_BLOCK))
-        return mf__gemm_decline(&g_family, "K = %lld: rows must be 16-byte multiples (FP8: K a multiple of %d)", (long long)K, MF__QUANT_BLOCK);
+        return mf__gemm_decline(&g_family, "%s = %lld is not a positive multiple of %d", swiglu ? "2I" : "H",
+                                (long long)N, kTileN);
+    if (K <= 0 || (K * esz) % kMfGemmDataAlign || (fp8 && K % MF__QUANT_BLOCK))
+        return mf__gemm_decline(&g_family, "K = %lld: rows must be 16-byte multiples (FP8: K a multiple of %d)",
+                                (long long)K, MF__QUANT_BLOCK);
     if (seg->num_experts < 0 || seg->num_experts > kMaxExperts)
         return mf__gemm_decline(&g_family, "L = %d outside [0, %d]", seg->num_experts, kMaxExperts);
     if ((int64_t)seg->num_experts * N > kMaxRowCoord)
-        return mf__gemm_decline(&g_family, "L * N = %lld rows exceed int32 TMA coordinates", (long long)seg->num_experts * N);
-    if (seg->max_rows_per_expert < 0) return mf__gemm_decline(&g_family, "max_rows_per_expert %d < 0", seg->max_rows_per_expert);
-    if (seg->num_experts > 0 && (!seg->counts || !seg->offsets)) return mf__gemm_decline(&g_family, "counts / offsets NULL");
+        return mf__gemm_decline(&g_family, "L * N = %lld rows exceed int32 TMA coordinates",
+                                (long long)seg->num_experts * N);
+    if (seg->max_rows_per_expert < 0)
+        return mf__gemm_decline(&g_family, "max_rows_per_expert %d < 0", seg->max_rows_per_expert);
+    if (seg->num_experts > 0 && (!seg->counts || !seg->offsets))
+        return mf__gemm_decline(&g_family, "counts / offsets NULL");
     const int64_t tiles = (int64_t)seg->num_experts * ((seg->max_rows_per_expert + kBlockM - 1) / kBlockM) * (N / kTileN);
-    if (tiles > kMaxRowCoord) return mf__gemm_decline(&g_family, "%lld tiles exceed the kernel's int32 tile index", (long long)tiles);
+    if (tiles > kMaxRowCoord)
+        return mf__gemm_decline(&g_family, "%lld tiles exceed the kernel's int32 tile index", (long long)tiles);
     return MF_SUCCESS;
 }
 
@@ -122,8 +129,11 @@ mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int
                                  args),
                  who);
     mf__gemm_report_launch(&g_family, "tma %s %s%s (%d-row tiles, %d stages, %d B smem, grid %d)", fp8 ? "fp8" : "bf16",
-                 swiglu ? "swiglu" : "plain", vi == 6 ? " no overlap (lab A/B)" : kVariants[vi].ordered || !fp8 ? "" : " unordered (lab A/B)", kBlockM, kStages,
-                 kSmemBytes, grid);
+                           swiglu ? "swiglu" : "plain",
+                           vi == 6                         ? " no overlap (lab A/B)"
+                           : kVariants[vi].ordered || !fp8 ? ""
+                                                           : " unordered (lab A/B)",
+                           kBlockM, kStages, kSmemBytes, grid);
     return MF_SUCCESS;
 }
 
@@ -133,15 +143,16 @@ mf_result_t mf__sm90_tma_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtyp
                                     mf__gemm_operand_t w13, int32_t H, int32_t I, void *h, float *h_scales,
                                     cudaStream_t stream, int32_t pdl) {
     static const char *who = "mf__sm90_tma_w13_swiglu";
-    if (a.gather) return mf__gemm_decline(&g_family, "a.gather: TMA cannot gather rows (the dispatcher sends gathers elsewhere)");
+    if (a.gather)
+        return mf__gemm_decline(&g_family, "a.gather: TMA cannot gather rows (the dispatcher sends gathers elsewhere)");
     const int64_t N = 2 * (int64_t)I, K = H;
     const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
     MF_CHECK(check_shape(seg, dtype, 1, N, K));
-    if (!a.data || !w13.data || !h || !mf__gemm_aligned(a.data, kDataAlign) || !mf__gemm_aligned(w13.data, kDataAlign) ||
-        !mf__gemm_aligned(h, kDataAlign))
+    if (!a.data || !w13.data || !h || !mf__gemm_aligned(a.data, kMfGemmDataAlign) ||
+        !mf__gemm_aligned(w13.data, kMfGemmDataAlign) || !mf__gemm_aligned(h, kMfGemmDataAlign))
         return mf__gemm_decline(&g_family, "a / w13 / h missing or not 16-byte aligned");
-    if (fp8 && (!a.scales || !w13.scales || !h_scales || !mf__gemm_aligned(a.scales, kScaleAlign) ||
-                !mf__gemm_aligned(w13.scales, kScaleAlign) || !mf__gemm_aligned(h_scales, kScaleAlign)))
+    if (fp8 && (!a.scales || !w13.scales || !h_scales || !mf__gemm_aligned(a.scales, kMfGemmScaleAlign) ||
+                !mf__gemm_aligned(w13.scales, kMfGemmScaleAlign) || !mf__gemm_aligned(h_scales, kMfGemmScaleAlign)))
         return mf__gemm_decline(&g_family, "FP8 scales missing or misaligned");
     if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) return MF_SUCCESS;
 

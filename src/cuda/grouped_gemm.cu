@@ -89,7 +89,7 @@ mf_result_t check_common(const char *who, const mf__gemm_segments_t *seg, int32_
 
 mf_result_t check_data(const char *who, const char *name, const void *p) {
     MF_REQUIRE(p, "%s: %s must not be NULL", who, name);
-    MF_REQUIRE(aligned(p, MF__DATA_ALIGN), "%s: %s (%p) must be %d-byte aligned", who, name, p, MF__DATA_ALIGN);
+    MF_REQUIRE(aligned(p, kMfGemmDataAlign), "%s: %s (%p) must be %d-byte aligned", who, name, p, kMfGemmDataAlign);
     return MF_SUCCESS;
 }
 
@@ -304,8 +304,8 @@ mf_result_t mf__cuda_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__gemm_
         MF_REQUIRE(ret->src, "%s: ret->src must not be NULL", who);
         MF_REQUIRE(ret->num_topk > 0, "%s: ret->num_topk (%d) must be positive", who, ret->num_topk);
         for (int r = 0; r < MF_MAX_RANKS; r++)
-            MF_REQUIRE(aligned(ret->slots[r], MF__DATA_ALIGN), "%s: ret->slots[%d] (%p) must be %d-byte aligned", who,
-                       r, (void *)ret->slots[r], MF__DATA_ALIGN);
+            MF_REQUIRE(aligned(ret->slots[r], kMfGemmDataAlign), "%s: ret->slots[%d] (%p) must be %d-byte aligned", who,
+                       r, (void *)ret->slots[r], kMfGemmDataAlign);
     } else {
         MF_CHECK(check_data(who, "out", out));
     }
