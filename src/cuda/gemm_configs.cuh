@@ -14,8 +14,10 @@
  * bound that selects the decode family, is in cuda/configs.cuh with the dataflow it also decides.
  *
  * Families: mf__decode (kernels/sm90_decode_gemm.cuh, gemm_decode.cu: weights as the wgmma A
- * operand, T <= 64 tokens per tile), mf__tma (kernels/sm90_tma_gemm.cuh, gemm_tma.cu: 128-row
- * tiles), mf__gemm (kernels/sm90_grouped_gemm.cuh, grouped_gemm.cu: the mma.sync fallback, v1).
+ * operand, T <= 64 tokens per tile) and mf__tma (kernels/sm90_tma_gemm.cuh, gemm_tma.cu: 128-row
+ * tiles), both on the shared sm90 core mf__sm90 (kernels/sm90_core.cuh: the thread roles and
+ * register split, box and K-block sizes, the wait bound, which both namespaces import); mf__gemm
+ * (kernels/sm90_grouped_gemm.cuh, grouped_gemm.cu: the mma.sync fallback, v1).
  * Changing a number here changes kernels: validate with the labs (make test-gpu) and re-measure.
  */
 #ifndef MF_CUDA_GEMM_CONFIGS_CUH
@@ -40,9 +42,9 @@ static constexpr int kMfGemmMaxVariants = 62; /* variants of one family: one usa
 static constexpr int kMfGemmDataAlign = 16;   /* operand rows and bases: TMA, cp.async, 16-byte stores */
 static constexpr int kMfGemmScaleAlign = 4;   /* FP8 scales: 4-byte cp.async */
 
-/* ---- decode family (kernels/sm90_decode_gemm.cuh, gemm_decode.cu) -------------------------------- */
+/* ---- the sm90 core both families share (kernels/sm90_core.cuh) ----------------------------------- */
 
-namespace mf__decode {
+namespace mf__sm90 {
 
 constexpr int kThreads = 3 * kMfWarpgroupThreads;         /* WG 0 producer, WG 1-2 consumers */
 constexpr int kConsumerThreads = 2 * kMfWarpgroupThreads;
@@ -53,24 +55,33 @@ constexpr int kConsumerRegs = 232;
 static_assert(kProducerRegs * kMfWarpgroupThreads + kConsumerRegs * kConsumerThreads <= kLaunchRegs * kThreads,
               "setmaxnreg.inc would wait forever for registers the CTA does not have");
 
-constexpr int kWgRows = 64;                               /* weight rows per consumer warpgroup per box */
-constexpr int kBoxRows = 2 * kWgRows;                     /* 128 rows per weight box (= scale block) */
-constexpr int kKBlock = 128;                              /* K bytes per K block (FP8: one scale block) */
+constexpr int kWgRows = 64;                               /* wgmma M: rows per consumer warpgroup */
+constexpr int kBoxRows = 2 * kWgRows;                     /* weight rows per TMA box = FP8 scale block */
+constexpr int kKBlock = 128;                              /* K bytes per stage (FP8: one scale block) */
 constexpr int kBoxBytes = kBoxRows * kKBlock;             /* 16 KB */
-constexpr int kWgOperandBytes = kWgRows * kKBlock;        /* 8 KB: warpgroup g's A operand at 8 KB g */
+constexpr int kWgOperandBytes = kWgRows * kKBlock;        /* 8 KB: warpgroup g's operand at 8 KB g */
 constexpr int kKStepBytes = 32;                           /* K bytes per wgmma: BF16 k16, E4M3 k32 */
 constexpr int kKSteps = kKBlock / kKStepBytes;            /* 4 */
+constexpr int kChunk = 16;                                /* bytes per cp.async, staging chunk and store */
+constexpr int kSmemLimit = 227 * 1024;                    /* dynamic smem per block on sm_90 */
+constexpr int32_t kMaxRowCoord = 0x7fffffff;              /* rows of the activation tensor maps ("place_block") */
+constexpr uint64_t kWaitTimeoutNs = 20000000000ull;       /* 20 s: see "Bounded waits" in the kernel headers */
+
+} /* namespace mf__sm90 */
+
+/* ---- decode family (kernels/sm90_decode_gemm.cuh, gemm_decode.cu) -------------------------------- */
+
+namespace mf__decode {
+
+using namespace mf__sm90;
+
 constexpr int kTileCols = kBoxRows;                       /* output (or h) columns per tile */
 constexpr int kMaxExperts = 512;                          /* shared-memory tables */
 constexpr int kMaxStages = 16;
-constexpr int kSmemLimit = 227 * 1024;                    /* dynamic smem per block on sm_90 */
 constexpr int kScalePad = 4;                              /* w_scale slots after a K block's a_scales */
 constexpr int kEpiPadBytes = 16;                          /* staging row pad (bank spread) */
 constexpr int kBarEpilogue = 1;                           /* named barrier of the 256 consumer threads */
-constexpr int kChunk = 16;                                /* bytes per cp.async and per epilogue store */
 constexpr int kChunksPerKBlock = kKBlock / kChunk;        /* 8 chunks of an activation row per K block */
-constexpr int32_t kMaxRowCoord = 0x7fffffff;              /* rows of the activation tensor map (kernels/sm90_decode_gemm.cuh) */
-constexpr uint64_t kWaitTimeoutNs = 20000000000ull;       /* 20 s: see "Bounded waits" in kernels/sm90_decode_gemm.cuh */
 
 /* gemm_decode.cu */
 constexpr int kMaxVariants = 32; /* variant table (<= kMfGemmMaxVariants) */
@@ -81,42 +92,22 @@ constexpr int kMaxVariants = 32; /* variant table (<= kMfGemmMaxVariants) */
 
 namespace mf__tma {
 
-constexpr int kThreads = 3 * kMfWarpgroupThreads;          /* WG 0 producer, WG 1-2 consumers */
-constexpr int kConsumerThreads = 2 * kMfWarpgroupThreads;
-constexpr int kConsumerWarps = kConsumerThreads / 32;
-constexpr int kLaunchRegs = 168;                           /* 65536 / 384, rounded down to 8 */
-constexpr int kProducerRegs = 40;
-constexpr int kConsumerRegs = 232;
-static_assert(kProducerRegs * kMfWarpgroupThreads + kConsumerRegs * kConsumerThreads <= kLaunchRegs * kThreads,
-              "setmaxnreg.inc would wait forever for registers the CTA does not have");
+using namespace mf__sm90;
 
 constexpr int kBlockM = 128;                               /* receive rows per tile */
-constexpr int kWgRows = 64;                                /* rows per consumer warpgroup (wgmma M) */
 constexpr int kWarpRows = 16;                              /* rows per consumer warp */
-constexpr int kBoxRows = 128;                              /* weight rows per TMA box = FP8 scale block */
 constexpr int kBoxes = 2;                                  /* weight boxes per tile */
 constexpr int kTileN = kBoxes * kBoxRows;                  /* accumulator columns per tile */
 constexpr int kHCols = kBoxRows;                           /* h columns per swiglu tile */
-constexpr int kKBlock = 128;                               /* K bytes per stage */
-constexpr int kKStepBytes = 32;                            /* K bytes per wgmma: BF16 k16, E4M3 k32 */
-constexpr int kKSteps = kKBlock / kKStepBytes;             /* 4 */
 constexpr int kABytes = kBlockM * kKBlock;                 /* 16 KB */
-constexpr int kBoxBytes = kBoxRows * kKBlock;              /* 16 KB */
 constexpr int kStageBytes = kABytes + kBoxes * kBoxBytes;  /* 48 KB of TMA per stage */
 constexpr int kStages = 4;
-constexpr int kWgOperandBytes = kWgRows * kKBlock;         /* 8 KB: warpgroup g's A operand at 8 KB g */
 constexpr int kAcc = kTileN / 2;                           /* accumulators per consumer thread */
 constexpr int kBoxAcc = kBoxRows / 2;                      /* ... per weight box */
-constexpr int kChunk = 16;                                 /* bytes per staging chunk and global store */
 constexpr int kEpiRowBytes = 128;                          /* staging row: 64 BF16 or 128 FP8 columns */
 constexpr int kEpiWarpBytes = kWarpRows * kEpiRowBytes;    /* 2 KB staging per consumer warp */
 constexpr int kWScaleSlots = 4;                            /* w_scale floats per stage (2 used) */
 constexpr int kMaxExperts = 1024;                          /* shared-memory tables */
-constexpr int kSmemLimit = 227 * 1024;                     /* dynamic smem per block on sm_90 */
-constexpr int32_t kMaxRowCoord = 0x7fffffff;               /* rows of the activation tensor map (kernels/sm90_tma_gemm.cuh) */
-constexpr uint64_t kWaitTimeoutNs = 20000000000ull;        /* 20 s: see "Bounded waits" in kernels/sm90_tma_gemm.cuh */
-
-/* gemm_tma.cu */
 
 } /* namespace mf__tma */
 

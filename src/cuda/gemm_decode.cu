@@ -135,7 +135,7 @@ int grid_of(const mf__gemm_segments_t *seg, int64_t N, int swiglu, int block_t, 
 
 /* Picks the variant, encodes the weight map (and the contiguous activation map) and launches. */
 mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int swiglu, int gather, const void *w,
-                   const void *a, decode_params *p, cudaStream_t stream, int32_t pdl) {
+                   const void *a, gemm_params *p, cudaStream_t stream, int32_t pdl) {
     const int block_t = block_t_for(seg->rows_hint, seg->max_rows_per_expert);
     const int vi = find_variant(fp8, swiglu, block_t, gather);
     if (vi < 0)
@@ -194,20 +194,7 @@ mf_result_t mf__sm90_decode_w13_swiglu(const mf__gemm_segments_t *seg, int32_t d
     }
     if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) return MF_SUCCESS;
 
-    decode_params p;
-    memset(&p, 0, sizeof p);
-    p.counts = seg->counts;
-    p.offsets = seg->offsets;
-    p.a_scales = a.gather ? NULL : a.scales;
-    p.w_scales = w13.scales;
-    p.out = (uint8_t *)h;
-    p.out_scales = h_scales;
-    if (a.gather) p.gather = *a.gather;
-    p.num_experts = seg->num_experts;
-    p.max_rows = seg->max_rows_per_expert;
-    p.N = (int32_t)N;
-    p.K = (int32_t)K;
-    p.ue8m0 = ue8m0 ? 1 : 0;
+    gemm_params p = w13_params(seg, ue8m0, a, w13, H, I, h, h_scales);
     return launch(who, seg, fp8, 1, a.gather ? 1 : 0, w13.data, a.data, &p, stream, pdl);
 }
 
@@ -221,21 +208,7 @@ mf_result_t mf__sm90_decode_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf
     MF_CHECK(mf__gemm_check_w2_args(&g_family, fp8, h, w2, out, ret));
     if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) return MF_SUCCESS;
 
-    decode_params p;
-    memset(&p, 0, sizeof p);
-    p.counts = seg->counts;
-    p.offsets = seg->offsets;
-    p.a_scales = h.scales;
-    p.w_scales = w2.scales;
-    p.out = (uint8_t *)out;
-    if (ret) {
-        p.ret = *ret;
-        p.use_ret = 1;
-    }
-    p.num_experts = seg->num_experts;
-    p.max_rows = seg->max_rows_per_expert;
-    p.N = (int32_t)N;
-    p.K = (int32_t)K;
+    gemm_params p = w2_params(seg, h, w2, H, I, out, ret);
     return launch(who, seg, fp8, 0, 0, w2.data, h.data, &p, stream, pdl);
 }
 

@@ -106,7 +106,7 @@ mf_result_t check_shape(const mf__gemm_segments_t *seg, int32_t dtype, int swigl
 
 /* Encodes the tensor maps and launches variant (fp8, swiglu) on a persistent grid. */
 mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int swiglu, const void *a, const void *w,
-                   tma_params *p, cudaStream_t stream, int32_t pdl) {
+                   gemm_params *p, cudaStream_t stream, int32_t pdl) {
     int dev = 0, sms = 0;
     MF_CHECK(mf__gemm_configure(&g_family, who, &dev, &sms));
     const int lab = fp8 ? g_lab_variant.load() : kMfTmaLabShipped;
@@ -156,19 +156,7 @@ mf_result_t mf__sm90_tma_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtyp
         return mf__gemm_decline(&g_family, "FP8 scales missing or misaligned");
     if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) return MF_SUCCESS;
 
-    tma_params p;
-    memset(&p, 0, sizeof p);
-    p.counts = seg->counts;
-    p.offsets = seg->offsets;
-    p.a_scales = a.scales;
-    p.w_scales = w13.scales;
-    p.out = (uint8_t *)h;
-    p.out_scales = h_scales;
-    p.num_experts = seg->num_experts;
-    p.max_rows = seg->max_rows_per_expert;
-    p.N = (int32_t)N;
-    p.K = (int32_t)K;
-    p.ue8m0 = ue8m0 ? 1 : 0;
+    gemm_params p = w13_params(seg, ue8m0, a, w13, H, I, h, h_scales);
     return launch(who, seg, fp8, 1, a.data, w13.data, &p, stream, pdl);
 }
 
@@ -182,21 +170,7 @@ mf_result_t mf__sm90_tma_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__g
     MF_CHECK(mf__gemm_check_w2_args(&g_family, fp8, h, w2, out, ret));
     if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) return MF_SUCCESS;
 
-    tma_params p;
-    memset(&p, 0, sizeof p);
-    p.counts = seg->counts;
-    p.offsets = seg->offsets;
-    p.a_scales = h.scales;
-    p.w_scales = w2.scales;
-    p.out = (uint8_t *)out;
-    if (ret) {
-        p.ret = *ret;
-        p.use_ret = 1;
-    }
-    p.num_experts = seg->num_experts;
-    p.max_rows = seg->max_rows_per_expert;
-    p.N = (int32_t)N;
-    p.K = (int32_t)K;
+    gemm_params p = w2_params(seg, h, w2, H, I, out, ret);
     return launch(who, seg, fp8, 0, h.data, w2.data, &p, stream, pdl);
 }
 

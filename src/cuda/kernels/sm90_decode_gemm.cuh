@@ -102,22 +102,20 @@
 #include "core/numerics.h"
 #include "cuda/gemm_configs.cuh"
 #include "cuda/grouped_gemm.h"
+#include "cuda/kernels/sm90_core.cuh"
 #include "cuda/kernels/sm90_ptx.cuh"
 
 namespace mf__decode {
 
 enum { kEpiPlain = 0, kEpiSwiglu = 1 };
 
-/* Threads, registers, tile sizes, table sizes and the wait bound: cuda/gemm_configs.cuh. */
-enum { kTagProducerEmpty = 1, kTagConsumerFull = 2 };     /* fault-record tags of the two waits */
+/* Threads, registers, tile sizes, table sizes and the wait bound: cuda/gemm_configs.cuh. Params,
+ * tables, tile walk, ring, roles and row targets: the shared core, kernels/sm90_core.cuh. */
 
 static_assert(kKBlock == kMfSwizzleBytes, "a K block is one 128B-swizzle row");
 static_assert(kKBlock == MF__QUANT_BLOCK, "an FP8 K block must be exactly one scale block");
 static_assert(kTileCols == MF__QUANT_BLOCK, "a swiglu tile must hold whole FP8 h scale blocks");
 static_assert(kWgOperandBytes % kMfSwizzleAtomBytes == 0, "wgmma operands must start on a swizzle atom");
-
-__host__ __device__ constexpr int align_up(int x, int a) { return (x + a - 1) / a * a; }
-__host__ __device__ constexpr int min_int(int a, int b) { return a < b ? a : b; }
 
 /* Compile-time tile parameters and the shared-memory map. */
 template <bool kFp8, int kEpi, int kBlockT>
@@ -155,56 +153,10 @@ struct cfg {
     static_assert(kEpiRowBytes % kChunk == 0, "staging rows must be 16-byte aligned");
 };
 
-/* One struct per kernel, passed by value (__grid_constant__: the tensor maps stay in param space). */
-struct decode_params {
-    CUtensorMap tmap_w;        /* weights [L * N, K], box [128 rows, 128 bytes], 128B swizzle */
-    CUtensorMap tmap_a;        /* contiguous activations [kMaxRowCoord, K], box [kBlockT, 128 B] */
-    const int32_t *counts;     /* [L] device: rows of each expert */
-    const int32_t *offsets;    /* [L] device: first receive row of each expert */
-    const float *a_scales;     /* FP8, contiguous: [rows, K/128] */
-    const float *w_scales;     /* FP8: [L, N/128, K/128] */
-    uint8_t *out;              /* plain: [rows, N] BF16 (unless use_ret); swiglu: [rows, N/2] BF16 or FP8 */
-    float *out_scales;         /* swiglu FP8: [rows, N/256] */
-    mf__gemm_gather_t gather;  /* kGather: rows and FP8 scales read at their owners */
-    mf__gemm_return_t ret;     /* plain with use_ret: rows to the owners' combine slots */
-    int32_t use_ret;
-    int32_t num_experts;       /* L */
-    int32_t max_rows;          /* counts are clamped to [0, max_rows] */
-    int32_t N, K;              /* weight rows per expert, reduction elements */
-    int32_t ue8m0;             /* swiglu FP8: power-of-two h scales */
-};
-
-/* One tile of work: expert, n-block, receive row of column 0, first column of the tile's rows. */
-struct tile_t {
-    int32_t e, nb, row0, lo;
-};
-
-/* Shared-memory tables built at kernel start. */
-struct tables_t {
-    int32_t *rows;   /* [L] clamped counts */
-    int32_t *row0;   /* [L] offsets */
-    int32_t *first;  /* [L + 1] first tile of each expert; first[L] = number of tiles */
-};
-
-/* Tile `idx` of the walk (monotonic idx; `e` is the walker's cursor, starting at 0). */
-template <int kBlockT>
-__device__ __forceinline__ bool next_tile(const tables_t &tb, int32_t L, int32_t idx, int32_t &e, tile_t &t) {
-    if (idx >= tb.first[L]) return false;
-    while (tb.first[e + 1] <= idx) e++;
-    const int32_t rows = tb.rows[e], blocks = (rows + kBlockT - 1) / kBlockT, local = idx - tb.first[e];
-    const int32_t tok = local % blocks, left = rows - tok * kBlockT;
-    t.e = e;
-    t.nb = local / blocks;
-    /* a partial last block ends at the expert's last row (see "Token blocks" at the top) */
-    t.lo = left < kBlockT ? kBlockT - left : 0;
-    t.row0 = tb.row0[e] + tok * kBlockT - t.lo;
-    return true;
-}
-
 /* ---- producer: one warp; lane 0 issues the TMA, all lanes the cp.asyncs ----------------------- */
 
 template <bool kFp8, int kEpi, int kBlockT, bool kGather>
-__device__ __forceinline__ void producer(const decode_params &p, const tables_t &tb, uint8_t *stages, float *scales,
+__device__ __forceinline__ void producer(const gemm_params &p, const tables_t &tb, uint8_t *stages, float *scales,
                                          uint64_t *full, uint64_t *empty) {
     using C = cfg<kFp8, kEpi, kBlockT>;
     constexpr bool kCpAsync = kFp8 || kGather;                  /* lanes arrive on full[] */
@@ -215,14 +167,11 @@ __device__ __forceinline__ void producer(const decode_params &p, const tables_t 
     const int32_t half = p.N / 2;                              /* swiglu: first up row */
     const uint64_t pol_w = mf__l2_policy(kMfL2EvictFirst);    /* weights: read once */
     const uint64_t pol_a = mf__l2_policy(kMfL2EvictLast);     /* activations: read by every n-block */
-    if (lane == 0) {
-        mf__prefetch_tensormap(&p.tmap_w);
-        if constexpr (!kGather) mf__prefetch_tensormap(&p.tmap_a);
-    }
+    if (lane == 0) prefetch_maps<!kGather>(p);
     uint32_t it = 0;
     int32_t cursor = 0;
     tile_t t;
-    for (int32_t idx = (int32_t)blockIdx.x; next_tile<kBlockT>(tb, p.num_experts, idx, cursor, t);
+    for (int32_t idx = (int32_t)blockIdx.x; next_tile<kBlockT, kRowsInner>(tb, p.num_experts, 0, idx, cursor, t);
          idx += (int32_t)gridDim.x) {
         /* weight rows of box b (gate, up) and its scale row */
         const int32_t wrow0 = t.e * p.N + t.nb * kBoxRows;
@@ -234,7 +183,7 @@ __device__ __forceinline__ void producer(const decode_params &p, const tables_t 
 #pragma unroll
         for (int i = 0; i < C::kRowsPerLane; i++) {
             const int j = lane + 32 * i;
-            const int32_t row = t.row0 + (j < t.lo ? t.lo : (j < kBlockT ? j : kBlockT - 1));
+            const int32_t row = clamp_row<kBlockT>(t, j);
             arow[i] = NULL;
             srow[i] = p.a_scales;
             if constexpr (kGather) {
@@ -248,8 +197,8 @@ __device__ __forceinline__ void producer(const decode_params &p, const tables_t 
             }
         }
         for (int32_t kb = 0; kb < kblocks; kb++, it++) {
-            const uint32_t slot = it % C::kStages;
-            mf__mbar_wait_bounded(&empty[slot], ((it / C::kStages) & 1u) ^ 1u, kTagProducerEmpty, kWaitTimeoutNs);
+            const uint32_t slot = ring<C::kStages>::slot(it);
+            ring<C::kStages>::wait_empty(empty, it);
             uint8_t *st = stages + slot * C::kStageBytes;
             uint8_t *act = st + C::kWeightBytes;
             if constexpr (kFp8) {
@@ -297,7 +246,7 @@ __device__ __forceinline__ void producer(const decode_params &p, const tables_t 
 /* Staging tile -> output rows of columns [lo, kBlockT), columns [nb 128, nb 128 + 128) of the row,
  * 16 bytes per store: out[row0 + token], or (plain with ret) the owner's combine slot. */
 template <int kEpi, int kBlockT, int kOutEsz, int kEpiRowBytes>
-__device__ __forceinline__ void store_tile(const decode_params &p, const uint8_t *epi, int64_t out_ld, const tile_t &t,
+__device__ __forceinline__ void store_tile(const gemm_params &p, const uint8_t *epi, int64_t out_ld, const tile_t &t,
                                            int ctid) {
     constexpr int kChunksPerRow = kTileCols * kOutEsz / kChunk;
     const int64_t col_bytes = (int64_t)t.nb * kTileCols * kOutEsz;
@@ -305,24 +254,14 @@ __device__ __forceinline__ void store_tile(const decode_params &p, const uint8_t
     for (int c = ctid; c < kBlockT * kChunksPerRow; c += kConsumerThreads) {
         const int token = c / kChunksPerRow, ch = c % kChunksPerRow;
         if (token < t.lo) continue;
-        const int64_t row = (int64_t)t.row0 + token;
         uint8_t *dst;
-        if (kEpi == kEpiPlain && p.use_ret) {
-            const int32_t *src = p.ret.src + 3 * row;
-            const int32_t rank = src[0], owner_token = src[1], k = src[2];
-            if ((uint32_t)rank >= (uint32_t)MF_MAX_RANKS || owner_token < 0 || k < 0 || k >= p.ret.num_topk) continue;
-            uint16_t *slots = p.ret.slots[rank];
-            if (!slots) continue;
-            dst = (uint8_t *)(slots + ((int64_t)owner_token * p.ret.num_topk + k) * out_ld);
-        } else {
-            dst = p.out + row * out_ld * kOutEsz;
-        }
-        *(uint4 *)(dst + col_bytes + ch * kChunk) = *(const uint4 *)(epi + token * kEpiRowBytes + ch * kChunk);
+        if (row_target<kEpi == kEpiPlain>(p, (int64_t)t.row0 + token, out_ld * kOutEsz, col_bytes + ch * kChunk, dst))
+            *(uint4 *)dst = *(const uint4 *)(epi + token * kEpiRowBytes + ch * kChunk);
     }
 }
 
 template <bool kFp8, int kEpi, int kBlockT, bool kGather>
-__device__ __forceinline__ void consumer(const decode_params &p, const tables_t &tb, uint8_t *stages, const float *scales,
+__device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &tb, uint8_t *stages, const float *scales,
                                          uint8_t *epi, float *red, uint64_t *full, uint64_t *empty) {
     using C = cfg<kFp8, kEpi, kBlockT>;
     constexpr int kFrag = kBlockT / 2;          /* accumulators per thread per 64-row block */
@@ -345,7 +284,7 @@ __device__ __forceinline__ void consumer(const decode_params &p, const tables_t 
     uint32_t it = 0;
     int32_t cursor = 0;
     tile_t t;
-    for (int32_t idx = (int32_t)blockIdx.x; next_tile<kBlockT>(tb, p.num_experts, idx, cursor, t);
+    for (int32_t idx = (int32_t)blockIdx.x; next_tile<kBlockT, kRowsInner>(tb, p.num_experts, 0, idx, cursor, t);
          idx += (int32_t)gridDim.x) {
         float acc[C::kBoxes][kFrag];
 #pragma unroll
@@ -354,8 +293,8 @@ __device__ __forceinline__ void consumer(const decode_params &p, const tables_t 
             for (int i = 0; i < kFrag; i++) acc[b][i] = 0.0f;
 
         for (int32_t kb = 0; kb < kblocks; kb++, it++) {
-            const uint32_t slot = it % C::kStages;
-            mf__mbar_wait_bounded(&full[slot], (it / C::kStages) & 1u, kTagConsumerFull, kWaitTimeoutNs);
+            const uint32_t slot = ring<C::kStages>::slot(it);
+            ring<C::kStages>::wait_full(full, it);
             if constexpr (kGather) mf__fence_proxy_async_smem(); /* cp.async (generic) -> wgmma (async) */
             const uint64_t dslot = desc_stages + (uint64_t)((slot * C::kStageBytes) >> 4);
             uint64_t da[C::kBoxes];
@@ -408,8 +347,7 @@ __device__ __forceinline__ void consumer(const decode_params &p, const tables_t 
 #pragma unroll
                 for (int b = 0; b < C::kBoxes; b++) mf__fence_fragment<kBlockT>(acc[b]);
             }
-            __syncwarp();
-            if (lane == 0) mf__mbar_arrive(&empty[slot]); /* this warp is done with the stage */
+            release_stage(empty, slot, lane); /* this warp is done with the stage */
         }
 
         /* ---- epilogue ---- */
@@ -481,72 +419,29 @@ __device__ __forceinline__ void consumer(const decode_params &p, const tables_t 
 }
 
 template <bool kFp8, int kEpi, int kBlockT, bool kGather>
-__global__ void __launch_bounds__(kThreads, 1) sm90_decode_kernel(const __grid_constant__ decode_params p) {
+__global__ void __launch_bounds__(kThreads, 1) sm90_decode_kernel(const __grid_constant__ gemm_params p) {
     using C = cfg<kFp8, kEpi, kBlockT>;
     /* full[s]: the producer's arrive.expect_tx, + (FP8 or gathered rows) one cp.async arrival per
      * producer lane */
     constexpr uint32_t kFullArrivals = (kFp8 || kGather) ? 1 + 32 : 1;
     extern __shared__ uint8_t smem_raw[];
-    /* 128B-swizzled TMA boxes and wgmma operands need 1024-byte aligned shared addresses */
-    uint8_t *smem = smem_raw + ((kMfSwizzleAtomBytes - (mf__smem_addr(smem_raw) & (kMfSwizzleAtomBytes - 1))) &
-                                (kMfSwizzleAtomBytes - 1));
+    uint8_t *smem = smem_raw + align_pad(smem_raw);
     uint8_t *stages = smem + C::kOffStages;
     uint8_t *epi = smem + C::kOffEpi;
     float *scales = (float *)(smem + C::kOffScales);
     float *red = (float *)(smem + C::kOffRed);
-    tables_t tb;
-    tb.rows = (int32_t *)(smem + C::kOffTables);
-    tb.row0 = tb.rows + kMaxExperts;
-    tb.first = tb.row0 + kMaxExperts;
+    const tables_t tb = tables_at<kMaxExperts>(smem + C::kOffTables);
     uint64_t *full = (uint64_t *)(smem + C::kOffBars);
     uint64_t *empty = full + C::kStages;
-
-    /* ---- setup: barriers (they depend on no earlier kernel: under PDL they run while the previous
-     * kernel drains), then the expert tables from the plan's counts ---- */
-    const int L = p.num_experts;
     const int32_t nblocks = kEpi == kEpiSwiglu ? p.N / (2 * kTileCols) : p.N / kTileCols; /* n-blocks per expert */
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < C::kStages; s++) {
-            mf__mbar_init(&full[s], kFullArrivals);
-            mf__mbar_init(&empty[s], kConsumerWarps);
-        }
-        mf__fence_mbarrier_init();
-    }
-    mf__pdl_wait(); /* counts, offsets and the activations are the previous kernels' (cuda/pdl.cuh) */
-    mf__pdl_trigger();
-    for (int e = (int)threadIdx.x; e < L; e += kThreads) {
-        int32_t n = p.counts[e];
-        n = n < 0 ? 0 : (n > p.max_rows ? p.max_rows : n);
-        tb.rows[e] = n;
-        tb.row0[e] = p.offsets[e];
-    }
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        /* first[e] = sum of the tiles of experts < e: each lane sums a run of experts, then a warp scan */
-        const int lane = (int)threadIdx.x, per = (L + 31) / 32;
-        const int lo = min_int(L, lane * per), hi = min_int(L, lo + per);
-        int32_t local = 0;
-        for (int e = lo; e < hi; e++) local += tb.rows[e] > 0 ? nblocks * ((tb.rows[e] + kBlockT - 1) / kBlockT) : 0;
-        int32_t incl = local;
-#pragma unroll
-        for (int off = 1; off < 32; off <<= 1) {
-            const int32_t v = __shfl_up_sync(0xffffffffu, incl, off);
-            if (lane >= off) incl += v;
-        }
-        int32_t base = incl - local;
-        for (int e = lo; e < hi; e++) {
-            tb.first[e] = base;
-            base += tb.rows[e] > 0 ? nblocks * ((tb.rows[e] + kBlockT - 1) / kBlockT) : 0;
-        }
-        if (lane == 31) tb.first[L] = incl;
-    }
-    __syncthreads();
+    /* first[e]: the tiles of the experts < e (the producer prefetches the tensor maps) */
+    prologue<C::kStages, false>(p, full, empty, kFullArrivals, tb, [nblocks](int32_t rows) {
+        return rows > 0 ? nblocks * ((rows + kBlockT - 1) / kBlockT) : 0;
+    });
 
-    if (mf__warpgroup_id() == 0) {
-        mf__setmaxnreg_dec<kProducerRegs>();
+    if (producer_role()) {
         if (mf__warp_id() == 0) producer<kFp8, kEpi, kBlockT, kGather>(p, tb, stages, scales, full, empty);
     } else {
-        mf__setmaxnreg_inc<kConsumerRegs>();
         consumer<kFp8, kEpi, kBlockT, kGather>(p, tb, stages, scales, epi, red, full, empty);
     }
 }

@@ -106,14 +106,16 @@
 #include "core/numerics.h"
 #include "cuda/gemm_configs.cuh"
 #include "cuda/grouped_gemm.h"
+#include "cuda/kernels/sm90_core.cuh"
 #include "cuda/kernels/sm90_ptx.cuh"
 
 namespace mf__tma {
 
 enum { kEpiPlain = 0, kEpiSwiglu = 1 };
 
-/* Threads, registers, tile and stage sizes, table sizes and the wait bound: cuda/gemm_configs.cuh. */
-enum { kTagProducerEmpty = 1, kTagConsumerFull = 2 };      /* fault-record tags of the waits */
+/* Threads, registers, tile and stage sizes, table sizes and the wait bound: cuda/gemm_configs.cuh.
+ * Params, tables, tile walk, ring, roles and row targets: the shared core, kernels/sm90_core.cuh. */
+using ring_t = ring<kStages>;
 /* FP8 issue order (see "Issue order"): named barriers over the 256 consumer threads */
 enum { kBarIssued0 = 1,                                    /* WG 0 issued group i: WG 1 may issue group i */
        kBarIssued1 = 2 };                                  /* WG 1 issued group i: WG 0 may issue group i + 1 */
@@ -138,54 +140,9 @@ static_assert(kSmemBytes <= kSmemLimit, "shared memory map exceeds 227 KB");
 static_assert(kStages == 4, "slot = it & 3 below");
 static_assert(kBoxes == 2, "two weight boxes per tile: the code names them 0 and 1");
 
-/* One struct per kernel, passed by value (__grid_constant__: the tensor maps stay in param space). */
-struct tma_params {
-    CUtensorMap tmap_a;        /* activations [kMaxRowCoord, K], box [128 rows, 128 B], 128B swizzle */
-    CUtensorMap tmap_w;        /* weights [L * N, K], box [128 rows, 128 B], 128B swizzle */
-    const int32_t *counts;     /* [L] device: rows of each expert */
-    const int32_t *offsets;    /* [L] device: first receive row of each expert */
-    const float *a_scales;     /* FP8: [rows, K/128] */
-    const float *w_scales;     /* FP8: [L, N/128, K/128] */
-    uint8_t *out;              /* plain: [rows, N] BF16 (unless use_ret); swiglu: [rows, N/2] BF16 or FP8 */
-    float *out_scales;         /* swiglu FP8: [rows, N/256] */
-    mf__gemm_return_t ret;     /* plain with use_ret: rows to the owners' combine slots */
-    int32_t use_ret;
-    int32_t num_experts;       /* L */
-    int32_t max_rows;          /* counts are clamped to [0, max_rows] */
-    int32_t N, K;              /* weight rows per expert, reduction elements */
-    int32_t ue8m0;             /* swiglu FP8: power-of-two h scales */
-};
-
-/* One tile: expert, n-block, receive row of tile row 0, first tile row that belongs to the tile. */
-struct tile_t {
-    int32_t e, nb, row0, lo;
-};
-
-/* Shared-memory tables built at kernel start. */
-struct tables_t {
-    int32_t *rows;   /* [L] clamped counts */
-    int32_t *row0;   /* [L] offsets */
-    int32_t *first;  /* [L + 1] first m-block of each expert; first[L] = number of m-blocks */
-};
-
-/* Tile `idx` of the walk (monotonic idx; `e` is the walker's cursor, starting at 0). */
-__device__ __forceinline__ bool next_tile(const tables_t &tb, int32_t L, int32_t nblocks, int32_t idx, int32_t &e,
-                                          tile_t &t) {
-    const int32_t gm = idx / nblocks;
-    if (gm >= tb.first[L]) return false;
-    while (tb.first[e + 1] <= gm) e++;
-    const int32_t mb = gm - tb.first[e], left = tb.rows[e] - mb * kBlockM;
-    t.e = e;
-    t.nb = idx - gm * nblocks;
-    /* a partial last m-block ends at the expert's last row (see "Row shift" at the top) */
-    t.lo = left < kBlockM ? kBlockM - left : 0;
-    t.row0 = tb.row0[e] + mb * kBlockM - t.lo;
-    return true;
-}
-
 /* First weight row (of the [L * N, K] map) of box b of tile t. */
 template <int kEpi>
-__device__ __forceinline__ int32_t weight_row(const tma_params &p, const tile_t &t, int b) {
+__device__ __forceinline__ int32_t weight_row(const gemm_params &p, const tile_t &t, int b) {
     if (kEpi == kEpiSwiglu) return t.e * p.N + b * (p.N / 2) + t.nb * kBoxRows; /* b = 0 gate, 1 up */
     return t.e * p.N + t.nb * kTileN + b * kBoxRows;
 }
@@ -193,14 +150,14 @@ __device__ __forceinline__ int32_t weight_row(const tma_params &p, const tile_t 
 /* ---- producer: warp 0; lane 0 issues the TMA, FP8: all lanes copy the scales ---------------- */
 
 template <bool kFp8, int kEpi>
-__device__ __forceinline__ void producer(const tma_params &p, const tables_t &tb, int32_t nblocks, uint8_t *stages,
+__device__ __forceinline__ void producer(const gemm_params &p, const tables_t &tb, int32_t nblocks, uint8_t *stages,
                                          float *a_sc, float *w_sc, uint64_t *full, uint64_t *empty) {
     const int lane = (int)(threadIdx.x & 31);
     const int32_t kblocks = (p.K * (kFp8 ? 1 : 2) + kKBlock - 1) / kKBlock; /* FP8: K/128 scale columns */
     uint32_t it = 0;
     int32_t cursor = 0;
     tile_t t;
-    for (int32_t idx = (int32_t)blockIdx.x; next_tile(tb, p.num_experts, nblocks, idx, cursor, t);
+    for (int32_t idx = (int32_t)blockIdx.x; next_tile<kBlockM, kNInner>(tb, p.num_experts, nblocks, idx, cursor, t);
          idx += (int32_t)gridDim.x) {
         int32_t wrow[kBoxes];
 #pragma unroll
@@ -213,14 +170,13 @@ __device__ __forceinline__ void producer(const tma_params &p, const tables_t &tb
             const int32_t kbs = p.K / kKBlock;
 #pragma unroll
             for (int i = 0; i < kBlockM / 32; i++) {
-                const int j = lane + 32 * i;
-                srow[i] = p.a_scales + (int64_t)(t.row0 + (j < t.lo ? t.lo : j)) * kbs;
+                srow[i] = p.a_scales + (int64_t)clamp_row<kBlockM>(t, lane + 32 * i) * kbs;
             }
             if (lane < kBoxes) wsrc = p.w_scales + (int64_t)((lane == 0 ? wrow[0] : wrow[1]) / kBoxRows) * kbs;
         }
         for (int32_t kb = 0; kb < kblocks; kb++, it++) {
-            const uint32_t slot = it & (kStages - 1);
-            mf__mbar_wait_bounded(&empty[slot], ((it / kStages) & 1u) ^ 1u, kTagProducerEmpty, kWaitTimeoutNs);
+            const uint32_t slot = ring_t::slot(it);
+            ring_t::wait_empty(empty, it);
             if constexpr (kFp8) {
 #pragma unroll
                 for (int i = 0; i < kBlockM / 32; i++) mf__cp_async_4(a_sc + slot * kBlockM + lane + 32 * i, srow[i] + kb);
@@ -291,18 +247,15 @@ struct consumer_t {
     int row_lo;             /* tile row of acc[4j + 0, 1]; acc[4j + 2, 3] are row_lo + 8 */
 };
 
-__device__ __forceinline__ void release(const consumer_t &c, uint32_t slot) {
-    __syncwarp();
-    if (c.lane == 0) mf__mbar_arrive(&c.empty[slot]);
-}
+__device__ __forceinline__ void release(const consumer_t &c, uint32_t slot) { release_stage(c.empty, slot, c.lane); }
 
 /* FP8: one K block at ring position `it`; with kIssued, box 0's group is already in flight. */
 template <bool kOrdered, bool kFirst, bool kIssued>
 __device__ __forceinline__ void fp8_kblock(const consumer_t &c, float *acc, float *tmp, uint32_t it) {
-    const uint32_t slot = it & (kStages - 1);
+    const uint32_t slot = ring_t::slot(it);
     const uint64_t desc_st = mf__wgmma_desc_advance(c.desc_stages, slot * kStageBytes);
     if (!kIssued) {
-        mf__mbar_wait_bounded(&c.full[slot], (it / kStages) & 1u, kTagConsumerFull, kWaitTimeoutNs);
+        ring_t::wait_full(c.full, it);
         fp8_issue<kOrdered>(tmp, desc_st, c.wg, 0);
     }
     /* this stage's scales, read before the stage is released */
@@ -323,8 +276,8 @@ __device__ __forceinline__ void bf16_mainloop(const consumer_t &c, float *acc, u
     int32_t prev = -1;
     mf__fence_fragment<kTileN>(acc); /* the previous epilogue's reads of acc come first */
     for (int32_t kb = 0; kb < kblocks; kb++, it++) {
-        const uint32_t slot = it & (kStages - 1);
-        mf__mbar_wait_bounded(&c.full[slot], (it / kStages) & 1u, kTagConsumerFull, kWaitTimeoutNs);
+        const uint32_t slot = ring_t::slot(it);
+        ring_t::wait_full(c.full, it);
         const uint64_t desc_st = mf__wgmma_desc_advance(c.desc_stages, slot * kStageBytes);
         const uint64_t da = mf__wgmma_desc_advance(desc_st, c.wg * kWgOperandBytes);
         const uint64_t db = mf__wgmma_desc_advance(desc_st, kABytes);
@@ -346,27 +299,19 @@ __device__ __forceinline__ void bf16_mainloop(const consumer_t &c, float *acc, u
 /* Where row r of the warp's 16 goes (bytes), or NULL when the row does not belong to the tile (or,
  * with `ret`, its source entry is invalid): `row_bytes` apart in `out`, from column byte `col_bytes`. */
 template <int kEpi>
-__device__ __forceinline__ uint8_t *row_target(const tma_params &p, const consumer_t &c, const tile_t &t, int r,
+__device__ __forceinline__ uint8_t *row_target(const gemm_params &p, const consumer_t &c, const tile_t &t, int r,
                                                int64_t row_bytes, int64_t col_bytes) {
     const int tr = c.wg * kWgRows + c.warp * kWarpRows + r; /* tile row */
     if (tr < t.lo) return NULL;
-    const int64_t row = (int64_t)t.row0 + tr;
-    if (kEpi == kEpiPlain && p.use_ret) {
-        const int32_t *src = p.ret.src + 3 * row;
-        const int32_t rank = src[0], token = src[1], k = src[2];
-        if ((uint32_t)rank >= (uint32_t)MF_MAX_RANKS || token < 0 || k < 0 || k >= p.ret.num_topk) return NULL;
-        uint16_t *slots = p.ret.slots[rank];
-        if (!slots) return NULL;
-        return (uint8_t *)(slots + ((int64_t)token * p.ret.num_topk + k) * p.N) + col_bytes;
-    }
-    return p.out + row * row_bytes + col_bytes;
+    uint8_t *dst;
+    return mf__sm90::row_target<kEpi == kEpiPlain>(p, (int64_t)t.row0 + tr, row_bytes, col_bytes, dst) ? dst : NULL;
 }
 
 /* The targets of the 4 rows lane `c.lane` copies out of the staging buffer (rows 4 i + lane / 8,
  * its 16-byte chunk lane % 8 of each), at column byte `col_bytes`: NULL where the row is not stored.
  * Computed once per tile (row_target reads `ret.src` for `ret`); every pass adds its column offset. */
 template <int kEpi>
-__device__ __forceinline__ void row_targets(const tma_params &p, const consumer_t &c, const tile_t &t, int64_t row_bytes,
+__device__ __forceinline__ void row_targets(const gemm_params &p, const consumer_t &c, const tile_t &t, int64_t row_bytes,
                                             int64_t col_bytes, uint8_t *(&dst)[4]) {
 #pragma unroll
     for (int i = 0; i < 4; i++)
@@ -406,7 +351,7 @@ __device__ __forceinline__ void stage_bf16(const consumer_t &c, const float *v, 
 }
 
 template <bool kFp8, int kEpi>
-__device__ __forceinline__ void epilogue(const tma_params &p, const consumer_t &c, const tile_t &t, float *acc) {
+__device__ __forceinline__ void epilogue(const gemm_params &p, const consumer_t &c, const tile_t &t, float *acc) {
     if constexpr (kEpi == kEpiPlain) {
         uint8_t *dst[4];
         row_targets<kEpi>(p, c, t, (int64_t)p.N * 2, (int64_t)t.nb * kTileN * 2, dst);
@@ -469,7 +414,7 @@ __device__ __forceinline__ void epilogue(const tma_params &p, const consumer_t &
 }
 
 template <bool kFp8, int kEpi, bool kOrdered, bool kNoOverlap>
-__device__ __forceinline__ void consumer(const tma_params &p, const tables_t &tb, int32_t nblocks, consumer_t &c,
+__device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &tb, int32_t nblocks, consumer_t &c,
                                          float *acc, float *tmp) {
     /* FP8: the next tile's first wgmmas overlap this tile's epilogue (see "Epilogue overlap");
      * kNoOverlap: the lab's A/B kernel without it. */
@@ -478,11 +423,11 @@ __device__ __forceinline__ void consumer(const tma_params &p, const tables_t &tb
     uint32_t it = 0;
     int32_t cursor = 0, idx = (int32_t)blockIdx.x;
     tile_t t;
-    if (!next_tile(tb, p.num_experts, nblocks, idx, cursor, t)) return;
+    if (!next_tile<kBlockM, kNInner>(tb, p.num_experts, nblocks, idx, cursor, t)) return;
     /* FP8 issue order: WG 1's arrival lets WG 0 issue its first group; WG 0 takes WG 1's last at the end */
     if (kFp8 && kOrdered && c.wg == 1) mf__named_barrier_arrive(kBarIssued1, kConsumerThreads);
     if constexpr (kOverlap) {
-        mf__mbar_wait_bounded(&c.full[0], 0, kTagConsumerFull, kWaitTimeoutNs);
+        ring_t::wait_full(c.full, 0);
         fp8_issue<kOrdered>(tmp, c.desc_stages, c.wg, 0);
     }
     for (;;) {
@@ -493,18 +438,18 @@ __device__ __forceinline__ void consumer(const tma_params &p, const tables_t &tb
             bf16_mainloop(c, acc, it, kblocks);
         }
         const int32_t idx_next = idx + (int32_t)gridDim.x;
-        const bool more = idx_next / nblocks < tb.first[p.num_experts];
+        const bool more = has_tile<kNInner>(tb, p.num_experts, nblocks, idx_next);
         if constexpr (kOverlap) {
             /* issued unconditionally (wgmmas on a divergent path serialise too): without a next
              * tile it reruns the last, consumed stage into tmp and the result is dropped */
             const uint32_t at = more ? it : it - 1;
-            if (more) mf__mbar_wait_bounded(&c.full[at & (kStages - 1)], (at / kStages) & 1u, kTagConsumerFull, kWaitTimeoutNs);
-            fp8_issue<kOrdered>(tmp, mf__wgmma_desc_advance(c.desc_stages, (at & (kStages - 1)) * kStageBytes), c.wg, 0);
+            if (more) ring_t::wait_full(c.full, at);
+            fp8_issue<kOrdered>(tmp, mf__wgmma_desc_advance(c.desc_stages, ring_t::slot(at) * kStageBytes), c.wg, 0);
         }
         epilogue<kFp8, kEpi>(p, c, t, acc);
         if (!more) break;
         idx = idx_next;
-        next_tile(tb, p.num_experts, nblocks, idx, cursor, t);
+        next_tile<kBlockM, kNInner>(tb, p.num_experts, nblocks, idx, cursor, t);
     }
     if constexpr (kOverlap) mf__wgmma_wait<0>();
     if (kFp8 && kOrdered && c.wg == 0) mf__named_barrier_sync(kBarIssued1, kConsumerThreads);
@@ -514,71 +459,24 @@ __device__ __forceinline__ void consumer(const tma_params &p, const tables_t &tb
  * <kFp8, kEpi, true, false>; the others exist for the lab's A/B measurements
  * (mf__sm90_tma_lab_variant). */
 template <bool kFp8, int kEpi, bool kOrdered = true, bool kNoOverlap = false>
-__global__ void __launch_bounds__(kThreads, 1) sm90_tma_kernel(const __grid_constant__ tma_params p) {
+__global__ void __launch_bounds__(kThreads, 1) sm90_tma_kernel(const __grid_constant__ gemm_params p) {
     /* full[s]: the producer's arrive.expect_tx, + FP8 one cp.async arrival per producer lane */
     constexpr uint32_t kFullArrivals = kFp8 ? 1 + 32 : 1;
     extern __shared__ uint8_t smem_raw[];
-    /* 128B-swizzled TMA boxes and wgmma operands need 1024-byte aligned shared addresses */
-    uint8_t *smem = smem_raw + ((kMfSwizzleAtomBytes - (mf__smem_addr(smem_raw) & (kMfSwizzleAtomBytes - 1))) &
-                                (kMfSwizzleAtomBytes - 1));
+    uint8_t *smem = smem_raw + align_pad(smem_raw);
     uint8_t *stages = smem + kOffStages;
     float *a_sc = (float *)(smem + kOffAScales);
     float *w_sc = (float *)(smem + kOffWScales);
     uint64_t *full = (uint64_t *)(smem + kOffBars);
     uint64_t *empty = full + kStages;
-    tables_t tb;
-    tb.rows = (int32_t *)(smem + kOffTables);
-    tb.row0 = tb.rows + kMaxExperts;
-    tb.first = tb.row0 + kMaxExperts;
-
-    /* ---- setup: barriers and tensor maps (they depend on no earlier kernel: under PDL they run
-     * while the previous kernel drains), then the expert tables from the plan's counts ---- */
-    const int L = p.num_experts;
+    const tables_t tb = tables_at<kMaxExperts>(smem + kOffTables);
     const int32_t nblocks = kEpi == kEpiSwiglu ? p.N / (2 * kHCols) : p.N / kTileN; /* n-blocks per expert */
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < kStages; s++) {
-            mf__mbar_init(&full[s], kFullArrivals);
-            mf__mbar_init(&empty[s], kConsumerWarps);
-        }
-        mf__fence_mbarrier_init();
-        mf__prefetch_tensormap(&p.tmap_a);
-        mf__prefetch_tensormap(&p.tmap_w);
-    }
-    mf__pdl_wait(); /* counts, offsets and the activations are the previous kernels' (cuda/pdl.cuh) */
-    mf__pdl_trigger();
-    for (int e = (int)threadIdx.x; e < L; e += kThreads) {
-        int32_t n = p.counts[e];
-        n = n < 0 ? 0 : (n > p.max_rows ? p.max_rows : n);
-        tb.rows[e] = n;
-        tb.row0[e] = p.offsets[e];
-    }
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        /* first[e] = m-blocks of the experts < e: each lane sums a run of experts, then a warp scan */
-        const int lane = (int)threadIdx.x, per = (L + 31) / 32;
-        const int lo = min(L, lane * per), hi = min(L, lo + per);
-        int32_t local = 0;
-        for (int e = lo; e < hi; e++) local += (tb.rows[e] + kBlockM - 1) / kBlockM;
-        int32_t incl = local;
-#pragma unroll
-        for (int off = 1; off < 32; off <<= 1) {
-            const int32_t v = __shfl_up_sync(0xffffffffu, incl, off);
-            if (lane >= off) incl += v;
-        }
-        int32_t base = incl - local;
-        for (int e = lo; e < hi; e++) {
-            tb.first[e] = base;
-            base += (tb.rows[e] + kBlockM - 1) / kBlockM;
-        }
-        if (lane == 31) tb.first[L] = incl;
-    }
-    __syncthreads();
+    /* first[e]: the m-blocks of the experts < e */
+    prologue<kStages, true>(p, full, empty, kFullArrivals, tb, [](int32_t rows) { return (rows + kBlockM - 1) / kBlockM; });
 
-    if (mf__warpgroup_id() == 0) {
-        mf__setmaxnreg_dec<kProducerRegs>();
+    if (producer_role()) {
         if (mf__warp_id() == 0) producer<kFp8, kEpi>(p, tb, nblocks, stages, a_sc, w_sc, full, empty);
     } else {
-        mf__setmaxnreg_inc<kConsumerRegs>();
         consumer_t c;
         const int ctid = (int)threadIdx.x - kMfWarpgroupThreads; /* 0..255 */
         c.wg = ctid / kMfWarpgroupThreads;
