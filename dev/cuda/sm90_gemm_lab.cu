@@ -937,11 +937,6 @@ static void run_validate(void) {
         cases.push_back({strdup(buf), fp8, 0, 256, 256, cnt, 0, 0, 0});
         snprintf(buf, sizeof buf, "%s masked W13 swiglu L=40 I=128 K=256", dn);
         cases.push_back({strdup(buf), fp8, 1, 128, 256, cnt, 300, 0, 0});
-        /* the same with n-blocks in pairs: every tail of <= 64 rows is a tail pair */
-        snprintf(buf, sizeof buf, "%s expert_major W2 plain L=40 N=512 K=256 (tail pairs)", dn);
-        cases.push_back({strdup(buf), fp8, 0, 512, 256, cnt, 0, 0, 0});
-        snprintf(buf, sizeof buf, "%s masked W13 swiglu L=40 I=256 K=256 (tail pairs)", dn);
-        cases.push_back({strdup(buf), fp8, 1, 256, 256, cnt, 300, 0, 0});
         /* DeepSeek-V3 shapes with small counts */
         snprintf(buf, sizeof buf, "%s expert_major W13 swiglu I=2048 H=7168", dn);
         cases.push_back({strdup(buf), fp8, 1, 2048, 7168, {3, 130}, 0, 0, 0});
@@ -957,10 +952,6 @@ static void run_validate(void) {
                      kMfTmaLabNoOverlap});
     cases.push_back({"fp8 expert_major W2 plain L=40 N=256 K=256 [unordered]", 1, 0, 256, 256,
                      {1, 300, 0, 129, 128, 77, 256, 5, 0, 200}, 0, 0, 0, 1});
-    cases.push_back({"fp8 expert_major W13 swiglu I=256 K=384 [no pairs]", 1, 1, 256, 384, {130, 0, 257}, 0, 0, 0,
-                     kMfTmaLabNoPairs});
-    cases.push_back({"bf16 masked W2 plain N=512 K=384 [no pairs]", 0, 0, 512, 384, {130, 0, 257}, 320, 0, 0,
-                     kMfTmaLabNoPairs});
     for (auto &c : cases) run_case(c);
     run_declines();
 }
@@ -1197,52 +1188,6 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
             printf("  fp8   W13 swiglu  L=%2d M=%5d  overlap %9.1f us %7.1f TF/s   no overlap %9.1f us %7.1f TF/s   gain %+5.1f %%\n",
                    L, M, on, fl / on, off_us, fl / off_us, 100.0 * (off_us / on - 1.0));
             fflush(stdout);
-        }
-    }
-    /* A/B: tail pairs (ships) vs none (kMfTmaLabNoPairs) on uneven counts, as DeepSeek-V3 prefill
-     * routes them (T = 4096, 256 experts: ~128 rows each, about half just above 128), 3 rounds
-     * interleaved on the same data; median of the rounds */
-    {
-        printf("# A/B: tail pairs (ships) vs none (kMfTmaLabNoPairs), L = 32 experts of 100..163 rows (mean ~131), "
-               "3 rounds interleaved\n");
-        const int L = 32;
-        std::vector<int32_t> cnt(L), off(L);
-        int32_t rows = 0;
-        for (int e = 0; e < L; e++) {
-            cnt[e] = 100 + (int32_t)((e * 37 + 11) % 64); /* 100..163, every residue once per 64 */
-            off[e] = rows;
-            rows += cnt[e];
-        }
-        CUDA_OK(cudaMemcpy(d_cnt, cnt.data(), L * 4, cudaMemcpyHostToDevice));
-        CUDA_OK(cudaMemcpy(d_off, off.data(), L * 4, cudaMemcpyHostToDevice));
-        for (int fp8 = 1; fp8 >= 0; fp8--) {
-            fill_random(d_a, a_bytes / (fp8 ? 1 : 2), fp8 ? 0 : 1);
-            fill_random(d_w, w_bytes / (fp8 ? 1 : 2), fp8 ? 0 : 1);
-            for (int si : {0, 2}) {
-                const shape &sh = shapes[si];
-                gemm_call g;
-                memset(&g, 0, sizeof g);
-                g.fp8 = fp8, g.swiglu = sh.swiglu, g.n = sh.n, g.k = sh.k, g.L = L, g.max_rows = 256;
-                g.counts = d_cnt, g.offsets = d_off, g.a = d_a, g.w = d_w;
-                g.a_scales = fp8 ? d_as : NULL, g.w_scales = fp8 ? d_ws : NULL, g.out = d_out, g.out_scales = d_osc;
-                std::vector<double> med[2];
-                for (int round = 0; round < 3; round++)
-                    for (int v = 0; v < 2; v++) {
-                        char name[128];
-                        snprintf(name, sizeof name, "bench %s %s uneven L=%d %s", fp8 ? "fp8" : "bf16", sh.name, L,
-                                 v ? "no pairs" : "pairs");
-                        g_case = name;
-                        mf__sm90_tma_lab_variant(v ? kMfTmaLabNoPairs : kMfTmaLabShipped);
-                        med[v].push_back(time_call_us(g, d_flush, ev0, ev1));
-                        mf__sm90_tma_lab_variant(kMfTmaLabShipped);
-                    }
-                for (int v = 0; v < 2; v++) std::sort(med[v].begin(), med[v].end());
-                const double on = med[0][1], off_us = med[1][1], fl = 2.0 * rows * (double)sh.nw * sh.k * 1e-6;
-                printf("  %-5s %-11s uneven L=%2d rows %5d  pairs %9.1f us %7.1f TF/s   no pairs %9.1f us %7.1f TF/s   "
-                       "gain %+5.1f %%\n",
-                       fp8 ? "fp8" : "bf16", sh.name, L, (int)rows, on, fl / on, off_us, fl / off_us, 100.0 * (off_us / on - 1.0));
-                fflush(stdout);
-            }
         }
     }
     /* the SwiGLU epilogue's cost: W13 swiglu against W13 plain (same GEMM, plain BF16 epilogue) */

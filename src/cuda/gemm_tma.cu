@@ -109,7 +109,7 @@ mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int
                    gemm_params *p, cudaStream_t stream, int32_t pdl) {
     int dev = 0, sms = 0;
     MF_CHECK(mf__gemm_configure(&g_family, who, &dev, &sms));
-    const int lab_all = g_lab_variant.load(), lab = fp8 ? lab_all : kMfTmaLabShipped;
+    const int lab = fp8 ? g_lab_variant.load() : kMfTmaLabShipped;
     const int vi = (lab & kMfTmaLabNoOverlap) && fp8 && swiglu ? 6 : 2 * fp8 + swiglu + ((lab & kMfTmaLabUnordered) ? 2 : 0);
     MF_CHECK(mf__gemm_require(&g_family, dev, vi));
     const int esz = fp8 ? 1 : 2;
@@ -121,22 +121,19 @@ mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int
     r = mf__tma_encode_2d(&p->tmap_w, dt, w, (uint64_t)p->K, (uint64_t)seg->num_experts * p->N, kbytes,
                           (uint32_t)(kKBlock / esz), (uint32_t)kBoxRows, CU_TENSOR_MAP_SWIZZLE_128B);
     if (r != CUDA_SUCCESS) return mf__gemm_decline(&g_family, "weight tensor map: CUresult %d", (int)r);
-    const int64_t nblocks = p->N / kTileN; /* swiglu: N / (2 kHCols), the same */
-    /* tail pairs (kernels/sm90_core.cuh, next_tile) need the n-blocks in pairs */
-    p->pairs = nblocks % 2 == 0 && !(lab_all & kMfTmaLabNoPairs);
-    const int64_t tiles = (int64_t)seg->num_experts * ((seg->max_rows_per_expert + kBlockM - 1) / kBlockM) * nblocks;
+    const int64_t tiles = (int64_t)seg->num_experts * ((seg->max_rows_per_expert + kBlockM - 1) / kBlockM) * (p->N / kTileN);
     const int grid = (int)(tiles < sms ? tiles : sms);
     if (grid <= 0) return MF_SUCCESS;
     void *args[] = {(void *)p};
     MF__GEMM_CUDA(mf__cuda_launch(variant_fn(vi), dim3((unsigned)grid), dim3(kThreads), (size_t)kSmemBytes, stream, pdl,
                                  args),
                  who);
-    mf__gemm_report_launch(&g_family, "tma %s %s%s (%d-row tiles%s, %d stages, %d B smem, grid %d)", fp8 ? "fp8" : "bf16",
+    mf__gemm_report_launch(&g_family, "tma %s %s%s (%d-row tiles, %d stages, %d B smem, grid %d)", fp8 ? "fp8" : "bf16",
                            swiglu ? "swiglu" : "plain",
                            vi == 6                         ? " no overlap (lab A/B)"
                            : kVariants[vi].ordered || !fp8 ? ""
                                                            : " unordered (lab A/B)",
-                           kBlockM, p->pairs ? " + tail pairs" : "", kStages, kSmemBytes, grid);
+                           kBlockM, kStages, kSmemBytes, grid);
     return MF_SUCCESS;
 }
 

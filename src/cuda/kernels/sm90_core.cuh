@@ -59,7 +59,6 @@ struct gemm_params {
     int32_t max_rows;          /* counts are clamped to [0, max_rows] */
     int32_t N, K;              /* weight rows per expert, reduction elements */
     int32_t ue8m0;             /* swiglu FP8: power-of-two h scales */
-    int32_t pairs;             /* large M: tail pairs (next_tile; the launcher sets it when N / tile width is even) */
 };
 
 /* W13 + SwiGLU: N = 2I weight rows, K = H (the tensor maps are the launcher's). */
@@ -167,23 +166,17 @@ __device__ __forceinline__ void build_tables(const gemm_params &p, const tables_
 }
 
 /* One tile: expert, n-block, receive row of tile row (decode: column) 0, first tile row that
- * belongs to the tile; pair: a tail pair (kNInner with pairs: n-blocks nb and nb + 1, see below). */
+ * belongs to the tile. */
 struct tile_t {
-    int32_t e, nb, row0, lo, pair;
+    int32_t e, nb, row0, lo;
 };
 
-/* The two walk orders; first[] counts each expert's tiles, in walk order.
- *   kNInner (large M): an expert's tiles are m-block-major, tile = mb * nblocks + nb: all n-blocks of
- *     one row block run next to each other, so the ~132 running tiles share a few activation blocks
- *     and one stripe of weights in L2.
- *     Tail pairs (`pairs`, nblocks even): an expert's last row block with at most kRows / 2 rows
- *     has nblocks / 2 tiles instead of nblocks, each a pair of n-blocks (2j, 2j + 1) over the rows
- *     [kRows / 2, kRows) of the shifted block (the only ones that belong to it): the consumer
- *     warpgroup that would compute the other half of the rows, rows no one stores, computes the
- *     second n-block instead. Without them about half of DeepSeek-V3's experts at ~128 rows each
- *     spent a whole 128-row tile on a few rows.
- *   kRowsInner (decode): tile = nb * blocks + block: the row blocks of one n-block run next to each
- *     other and read the same weights, the second from L2. */
+/* The two walk orders; a work unit is what first[] counts.
+ *   kNInner (large M): unit = one kRows-row block of an expert (m-block), counted across experts;
+ *     tile idx = unit * nblocks + nb: all n-blocks of one row block run next to each other, so the
+ *     ~132 running tiles share a few activation blocks and one stripe of weights in L2.
+ *   kRowsInner (decode): unit = tile; an expert's tiles are nb * blocks + block: the row blocks of
+ *     one n-block run next to each other and read the same weights, the second from L2. */
 enum tile_order { kNInner = 0, kRowsInner = 1 };
 
 /* Block `blk` of expert e's rows in kRows-row tiles. A partial last block (v < kRows rows left)
@@ -201,34 +194,23 @@ __device__ __forceinline__ void place_block(const tables_t &tb, int32_t e, int32
     t.row0 = tb.row0[e] + blk * kRows - t.lo;
 }
 
-/* An expert's tiles (build_tables' units) in order kOrder: `rows` rows, nblocks n-blocks. */
-template <int kRows, int kOrder>
-__device__ __forceinline__ int32_t tiles_of(int32_t rows, int32_t nblocks, bool pairs) {
-    const int32_t blocks = (rows + kRows - 1) / kRows;
-    if (kOrder == kNInner && pairs && rows > 0 && rows - (blocks - 1) * kRows <= kRows / 2)
-        return blocks * nblocks - nblocks / 2;
-    return blocks * nblocks;
-}
-
 /* Tile `idx` of the walk (monotonic idx; `e` is the walker's cursor, starting at 0); false past the
- * last tile. nblocks: n-blocks per expert; pairs: kNInner's tail pairs (nblocks even). */
+ * last tile. nblocks: n-blocks per expert. */
 template <int kRows, int kOrder>
-__device__ __forceinline__ bool next_tile(const tables_t &tb, int32_t L, int32_t nblocks, bool pairs, int32_t idx,
-                                          int32_t &e, tile_t &t) {
-    if (idx >= tb.first[L]) return false;
-    while (tb.first[e + 1] <= idx) e++;
-    const int32_t local = idx - tb.first[e];
+__device__ __forceinline__ bool next_tile(const tables_t &tb, int32_t L, int32_t nblocks, int32_t idx, int32_t &e,
+                                          tile_t &t) {
     if (kOrder == kNInner) {
-        const int32_t mb = local / nblocks;
-        place_block<kRows>(tb, e, mb, t);
-        t.nb = local - mb * nblocks;
-        t.pair = pairs && t.lo >= kRows / 2; /* the tail's local n index j < nblocks / 2 */
-        if (t.pair) t.nb *= 2;
+        const int32_t gm = idx / nblocks;
+        if (gm >= tb.first[L]) return false;
+        while (tb.first[e + 1] <= gm) e++;
+        place_block<kRows>(tb, e, gm - tb.first[e], t);
+        t.nb = idx - gm * nblocks;
     } else {
-        const int32_t blocks = (tb.rows[e] + kRows - 1) / kRows;
+        if (idx >= tb.first[L]) return false;
+        while (tb.first[e + 1] <= idx) e++;
+        const int32_t blocks = (tb.rows[e] + kRows - 1) / kRows, local = idx - tb.first[e];
         place_block<kRows>(tb, e, local % blocks, t);
         t.nb = local / blocks;
-        t.pair = 0;
     }
     return true;
 }
@@ -238,6 +220,12 @@ __device__ __forceinline__ bool next_tile(const tables_t &tb, int32_t L, int32_t
 template <int kRows>
 __device__ __forceinline__ int32_t clamp_row(const tile_t &t, int j) {
     return t.row0 + (j < t.lo ? t.lo : (j < kRows ? j : kRows - 1));
+}
+
+/* Whether ring walk idx + gridDim.x has a tile (the consumers' "is there a next tile"). */
+template <int kOrder>
+__device__ __forceinline__ bool has_tile(const tables_t &tb, int32_t L, int32_t nblocks, int32_t idx) {
+    return (kOrder == kNInner ? idx / nblocks : idx) < tb.first[L];
 }
 
 /* ---- the stage ring -------------------------------------------------------------------------- */

@@ -171,7 +171,7 @@ __device__ __forceinline__ void producer(const gemm_params &p, const tables_t &t
     uint32_t it = 0;
     int32_t cursor = 0;
     tile_t t;
-    for (int32_t idx = (int32_t)blockIdx.x; next_tile<kBlockT, kRowsInner>(tb, p.num_experts, 0, false, idx, cursor, t);
+    for (int32_t idx = (int32_t)blockIdx.x; next_tile<kBlockT, kRowsInner>(tb, p.num_experts, 0, idx, cursor, t);
          idx += (int32_t)gridDim.x) {
         /* weight rows of box b (gate, up) and its scale row */
         const int32_t wrow0 = t.e * p.N + t.nb * kBoxRows;
@@ -284,7 +284,7 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
     uint32_t it = 0;
     int32_t cursor = 0;
     tile_t t;
-    for (int32_t idx = (int32_t)blockIdx.x; next_tile<kBlockT, kRowsInner>(tb, p.num_experts, 0, false, idx, cursor, t);
+    for (int32_t idx = (int32_t)blockIdx.x; next_tile<kBlockT, kRowsInner>(tb, p.num_experts, 0, idx, cursor, t);
          idx += (int32_t)gridDim.x) {
         float acc[C::kBoxes][kFrag];
 #pragma unroll
@@ -436,7 +436,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_decode_kernel(const __grid_c
     const int32_t nblocks = kEpi == kEpiSwiglu ? p.N / (2 * kTileCols) : p.N / kTileCols; /* n-blocks per expert */
     /* first[e]: the tiles of the experts < e (the producer prefetches the tensor maps) */
     prologue<C::kStages, false>(p, full, empty, kFullArrivals, tb, [nblocks](int32_t rows) {
-        return tiles_of<kBlockT, kRowsInner>(rows, nblocks, false);
+        return rows > 0 ? nblocks * ((rows + kBlockT - 1) / kBlockT) : 0;
     });
 
     if (producer_role()) {

@@ -140,11 +140,11 @@ static_assert(kSmemBytes <= kSmemLimit, "shared memory map exceeds 227 KB");
 static_assert(kStages == 4, "slot = it & 3 below");
 static_assert(kBoxes == 2, "two weight boxes per tile: the code names them 0 and 1");
 
-/* First weight row (of the [L * N, K] map) of box b of expert e's n-block nb. */
+/* First weight row (of the [L * N, K] map) of box b of tile t. */
 template <int kEpi>
-__device__ __forceinline__ int32_t weight_row(const gemm_params &p, int32_t e, int32_t nb, int b) {
-    if (kEpi == kEpiSwiglu) return e * p.N + b * (p.N / 2) + nb * kBoxRows; /* b = 0 gate, 1 up */
-    return e * p.N + nb * kTileN + b * kBoxRows;
+__device__ __forceinline__ int32_t weight_row(const gemm_params &p, const tile_t &t, int b) {
+    if (kEpi == kEpiSwiglu) return t.e * p.N + b * (p.N / 2) + t.nb * kBoxRows; /* b = 0 gate, 1 up */
+    return t.e * p.N + t.nb * kTileN + b * kBoxRows;
 }
 
 /* ---- producer: warp 0; lane 0 issues the TMA, FP8: all lanes copy the scales ---------------- */
@@ -154,43 +154,43 @@ __device__ __forceinline__ void producer(const gemm_params &p, const tables_t &t
                                          float *a_sc, float *w_sc, uint64_t *full, uint64_t *empty) {
     const int lane = (int)(threadIdx.x & 31);
     const int32_t kblocks = (p.K * (kFp8 ? 1 : 2) + kKBlock - 1) / kKBlock; /* FP8: K/128 scale columns */
-    const int32_t kbs = p.K / kKBlock;                                       /* FP8 scale columns */
     uint32_t it = 0;
     int32_t cursor = 0;
     tile_t t;
-    for (int32_t idx = (int32_t)blockIdx.x; next_tile<kBlockM, kNInner>(tb, p.num_experts, nblocks, p.pairs, idx, cursor, t);
+    for (int32_t idx = (int32_t)blockIdx.x; next_tile<kBlockM, kNInner>(tb, p.num_experts, nblocks, idx, cursor, t);
          idx += (int32_t)gridDim.x) {
+        int32_t wrow[kBoxes];
+#pragma unroll
+        for (int b = 0; b < kBoxes; b++) wrow[b] = weight_row<kEpi>(p, t, b);
         /* FP8: this lane's a_scale rows j = lane + 32 i (rows below lo copy row lo's: their
-         * accumulator rows are never stored) */
+         * accumulator rows are never stored) and, lanes 0-1, box `lane`'s w_scale row */
         const float *srow[kBlockM / 32];
+        const float *wsrc = p.w_scales;
         if constexpr (kFp8) {
+            const int32_t kbs = p.K / kKBlock;
 #pragma unroll
-            for (int i = 0; i < kBlockM / 32; i++) srow[i] = p.a_scales + (int64_t)clamp_row<kBlockM>(t, lane + 32 * i) * kbs;
+            for (int i = 0; i < kBlockM / 32; i++) {
+                srow[i] = p.a_scales + (int64_t)clamp_row<kBlockM>(t, lane + 32 * i) * kbs;
+            }
+            if (lane < kBoxes) wsrc = p.w_scales + (int64_t)((lane == 0 ? wrow[0] : wrow[1]) / kBoxRows) * kbs;
         }
-        /* a K block is one stage, or for a tail pair two: n-blocks nb and nb + 1, the same rows */
-        for (int32_t kb = 0; kb < kblocks; kb++) {
-            for (int32_t h = 0; h <= t.pair; h++, it++) {
-                const uint32_t slot = ring_t::slot(it);
-                ring_t::wait_empty(empty, it);
-                const int32_t wrow0 = weight_row<kEpi>(p, t.e, t.nb + h, 0), wrow1 = weight_row<kEpi>(p, t.e, t.nb + h, 1);
-                if constexpr (kFp8) {
+        for (int32_t kb = 0; kb < kblocks; kb++, it++) {
+            const uint32_t slot = ring_t::slot(it);
+            ring_t::wait_empty(empty, it);
+            if constexpr (kFp8) {
 #pragma unroll
-                    for (int i = 0; i < kBlockM / 32; i++) mf__cp_async_4(a_sc + slot * kBlockM + lane + 32 * i, srow[i] + kb);
-                    /* lanes 0-1: box `lane`'s w_scale */
-                    if (lane < kBoxes)
-                        mf__cp_async_4(w_sc + slot * kWScaleSlots + lane,
-                                       p.w_scales + (int64_t)((lane == 0 ? wrow0 : wrow1) / kBoxRows) * kbs + kb);
-                    mf__cp_async_mbar_arrive_noinc(&full[slot]); /* one of full's 1 + 32 */
-                }
-                __syncwarp();
-                if (lane == 0) {
-                    uint8_t *st = stages + slot * kStageBytes;
-                    const int32_t kc = kb * (kFp8 ? kKBlock : kKBlock / 2); /* K coordinate, elements */
-                    mf__mbar_arrive_expect_tx(&full[slot], (uint32_t)kStageBytes);
-                    mf__tma_load_2d(st, &p.tmap_a, &full[slot], kc, t.row0);
-                    mf__tma_load_2d(st + kABytes, &p.tmap_w, &full[slot], kc, wrow0);
-                    mf__tma_load_2d(st + kABytes + kBoxBytes, &p.tmap_w, &full[slot], kc, wrow1);
-                }
+                for (int i = 0; i < kBlockM / 32; i++) mf__cp_async_4(a_sc + slot * kBlockM + lane + 32 * i, srow[i] + kb);
+                if (lane < kBoxes) mf__cp_async_4(w_sc + slot * kWScaleSlots + lane, wsrc + kb);
+                mf__cp_async_mbar_arrive_noinc(&full[slot]); /* one of full's 1 + 32 */
+            }
+            __syncwarp();
+            if (lane == 0) {
+                uint8_t *st = stages + slot * kStageBytes;
+                const int32_t kc = kb * (kFp8 ? kKBlock : kKBlock / 2); /* K coordinate, elements */
+                mf__mbar_arrive_expect_tx(&full[slot], (uint32_t)kStageBytes);
+                mf__tma_load_2d(st, &p.tmap_a, &full[slot], kc, t.row0);
+#pragma unroll
+                for (int b = 0; b < kBoxes; b++) mf__tma_load_2d(st + kABytes + b * kBoxBytes, &p.tmap_w, &full[slot], kc, wrow[b]);
             }
         }
     }
@@ -200,11 +200,11 @@ __device__ __forceinline__ void producer(const gemm_params &p, const tables_t &t
 
 /* ---- consumers ------------------------------------------------------------------------------- */
 
-/* FP8: issues the 4 k32 wgmmas of box b of the stage at `st` for warpgroup `wg`, A rows
- * [64 ah, 64 ah + 64), into `tmp`, in turn with the other warpgroup (see "Issue order"). */
+/* FP8: issues the 4 k32 wgmmas of box b of the stage at `st` for warpgroup `wg` into `tmp`, in
+ * turn with the other warpgroup (see "Issue order"). */
 template <bool kOrdered>
-__device__ __forceinline__ void fp8_issue(float *tmp, uint64_t desc_st, int wg, int ah, int b) {
-    const uint64_t da = mf__wgmma_desc_advance(desc_st, ah * kWgOperandBytes);
+__device__ __forceinline__ void fp8_issue(float *tmp, uint64_t desc_st, int wg, int b) {
+    const uint64_t da = mf__wgmma_desc_advance(desc_st, wg * kWgOperandBytes);
     const uint64_t db = mf__wgmma_desc_advance(desc_st, kABytes + b * kBoxBytes);
     mf__fence_fragment<kBoxRows>(tmp); /* the last promotion's reads of tmp come first */
     if (kOrdered) mf__named_barrier_sync(wg == 0 ? kBarIssued1 : kBarIssued0, kConsumerThreads);
@@ -236,17 +236,7 @@ __device__ __forceinline__ void fp8_promote(float *acc, const float *tmp, float 
     }
 }
 
-/* A consumer warpgroup's part of a tile: the row half ah (A operand rows and tile rows [64 ah,
- * 64 ah + 64)), its n-block, where in a K block's stages it reads (so) and the stages per K block.
- * A normal tile: ah = wg, the tile's n-block, one stage. A tail pair (core's next_tile): both
- * warpgroups take the upper half, warpgroup wg n-block nb + wg from stage it + wg of two. */
-struct view_t {
-    int ah, so, step;
-    int32_t nb;
-    int row_lo;             /* tile row of acc[4j + 0, 1]; acc[4j + 2, 3] are row_lo + 8 */
-};
-
-/* Where a consumer thread's state lives (one per thread, set up once; v per tile). */
+/* Where a consumer thread's state lives (one per thread, set up once). */
 struct consumer_t {
     uint64_t desc_stages;   /* wgmma descriptor of stage 0 */
     const float *a_sc;      /* [kStages][128] */
@@ -254,58 +244,42 @@ struct consumer_t {
     uint64_t *full, *empty;
     uint8_t *epi;           /* this warp's staging buffer */
     int wg, warp, lane;     /* consumer warpgroup (0, 1), warp in it, lane */
-    view_t v;               /* of the current tile */
+    int row_lo;             /* tile row of acc[4j + 0, 1]; acc[4j + 2, 3] are row_lo + 8 */
 };
 
-__device__ __forceinline__ view_t view_of(const consumer_t &c, const tile_t &t) {
-    view_t v;
-    v.ah = t.pair ? 1 : c.wg;
-    v.so = t.pair ? c.wg : 0;
-    v.step = 1 + t.pair;
-    v.nb = t.nb + v.so;
-    v.row_lo = v.ah * kWgRows + c.warp * kWarpRows + c.lane / 4;
-    return v;
-}
+__device__ __forceinline__ void release(const consumer_t &c, uint32_t slot) { release_stage(c.empty, slot, c.lane); }
 
-/* This warp is done with the K block at ring position `it`: its one stage, or a pair's two. */
-__device__ __forceinline__ void release(const consumer_t &c, uint32_t it) {
-    release_stage(c.empty, ring_t::slot(it), c.lane);
-    if (c.v.step == 2) release_stage(c.empty, ring_t::slot(it + 1), c.lane);
-}
-
-/* FP8: the K block at ring position `it` (this warpgroup's stage: it + v.so); with kIssued, box 0's
- * group is already in flight. */
+/* FP8: one K block at ring position `it`; with kIssued, box 0's group is already in flight. */
 template <bool kOrdered, bool kFirst, bool kIssued>
 __device__ __forceinline__ void fp8_kblock(const consumer_t &c, float *acc, float *tmp, uint32_t it) {
-    const uint32_t slot = ring_t::slot(it + c.v.so);
+    const uint32_t slot = ring_t::slot(it);
     const uint64_t desc_st = mf__wgmma_desc_advance(c.desc_stages, slot * kStageBytes);
     if (!kIssued) {
-        ring_t::wait_full(c.full, it + c.v.so);
-        fp8_issue<kOrdered>(tmp, desc_st, c.wg, c.v.ah, 0);
+        ring_t::wait_full(c.full, it);
+        fp8_issue<kOrdered>(tmp, desc_st, c.wg, 0);
     }
     /* this stage's scales, read before the stage is released */
-    const float sa_lo = c.a_sc[slot * kBlockM + c.v.row_lo], sa_hi = c.a_sc[slot * kBlockM + c.v.row_lo + 8];
+    const float sa_lo = c.a_sc[slot * kBlockM + c.row_lo], sa_hi = c.a_sc[slot * kBlockM + c.row_lo + 8];
     const float sw0 = c.w_sc[slot * kWScaleSlots], sw1 = c.w_sc[slot * kWScaleSlots + 1];
     mf__wgmma_wait<0>();
     mf__fence_fragment<kBoxRows>(tmp);
     fp8_promote<kFirst>(acc, tmp, sa_lo * sw0, sa_hi * sw0);
-    fp8_issue<kOrdered>(tmp, desc_st, c.wg, c.v.ah, 1);
+    fp8_issue<kOrdered>(tmp, desc_st, c.wg, 1);
     mf__wgmma_wait<0>();
     mf__fence_fragment<kBoxRows>(tmp);
-    release(c, it);
+    release(c, slot);
     fp8_promote<kFirst>(acc + kBoxAcc, tmp, sa_lo * sw1, sa_hi * sw1);
 }
 
-/* BF16: the whole K loop of one tile into acc (the first wgmma overwrites); `it` advances past it. */
+/* BF16: the whole K loop of one tile into acc (the first wgmma overwrites). */
 __device__ __forceinline__ void bf16_mainloop(const consumer_t &c, float *acc, uint32_t &it, int32_t kblocks) {
-    bool held = false; /* a K block not yet released: ring position `prev` */
-    uint32_t prev = 0;
+    int32_t prev = -1;
     mf__fence_fragment<kTileN>(acc); /* the previous epilogue's reads of acc come first */
-    for (int32_t kb = 0; kb < kblocks; kb++, it += c.v.step) {
-        const uint32_t slot = ring_t::slot(it + c.v.so);
-        ring_t::wait_full(c.full, it + c.v.so);
+    for (int32_t kb = 0; kb < kblocks; kb++, it++) {
+        const uint32_t slot = ring_t::slot(it);
+        ring_t::wait_full(c.full, it);
         const uint64_t desc_st = mf__wgmma_desc_advance(c.desc_stages, slot * kStageBytes);
-        const uint64_t da = mf__wgmma_desc_advance(desc_st, c.v.ah * kWgOperandBytes);
+        const uint64_t da = mf__wgmma_desc_advance(desc_st, c.wg * kWgOperandBytes);
         const uint64_t db = mf__wgmma_desc_advance(desc_st, kABytes);
         mf__wgmma_fence();
 #pragma unroll
@@ -314,12 +288,11 @@ __device__ __forceinline__ void bf16_mainloop(const consumer_t &c, float *acc, u
                                    mf__wgmma_desc_advance(db, k * kKStepBytes), (kb > 0 || k > 0) ? 1 : 0);
         mf__wgmma_commit();
         mf__wgmma_wait<1>();
-        if (held) release(c, prev);
-        held = true;
-        prev = it;
+        if (prev >= 0) release(c, (uint32_t)prev);
+        prev = (int32_t)slot;
     }
     mf__wgmma_wait<0>();
-    if (held) release(c, prev);
+    if (prev >= 0) release(c, (uint32_t)prev);
     mf__fence_fragment<kTileN>(acc);
 }
 
@@ -328,7 +301,7 @@ __device__ __forceinline__ void bf16_mainloop(const consumer_t &c, float *acc, u
 template <int kEpi>
 __device__ __forceinline__ uint8_t *row_target(const gemm_params &p, const consumer_t &c, const tile_t &t, int r,
                                                int64_t row_bytes, int64_t col_bytes) {
-    const int tr = c.v.ah * kWgRows + c.warp * kWarpRows + r; /* tile row */
+    const int tr = c.wg * kWgRows + c.warp * kWarpRows + r; /* tile row */
     if (tr < t.lo) return NULL;
     uint8_t *dst;
     return mf__sm90::row_target<kEpi == kEpiPlain>(p, (int64_t)t.row0 + tr, row_bytes, col_bytes, dst) ? dst : NULL;
@@ -381,7 +354,7 @@ template <bool kFp8, int kEpi>
 __device__ __forceinline__ void epilogue(const gemm_params &p, const consumer_t &c, const tile_t &t, float *acc) {
     if constexpr (kEpi == kEpiPlain) {
         uint8_t *dst[4];
-        row_targets<kEpi>(p, c, t, (int64_t)p.N * 2, (int64_t)c.v.nb * kTileN * 2, dst);
+        row_targets<kEpi>(p, c, t, (int64_t)p.N * 2, (int64_t)t.nb * kTileN * 2, dst);
 #pragma unroll
         for (int pass = 0; pass < kTileN / 64; pass++) {
             stage_bf16(c, acc, pass);
@@ -393,7 +366,7 @@ __device__ __forceinline__ void epilogue(const gemm_params &p, const consumer_t 
         for (int i = 0; i < kBoxAcc; i++) acc[i] = mf__silu(acc[i]) * acc[kBoxAcc + i];
         const int32_t I = p.N / 2;
         uint8_t *dst[4];
-        row_targets<kEpi>(p, c, t, (int64_t)I * 2, (int64_t)c.v.nb * kHCols * 2, dst);
+        row_targets<kEpi>(p, c, t, (int64_t)I * 2, (int64_t)t.nb * kHCols * 2, dst);
 #pragma unroll
         for (int pass = 0; pass < kHCols / 64; pass++) {
             stage_bf16(c, acc, pass);
@@ -430,12 +403,12 @@ __device__ __forceinline__ void epilogue(const gemm_params &p, const consumer_t 
         }
         if (q == 0) {
             const int32_t sblocks = I / MF__QUANT_BLOCK;
-            const int tr = c.v.row_lo;
-            if (tr >= t.lo) p.out_scales[(int64_t)(t.row0 + tr) * sblocks + c.v.nb] = sc_lo;
-            if (tr + 8 >= t.lo) p.out_scales[(int64_t)(t.row0 + tr + 8) * sblocks + c.v.nb] = sc_hi;
+            const int tr = c.row_lo;
+            if (tr >= t.lo) p.out_scales[(int64_t)(t.row0 + tr) * sblocks + t.nb] = sc_lo;
+            if (tr + 8 >= t.lo) p.out_scales[(int64_t)(t.row0 + tr + 8) * sblocks + t.nb] = sc_hi;
         }
         uint8_t *dst[4];
-        row_targets<kEpi>(p, c, t, (int64_t)I, (int64_t)c.v.nb * kHCols, dst);
+        row_targets<kEpi>(p, c, t, (int64_t)I, (int64_t)t.nb * kHCols, dst);
         copy_out(c, dst, 0);
     }
 }
@@ -450,38 +423,33 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
     uint32_t it = 0;
     int32_t cursor = 0, idx = (int32_t)blockIdx.x;
     tile_t t;
-    if (!next_tile<kBlockM, kNInner>(tb, p.num_experts, nblocks, p.pairs, idx, cursor, t)) return;
-    c.v = view_of(c, t);
+    if (!next_tile<kBlockM, kNInner>(tb, p.num_experts, nblocks, idx, cursor, t)) return;
     /* FP8 issue order: WG 1's arrival lets WG 0 issue its first group; WG 0 takes WG 1's last at the end */
     if (kFp8 && kOrdered && c.wg == 1) mf__named_barrier_arrive(kBarIssued1, kConsumerThreads);
     if constexpr (kOverlap) {
-        ring_t::wait_full(c.full, c.v.so);
-        fp8_issue<kOrdered>(tmp, mf__wgmma_desc_advance(c.desc_stages, ring_t::slot(c.v.so) * kStageBytes), c.wg, c.v.ah, 0);
+        ring_t::wait_full(c.full, 0);
+        fp8_issue<kOrdered>(tmp, c.desc_stages, c.wg, 0);
     }
     for (;;) {
         if constexpr (kFp8) {
-            fp8_kblock<kOrdered, true, kOverlap>(c, acc, tmp, it);
-            it += c.v.step;
-            for (int32_t kb = 1; kb < kblocks; kb++, it += c.v.step) fp8_kblock<kOrdered, false, false>(c, acc, tmp, it);
+            fp8_kblock<kOrdered, true, kOverlap>(c, acc, tmp, it++);
+            for (int32_t kb = 1; kb < kblocks; kb++) fp8_kblock<kOrdered, false, false>(c, acc, tmp, it++);
         } else {
             bf16_mainloop(c, acc, it, kblocks);
         }
         const int32_t idx_next = idx + (int32_t)gridDim.x;
-        tile_t tn;
-        const bool more = next_tile<kBlockM, kNInner>(tb, p.num_experts, nblocks, p.pairs, idx_next, cursor, tn);
-        const view_t vn = more ? view_of(c, tn) : c.v;
+        const bool more = has_tile<kNInner>(tb, p.num_experts, nblocks, idx_next);
         if constexpr (kOverlap) {
             /* issued unconditionally (wgmmas on a divergent path serialise too): without a next
              * tile it reruns the last, consumed stage into tmp and the result is dropped */
-            const uint32_t at = more ? it + vn.so : it - 1;
+            const uint32_t at = more ? it : it - 1;
             if (more) ring_t::wait_full(c.full, at);
-            fp8_issue<kOrdered>(tmp, mf__wgmma_desc_advance(c.desc_stages, ring_t::slot(at) * kStageBytes), c.wg, vn.ah, 0);
+            fp8_issue<kOrdered>(tmp, mf__wgmma_desc_advance(c.desc_stages, ring_t::slot(at) * kStageBytes), c.wg, 0);
         }
         epilogue<kFp8, kEpi>(p, c, t, acc);
         if (!more) break;
         idx = idx_next;
-        t = tn;
-        c.v = vn;
+        next_tile<kBlockM, kNInner>(tb, p.num_experts, nblocks, idx, cursor, t);
     }
     if constexpr (kOverlap) mf__wgmma_wait<0>();
     if (kFp8 && kOrdered && c.wg == 0) mf__named_barrier_sync(kBarIssued1, kConsumerThreads);
@@ -503,10 +471,8 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_tma_kernel(const __grid_cons
     uint64_t *empty = full + kStages;
     const tables_t tb = tables_at<kMaxExperts>(smem + kOffTables);
     const int32_t nblocks = kEpi == kEpiSwiglu ? p.N / (2 * kHCols) : p.N / kTileN; /* n-blocks per expert */
-    /* first[e]: the tiles of the experts < e */
-    prologue<kStages, true>(p, full, empty, kFullArrivals, tb, [nblocks, &p](int32_t rows) {
-        return tiles_of<kBlockM, kNInner>(rows, nblocks, p.pairs);
-    });
+    /* first[e]: the m-blocks of the experts < e */
+    prologue<kStages, true>(p, full, empty, kFullArrivals, tb, [](int32_t rows) { return (rows + kBlockM - 1) / kBlockM; });
 
     if (producer_role()) {
         if (mf__warp_id() == 0) producer<kFp8, kEpi>(p, tb, nblocks, stages, a_sc, w_sc, full, empty);
@@ -516,6 +482,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_tma_kernel(const __grid_cons
         c.wg = ctid / kMfWarpgroupThreads;
         c.warp = (ctid / 32) % 4;
         c.lane = ctid & 31;
+        c.row_lo = c.wg * kWgRows + c.warp * kWarpRows + c.lane / 4;
         c.desc_stages = mf__wgmma_desc_sw128(stages);
         c.a_sc = a_sc;
         c.w_sc = w_sc;
@@ -551,11 +518,10 @@ const char *mf__sm90_tma_last_decline(void);
  * any. Not written when MF_DEBUG is off. */
 const char *mf__sm90_tma_last_launch(void);
 
-/* Lab only: picks what the launchers run in this process, for an A/B measurement in one run: 0 =
- * what ships, 1 = FP8 without the issue order (kOrdered = false), 2 = FP8 SwiGLU without the
- * epilogue overlap (kNoOverlap = true; plain runs what ships); bit 4 = any kernel without tail
- * pairs (gemm_params.pairs = 0). BF16 launches otherwise run what ships. */
-enum { kMfTmaLabShipped = 0, kMfTmaLabUnordered = 1, kMfTmaLabNoOverlap = 2, kMfTmaLabNoPairs = 4 };
+/* Lab only: picks the FP8 kernels the launchers run in this process, for an A/B measurement in one
+ * run: 0 = what ships, 1 = without the issue order (kOrdered = false), 2 = SwiGLU without the
+ * epilogue overlap (kNoOverlap = true; plain runs what ships). BF16 launches always run what ships. */
+enum { kMfTmaLabShipped = 0, kMfTmaLabUnordered = 1, kMfTmaLabNoOverlap = 2 };
 void mf__sm90_tma_lab_variant(int variant);
 
 /* Lab only: hands the launchers the lab's FP8 kernels, sm90_tma_kernel<true, kEpiPlain, false>,
