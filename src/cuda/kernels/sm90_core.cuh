@@ -106,8 +106,10 @@ static inline gemm_params w2_params(const mf__gemm_segments_t *seg, mf__gemm_ope
 
 /* 128B-swizzled TMA boxes and wgmma operands need 1024-byte aligned shared addresses: the map
  * starts at smem_raw + align_pad(smem_raw), within the kMfSwizzleAtomBytes of slack it reserved.
- * (A helper returning the aligned pointer itself made ptxas move the walk's arithmetic off the
- * uniform datapath.) */
+ * Measured rule for this file: a helper never RETURNS a shared-memory pointer (or a struct of
+ * them); it returns an offset or fills the caller's variable. Returned, such pointers made ptxas
+ * move the tile walk's arithmetic off the uniform datapath (bench/NOTES.md, "Issue 14, third
+ * session"). */
 __device__ __forceinline__ uint32_t align_pad(const uint8_t *raw) {
     return (kMfSwizzleAtomBytes - (mf__smem_addr(raw) & (kMfSwizzleAtomBytes - 1))) & (kMfSwizzleAtomBytes - 1);
 }
@@ -121,14 +123,12 @@ struct tables_t {
     int32_t *first;  /* [L + 1] first work unit of each expert; first[L] = the units of all experts */
 };
 
-/* The tables at `at`: (3 kMaxExperts + 1) int32. */
+/* tb = the tables at `at`: (3 kMaxExperts + 1) int32 (filled, not returned: see align_pad). */
 template <int kMaxExperts>
-__device__ __forceinline__ tables_t tables_at(uint8_t *at) {
-    tables_t tb;
+__device__ __forceinline__ void tables_at(tables_t &tb, uint8_t *at) {
     tb.rows = (int32_t *)at;
     tb.row0 = tb.rows + kMaxExperts;
     tb.first = tb.row0 + kMaxExperts;
-    return tb;
 }
 
 /* Reads the counts (clamped to [0, max_rows]) and offsets into the tables and scans units(rows),

@@ -430,7 +430,8 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_decode_kernel(const __grid_c
     uint8_t *epi = smem + C::kOffEpi;
     float *scales = (float *)(smem + C::kOffScales);
     float *red = (float *)(smem + C::kOffRed);
-    const tables_t tb = tables_at<kMaxExperts>(smem + C::kOffTables);
+    tables_t tb;
+    tables_at<kMaxExperts>(tb, smem + C::kOffTables);
     uint64_t *full = (uint64_t *)(smem + C::kOffBars);
     uint64_t *empty = full + C::kStages;
     const int32_t nblocks = kEpi == kEpiSwiglu ? p.N / (2 * kTileCols) : p.N / kTileCols; /* n-blocks per expert */

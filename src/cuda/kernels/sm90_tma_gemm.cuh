@@ -469,7 +469,8 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_tma_kernel(const __grid_cons
     float *w_sc = (float *)(smem + kOffWScales);
     uint64_t *full = (uint64_t *)(smem + kOffBars);
     uint64_t *empty = full + kStages;
-    const tables_t tb = tables_at<kMaxExperts>(smem + kOffTables);
+    tables_t tb;
+    tables_at<kMaxExperts>(tb, smem + kOffTables);
     const int32_t nblocks = kEpi == kEpiSwiglu ? p.N / (2 * kHCols) : p.N / kTileN; /* n-blocks per expert */
     /* first[e]: the m-blocks of the experts < e */
     prologue<kStages, true>(p, full, empty, kFullArrivals, tb, [](int32_t rows) { return (rows + kBlockM - 1) / kBlockM; });
