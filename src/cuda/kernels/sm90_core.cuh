@@ -5,17 +5,23 @@
  * differs (operand roles, the main loops, the epilogues' fragment layouts) stays with each kernel.
  *
  *   params    one __grid_constant__ struct (gemm_params) and its host fill (w13_params, w2_params)
- *   tables    the expert tables in shared memory: each expert's clamped row count, first receive
- *             row and first work unit, read from the plan's device counts / offsets at kernel start
- *             (build_tables: a warp scan over the experts) after the previous kernel (mf__pdl_wait)
- *   walk      the persistent tile walk (next_tile): tile idx = blockIdx.x, + gridDim.x, ... over the
- *             experts with rows, in one of two orders (see tile_order), and the row shift of a
+ *   prologue  barrier init and tensor-map prefetch (before the previous kernel ends, under PDL),
+ *             mf__pdl_wait / mf__pdl_trigger, then the expert tables in shared memory: each expert's
+ *             clamped row count, first receive row and first work unit, from the plan's device
+ *             counts / offsets (build_tables: a warp scan over the experts)
+ *   walk      the persistent tile walk (next_tile, has_tile): tile idx = blockIdx.x, + gridDim.x, ...
+ *             over the experts with rows, in one of two orders (tile_order), and the row shift of a
  *             partial last block (place_block, clamp_row)
  *   ring      the TMA / cp.async stage ring: slot and parity of ring position `it`, the bounded
- *             waits of producer and consumers, the barriers' init (ring<kStages>)
+ *             waits of producer and consumers, the barriers' init (ring<kStages>), a consumer
+ *             warp's release (release_stage)
  *   roles     the register split: warpgroup 0 produces (setmaxnreg.dec), 1 and 2 consume (.inc)
- *   targets   where an output row goes: `out` or, for W2 with `ret`, its owner's combine slot
- *             (row_target)
+ *             (producer_role)
+ *   targets   W2's rows into the owners' combine slots (ret_row)
+ *
+ * What the kernels compile to was kept: each family's kernels have the opcode mix they had before
+ * this core but for a few integer ops (nvdisasm; bench/NOTES.md "Issue 14, third session"), which
+ * took the rule at align_pad.
  *
  * Sizes and limits (threads, registers, box and K-block sizes, the wait bound): cuda/gemm_configs.cuh,
  * namespace mf__sm90. C++ (CUDA), included by the kernel headers only.
@@ -302,23 +308,17 @@ __device__ __forceinline__ bool producer_role(void) {
 
 /* ---- epilogue targets ------------------------------------------------------------------------ */
 
-/* Where receive row `row` goes, at column byte `col_bytes`: *dst = out + row * row_bytes, or (plain
- * with `ret`, kMayReturn) its owner's combine slot ret.slots[rank] + (token K + k) N BF16. False
- * when its source entry (rank, token, k) is invalid: nothing is stored (always true without `ret`,
- * so the caller's test folds away). */
-template <bool kMayReturn>
-__device__ __forceinline__ bool row_target(const gemm_params &p, int64_t row, int64_t row_bytes, int64_t col_bytes,
-                                           uint8_t *&dst) {
-    if (kMayReturn && p.use_ret) {
-        const int32_t *src = p.ret.src + 3 * row;
-        const int32_t rank = src[0], token = src[1], k = src[2];
-        if ((uint32_t)rank >= (uint32_t)MF_MAX_RANKS || token < 0 || k < 0 || k >= p.ret.num_topk) return false;
-        uint16_t *slots = p.ret.slots[rank];
-        if (!slots) return false;
-        dst = (uint8_t *)(slots + ((int64_t)token * p.ret.num_topk + k) * p.N) + col_bytes;
-        return true;
-    }
-    dst = p.out + row * row_bytes + col_bytes;
+/* W2 with `ret`: where receive row `row` goes, its owner's combine slot *dst = ret.slots[rank] +
+ * (token K + k) n BF16, n = N (the caller adds its columns), (rank, token, k) = ret.src[3 row];
+ * false when that entry is invalid (the row is not stored). Without `ret` rows go to out + row * N
+ * BF16, which each epilogue computes itself. */
+__device__ __forceinline__ bool ret_row(const gemm_params &p, int64_t row, int64_t n, uint8_t *&dst) {
+    const int32_t *src = p.ret.src + 3 * row;
+    const int32_t rank = src[0], token = src[1], k = src[2];
+    if ((uint32_t)rank >= (uint32_t)MF_MAX_RANKS || token < 0 || k < 0 || k >= p.ret.num_topk) return false;
+    uint16_t *slots = p.ret.slots[rank];
+    if (!slots) return false;
+    dst = (uint8_t *)(slots + ((int64_t)token * p.ret.num_topk + k) * n);
     return true;
 }
 

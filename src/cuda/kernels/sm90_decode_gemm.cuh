@@ -254,9 +254,14 @@ __device__ __forceinline__ void store_tile(const gemm_params &p, const uint8_t *
     for (int c = ctid; c < kBlockT * kChunksPerRow; c += kConsumerThreads) {
         const int token = c / kChunksPerRow, ch = c % kChunksPerRow;
         if (token < t.lo) continue;
+        const int64_t row = (int64_t)t.row0 + token;
         uint8_t *dst;
-        if (row_target<kEpi == kEpiPlain>(p, (int64_t)t.row0 + token, out_ld * kOutEsz, col_bytes + ch * kChunk, dst))
-            *(uint4 *)dst = *(const uint4 *)(epi + token * kEpiRowBytes + ch * kChunk);
+        if (kEpi == kEpiPlain && p.use_ret) {
+            if (!ret_row(p, row, out_ld, dst)) continue;
+        } else {
+            dst = p.out + row * out_ld * kOutEsz;
+        }
+        *(uint4 *)(dst + col_bytes + ch * kChunk) = *(const uint4 *)(epi + token * kEpiRowBytes + ch * kChunk);
     }
 }
 

@@ -303,8 +303,12 @@ __device__ __forceinline__ uint8_t *row_target(const gemm_params &p, const consu
                                                int64_t row_bytes, int64_t col_bytes) {
     const int tr = c.wg * kWgRows + c.warp * kWarpRows + r; /* tile row */
     if (tr < t.lo) return NULL;
-    uint8_t *dst;
-    return mf__sm90::row_target<kEpi == kEpiPlain>(p, (int64_t)t.row0 + tr, row_bytes, col_bytes, dst) ? dst : NULL;
+    const int64_t row = (int64_t)t.row0 + tr;
+    if (kEpi == kEpiPlain && p.use_ret) {
+        uint8_t *dst;
+        return ret_row(p, row, p.N, dst) ? dst + col_bytes : NULL;
+    }
+    return p.out + row * row_bytes + col_bytes;
 }
 
 /* The targets of the 4 rows lane `c.lane` copies out of the staging buffer (rows 4 i + lane / 8,
