@@ -137,7 +137,7 @@ static_assert(kStageBytes % kMfSwizzleAtomBytes == 0 && kWgOperandBytes % kMfSwi
                   kOffEpi % kMfSwizzleAtomBytes == 0 && kEpiWarpBytes % kMfSwizzleAtomBytes == 0,
               "every operand and staging buffer must start on a 1024-byte swizzle atom");
 static_assert(kSmemBytes <= kSmemLimit, "shared memory map exceeds 227 KB");
-static_assert(kStages == 4, "slot = it & 3 below");
+static_assert((kStages & (kStages - 1)) == 0, "the ring's it % kStages must be a mask");
 static_assert(kBoxes == 2, "two weight boxes per tile: the code names them 0 and 1");
 
 /* First weight row (of the [L * N, K] map) of box b of tile t. */
