@@ -49,7 +49,11 @@
  * 4096, 8192} rows per expert (L M <= 32768), EXPERT_MAJOR, random data generated on the device;
  * then an A/B of the FP8 kernels without the issue order (the lab-only switch
  * mf__sm90_tma_lab_variant; validated above with "[unordered]" cases) and the SwiGLU epilogue's
- * cost against plain W13.
+ * cost against plain W13; then, interleaved over 3 rounds on the same data: the FP8 SwiGLU
+ * epilogue overlap (ships against kMfTmaLabNoOverlap), and two timing probes, whose results are
+ * not the GEMM (so they are never validated): the FP8 promotion's cost (no overlap against no
+ * overlap without the promotion, kMfTmaLabNoPromote) and the BF16 epilogue's (ships against no
+ * epilogue, kMfTmaLabNoStore).
  */
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -228,8 +232,8 @@ static bool launched(mf_result_t r) {
  * ==================================================================================================== */
 
 static void list_variants(void) {
-    mf__tma_variant_info_t v[8];
-    const int n = mf__sm90_tma_variants(v, 8);
+    mf__tma_variant_info_t v[16];
+    const int n = mf__sm90_tma_variants(v, 16);
     if (n < 0) {
         fprintf(stderr, "FATAL: mf__sm90_tma_variants failed: %s\n", mf_last_error());
         exit(2);
@@ -239,9 +243,11 @@ static void list_variants(void) {
     for (int i = 0; i < n; i++) {
         bool ok = v[i].usable && v[i].local_bytes == 0;
         if (!ok) g_failures++;
-        printf("%s variant %-4s %-6s %-9s regs %3d local %d B usable %d\n", ok ? "PASS" : "FAIL", v[i].fp8 ? "fp8" : "bf16",
-               v[i].swiglu ? "swiglu" : "plain", v[i].fp8 ? (v[i].ordered ? "ordered" : "unordered") : "", v[i].num_regs,
-               v[i].local_bytes, v[i].usable);
+        printf("%s variant %2d %-4s %-6s %-9s %-10s %-17s regs %3d local %d B usable %d\n", ok ? "PASS" : "FAIL", i,
+               v[i].fp8 ? "fp8" : "bf16", v[i].swiglu ? "swiglu" : "plain",
+               v[i].fp8 ? (v[i].ordered ? "ordered" : "unordered") : "", v[i].fp8 && !v[i].overlap ? "no overlap" : "",
+               v[i].probe == mf__tma::kProbeNoPromote ? "probe no-promote" : v[i].probe == mf__tma::kProbeNoStore ? "probe no-store" : "",
+               v[i].num_regs, v[i].local_bytes, v[i].usable);
     }
 }
 
@@ -506,7 +512,7 @@ struct vcase {
     int capacity;             /* 0: EXPERT_MAJOR (128-aligned segments), else MASKED with C = capacity */
     int ue8m0;
     int ret;                  /* plain: rows to R fake owners' combine slots */
-    int unordered;            /* FP8 lab-only kernels (A/B): kMfTmaLabUnordered, kMfTmaLabNoOverlap; 0 ships */
+    int unordered;            /* FP8 lab-only GEMM kernels (A/B): kMfTmaLabUnordered, kMfTmaLabNoOverlap; 0 ships */
 };
 
 static void parallel_for(int n, const std::function<void(int)> &f) {
@@ -950,6 +956,8 @@ static void run_validate(void) {
     cases.push_back({"fp8 masked W2 plain N=512 K=384 [unordered]", 1, 0, 512, 384, {130, 0, 257}, 320, 0, 0, 1});
     cases.push_back({"fp8 expert_major W13 swiglu I=2048 H=7168 [no overlap]", 1, 1, 2048, 7168, {3, 130}, 0, 0, 0,
                      kMfTmaLabNoOverlap});
+    cases.push_back({"fp8 masked W2 plain N=512 K=384 [no overlap]", 1, 0, 512, 384, {130, 0, 257}, 320, 0, 0,
+                     kMfTmaLabNoOverlap});
     cases.push_back({"fp8 expert_major W2 plain L=40 N=256 K=256 [unordered]", 1, 0, 256, 256,
                      {1, 300, 0, 129, 128, 77, 256, 5, 0, 200}, 0, 0, 0, 1});
     for (auto &c : cases) run_case(c);
@@ -1007,6 +1015,22 @@ static double time_call_us(const gemm_call &g, uint8_t *d_flush, cudaEvent_t ev0
     }
     std::sort(ts.begin(), ts.end());
     return ts[ts.size() / 2] * 1e3;
+}
+
+/* Lab switch settings a and b (kMfTmaLab*) on the same call, interleaved over 3 rounds so that the
+ * card's drift hits both alike: the median round of each, us. */
+static void time_ab_us(const gemm_call &g, int a, int b, uint8_t *d_flush, cudaEvent_t ev0, cudaEvent_t ev1, double *us_a,
+                       double *us_b) {
+    std::vector<double> med[2];
+    for (int round = 0; round < 3; round++)
+        for (int v = 0; v < 2; v++) {
+            mf__sm90_tma_lab_variant(v ? b : a);
+            med[v].push_back(time_call_us(g, d_flush, ev0, ev1));
+            mf__sm90_tma_lab_variant(kMfTmaLabShipped);
+        }
+    for (int v = 0; v < 2; v++) std::sort(med[v].begin(), med[v].end());
+    *us_a = med[0][1];
+    *us_b = med[1][1];
 }
 
 static void run_bench(const char *json_path, int argc, char **argv, bool ab_only) {
@@ -1173,21 +1197,56 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
             memset(&g, 0, sizeof g);
             g.fp8 = 1, g.swiglu = 1, g.n = sh.n, g.k = sh.k, g.L = L, g.max_rows = M, g.counts = d_cnt, g.offsets = d_off;
             g.a = d_a, g.w = d_w, g.a_scales = d_as, g.w_scales = d_ws, g.out = d_out, g.out_scales = d_osc;
-            std::vector<double> med[2];
-            for (int round = 0; round < 3; round++)
-                for (int v = 0; v < 2; v++) {
-                    char name[128];
-                    snprintf(name, sizeof name, "bench fp8 W13 swiglu L=%d M=%d %s", L, M, v ? "no overlap" : "overlap");
-                    g_case = name;
-                    mf__sm90_tma_lab_variant(v ? kMfTmaLabNoOverlap : kMfTmaLabShipped);
-                    med[v].push_back(time_call_us(g, d_flush, ev0, ev1));
-                    mf__sm90_tma_lab_variant(kMfTmaLabShipped);
-                }
-            for (int v = 0; v < 2; v++) std::sort(med[v].begin(), med[v].end());
-            const double on = med[0][1], off_us = med[1][1], fl = 2.0 * L * M * (double)sh.nw * sh.k * 1e-6;
+            char name[128];
+            snprintf(name, sizeof name, "bench fp8 W13 swiglu L=%d M=%d overlap A/B", L, M);
+            g_case = name;
+            double on = 0, off_us = 0;
+            time_ab_us(g, kMfTmaLabShipped, kMfTmaLabNoOverlap, d_flush, ev0, ev1, &on, &off_us);
+            const double fl = 2.0 * L * M * (double)sh.nw * sh.k * 1e-6;
             printf("  fp8   W13 swiglu  L=%2d M=%5d  overlap %9.1f us %7.1f TF/s   no overlap %9.1f us %7.1f TF/s   gain %+5.1f %%\n",
                    L, M, on, fl / on, off_us, fl / off_us, 100.0 * (off_us / on - 1.0));
             fflush(stdout);
+        }
+    }
+    /* Timing probes (their outputs are not the GEMM): the FP8 promotion's cost (no overlap, with
+     * against without the promotion) and the BF16 epilogue's (ships against no epilogue); cost =
+     * time(with) / time(without) - 1 */
+    {
+        printf("# probes, 3 rounds interleaved: FP8 promotion cost (no overlap vs no overlap + no promotion, "
+               "kMfTmaLabNoPromote), BF16 epilogue cost (ships vs no epilogue, kMfTmaLabNoStore)\n");
+        const int ab[3][2] = {{4, 4096}, {32, 256}, {32, 1024}};
+        for (int fp8 = 1; fp8 >= 0; fp8--) {
+            fill_random(d_a, a_bytes / (fp8 ? 1 : 2), fp8 ? 0 : 1);
+            fill_random(d_w, w_bytes / (fp8 ? 1 : 2), fp8 ? 0 : 1);
+            for (int si : {0, 2}) {
+                const shape &sh = shapes[si];
+                for (int ci = 0; ci < 3; ci++) {
+                    const int L = ab[ci][0], M = ab[ci][1];
+                    std::vector<int32_t> cnt(L, M), off(L);
+                    for (int e = 0; e < L; e++) off[e] = e * M;
+                    CUDA_OK(cudaMemcpy(d_cnt, cnt.data(), L * 4, cudaMemcpyHostToDevice));
+                    CUDA_OK(cudaMemcpy(d_off, off.data(), L * 4, cudaMemcpyHostToDevice));
+                    gemm_call g;
+                    memset(&g, 0, sizeof g);
+                    g.fp8 = fp8, g.swiglu = sh.swiglu, g.n = sh.n, g.k = sh.k, g.L = L, g.max_rows = M;
+                    g.counts = d_cnt, g.offsets = d_off, g.a = d_a, g.w = d_w;
+                    g.a_scales = fp8 ? d_as : NULL, g.w_scales = fp8 ? d_ws : NULL, g.out = d_out, g.out_scales = d_osc;
+                    char name[128];
+                    snprintf(name, sizeof name, "bench %s %s L=%d M=%d probe A/B", fp8 ? "fp8" : "bf16", sh.name, L, M);
+                    g_case = name;
+                    double with_us = 0, without_us = 0;
+                    if (fp8)
+                        time_ab_us(g, kMfTmaLabNoOverlap, kMfTmaLabNoPromote, d_flush, ev0, ev1, &with_us, &without_us);
+                    else
+                        time_ab_us(g, kMfTmaLabShipped, kMfTmaLabNoStore, d_flush, ev0, ev1, &with_us, &without_us);
+                    const double fl = 2.0 * L * M * (double)sh.nw * sh.k * 1e-6;
+                    printf("  %-5s %-11s L=%2d M=%5d  %-12s %9.1f us %7.1f TF/s   %-14s %9.1f us %7.1f TF/s   cost %+5.1f %%\n",
+                           fp8 ? "fp8" : "bf16", sh.name, L, M, fp8 ? "promotion" : "epilogue", with_us, fl / with_us,
+                           fp8 ? "no promotion" : "no epilogue", without_us, fl / without_us,
+                           100.0 * (with_us / without_us - 1.0));
+                    fflush(stdout);
+                }
+            }
         }
     }
     /* the SwiGLU epilogue's cost: W13 swiglu against W13 plain (same GEMM, plain BF16 epilogue) */
@@ -1266,11 +1325,25 @@ int main(int argc, char **argv) {
     }
     CUDA_OK(cudaHostAlloc((void **)&g_fault, sizeof *g_fault, cudaHostAllocMapped));
     memset((void *)g_fault, 0, sizeof *g_fault);
-    /* The A/B kernels (FP8 without the issue order; SwiGLU without the epilogue overlap) are compiled
-     * here, never into libmoeflow. */
-    mf__sm90_tma_lab_register((const void *)mf__tma::sm90_tma_kernel<true, mf__tma::kEpiPlain, false>,
-                              (const void *)mf__tma::sm90_tma_kernel<true, mf__tma::kEpiSwiglu, false>,
-                              (const void *)mf__tma::sm90_tma_kernel<true, mf__tma::kEpiSwiglu, true, true>);
+    /* The A/B kernels and timing probes (variants 4-11 of gemm_tma.cu's table, in its order) are
+     * compiled here, never into libmoeflow. */
+    {
+        using namespace mf__tma;
+        const void *lab_fns[] = {
+            (const void *)sm90_tma_kernel<true, kEpiPlain, false>,
+            (const void *)sm90_tma_kernel<true, kEpiSwiglu, false>,
+            (const void *)sm90_tma_kernel<true, kEpiSwiglu, true, true>,
+            (const void *)sm90_tma_kernel<true, kEpiPlain, true, true>,
+            (const void *)sm90_tma_kernel<true, kEpiPlain, true, true, kProbeNoPromote>,
+            (const void *)sm90_tma_kernel<true, kEpiSwiglu, true, true, kProbeNoPromote>,
+            (const void *)sm90_tma_kernel<false, kEpiPlain, true, false, kProbeNoStore>,
+            (const void *)sm90_tma_kernel<false, kEpiSwiglu, true, false, kProbeNoStore>,
+        };
+        if (mf__sm90_tma_lab_register(lab_fns, (int)(sizeof lab_fns / sizeof lab_fns[0])) != 0) {
+            fprintf(stderr, "FATAL: mf__sm90_tma_lab_register: the lab's kernel list does not match gemm_tma.cu's table\n");
+            return 2;
+        }
+    }
     CUDA_OK(mf__sm90_set_fault_record(g_fault));   /* this file's selftest kernels and the A/B kernels */
     CUDA_OK(mf__sm90_tma_set_fault_record(g_fault)); /* the library's TMA kernels */
     if (selftest) run_selftest();

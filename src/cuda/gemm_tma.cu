@@ -43,27 +43,45 @@ using namespace mf__tma;
 
 namespace {
 
-constexpr int kNumVariants = 7;
+constexpr int kNumVariants = 12;
 
 struct variant_t {
     const void *fn;
-    int fp8, swiglu, ordered;
+    int fp8, swiglu, ordered, overlap, probe;
+    const char *tag; /* the MF_DEBUG report's note */
 };
 
-/* Every variant, in a fixed order: index 2 fp8 + swiglu ships; + 2 (FP8 without the issue order)
- * and 6 (FP8 SwiGLU without the epilogue overlap) only run under the lab's A/B switch. Those three
- * are not compiled into the library: the lab (dev/cuda/sm90_gemm_lab.cu) instantiates them and
- * registers them (mf__sm90_tma_lab_register); until then their fn is NULL and they are unusable. */
+/* Every variant, in a fixed order: indices 0-3 (2 fp8 + swiglu) ship; 4-11 only run under the lab's
+ * A/B switch and are not compiled into the library: the lab (dev/cuda/sm90_gemm_lab.cu)
+ * instantiates them and registers them (mf__sm90_tma_lab_register); until then their fn is NULL and
+ * they are unusable. */
 constexpr int kNumShipped = 4;
 const variant_t kVariants[kNumVariants] = {
-    {(const void *)sm90_tma_kernel<false, kEpiPlain>, 0, 0, 0},
-    {(const void *)sm90_tma_kernel<false, kEpiSwiglu>, 0, 1, 0},
-    {(const void *)sm90_tma_kernel<true, kEpiPlain>, 1, 0, 1},
-    {(const void *)sm90_tma_kernel<true, kEpiSwiglu>, 1, 1, 1},
-    {NULL, 1, 0, 0}, /* sm90_tma_kernel<true, kEpiPlain, false>: the lab's */
-    {NULL, 1, 1, 0}, /* sm90_tma_kernel<true, kEpiSwiglu, false>: the lab's */
-    {NULL, 1, 1, 1}, /* sm90_tma_kernel<true, kEpiSwiglu, true, true>: the lab's */
+    {(const void *)sm90_tma_kernel<false, kEpiPlain>, 0, 0, 0, 0, kProbeNone, ""},
+    {(const void *)sm90_tma_kernel<false, kEpiSwiglu>, 0, 1, 0, 0, kProbeNone, ""},
+    {(const void *)sm90_tma_kernel<true, kEpiPlain>, 1, 0, 1, 1, kProbeNone, ""},
+    {(const void *)sm90_tma_kernel<true, kEpiSwiglu>, 1, 1, 1, 1, kProbeNone, ""},
+    /* the lab's: <true, kEpiPlain, false>, <true, kEpiSwiglu, false> */
+    {NULL, 1, 0, 0, 1, kProbeNone, " unordered (lab A/B)"},
+    {NULL, 1, 1, 0, 1, kProbeNone, " unordered (lab A/B)"},
+    /* <true, kEpiSwiglu, true, true>, <true, kEpiPlain, true, true> */
+    {NULL, 1, 1, 1, 0, kProbeNone, " no overlap (lab A/B)"},
+    {NULL, 1, 0, 1, 0, kProbeNone, " no overlap (lab A/B)"},
+    /* <true, kEpiPlain, true, true, kProbeNoPromote>, <true, kEpiSwiglu, true, true, kProbeNoPromote> */
+    {NULL, 1, 0, 1, 0, kProbeNoPromote, " probe: no promotion (lab)"},
+    {NULL, 1, 1, 1, 0, kProbeNoPromote, " probe: no promotion (lab)"},
+    /* <false, kEpiPlain, true, false, kProbeNoStore>, <false, kEpiSwiglu, true, false, kProbeNoStore> */
+    {NULL, 0, 0, 0, 0, kProbeNoStore, " probe: no epilogue (lab)"},
+    {NULL, 0, 1, 0, 0, kProbeNoStore, " probe: no epilogue (lab)"},
 };
+
+/* The variant the lab's switch `lab` (kMfTmaLab*) selects for (fp8, swiglu). */
+int variant_index(int lab, int fp8, int swiglu) {
+    if (!fp8) return (lab & kMfTmaLabNoStore) ? 10 + swiglu : swiglu;
+    if (lab & kMfTmaLabNoPromote) return 8 + swiglu;
+    if (lab & kMfTmaLabNoOverlap) return swiglu ? 6 : 7;
+    return 2 + swiglu + ((lab & kMfTmaLabUnordered) ? 2 : 0);
+}
 
 /* The lab's A/B switch (mf__sm90_tma_lab_variant) and its registered kernels. */
 std::atomic<int> g_lab_variant;
@@ -109,8 +127,7 @@ mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int
                    gemm_params *p, cudaStream_t stream, int32_t pdl) {
     int dev = 0, sms = 0;
     MF_CHECK(mf__gemm_configure(&g_family, who, &dev, &sms));
-    const int lab = fp8 ? g_lab_variant.load() : kMfTmaLabShipped;
-    const int vi = (lab & kMfTmaLabNoOverlap) && fp8 && swiglu ? 6 : 2 * fp8 + swiglu + ((lab & kMfTmaLabUnordered) ? 2 : 0);
+    const int vi = variant_index(g_lab_variant.load(), fp8, swiglu);
     MF_CHECK(mf__gemm_require(&g_family, dev, vi));
     const int esz = fp8 ? 1 : 2;
     const uint64_t kbytes = (uint64_t)p->K * esz;
@@ -129,11 +146,7 @@ mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int
                                  args),
                  who);
     mf__gemm_report_launch(&g_family, "tma %s %s%s (%d-row tiles, %d stages, %d B smem, grid %d)", fp8 ? "fp8" : "bf16",
-                           swiglu ? "swiglu" : "plain",
-                           vi == 6                         ? " no overlap (lab A/B)"
-                           : kVariants[vi].ordered || !fp8 ? ""
-                                                           : " unordered (lab A/B)",
-                           kBlockM, kStages, kSmemBytes, grid);
+                           swiglu ? "swiglu" : "plain", kVariants[vi].tag, kBlockM, kStages, kSmemBytes, grid);
     return MF_SUCCESS;
 }
 
@@ -195,6 +208,8 @@ int mf__sm90_tma_variants(mf__tma_variant_info_t *out, int max) {
         o.fp8 = kVariants[i].fp8;
         o.swiglu = kVariants[i].swiglu;
         o.ordered = kVariants[i].ordered;
+        o.overlap = kVariants[i].overlap;
+        o.probe = kVariants[i].probe;
         o.smem_bytes = kSmemBytes;
         o.stages = kStages;
         o.num_regs = fa.numRegs;
@@ -210,12 +225,11 @@ const char *mf__sm90_tma_last_launch(void) { return mf__gemm_last_launch(&g_fami
 
 void mf__sm90_tma_lab_variant(int variant) { g_lab_variant.store(variant); }
 
-void mf__sm90_tma_lab_register(const void *fp8_plain_unordered, const void *fp8_swiglu_unordered,
-                               const void *fp8_swiglu_no_overlap) {
-    g_lab_fn[0].store(fp8_plain_unordered);
-    g_lab_fn[1].store(fp8_swiglu_unordered);
-    g_lab_fn[2].store(fp8_swiglu_no_overlap);
+int mf__sm90_tma_lab_register(const void *const *fns, int n) {
+    if (n != kNumVariants - kNumShipped) return -1;
+    for (int i = 0; i < n; i++) g_lab_fn[i].store(fns[i]);
     mf__gemm_reconfigure(&g_family); /* every device examines them on its next call */
+    return 0;
 }
 
 cudaError_t mf__sm90_tma_set_fault_record(mf__sm90_fault_t *record) { return mf__sm90_set_fault_record(record); }

@@ -112,6 +112,11 @@
 namespace mf__tma {
 
 enum { kEpiPlain = 0, kEpiSwiglu = 1 };
+/* Lab timing probes (never shipped; their results are not the GEMM): kProbeNoPromote, FP8 without
+ * the epilogue overlap whose wgmmas accumulate straight into acc (the same waits, no promotion);
+ * kProbeNoStore, no epilogue (its code stays, behind a test that is never true, so that the main
+ * loop is compiled as in what ships). Each against its baseline measures one cost. */
+enum { kProbeNone = 0, kProbeNoPromote = 1, kProbeNoStore = 2 };
 
 /* Threads, registers, tile and stage sizes, table sizes and the wait bound: cuda/gemm_configs.cuh.
  * Params, tables, tile walk, ring, roles and row targets: the shared core, kernels/sm90_core.cuh. */
@@ -202,7 +207,7 @@ __device__ __forceinline__ void producer(const gemm_params &p, const tables_t &t
 
 /* FP8: issues the 4 k32 wgmmas of box b of the stage at `st` for warpgroup `wg` into `tmp`, in
  * turn with the other warpgroup (see "Issue order"). */
-template <bool kOrdered>
+template <bool kOrdered, bool kZero = true>
 __device__ __forceinline__ void fp8_issue(float *tmp, uint64_t desc_st, int wg, int b) {
     const uint64_t da = mf__wgmma_desc_advance(desc_st, wg * kWgOperandBytes);
     const uint64_t db = mf__wgmma_desc_advance(desc_st, kABytes + b * kBoxBytes);
@@ -212,7 +217,7 @@ __device__ __forceinline__ void fp8_issue(float *tmp, uint64_t desc_st, int wg, 
 #pragma unroll
     for (int k = 0; k < kKSteps; k++)
         mf__wgmma_e4m3<kBoxRows>(tmp, mf__wgmma_desc_advance(da, k * kKStepBytes), mf__wgmma_desc_advance(db, k * kKStepBytes),
-                                 k > 0 ? 1 : 0);
+                                 (k > 0 || !kZero) ? 1 : 0);
     mf__wgmma_commit();
     if (kOrdered) mf__named_barrier_arrive(wg == 0 ? kBarIssued0 : kBarIssued1, kConsumerThreads);
 }
@@ -269,6 +274,22 @@ __device__ __forceinline__ void fp8_kblock(const consumer_t &c, float *acc, floa
     mf__fence_fragment<kBoxRows>(tmp);
     release(c, slot);
     fp8_promote<kFirst>(acc + kBoxAcc, tmp, sa_lo * sw1, sa_hi * sw1);
+}
+
+/* kProbeNoPromote: fp8_kblock's issues and waits, each box's wgmmas straight into its half of acc
+ * (zeroed on the tile's first K block), no scales, no promotion. */
+template <bool kOrdered, bool kFirst>
+__device__ __forceinline__ void fp8_kblock_probe(const consumer_t &c, float *acc, uint32_t it) {
+    const uint32_t slot = ring_t::slot(it);
+    const uint64_t desc_st = mf__wgmma_desc_advance(c.desc_stages, slot * kStageBytes);
+    ring_t::wait_full(c.full, it);
+    fp8_issue<kOrdered, kFirst>(acc, desc_st, c.wg, 0);
+    mf__wgmma_wait<0>();
+    mf__fence_fragment<kBoxRows>(acc);
+    fp8_issue<kOrdered, kFirst>(acc + kBoxAcc, desc_st, c.wg, 1);
+    mf__wgmma_wait<0>();
+    mf__fence_fragment<kBoxRows>(acc + kBoxAcc);
+    release(c, slot);
 }
 
 /* BF16: the whole K loop of one tile into acc (the first wgmma overwrites). */
@@ -417,12 +438,13 @@ __device__ __forceinline__ void epilogue(const gemm_params &p, const consumer_t 
     }
 }
 
-template <bool kFp8, int kEpi, bool kOrdered, bool kNoOverlap>
+template <bool kFp8, int kEpi, bool kOrdered, bool kNoOverlap, int kProbe>
 __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &tb, int32_t nblocks, consumer_t &c,
                                          float *acc, float *tmp) {
     /* FP8: the next tile's first wgmmas overlap this tile's epilogue (see "Epilogue overlap");
      * kNoOverlap: the lab's A/B kernel without it. */
     constexpr bool kOverlap = kFp8 && !kNoOverlap;
+    static_assert(kProbe != kProbeNoPromote || (kFp8 && kNoOverlap), "the promotion probe is FP8 without the overlap");
     const int32_t kblocks = (p.K * (kFp8 ? 1 : 2) + kKBlock - 1) / kKBlock;
     uint32_t it = 0;
     int32_t cursor = 0, idx = (int32_t)blockIdx.x;
@@ -435,7 +457,10 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
         fp8_issue<kOrdered>(tmp, c.desc_stages, c.wg, 0);
     }
     for (;;) {
-        if constexpr (kFp8) {
+        if constexpr (kProbe == kProbeNoPromote) {
+            fp8_kblock_probe<kOrdered, true>(c, acc, it++);
+            for (int32_t kb = 1; kb < kblocks; kb++) fp8_kblock_probe<kOrdered, false>(c, acc, it++);
+        } else if constexpr (kFp8) {
             fp8_kblock<kOrdered, true, kOverlap>(c, acc, tmp, it++);
             for (int32_t kb = 1; kb < kblocks; kb++) fp8_kblock<kOrdered, false, false>(c, acc, tmp, it++);
         } else {
@@ -450,7 +475,9 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
             if (more) ring_t::wait_full(c.full, at);
             fp8_issue<kOrdered>(tmp, mf__wgmma_desc_advance(c.desc_stages, ring_t::slot(at) * kStageBytes), c.wg, 0);
         }
-        epilogue<kFp8, kEpi>(p, c, t, acc);
+        /* kProbeNoStore: ue8m0 is 0 or 1, so the epilogue never runs, yet it keeps acc, hence the
+         * main loop's wgmmas, alive (the wgmma asm has no side effect of its own) */
+        if (kProbe != kProbeNoStore || p.ue8m0 == 0x7fffffff) epilogue<kFp8, kEpi>(p, c, t, acc);
         if (!more) break;
         idx = idx_next;
         next_tile<kBlockM, kNInner>(tb, p.num_experts, nblocks, idx, cursor, t);
@@ -459,10 +486,10 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
     if (kFp8 && kOrdered && c.wg == 0) mf__named_barrier_sync(kBarIssued1, kConsumerThreads);
 }
 
-/* kOrdered: the FP8 issue order; kNoOverlap: FP8 without the epilogue overlap. What ships is
- * <kFp8, kEpi, true, false>; the others exist for the lab's A/B measurements
- * (mf__sm90_tma_lab_variant). */
-template <bool kFp8, int kEpi, bool kOrdered = true, bool kNoOverlap = false>
+/* kOrdered: the FP8 issue order; kNoOverlap: FP8 without the epilogue overlap; kProbe: a lab timing
+ * probe (kProbe*). What ships is <kFp8, kEpi, true, false, kProbeNone>; the others exist for the
+ * lab's A/B measurements (mf__sm90_tma_lab_variant). */
+template <bool kFp8, int kEpi, bool kOrdered = true, bool kNoOverlap = false, int kProbe = kProbeNone>
 __global__ void __launch_bounds__(kThreads, 1) sm90_tma_kernel(const __grid_constant__ gemm_params p) {
     /* full[s]: the producer's arrive.expect_tx, + FP8 one cp.async arrival per producer lane */
     constexpr uint32_t kFullArrivals = kFp8 ? 1 + 32 : 1;
@@ -498,7 +525,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_tma_kernel(const __grid_cons
         float tmp[kFp8 ? kBoxAcc : 1];
 #pragma unroll
         for (int i = 0; i < (kFp8 ? kBoxAcc : 1); i++) tmp[i] = 0.0f;
-        consumer<kFp8, kEpi, kOrdered, kNoOverlap>(p, tb, nblocks, c, acc, tmp);
+        consumer<kFp8, kEpi, kOrdered, kNoOverlap, kProbe>(p, tb, nblocks, c, acc, tmp);
     }
 }
 
@@ -507,6 +534,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_tma_kernel(const __grid_cons
 /* What gemm_tma.cu ships, for the lab and for diagnostics: one entry per kernel variant. */
 typedef struct mf__tma_variant_info {
     int32_t fp8, swiglu, ordered;     /* the template parameters (ordered: the FP8 issue order) */
+    int32_t overlap, probe;           /* FP8 epilogue overlap; a lab timing probe (kProbe*) */
     int32_t smem_bytes, stages;       /* the shared-memory map */
     int32_t num_regs, local_bytes;    /* cudaFuncGetAttributes on the current device */
     int32_t usable;                   /* num_regs == kLaunchRegs (setmaxnreg's assumption) */
@@ -523,17 +551,19 @@ const char *mf__sm90_tma_last_decline(void);
  * any. Not written when MF_DEBUG is off. */
 const char *mf__sm90_tma_last_launch(void);
 
-/* Lab only: picks the FP8 kernels the launchers run in this process, for an A/B measurement in one
- * run: 0 = what ships, 1 = without the issue order (kOrdered = false), 2 = SwiGLU without the
- * epilogue overlap (kNoOverlap = true; plain runs what ships). BF16 launches always run what ships. */
-enum { kMfTmaLabShipped = 0, kMfTmaLabUnordered = 1, kMfTmaLabNoOverlap = 2 };
+/* Lab only: picks what the launchers run in this process, for an A/B measurement in one run (bits):
+ * 0 = what ships; FP8: 1 = without the issue order (kOrdered = false), 2 = without the epilogue
+ * overlap (kNoOverlap = true), 4 = without the overlap and without the promotion (kProbeNoPromote:
+ * timing only, the results are not the GEMM); BF16: 8 = without the epilogue (kProbeNoStore: timing
+ * only, nothing is written). */
+enum { kMfTmaLabShipped = 0, kMfTmaLabUnordered = 1, kMfTmaLabNoOverlap = 2, kMfTmaLabNoPromote = 4, kMfTmaLabNoStore = 8 };
 void mf__sm90_tma_lab_variant(int variant);
 
-/* Lab only: hands the launchers the lab's FP8 kernels, sm90_tma_kernel<true, kEpiPlain, false>,
- * <true, kEpiSwiglu, false> and <true, kEpiSwiglu, true, true>, instantiated in the lab's own
- * translation unit (the library compiles only what ships). Until then, lab variants decline. */
-void mf__sm90_tma_lab_register(const void *fp8_plain_unordered, const void *fp8_swiglu_unordered,
-                               const void *fp8_swiglu_no_overlap);
+/* Lab only: hands the launchers the lab's kernels, variants 4-11 of gemm_tma.cu's table in order
+ * (fns[i] is variant 4 + i; the template arguments are listed there), instantiated in the lab's own
+ * translation unit (the library compiles only what ships). Until then, lab variants decline.
+ * Returns 0, or -1 when n is not the number of lab variants. */
+int mf__sm90_tma_lab_register(const void *const *fns, int n);
 
 /* Registers a fault record (see sm90_ptx.cuh; NULL turns reporting off) for the kernels of
  * gemm_tma.cu, whose translation unit holds its own copy of the record pointer. */
