@@ -1080,6 +1080,21 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
     CUDA_OK(cudaEventCreate(&ev0));
     CUDA_OK(cudaEventCreate(&ev1));
     std::vector<bench_row> rows_out;
+    /* The call on L experts of M rows each (EXPERT_MAJOR, offsets e M; M a multiple of 128), its
+     * counts and offsets uploaded; W2 ret shapes send rows to the combine slots. */
+    auto equal_call = [&](int fp8, const shape &sh, int L, int M) {
+        std::vector<int32_t> cnt(L, M), off(L);
+        for (int e = 0; e < L; e++) off[e] = e * M;
+        CUDA_OK(cudaMemcpy(d_cnt, cnt.data(), L * 4, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(d_off, off.data(), L * 4, cudaMemcpyHostToDevice));
+        gemm_call g;
+        memset(&g, 0, sizeof g);
+        g.fp8 = fp8, g.swiglu = sh.swiglu, g.n = sh.n, g.k = sh.k, g.L = L, g.max_rows = M;
+        g.counts = d_cnt, g.offsets = d_off, g.a = d_a, g.w = d_w;
+        g.a_scales = fp8 ? d_as : NULL, g.w_scales = fp8 ? d_ws : NULL;
+        g.out = sh.ret ? NULL : d_out, g.out_scales = d_osc, g.ret = sh.ret ? &ret : NULL;
+        return g;
+    };
 
     printf("# sm90_gemm_lab bench: the library's TMA launchers, kernel time, median of %d after %d warm-up, L2 flushed "
            "(%zu MB memset) before each run\n", kTimedRuns, kWarmupRuns, kFlushBytes >> 20);
@@ -1098,27 +1113,7 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
                     char name[128];
                     snprintf(name, sizeof name, "bench %s %s L=%d M=%d", fp8 ? "fp8" : "bf16", sh.name, L, M);
                     g_case = name;
-                    std::vector<int32_t> cnt(L, M), off(L);
-                    for (int e = 0; e < L; e++) off[e] = e * M; /* M a multiple of 128: EXPERT_MAJOR */
-                    CUDA_OK(cudaMemcpy(d_cnt, cnt.data(), L * 4, cudaMemcpyHostToDevice));
-                    CUDA_OK(cudaMemcpy(d_off, off.data(), L * 4, cudaMemcpyHostToDevice));
-                    gemm_call g;
-                    memset(&g, 0, sizeof g);
-                    g.fp8 = fp8;
-                    g.swiglu = sh.swiglu;
-                    g.n = sh.n;
-                    g.k = sh.k;
-                    g.L = L;
-                    g.max_rows = M;
-                    g.counts = d_cnt;
-                    g.offsets = d_off;
-                    g.a = d_a;
-                    g.w = d_w;
-                    g.a_scales = fp8 ? d_as : NULL;
-                    g.w_scales = fp8 ? d_ws : NULL;
-                    g.out = sh.ret ? NULL : d_out;
-                    g.out_scales = d_osc;
-                    g.ret = sh.ret ? &ret : NULL;
+                    const gemm_call g = equal_call(fp8, sh, L, M);
                     const double median_us = time_call_us(g, d_flush, ev0, ev1);
                     bench_row br;
                     br.name = sh.name;
@@ -1149,26 +1144,7 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
                 char name[128];
                 snprintf(name, sizeof name, "bench fp8 %s L=%d M=%d unordered", sh.name, L, M);
                 g_case = name;
-                std::vector<int32_t> cnt(L, M), off(L);
-                for (int e = 0; e < L; e++) off[e] = e * M;
-                CUDA_OK(cudaMemcpy(d_cnt, cnt.data(), L * 4, cudaMemcpyHostToDevice));
-                CUDA_OK(cudaMemcpy(d_off, off.data(), L * 4, cudaMemcpyHostToDevice));
-                gemm_call g;
-                memset(&g, 0, sizeof g);
-                g.fp8 = fp8;
-                g.swiglu = sh.swiglu;
-                g.n = sh.n;
-                g.k = sh.k;
-                g.L = L;
-                g.max_rows = M;
-                g.counts = d_cnt;
-                g.offsets = d_off;
-                g.a = d_a;
-                g.w = d_w;
-                g.a_scales = d_as;
-                g.w_scales = d_ws;
-                g.out = d_out;
-                g.out_scales = d_osc;
+                const gemm_call g = equal_call(fp8, sh, L, M);
                 mf__sm90_tma_lab_variant(kMfTmaLabUnordered);
                 const double us = time_call_us(g, d_flush, ev0, ev1);
                 mf__sm90_tma_lab_variant(kMfTmaLabShipped);
@@ -1189,14 +1165,7 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
         const shape &sh = shapes[0];
         for (int ci = 0; ci < 4; ci++) {
             const int L = ab[ci][0], M = ab[ci][1];
-            std::vector<int32_t> cnt(L, M), off(L);
-            for (int e = 0; e < L; e++) off[e] = e * M;
-            CUDA_OK(cudaMemcpy(d_cnt, cnt.data(), L * 4, cudaMemcpyHostToDevice));
-            CUDA_OK(cudaMemcpy(d_off, off.data(), L * 4, cudaMemcpyHostToDevice));
-            gemm_call g;
-            memset(&g, 0, sizeof g);
-            g.fp8 = 1, g.swiglu = 1, g.n = sh.n, g.k = sh.k, g.L = L, g.max_rows = M, g.counts = d_cnt, g.offsets = d_off;
-            g.a = d_a, g.w = d_w, g.a_scales = d_as, g.w_scales = d_ws, g.out = d_out, g.out_scales = d_osc;
+            const gemm_call g = equal_call(1, sh, L, M);
             char name[128];
             snprintf(name, sizeof name, "bench fp8 W13 swiglu L=%d M=%d overlap A/B", L, M);
             g_case = name;
@@ -1222,15 +1191,7 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
                 const shape &sh = shapes[si];
                 for (int ci = 0; ci < 3; ci++) {
                     const int L = ab[ci][0], M = ab[ci][1];
-                    std::vector<int32_t> cnt(L, M), off(L);
-                    for (int e = 0; e < L; e++) off[e] = e * M;
-                    CUDA_OK(cudaMemcpy(d_cnt, cnt.data(), L * 4, cudaMemcpyHostToDevice));
-                    CUDA_OK(cudaMemcpy(d_off, off.data(), L * 4, cudaMemcpyHostToDevice));
-                    gemm_call g;
-                    memset(&g, 0, sizeof g);
-                    g.fp8 = fp8, g.swiglu = sh.swiglu, g.n = sh.n, g.k = sh.k, g.L = L, g.max_rows = M;
-                    g.counts = d_cnt, g.offsets = d_off, g.a = d_a, g.w = d_w;
-                    g.a_scales = fp8 ? d_as : NULL, g.w_scales = fp8 ? d_ws : NULL, g.out = d_out, g.out_scales = d_osc;
+                    const gemm_call g = equal_call(fp8, sh, L, M);
                     char name[128];
                     snprintf(name, sizeof name, "bench %s %s L=%d M=%d probe A/B", fp8 ? "fp8" : "bf16", sh.name, L, M);
                     g_case = name;
