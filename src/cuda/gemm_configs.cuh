@@ -41,6 +41,7 @@ static constexpr int kMfGemmMaxDevices = 64;  /* per-device tables of the launch
 static constexpr int kMfGemmMaxVariants = 62; /* variants of one family: one usable bit each */
 static constexpr int kMfGemmDataAlign = 16;   /* operand rows and bases: TMA, cp.async, 16-byte stores */
 static constexpr int kMfGemmScaleAlign = 4;   /* FP8 scales: 4-byte cp.async */
+static constexpr int32_t kMfGemmMaxRowCoord = 0x7fffffff; /* int32 TMA coordinates: weight rows L N, tile indices */
 
 /* ---- the sm90 core both families share (kernels/sm90_core.cuh) ----------------------------------- */
 
@@ -64,7 +65,7 @@ constexpr int kKStepBytes = 32;                           /* K bytes per wgmma: 
 constexpr int kKSteps = kKBlock / kKStepBytes;            /* 4 */
 constexpr int kChunk = 16;                                /* bytes per cp.async, staging chunk and store */
 constexpr int kSmemLimit = 227 * 1024;                    /* dynamic smem per block on sm_90 */
-constexpr int32_t kMaxRowCoord = 0x7fffffff;              /* rows of the activation tensor maps ("place_block") */
+constexpr int32_t kMaxRowCoord = kMfGemmMaxRowCoord;      /* rows of the activation tensor maps ("place_block") */
 constexpr uint64_t kWaitTimeoutNs = 20000000000ull;       /* 20 s: see "Bounded waits" in the kernel headers */
 
 } /* namespace mf__sm90 */

@@ -105,24 +105,13 @@ mf__gemm_family_t g_family = {kMfGemmFamilyDecode, kLaunchRegs, variant_count, v
 
 /* The checks shared by both GEMMs; `N` weight rows per expert, `K` reduction elements. */
 mf_result_t check_shape(const mf__gemm_segments_t *seg, int32_t dtype, int swiglu, int64_t N, int64_t K) {
-    if (!seg) return mf__gemm_decline(&g_family, "no segments");
-    if (dtype != MF_DTYPE_FP8_E4M3 && dtype != MF_DTYPE_BF16)
-        return mf__gemm_decline(&g_family, "dtype %d is not BF16 or FP8 E4M3", dtype);
+    MF_CHECK(mf__gemm_check_segments(&g_family, seg, dtype, N, kMaxExperts));
     const int esz = dtype == MF_DTYPE_FP8_E4M3 ? 1 : 2;
     const int64_t nmult = swiglu ? 2 * kTileCols : kTileCols;
     if (N <= 0 || N % nmult)
         return mf__gemm_decline(&g_family, "N = %lld is not a positive multiple of %lld", (long long)N, (long long)nmult);
     if (K <= 0 || (K * esz) % kKBlock)
         return mf__gemm_decline(&g_family, "K = %lld: K bytes not a multiple of %d", (long long)K, kKBlock);
-    if (seg->num_experts < 0 || seg->num_experts > kMaxExperts)
-        return mf__gemm_decline(&g_family, "L = %d outside [0, %d]", seg->num_experts, kMaxExperts);
-    if ((int64_t)seg->num_experts * N > kMaxRowCoord)
-        return mf__gemm_decline(&g_family, "L * N = %lld rows exceed int32 TMA coordinates",
-                                (long long)seg->num_experts * N);
-    if (seg->max_rows_per_expert < 0)
-        return mf__gemm_decline(&g_family, "max_rows_per_expert %d < 0", seg->max_rows_per_expert);
-    if (seg->num_experts > 0 && (!seg->counts || !seg->offsets))
-        return mf__gemm_decline(&g_family, "counts / offsets NULL");
     return MF_SUCCESS;
 }
 

@@ -79,6 +79,13 @@ int64_t mf__gemm_usable(const mf__gemm_family_t *f, int dev);
 /* Every device examines the variants again at its next call (after the lab registers its own). */
 void mf__gemm_reconfigure(mf__gemm_family_t *f);
 
+/* The segments and dtype, as both families take them: BF16 or FP8 E4M3, L in [0, max_experts],
+ * L * N weight rows within int32 TMA coordinates, max_rows_per_expert >= 0, counts and offsets
+ * present when L > 0. MF_SUCCESS or a decline saying what is wrong (the shape's own multiples stay
+ * with each family). */
+mf_result_t mf__gemm_check_segments(const mf__gemm_family_t *f, const mf__gemm_segments_t *seg, int32_t dtype, int64_t N,
+                                    int32_t max_experts);
+
 /* W2's operands, as both families take them: h and w2 16-byte aligned, FP8 scales 4-byte aligned,
  * rows to `out` (16-byte aligned) or, with `ret`, to the owners' combine slots. MF_SUCCESS or a
  * decline saying what is wrong. */
