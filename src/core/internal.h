@@ -156,6 +156,35 @@ typedef struct mf__spare_layout {
 
 void mf__spare_layout_init(mf__spare_layout_t *layout, const mf_moe_config_t *config);
 
+/* One expert's weights (+ FP8 scales, NULL without) somewhere: the caller's [Lp, ...] tensors or a
+ * spare / staging region laid out as `sl` (both backends' weight moves). */
+typedef struct mf__expert_ptrs {
+    uint8_t *w13, *w13_scales, *w2, *w2_scales;
+} mf__expert_ptrs_t;
+
+/* Slot l of the caller's weights. */
+static inline mf__expert_ptrs_t mf__expert_in_weights(const mf_moe_weights_t *w, const mf__spare_layout_t *sl, int32_t l) {
+    const size_t i = (size_t)l;
+    mf__expert_ptrs_t a;
+    a.w13 = (uint8_t *)w->w13.data + i * sl->w13_bytes;
+    a.w13_scales = w->w13_scales.data ? (uint8_t *)w->w13_scales.data + i * sl->w13_scale_bytes : NULL;
+    a.w2 = (uint8_t *)w->w2.data + i * sl->w2_bytes;
+    a.w2_scales = w->w2_scales.data ? (uint8_t *)w->w2_scales.data + i * sl->w2_scale_bytes : NULL;
+    return a;
+}
+
+/* Slot j of a region laid out as `sl` (the spare slots, or a staging region). */
+static inline mf__expert_ptrs_t mf__expert_in_region(void *region, const mf__spare_layout_t *sl, int32_t j) {
+    uint8_t *base = (uint8_t *)region;
+    const size_t i = (size_t)j;
+    mf__expert_ptrs_t a;
+    a.w13 = base + sl->w13 + i * sl->w13_bytes;
+    a.w13_scales = base + sl->w13_scales + i * sl->w13_scale_bytes;
+    a.w2 = base + sl->w2 + i * sl->w2_bytes;
+    a.w2_scales = base + sl->w2_scales + i * sl->w2_scale_bytes;
+    return a;
+}
+
 /* FNV-1a of an expert map, as published in the heap meta. */
 uint32_t mf__map_hash(const int32_t *map, int32_t num_physical);
 

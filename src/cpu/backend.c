@@ -526,27 +526,8 @@ static mf_result_t mf__cpu_prefetch(mf_moe_t moe, mf_stream_t stream) {
 
 /* ---- balanced EP: a staged map's moves (mf_moe_stage_expert_map) ------------------------------ */
 
-/* One expert's weights (+ FP8 scales) somewhere: the caller's [Lp, ...] tensors or a slot region. */
-typedef struct mf__cpu_expert {
-    uint8_t *w13, *w13_scales, *w2, *w2_scales;
-} mf__cpu_expert_t;
-
-static mf__cpu_expert_t mf__cpu_weights_slot(const mf_moe_weights_t *w, const mf__spare_layout_t *sl, int32_t l) {
-    size_t i = (size_t)l;
-    return (mf__cpu_expert_t){(uint8_t *)w->w13.data + i * sl->w13_bytes,
-                              w->w13_scales.data ? (uint8_t *)w->w13_scales.data + i * sl->w13_scale_bytes : NULL,
-                              (uint8_t *)w->w2.data + i * sl->w2_bytes,
-                              w->w2_scales.data ? (uint8_t *)w->w2_scales.data + i * sl->w2_scale_bytes : NULL};
-}
-
-static mf__cpu_expert_t mf__cpu_region_slot(void *region, const mf__spare_layout_t *sl, int32_t j) {
-    uint8_t *base = region;
-    size_t i = (size_t)j;
-    return (mf__cpu_expert_t){base + sl->w13 + i * sl->w13_bytes, base + sl->w13_scales + i * sl->w13_scale_bytes,
-                              base + sl->w2 + i * sl->w2_bytes, base + sl->w2_scales + i * sl->w2_scale_bytes};
-}
-
-static void mf__cpu_copy_expert(mf__cpu_expert_t dst, mf__cpu_expert_t src, const mf__spare_layout_t *sl, int fp8) {
+/* Copies one expert (weights + FP8 scales) from src to dst. */
+static void mf__cpu_copy_expert(mf__expert_ptrs_t dst, mf__expert_ptrs_t src, const mf__spare_layout_t *sl, int fp8) {
     memcpy(dst.w13, src.w13, sl->w13_bytes);
     memcpy(dst.w2, src.w2, sl->w2_bytes);
     if (fp8) {
@@ -572,16 +553,16 @@ static mf_result_t mf__cpu_stage_step(mf_moe_t moe, mf_stream_t stream) {
         int32_t q = p / Lp, l = p % Lp;
         if (s->held >= 0) {
             if (step == 0 && q == me)
-                mf__cpu_copy_expert(mf__cpu_weights_slot(&moe->staged_weights, sl, l),
-                                    mf__cpu_weights_slot(&moe->weights, sl, s->held), sl, fp8);
+                mf__cpu_copy_expert(mf__expert_in_weights(&moe->staged_weights, sl, l),
+                                    mf__expert_in_weights(&moe->weights, sl, s->held), sl, fp8);
             continue;
         }
         if (s->step + 1 == step && q == me)
-            mf__cpu_copy_expert(mf__cpu_weights_slot(&moe->staged_weights, sl, l),
-                                mf__cpu_region_slot(moe->stage.local, sl, s->staging), sl, fp8);
+            mf__cpu_copy_expert(mf__expert_in_weights(&moe->staged_weights, sl, l),
+                                mf__expert_in_region(moe->stage.local, sl, s->staging), sl, fp8);
         if (s->step == step && s->source / Lp == me)
-            mf__cpu_copy_expert(mf__cpu_region_slot(moe->stage.peers[q], sl, s->staging),
-                                mf__cpu_weights_slot(&moe->weights, sl, s->source % Lp), sl, fp8);
+            mf__cpu_copy_expert(mf__expert_in_region(moe->stage.peers[q], sl, s->staging),
+                                mf__expert_in_weights(&moe->weights, sl, s->source % Lp), sl, fp8);
     }
     /* A step is a prefetch: counted (and checked equal by the forward) with or without spares. */
     if (moe->config.spare_slots == 0) st->prefetches++;

@@ -1045,32 +1045,9 @@ static mf_result_t mf__cuda_stage_begin(mf_moe_t moe, const int32_t *map) {
     return MF_SUCCESS;
 }
 
-/* Copies one expert (weights + FP8 scales) between two slots; `dst_*` / `src_*` are the four
- * tensors' bases and slot indices (caller tensors [Lp, ...] or a [2n, ...] staging region, any
- * rank's: peer pointers are device addresses here). Copy engines, on `stream`. */
-typedef struct mf__cuda_expert_at {
-    uint8_t *w13, *w13_scales, *w2, *w2_scales;
-} mf__cuda_expert_at_t;
-
-static mf__cuda_expert_at_t mf__cuda_weights_at(const mf_moe_weights_t *w, const mf__spare_layout_t *sl, int32_t l) {
-    size_t i = (size_t)l;
-    mf__cuda_expert_at_t a;
-    a.w13 = (uint8_t *)w->w13.data + i * sl->w13_bytes;
-    a.w13_scales = w->w13_scales.data ? (uint8_t *)w->w13_scales.data + i * sl->w13_scale_bytes : NULL;
-    a.w2 = (uint8_t *)w->w2.data + i * sl->w2_bytes;
-    a.w2_scales = w->w2_scales.data ? (uint8_t *)w->w2_scales.data + i * sl->w2_scale_bytes : NULL;
-    return a;
-}
-
-static mf__cuda_expert_at_t mf__cuda_region_at(void *region, const mf__spare_layout_t *sl, int32_t j) {
-    uint8_t *base = (uint8_t *)region;
-    size_t i = (size_t)j;
-    mf__cuda_expert_at_t a = {base + sl->w13 + i * sl->w13_bytes, base + sl->w13_scales + i * sl->w13_scale_bytes,
-                              base + sl->w2 + i * sl->w2_bytes, base + sl->w2_scales + i * sl->w2_scale_bytes};
-    return a;
-}
-
-static mf_result_t mf__cuda_copy_expert(mf__cuda_expert_at_t dst, mf__cuda_expert_at_t src,
+/* Copies one expert (weights + FP8 scales) from src to dst (caller tensors [Lp, ...] or a [2n, ...]
+ * staging region, any rank's: peer pointers are device addresses here). Copy engines, on `stream`. */
+static mf_result_t mf__cuda_copy_expert(mf__expert_ptrs_t dst, mf__expert_ptrs_t src,
                                         const mf__spare_layout_t *sl, int32_t fp8, cudaStream_t stream) {
     MF_CUDA_CHECK(cudaMemcpyAsync(dst.w13, src.w13, sl->w13_bytes, cudaMemcpyDefault, stream));
     MF_CUDA_CHECK(cudaMemcpyAsync(dst.w2, src.w2, sl->w2_bytes, cudaMemcpyDefault, stream));
@@ -1106,16 +1083,16 @@ static mf_result_t mf__cuda_stage_step(mf_moe_t moe, mf_stream_t stream_) {
         const int32_t q = p / Lp, l = p % Lp;
         if (st->held >= 0) {
             if (step == 0 && q == me)
-                res = mf__cuda_copy_expert(mf__cuda_weights_at(&moe->staged_weights, sl, l),
-                                           mf__cuda_weights_at(&moe->weights, sl, st->held), sl, fp8, stream);
+                res = mf__cuda_copy_expert(mf__expert_in_weights(&moe->staged_weights, sl, l),
+                                           mf__expert_in_weights(&moe->weights, sl, st->held), sl, fp8, stream);
             continue;
         }
         if (st->step + 1 == step && q == me)
-            res = mf__cuda_copy_expert(mf__cuda_weights_at(&moe->staged_weights, sl, l),
-                                       mf__cuda_region_at(moe->stage.local, sl, st->staging), sl, fp8, stream);
+            res = mf__cuda_copy_expert(mf__expert_in_weights(&moe->staged_weights, sl, l),
+                                       mf__expert_in_region(moe->stage.local, sl, st->staging), sl, fp8, stream);
         if (res == MF_SUCCESS && st->step == step && st->source / Lp == me)
-            res = mf__cuda_copy_expert(mf__cuda_region_at(moe->stage.peers[q], sl, st->staging),
-                                       mf__cuda_weights_at(&moe->weights, sl, st->source % Lp), sl, fp8, stream);
+            res = mf__cuda_copy_expert(mf__expert_in_region(moe->stage.peers[q], sl, st->staging),
+                                       mf__expert_in_weights(&moe->weights, sl, st->source % Lp), sl, fp8, stream);
     }
     if (res == MF_SUCCESS && step + 1 == moe->stage_steps) { /* the switch: the next forward plans with it */
         res = cudaMemcpyAsync(s->map, s->staged_map, (size_t)P * 4, cudaMemcpyDeviceToDevice, stream) == cudaSuccess
