@@ -502,19 +502,21 @@ static int change_rank(int32_t rank, void *arg) {
     return rc;
 }
 
-static int test_map_changes(void) {
-    mfp_spec_t s = bal_spec(4, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_HOT, 61);
+/* Two problems of one spec (hot routing, then zipf inputs redrawn with seed + 1), their plain
+ * references (CPU, no balancing), three random maps of E + R slots (seeds map_seed + m) with B spare
+ * slots per rank; then `rank_fn` on every rank of a CPU group over that context. */
+static int run_change_ranks(uint64_t seed, int32_t B, uint64_t map_seed, int (*rank_fn)(int32_t, void *)) {
+    mfp_spec_t s = bal_spec(4, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_HOT, seed);
     mfp_problem_t p0, p1;
     MFT_CHECK(mfp_generate(&s, &p0) == 0);
     MFT_CHECK(mfp_generate(&s, &p1) == 0);
-    s.routing = MFP_ROUTING_ZIPF;
     p1.spec.routing = MFP_ROUTING_ZIPF;
-    MFT_CHECK(mfp_redraw_inputs(&p1, 62) == 0);
+    MFT_CHECK(mfp_redraw_inputs(&p1, seed + 1) == 0);
     change_ctx_t c;
     memset(&c, 0, sizeof c);
     c.p[0] = &p0, c.p[1] = &p1;
-    c.P = s.E + s.R, c.B = 2;
-    for (int m = 0; m < 3; m++) mft_random_map(s.E, c.P, 70 + m, c.maps[m]);
+    c.P = s.E + s.R, c.B = B;
+    for (int m = 0; m < 3; m++) mft_random_map(s.E, c.P, map_seed + (uint64_t)m, c.maps[m]);
     mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
     o.backend = MF_BACKEND_CPU;
     o.timeout_ms = BAL_TIMEOUT_MS;
@@ -525,13 +527,15 @@ static int test_map_changes(void) {
     }
     c.group = mft_cpu_group(s.R, BAL_TIMEOUT_MS);
     MFT_CHECK(c.group);
-    int rc = mft_run_ranks(s.R, change_rank, &c);
+    int rc = mft_run_ranks(s.R, rank_fn, &c);
     MFT_CHECK_OK(mf_group_destroy(c.group));
     for (int i = 0; i < 2; i++)
         for (int32_t r = 0; r < s.R; r++) free(c.yref[i][r]);
     mfp_free(&p0), mfp_free(&p1);
     return rc;
 }
+
+static int test_map_changes(void) { return run_change_ranks(61, 2, 70, change_rank); }
 
 /* ---- misuse --------------------------------------------------------------------------------- */
 
@@ -824,35 +828,7 @@ static int stage_misuse_rank(int32_t rank, void *arg) {
     return rc;
 }
 
-static int test_stage_misuse(void) {
-    mfp_spec_t s = bal_spec(4, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_HOT, 91);
-    mfp_problem_t p0, p1;
-    MFT_CHECK(mfp_generate(&s, &p0) == 0);
-    MFT_CHECK(mfp_generate(&s, &p1) == 0);
-    p1.spec.routing = MFP_ROUTING_ZIPF;
-    MFT_CHECK(mfp_redraw_inputs(&p1, 92) == 0);
-    change_ctx_t c;
-    memset(&c, 0, sizeof c);
-    c.p[0] = &p0, c.p[1] = &p1;
-    c.P = s.E + s.R, c.B = 1;
-    for (int m = 0; m < 3; m++) mft_random_map(s.E, c.P, 93 + m, c.maps[m]);
-    mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
-    o.backend = MF_BACKEND_CPU;
-    o.timeout_ms = BAL_TIMEOUT_MS;
-    char err[512];
-    for (int i = 0; i < 2; i++) {
-        for (int32_t r = 0; r < s.R; r++) c.yref[i][r] = mft_alloc((size_t)s.T_per_rank * s.H * 2 + 2);
-        MFT_CHECK_MSG(mfp_run(c.p[i], &o, c.yref[i], NULL, err, sizeof err) == MF_SUCCESS, "plain: %s", err);
-    }
-    c.group = mft_cpu_group(s.R, BAL_TIMEOUT_MS);
-    MFT_CHECK(c.group);
-    int rc = mft_run_ranks(s.R, stage_misuse_rank, &c);
-    MFT_CHECK_OK(mf_group_destroy(c.group));
-    for (int i = 0; i < 2; i++)
-        for (int32_t r = 0; r < s.R; r++) free(c.yref[i][r]);
-    mfp_free(&p0), mfp_free(&p1);
-    return rc;
-}
+static int test_stage_misuse(void) { return run_change_ranks(91, 1, 93, stage_misuse_rank); }
 
 const mft_test_t mft_tests_balance[] = {
     {"balance_stage_schedule", test_stage_schedule, 0},
