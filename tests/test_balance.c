@@ -480,8 +480,8 @@ static int change_rank_body(int32_t rank, change_ctx_t *c, mf_moe_t moe, uint8_t
     return 0;
 }
 
-static int change_rank(int32_t rank, void *arg) {
-    change_ctx_t *c = arg;
+/* Rank `rank`'s BF16 layer of the context's spec, P physical experts and B spare slots. */
+static int change_moe(int32_t rank, change_ctx_t *c, mf_moe_t *moe) {
     const mfp_problem_t *p = c->p[0];
     mf_comm_t comm;
     MFT_CHECK_OK(mf_group_get_comm(c->group, rank, &comm));
@@ -489,8 +489,15 @@ static int change_rank(int32_t rank, void *arg) {
     cfg.num_experts = p->spec.E, cfg.num_topk = p->spec.K, cfg.hidden = p->spec.H, cfg.intermediate = p->spec.I;
     cfg.max_tokens_per_rank = p->spec.S, cfg.dtype = MF_DTYPE_BF16;
     cfg.num_physical_experts = c->P, cfg.spare_slots = c->B;
+    MFT_CHECK_OK(mf_moe_create(comm, &cfg, moe));
+    return 0;
+}
+
+static int change_rank(int32_t rank, void *arg) {
+    change_ctx_t *c = arg;
+    const mfp_problem_t *p = c->p[0];
     mf_moe_t moe;
-    MFT_CHECK_OK(mf_moe_create(comm, &cfg, &moe));
+    MFT_CHECK(change_moe(rank, c, &moe) == 0);
     const int32_t Lp = c->P / p->spec.R;
     uint8_t *w13 = mft_alloc((size_t)Lp * 2 * p->spec.I * p->spec.H * 2);
     uint8_t *w2 = mft_alloc((size_t)Lp * p->spec.H * p->spec.I * 2);
@@ -809,14 +816,8 @@ static int stage_misuse_body(int32_t rank, change_ctx_t *c, mf_moe_t moe, uint8_
 static int stage_misuse_rank(int32_t rank, void *arg) {
     change_ctx_t *c = arg;
     const mfp_problem_t *p = c->p[0];
-    mf_comm_t comm;
-    MFT_CHECK_OK(mf_group_get_comm(c->group, rank, &comm));
-    mf_moe_config_t cfg = MF_MOE_CONFIG_INIT;
-    cfg.num_experts = p->spec.E, cfg.num_topk = p->spec.K, cfg.hidden = p->spec.H, cfg.intermediate = p->spec.I;
-    cfg.max_tokens_per_rank = p->spec.S, cfg.dtype = MF_DTYPE_BF16;
-    cfg.num_physical_experts = c->P, cfg.spare_slots = c->B;
     mf_moe_t moe;
-    MFT_CHECK_OK(mf_moe_create(comm, &cfg, &moe));
+    MFT_CHECK(change_moe(rank, c, &moe) == 0);
     const int32_t Lp = c->P / p->spec.R;
     const size_t b13 = (size_t)Lp * 2 * p->spec.I * p->spec.H * 2, b2 = (size_t)Lp * p->spec.H * p->spec.I * 2;
     uint8_t *w13 = mft_alloc(b13), *w2 = mft_alloc(b2), *n13 = mft_alloc(b13), *n2 = mft_alloc(b2);
