@@ -246,9 +246,7 @@ static void list_variants(void) {
         printf("%s variant %2d %-4s %-6s %-9s %-10s %-17s regs %3d local %d B usable %d\n", ok ? "PASS" : "FAIL", i,
                v[i].fp8 ? "fp8" : "bf16", v[i].swiglu ? "swiglu" : "plain",
                v[i].fp8 ? (v[i].ordered ? "ordered" : "unordered") : "", v[i].fp8 && !v[i].overlap ? "no overlap" : "",
-               v[i].probe == mf__tma::kProbeNoPromote ? "probe no-promote" : v[i].probe == mf__tma::kProbeNoStore ? "probe no-store"
-                                                      : v[i].split                             ? "split halves"
-                                                                                               : "",
+               v[i].probe == mf__tma::kProbeNoPromote ? "probe no-promote" : v[i].probe == mf__tma::kProbeNoStore ? "probe no-store" : "",
                v[i].num_regs, v[i].local_bytes, v[i].usable);
     }
 }
@@ -962,13 +960,6 @@ static void run_validate(void) {
                      kMfTmaLabNoOverlap});
     cases.push_back({"fp8 expert_major W2 plain L=40 N=256 K=256 [unordered]", 1, 0, 256, 256,
                      {1, 300, 0, 129, 128, 77, 256, 5, 0, 200}, 0, 0, 0, 1});
-    /* the lab-only split schedule: one K block per tile (the next tile's groups from the first),
-     * several tiles per CTA, shifted tails, masked and ret */
-    cases.push_back({"fp8 expert_major W13 swiglu I=2048 H=7168 [split]", 1, 1, 2048, 7168, {3, 130}, 0, 0, 0, kMfTmaLabSplit});
-    cases.push_back({"fp8 masked W2 plain N=512 K=384 [split]", 1, 0, 512, 384, {130, 0, 257}, 320, 0, 0, kMfTmaLabSplit});
-    cases.push_back({"fp8 masked W13 swiglu L=40 I=128 K=128 [split]", 1, 1, 128, 128,
-                     {1, 300, 0, 129, 128, 77, 256, 5, 0, 200}, 300, 0, 0, kMfTmaLabSplit});
-    cases.push_back({"fp8 expert_major W2 ret H=7168 I=2048 [split]", 1, 0, 7168, 2048, {70, 129}, 0, 0, 1, kMfTmaLabSplit});
     for (auto &c : cases) run_case(c);
     run_declines();
 }
@@ -1219,30 +1210,6 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
             }
         }
     }
-    /* A/B: the FP8 split schedule (lab, kMfTmaLabSplit) against what ships */
-    {
-        printf("# A/B: FP8 split schedule (half boxes, two groups in flight per warpgroup; kMfTmaLabSplit) vs ships, "
-               "3 rounds interleaved\n");
-        const int ab[4][2] = {{4, 4096}, {4, 8192}, {32, 256}, {32, 1024}};
-        fill_random(d_a, a_bytes, 0);
-        fill_random(d_w, w_bytes, 0);
-        for (int si : {0, 2}) {
-            const shape &sh = shapes[si];
-            for (int ci = 0; ci < 4; ci++) {
-                const int L = ab[ci][0], M = ab[ci][1];
-                const gemm_call g = equal_call(1, sh, L, M);
-                char name[128];
-                snprintf(name, sizeof name, "bench fp8 %s L=%d M=%d split A/B", sh.name, L, M);
-                g_case = name;
-                double ship_us = 0, split_us = 0;
-                time_ab_us(g, kMfTmaLabShipped, kMfTmaLabSplit, d_flush, ev0, ev1, &ship_us, &split_us);
-                const double fl = 2.0 * L * M * (double)sh.nw * sh.k * 1e-6;
-                printf("  fp8   %-11s L=%2d M=%5d  ships %9.1f us %7.1f TF/s   split %9.1f us %7.1f TF/s   gain %+5.1f %%\n",
-                       sh.name, L, M, ship_us, fl / ship_us, split_us, fl / split_us, 100.0 * (ship_us / split_us - 1.0));
-                fflush(stdout);
-            }
-        }
-    }
     /* the SwiGLU epilogue's cost: W13 swiglu against W13 plain (same GEMM, plain BF16 epilogue) */
     printf("# swiglu epilogue cost = time(W13 swiglu) / time(W13 plain) - 1\n");
     for (const bench_row &s : rows_out) {
@@ -1319,7 +1286,7 @@ int main(int argc, char **argv) {
     }
     CUDA_OK(cudaHostAlloc((void **)&g_fault, sizeof *g_fault, cudaHostAllocMapped));
     memset((void *)g_fault, 0, sizeof *g_fault);
-    /* The A/B kernels and timing probes (variants 4-13 of gemm_tma.cu's table, in its order) are
+    /* The A/B kernels and timing probes (variants 4-11 of gemm_tma.cu's table, in its order) are
      * compiled here, never into libmoeflow. */
     {
         using namespace mf__tma;
@@ -1332,8 +1299,6 @@ int main(int argc, char **argv) {
             (const void *)sm90_tma_kernel<true, kEpiSwiglu, true, true, kProbeNoPromote>,
             (const void *)sm90_tma_kernel<false, kEpiPlain, true, false, kProbeNoStore>,
             (const void *)sm90_tma_kernel<false, kEpiSwiglu, true, false, kProbeNoStore>,
-            (const void *)sm90_tma_kernel<true, kEpiPlain, false, false, kProbeNone, true>,
-            (const void *)sm90_tma_kernel<true, kEpiSwiglu, false, false, kProbeNone, true>,
         };
         if (mf__sm90_tma_lab_register(lab_fns, (int)(sizeof lab_fns / sizeof lab_fns[0])) != 0) {
             fprintf(stderr, "FATAL: mf__sm90_tma_lab_register: the lab's kernel list does not match gemm_tma.cu's table\n");

@@ -43,45 +43,41 @@ using namespace mf__tma;
 
 namespace {
 
-constexpr int kNumVariants = 14;
+constexpr int kNumVariants = 12;
 
 struct variant_t {
     const void *fn;
-    int fp8, swiglu, ordered, overlap, probe, split;
+    int fp8, swiglu, ordered, overlap, probe;
     const char *tag; /* the MF_DEBUG report's note */
 };
 
-/* Every variant, in a fixed order: indices 0-3 (2 fp8 + swiglu) ship; 4-13 only run under the lab's
+/* Every variant, in a fixed order: indices 0-3 (2 fp8 + swiglu) ship; 4-11 only run under the lab's
  * A/B switch and are not compiled into the library: the lab (dev/cuda/sm90_gemm_lab.cu)
  * instantiates them and registers them (mf__sm90_tma_lab_register); until then their fn is NULL and
  * they are unusable. */
 constexpr int kNumShipped = 4;
 const variant_t kVariants[kNumVariants] = {
-    {(const void *)sm90_tma_kernel<false, kEpiPlain>, 0, 0, 0, 0, kProbeNone, 0, ""},
-    {(const void *)sm90_tma_kernel<false, kEpiSwiglu>, 0, 1, 0, 0, kProbeNone, 0, ""},
-    {(const void *)sm90_tma_kernel<true, kEpiPlain>, 1, 0, 1, 1, kProbeNone, 0, ""},
-    {(const void *)sm90_tma_kernel<true, kEpiSwiglu>, 1, 1, 1, 1, kProbeNone, 0, ""},
+    {(const void *)sm90_tma_kernel<false, kEpiPlain>, 0, 0, 0, 0, kProbeNone, ""},
+    {(const void *)sm90_tma_kernel<false, kEpiSwiglu>, 0, 1, 0, 0, kProbeNone, ""},
+    {(const void *)sm90_tma_kernel<true, kEpiPlain>, 1, 0, 1, 1, kProbeNone, ""},
+    {(const void *)sm90_tma_kernel<true, kEpiSwiglu>, 1, 1, 1, 1, kProbeNone, ""},
     /* the lab's: <true, kEpiPlain, false>, <true, kEpiSwiglu, false> */
-    {NULL, 1, 0, 0, 1, kProbeNone, 0, " unordered (lab A/B)"},
-    {NULL, 1, 1, 0, 1, kProbeNone, 0, " unordered (lab A/B)"},
+    {NULL, 1, 0, 0, 1, kProbeNone, " unordered (lab A/B)"},
+    {NULL, 1, 1, 0, 1, kProbeNone, " unordered (lab A/B)"},
     /* <true, kEpiSwiglu, true, true>, <true, kEpiPlain, true, true> */
-    {NULL, 1, 1, 1, 0, kProbeNone, 0, " no overlap (lab A/B)"},
-    {NULL, 1, 0, 1, 0, kProbeNone, 0, " no overlap (lab A/B)"},
+    {NULL, 1, 1, 1, 0, kProbeNone, " no overlap (lab A/B)"},
+    {NULL, 1, 0, 1, 0, kProbeNone, " no overlap (lab A/B)"},
     /* <true, kEpiPlain, true, true, kProbeNoPromote>, <true, kEpiSwiglu, true, true, kProbeNoPromote> */
-    {NULL, 1, 0, 1, 0, kProbeNoPromote, 0, " probe: no promotion (lab)"},
-    {NULL, 1, 1, 1, 0, kProbeNoPromote, 0, " probe: no promotion (lab)"},
+    {NULL, 1, 0, 1, 0, kProbeNoPromote, " probe: no promotion (lab)"},
+    {NULL, 1, 1, 1, 0, kProbeNoPromote, " probe: no promotion (lab)"},
     /* <false, kEpiPlain, true, false, kProbeNoStore>, <false, kEpiSwiglu, true, false, kProbeNoStore> */
-    {NULL, 0, 0, 0, 0, kProbeNoStore, 0, " probe: no epilogue (lab)"},
-    {NULL, 0, 1, 0, 0, kProbeNoStore, 0, " probe: no epilogue (lab)"},
-    /* <true, kEpiPlain, false, false, kProbeNone, true>, <true, kEpiSwiglu, false, false, kProbeNone, true> */
-    {NULL, 1, 0, 0, 1, kProbeNone, 1, " split halves (lab A/B)"},
-    {NULL, 1, 1, 0, 1, kProbeNone, 1, " split halves (lab A/B)"},
+    {NULL, 0, 0, 0, 0, kProbeNoStore, " probe: no epilogue (lab)"},
+    {NULL, 0, 1, 0, 0, kProbeNoStore, " probe: no epilogue (lab)"},
 };
 
 /* The variant the lab's switch `lab` (kMfTmaLab*) selects for (fp8, swiglu). */
 int variant_index(int lab, int fp8, int swiglu) {
     if (!fp8) return (lab & kMfTmaLabNoStore) ? 10 + swiglu : swiglu;
-    if (lab & kMfTmaLabSplit) return 12 + swiglu;
     if (lab & kMfTmaLabNoPromote) return 8 + swiglu;
     if (lab & kMfTmaLabNoOverlap) return swiglu ? 6 : 7;
     return 2 + swiglu + ((lab & kMfTmaLabUnordered) ? 2 : 0);
@@ -203,7 +199,6 @@ int mf__sm90_tma_variants(mf__tma_variant_info_t *out, int max) {
         o.ordered = kVariants[i].ordered;
         o.overlap = kVariants[i].overlap;
         o.probe = kVariants[i].probe;
-        o.split = kVariants[i].split;
         o.smem_bytes = kSmemBytes;
         o.stages = kStages;
         o.num_regs = fa.numRegs;

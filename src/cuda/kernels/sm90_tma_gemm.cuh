@@ -222,12 +222,11 @@ __device__ __forceinline__ void fp8_issue(float *tmp, uint64_t desc_st, int wg, 
     if (kOrdered) mf__named_barrier_arrive(wg == 0 ? kBarIssued0 : kBarIssued1, kConsumerThreads);
 }
 
-/* FP8 promotion of one box (kRegs: of a half box): acc (+)= tmp * scale (rows r: s_lo, r + 8:
- * s_hi); kFirst assigns. */
-template <bool kFirst, int kRegs = kBoxAcc>
+/* FP8 promotion of one box: acc (+)= tmp * scale (rows r: s_lo, r + 8: s_hi); kFirst assigns. */
+template <bool kFirst>
 __device__ __forceinline__ void fp8_promote(float *acc, const float *tmp, float s_lo, float s_hi) {
 #pragma unroll
-    for (int j = 0; j < kRegs / 4; j++) {
+    for (int j = 0; j < kBoxAcc / 4; j++) {
         if (kFirst) {
             acc[4 * j + 0] = tmp[4 * j + 0] * s_lo;
             acc[4 * j + 1] = tmp[4 * j + 1] * s_lo;
@@ -316,62 +315,6 @@ __device__ __forceinline__ void bf16_mainloop(const consumer_t &c, float *acc, u
     mf__wgmma_wait<0>();
     if (prev >= 0) release(c, (uint32_t)prev);
     mf__fence_fragment<kTileN>(acc);
-}
-
-/* FP8 split schedule (kSplit): each weight box as two m64n64 halves, group q of a K block (q = 0..3:
- * box q / 2, columns [64 (q & 1), +64)) into half q & 1 of tmp; each half is promoted while the
- * other half's group runs, so a warpgroup keeps the tensor cores fed through its own promotions
- * instead of relying on the other warpgroup's groups. Same registers as the whole-box schedule
- * (tmp 64), twice the wgmma instructions (A is read once per half). Issues group kQ of the stage
- * at `desc_st` into its half of tmp. */
-template <int kQ>
-__device__ __forceinline__ void fp8_issue_half(float *tmp, uint64_t desc_st, int wg) {
-    float *h = tmp + (kQ & 1) * kHalfAcc;
-    const uint64_t da = mf__wgmma_desc_advance(desc_st, wg * kWgOperandBytes);
-    const uint64_t db = mf__wgmma_desc_advance(desc_st, kABytes + (kQ >> 1) * kBoxBytes + (kQ & 1) * kHalfBoxBytes);
-    mf__fence_fragment<kHalfCols>(h); /* the last promotion's reads of this half come first */
-    mf__wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < kKSteps; k++)
-        mf__wgmma_e4m3<kHalfCols>(h, mf__wgmma_desc_advance(da, k * kKStepBytes), mf__wgmma_desc_advance(db, k * kKStepBytes),
-                                  k > 0 ? 1 : 0);
-    mf__wgmma_commit();
-}
-
-/* FP8 split schedule: one K block at ring position `it`, entered with its group 0 in flight and left
- * with group 0 of ring position `at_next` in flight (the next K block, the next tile's first, or,
- * without one, this stage again: issued unconditionally, as in the overlap, and dropped);
- * `wait_next`: at_next is a stage not yet waited for. Group 0 is waited for with wait<0> and
- * group 1 issued only then: a wait<1> with a group carried over a loop edge still in flight makes
- * ptxas serialise every wgmma of the kernel (C7514); inside the call wait<1> is fine. */
-template <bool kFirst>
-__device__ __forceinline__ void fp8_kblock_split(const consumer_t &c, float *acc, float *tmp, uint32_t it, uint32_t at_next,
-                                                 bool wait_next) {
-    const uint32_t slot = ring_t::slot(it);
-    const uint64_t desc_st = mf__wgmma_desc_advance(c.desc_stages, slot * kStageBytes);
-    const uint64_t desc_nx = mf__wgmma_desc_advance(c.desc_stages, ring_t::slot(at_next) * kStageBytes);
-    /* this stage's scales, read before the stage is released */
-    const float sa_lo = c.a_sc[slot * kBlockM + c.row_lo], sa_hi = c.a_sc[slot * kBlockM + c.row_lo + 8];
-    const float sw0 = c.w_sc[slot * kWScaleSlots], sw1 = c.w_sc[slot * kWScaleSlots + 1];
-    float *lo = tmp, *hi = tmp + kHalfAcc;
-    mf__wgmma_wait<0>(); /* group 0 done (issued before the loop edge: see above) */
-    mf__fence_fragment<kHalfCols>(lo);
-    fp8_issue_half<1>(tmp, desc_st, c.wg);
-    fp8_promote<kFirst, kHalfAcc>(acc, lo, sa_lo * sw0, sa_hi * sw0);
-    fp8_issue_half<2>(tmp, desc_st, c.wg);
-    mf__wgmma_wait<1>(); /* group 1 done, 2 running */
-    mf__fence_fragment<kHalfCols>(hi);
-    fp8_promote<kFirst, kHalfAcc>(acc + kHalfAcc, hi, sa_lo * sw0, sa_hi * sw0);
-    fp8_issue_half<3>(tmp, desc_st, c.wg);
-    mf__wgmma_wait<1>(); /* group 2 done, 3 running */
-    mf__fence_fragment<kHalfCols>(lo);
-    fp8_promote<kFirst, kHalfAcc>(acc + kBoxAcc, lo, sa_lo * sw1, sa_hi * sw1);
-    if (wait_next) ring_t::wait_full(c.full, at_next);
-    fp8_issue_half<0>(tmp, desc_nx, c.wg);
-    mf__wgmma_wait<1>(); /* group 3 done: the stage's last reader; next group 0 running */
-    mf__fence_fragment<kHalfCols>(hi);
-    release(c, slot);
-    fp8_promote<kFirst, kHalfAcc>(acc + kBoxAcc + kHalfAcc, hi, sa_lo * sw1, sa_hi * sw1);
 }
 
 /* Where row r of the warp's 16 goes (bytes), or NULL when the row does not belong to the tile (or,
@@ -495,15 +438,13 @@ __device__ __forceinline__ void epilogue(const gemm_params &p, const consumer_t 
     }
 }
 
-template <bool kFp8, int kEpi, bool kOrdered, bool kNoOverlap, int kProbe, bool kSplit>
+template <bool kFp8, int kEpi, bool kOrdered, bool kNoOverlap, int kProbe>
 __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &tb, int32_t nblocks, consumer_t &c,
                                          float *acc, float *tmp) {
     /* FP8: the next tile's first wgmmas overlap this tile's epilogue (see "Epilogue overlap");
      * kNoOverlap: the lab's A/B kernel without it. */
-    constexpr bool kOverlap = kFp8 && !kNoOverlap && !kSplit;
+    constexpr bool kOverlap = kFp8 && !kNoOverlap;
     static_assert(kProbe != kProbeNoPromote || (kFp8 && kNoOverlap), "the promotion probe is FP8 without the overlap");
-    static_assert(!kSplit || (kFp8 && !kOrdered && !kNoOverlap && kProbe == kProbeNone),
-                  "the split schedule is FP8, keeps two groups in flight per warpgroup and overlaps by itself");
     const int32_t kblocks = (p.K * (kFp8 ? 1 : 2) + kKBlock - 1) / kKBlock;
     uint32_t it = 0;
     int32_t cursor = 0, idx = (int32_t)blockIdx.x;
@@ -515,23 +456,8 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
         ring_t::wait_full(c.full, 0);
         fp8_issue<kOrdered>(tmp, c.desc_stages, c.wg, 0);
     }
-    if constexpr (kSplit) {
-        ring_t::wait_full(c.full, 0);
-        fp8_issue_half<0>(tmp, c.desc_stages, c.wg);
-    }
     for (;;) {
-        if constexpr (kSplit) {
-            /* the next K block's groups are issued inside each K block; the tile's last issues the
-             * next tile's first (or, without one, reruns its own stage: dropped) */
-            const bool more = has_tile<kNInner>(tb, p.num_experts, nblocks, idx + (int32_t)gridDim.x);
-            const bool one = kblocks == 1;
-            fp8_kblock_split<true>(c, acc, tmp, it, (one && !more) ? it : it + 1, !one || more);
-            it++;
-            for (int32_t kb = 1; kb < kblocks; kb++, it++) {
-                const bool stop = kb + 1 == kblocks && !more;
-                fp8_kblock_split<false>(c, acc, tmp, it, stop ? it : it + 1, !stop);
-            }
-        } else if constexpr (kProbe == kProbeNoPromote) {
+        if constexpr (kProbe == kProbeNoPromote) {
             fp8_kblock_probe<kOrdered, true>(c, acc, it++);
             for (int32_t kb = 1; kb < kblocks; kb++) fp8_kblock_probe<kOrdered, false>(c, acc, it++);
         } else if constexpr (kFp8) {
@@ -556,14 +482,14 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
         idx = idx_next;
         next_tile<kBlockM, kNInner>(tb, p.num_experts, nblocks, idx, cursor, t);
     }
-    if constexpr (kOverlap || kSplit) mf__wgmma_wait<0>();
+    if constexpr (kOverlap) mf__wgmma_wait<0>();
     if (kFp8 && kOrdered && c.wg == 0) mf__named_barrier_sync(kBarIssued1, kConsumerThreads);
 }
 
 /* kOrdered: the FP8 issue order; kNoOverlap: FP8 without the epilogue overlap; kProbe: a lab timing
  * probe (kProbe*). What ships is <kFp8, kEpi, true, false, kProbeNone>; the others exist for the
  * lab's A/B measurements (mf__sm90_tma_lab_variant). */
-template <bool kFp8, int kEpi, bool kOrdered = true, bool kNoOverlap = false, int kProbe = kProbeNone, bool kSplit = false>
+template <bool kFp8, int kEpi, bool kOrdered = true, bool kNoOverlap = false, int kProbe = kProbeNone>
 __global__ void __launch_bounds__(kThreads, 1) sm90_tma_kernel(const __grid_constant__ gemm_params p) {
     /* full[s]: the producer's arrive.expect_tx, + FP8 one cp.async arrival per producer lane */
     constexpr uint32_t kFullArrivals = kFp8 ? 1 + 32 : 1;
@@ -599,7 +525,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_tma_kernel(const __grid_cons
         float tmp[kFp8 ? kBoxAcc : 1];
 #pragma unroll
         for (int i = 0; i < (kFp8 ? kBoxAcc : 1); i++) tmp[i] = 0.0f;
-        consumer<kFp8, kEpi, kOrdered, kNoOverlap, kProbe, kSplit>(p, tb, nblocks, c, acc, tmp);
+        consumer<kFp8, kEpi, kOrdered, kNoOverlap, kProbe>(p, tb, nblocks, c, acc, tmp);
     }
 }
 
@@ -609,7 +535,6 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_tma_kernel(const __grid_cons
 typedef struct mf__tma_variant_info {
     int32_t fp8, swiglu, ordered;     /* the template parameters (ordered: the FP8 issue order) */
     int32_t overlap, probe;           /* FP8 epilogue overlap; a lab timing probe (kProbe*) */
-    int32_t split;                    /* FP8 split schedule (lab) */
     int32_t smem_bytes, stages;       /* the shared-memory map */
     int32_t num_regs, local_bytes;    /* cudaFuncGetAttributes on the current device */
     int32_t usable;                   /* num_regs == kLaunchRegs (setmaxnreg's assumption) */
@@ -631,17 +556,10 @@ const char *mf__sm90_tma_last_launch(void);
  * overlap (kNoOverlap = true), 4 = without the overlap and without the promotion (kProbeNoPromote:
  * timing only, the results are not the GEMM); BF16: 8 = without the epilogue (kProbeNoStore: timing
  * only, nothing is written). */
-enum {
-    kMfTmaLabShipped = 0,
-    kMfTmaLabUnordered = 1,
-    kMfTmaLabNoOverlap = 2,
-    kMfTmaLabNoPromote = 4,
-    kMfTmaLabNoStore = 8,
-    kMfTmaLabSplit = 16 /* FP8: the split schedule (kSplit: half boxes, two groups in flight per warpgroup) */
-};
+enum { kMfTmaLabShipped = 0, kMfTmaLabUnordered = 1, kMfTmaLabNoOverlap = 2, kMfTmaLabNoPromote = 4, kMfTmaLabNoStore = 8 };
 void mf__sm90_tma_lab_variant(int variant);
 
-/* Lab only: hands the launchers the lab's kernels, variants 4-13 of gemm_tma.cu's table in order
+/* Lab only: hands the launchers the lab's kernels, variants 4-11 of gemm_tma.cu's table in order
  * (fns[i] is variant 4 + i; the template arguments are listed there), instantiated in the lab's own
  * translation unit (the library compiles only what ships). Until then, lab variants decline.
  * Returns 0, or -1 when n is not the number of lab variants. */
