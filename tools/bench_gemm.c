@@ -133,7 +133,7 @@ typedef struct gopts {
     int32_t counts[NUM_COUNTS], ncounts;
     int32_t capacity;
     int32_t iters, warmup;
-    int check, quick, dry_run, no_cublas;
+    int check, quick, dry_run, no_cublas, static_schedule;
     uint64_t seed;
     const char *json;
 } gopts_t;
@@ -162,6 +162,8 @@ static void usage(FILE *f) {
             "      --iters N, --warmup N   timed and untimed launches per GEMM            [%d, %d]\n"
             "      --check             check every case against a double host reference first\n"
             "      --no-cublas         skip the cuBLAS dense ceiling\n"
+            "      --static-schedule   the TMA kernel's static tile walk (b, b + grid, ...) instead of\n"
+            "                          the dynamic schedule the layer uses (a ticket per tile)\n"
             "      --seed N                                                                 [%d]\n"
             "      --json FILE         write docs/DESIGN.md's benchmark record (op \"gemm\")\n"
             "      --dry-run           list the cases with their sizes and floors; no GPU needed\n"
@@ -248,7 +250,7 @@ static const struct {
     {0, "model", 1},  {0, "op", 1},       {'M', "rows", 1},   {'L', "experts", 1}, {0, "dtype", 1},
     {0, "layout", 1}, {0, "counts", 1},   {'C', "capacity", 1}, {0, "quick", 0},   {0, "iters", 1},
     {0, "warmup", 1}, {0, "check", 0},    {0, "no-cublas", 0}, {0, "seed", 1},     {0, "json", 1},
-    {0, "dry-run", 0}, {'h', "help", 0},
+    {0, "dry-run", 0}, {0, "static-schedule", 0}, {'h', "help", 0},
 };
 #define NUM_FLAGS ((int)(sizeof k_flags / sizeof k_flags[0]))
 
@@ -328,6 +330,7 @@ static void parse_args(int argc, char **argv, gopts_t *o) {
         else if (!strcmp(name, "--warmup")) o->warmup = (int32_t)parse_int(name, v, 0, 100000);
         else if (!strcmp(name, "--check")) o->check = 1;
         else if (!strcmp(name, "--no-cublas")) o->no_cublas = 1;
+        else if (!strcmp(name, "--static-schedule")) o->static_schedule = 1;
         else if (!strcmp(name, "--seed")) o->seed = (uint64_t)parse_int(name, v, 0, INT64_MAX);
         else if (!strcmp(name, "--json")) o->json = v;
         else if (!strcmp(name, "--dry-run")) o->dry_run = 1;
@@ -537,7 +540,7 @@ typedef struct dbuf {
     size_t cap;
 } dbuf_t;
 
-enum { B_A, B_AS, B_W, B_WS, B_OUT, B_OS, B_COUNTS, B_OFFSETS, B_CB_AS, B_CB_WS, B_CB_ONE, B_WORKSPACE, B_FLUSH, NUM_BUFS };
+enum { B_A, B_AS, B_W, B_WS, B_OUT, B_OS, B_COUNTS, B_OFFSETS, B_SCHED, B_CB_AS, B_CB_WS, B_CB_ONE, B_WORKSPACE, B_FLUSH, NUM_BUFS };
 
 typedef struct dev {
     cudaStream_t stream;
@@ -599,6 +602,7 @@ static void case_buffer_bytes(const gcase_t *c, size_t *bytes) {
     bytes[B_OS] = c->out_scaled ? R * ((size_t)c->out_cols / QBLOCK) * sizeof(float) : 0;
     bytes[B_COUNTS] = sizeof(int32_t) * L;
     bytes[B_OFFSETS] = sizeof(int32_t) * (L + 1);
+    bytes[B_SCHED] = 2 * sizeof(int32_t); /* the TMA kernel's schedule pair: zeroed here, zero after each launch */
     /* cuBLASLt block scales, generously padded: 1x128 activations [K/128, rows up to 128], 128x128
      * weights [K/128 up to 4, N/128 up to 4] */
     bytes[B_CB_AS] = fp8 ? (K / QBLOCK) * (size_t)round_up(c->rows, QBLOCK) * sizeof(float) : 0;
@@ -654,17 +658,19 @@ static int fill_case(gdev_t *d, const gcase_t *c, uint32_t seed) {
     if (fill(d, B_CB_ONE, 16, MF__BENCH_FILL_SCALE, seed + 6, 1.0f)) return -1;
     CK(cudaMemcpyAsync(d->b[B_COUNTS].p, c->counts, sizeof(int32_t) * L, cudaMemcpyHostToDevice, d->stream));
     CK(cudaMemcpyAsync(d->b[B_OFFSETS].p, c->offsets, sizeof(int32_t) * (L + 1), cudaMemcpyHostToDevice, d->stream));
+    CK(cudaMemsetAsync(d->b[B_SCHED].p, 0, 2 * sizeof(int32_t), d->stream));
     CK(cudaStreamSynchronize(d->stream));
     return 0;
 }
 
-static mf__gemm_bench_args_t case_args(const gdev_t *d, const gcase_t *c) {
+static mf__gemm_bench_args_t case_args(const gdev_t *d, const gcase_t *c, int static_schedule) {
     mf__gemm_bench_args_t a;
     memset(&a, 0, sizeof a);
     const int fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
     a.op = c->op->op, a.dtype = c->dtype, a.ue8m0 = 0, a.H = c->model->H, a.I = c->model->I;
     a.num_experts = c->L, a.max_rows_per_expert = c->max_rows, a.rows_hint = c->M;
     a.counts = d->b[B_COUNTS].p, a.offsets = d->b[B_OFFSETS].p;
+    a.sched = static_schedule ? NULL : d->b[B_SCHED].p;
     a.a = d->b[B_A].p, a.a_scales = fp8 ? d->b[B_AS].p : NULL;
     a.w = d->b[B_W].p, a.w_scales = fp8 ? d->b[B_WS].p : NULL;
     a.out = d->b[B_OUT].p, a.out_scales = c->out_scaled ? d->b[B_OS].p : NULL;
@@ -1294,6 +1300,8 @@ static void print_meta(const gopts_t *o, const char *device, int ncases) {
     printf("# timing   cudaEvents, median of %d after %d warm-up; a %zu MB memset before every launch (outside the "
            "events)\n",
            o->iters, o->warmup, FLUSH_BYTES >> 20);
+    printf("# schedule %s\n", o->static_schedule ? "static (--static-schedule): the TMA kernel's CTA b takes tiles b, b + grid, ..."
+                                                   : "dynamic, as the layer runs it: the TMA kernel hands out tiles by ticket");
     printf("# floor    max(FLOPs / peak, bytes / %.2f TB/s), peak %.0f (bf16) / %.0f (fp8) TFLOP/s (H200, docs/DESIGN.md);\n"
            "#          FLOPs = 2 rows N K; bytes = weights + scales of experts with rows + a + out; wTB/s = those "
            "weight bytes / time\n",
@@ -1327,7 +1335,7 @@ static int run_case(gdev_t *d, const gopts_t *o, gcase_t *c, uint32_t seed) {
     }
     if (fill_case(d, c, seed)) return -1;
     moeflow_launch_t m;
-    m.args = case_args(d, c);
+    m.args = case_args(d, c, o->static_schedule);
     m.code = MF_SUCCESS;
     if (o->check) {
         if ((r = check_case(d, c, &m.args)) != 0) {

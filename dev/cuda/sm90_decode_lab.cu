@@ -161,6 +161,7 @@ static mf__gemm_segments_t seg_of(const call_t &c) {
     s.num_experts = c.L;
     s.max_rows_per_expert = c.max_rows;
     s.rows_hint = c.rows_hint;
+    s.sched = NULL;
     return s;
 }
 

@@ -91,6 +91,10 @@ typedef struct mf__cuda_comm {
     int64_t launched[MF__NUM_PHASES]; /* arrivals launched by the host (atomic: peers read it) */
 } mf__cuda_comm_t;
 
+/* The TMA GEMMs' schedule pairs of a layer (mf__gemm_segments_t.sched), one per launch that can
+ * overlap another under PDL. */
+enum { kMfSchedW13 = 0, kMfSchedSpareW13, kMfSchedW2, kMfSchedSpareW2, kMfSchedPairs };
+
 typedef struct mf__cuda_moe {
     int32_t *ids_all, *T_all, *global_counts; /* plan: [R, S, K], [R], [E] (zero between calls) */
     int32_t *counts, *offsets, *src; /* plan: [L], [L + 1], [rows, 3] */
@@ -110,6 +114,8 @@ typedef struct mf__cuda_moe {
     int32_t *resident, *next;        /* [R * B] spare tables */
     int32_t *prev_counts;            /* [E] global counts of the last plan that did not fault */
     int32_t *words;                  /* [2]: have_prev, weights_seen */
+    int32_t *sched;                  /* [4][2] zeroed: the TMA GEMMs' schedule pairs (W13, spare W13, W2,
+                                        spare W2: each launch that can overlap another has its own) */
     int32_t *pick_scratch;           /* [mf__balance_scratch_words] */
     int64_t *stats;                  /* [2 * MF_MAX_RANKS + 3]: plan loads, home loads, prefetch stats */
     size_t plan_smem, pick_smem;     /* dynamic shared memory of the balanced plan / the pick */
@@ -431,8 +437,8 @@ static void mf__cuda_moe_fini(mf_moe_t moe) {
         cudaEventDestroy(s->pf_done);
     }
     if (s->fwd_done) cudaEventDestroy(s->fwd_done);
-    int32_t *balance_bufs[] = {s->map, s->staged_map, s->slot_expert, s->slot_begin, s->resident, s->next, s->prev_counts, s->words,
-                               s->pick_scratch};
+    int32_t *balance_bufs[] = {s->map,  s->staged_map,   s->slot_expert, s->slot_begin, s->resident,
+                               s->next, s->prev_counts, s->words,       s->pick_scratch, s->sched};
     for (size_t i = 0; i < sizeof balance_bufs / sizeof balance_bufs[0]; i++) cudaFree(balance_bufs[i]);
     cudaFree(s->stats);
     for (int i = 0; i <= MF_NUM_PHASES; i++)
@@ -509,6 +515,7 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
         {(void **)&s->next, (size_t)(R * B + 1) * 4},
         {(void **)&s->prev_counts, (size_t)c->num_experts * 4},
         {(void **)&s->words, 2 * 4},
+        {(void **)&s->sched, kMfSchedPairs * 2 * 4},
         {(void **)&s->pick_scratch, B ? (size_t)mf__balance_scratch_words(c->num_experts, R_, P, B) * 4 : 0},
         {(void **)&s->stats, (2 * MF_MAX_RANKS + 3) * 8},
     };
@@ -530,6 +537,7 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
     if (e == cudaSuccess) e = cudaMemsetAsync(s->resident, 0xff, (size_t)(R * B + 1) * 4, setup);
     if (e == cudaSuccess) e = cudaMemsetAsync(s->next, 0xff, (size_t)(R * B + 1) * 4, setup);
     if (e == cudaSuccess) e = cudaMemsetAsync(s->words, 0, 2 * 4, setup);
+    if (e == cudaSuccess) e = cudaMemsetAsync(s->sched, 0, kMfSchedPairs * 2 * 4, setup);
     if (e == cudaSuccess) e = cudaMemsetAsync(s->stats, 0, (2 * MF_MAX_RANKS + 3) * 8, setup);
     if (e == cudaSuccess && plan_smem > 48 * 1024 && plan_smem <= kMfPrefetchMaxSmem)
         e = cudaFuncSetAttribute(mf__plan_offsets_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)plan_smem);
@@ -814,6 +822,7 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     if (c->layout == MF_LAYOUT_EXPERT_MAJOR && per_expert > c->max_recv_rows) per_expert = c->max_recv_rows;
     seg.max_rows_per_expert = (int32_t)per_expert;
     seg.rows_hint = mf__cuda_rows_hint(moe, T);
+    seg.sched = s->sched + 2 * kMfSchedW13;
     mf__gemm_gather_t gather;
     memset(&gather, 0, sizeof gather);
     for (int32_t r = 0; r < comm->num_ranks; r++) gather.heap[r] = (const uint8_t *)comm->heap.peers[r];
@@ -829,6 +838,7 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     spare_seg.counts = s->counts + s->Lp;
     spare_seg.offsets = s->offsets + s->Lp;
     spare_seg.num_experts = s->B;
+    spare_seg.sched = s->sched + 2 * kMfSchedSpareW13;
     const mf__spare_layout_t *sl = &moe->spare_layout;
     const uint8_t *spare = (const uint8_t *)moe->spare.local;
     if (s->B) {
@@ -838,6 +848,9 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     }
     MF__MARK(MF_PHASE_W2);
 
+    /* W2 starts (PDL) while W13 may still run: its own schedule pairs */
+    seg.sched = s->sched + 2 * kMfSchedW2;
+    spare_seg.sched = s->sched + 2 * kMfSchedSpareW2;
     mf__gemm_return_t ret;
     memset(&ret, 0, sizeof ret);
     for (int32_t r = 0; r < comm->num_ranks; r++)

@@ -44,6 +44,7 @@ typedef struct mf__gemm_bench_args {
     int32_t rows_hint;           /* expected rows per expert (picks the kernel); 0 = the bound */
     const int32_t *counts;       /* [L] device */
     const int32_t *offsets;      /* [L + 1] device */
+    int32_t *sched;              /* device: a zeroed schedule pair (mf__gemm_segments_t.sched) or NULL */
     const void *a;               /* [rows, K] */
     const float *a_scales;       /* FP8: [rows, K/128] */
     const void *w;               /* [L, N, K] */

@@ -108,6 +108,8 @@ mf_result_t check_shape(const mf__gemm_segments_t *seg, int32_t dtype, int swigl
     const int64_t tiles = (int64_t)seg->num_experts * ((seg->max_rows_per_expert + kBlockM - 1) / kBlockM) * (N / kTileN);
     if (tiles > kMaxRowCoord)
         return mf__gemm_decline(&g_family, "%lld tiles exceed the kernel's int32 tile index", (long long)tiles);
+    if (!mf__gemm_aligned(seg->sched, 4))
+        return mf__gemm_decline(&g_family, "the schedule pair must be 4-byte aligned");
     return MF_SUCCESS;
 }
 
@@ -134,8 +136,9 @@ mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int
     MF__GEMM_CUDA(mf__cuda_launch(variant_fn(vi), dim3((unsigned)grid), dim3(kThreads), (size_t)kSmemBytes, stream, pdl,
                                  args),
                  who);
-    mf__gemm_report_launch(&g_family, "tma %s %s%s (%d-row tiles, %d stages, %d B smem, grid %d)", fp8 ? "fp8" : "bf16",
-                           swiglu ? "swiglu" : "plain", kVariants[vi].tag, kBlockM, kStages, kSmemBytes, grid);
+    mf__gemm_report_launch(&g_family, "tma %s %s%s (%d-row tiles, %d stages, %d B smem, grid %d, %s schedule)",
+                           fp8 ? "fp8" : "bf16", swiglu ? "swiglu" : "plain", kVariants[vi].tag, kBlockM, kStages,
+                           kSmemBytes, grid, p->sched ? "dynamic" : "static");
     return MF_SUCCESS;
 }
 

@@ -37,6 +37,11 @@ typedef struct mf__gemm_segments {
     int32_t max_rows_per_expert; /* host bound on counts[e], for sizing grids (C or R * S) */
     int32_t rows_hint;           /* host estimate of rows per expert (0 = unknown): picks the
                                     kernel (decode at most kMfDecodeMaxRows, else the TMA one) */
+    int32_t *sched;              /* device, NULL or two zeroed int32 (tile ticket, finished CTAs):
+                                    the TMA kernel hands out tiles from it in order (dynamic
+                                    schedule) and zeroes it again when it ends; a launch that can
+                                    run while another still does (programmatic dependent launch
+                                    included) needs its own pair. NULL: the static walk */
 } mf__gemm_segments_t;
 
 /* Activation rows read in place at their owners (the direct dataflow): receive row i is token

@@ -9,9 +9,10 @@
  *             mf__pdl_wait / mf__pdl_trigger, then the expert tables in shared memory: each expert's
  *             clamped row count, first receive row and first work unit, from the plan's device
  *             counts / offsets (build_tables: a warp scan over the experts)
- *   walk      the persistent tile walk (next_tile, has_tile): tile idx = blockIdx.x, + gridDim.x, ...
- *             over the experts with rows, in one of two orders (tile_order), and the row shift of a
- *             partial last block (place_block, clamp_row)
+ *   walk      the persistent tile walk (next_tile): tile idx = blockIdx.x, then (decode, and TMA
+ *             without a schedule pair) + gridDim.x, ... or (TMA with one) the next ticket, over the
+ *             experts with rows, in one of two orders (tile_order), and the row shift of a partial
+ *             last block (place_block, clamp_row)
  *   ring      the TMA / cp.async stage ring: slot and parity of ring position `it`, the bounded
  *             waits of producer and consumers, the barriers' init (ring<kStages>), a consumer
  *             warp's release (release_stage)
@@ -65,6 +66,7 @@ struct gemm_params {
     int32_t max_rows;          /* counts are clamped to [0, max_rows] */
     int32_t N, K;              /* weight rows per expert, reduction elements */
     int32_t ue8m0;             /* swiglu FP8: power-of-two h scales */
+    int32_t *sched;            /* TMA family: the dynamic schedule's (ticket, finished CTAs), or NULL */
 };
 
 /* W13 + SwiGLU: N = 2I weight rows, K = H (the tensor maps are the launcher's). */
@@ -74,6 +76,7 @@ static inline gemm_params w13_params(const mf__gemm_segments_t *seg, int32_t ue8
     memset(&p, 0, sizeof p);
     p.counts = seg->counts;
     p.offsets = seg->offsets;
+    p.sched = seg->sched;
     p.a_scales = a.gather ? NULL : a.scales;
     p.w_scales = w13.scales;
     p.out = (uint8_t *)h;
@@ -94,6 +97,7 @@ static inline gemm_params w2_params(const mf__gemm_segments_t *seg, mf__gemm_ope
     memset(&p, 0, sizeof p);
     p.counts = seg->counts;
     p.offsets = seg->offsets;
+    p.sched = seg->sched;
     p.a_scales = h.scales;
     p.w_scales = w2.scales;
     p.out = (uint8_t *)out;
@@ -226,12 +230,6 @@ __device__ __forceinline__ bool next_tile(const tables_t &tb, int32_t L, int32_t
 template <int kRows>
 __device__ __forceinline__ int32_t clamp_row(const tile_t &t, int j) {
     return t.row0 + (j < t.lo ? t.lo : (j < kRows ? j : kRows - 1));
-}
-
-/* Whether ring walk idx + gridDim.x has a tile (the consumers' "is there a next tile"). */
-template <int kOrder>
-__device__ __forceinline__ bool has_tile(const tables_t &tb, int32_t L, int32_t nblocks, int32_t idx) {
-    return (kOrder == kNInner ? idx / nblocks : idx) < tb.first[L];
 }
 
 /* ---- the stage ring -------------------------------------------------------------------------- */

@@ -19,9 +19,15 @@
  * consecutive output columns; swiglu, gate rows [128 nb, +128) and up rows [I + 128 nb, +128), so
  * that the tile holds both factors of its 128 h columns (= one FP8 scale block: the requantisation's
  * amax is tile-local). Order: m-major (all n-blocks of one 128-row block consecutive, m-blocks
- * counted across experts), persistent grid of one CTA per SM walking tiles b, b + grid, ...; experts
- * without rows have no tiles (m-major keeps the ~132 running tiles on ~8 A blocks and one stripe of
- * weights, both L2-resident: FP8 W13's 29 MB per expert fits the 50 MB L2). counts/offsets are read
+ * counted across experts), persistent grid of one CTA per SM; experts without rows have no tiles
+ * (m-major keeps the ~132 running tiles on ~8 A blocks and one stripe of weights, both L2-resident:
+ * FP8 W13's 29 MB per expert fits the 50 MB L2). CTA b's first tile is b; then, with a schedule
+ * pair (seg->sched), the producer takes the next tile as grid + an atomic ticket, so the running
+ * tiles stay a window of ~grid consecutive tiles however the CTAs' speeds drift (without one, the
+ * static walk b + grid, b + 2 grid, ...: measured on BF16 W13 at L = 256, CTAs drifted apart until
+ * the readers of a weight stripe no longer met in L2, bench/NOTES.md). The producer writes each
+ * stage's tile into tile_of[slot] before its arrival and ends with one stage of tile -1 and no
+ * data; the consumers learn their next tile there. The last CTA to finish zeroes the pair. counts/offsets are read
  * on the device at kernel start into shared tables (a warp scan gives each expert's first
  * m-block), clamped to [0, max_rows]. Before that read the kernel waits for the previous kernel
  * (mf__pdl_wait, cuda/pdl.cuh; barrier init and tensor-map prefetch run before it) and then lets
@@ -131,7 +137,8 @@ constexpr int kOffEpi = kOffStages + kStages * kStageBytes;
 constexpr int kOffAScales = kOffEpi + kConsumerWarps * kEpiWarpBytes;  /* [kStages][128] f32 */
 constexpr int kOffWScales = kOffAScales + kStages * kBlockM * 4;       /* [kStages][4] f32 */
 constexpr int kOffBars = kOffWScales + kStages * kWScaleSlots * 4;    /* full[kStages], empty[kStages] */
-constexpr int kOffTables = kOffBars + 2 * kStages * 8;                /* rows[L], row0[L], first[L + 1] */
+constexpr int kOffTileOf = kOffBars + 2 * kStages * 8;                /* tile_of[kStages]: the tile of each stage */
+constexpr int kOffTables = kOffTileOf + kStages * 4;                  /* rows[L], row0[L], first[L + 1] */
 constexpr int kSmemBytes = kOffTables + (3 * kMaxExperts + 1) * 4 + kMfSwizzleAtomBytes /* base slack */;
 
 static_assert(kKBlock == kMfSwizzleBytes, "a K block is one 128B-swizzle row");
@@ -154,16 +161,26 @@ __device__ __forceinline__ int32_t weight_row(const gemm_params &p, const tile_t
 
 /* ---- producer: warp 0; lane 0 issues the TMA, FP8: all lanes copy the scales ---------------- */
 
+/* The producer's next tile after `idx`: static, idx + grid; dynamic, grid + the next ticket (lane 0
+ * takes it, the warp shares it). Tickets only grow, so every CTA's tiles ascend (the walk's cursor
+ * relies on it); the first tile of every CTA is blockIdx.x in both. */
+__device__ __forceinline__ int32_t next_idx(const gemm_params &p, int32_t idx, int lane) {
+    if (!p.sched) return idx + (int32_t)gridDim.x;
+    int32_t ticket = 0;
+    if (lane == 0) ticket = atomicAdd(p.sched, 1);
+    return (int32_t)gridDim.x + __shfl_sync(0xffffffffu, ticket, 0);
+}
+
 template <bool kFp8, int kEpi>
 __device__ __forceinline__ void producer(const gemm_params &p, const tables_t &tb, int32_t nblocks, uint8_t *stages,
-                                         float *a_sc, float *w_sc, uint64_t *full, uint64_t *empty) {
+                                         float *a_sc, float *w_sc, int32_t *tile_of, uint64_t *full, uint64_t *empty) {
     const int lane = (int)(threadIdx.x & 31);
     const int32_t kblocks = (p.K * (kFp8 ? 1 : 2) + kKBlock - 1) / kKBlock; /* FP8: K/128 scale columns */
     uint32_t it = 0;
     int32_t cursor = 0;
     tile_t t;
     for (int32_t idx = (int32_t)blockIdx.x; next_tile<kBlockM, kNInner>(tb, p.num_experts, nblocks, idx, cursor, t);
-         idx += (int32_t)gridDim.x) {
+         idx = next_idx(p, idx, lane)) {
         int32_t wrow[kBoxes];
 #pragma unroll
         for (int b = 0; b < kBoxes; b++) wrow[b] = weight_row<kEpi>(p, t, b);
@@ -192,11 +209,31 @@ __device__ __forceinline__ void producer(const gemm_params &p, const tables_t &t
             if (lane == 0) {
                 uint8_t *st = stages + slot * kStageBytes;
                 const int32_t kc = kb * (kFp8 ? kKBlock : kKBlock / 2); /* K coordinate, elements */
+                tile_of[slot] = idx; /* published by the arrive below */
                 mf__mbar_arrive_expect_tx(&full[slot], (uint32_t)kStageBytes);
                 mf__tma_load_2d(st, &p.tmap_a, &full[slot], kc, t.row0);
 #pragma unroll
                 for (int b = 0; b < kBoxes; b++) mf__tma_load_2d(st + kABytes + b * kBoxBytes, &p.tmap_w, &full[slot], kc, wrow[b]);
             }
+        }
+    }
+    /* The end: one more stage, tile -1 and no data, full by plain arrivals (FP8: 32 + 1 in place of
+     * the 32 cp.async arrivals and the expect_tx): the consumers' "no next tile". */
+    const uint32_t slot = ring_t::slot(it);
+    ring_t::wait_empty(empty, it);
+    if (lane == 0) tile_of[slot] = -1;
+    __syncwarp();
+    if (kFp8) mf__mbar_arrive(&full[slot]);
+    if (lane == 0) mf__mbar_arrive(&full[slot]);
+    /* Dynamic schedule: the last CTA to finish takes its past-the-end ticket back to zero; every
+     * CTA counts itself only after its last ticket, so nothing takes a ticket after the reset. The
+     * next launch on this pair starts after this grid completes (stream order; under PDL it takes
+     * tickets only after its griddepcontrol.wait). */
+    if (p.sched && lane == 0) {
+        __threadfence();
+        if (atomicAdd(p.sched + 1, 1) == (int32_t)gridDim.x - 1) {
+            atomicExch(p.sched, 0);
+            atomicExch(p.sched + 1, 0);
         }
     }
     /* a thread must not exit with copies still writing its CTA's shared memory */
@@ -247,6 +284,7 @@ struct consumer_t {
     const float *a_sc;      /* [kStages][128] */
     const float *w_sc;      /* [kStages][4] */
     uint64_t *full, *empty;
+    const int32_t *tile_of; /* [kStages]: the tile each stage belongs to (-1: the end) */
     uint8_t *epi;           /* this warp's staging buffer */
     int wg, warp, lane;     /* consumer warpgroup (0, 1), warp in it, lane */
     int row_lo;             /* tile row of acc[4j + 0, 1]; acc[4j + 2, 3] are row_lo + 8 */
@@ -466,19 +504,25 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
         } else {
             bf16_mainloop(c, acc, it, kblocks);
         }
-        const int32_t idx_next = idx + (int32_t)gridDim.x;
-        const bool more = has_tile<kNInner>(tb, p.num_experts, nblocks, idx_next);
+        /* The next tile is the one the producer put into the next stage (tile_of; -1: none):
+         * FP8 with the overlap learns it before its epilogue, the others after. */
+        int32_t idx_next = -1;
         if constexpr (kOverlap) {
+            ring_t::wait_full(c.full, it);
+            idx_next = c.tile_of[ring_t::slot(it)];
             /* issued unconditionally (wgmmas on a divergent path serialise too): without a next
              * tile it reruns the last, consumed stage into tmp and the result is dropped */
-            const uint32_t at = more ? it : it - 1;
-            if (more) ring_t::wait_full(c.full, at);
+            const uint32_t at = idx_next >= 0 ? it : it - 1;
             fp8_issue<kOrdered>(tmp, mf__wgmma_desc_advance(c.desc_stages, ring_t::slot(at) * kStageBytes), c.wg, 0);
         }
         /* kProbeNoStore: ue8m0 is 0 or 1, so the epilogue never runs, yet it keeps acc, hence the
          * main loop's wgmmas, alive (the wgmma asm has no side effect of its own) */
         if (kProbe != kProbeNoStore || p.ue8m0 == 0x7fffffff) epilogue<kFp8, kEpi>(p, c, t, acc);
-        if (!more) break;
+        if constexpr (!kOverlap) {
+            ring_t::wait_full(c.full, it);
+            idx_next = c.tile_of[ring_t::slot(it)];
+        }
+        if (idx_next < 0) break;
         idx = idx_next;
         next_tile<kBlockM, kNInner>(tb, p.num_experts, nblocks, idx, cursor, t);
     }
@@ -500,6 +544,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_tma_kernel(const __grid_cons
     float *w_sc = (float *)(smem + kOffWScales);
     uint64_t *full = (uint64_t *)(smem + kOffBars);
     uint64_t *empty = full + kStages;
+    int32_t *tile_of = (int32_t *)(smem + kOffTileOf);
     tables_t tb;
     tables_at<kMaxExperts>(tb, smem + kOffTables);
     const int32_t nblocks = kEpi == kEpiSwiglu ? p.N / (2 * kHCols) : p.N / kTileN; /* n-blocks per expert */
@@ -507,7 +552,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_tma_kernel(const __grid_cons
     prologue<kStages, true>(p, full, empty, kFullArrivals, tb, [](int32_t rows) { return (rows + kBlockM - 1) / kBlockM; });
 
     if (producer_role()) {
-        if (mf__warp_id() == 0) producer<kFp8, kEpi>(p, tb, nblocks, stages, a_sc, w_sc, full, empty);
+        if (mf__warp_id() == 0) producer<kFp8, kEpi>(p, tb, nblocks, stages, a_sc, w_sc, tile_of, full, empty);
     } else {
         consumer_t c;
         const int ctid = (int)threadIdx.x - kMfWarpgroupThreads; /* 0..255 */
@@ -520,6 +565,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_tma_kernel(const __grid_cons
         c.w_sc = w_sc;
         c.full = full;
         c.empty = empty;
+        c.tile_of = tile_of;
         c.epi = smem + kOffEpi + (c.wg * 4 + c.warp) * kEpiWarpBytes;
         float acc[kAcc];
         float tmp[kFp8 ? kBoxAcc : 1];
