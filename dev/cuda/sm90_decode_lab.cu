@@ -162,7 +162,6 @@ static mf__gemm_segments_t seg_of(const call_t &c) {
     s.max_rows_per_expert = c.max_rows;
     s.rows_hint = c.rows_hint;
     s.sched = NULL;
-    s.counts_early = 0;
     return s;
 }
 

@@ -210,7 +210,6 @@ static mf_result_t run_call(const gemm_call &c, cudaStream_t st, int dispatcher 
     seg.max_rows_per_expert = c.max_rows;
     seg.rows_hint = 128;
     seg.sched = c.sched;
-    seg.counts_early = 0;
     const int32_t dtype = c.fp8 ? MF_DTYPE_FP8_E4M3 : MF_DTYPE_BF16;
     mf__gemm_operand_t a = {c.a, c.a_scales, c.gather};
     mf__gemm_operand_t w = {c.w, c.w_scales, NULL};

@@ -823,7 +823,6 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     seg.max_rows_per_expert = (int32_t)per_expert;
     seg.rows_hint = mf__cuda_rows_hint(moe, T);
     seg.sched = s->sched + 2 * kMfSchedW13;
-    seg.counts_early = 0; /* the plan, W13's predecessor, writes them */
     mf__gemm_gather_t gather;
     memset(&gather, 0, sizeof gather);
     for (int32_t r = 0; r < comm->num_ranks; r++) gather.heap[r] = (const uint8_t *)comm->heap.peers[r];
@@ -852,7 +851,6 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     /* W2 starts (PDL) while W13 may still run: its own schedule pairs */
     seg.sched = s->sched + 2 * kMfSchedW2;
     spare_seg.sched = s->sched + 2 * kMfSchedSpareW2;
-    seg.counts_early = spare_seg.counts_early = 1; /* written by the plan, before W13 began */
     mf__gemm_return_t ret;
     memset(&ret, 0, sizeof ret);
     for (int32_t r = 0; r < comm->num_ranks; r++)

@@ -73,7 +73,6 @@ mf_result_t mf__gemm_bench_run(const mf__gemm_bench_args_t *args, void *stream) 
     seg.max_rows_per_expert = args->max_rows_per_expert;
     seg.rows_hint = args->rows_hint > 0 ? args->rows_hint : args->max_rows_per_expert;
     seg.sched = args->sched;
-    seg.counts_early = 0;
     mf__gemm_operand_t a = {args->a, args->a_scales, NULL}, w = {args->w, args->w_scales, NULL};
     cudaStream_t s = (cudaStream_t)stream;
     /* pdl 0: back-to-back timed launches stay serialised, as the records were taken */

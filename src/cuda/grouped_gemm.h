@@ -42,10 +42,6 @@ typedef struct mf__gemm_segments {
                                     schedule) and zeroes it again when it ends; a launch that can
                                     run while another still does (programmatic dependent launch
                                     included) needs its own pair. NULL: the static walk */
-    int32_t counts_early;        /* 1: counts and offsets were final before the kernel ahead of
-                                    this launch in the stream began, so the kernel may read them
-                                    before its griddepcontrol.wait (the decode kernel then prefetches
-                                    its first tile's weights into L2 while that kernel drains) */
 } mf__gemm_segments_t;
 
 /* Activation rows read in place at their owners (the direct dataflow): receive row i is token

@@ -67,7 +67,6 @@ struct gemm_params {
     int32_t N, K;              /* weight rows per expert, reduction elements */
     int32_t ue8m0;             /* swiglu FP8: power-of-two h scales */
     int32_t *sched;            /* TMA family: the dynamic schedule's (ticket, finished CTAs), or NULL */
-    int32_t counts_early;      /* counts / offsets final before the previous kernel began (segments) */
 };
 
 /* W13 + SwiGLU: N = 2I weight rows, K = H (the tensor maps are the launcher's). */
@@ -78,7 +77,6 @@ static inline gemm_params w13_params(const mf__gemm_segments_t *seg, int32_t ue8
     p.counts = seg->counts;
     p.offsets = seg->offsets;
     p.sched = seg->sched;
-    p.counts_early = seg->counts_early;
     p.a_scales = a.gather ? NULL : a.scales;
     p.w_scales = w13.scales;
     p.out = (uint8_t *)h;
@@ -100,7 +98,6 @@ static inline gemm_params w2_params(const mf__gemm_segments_t *seg, mf__gemm_ope
     p.counts = seg->counts;
     p.offsets = seg->offsets;
     p.sched = seg->sched;
-    p.counts_early = seg->counts_early;
     p.a_scales = h.scales;
     p.w_scales = w2.scales;
     p.out = (uint8_t *)out;
@@ -147,15 +144,14 @@ __device__ __forceinline__ void tables_at(tables_t &tb, uint8_t *at) {
 /* Reads the counts (clamped to [0, max_rows]) and offsets into the tables and scans units(rows),
  * an expert's work units, into first[] (each lane of warp 0 sums a run of experts, then a warp
  * scan). Every thread of the CTA calls it; it ends with the tables visible to all. */
-template <int kThreads, bool kEarly, class Units>
+template <int kThreads, class Units>
 __device__ __forceinline__ void build_tables(const gemm_params &p, const tables_t &tb, Units units) {
     const int L = p.num_experts;
     for (int e = (int)threadIdx.x; e < L; e += kThreads) {
-        /* kEarly: read before griddepcontrol.wait, from L2 (ld.global.cg), never from this SM's L1 */
-        int32_t n = kEarly ? __ldcg(p.counts + e) : p.counts[e];
+        int32_t n = p.counts[e];
         n = n < 0 ? 0 : (n > p.max_rows ? p.max_rows : n);
         tb.rows[e] = n;
-        tb.row0[e] = kEarly ? __ldcg(p.offsets + e) : p.offsets[e];
+        tb.row0[e] = p.offsets[e];
     }
     __syncthreads();
     if (threadIdx.x < 32) {
@@ -284,25 +280,16 @@ __device__ __forceinline__ void prefetch_maps(const gemm_params &p) {
  * the tensor maps, which depend on no earlier kernel, so under PDL they run while it drains; then
  * the wait for the previous kernel (counts, offsets and the activations are its results:
  * cuda/pdl.cuh), the trigger that lets the next one start, and the expert tables. */
-template <int kStages, bool kPrefetch, class Units, class Early>
+template <int kStages, bool kPrefetch, class Units>
 __device__ __forceinline__ void prologue(const gemm_params &p, uint64_t *full, uint64_t *empty, uint32_t full_arrivals,
-                                         const tables_t &tb, Units units, Early early) {
+                                         const tables_t &tb, Units units) {
     if (threadIdx.x == 0) {
         ring<kStages>::init(full, empty, full_arrivals);
         if (kPrefetch) prefetch_maps<true>(p);
     }
-    if (p.counts_early) {
-        /* the counts were final before the previous kernel began (mf__gemm_segments_t): the tables
-         * first, then thread 0's `early` (what depends on them alone), both while it drains */
-        build_tables<kThreads, true>(p, tb, units);
-        if (threadIdx.x == 0) early();
-        mf__pdl_wait();
-        mf__pdl_trigger();
-    } else {
-        mf__pdl_wait();
-        mf__pdl_trigger();
-        build_tables<kThreads, false>(p, tb, units);
-    }
+    mf__pdl_wait();
+    mf__pdl_trigger();
+    build_tables<kThreads>(p, tb, units);
 }
 
 /* The register split, at the end of the prologue: warpgroup 0 gives registers back and is the

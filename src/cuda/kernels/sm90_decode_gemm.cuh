@@ -440,21 +440,10 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_decode_kernel(const __grid_c
     uint64_t *full = (uint64_t *)(smem + C::kOffBars);
     uint64_t *empty = full + C::kStages;
     const int32_t nblocks = kEpi == kEpiSwiglu ? p.N / (2 * kTileCols) : p.N / kTileCols; /* n-blocks per expert */
-    /* first[e]: the tiles of the experts < e (the producer prefetches the tensor maps). With counts
-     * known early (W2 in the layer) thread 0 also prefetches its first tile's weights into L2
-     * while the previous kernel drains: they depend on nothing that kernel writes. */
-    prologue<C::kStages, false>(
-        p, full, empty, kFullArrivals, tb,
-        [nblocks](int32_t rows) { return rows > 0 ? nblocks * ((rows + kBlockT - 1) / kBlockT) : 0; },
-        [&] {
-            int32_t cursor = 0;
-            tile_t t;
-            if (!next_tile<kBlockT, kRowsInner>(tb, p.num_experts, 0, (int32_t)blockIdx.x, cursor, t)) return;
-            mf__prefetch_tensormap(&p.tmap_w);
-            const int32_t wrow0 = t.e * p.N + t.nb * kBoxRows, half = p.N / 2;
-            for (int32_t kb = 0; kb < p.K * C::kEsz / kKBlock; kb++)
-                for (int b = 0; b < C::kBoxes; b++) mf__tma_prefetch_2d_l2(&p.tmap_w, kb * (kKBlock / C::kEsz), wrow0 + b * half);
-        });
+    /* first[e]: the tiles of the experts < e (the producer prefetches the tensor maps) */
+    prologue<C::kStages, false>(p, full, empty, kFullArrivals, tb, [nblocks](int32_t rows) {
+        return rows > 0 ? nblocks * ((rows + kBlockT - 1) / kBlockT) : 0;
+    });
 
     if (producer_role()) {
         if (mf__warp_id() == 0) producer<kFp8, kEpi, kBlockT, kGather>(p, tb, stages, scales, full, empty);
