@@ -1192,69 +1192,56 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
             fflush(stdout);
         }
     }
+    /* The interleaved A/Bs below: body(fp8, shape, L, M, call) for FP8 then BF16, W13 swiglu and W2
+     * plain, over the (L, M) pairs `ab`, with the case named for error messages. */
+    auto each_ab_case = [&](const std::vector<std::pair<int, int>> &ab, const char *what,
+                            const std::function<void(int, const shape &, int, int, gemm_call &)> &body) {
+        for (int fp8 = 1; fp8 >= 0; fp8--) {
+            fill_random(d_a, a_bytes / (fp8 ? 1 : 2), fp8 ? 0 : 1);
+            fill_random(d_w, w_bytes / (fp8 ? 1 : 2), fp8 ? 0 : 1);
+            for (int si : {0, 2})
+                for (const auto &lm : ab) {
+                    const shape &sh = shapes[si];
+                    gemm_call g = equal_call(fp8, sh, lm.first, lm.second);
+                    char name[128];
+                    snprintf(name, sizeof name, "bench %s %s L=%d M=%d %s", fp8 ? "fp8" : "bf16", sh.name, lm.first,
+                             lm.second, what);
+                    g_case = name;
+                    body(fp8, sh, lm.first, lm.second, g);
+                    fflush(stdout);
+                }
+        }
+    };
     /* Timing probes (their outputs are not the GEMM): the FP8 promotion's cost (no overlap, with
      * against without the promotion) and the BF16 epilogue's (ships against no epilogue); cost =
      * time(with) / time(without) - 1 */
-    {
-        printf("# probes, 3 rounds interleaved: FP8 promotion cost (no overlap vs no overlap + no promotion, "
-               "kMfTmaLabNoPromote), BF16 epilogue cost (ships vs no epilogue, kMfTmaLabNoStore)\n");
-        const int ab[3][2] = {{4, 4096}, {32, 256}, {32, 1024}};
-        for (int fp8 = 1; fp8 >= 0; fp8--) {
-            fill_random(d_a, a_bytes / (fp8 ? 1 : 2), fp8 ? 0 : 1);
-            fill_random(d_w, w_bytes / (fp8 ? 1 : 2), fp8 ? 0 : 1);
-            for (int si : {0, 2}) {
-                const shape &sh = shapes[si];
-                for (int ci = 0; ci < 3; ci++) {
-                    const int L = ab[ci][0], M = ab[ci][1];
-                    const gemm_call g = equal_call(fp8, sh, L, M);
-                    char name[128];
-                    snprintf(name, sizeof name, "bench %s %s L=%d M=%d probe A/B", fp8 ? "fp8" : "bf16", sh.name, L, M);
-                    g_case = name;
-                    double with_us = 0, without_us = 0;
-                    if (fp8)
-                        time_ab_us(g, kMfTmaLabNoOverlap, kMfTmaLabNoPromote, d_flush, ev0, ev1, &with_us, &without_us);
-                    else
-                        time_ab_us(g, kMfTmaLabShipped, kMfTmaLabNoStore, d_flush, ev0, ev1, &with_us, &without_us);
-                    const double fl = 2.0 * L * M * (double)sh.nw * sh.k * 1e-6;
-                    printf("  %-5s %-11s L=%2d M=%5d  %-12s %9.1f us %7.1f TF/s   %-14s %9.1f us %7.1f TF/s   cost %+5.1f %%\n",
-                           fp8 ? "fp8" : "bf16", sh.name, L, M, fp8 ? "promotion" : "epilogue", with_us, fl / with_us,
-                           fp8 ? "no promotion" : "no epilogue", without_us, fl / without_us,
-                           100.0 * (with_us / without_us - 1.0));
-                    fflush(stdout);
-                }
-            }
-        }
-    }
+    printf("# probes, 3 rounds interleaved: FP8 promotion cost (no overlap vs no overlap + no promotion, "
+           "kMfTmaLabNoPromote), BF16 epilogue cost (ships vs no epilogue, kMfTmaLabNoStore)\n");
+    each_ab_case({{4, 4096}, {32, 256}, {32, 1024}}, "probe A/B", [&](int fp8, const shape &sh, int L, int M, gemm_call &g) {
+        double with_us = 0, without_us = 0;
+        if (fp8)
+            time_ab_us(g, kMfTmaLabNoOverlap, kMfTmaLabNoPromote, d_flush, ev0, ev1, &with_us, &without_us);
+        else
+            time_ab_us(g, kMfTmaLabShipped, kMfTmaLabNoStore, d_flush, ev0, ev1, &with_us, &without_us);
+        const double fl = 2.0 * L * M * (double)sh.nw * sh.k * 1e-6;
+        printf("  %-5s %-11s L=%2d M=%5d  %-12s %9.1f us %7.1f TF/s   %-14s %9.1f us %7.1f TF/s   cost %+5.1f %%\n",
+               fp8 ? "fp8" : "bf16", sh.name, L, M, fp8 ? "promotion" : "epilogue", with_us, fl / with_us,
+               fp8 ? "no promotion" : "no epilogue", without_us, fl / without_us, 100.0 * (with_us / without_us - 1.0));
+    });
     /* A/B: the dynamic schedule (what the layer runs) against the static walk, 3 rounds interleaved */
-    {
-        printf("# A/B: dynamic schedule (a ticket per tile; what the layer runs) vs the static walk, 3 rounds interleaved\n");
-        const int ab[3][2] = {{4, 8192}, {32, 256}, {32, 1024}};
-        for (int fp8 = 1; fp8 >= 0; fp8--) {
-            fill_random(d_a, a_bytes / (fp8 ? 1 : 2), fp8 ? 0 : 1);
-            fill_random(d_w, w_bytes / (fp8 ? 1 : 2), fp8 ? 0 : 1);
-            for (int si : {0, 2}) {
-                const shape &sh = shapes[si];
-                for (int ci = 0; ci < 3; ci++) {
-                    const int L = ab[ci][0], M = ab[ci][1];
-                    gemm_call g = equal_call(fp8, sh, L, M);
-                    char name[128];
-                    snprintf(name, sizeof name, "bench %s %s L=%d M=%d schedule A/B", fp8 ? "fp8" : "bf16", sh.name, L, M);
-                    g_case = name;
-                    std::vector<double> med[2];
-                    for (int round = 0; round < 3; round++)
-                        for (int v = 0; v < 2; v++) {
-                            g.sched = v ? NULL : d_sched;
-                            med[v].push_back(time_call_us(g, d_flush, ev0, ev1));
-                        }
-                    for (int v = 0; v < 2; v++) std::sort(med[v].begin(), med[v].end());
-                    const double dyn = med[0][1], stat = med[1][1], fl = 2.0 * L * M * (double)sh.nw * sh.k * 1e-6;
-                    printf("  %-5s %-11s L=%2d M=%5d  dynamic %9.1f us %7.1f TF/s   static %9.1f us %7.1f TF/s   gain %+5.1f %%\n",
-                           fp8 ? "fp8" : "bf16", sh.name, L, M, dyn, fl / dyn, stat, fl / stat, 100.0 * (stat / dyn - 1.0));
-                    fflush(stdout);
-                }
+    printf("# A/B: dynamic schedule (a ticket per tile; what the layer runs) vs the static walk, 3 rounds interleaved\n");
+    each_ab_case({{4, 8192}, {32, 256}, {32, 1024}}, "schedule A/B", [&](int fp8, const shape &sh, int L, int M, gemm_call &g) {
+        std::vector<double> med[2];
+        for (int round = 0; round < 3; round++)
+            for (int v = 0; v < 2; v++) {
+                g.sched = v ? NULL : d_sched;
+                med[v].push_back(time_call_us(g, d_flush, ev0, ev1));
             }
-        }
-    }
+        for (int v = 0; v < 2; v++) std::sort(med[v].begin(), med[v].end());
+        const double dyn = med[0][1], stat = med[1][1], fl = 2.0 * L * M * (double)sh.nw * sh.k * 1e-6;
+        printf("  %-5s %-11s L=%2d M=%5d  dynamic %9.1f us %7.1f TF/s   static %9.1f us %7.1f TF/s   gain %+5.1f %%\n",
+               fp8 ? "fp8" : "bf16", sh.name, L, M, dyn, fl / dyn, stat, fl / stat, 100.0 * (stat / dyn - 1.0));
+    });
     /* the SwiGLU epilogue's cost: W13 swiglu against W13 plain (same GEMM, plain BF16 epilogue) */
     printf("# swiglu epilogue cost = time(W13 swiglu) / time(W13 plain) - 1\n");
     for (const bench_row &s : rows_out) {
