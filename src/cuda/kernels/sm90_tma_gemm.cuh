@@ -27,9 +27,9 @@
  * static walk b + grid, b + 2 grid, ...: measured on BF16 W13 at L = 256, CTAs drifted apart until
  * the readers of a weight stripe no longer met in L2, bench/NOTES.md). The producer writes each
  * stage's tile into tile_of[slot] before its arrival and ends with one stage of tile -1 and no
- * data; the consumers learn their next tile there. The last CTA to finish zeroes the pair. counts/offsets are read
- * on the device at kernel start into shared tables (a warp scan gives each expert's first
- * m-block), clamped to [0, max_rows]. Before that read the kernel waits for the previous kernel
+ * data; the consumers learn their next tile there. The last CTA to finish zeroes the pair.
+ * counts/offsets are read on the device at kernel start into shared tables (a warp scan gives each
+ * expert's first m-block), clamped to [0, max_rows]. Before that read the kernel waits for the previous kernel
  * (mf__pdl_wait, cuda/pdl.cuh; barrier init and tensor-map prefetch run before it) and then lets
  * the next one start (mf__pdl_trigger).
  *
