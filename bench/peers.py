@@ -330,9 +330,11 @@ def fmt(x, spec="10.1f"):
 
 
 def print_table(rows, ceil):
-    print("# side by side: times in us (median); best = the fastest peer's time / moeflow's (> 1: moeflow is faster)")
+    print("# side by side: times in us (median); best = the fastest grouped peer's time / moeflow's (> 1: moeflow is\n"
+          "# faster; like with like: torch's grouped GEMM); dense = cuBLAS dense / moeflow, a compute ceiling that reads\n"
+          "# one expert's weights, not a peer")
     print(f"#{'model':<15} {'op':<4} {'type':<4} {'layout':<12} {'counts':<6} {'L':>4} {'M':>5} {'moeflow':>10} "
-          f"{'torch':>10} {'cublas':>10} {'floor':>10} {'%floor':>7} {'best':>6}")
+          f"{'torch':>10} {'cublas':>10} {'floor':>10} {'%floor':>7} {'best':>6} {'dense':>6}")
     for r in rows:
         s = r["shape"]
         mf = r.get("time_us")
@@ -341,13 +343,13 @@ def print_table(rows, ceil):
         fl = r.get("floor_us")
         if fl is None:
             fl = floor_us(r["kernel"], r["dtype"], s["H"], s["I"], r["expert_rows"], ceil)
-        peers = [t for t in (torch_t, cb) if t is not None]
-        best = min(peers) / mf if mf and peers else None
+        best = torch_t / mf if mf and torch_t is not None else None
+        dense = cb / mf if mf and cb is not None else None
         pct = 100.0 * fl / mf if mf and fl else None
         op = "w13" if r["kernel"] == "w13_swiglu" else "w13p" if r["kernel"] == "w13" else r["kernel"]
         print(f" {r['model']:<15} {op:<4} {r['dtype']:<4} {r['layout']:<12} {r.get('counts', '-'):<6} {s['L']:>4} "
               f"{s['M']:>5} {fmt(mf)} {fmt(torch_t)} {fmt(cb)} {fmt(fl)} {fmt(pct, '6.1f')}{'%' if pct else ' '} "
-              f"{fmt(best, '6.2f')}")
+              f"{fmt(best, '6.2f')} {fmt(dense, '6.2f')}")
 
 
 def git_commit():
