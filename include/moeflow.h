@@ -6,7 +6,8 @@
  *
  * Dimension legend (docs/DESIGN.md): T tokens on this rank in this call, S capacity (max tokens per rank
  * per call), H hidden, I expert intermediate size, E global experts, R ranks, L = E / R local
- * experts, K top-k. Shapes are row-major, innermost last: `[T, H]`.
+ * experts (L_r, this rank's, when R does not divide E or the placement is round robin: see
+ * mf_placement_t), K top-k. Shapes are row-major, innermost last: `[T, H]`.
  *
  * Model of use. R ranks share a symmetric heap; each rank is one *comm* handle. An engine runs one
  * rank per process: every process calls mf_comm_init with its rank and a bootstrap (the engine's
@@ -122,6 +123,20 @@ typedef enum mf_layout {
      * shapes, CUDA-graph safe. Rows at or past counts[e] are not written. For decode. */
     MF_LAYOUT_MASKED = 1
 } mf_layout_t;
+
+/* Where the experts live (mf_moe_config_t.placement; docs/API.md section 3). Rank r holds L_r experts,
+ * its local experts l = 0 .. L_r - 1, in this order in its weights and its dispatch segments. Every
+ * rank holds at least one expert (E >= R). Routing ids stay global expert ids whatever the placement,
+ * and y does not depend on it, bit for bit. */
+typedef enum mf_placement {
+    /* Contiguous ranges, the first E % R ranks one expert more: L_r = E / R + (r < E % R), local l
+     * is global first_r + l with first_r = r * (E / R) + min(r, E % R). With R | E: L = E / R and
+     * rank r holds [r L, (r + 1) L). (Qwen3's 128 experts on R = 6: 22, 22, 21, 21, 21, 21.) */
+    MF_PLACEMENT_LINEAR = 0,
+    /* Expert e on rank e % R as local expert e / R: L_r = ceil((E - r) / R), local l is global
+     * r + l * R. */
+    MF_PLACEMENT_ROUND_ROBIN = 1
+} mf_placement_t;
 
 /* How mf_moe_forward's expert side consumes the routed rows (docs/API.md "Dataflow"). Every
  * choice gives the same y, bit for bit; they differ in speed. The CPU backend has one path and
@@ -297,7 +312,7 @@ typedef struct mf_moe_config {
     uint32_t size;                /* sizeof(mf_moe_config_t) */
     uint32_t magic;               /* MF_MOE_CONFIG_MAGIC */
     uint32_t version;             /* MF_API_VERSION */
-    int32_t num_experts;          /* E; a multiple of R */
+    int32_t num_experts;          /* E >= R (placement says which rank holds which expert) */
     int32_t num_topk;             /* K, 1..MF_MAX_TOPK */
     int32_t hidden;               /* H; a multiple of 128 for FP8, of 8 for BF16 */
     int32_t intermediate;         /* I; a multiple of 128 for FP8, of 8 for BF16 */
@@ -313,9 +328,12 @@ typedef struct mf_moe_config {
     /* Added after moeflow 0.2.0 (same MF_API_VERSION; older, shorter configs read 0 here). */
     int32_t num_physical_experts; /* P: physical expert slots over all ranks (replicas included),
                                      a multiple of R, >= E; 0 = E. Rank r holds the P / R slots
-                                     [r * P / R, (r + 1) * P / R) (mf_moe_set_expert_map) */
+                                     [r * P / R, (r + 1) * P / R) (mf_moe_set_expert_map).
+                                     Replicas (P > E) need placement LINEAR with R | E */
     int32_t spare_slots;          /* B: per-step balancing slots per rank, 0..MF_MAX_SPARE_SLOTS;
-                                     0 = off (mf_moe_prefetch) */
+                                     0 = off (mf_moe_prefetch). Needs placement LINEAR with R | E */
+    int32_t placement;            /* mf_placement_t; 0 = MF_PLACEMENT_LINEAR (older, shorter configs
+                                     read 0 here) */
 } mf_moe_config_t;
 
 #define MF_MAX_SPARE_SLOTS 16
@@ -325,19 +343,27 @@ typedef struct mf_moe_config {
 #define MF_MOE_CONFIG_INIT                                                                       \
     {                                                                                            \
         sizeof(mf_moe_config_t), MF_MOE_CONFIG_MAGIC, MF_API_VERSION, 0, 0, 0, 0, 0,             \
-            MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, 0, 0, 0, 0, 0, MF_DATAFLOW_AUTO, 0, 0         \
+            MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, 0, 0, 0, 0, 0, MF_DATAFLOW_AUTO, 0, 0,        \
+            MF_PLACEMENT_LINEAR                                                                  \
     }
 
-/* What a layer resolved its defaults to, for sizing dispatch outputs. */
+/* What a layer resolved its defaults to, for sizing weights and dispatch outputs. */
 typedef struct mf_moe_info {
     int32_t num_ranks;          /* R */
     int32_t rank;               /* this rank */
-    int32_t num_local_experts;  /* L = E / R */
-    int32_t first_expert;       /* global id of local expert 0: rank * L */
+    int32_t num_local_experts;  /* L_r: the experts this rank holds under the placement (E / R
+                                   when R | E and LINEAR) */
+    int32_t first_expert;       /* global id of local expert 0: LINEAR r * (E / R) + min(r, E % R)
+                                   (rank * L when R | E), ROUND_ROBIN rank */
     int32_t block_m;            /* EXPERT_MAJOR segment alignment */
     int32_t expert_capacity;    /* MASKED rows per expert (C) */
-    int32_t max_recv_rows;      /* EXPERT_MAJOR receive rows */
+    int32_t max_recv_rows;      /* EXPERT_MAJOR receive rows (sized for the rank holding the most) */
     int64_t heap_bytes;         /* this rank's symmetric heap (shared by all layers of the comm) */
+    /* Added after moeflow 0.2.0: */
+    int32_t placement;          /* mf_placement_t */
+    int32_t num_local_slots;    /* this rank's weight slots, the leading dim of its weights and of its
+                                   dispatch segments (expert_counts, MASKED recv_x): num_local_experts,
+                                   or P / R on a layer with replicas (num_physical_experts > E) */
 } mf_moe_info_t;
 
 /* The symmetric-heap bytes a layer with `config` needs on each of `num_ranks` ranks, for
@@ -349,8 +375,9 @@ MF_API mf_result_t mf_moe_heap_bytes(const mf_moe_config_t *config, int32_t num_
  * of a comm share its symmetric heap, which never moves: a comm declared with heap_bytes = 0 sizes
  * it here, at its first layer; a later layer that needs more fails with MF_ERR_CAPACITY naming
  * the size to declare. The caller owns *moe. Errors: INVALID_ARGUMENT (bad config values,
- * E % R != 0, H or I not a multiple of 128 for FP8, ranks asking for different layers),
- * INVALID_USAGE (bad magic/size/version), CAPACITY (heap), OUT_OF_MEMORY. */
+ * E < R, a placement outside mf_placement_t, H or I not a multiple of 128 for FP8, ranks asking
+ * for different layers), INVALID_USAGE (bad magic/size/version), NOT_SUPPORTED (replicas or spare
+ * slots with ROUND_ROBIN or with E % R != 0), CAPACITY (heap), OUT_OF_MEMORY. */
 MF_API mf_result_t mf_moe_create(mf_comm_t comm, const mf_moe_config_t *config, mf_moe_t *moe);
 
 MF_API mf_result_t mf_moe_get_info(mf_moe_t moe, mf_moe_info_t *info);
@@ -361,19 +388,21 @@ MF_API mf_result_t mf_moe_get_info(mf_moe_t moe, mf_moe_info_t *info);
  * staging slots (skipped on a broken or aborted comm). */
 MF_API mf_result_t mf_moe_destroy(mf_moe_t moe);
 
-/* This rank's expert weights, one per physical slot of the rank: Lp = P / R slots (Lp = L without
- * replicas). Slot l holds the logical expert map[rank * Lp + l] of mf_moe_set_expert_map; with the
- * default identity map, global expert first_expert + l. */
+/* This rank's expert weights, one per weight slot of the rank: Ls = info.num_local_slots slots,
+ * L_r (num_local_experts) without replicas, Lp = P / R with them. Without an expert map, slot l
+ * holds the placement's local expert l (LINEAR: global first_expert + l; ROUND_ROBIN: global
+ * rank + l * R); with one, the logical expert map[rank * Lp + l] of mf_moe_set_expert_map. */
 typedef struct mf_moe_weights {
-    mf_tensor_t w13;        /* [Lp, 2I, H]: rows [0, I) gate, [I, 2I) up; the layer's dtype */
-    mf_tensor_t w13_scales; /* FP8: [Lp, 2I/128, H/128] fp32, one per 128x128 block; BF16: unused */
-    mf_tensor_t w2;         /* [Lp, H, I]; the layer's dtype */
-    mf_tensor_t w2_scales;  /* FP8: [Lp, H/128, I/128] fp32; BF16: unused */
+    mf_tensor_t w13;        /* [Ls, 2I, H]: rows [0, I) gate, [I, 2I) up; the layer's dtype */
+    mf_tensor_t w13_scales; /* FP8: [Ls, 2I/128, H/128] fp32, one per 128x128 block; BF16: unused */
+    mf_tensor_t w2;         /* [Ls, H, I]; the layer's dtype */
+    mf_tensor_t w2_scales;  /* FP8: [Ls, H/128, I/128] fp32; BF16: unused */
 } mf_moe_weights_t;
 
 /* Sets this rank's expert weights. The layer BORROWS the memory: it must stay valid and unchanged
  * until the layer is destroyed or the weights are set again. Not collective, non-blocking, not
- * graph-capturable. */
+ * graph-capturable. Errors: INVALID_ARGUMENT (a shape other than [num_local_slots, ...], a dtype,
+ * NULL data; the weights set before stay), INVALID_USAGE (a staged map in progress). */
 MF_API mf_result_t mf_moe_set_weights(mf_moe_t moe, const mf_moe_weights_t *weights);
 
 typedef struct mf_moe_forward_in {
@@ -414,8 +443,10 @@ MF_API mf_result_t mf_moe_forward(mf_moe_t moe, const mf_moe_forward_in_t *in,
  * the same map before its next forward (the forward checks it: INVALID_USAGE on every rank if
  * not); the caller's weights (mf_moe_set_weights) must hold the new map's experts by then.
  * Between calls only; host memory, copied; not graph-capturable. CPU: non-blocking; CUDA: waits
- * for this rank's last forward and prefetch (they read the device copy it replaces). Errors: INVALID_ARGUMENT (NULL, wrong num_physical, an id outside [0, E), a
- * logical expert with no slot; nothing is changed). */
+ * for this rank's last forward and prefetch (they read the device copy it replaces). Errors:
+ * INVALID_ARGUMENT (NULL, wrong num_physical, an id outside [0, E), a logical expert with no slot;
+ * nothing is changed), NOT_SUPPORTED (a layer placed ROUND_ROBIN or with E % R != 0: its placement
+ * is its map). */
 MF_API mf_result_t mf_moe_set_expert_map(mf_moe_t moe, const int32_t *phys_to_logical, int32_t num_physical);
 
 /* Per-step balancing (config.spare_slots = B > 0): from the global per-expert counts of this
@@ -458,8 +489,9 @@ MF_API mf_result_t mf_moe_prefetch(mf_moe_t moe, mf_stream_t stream);
  * Errors, on every rank alike and with nothing changed: INVALID_ARGUMENT (NULL, wrong
  * num_physical, an id outside [0, E), an expert with no slot, bad next_weights,
  * experts_per_step < 0, or ranks that staged different maps or steps), INVALID_USAGE (weights not
- * set, a stage already in progress, comm broken), NOT_SUPPORTED (a backend without staging; CUDA:
- * a layer whose balancing planner exceeds shared memory). CUDA: waits for this rank's last forward
+ * set, a stage already in progress, comm broken), NOT_SUPPORTED (a backend without staging, a layer
+ * placed ROUND_ROBIN or with E % R != 0; CUDA: a layer whose balancing planner exceeds shared
+ * memory). CUDA: waits for this rank's last forward
  * and prefetch (as mf_moe_set_expert_map); the steps copy with the copy engines on the prefetch's
  * stream, no host wait; a captured prefetch replays the step it captured (stage eagerly). */
 MF_API mf_result_t mf_moe_stage_expert_map(mf_moe_t moe, const int32_t *phys_to_logical, int32_t num_physical,
@@ -468,11 +500,12 @@ MF_API mf_result_t mf_moe_stage_expert_map(mf_moe_t moe, const int32_t *phys_to_
 /* What balancing did in this layer's last forward and prefetch, as every rank sees it. */
 typedef struct mf_moe_balance_stats {
     uint32_t size;                       /* sizeof(mf_moe_balance_stats_t), set by the caller */
-    int32_t num_physical_experts;        /* P */
+    int32_t num_physical_experts;        /* P (a layer placed ROUND_ROBIN or with E % R != 0: its slot
+                                            grid R * ceil(E / R), empty slots included) */
     int32_t slots_per_rank;              /* Lp = P / R */
     int32_t spare_slots;                 /* B */
     int64_t recv_rows[MF_MAX_RANKS];     /* last forward: rows each rank's experts computed */
-    int64_t home_rows[MF_MAX_RANKS];     /* the same routing without replicas (rank of e = e / L) */
+    int64_t home_rows[MF_MAX_RANKS];     /* the same routing without replicas (e on its placement's rank) */
     int64_t prefetch_bytes;              /* weight bytes this rank copied in the last prefetch */
     int64_t prefetch_bytes_all;          /* the same over every rank */
     int32_t spare_resident;              /* spare slots holding an expert after the last prefetch */
@@ -513,7 +546,10 @@ MF_API mf_result_t mf_moe_get_phase_times(mf_moe_t moe, mf_phase_times_t *times)
 /* ---------------------------------------------------------------------------------------------
  * Communication only: dispatch and combine, for engines that bring their own expert GEMMs.
  * On one comm, mf_dispatch and mf_combine alternate; mf_combine uses the routing of the
- * mf_dispatch before it on the same layer.
+ * mf_dispatch before it on the same layer. The segments are the rank's weight slots, L =
+ * info.num_local_slots of them: segment l holds the rows of the expert in weight slot l (its
+ * placement's local expert l; with an expert map, slot l's share of its expert's rows, as the
+ * forward splits them over the replicas).
  * ------------------------------------------------------------------------------------------- */
 typedef struct mf_dispatch_in {
     mf_tensor_t x;        /* [T, H] BF16; sent as the layer's dtype (FP8: quantised 1x128 here) */
@@ -528,14 +564,16 @@ typedef struct mf_dispatch_out {
     /* [max_recv_rows, 3] / [L, C, 3] int32: (source rank, source token, k) of each row, rank-major
      * then token then k; EXPERT_MAJOR padding rows read (-1, -1, -1). */
     mf_tensor_t recv_src;
-    /* [L] int32: rows received per local expert. */
+    /* [L] int32: rows received per segment (L = info.num_local_slots). */
     mf_tensor_t expert_counts;
     /* EXPERT_MAJOR: [L + 1] int32 segment starts, multiples of block_m; MASKED: unused. */
     mf_tensor_t expert_offsets;
 } mf_dispatch_out_t;
 
 /* Moves every (token, k) with a local expert of some rank to that rank, in the layer's layout.
- * Collective, blocking on CPU / asynchronous on CUDA, graph-capturable on CUDA. */
+ * Collective, blocking on CPU / asynchronous on CUDA, graph-capturable on CUDA. Errors as
+ * mf_moe_forward's; NOT_SUPPORTED on a layer with spare slots (B > 0: their weights are moeflow's
+ * copies, which the caller's GEMMs cannot read). */
 MF_API mf_result_t mf_dispatch(mf_moe_t moe, const mf_dispatch_in_t *in, const mf_dispatch_out_t *out,
                         mf_stream_t stream);
 

@@ -248,6 +248,8 @@ static int moe_config_body(mf_comm_t comm) {
     BAD(ue8m0_scales, 2, MF_ERR_INVALID_ARGUMENT, "ue8m0_scales 2");
     BAD(dataflow, -1, MF_ERR_INVALID_ARGUMENT, "dataflow -1");
     BAD(dataflow, MF_DATAFLOW_UNFUSED + 1, MF_ERR_INVALID_ARGUMENT, "dataflow past UNFUSED");
+    BAD(placement, -1, MF_ERR_INVALID_ARGUMENT, "placement -1");
+    BAD(placement, MF_PLACEMENT_ROUND_ROBIN + 1, MF_ERR_INVALID_ARGUMENT, "placement past ROUND_ROBIN");
     c = small_config(MF_DTYPE_BF16, MF_LAYOUT_MASKED);
     c.hidden = 100;
     if (expect_create_rejected(comm, &c, MF_ERR_INVALID_ARGUMENT, "BF16 H = 100 (not a multiple of 8)"))
@@ -260,7 +262,9 @@ static int moe_config_body(mf_comm_t comm) {
     MFT_CHECK_OK(mf_moe_get_info(moe, &info));
     MFT_CHECK_EQ_INT(info.num_ranks, 1);
     MFT_CHECK_EQ_INT(info.num_local_experts, 4);
+    MFT_CHECK_EQ_INT(info.num_local_slots, 4);
     MFT_CHECK_EQ_INT(info.first_expert, 0);
+    MFT_CHECK_EQ_INT(info.placement, MF_PLACEMENT_LINEAR);
     MFT_CHECK_EQ_INT(info.block_m, 128);
     MFT_CHECK_EQ_INT(info.expert_capacity, 8); /* R * S */
     MFT_CHECK(info.max_recv_rows >= 8 * 2); /* at least R * S * min(K, L) routed rows */
@@ -279,8 +283,8 @@ static int test_moe_config(void) {
     return rc;
 }
 
-/* R = 2: E not divisible by R is rejected on both ranks; so are configs that differ between ranks;
- * then a valid layer is created by both. */
+/* R = 2: E below R is rejected on both ranks (E = 5 is an uneven placement: 3 and 2 experts); so
+ * are configs that differ between ranks; then a valid layer is created by both. */
 typedef struct two_rank_ctx {
     mf_group_t group;
 } two_rank_ctx_t;
@@ -290,8 +294,21 @@ static int create_ranks_fn(int32_t rank, void *arg) {
     mf_comm_t comm = NULL;
     MFT_CHECK_OK(mf_group_get_comm(c->group, rank, &comm));
     mf_moe_config_t cfg = small_config(MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR);
+    cfg.num_experts = 1;
+    cfg.num_topk = 1;
+    if (expect_create_rejected(comm, &cfg, MF_ERR_INVALID_ARGUMENT, "E = 1 on R = 2")) return 1;
+    MFT_CHECK(mft_contains_ci(mf_last_error(), "at least one expert"));
     cfg.num_experts = 5;
-    if (expect_create_rejected(comm, &cfg, MF_ERR_INVALID_ARGUMENT, "E = 5 on R = 2")) return 1;
+    cfg.num_topk = 2;
+    mf_moe_t uneven = NULL;
+    MFT_CHECK_OK(mf_moe_create(comm, &cfg, &uneven));
+    mf_moe_info_t ui;
+    MFT_CHECK_OK(mf_moe_get_info(uneven, &ui));
+    MFT_CHECK_EQ_INT(ui.num_local_experts, rank ? 2 : 3);
+    MFT_CHECK_EQ_INT(ui.num_local_slots, ui.num_local_experts);
+    MFT_CHECK_EQ_INT(ui.first_expert, rank ? 3 : 0);
+    MFT_CHECK_EQ_INT(ui.placement, MF_PLACEMENT_LINEAR);
+    MFT_CHECK_OK(mf_moe_destroy(uneven));
     cfg.num_experts = 6;
     cfg.hidden = rank ? 256 : 128;
     if (expect_create_rejected(comm, &cfg, MF_ERR_INVALID_ARGUMENT, "H differs between ranks"))
@@ -302,6 +319,7 @@ static int create_ranks_fn(int32_t rank, void *arg) {
     mf_moe_info_t info;
     MFT_CHECK_OK(mf_moe_get_info(moe, &info));
     MFT_CHECK_EQ_INT(info.num_local_experts, 3);
+    MFT_CHECK_EQ_INT(info.num_local_slots, 3);
     MFT_CHECK_EQ_INT(info.first_expert, 3 * rank);
     MFT_CHECK_EQ_INT(info.expert_capacity, 2 * 8);
     MFT_CHECK_OK(mf_moe_destroy(moe));

@@ -14,6 +14,7 @@
 
 #include "harness.h"
 #include "plan/balance.h"
+#include "plan/placement.h"
 #include "plan/stage.h"
 #include "problem.h"
 
@@ -197,72 +198,122 @@ static int test_pick_incremental(void) {
 }
 
 /* mf__balance_plan_par (the CUDA plan's block-parallel version, here as plain loops) == the serial
- * functions and the CPU plan's capacity verdict and slot table, over random shapes, counts, maps,
- * spare tables and capacities. */
-static int test_plan_parallel(void) {
-    enum { MAXE = 256, MAXR = 8, MAXB = 4, MAXP = MAXE + MAXR * 4, MAXN = MAXP + MAXR * MAXB, MAXL = MAXP / 1 + MAXB };
-    static int32_t counts[MAXE], map[MAXP], spare[MAXR * MAXB];
-    static int32_t rep_off[MAXE + 1], rep_rank[MAXN], rep_slot[MAXN], share[MAXN], scratch[MAXE + MAXR * MAXB];
-    static int32_t cs[MAXE], cp[MAXE], p_off[MAXE + 1], p_rank[MAXN], p_slot[MAXN], p_share[MAXN], order[MAXE],
-        small[4], over[MAXR], sc[MAXL], sb[MAXL], se[MAXL];
-    static int64_t load[MAXR], p_load[MAXR], p_home[MAXR], p_rows[MAXR];
-    mft_rng_t rng = {0x9a7a};
-    int32_t verdicts = 0;
-    for (int32_t it = 0; it < 4000; it++) {
-        const int32_t R = 1 + mft_rng_int(&rng, MAXR), E = R * (1 + mft_rng_int(&rng, MAXE / R));
-        const int32_t P = E + R * mft_rng_int(&rng, 5), B = mft_rng_int(&rng, MAXB + 1), Lp = P / R, L = Lp + B;
-        const int32_t kind = mft_rng_int(&rng, 4), masked = mft_rng_int(&rng, 2), block_m = 1 << mft_rng_int(&rng, 8);
+ * functions and the CPU plan's capacity verdict and slot table for one plan; the home loads are
+ * each expert's count on its placement's rank (`placed`: the rank of the one slot of the map that
+ * holds it; else LINEAR's e / (E / R)). *verdict: the failing rank or -1. */
+enum { PP_MAXE = 256, PP_MAXR = 8, PP_MAXB = 4, PP_MAXP = PP_MAXE + PP_MAXR * 4, PP_MAXN = PP_MAXP + PP_MAXR * PP_MAXB };
+
+static int plan_par_case(const char *what, int32_t E, int32_t R, int32_t P, int32_t B, int32_t placement, int32_t placed,
+                         int32_t me, int32_t masked, int32_t block_m, int32_t capacity, int32_t max_rows,
+                         const int32_t *map, const int32_t *spare, const int32_t *counts, int32_t *verdict) {
+    static int32_t rep_off[PP_MAXE + 1], rep_rank[PP_MAXN], rep_slot[PP_MAXN], share[PP_MAXN],
+        scratch[PP_MAXE + PP_MAXR * PP_MAXB];
+    static int32_t cs[PP_MAXE], cp[PP_MAXE], p_off[PP_MAXE + 1], p_rank[PP_MAXN], p_slot[PP_MAXN], p_share[PP_MAXN],
+        order[PP_MAXE], small[4], over[PP_MAXR], sc[PP_MAXP + PP_MAXB], sb[PP_MAXP + PP_MAXB], se[PP_MAXP + PP_MAXB];
+    static int64_t load[PP_MAXR], home[PP_MAXR], p_load[PP_MAXR], p_home[PP_MAXR], p_rows[PP_MAXR];
+    const int32_t Lp = P / R, L = Lp + B;
+    /* serial */
+    mf__balance_replicas(E, R, P, B, map, B ? spare : NULL, rep_off, rep_rank, rep_slot, scratch);
+    mf__balance_split(E, R, counts, rep_off, rep_rank, share, load, scratch);
+    int32_t want_q = -1, want_i = -1;
+    for (int32_t q = 0; q < R && want_q < 0; q++) {
+        int64_t rows = 0;
+        for (int32_t e = 0; e < E && want_q < 0; e++)
+            for (int32_t i = rep_off[e]; i < rep_off[e + 1] && want_q < 0; i++) {
+                if (rep_rank[i] != q) continue;
+                if (masked && share[i] > capacity) want_q = q, want_i = i;
+                rows += (share[i] + block_m - 1) / block_m * block_m;
+            }
+        if (want_q < 0 && !masked && rows > max_rows) want_q = q;
+    }
+    for (int32_t r = 0; r < R; r++) home[r] = 0;
+    for (int32_t e = 0; e < E; e++) {
+        int32_t p = 0;
+        while (placed && map[p] != e) p++;
+        home[placed ? p / Lp : e / (E / R)] += counts[e];
+    }
+    /* parallel (as loops) */
+    mf__balance_ws_t ws = {cs, cp, p_off, p_rank, p_slot, p_share, order, small, over, p_load, p_home, p_rows};
+    mf__balance_plan_par(E, R, P, B, placement, me, masked, block_m, capacity, max_rows, map, spare, counts, &ws, sc, sb,
+                         se);
+    for (int32_t e = 0; e <= E; e++) MFT_CHECK_MSG(p_off[e] == rep_off[e], "%s: rep_off[%d]", what, (int)e);
+    for (int32_t i = 0; i < rep_off[E]; i++)
+        MFT_CHECK_MSG(p_rank[i] == rep_rank[i] && p_slot[i] == rep_slot[i] && p_share[i] == share[i],
+                      "%s: replica %d: rank %d/%d slot %d/%d share %d/%d", what, (int)i, (int)p_rank[i],
+                      (int)rep_rank[i], (int)p_slot[i], (int)rep_slot[i], (int)p_share[i], (int)share[i]);
+    for (int32_t r = 0; r < R; r++)
+        MFT_CHECK_MSG(p_load[r] == load[r] && p_home[r] == home[r], "%s: rank %d: load %lld/%lld home %lld/%lld", what,
+                      (int)r, (long long)p_load[r], (long long)load[r], (long long)p_home[r], (long long)home[r]);
+    MFT_CHECK_MSG(small[1] == want_q && (!masked || small[2] == want_i), "%s: verdict rank %d replica %d, serial %d %d",
+                  what, (int)small[1], (int)small[2], (int)want_q, (int)want_i);
+    for (int32_t s = 0; s < L; s++) {
+        int32_t c = 0, b = 0, x = s < Lp ? map[me * Lp + s] : spare[me * B + s - Lp];
         for (int32_t e = 0; e < E; e++)
-            counts[e] = kind == 0 ? 10 + mft_rng_int(&rng, 20)
-                      : kind == 1 ? (int32_t)(4096.0 / (1.0 + mft_rng_int(&rng, E)))
-                      : kind == 2 ? (e == 3 % E ? 5000 : mft_rng_int(&rng, 8))
-                                  : (mft_rng_int(&rng, 3) ? 0 : mft_rng_int(&rng, 100));
+            for (int32_t i = rep_off[e], begin = 0; i < rep_off[e + 1]; begin += share[i], i++)
+                if (rep_rank[i] == me && rep_slot[i] == s) c = share[i], b = begin;
+        MFT_CHECK_MSG(sc[s] == c && sb[s] == b && se[s] == x, "%s: slot %d: count %d/%d begin %d/%d expert %d/%d",
+                      what, (int)s, (int)sc[s], (int)c, (int)sb[s], (int)b, (int)se[s], (int)x);
+    }
+    *verdict = want_q;
+    return 0;
+}
+
+/* Counts of one random plan: flat, zipf-like, one hot expert, or mostly zeros. */
+static void plan_counts(mft_rng_t *rng, int32_t kind, int32_t E, int32_t *counts) {
+    for (int32_t e = 0; e < E; e++)
+        counts[e] = kind == 0 ? 10 + mft_rng_int(rng, 20)
+                  : kind == 1 ? (int32_t)(4096.0 / (1.0 + mft_rng_int(rng, E)))
+                  : kind == 2 ? (e == 3 % E ? 5000 : mft_rng_int(rng, 8))
+                              : (mft_rng_int(rng, 3) ? 0 : mft_rng_int(rng, 100));
+}
+
+/* plan_par_case over random shapes, counts, maps with replicas, spare tables and capacities; then
+ * over the slot grids of the placements (E not a multiple of R, round robin: empty slots, -1). */
+static int test_plan_parallel(void) {
+    static int32_t counts[PP_MAXE], map[PP_MAXP], spare[PP_MAXR * PP_MAXB];
+    mft_rng_t rng = {0x9a7a};
+    int32_t verdicts = 0, verdict;
+    char what[160];
+    for (int32_t it = 0; it < 4000; it++) {
+        const int32_t R = 1 + mft_rng_int(&rng, PP_MAXR), E = R * (1 + mft_rng_int(&rng, PP_MAXE / R));
+        const int32_t P = E + R * mft_rng_int(&rng, 5), B = mft_rng_int(&rng, PP_MAXB + 1);
+        const int32_t kind = mft_rng_int(&rng, 4), masked = mft_rng_int(&rng, 2), block_m = 1 << mft_rng_int(&rng, 8);
+        plan_counts(&rng, kind, E, counts);
         mft_random_map(E, P, 2000 + (uint64_t)it, map);
         for (int32_t i = 0; i < R * B; i++) spare[i] = mft_rng_int(&rng, 2) ? -1 : mft_rng_int(&rng, E);
         int64_t total = 0;
         for (int32_t e = 0; e < E; e++) total += counts[e];
         const int32_t capacity = 1 + mft_rng_int(&rng, 3000), max_rows = (int32_t)(total / R + mft_rng_int(&rng, 4000));
-        /* serial */
-        mf__balance_replicas(E, R, P, B, map, B ? spare : NULL, rep_off, rep_rank, rep_slot, scratch);
-        mf__balance_split(E, R, counts, rep_off, rep_rank, share, load, scratch);
-        int32_t want_q = -1, want_i = -1;
-        for (int32_t q = 0; q < R && want_q < 0; q++) {
-            int64_t rows = 0;
-            for (int32_t e = 0; e < E && want_q < 0; e++)
-                for (int32_t i = rep_off[e]; i < rep_off[e + 1] && want_q < 0; i++) {
-                    if (rep_rank[i] != q) continue;
-                    if (masked && share[i] > capacity) want_q = q, want_i = i;
-                    rows += (share[i] + block_m - 1) / block_m * block_m;
-                }
-            if (want_q < 0 && !masked && rows > max_rows) want_q = q;
-        }
         const int32_t me = mft_rng_int(&rng, R);
-        /* parallel (as loops) */
-        mf__balance_ws_t ws = {cs, cp, p_off, p_rank, p_slot, p_share, order, small, over, p_load, p_home, p_rows};
-        mf__balance_plan_par(E, R, P, B, me, masked, block_m, capacity, max_rows, map, spare, counts, &ws, sc, sb, se);
-        char what[160];
         snprintf(what, sizeof what, "case %d (E %d R %d P %d B %d kind %d masked %d)", (int)it, (int)E, (int)R, (int)P,
                  (int)B, (int)kind, (int)masked);
-        for (int32_t e = 0; e <= E; e++) MFT_CHECK_MSG(p_off[e] == rep_off[e], "%s: rep_off[%d]", what, (int)e);
-        for (int32_t i = 0; i < rep_off[E]; i++)
-            MFT_CHECK_MSG(p_rank[i] == rep_rank[i] && p_slot[i] == rep_slot[i] && p_share[i] == share[i],
-                          "%s: replica %d: rank %d/%d slot %d/%d share %d/%d", what, (int)i, (int)p_rank[i],
-                          (int)rep_rank[i], (int)p_slot[i], (int)rep_slot[i], (int)p_share[i], (int)share[i]);
-        for (int32_t r = 0; r < R; r++) MFT_CHECK_MSG(p_load[r] == load[r], "%s: load[%d]", what, (int)r);
-        MFT_CHECK_MSG(small[1] == want_q && (!masked || small[2] == want_i), "%s: verdict rank %d replica %d, serial %d %d",
-                      what, (int)small[1], (int)small[2], (int)want_q, (int)want_i);
-        verdicts += want_q >= 0;
-        for (int32_t s = 0; s < L; s++) {
-            int32_t c = 0, b = 0, x = s < Lp ? map[me * Lp + s] : spare[me * B + s - Lp];
-            for (int32_t e = 0; e < E; e++)
-                for (int32_t i = rep_off[e], begin = 0; i < rep_off[e + 1]; begin += share[i], i++)
-                    if (rep_rank[i] == me && rep_slot[i] == s) c = share[i], b = begin;
-            MFT_CHECK_MSG(sc[s] == c && sb[s] == b && se[s] == x, "%s: slot %d: count %d/%d begin %d/%d expert %d/%d",
-                          what, (int)s, (int)sc[s], (int)c, (int)sb[s], (int)b, (int)se[s], (int)x);
-        }
+        if (plan_par_case(what, E, R, P, B, MF_PLACEMENT_LINEAR, 0, me, masked, block_m, capacity, max_rows, map, spare,
+                          counts, &verdict))
+            return 1;
+        verdicts += verdict >= 0;
     }
     mft_verbose("  4000 random plans: the parallel plan equals the serial one (%d capacity faults)\n", (int)verdicts);
     MFT_CHECK(verdicts > 100);
+    mft_rng_t prng = {0x9a7c};
+    int32_t placed = 0;
+    for (int32_t it = 0; it < 1000; it++) {
+        const int32_t R = 1 + mft_rng_int(&prng, PP_MAXR), E = R + mft_rng_int(&prng, PP_MAXE - PP_MAXR);
+        const int32_t placement = mft_rng_int(&prng, 2), Ls = mf__placement_slots(E, R), P = R * Ls;
+        const int32_t kind = mft_rng_int(&prng, 4), masked = mft_rng_int(&prng, 2), block_m = 1 << mft_rng_int(&prng, 8);
+        plan_counts(&prng, kind, E, counts);
+        for (int32_t p = 0; p < P; p++) map[p] = mf__placement_expert(E, R, placement, p / Ls, p % Ls);
+        placed += mf__placement_mapped(E, R, placement);
+        int64_t total = 0;
+        for (int32_t e = 0; e < E; e++) total += counts[e];
+        const int32_t capacity = 1 + mft_rng_int(&prng, 3000), max_rows = (int32_t)(total / R + mft_rng_int(&prng, 4000));
+        snprintf(what, sizeof what, "placement case %d (E %d R %d %s kind %d masked %d)", (int)it, (int)E, (int)R,
+                 placement ? "round robin" : "linear", (int)kind, (int)masked);
+        if (plan_par_case(what, E, R, P, 0, placement, 1, mft_rng_int(&prng, R), masked, block_m, capacity, max_rows, map,
+                          spare, counts, &verdict))
+            return 1;
+    }
+    mft_verbose("  1000 random placement grids (%d mapped): the parallel plan equals the serial one\n", (int)placed);
+    MFT_CHECK(placed > 500);
     return 0;
 }
 

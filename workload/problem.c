@@ -79,6 +79,48 @@ static uint16_t bf16_nonzero(float v) {
     return (b & 0x7fff) ? b : mf_bf16_from_float(v < 0 ? -1e-3f : 1e-3f);
 }
 
+/* ---- placement (docs/API.md section 3) -------------------------------------------------------- */
+
+/* Both placements list a rank's experts in ascending id: the rank of every expert says it all. */
+int32_t mfp_expert_rank(const mfp_spec_t *s, int32_t placement, int32_t e) {
+    if (placement == MF_PLACEMENT_ROUND_ROBIN) return e % s->R;
+    int32_t first = 0; /* LINEAR: contiguous ranges, the first E % R ranks one longer */
+    for (int32_t r = 0; r < s->R; r++) {
+        first += s->E / s->R + (r < s->E % s->R);
+        if (e < first) return r;
+    }
+    return -1;
+}
+
+int32_t mfp_rank_expert(const mfp_spec_t *s, int32_t placement, int32_t r, int32_t l) {
+    for (int32_t e = 0; e < s->E; e++)
+        if (mfp_expert_rank(s, placement, e) == r && l-- == 0) return e;
+    return -1;
+}
+
+int32_t mfp_rank_experts(const mfp_spec_t *s, int32_t placement, int32_t r) {
+    int32_t n = 0;
+    for (int32_t e = 0; e < s->E; e++) n += mfp_expert_rank(s, placement, e) == r;
+    return n;
+}
+
+/* Bytes of one expert's w13, w2, w13 scales and w2 scales (0 for BF16's scales). */
+static void expert_bytes(const mfp_spec_t *s, size_t per[4]) {
+    const size_t H = (size_t)s->H, I = (size_t)s->I, esize = s->dtype == MF_DTYPE_FP8_E4M3 ? 1 : 2;
+    const size_t nsc = s->dtype == MF_DTYPE_FP8_E4M3 ? (2 * I / MFP_QBLOCK) * (H / MFP_QBLOCK) : 0;
+    per[0] = 2 * I * H * esize, per[1] = H * I * esize, per[2] = nsc * sizeof(float), per[3] = nsc / 2 * sizeof(float);
+}
+
+/* Expert e's four tensors in the problem (its LINEAR rank's arrays; scales NULL for BF16). */
+static void expert_ptrs(const mfp_problem_t *p, int32_t e, uint8_t *ptr[4]) {
+    const int32_t r = mfp_expert_rank(&p->spec, MF_PLACEMENT_LINEAR, e);
+    const size_t l = (size_t)(e - mfp_rank_expert(&p->spec, MF_PLACEMENT_LINEAR, r, 0));
+    size_t per[4];
+    expert_bytes(&p->spec, per);
+    uint8_t *base[4] = {p->w13[r], p->w2[r], (uint8_t *)p->w13_scales[r], (uint8_t *)p->w2_scales[r]};
+    for (int i = 0; i < 4; i++) ptr[i] = base[i] ? base[i] + l * per[i] : NULL;
+}
+
 /* ---- weights -------------------------------------------------------------------------------- */
 
 /* rows x cols bf16, U(-1, 1) * sqrt(3 / cols): two values per 64-bit draw. */
@@ -101,24 +143,25 @@ typedef struct gen_job {
 /* Draws expert e into its rank's arrays; FP8 through a bf16 scratch of [2I * H] (W13, then W2). */
 static int draw_expert(mfp_problem_t *p, int32_t e, uint16_t *scratch) {
     const mfp_spec_t *s = &p->spec;
-    const int32_t r = e / p->L, l = e % p->L, H = s->H, I = s->I;
+    const int32_t H = s->H, I = s->I;
     const int64_t n13 = 2LL * I * H, n2 = (int64_t)H * I;
     const uint64_t seed13 = stream_seed(s->seed, TAG_W13, (uint64_t)e);
     const uint64_t seed2 = stream_seed(s->seed, TAG_W2, (uint64_t)e);
+    uint8_t *w[4];
+    expert_ptrs(p, e, w);
     if (s->dtype == MF_DTYPE_BF16) {
-        draw_matrix(seed13, (uint16_t *)p->w13[r] + l * n13, n13, H);
-        draw_matrix(seed2, (uint16_t *)p->w2[r] + l * n2, n2, I);
+        draw_matrix(seed13, (uint16_t *)w[0], n13, H);
+        draw_matrix(seed2, (uint16_t *)w[1], n2, I);
         return 0;
     }
-    const int64_t sb13 = (2LL * I / MFP_QBLOCK) * (H / MFP_QBLOCK), sb2 = sb13 / 2;
     mf_tensor_t in = {scratch, MF_DTYPE_BF16, 2, {2 * I, H}};
-    mf_tensor_t out = {(uint8_t *)p->w13[r] + l * n13, MF_DTYPE_FP8_E4M3, 2, {2 * I, H}};
-    mf_tensor_t sc = {p->w13_scales[r] + l * sb13, MF_DTYPE_FP32, 2, {2 * I / MFP_QBLOCK, H / MFP_QBLOCK}};
+    mf_tensor_t out = {w[0], MF_DTYPE_FP8_E4M3, 2, {2 * I, H}};
+    mf_tensor_t sc = {w[2], MF_DTYPE_FP32, 2, {2 * I / MFP_QBLOCK, H / MFP_QBLOCK}};
     draw_matrix(seed13, scratch, n13, H);
     if (mf_quantize_fp8(&in, &out, &sc, MFP_QBLOCK, 0) != MF_SUCCESS) return -1;
     mf_tensor_t in2 = {scratch, MF_DTYPE_BF16, 2, {H, I}};
-    mf_tensor_t out2 = {(uint8_t *)p->w2[r] + l * n2, MF_DTYPE_FP8_E4M3, 2, {H, I}};
-    mf_tensor_t sc2 = {p->w2_scales[r] + l * sb2, MF_DTYPE_FP32, 2, {H / MFP_QBLOCK, I / MFP_QBLOCK}};
+    mf_tensor_t out2 = {w[1], MF_DTYPE_FP8_E4M3, 2, {H, I}};
+    mf_tensor_t sc2 = {w[3], MF_DTYPE_FP32, 2, {H / MFP_QBLOCK, I / MFP_QBLOCK}};
     draw_matrix(seed2, scratch, n2, I);
     return mf_quantize_fp8(&in2, &out2, &sc2, MFP_QBLOCK, 0) == MF_SUCCESS ? 0 : -1;
 }
@@ -314,7 +357,8 @@ int mfp_draw_rank_inputs(const mfp_problem_t *p, int32_t r, uint64_t seed, uint1
 /* ---- problem -------------------------------------------------------------------------------- */
 
 static int valid_spec(const mfp_spec_t *s) {
-    if (s->R < 1 || s->R > MF_MAX_RANKS || s->E < s->R || s->E % s->R) return 0;
+    if (s->R < 1 || s->R > MF_MAX_RANKS || s->E < s->R) return 0;
+    if (s->placement != MF_PLACEMENT_LINEAR && s->placement != MF_PLACEMENT_ROUND_ROBIN) return 0;
     if (s->K < 1 || s->K > s->E || s->K > MFP_MAX_K || s->H < 1 || s->I < 1) return 0;
     if (s->dtype != MF_DTYPE_BF16 && s->dtype != MF_DTYPE_FP8_E4M3) return 0;
     if (s->dtype == MF_DTYPE_FP8_E4M3 && (s->H % MFP_QBLOCK || s->I % MFP_QBLOCK)) return 0;
@@ -335,8 +379,8 @@ int mfp_generate(const mfp_spec_t *spec, mfp_problem_t *p) {
     mfp_spec_t *s = &p->spec;
     *s = *spec;
     s->T_of_rank = NULL; /* the caller's array is not kept; p->T holds the values */
-    p->L = s->E / s->R;
-    const size_t R = (size_t)s->R, esize = s->dtype == MF_DTYPE_BF16 ? 2 : 1;
+    p->L = (s->E + s->R - 1) / s->R;
+    const size_t R = (size_t)s->R;
     p->T = calloc(R, sizeof *p->T);
     p->x = calloc(R, sizeof *p->x);
     p->topk_ids = calloc(R, sizeof *p->topk_ids);
@@ -355,14 +399,13 @@ int mfp_generate(const mfp_spec_t *spec, mfp_problem_t *p) {
     }
     if (s->S <= 0) s->S = maxT > 0 ? maxT : 1;
 
-    const size_t H = (size_t)s->H, I = (size_t)s->I, L = (size_t)p->L;
-    const size_t nsc = (2 * I / MFP_QBLOCK) * (H / MFP_QBLOCK); /* W13 scales per expert; W2: half */
-    for (size_t r = 0; r < R; r++) {
-        if (!(p->w13[r] = malloc(L * 2 * I * H * esize)) || !(p->w2[r] = malloc(L * H * I * esize)))
-            goto fail;
+    size_t per[4];
+    expert_bytes(s, per);
+    for (size_t r = 0; r < R; r++) { /* the LINEAR placement's L_r experts */
+        const size_t L = (size_t)mfp_rank_experts(s, MF_PLACEMENT_LINEAR, (int32_t)r);
+        if (!(p->w13[r] = malloc(L * per[0])) || !(p->w2[r] = malloc(L * per[1]))) goto fail;
         if (s->dtype == MF_DTYPE_FP8_E4M3 &&
-            (!(p->w13_scales[r] = malloc(sizeof(float) * L * nsc)) ||
-             !(p->w2_scales[r] = malloc(sizeof(float) * L * nsc / 2))))
+            (!(p->w13_scales[r] = malloc(L * per[2])) || !(p->w2_scales[r] = malloc(L * per[3]))))
             goto fail;
     }
     if (draw_weights(p) != 0 || draw_inputs(p, s->seed) != 0) goto fail;
@@ -414,10 +457,60 @@ int64_t mfp_count_rows(const mfp_problem_t *p, int64_t *rows_per_rank, int64_t *
             int32_t e = p->topk_ids[r][i];
             if (e < 0 || e >= s->E) continue;
             rows++;
-            if (rows_per_rank) rows_per_rank[e / p->L]++;
+            if (rows_per_rank) rows_per_rank[mfp_expert_rank(s, s->placement, e)]++;
             if (rows_per_expert) rows_per_expert[e]++;
         }
     return rows;
+}
+
+int mfp_gather_ranks(const mfp_problem_t *p, mfp_problem_t *one) {
+    memset(one, 0, sizeof *one);
+    const mfp_spec_t *s = &p->spec;
+    int64_t total = 0;
+    for (int32_t r = 0; r < s->R; r++) total += p->T[r];
+    one->spec = *s;
+    one->spec.R = 1, one->spec.placement = MF_PLACEMENT_LINEAR;
+    one->spec.T_per_rank = (int32_t)total, one->spec.T_of_rank = NULL, one->spec.S = total > 0 ? (int32_t)total : 1;
+    one->L = s->E;
+    size_t per[4];
+    expert_bytes(s, per);
+    const size_t T = (size_t)total, H = (size_t)s->H, K = (size_t)s->K, E = (size_t)s->E;
+    one->T = calloc(1, sizeof *one->T);
+    one->x = calloc(1, sizeof *one->x), one->topk_ids = calloc(1, sizeof *one->topk_ids);
+    one->topk_weights = calloc(1, sizeof *one->topk_weights);
+    one->w13 = calloc(1, sizeof *one->w13), one->w2 = calloc(1, sizeof *one->w2);
+    one->w13_scales = calloc(1, sizeof *one->w13_scales), one->w2_scales = calloc(1, sizeof *one->w2_scales);
+    if (!one->T || !one->x || !one->topk_ids || !one->topk_weights || !one->w13 || !one->w2 || !one->w13_scales ||
+        !one->w2_scales) {
+        mfp_free(one);
+        return -1;
+    }
+    one->T[0] = (int32_t)total;
+    /* Tokens in rank order, then every expert in id order (the LINEAR ranks' arrays, one after another). */
+    const size_t row[3] = {H * 2, K * 4, K * 4};
+    uint8_t *mem[7];
+    for (int i = 0; i < 7; i++) /* BF16 has no scales */
+        mem[i] = i < 5 || per[i - 3] ? malloc((i < 3 ? T * row[i] : E * per[i - 3]) + MFP_MIN_ALLOC) : NULL;
+    one->x[0] = (uint16_t *)mem[0], one->topk_ids[0] = (int32_t *)mem[1], one->topk_weights[0] = (float *)mem[2];
+    one->w13[0] = mem[3], one->w2[0] = mem[4], one->w13_scales[0] = (float *)mem[5], one->w2_scales[0] = (float *)mem[6];
+    for (int i = 0; i < 7; i++)
+        if (!mem[i] && (i < 5 || per[i - 3])) {
+            mfp_free(one);
+            return -1;
+        }
+    for (int32_t r = 0; r < s->R; r++) {
+        const void *src[7] = {p->x[r], p->topk_ids[r], p->topk_weights[r], p->w13[r], p->w2[r], p->w13_scales[r],
+                              p->w2_scales[r]};
+        const size_t Lr = (size_t)mfp_rank_experts(s, MF_PLACEMENT_LINEAR, r);
+        for (int i = 0; i < 7; i++) {
+            if (!mem[i]) continue;
+            const size_t n = i < 3 ? (size_t)p->T[r] * row[i] : Lr * per[i - 3];
+            memcpy(mem[i], src[i], n);
+            mem[i] += n;
+        }
+    }
+    fill_ref_view(one);
+    return 0;
 }
 
 /* ---- running -------------------------------------------------------------------------------- */
@@ -563,6 +656,7 @@ static uint16_t identity_expert(const int32_t *src, int64_t h, float value) {
 
 /* The receive tensors of one rank (host copies for the identity expert and the digest). */
 typedef struct recv_bufs {
+    int64_t L;           /* the rank's segments (mf_moe_info_t.num_local_slots) */
     int64_t rows, cap;   /* rows of recv_x; MASKED capacity per expert (0 for EXPERT_MAJOR) */
     void *x, *scales, *src, *counts, *offsets, *eo; /* backend memory */
     uint8_t *hx;         /* host copies */
@@ -575,7 +669,7 @@ typedef struct recv_bufs {
  * expert's outputs of every real row (copied to the backend's eo when that is not host memory). */
 static uint64_t identity_step(const mfp_problem_t *p, int32_t layout, recv_bufs_t *b) {
     const mfp_spec_t *s = &p->spec;
-    const int64_t H = s->H, L = p->L, nsc = H / MFP_QBLOCK;
+    const int64_t H = s->H, L = b->L, nsc = H / MFP_QBLOCK;
     const int fp8 = s->dtype == MF_DTYPE_FP8_E4M3;
     const size_t esz = fp8 ? 1 : 2;
     uint64_t d = fnv1a(FNV_OFFSET, b->hcounts, (size_t)L * 4);
@@ -712,11 +806,8 @@ static int backend_poison(int on_device, void *ptr, size_t bytes) {
  * experts of stage_map, and the layer switched to it. 0 ok; else the run failed naming the slot. */
 static int check_next_weights(run_state_t *run, int32_t r, mf_moe_t moe, void *const next[4], size_t L) {
     const mfp_problem_t *p = run->p;
-    const mfp_spec_t *s = &p->spec;
-    const int32_t fp8 = s->dtype == MF_DTYPE_FP8_E4M3;
-    const size_t H = (size_t)s->H, I = (size_t)s->I, esize = fp8 ? 1 : 2;
-    const size_t nsc = (2 * I / MFP_QBLOCK) * (H / MFP_QBLOCK);
-    const size_t per[4] = {2 * I * H * esize, H * I * esize, fp8 ? nsc * 4 : 0, fp8 ? nsc / 2 * 4 : 0};
+    size_t per[4];
+    expert_bytes(&p->spec, per);
     static const char *const names[4] = {"w13", "w2", "w13_scales", "w2_scales"};
     mf_moe_balance_stats_t bs = {.size = sizeof bs};
     mf_result_t res = mf_moe_get_balance_stats(moe, &bs);
@@ -741,10 +832,9 @@ static int check_next_weights(run_state_t *run, int32_t r, mf_moe_t moe, void *c
         }
         for (size_t l = 0; l < L; l++) {
             const int32_t e = run->opts->stage_map[(size_t)r * L + l];
-            const uint8_t *src = i == 0 ? p->w13[e / p->L] : i == 1 ? p->w2[e / p->L]
-                               : i == 2 ? (const uint8_t *)p->w13_scales[e / p->L]
-                                        : (const uint8_t *)p->w2_scales[e / p->L];
-            src += (size_t)(e % p->L) * per[i];
+            uint8_t *w[4];
+            expert_ptrs(p, e, w);
+            const uint8_t *src = w[i];
             if (memcmp(h + l * per[i], src, per[i]) != 0) {
                 size_t b = 0;
                 while (h[l * per[i] + b] == src[b]) b++;
@@ -775,14 +865,15 @@ static void *rank_main(void *varg) {
     /* host or device addresses of: x, ids, topk weights, y, w13, w2, w13 scales, w2 scales */
     const void *host[8] = {p->x[r], p->topk_ids[r], p->topk_weights[r], run->y[r],
                            p->w13[r], p->w2[r], p->w13_scales[r], p->w2_scales[r]};
-    /* With an expert map, this rank's slots hold the map's logical experts: copied from the ranks
-     * that own them in the problem (logical e is local expert e % L of rank e / L). */
+    /* With an expert map, this rank's slots hold the map's logical experts; with another placement
+     * than LINEAR, the placement's: copied from the LINEAR ranks that hold them in the problem. */
     const size_t P = o->num_physical ? (size_t)o->num_physical : (size_t)s->E;
-    const size_t L = o->expert_map ? P / (size_t)s->R : (size_t)p->L;
+    const size_t L = o->expert_map ? P / (size_t)s->R : (size_t)mfp_rank_experts(s, s->placement, r);
     void *phys[4] = {NULL, NULL, NULL, NULL};
     void *next[4] = {NULL, NULL, NULL, NULL}; /* stage_map: next_weights */
-    if (o->expert_map) {
-        const size_t per[4] = {2 * I * H * esize, H * I * esize, fp8 ? nsc * 4 : 0, fp8 ? nsc / 2 * 4 : 0};
+    if (o->expert_map || s->placement != MF_PLACEMENT_LINEAR) {
+        size_t per[4];
+        expert_bytes(s, per);
         for (int i = 0; i < 4; i++) {
             if (!per[i]) continue;
             phys[i] = malloc(L * per[i]);
@@ -792,11 +883,11 @@ static void *rank_main(void *varg) {
                 return NULL;
             }
             for (size_t l = 0; l < L; l++) {
-                int32_t e = o->expert_map[(size_t)r * L + l];
-                const uint8_t *src = i == 0 ? p->w13[e / p->L] : i == 1 ? p->w2[e / p->L]
-                                   : i == 2 ? (const uint8_t *)p->w13_scales[e / p->L]
-                                            : (const uint8_t *)p->w2_scales[e / p->L];
-                memcpy((uint8_t *)phys[i] + l * per[i], (const uint8_t *)src + (size_t)(e % p->L) * per[i], per[i]);
+                const int32_t e = o->expert_map ? o->expert_map[(size_t)r * L + l]
+                                                : mfp_rank_expert(s, s->placement, r, (int32_t)l);
+                uint8_t *w[4];
+                expert_ptrs(p, e, w);
+                memcpy((uint8_t *)phys[i] + l * per[i], w[i], per[i]);
             }
             host[4 + i] = phys[i];
         }
@@ -925,6 +1016,7 @@ static void *rank_main(void *varg) {
     cfg.dataflow = o->dataflow;
     cfg.num_physical_experts = o->num_physical;
     cfg.spare_slots = o->spare_slots;
+    cfg.placement = s->placement;
     if ((res = mf_moe_create(comm, &cfg, &moe)) != MF_SUCCESS) {
         fail(run, r, res, "mf_moe_create", mf_last_error());
         goto done;
@@ -984,6 +1076,13 @@ static void *rank_main(void *varg) {
         }
         const int masked = s->layout == MF_LAYOUT_MASKED;
         const int64_t Lq = (int64_t)L, Hq = (int64_t)H, nq = Hq / MFP_QBLOCK;
+        if (info.num_local_slots != (int32_t)L) {
+            char msg[96];
+            snprintf(msg, sizeof msg, "num_local_slots %d, the run laid out %zu slots", (int)info.num_local_slots, L);
+            fail(run, r, MF_ERR_INTERNAL, "mf_moe_get_info", msg);
+            goto done;
+        }
+        rb.L = Lq;
         rb.cap = masked ? info.expert_capacity : 0;
         rb.rows = masked ? Lq * info.expert_capacity : info.max_recv_rows;
         const size_t rows = (size_t)rb.rows;
@@ -1260,7 +1359,8 @@ static void *rank_main(void *varg) {
         if (r == 0 && o->progress) o->progress(o->progress_ctx, it + 1, total);
     }
     if (o->stage_map && check_next_weights(run, r, moe, next, L) != 0) goto done;
-    if (r == 0 && (o->num_physical || o->spare_slots || o->expert_map)) {
+    if (r == 0 && (o->num_physical || o->spare_slots || o->expert_map || s->placement != MF_PLACEMENT_LINEAR ||
+                   s->E % s->R)) {
         run->balance.size = sizeof run->balance;
         if ((res = mf_moe_get_balance_stats(moe, &run->balance)) != MF_SUCCESS)
             fail(run, r, res, "mf_moe_get_balance_stats", mf_last_error());

@@ -34,16 +34,25 @@ typedef struct mfp_spec {
     uint64_t seed;
     /* Layer config passed through to mf_moe_config_t (0 = the library's default, worst case). */
     int32_t block_m, expert_capacity, max_recv_rows;
+    int32_t placement;      /* mf_placement_t of the layer (E need not be a multiple of R) */
 } mfp_spec_t;
+
+/* Where the experts are. The problem holds rank r's weights as the LINEAR placement gives them to
+ * it (uneven when R does not divide E: the first E % R ranks one expert more), whatever
+ * spec.placement says; mfp_run lays out each rank's experts of spec.placement (or of an expert
+ * map) from them. These follow docs/API.md's rules, written here independently of the library. */
+int32_t mfp_rank_experts(const mfp_spec_t *s, int32_t placement, int32_t r);          /* L_r */
+int32_t mfp_rank_expert(const mfp_spec_t *s, int32_t placement, int32_t r, int32_t l); /* global id, -1 past L_r */
+int32_t mfp_expert_rank(const mfp_spec_t *s, int32_t placement, int32_t e);           /* the rank holding e */
 
 typedef struct mfp_problem {
     mfp_spec_t spec;
-    int32_t L;
+    int32_t L;               /* the most experts a rank holds: ceil(E / R) (E / R when R | E) */
     int32_t *T;              /* [R] */
     uint16_t **x;            /* [R] -> [T_r, H] */
     int32_t **topk_ids;      /* [R] -> [T_r, K] */
     float **topk_weights;    /* [R] -> [T_r, K] */
-    void **w13, **w2;        /* [R] -> local experts' weights in the layer's dtype */
+    void **w13, **w2;        /* [R] -> [L_r] LINEAR local experts' weights in the layer's dtype */
     float **w13_scales, **w2_scales; /* [R] (FP8) */
     mfref_problem_t ref;     /* views of the above for mfref_layer */
 } mfp_problem_t;
@@ -61,9 +70,14 @@ int mfp_redraw_inputs(mfp_problem_t *p, uint64_t seed);
 /* Sets T = T_per_rank on every rank and re-draws the inputs from `seed`, keeping the weights (for
  * size sweeps; S is unchanged). 0 ok, -1 no memory / bad T. */
 int mfp_set_tokens(mfp_problem_t *p, int32_t T_per_rank, uint64_t seed);
-/* Routed (t, k) rows over all ranks; per rank (rank of the expert, [R]) and per expert ([E]) when
- * the arrays are not NULL. */
+/* Routed (t, k) rows over all ranks; per rank (the rank holding the expert under spec.placement,
+ * [R]) and per expert ([E]) when the arrays are not NULL. */
 int64_t mfp_count_rows(const mfp_problem_t *p, int64_t *rows_per_rank, int64_t *rows_per_expert);
+/* The same layer and tokens on one rank (R = 1, the identity placement): every rank's tokens in rank
+ * order (token t of rank r is token T_0 + .. + T_{r-1} + t), every expert's weights, S = the total
+ * (at least 1). y of a token does not depend on the rank that held it nor on the placement: a
+ * bit-identity reference. 0 ok, -1 no memory; `one` is freed with mfp_free. */
+int mfp_gather_ranks(const mfp_problem_t *p, mfp_problem_t *one);
 
 /* Timing of mfp_run: times are wall clock from a common start (all ranks leave a barrier), to the
  * end of mf_moe_forward (CPU) or of the stream synchronisation after it (CUDA). */
@@ -82,9 +96,10 @@ typedef struct mfp_timing {
      * begin in the same iteration (median over iterations, us); with phase_rank_us, a timeline of
      * the ranks that time-share one GPU. -1 where not measured. */
     double rank_start_us[MF_MAX_RANKS];
-    /* Balanced EP (opts.num_physical / spare_slots): rank 0's mf_moe_get_balance_stats after the
-     * last forward; the weight bytes all ranks moved in the first prefetch and in the last one;
-     * the mean wall time of rank 0's prefetches (ms). */
+    /* Balanced EP (opts.num_physical / spare_slots / expert_map) or a placement other than LINEAR
+     * with R | E: rank 0's mf_moe_get_balance_stats after the last forward; the weight bytes all
+     * ranks moved in the first prefetch and in the last one; the mean wall time of rank 0's
+     * prefetches (ms). */
     int32_t have_balance;
     mf_moe_balance_stats_t balance;
     int64_t prefetch_first_bytes, prefetch_last_bytes;

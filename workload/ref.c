@@ -6,7 +6,7 @@
  * mf_bf16_*): the 1x128 quantisation of docs/DESIGN.md "Numerics" is written again here, from the
  * contract. Each token is computed on its own, on one "rank", with no expert parallelism:
  *   x -> (FP8: quantised 1x128 along H, dequantised q * scale) -> xa            [H]    double
- *   for k ascending, id != -1, expert e = id (rank e / L, local expert e % L):
+ *   for k ascending, id != -1, expert e = id (its rank and local index in the arrays, ref.h):
  *     g, u = W13[e] . xa                     (weights dequantised q * scale)   [2I]   double
  *     h = silu(g) * u                                                          [I]    double
  *     h -> FP8 1x128 along I, dequantised (FP8) or bf16 (BF16) -> ha            [I]
@@ -37,7 +37,6 @@
 
 typedef struct ref_ctx {
     const mfref_problem_t *p;
-    int32_t L;
     double fp8[REF_FP8_CODES]; /* E4M3 code -> value */
     float *xf;                 /* [H] the token as fp32 */
     double *xa;                /* [H] the token as the W13 GEMM sees it */
@@ -137,7 +136,8 @@ static void ref_token(ref_ctx_t *c, const uint16_t *x, const int32_t *ids, const
     for (int32_t k = 0; k < p->K; k++) {
         const int32_t e = ids[k];
         if (e == -1) continue;
-        const int32_t r = e / c->L, l = e % c->L;
+        int32_t r = 0, l = e; /* ranks hold E / R experts each, the first E % R one more */
+        while (l >= p->E / p->R + (r < p->E % p->R)) l -= p->E / p->R + (r < p->E % p->R), r++;
         const char *w13 = (const char *)p->w13[r] + (size_t)l * 2 * I * H * esize;
         const char *w2 = (const char *)p->w2[r] + (size_t)l * H * I * esize;
         const float *s13 = fp8 ? p->w13_scales[r] + (size_t)l * (2 * I / REF_QBLOCK) * hb : NULL;
@@ -165,7 +165,7 @@ static void ref_token(ref_ctx_t *c, const uint16_t *x, const int32_t *ids, const
 }
 
 static int valid_problem(const mfref_problem_t *p, uint16_t *const *y) {
-    if (!p || !y || p->R < 1 || p->E < p->R || p->E % p->R || p->K < 1 || p->H < 1 || p->I < 1)
+    if (!p || !y || p->R < 1 || p->E < p->R || p->K < 1 || p->H < 1 || p->I < 1)
         return 0;
     if (!p->T || !p->x || !p->topk_ids || !p->topk_weights || !p->w13 || !p->w2) return 0;
     const int fp8 = p->dtype == MF_DTYPE_FP8_E4M3;
@@ -184,7 +184,7 @@ static int valid_problem(const mfref_problem_t *p, uint16_t *const *y) {
 
 int mfref_layer(const mfref_problem_t *p, uint16_t *const *y) {
     if (!valid_problem(p, y)) return -1;
-    ref_ctx_t c = {.p = p, .L = p->E / p->R};
+    ref_ctx_t c = {.p = p};
     for (int i = 0; i < REF_FP8_CODES; i++) c.fp8[i] = mf_fp8_e4m3_to_float((uint8_t)i);
     c.xf = malloc(sizeof(float) * (size_t)p->H);
     c.xa = malloc(sizeof(double) * (size_t)p->H);

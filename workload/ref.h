@@ -16,8 +16,9 @@
 
 #include "moeflow.h"
 
-/* One layer's inputs for all R ranks, in host memory. Expert e lives on rank e / L as local expert
- * e % L, in exactly the arrays passed to mf_moe_set_weights on that rank. */
+/* One layer's inputs for all R ranks, in host memory. The experts are in the arrays of the LINEAR
+ * placement: rank r holds E / R of them (the first E % R ranks one more) in id order, expert e on
+ * rank e / L as local expert e % L when R divides E. */
 typedef struct mfref_problem {
     int32_t R, E, K, H, I;
     int32_t dtype;               /* MF_DTYPE_BF16 or MF_DTYPE_FP8_E4M3 */
@@ -26,10 +27,10 @@ typedef struct mfref_problem {
     const uint16_t *const *x;    /* [R] -> [T_r, H] bf16 */
     const int32_t *const *topk_ids;   /* [R] -> [T_r, K] */
     const float *const *topk_weights; /* [R] -> [T_r, K] */
-    const void *const *w13;      /* [R] -> [L, 2I, H] bf16 (uint16_t) or fp8 (uint8_t) */
-    const float *const *w13_scales; /* [R] -> [L, 2I/128, H/128] (FP8) */
-    const void *const *w2;       /* [R] -> [L, H, I] */
-    const float *const *w2_scales;  /* [R] -> [L, H/128, I/128] (FP8) */
+    const void *const *w13;      /* [R] -> [L_r, 2I, H] bf16 (uint16_t) or fp8 (uint8_t) */
+    const float *const *w13_scales; /* [R] -> [L_r, 2I/128, H/128] (FP8) */
+    const void *const *w2;       /* [R] -> [L_r, H, I] */
+    const float *const *w2_scales;  /* [R] -> [L_r, H/128, I/128] (FP8) */
     /* Optional (NULL: none): called after every token with (tokens done, tokens of all ranks). */
     void (*progress)(void *ctx, int64_t done, int64_t total);
     void *progress_ctx;

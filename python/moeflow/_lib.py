@@ -33,6 +33,7 @@ TRANSPORT = {"local": 0, "ipc": 1, "nccl": 2, "auto": 3}
 DTYPE = {"bf16": 0, "fp8": 1, "fp32": 2, "int32": 3}
 LAYOUT = {"expert_major": 0, "masked": 1}
 DATAFLOW = {"auto": 0, "direct": 1, "pull": 2, "unfused": 3}
+PLACEMENT = {"linear": 0, "round_robin": 1}
 PHASES = ("prepare", "dispatch", "w13", "w2", "combine")
 RESULT_NAMES = ("MF_SUCCESS", "MF_ERR_INVALID_ARGUMENT", "MF_ERR_INVALID_USAGE",
                 "MF_ERR_OUT_OF_MEMORY", "MF_ERR_CAPACITY", "MF_ERR_TIMEOUT", "MF_ERR_CUDA",
@@ -78,13 +79,14 @@ class MoeConfig(Structure):
                 ("layout", c_int32), ("block_m", c_int32), ("expert_capacity", c_int32),
                 ("max_recv_rows", c_int32), ("ue8m0_scales", c_int32), ("profile", c_int32),
                 ("dataflow", c_int32), ("num_physical_experts", c_int32),
-                ("spare_slots", c_int32)]
+                ("spare_slots", c_int32), ("placement", c_int32)]
 
 
 class MoeInfo(Structure):
     _fields_ = [("num_ranks", c_int32), ("rank", c_int32), ("num_local_experts", c_int32),
                 ("first_expert", c_int32), ("block_m", c_int32), ("expert_capacity", c_int32),
-                ("max_recv_rows", c_int32), ("heap_bytes", c_int64)]
+                ("max_recv_rows", c_int32), ("heap_bytes", c_int64), ("placement", c_int32),
+                ("num_local_slots", c_int32)]
 
 
 class MoeWeights(Structure):

@@ -187,6 +187,8 @@ class LayerInfo:
     expert_capacity: int
     max_recv_rows: int
     heap_bytes: int
+    placement: int        # mf_placement_t: 0 linear, 1 round robin
+    num_local_slots: int  # leading dim of this rank's weights and dispatch segments
 
 
 class Layer:
@@ -195,7 +197,7 @@ class Layer:
     def __init__(self, comm, num_experts, topk, hidden, intermediate, max_tokens, dtype="fp8",
                  layout="expert_major", block_m=0, expert_capacity=0, max_recv_rows=0,
                  dataflow="auto", ue8m0=False, profile=False, num_physical_experts=0,
-                 spare_slots=0):
+                 spare_slots=0, placement="linear"):
         if dtype not in ("fp8", "bf16"):
             raise ValueError(f"moeflow: dtype must be 'fp8' or 'bf16', not {dtype!r}")
         self.comm = comm
@@ -209,7 +211,8 @@ class Layer:
                           expert_capacity=expert_capacity, max_recv_rows=max_recv_rows,
                           ue8m0_scales=int(ue8m0), profile=int(profile),
                           dataflow=_enum(_lib.DATAFLOW, "dataflow", dataflow),
-                          num_physical_experts=num_physical_experts, spare_slots=spare_slots)
+                          num_physical_experts=num_physical_experts, spare_slots=spare_slots,
+                          placement=_enum(_lib.PLACEMENT, "placement", placement))
         handle = ctypes.c_void_p()
         check(_lib.mf_moe_create(comm.handle, ctypes.byref(cfg), ctypes.byref(handle)))
         self.handle = handle.value

@@ -199,14 +199,15 @@ class DispatchResult:
 class MoELayer(torch.nn.Module):
     """An EP MoE layer on one rank (`comm`): created collectively over the comm's group (virtual
     ranks: one thread each). `dtype` is the weights' and dispatch payload's: torch.float8_e4m3fn
-    (block-scaled) or torch.bfloat16. Other arguments as mf_moe_config_t (docs/API.md). Call
-    close() before the comm (or its group) is closed; the registry keeps the layer alive until
-    then."""
+    (block-scaled) or torch.bfloat16. Other arguments as mf_moe_config_t (docs/API.md);
+    `placement` "linear" (E / R experts per rank, the first E % R ranks one more) or
+    "round_robin" (expert e on rank e % R). Call close() before the comm (or its group) is closed;
+    the registry keeps the layer alive until then."""
 
     def __init__(self, comm, num_experts, topk, hidden, intermediate, max_tokens,
                  dtype=torch.float8_e4m3fn, layout="expert_major", block_m=0, expert_capacity=0,
                  max_recv_rows=0, dataflow="auto", ue8m0=False, num_physical_experts=0,
-                 spare_slots=0):
+                 spare_slots=0, placement="linear"):
         super().__init__()
         if dtype not in _LAYER_DTYPE:
             raise TypeError(f"moeflow: dtype must be torch.float8_e4m3fn or torch.bfloat16, "
@@ -215,13 +216,13 @@ class MoELayer(torch.nn.Module):
                            dtype=_LAYER_DTYPE[dtype], layout=layout, block_m=block_m,
                            expert_capacity=expert_capacity, max_recv_rows=max_recv_rows,
                            dataflow=dataflow, ue8m0=ue8m0,
-                           num_physical_experts=num_physical_experts, spare_slots=spare_slots)
+                           num_physical_experts=num_physical_experts, spare_slots=spare_slots,
+                           placement=placement)
         self.comm, self.dtype, self.layout = comm, dtype, layout
         self.num_experts, self.topk, self.hidden = num_experts, topk, hidden
         self.intermediate, self.max_tokens = intermediate, max_tokens
         self.info = self._core.info
-        self.slots_per_rank = (num_physical_experts // self.info.num_ranks if num_physical_experts
-                               else self.info.num_local_experts)
+        self.slots_per_rank = self.info.num_local_slots  # weights' and dispatch segments' leading dim
         self.device = (torch.device("cuda", comm.device) if comm.backend == "cuda"
                        else torch.device("cpu"))
         self._weights = None
@@ -231,11 +232,11 @@ class MoELayer(torch.nn.Module):
 
     # -- weights ------------------------------------------------------------------------------------
     def set_weights(self, w13, w2, w13_scale=None, w2_scale=None):
-        """This rank's L local experts (Lp = num_physical_experts / R slots with replicas, in
-        the expert map's order): w13 [L, 2I, H], w2 [L, H, I] in the layer's dtype; FP8 also fp32
-        block scales w13_scale [L, 2I/128, H/128], w2_scale [L, H/128, I/128]. The layer keeps
-        references (the library borrows the memory): do not resize them; in-place updates are
-        seen by the next forward."""
+        """This rank's L = info.num_local_slots local experts (its placement's experts, or the
+        Lp = num_physical_experts / R slots with replicas, in the expert map's order): w13
+        [L, 2I, H], w2 [L, H, I] in the layer's dtype; FP8 also fp32 block scales w13_scale
+        [L, 2I/128, H/128], w2_scale [L, H/128, I/128]. The layer keeps references (the library
+        borrows the memory): do not resize them; in-place updates are seen by the next forward."""
         self._core.set_weights(*self._weight_descs(w13, w2, w13_scale, w2_scale))
         self._weights = (w13, w2, w13_scale, w2_scale)
 
@@ -347,7 +348,7 @@ class MoELayer(torch.nn.Module):
     def _rows_shape(self):
         """The leading dims of dispatch outputs: [rows] or [L, C]."""
         if self.layout == "masked":
-            return (self.info.num_local_experts, self.info.expert_capacity)
+            return (self.info.num_local_slots, self.info.expert_capacity)
         return (self.info.max_recv_rows,)
 
     def _dispatch_used(self):
@@ -355,7 +356,7 @@ class MoELayer(torch.nn.Module):
         return (True, self.dtype == torch.float8_e4m3fn, True, True, self.layout != "masked")
 
     def _dispatch_outputs(self, empty):
-        lead, L, H = self._rows_shape(), self.info.num_local_experts, self.hidden
+        lead, L, H = self._rows_shape(), self.info.num_local_slots, self.hidden
         used = self._dispatch_used()
         scales = (*lead, H // _lib.QUANT_BLOCK) if used[1] else (0,)
         shapes = (((*lead, H), self.dtype), (scales, torch.float32), ((*lead, 3), torch.int32),

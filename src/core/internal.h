@@ -7,7 +7,8 @@
  * validation: shapes, dtypes and non-NULL data are checked here, once.
  *
  * Dimension legend: T tokens on this rank in this call, S capacity, H hidden, I intermediate,
- * E experts, R ranks, L = E / R local experts, K top-k, C masked expert capacity.
+ * E experts, R ranks, L = E / R local experts (L_r: rank r's under the placement), K top-k,
+ * C masked expert capacity.
  */
 #ifndef MF_CORE_INTERNAL_H
 #define MF_CORE_INTERNAL_H
@@ -270,7 +271,9 @@ struct mf_comm {
 
 struct mf_moe {
     mf_comm_t comm;
-    mf_moe_config_t config; /* with defaults resolved (num_physical_experts never 0) */
+    /* With defaults resolved: num_physical_experts never 0; a mapped placement's slot grid R * Ls
+     * (src/plan/placement.h), empty slots included. */
+    mf_moe_config_t config;
     mf_moe_info_t info;
     mf__heap_layout_t heap;
     int32_t weights_set;
@@ -279,6 +282,8 @@ struct mf_moe {
     uint32_t id;              /* the comm's layer number (the same on every rank): carried by syncs */
     /* Balanced EP (docs/DESIGN.md "Balanced EP"). */
     int32_t slots_per_rank;   /* Lp = P / R */
+    int32_t placed;           /* 1: a mapped placement (uneven LINEAR, ROUND_ROBIN): expert_map is the
+                                 placement's slot grid, fixed at create, -1 in empty slots */
     int32_t *expert_map;      /* [P] logical expert of each physical slot (identity by default) */
     int32_t map_set;          /* 1 once mf_moe_set_expert_map succeeded (needed when P != E) */
     uint32_t map_hash;        /* mf__map_hash(expert_map) */
@@ -299,9 +304,11 @@ struct mf_moe {
     void *backend_state;
 };
 
-/* 1 when the layer balances: replicas in the map (P != E), a non-identity map, or B > 0. */
+/* 1 when the layer's plan runs over its expert map (the balanced plan): replicas in the map
+ * (P != E), a map that was set, a mapped placement, or B > 0. 0: slot p holds expert p. */
 static inline int32_t mf__moe_balanced(const struct mf_moe *m) {
-    return m->config.num_physical_experts != m->config.num_experts || m->config.spare_slots > 0 || m->map_set;
+    return m->config.num_physical_experts != m->config.num_experts || m->config.spare_slots > 0 || m->map_set ||
+           m->placed;
 }
 
 /* ---- backend interface ------------------------------------------------------------------------ */

@@ -14,6 +14,7 @@
 #include "core/internal.h"
 #include "core/tensor.h"
 #include "core/numerics.h"
+#include "plan/placement.h"
 #include "plan/stage.h"
 #include "transport/transport.h"
 
@@ -71,8 +72,10 @@ static mf_result_t mf__resolve_config(const mf_moe_config_t *in, int32_t R, mf_m
     MF_CHECK(mf__read_config(in, sizeof c, offsetof(mf_moe_config_t, num_physical_experts), MF_MOE_CONFIG_MAGIC, fn,
                              "MF_MOE_CONFIG_INIT", &c));
     MF_REQUIRE(c.num_experts >= 1, "%s: num_experts (E) is %d, must be >= 1", fn, c.num_experts);
-    MF_REQUIRE(c.num_experts % R == 0, "%s: num_experts (E = %d) must be a multiple of the ranks (R = %d)",
-               fn, c.num_experts, R);
+    MF_REQUIRE(c.num_experts >= R, "%s: num_experts (E = %d) is below the ranks (R = %d): every rank must hold at "
+               "least one expert", fn, c.num_experts, R);
+    MF_REQUIRE(c.placement == MF_PLACEMENT_LINEAR || c.placement == MF_PLACEMENT_ROUND_ROBIN,
+               "%s: placement %d is not MF_PLACEMENT_LINEAR or MF_PLACEMENT_ROUND_ROBIN", fn, c.placement);
     MF_REQUIRE(c.num_topk >= 1 && c.num_topk <= MF_MAX_TOPK && c.num_topk <= c.num_experts,
                "%s: num_topk (K = %d) must be in [1, min(E = %d, %d)]", fn, c.num_topk, c.num_experts,
                MF_MAX_TOPK);
@@ -96,14 +99,30 @@ static mf_result_t mf__resolve_config(const mf_moe_config_t *in, int32_t R, mf_m
     MF_REQUIRE(c.dataflow >= MF_DATAFLOW_AUTO && c.dataflow <= MF_DATAFLOW_UNFUSED,
                "%s: dataflow %d is not an mf_dataflow_t", fn, c.dataflow);
 
+    MF_REQUIRE(c.spare_slots >= 0 && c.spare_slots <= MF_MAX_SPARE_SLOTS, "%s: spare_slots (B = %d) is outside [0, %d]",
+               fn, c.spare_slots, MF_MAX_SPARE_SLOTS);
+    if (mf__placement_mapped(c.num_experts, R, c.placement)) {
+        /* The slot grid of the placement (src/plan/placement.h); replicas and spare slots are defined
+         * over the linear grid only. */
+        const char *which = c.placement == MF_PLACEMENT_ROUND_ROBIN ? "MF_PLACEMENT_ROUND_ROBIN" : "LINEAR with E % R != 0";
+        if (c.num_physical_experts && c.num_physical_experts != c.num_experts)
+            return mf__error(MF_ERR_NOT_SUPPORTED,
+                             "%s: replicas (num_physical_experts P = %d > E = %d) need placement MF_PLACEMENT_LINEAR with "
+                             "E a multiple of R (here %s, E = %d, R = %d)", fn, c.num_physical_experts, c.num_experts,
+                             which, c.num_experts, R);
+        if (c.spare_slots)
+            return mf__error(MF_ERR_NOT_SUPPORTED,
+                             "%s: spare slots (B = %d) need placement MF_PLACEMENT_LINEAR with E a multiple of R (here "
+                             "%s, E = %d, R = %d)", fn, c.spare_slots, which, c.num_experts, R);
+        c.num_physical_experts = R * mf__placement_slots(c.num_experts, R);
+    }
     if (!c.num_physical_experts) c.num_physical_experts = c.num_experts;
     MF_REQUIRE(c.num_physical_experts >= c.num_experts && c.num_physical_experts % R == 0,
                "%s: num_physical_experts (P = %d) must be >= num_experts (E = %d) and a multiple of the ranks (R = %d)",
                fn, c.num_physical_experts, c.num_experts, R);
-    MF_REQUIRE(c.spare_slots >= 0 && c.spare_slots <= MF_MAX_SPARE_SLOTS, "%s: spare_slots (B = %d) is outside [0, %d]",
-               fn, c.spare_slots, MF_MAX_SPARE_SLOTS);
 
-    /* Expert slots of a rank: its P / R static ones and its B spare ones (L of them without balancing). */
+    /* Expert slots of a rank: its P / R static ones and its B spare ones (L of them without balancing;
+     * a mapped placement's Ls = ceil(E / R), the most experts a rank holds). */
     int64_t L = c.num_physical_experts / R + c.spare_slots, S = c.max_tokens_per_rank, K = c.num_topk;
     if (!c.block_m) c.block_m = MF__DEFAULT_BLOCK_M;
     /* A token's ids are distinct, so an expert receives at most one row per token: R * S. */
@@ -208,16 +227,22 @@ mf_result_t mf_moe_create(mf_comm_t comm, const mf_moe_config_t *config, mf_moe_
         }
     }
     if (res == MF_SUCCESS) {
-        m->slots_per_rank = c.num_physical_experts / comm->num_ranks;
-        for (int32_t p = 0; p < c.num_physical_experts; p++) m->expert_map[p] = p % c.num_experts;
+        const int32_t R = comm->num_ranks, E = c.num_experts, Lp = c.num_physical_experts / R;
+        m->slots_per_rank = Lp;
+        m->placed = mf__placement_mapped(E, R, c.placement);
+        /* The default map: the placement's slot grid, or p % E (the identity, then replicas of it). */
+        for (int32_t p = 0; p < c.num_physical_experts; p++)
+            m->expert_map[p] = m->placed ? mf__placement_expert(E, R, c.placement, p / Lp, p % Lp) : p % E;
         m->map_hash = mf__map_hash(m->expert_map, c.num_physical_experts);
         m->comm = comm;
         m->config = c;
         m->heap = heap;
-        m->info.num_ranks = comm->num_ranks;
+        m->info.num_ranks = R;
         m->info.rank = comm->rank;
-        m->info.num_local_experts = c.num_experts / comm->num_ranks;
-        m->info.first_expert = comm->rank * m->info.num_local_experts;
+        m->info.num_local_experts = mf__placement_count(E, R, c.placement, comm->rank);
+        m->info.first_expert = mf__placement_expert(E, R, c.placement, comm->rank, 0);
+        m->info.placement = c.placement;
+        m->info.num_local_slots = m->placed ? m->info.num_local_experts : Lp;
         m->info.block_m = c.block_m;
         m->info.expert_capacity = c.expert_capacity;
         m->info.max_recv_rows = c.max_recv_rows;
@@ -270,12 +295,13 @@ mf_result_t mf_moe_destroy(mf_moe_t moe) {
 
 /* ---- weights ------------------------------------------------------------------------------ */
 
-/* Shapes of a rank's weights [Lp, ...]; `name` prefixes the messages ("weights", "next_weights"). */
+/* Shapes of a rank's weights [num_local_slots, ...] (Lp, or L_r of a mapped placement); `name`
+ * prefixes the messages ("weights", "next_weights"). */
 static mf_result_t mf__check_weights(mf_moe_t moe, const mf_moe_weights_t *w, const char *name) {
     const mf_moe_config_t *c = &moe->config;
-    int64_t L = moe->slots_per_rank, H = c->hidden, I = c->intermediate, B = MF__QUANT_BLOCK;
+    int64_t L = moe->info.num_local_slots, H = c->hidden, I = c->intermediate, B = MF__QUANT_BLOCK;
     char what[64];
-#define MF__NAME(field) (snprintf(what, sizeof what, "%s." field, name), what)
+#define MF__NAME(field) (snprintf(what, sizeof what, "%s." field " of rank %d", name, moe->comm->rank), what)
     MF_CHECK(mf__check_tensor(&w->w13, MF__NAME("w13"), c->dtype, 3, MF__DIMS(L, 2 * I, H), 0));
     MF_CHECK(mf__check_tensor(&w->w2, MF__NAME("w2"), c->dtype, 3, MF__DIMS(L, H, I), 0));
     MF_CHECK(mf__check_rows16(&w->w13, MF__NAME("w13")));
@@ -315,6 +341,16 @@ mf_result_t mf_moe_set_weights(mf_moe_t moe, const mf_moe_weights_t *w) {
 
 /* ---- balanced EP -------------------------------------------------------------------------- */
 
+/* A layer with a mapped placement has no settable map: its slot grid is the placement's. */
+static mf_result_t mf__check_map_settable(mf_moe_t moe, const char *fn) {
+    if (!moe->placed) return MF_SUCCESS;
+    return mf__error(MF_ERR_NOT_SUPPORTED,
+                     "%s: the layer's placement (%s, E = %d on R = %d) is its expert map; expert maps (replicas, "
+                     "EPLB) need placement MF_PLACEMENT_LINEAR with E a multiple of R; nothing was changed", fn,
+                     moe->config.placement == MF_PLACEMENT_ROUND_ROBIN ? "MF_PLACEMENT_ROUND_ROBIN" : "LINEAR",
+                     moe->config.num_experts, moe->comm->num_ranks);
+}
+
 /* A map is valid: P entries, every id in [0, E), every expert with a slot. */
 static mf_result_t mf__check_map(mf_moe_t moe, const int32_t *map, int32_t num_physical, const char *fn) {
     const int32_t P = moe->config.num_physical_experts, E = moe->config.num_experts;
@@ -346,6 +382,7 @@ mf_result_t mf_moe_set_expert_map(mf_moe_t moe, const int32_t *map, int32_t num_
     if (moe->staged_map)
         return mf__error(MF_ERR_INVALID_USAGE, "%s: a staged map is in progress (mf_moe_stage_expert_map); it "
                          "switches by itself", fn);
+    MF_CHECK(mf__check_map_settable(moe, fn));
     MF_CHECK(mf__check_map(moe, map, num_physical, fn));
     const int32_t P = moe->config.num_physical_experts, E = moe->config.num_experts;
     mf_result_t res = MF_SUCCESS;
@@ -387,6 +424,7 @@ mf_result_t mf_moe_stage_expert_map(mf_moe_t moe, const int32_t *map, int32_t nu
         return mf__error(MF_ERR_NOT_SUPPORTED, "%s: the %s backend cannot move a staged map's weights yet; set the "
                          "map and its weights between two forwards instead (mf_moe_set_expert_map, "
                          "mf_moe_set_weights)", fn, comm->ops->name);
+    MF_CHECK(mf__check_map_settable(moe, fn)); /* the same config on every rank: all return here */
 
     /* This rank's verdict, then every rank's: all fail together, nothing changed. */
     mf__stage_info_t mine = {0}, all[MF_MAX_RANKS];
@@ -584,6 +622,14 @@ static mf_result_t mf__check_tokens(mf_moe_t moe, const mf_tensor_t *x, const mf
     return MF_SUCCESS;
 }
 
+/* A layer with replicas runs once its map is set. */
+static mf_result_t mf__check_map_ready(mf_moe_t moe, const char *fn) {
+    if (moe->config.num_physical_experts == moe->config.num_experts || moe->map_set || moe->placed) return MF_SUCCESS;
+    return mf__error(MF_ERR_INVALID_USAGE,
+                     "%s: the layer has P = %d physical experts for E = %d: set its expert map first "
+                     "(mf_moe_set_expert_map)", fn, moe->config.num_physical_experts, moe->config.num_experts);
+}
+
 /* A rejected data-path call still takes part in its collective (ops->reject), with the failure as
  * its status, so that every rank fails it together and no peer waits for this one. Only calls
  * without a usable comm return at once. */
@@ -594,10 +640,7 @@ static mf_result_t mf__check_forward(mf_moe_t moe, const mf_moe_forward_in_t *in
         return mf__error(MF_ERR_INVALID_USAGE, "%s: weights are not set (call mf_moe_set_weights first)", fn);
     if (moe->comm->pending_dispatch)
         return mf__error(MF_ERR_INVALID_USAGE, "%s: an mf_dispatch on this comm awaits its mf_combine", fn);
-    if (moe->config.num_physical_experts != moe->config.num_experts && !moe->map_set)
-        return mf__error(MF_ERR_INVALID_USAGE,
-                         "%s: the layer has P = %d physical experts for E = %d: set its expert map first "
-                         "(mf_moe_set_expert_map)", fn, moe->config.num_physical_experts, moe->config.num_experts);
+    MF_CHECK(mf__check_map_ready(moe, fn));
     int64_t T = 0;
     MF_CHECK(mf__check_tokens(moe, &in->x, &in->topk_ids, fn, &T));
     const mf_moe_config_t *c = &moe->config;
@@ -624,14 +667,16 @@ static mf_result_t mf__check_dispatch(mf_moe_t moe, const mf_dispatch_in_t *in, 
     if (moe->comm->pending_dispatch)
         return mf__error(MF_ERR_INVALID_USAGE,
                          "%s: the previous mf_dispatch on this comm has not been combined yet", fn);
-    if (mf__moe_balanced(moe))
+    if (moe->config.spare_slots > 0)
         return mf__error(MF_ERR_NOT_SUPPORTED,
-                         "%s: a layer with replicas, an expert map or spare slots runs mf_moe_forward only (the "
-                         "communication-only calls do not return replica slots yet)", fn);
+                         "%s: a layer with spare slots (B = %d) runs mf_moe_forward only: rows routed to a spare slot "
+                         "would need moeflow's copy of the expert's weights, which the caller's GEMMs cannot see", fn,
+                         moe->config.spare_slots);
+    MF_CHECK(mf__check_map_ready(moe, fn));
     int64_t T = 0;
     MF_CHECK(mf__check_tokens(moe, &in->x, &in->topk_ids, fn, &T));
     const mf_moe_config_t *c = &moe->config;
-    int64_t L = moe->info.num_local_experts, H = c->hidden, B = MF__QUANT_BLOCK;
+    int64_t L = moe->info.num_local_slots, H = c->hidden, B = MF__QUANT_BLOCK;
     int fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
     if (c->layout == MF_LAYOUT_EXPERT_MAJOR) {
         int64_t rows = c->max_recv_rows;
@@ -678,7 +723,7 @@ static mf_result_t mf__check_combine(mf_moe_t moe, const mf_combine_in_t *in, co
     if (moe->comm->pending_dispatch != moe)
         return mf__error(MF_ERR_INVALID_USAGE, "%s: no mf_dispatch on this layer awaits a combine", fn);
     const mf_moe_config_t *c = &moe->config;
-    int64_t L = moe->info.num_local_experts, H = c->hidden, T = moe->dispatch_T;
+    int64_t L = moe->info.num_local_slots, H = c->hidden, T = moe->dispatch_T;
     if (c->layout == MF_LAYOUT_EXPERT_MAJOR)
         MF_CHECK(mf__check_tensor(&in->expert_out, "mf_combine expert_out", MF_DTYPE_BF16, 2,
                                   MF__DIMS(c->max_recv_rows, H), 0));

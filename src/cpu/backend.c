@@ -16,7 +16,9 @@
  * after summing call n. mf_dispatch / mf_combine follow the same two phases.
  *
  * Balanced EP (docs/DESIGN.md "Balanced EP"): the plan's units are slots (Lp static, B spare); a
- * static slot's weights are the caller's, a spare slot's are in the layer's spare allocation.
+ * static slot's weights are the caller's, a spare slot's are in the layer's spare allocation. A
+ * mapped placement (uneven LINEAR, ROUND_ROBIN) is such a map, its empty slots (-1, the last of a
+ * rank) never holding rows, so their weights, past the caller's [L_r, ...], are never read.
  * mf_moe_prefetch, between forward n and n+1, pushes experts into peers' spare slots. No extra
  * synchronisation: a peer read its spare slots of call n before its COMBINE arrival of n, which
  * this rank waited for before returning from forward n; it reads them again for n + 1 only after
@@ -435,7 +437,9 @@ static mf_result_t mf__cpu_dispatch(mf_moe_t moe, const mf_dispatch_in_t *in, co
     mf__cpu_publish(moe, &in->x, &in->topk_ids, NULL);
     MF_CHECK(mf__cpu_exchange_and_plan(moe));
     mf__cpu_gather(moe, out->recv_x.data, (float *)out->recv_scales.data, (int32_t *)out->recv_src.data);
-    int32_t L = s->plan.num_local;
+    /* The caller's segments are the rank's first num_local_slots slots: its static slots (B = 0 here),
+     * less a placement's empty ones, which are the last and hold no rows (offsets[L] ends them all). */
+    int32_t L = moe->info.num_local_slots;
     memcpy(out->expert_counts.data, s->plan.counts, (size_t)L * sizeof(int32_t));
     if (moe->config.layout == MF_LAYOUT_EXPERT_MAJOR)
         memcpy(out->expert_offsets.data, s->plan.offsets, (size_t)(L + 1) * sizeof(int32_t));

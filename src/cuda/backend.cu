@@ -106,8 +106,10 @@ typedef struct mf__cuda_moe {
     int64_t rows;
     cudaEvent_t events[MF_NUM_PHASES + 1];
     int32_t events_valid;            /* the last forward recorded every event */
-    /* Balanced EP. slots = Lp + B (= L without balancing); balanced: the slot plan runs. */
-    int32_t slots, Lp, B, balanced;
+    /* Balanced EP. slots = Lp + B (= L without balancing); balanced: the slot plan runs; held: the
+     * static slots the caller's weights hold (Lp, or L_r of a mapped placement, whose empty slots
+     * are the last: the GEMMs' weight operands end there). */
+    int32_t slots, Lp, B, balanced, held;
     int32_t *map;                    /* [P] device copy of moe->expert_map */
     int32_t *staged_map;             /* [P] device copy of moe->staged_map, installed by the last stage step */
     int32_t *slot_expert, *slot_begin; /* [slots] */
@@ -473,7 +475,7 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
     /* Balanced EP: the planner's arrays live in shared memory (the plan's offsets kernel, the pick). */
     const size_t plan_smem = mf__plan_balance_smem(c->num_experts, R_, P, B);
     const size_t pick_smem = B ? mf__prefetch_smem_bytes(c->num_experts, R_, P, B) : 0;
-    if ((P != c->num_experts || B) && (plan_smem > kMfPrefetchMaxSmem || (B && !pick_smem)))
+    if (mf__moe_balanced(moe) && (plan_smem > kMfPrefetchMaxSmem || (B && !pick_smem)))
         return mf__error(MF_ERR_NOT_SUPPORTED, "mf_moe_create: the cuda backend's balancing planner keeps its arrays "
                          "in shared memory (at most %d bytes): E = %d, P = %d, R = %d, B = %d need more",
                          kMfPrefetchMaxSmem, c->num_experts, P, R_, B);
@@ -485,7 +487,8 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
     s->Lp = moe->slots_per_rank;
     s->B = B;
     s->slots = s->Lp + B;
-    s->balanced = P != c->num_experts || B > 0;
+    s->balanced = mf__moe_balanced(moe); /* replicas, spare slots or a mapped placement (no map is set yet) */
+    s->held = moe->info.num_local_slots;
     s->plan_smem = plan_smem;
     s->pick_smem = pick_smem;
     int64_t L = s->slots, H = c->hidden, I = c->intermediate;
@@ -698,6 +701,8 @@ static mf_result_t mf__cuda_plan(mf_moe_t moe, int32_t *counts_out, int32_t *off
     p.have_prev = s->words;
     p.stats = s->stats;
     p.sink = mf__sink(moe->comm);
+    p.placement = c->placement;
+    p.out_slots = moe->info.num_local_slots;
     if (!s->balanced && mf__cuda_plan_small &&
         mf__plan_small_fits(moe->comm->num_ranks, p.S, p.K, p.E, p.L)) { /* the sync and the plan in one block */
         const mf__sync_params_t sp = mf__sync_params(moe->comm, moe->id, MF__PHASE_DISPATCH, MF_SUCCESS);
@@ -815,7 +820,7 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     mf__gemm_segments_t seg;
     seg.counts = s->counts;
     seg.offsets = s->offsets;
-    seg.num_experts = s->Lp; /* the static slots; the spare slots are a second launch (mf__cuda_gemm_spare) */
+    seg.num_experts = s->held; /* the static slots with weights; the spare slots are a second launch */
     /* A token routes to an expert at most once: R * S rows (MASKED: at most C). */
     int64_t per_expert = (int64_t)comm->num_ranks * c->max_tokens_per_rank;
     if (c->layout == MF_LAYOUT_MASKED) per_expert = c->expert_capacity;

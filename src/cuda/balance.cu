@@ -172,10 +172,10 @@ extern "C" mf_result_t mf__cuda_prefetch(const mf__prefetch_params_t *params, si
 /* ---- a test hook: mf__balance_plan_par alone on the device ---------------------------------------- */
 
 typedef struct mf__plan_par_test_params {
-    int32_t E, R, P, B, me, masked, block_m, capacity, max_rows;
+    int32_t E, R, P, B, placement, me, masked, block_m, capacity, max_rows;
     const int32_t *map, *spare, *counts;
     int32_t *slot_count, *slot_begin, *slot_expert, *verdict;
-    int64_t *load;
+    int64_t *load, *home;
 } mf__plan_par_test_params_t;
 
 __global__ void __launch_bounds__(kMfPlanThreads) mf__plan_par_test_kernel(mf__plan_par_test_params_t p) {
@@ -185,21 +185,21 @@ __global__ void __launch_bounds__(kMfPlanThreads) mf__plan_par_test_kernel(mf__p
     int32_t *cs = (int32_t *)(rows + p.R), *cp = cs + p.E, *rep_off = cp + p.E, *rep_rank = rep_off + p.E + 1;
     int32_t *rep_slot = rep_rank + N, *share = rep_slot + N, *order = share + N, *small = order + p.E, *over = small + 4;
     const mf__balance_ws_t ws = {cs, cp, rep_off, rep_rank, rep_slot, share, order, small, over, load, home, rows};
-    mf__balance_plan_par(p.E, p.R, p.P, p.B, p.me, p.masked, p.block_m, p.capacity, p.max_rows, p.map, p.spare,
-                         p.counts, &ws, p.slot_count, p.slot_begin, p.slot_expert);
+    mf__balance_plan_par(p.E, p.R, p.P, p.B, p.placement, p.me, p.masked, p.block_m, p.capacity, p.max_rows, p.map,
+                         p.spare, p.counts, &ws, p.slot_count, p.slot_begin, p.slot_expert);
     if (threadIdx.x == 0) {
         p.verdict[0] = small[1], p.verdict[1] = small[2];
-        for (int32_t r = 0; r < p.R; r++) p.load[r] = load[r];
+        for (int32_t r = 0; r < p.R; r++) p.load[r] = load[r], p.home[r] = home[r];
     }
 }
 
-extern "C" mf_result_t mf__cuda_plan_par_test(int32_t E, int32_t R, int32_t P, int32_t B, int32_t me, int32_t masked,
-                                              int32_t block_m, int32_t capacity, int32_t max_rows, const int32_t *map,
-                                              const int32_t *spare, const int32_t *counts, int32_t *slot_count,
-                                              int32_t *slot_begin, int32_t *slot_expert, int32_t *verdict, int64_t *load,
-                                              void *stream) {
-    mf__plan_par_test_params_t p = {E, R, P, B, me, masked, block_m, capacity, max_rows, map, spare, counts,
-                                    slot_count, slot_begin, slot_expert, verdict, load};
+extern "C" mf_result_t mf__cuda_plan_par_test(int32_t E, int32_t R, int32_t P, int32_t B, int32_t placement, int32_t me,
+                                              int32_t masked, int32_t block_m, int32_t capacity, int32_t max_rows,
+                                              const int32_t *map, const int32_t *spare, const int32_t *counts,
+                                              int32_t *slot_count, int32_t *slot_begin, int32_t *slot_expert,
+                                              int32_t *verdict, int64_t *load, int64_t *home, void *stream) {
+    mf__plan_par_test_params_t p = {E, R, P, B, placement, me, masked, block_m, capacity, max_rows, map, spare, counts,
+                                    slot_count, slot_begin, slot_expert, verdict, load, home};
     const size_t N = (size_t)P + (size_t)R * B;
     const size_t smem = 3 * (size_t)R * 8 + (2 * (size_t)E + E + 1 + 3 * N + E + 4 + R) * 4;
     cudaError_t e = cudaFuncSetAttribute(mf__plan_par_test_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);

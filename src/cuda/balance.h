@@ -26,14 +26,15 @@ extern int32_t mf__cuda_plan_serial;
  * always the sync kernel and the three plan kernels. */
 extern int32_t mf__cuda_plan_small;
 
-/* mf__balance_plan_par in one block of kMfPlanThreads threads, for tests: inputs map [P], spare
- * [R * B], counts [E], outputs slot_count, slot_begin, slot_expert [Lp + B], verdict [2] (failing
- * rank, replica) and load [R] int64; every pointer DEVICE memory. MF_ERR_CUDA if the launch fails. */
-mf_result_t mf__cuda_plan_par_test(int32_t E, int32_t R, int32_t P, int32_t B, int32_t me, int32_t masked,
-                                   int32_t block_m, int32_t capacity, int32_t max_rows, const int32_t *map,
-                                   const int32_t *spare, const int32_t *counts, int32_t *slot_count,
-                                   int32_t *slot_begin, int32_t *slot_expert, int32_t *verdict, int64_t *load,
-                                   void *stream);
+/* mf__balance_plan_par in one block of kMfPlanThreads threads, for tests: inputs map [P] (-1 =
+ * an empty slot), spare [R * B], counts [E], placement (home ranks), outputs slot_count,
+ * slot_begin, slot_expert [Lp + B], verdict [2] (failing rank, replica), load and home [R] int64;
+ * every pointer DEVICE memory. MF_ERR_CUDA if the launch fails. */
+mf_result_t mf__cuda_plan_par_test(int32_t E, int32_t R, int32_t P, int32_t B, int32_t placement, int32_t me,
+                                   int32_t masked, int32_t block_m, int32_t capacity, int32_t max_rows,
+                                   const int32_t *map, const int32_t *spare, const int32_t *counts,
+                                   int32_t *slot_count, int32_t *slot_begin, int32_t *slot_expert, int32_t *verdict,
+                                   int64_t *load, int64_t *home, void *stream);
 
 /* One call of mf__balance_pick; every pointer is DEVICE memory. */
 typedef struct mf__balance_pick_params {

@@ -5,8 +5,9 @@
  * array is the caller's, sized as each function says.
  *
  * Words. A *logical* expert is a routing id, e in [0, E). A *physical slot* holds the weights of one
- * logical expert: the P static slots of the expert map (slot p on rank p / Lp, Lp = P / R) and the
- * R * B spare slots (spare j of rank q holds spare[q * B + j], or -1). A *replica* is a slot
+ * logical expert: the P static slots of the expert map (slot p on rank p / Lp, Lp = P / R; -1 in a
+ * placement's empty slot, src/plan/placement.h, which is no replica) and the R * B spare slots
+ * (spare j of rank q holds spare[q * B + j], or -1). A *replica* is a slot
  * holding e. Replicas are listed per expert in CSR form (rep_off[E + 1]), static slots in physical
  * order, then spare slots in (rank, j) order; a replica is named by its rank and local slot (static
  * l in [0, Lp), spare Lp + j).
@@ -37,24 +38,27 @@
 
 #include "core/numerics.h" /* MF_HD: static inline on the host, __host__ __device__ under nvcc */
 #include "moeflow.h"       /* MF_MAX_RANKS */
+#include "plan/placement.h" /* the home rank of an expert */
 
 /* mf__balance_pick tries this many of the busiest rank's experts per spare slot. */
 #define MF__BALANCE_CANDIDATES 4
 
-/* Builds the replica lists. map [P] (values in [0, E), validated by the caller), spare [R * B]
- * (-1 = empty) or NULL when B = 0. Out: rep_off [E + 1], rep_rank [N], rep_slot [N]; count [E]
- * scratch. Returns the number of replicas. */
+/* Builds the replica lists. map [P] (values in [0, E), validated by the caller, or -1: an empty
+ * slot), spare [R * B] (-1 = empty) or NULL when B = 0. Out: rep_off [E + 1], rep_rank [N],
+ * rep_slot [N]; count [E] scratch. Returns the number of replicas. */
 MF_HD int32_t mf__balance_replicas(int32_t E, int32_t R, int32_t P, int32_t B, const int32_t *map,
                                           const int32_t *spare, int32_t *rep_off, int32_t *rep_rank,
                                           int32_t *rep_slot, int32_t *count) {
     const int32_t Lp = P / R;
     for (int32_t e = 0; e < E; e++) count[e] = 0;
-    for (int32_t p = 0; p < P; p++) count[map[p]]++;
+    for (int32_t p = 0; p < P; p++)
+        if (map[p] >= 0) count[map[p]]++;
     for (int32_t i = 0; spare && i < R * B; i++)
         if (spare[i] >= 0) count[spare[i]]++;
     rep_off[0] = 0;
     for (int32_t e = 0; e < E; e++) rep_off[e + 1] = rep_off[e] + count[e], count[e] = rep_off[e];
     for (int32_t p = 0; p < P; p++) {
+        if (map[p] < 0) continue;
         int32_t at = count[map[p]]++;
         rep_rank[at] = p / Lp, rep_slot[at] = p % Lp;
     }
@@ -284,16 +288,17 @@ typedef struct mf__balance_ws {
     int64_t *load, *home, *rows;
 } mf__balance_ws_t;
 
-/* The plan's balanced part for rank `me`: map [P], spare [R * B] (-1 = empty; all -1 when unused),
- * counts [E]. Out (the caller's, e.g. global memory): slot_count [L], slot_begin [L], slot_expert
- * [L] for this rank's L = Lp + B slots; ws->load / ws->home [R]. Returns through ws->small[1] the
+/* The plan's balanced part for rank `me`: map [P] (-1 = an empty slot), spare [R * B] (-1 = empty;
+ * all -1 when unused), counts [E]; `placement` (mf_placement_t) names each expert's home rank for
+ * ws->home. Out (the caller's, e.g. global memory): slot_count [L], slot_begin [L], slot_expert [L]
+ * for this rank's L = Lp + B slots; ws->load / ws->home [R]. Returns through ws->small[1] the
  * capacity verdict: -1 fine, else the failing rank (the lowest, as the serial plan reports it);
  * small[2]: MASKED its overflowing replica index (lowest), small[3] unused. Every thread of the
  * block calls it (it has barriers). */
-MF_HD void mf__balance_plan_par(int32_t E, int32_t R, int32_t P, int32_t B, int32_t me, int32_t masked, int32_t block_m,
-                                int32_t capacity, int32_t max_rows, const int32_t *map, const int32_t *spare,
-                                const int32_t *counts, const mf__balance_ws_t *ws, int32_t *slot_count,
-                                int32_t *slot_begin, int32_t *slot_expert) {
+MF_HD void mf__balance_plan_par(int32_t E, int32_t R, int32_t P, int32_t B, int32_t placement, int32_t me, int32_t masked,
+                                int32_t block_m, int32_t capacity, int32_t max_rows, const int32_t *map,
+                                const int32_t *spare, const int32_t *counts, const mf__balance_ws_t *ws,
+                                int32_t *slot_count, int32_t *slot_begin, int32_t *slot_expert) {
     const int32_t Lp = P / R, RB = R * B, L = Lp + B;
     int32_t *cs = ws->count_static, *cp = ws->count_spare, *rep_off = ws->rep_off, *rep_rank = ws->rep_rank;
     int32_t *rep_slot = ws->rep_slot, *share = ws->share, *order = ws->order, *small = ws->small, *over = ws->over;
@@ -302,7 +307,7 @@ MF_HD void mf__balance_plan_par(int32_t E, int32_t R, int32_t P, int32_t B, int3
     MF__PAR_FOR(r, R) load[r] = 0, home[r] = 0, rows[r] = 0, over[r] = 0x7fffffff;
     if (MF__PAR_ONE) small[0] = 0, small[1] = -1, small[2] = -1, small[3] = 0;
     MF__PAR_SYNC();
-    MF__PAR_FOR(p, P)(void) MF__PAR_ADD32(&cs[map[p]], 1);
+    MF__PAR_FOR(p, P) if (map[p] >= 0)(void) MF__PAR_ADD32(&cs[map[p]], 1);
     MF__PAR_FOR(i, RB) if (spare[i] >= 0)(void) MF__PAR_ADD32(&cp[spare[i]], 1);
     MF__PAR_SYNC();
     /* rep_off[e] = sum of the counts before e (each thread sums its own prefix). */
@@ -315,9 +320,11 @@ MF_HD void mf__balance_plan_par(int32_t E, int32_t R, int32_t P, int32_t B, int3
     /* Lists: statics in physical order, then spares in table order (mf__balance_replicas' order). */
     MF__PAR_FOR(p, P) {
         const int32_t e = map[p];
-        int32_t before = 0;
-        for (int32_t x = 0; x < p; x++) before += map[x] == e;
-        rep_rank[rep_off[e] + before] = p / Lp, rep_slot[rep_off[e] + before] = p % Lp;
+        if (e >= 0) {
+            int32_t before = 0;
+            for (int32_t x = 0; x < p; x++) before += map[x] == e;
+            rep_rank[rep_off[e] + before] = p / Lp, rep_slot[rep_off[e] + before] = p % Lp;
+        }
     }
     MF__PAR_FOR(i, RB) {
         const int32_t e = spare[i];
@@ -330,7 +337,7 @@ MF_HD void mf__balance_plan_par(int32_t E, int32_t R, int32_t P, int32_t B, int3
     MF__PAR_SYNC();
     /* The split: singletons add their counts (order-free), the replicated experts are collected. */
     MF__PAR_FOR(e, E) {
-        MF__PAR_ADD64(&home[e / (E / R)], counts[e]);
+        MF__PAR_ADD64(&home[mf__placement_rank(E, R, placement, e)], counts[e]);
         if (rep_off[e + 1] - rep_off[e] == 1) {
             share[rep_off[e]] = counts[e];
             MF__PAR_ADD64(&load[rep_rank[rep_off[e]]], counts[e]);

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "plan/balance.h"
+#include "plan/placement.h"
 #include "plan/plan.h"
 
 mf_result_t mf__plan_init(mf__plan_t *p, const mf_moe_config_t *c, int32_t R, int32_t rank) {
@@ -16,7 +17,8 @@ mf_result_t mf__plan_init(mf__plan_t *p, const mf_moe_config_t *c, int32_t R, in
     p->slots_per_rank = p->num_physical / R;
     p->spare_slots = c->spare_slots;
     p->num_local = p->slots_per_rank + p->spare_slots;
-    p->first_expert = rank * (c->num_experts / R);
+    p->placement = c->placement;
+    p->first_expert = mf__placement_expert(c->num_experts, R, c->placement, rank, 0);
     p->layout = c->layout;
     p->block_m = c->block_m;
     p->capacity = c->expert_capacity;
@@ -82,7 +84,7 @@ mf_result_t mf__plan_build(mf__plan_t *p, int32_t K, const int32_t *const *ids, 
     mf__balance_split(E, R, p->global_counts, p->rep_off, p->rep_rank, p->share, p->load, p->scratch);
     for (int32_t r = 0; r < R; r++) p->home_load[r] = 0;
     for (int32_t e = 0; e < E; e++) {
-        p->home_load[e / (E / R)] += p->global_counts[e];
+        p->home_load[mf__placement_rank(E, R, p->placement, e)] += p->global_counts[e];
         for (int32_t i = p->rep_off[e], begin = 0; i < p->rep_off[e + 1]; i++) p->rep_begin[i] = begin, begin += p->share[i];
     }
 

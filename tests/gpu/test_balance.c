@@ -35,6 +35,7 @@
 #include "../harness.h"
 #include "cuda/balance.h"
 #include "plan/balance.h"
+#include "plan/placement.h"
 #include "plan/stage.h"
 #include "problem.h"
 #include "ref.h"
@@ -92,14 +93,15 @@ static int cuda_balance_pick(void) {
 
 /* mf__balance_plan_par on the device (one block, shared memory, atomics) == the same code as plain
  * loops on the host (which tests/test_balance.c holds equal to the serial planner), over random
- * plans: slot tables, capacity verdicts, loads. */
+ * plans: slot tables, capacity verdicts, loads, home loads; a quarter of them over a placement's
+ * slot grid (E not a multiple of R, round robin: empty slots, -1). */
 static int cuda_balance_plan_par(void) {
     enum { MAXN = MAXP + MAXR * MAXB, MAXL = MAXP + MAXB };
     static int32_t counts[MAXE], map[MAXP], spare[MAXR * MAXB + 1], cs[MAXE], cp[MAXE], off[MAXE + 1], rk[MAXN], sl[MAXN],
         sh[MAXN], order[MAXE], small[4], over[MAXR], hc[MAXL], hb[MAXL], he[MAXL], dc[MAXL], db[MAXL], de[MAXL], dv[2];
-    static int64_t load[MAXR], home[MAXR], rows[MAXR], dload[MAXR];
+    static int64_t load[MAXR], home[MAXR], rows[MAXR], dload[MAXR], dhome[MAXR];
     int32_t *d_map, *d_spare, *d_counts, *d_c, *d_b, *d_e, *d_v;
-    int64_t *d_load;
+    int64_t *d_load, *d_home;
     CUDA_OK(cudaMalloc((void **)&d_map, sizeof map));
     CUDA_OK(cudaMalloc((void **)&d_spare, sizeof spare));
     CUDA_OK(cudaMalloc((void **)&d_counts, sizeof counts));
@@ -108,46 +110,54 @@ static int cuda_balance_plan_par(void) {
     CUDA_OK(cudaMalloc((void **)&d_e, sizeof de));
     CUDA_OK(cudaMalloc((void **)&d_v, sizeof dv));
     CUDA_OK(cudaMalloc((void **)&d_load, sizeof dload));
+    CUDA_OK(cudaMalloc((void **)&d_home, sizeof dhome));
     mft_rng_t rng = {0x9a7b};
-    for (int32_t it = 0; it < 300; it++) {
-        const int32_t R = 1 + mft_rng_int(&rng, MAXR), E = R * (1 + mft_rng_int(&rng, 256 / R));
-        const int32_t P = E + R * mft_rng_int(&rng, 5), B = mft_rng_int(&rng, MAXB + 1), L = P / R + B;
+    for (int32_t it = 0; it < 400; it++) {
+        const int32_t grid = it % 4 == 3, placement = grid ? mft_rng_int(&rng, 2) : MF_PLACEMENT_LINEAR;
+        const int32_t R = 1 + mft_rng_int(&rng, MAXR);
+        const int32_t E = grid ? R + mft_rng_int(&rng, 256 - R) : R * (1 + mft_rng_int(&rng, 256 / R));
+        const int32_t Ls = mf__placement_slots(E, R);
+        const int32_t P = grid ? R * Ls : E + R * mft_rng_int(&rng, 5), B = grid ? 0 : mft_rng_int(&rng, MAXB + 1);
+        const int32_t L = P / R + B;
         const int32_t masked = mft_rng_int(&rng, 2), block_m = 1 << mft_rng_int(&rng, 8), me = mft_rng_int(&rng, R);
         for (int32_t e = 0; e < E; e++)
             counts[e] = mft_rng_int(&rng, 2) ? (int32_t)(4096.0 / (1.0 + mft_rng_int(&rng, E))) : mft_rng_int(&rng, 50);
-        for (int32_t p = 0; p < P; p++) map[p] = p < E ? p : mft_rng_int(&rng, E);
-        for (int32_t p = P - 1; p > 0; p--) {
+        for (int32_t p = 0; p < P; p++)
+            map[p] = grid ? mf__placement_expert(E, R, placement, p / Ls, p % Ls) : p < E ? p : mft_rng_int(&rng, E);
+        for (int32_t p = P - 1; p > 0 && !grid; p--) {
             int32_t j = mft_rng_int(&rng, p + 1), t = map[p];
             map[p] = map[j], map[j] = t;
         }
         for (int32_t i = 0; i < R * B; i++) spare[i] = mft_rng_int(&rng, 2) ? -1 : mft_rng_int(&rng, E);
         const int32_t capacity = 1 + mft_rng_int(&rng, 3000), max_rows = mft_rng_int(&rng, 20000);
         mf__balance_ws_t ws = {cs, cp, off, rk, sl, sh, order, small, over, load, home, rows};
-        mf__balance_plan_par(E, R, P, B, me, masked, block_m, capacity, max_rows, map, spare, counts, &ws, hc, hb, he);
+        mf__balance_plan_par(E, R, P, B, placement, me, masked, block_m, capacity, max_rows, map, spare, counts, &ws, hc,
+                             hb, he);
         CUDA_OK(cudaMemcpy(d_map, map, (size_t)P * 4, cudaMemcpyHostToDevice));
         CUDA_OK(cudaMemcpy(d_spare, spare, (size_t)(R * B + 1) * 4, cudaMemcpyHostToDevice));
         CUDA_OK(cudaMemcpy(d_counts, counts, (size_t)E * 4, cudaMemcpyHostToDevice));
-        MFT_CHECK_OK(mf__cuda_plan_par_test(E, R, P, B, me, masked, block_m, capacity, max_rows, d_map, d_spare, d_counts,
-                                            d_c, d_b, d_e, d_v, d_load, NULL));
+        MFT_CHECK_OK(mf__cuda_plan_par_test(E, R, P, B, placement, me, masked, block_m, capacity, max_rows, d_map, d_spare,
+                                            d_counts, d_c, d_b, d_e, d_v, d_load, d_home, NULL));
         CUDA_OK(cudaDeviceSynchronize());
         CUDA_OK(cudaMemcpy(dc, d_c, (size_t)L * 4, cudaMemcpyDeviceToHost));
         CUDA_OK(cudaMemcpy(db, d_b, (size_t)L * 4, cudaMemcpyDeviceToHost));
         CUDA_OK(cudaMemcpy(de, d_e, (size_t)L * 4, cudaMemcpyDeviceToHost));
         CUDA_OK(cudaMemcpy(dv, d_v, sizeof dv, cudaMemcpyDeviceToHost));
         CUDA_OK(cudaMemcpy(dload, d_load, (size_t)R * 8, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(dhome, d_home, (size_t)R * 8, cudaMemcpyDeviceToHost));
         const char *fmt = "case %d (E %d R %d P %d B %d masked %d me %d): %s";
         MFT_CHECK_MSG(dv[0] == small[1] && (!masked || dv[1] == small[2]), fmt, (int)it, (int)E, (int)R, (int)P, (int)B,
                       (int)masked, (int)me, "capacity verdict differs");
         for (int32_t r = 0; r < R; r++)
-            MFT_CHECK_MSG(dload[r] == load[r], fmt, (int)it, (int)E, (int)R, (int)P, (int)B, (int)masked, (int)me,
-                          "rows per rank differ");
+            MFT_CHECK_MSG(dload[r] == load[r] && dhome[r] == home[r], fmt, (int)it, (int)E, (int)R, (int)P, (int)B,
+                          (int)masked, (int)me, "rows per rank (with or without replicas) differ");
         for (int32_t s2 = 0; s2 < L; s2++)
             MFT_CHECK_MSG(dc[s2] == hc[s2] && db[s2] == hb[s2] && de[s2] == he[s2], fmt, (int)it, (int)E, (int)R, (int)P,
                           (int)B, (int)masked, (int)me, "a slot's count, begin or expert differs");
     }
     cudaFree(d_map), cudaFree(d_spare), cudaFree(d_counts), cudaFree(d_c), cudaFree(d_b), cudaFree(d_e), cudaFree(d_v);
-    cudaFree(d_load);
-    mft_verbose("  300 random plans: the device's block-parallel plan equals the host's\n");
+    cudaFree(d_load), cudaFree(d_home);
+    mft_verbose("  400 random plans (100 over placement grids): the device's block-parallel plan equals the host's\n");
     return 0;
 }
 

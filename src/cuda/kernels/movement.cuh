@@ -151,6 +151,10 @@ typedef struct mf__plan_params {
     int32_t *have_prev;            /* out: 1 once prev_counts holds a plan's counts */
     int64_t *stats;                /* out: [2 * MF_MAX_RANKS] rows per rank with replicas, then without */
     mf__fault_sink_t sink;
+    /* Balanced only (appended: the kernels of the plain plan keep their parameter offsets). */
+    int32_t placement;             /* mf_placement_t: each expert's home rank, for stats[MF_MAX_RANKS + r] */
+    int32_t out_slots;             /* mf_dispatch: the caller's segments, counts_out [out_slots] and
+                                      offsets_out [out_slots + 1] (a placement's empty slots are the last) */
 } mf__plan_params_t;
 
 /* Bytes of dynamic shared memory of the balanced offsets kernel: load, home, rows [R] int64; counts
@@ -239,15 +243,15 @@ __device__ void mf__plan_offsets_balanced(const mf__plan_params_t &p) {
     if (!faulted && !p.serial) {
         /* Every thread: lists, split, capacity per rank, this rank's slots (src/plan/balance.h). */
         const mf__balance_ws_t ws = {cs, cp, rep_off, rep_rank, rep_slot, share, order, small, over, load, home, rows_q};
-        mf__balance_plan_par(E, R, P, B, me, masked, p.block_m, p.capacity, p.max_rows, map, spare, counts, &ws, p.counts,
-                             p.slot_begin, p.slot_expert);
+        mf__balance_plan_par(E, R, P, B, p.placement, me, masked, p.block_m, p.capacity, p.max_rows, map, spare, counts,
+                             &ws, p.counts, p.slot_begin, p.slot_expert);
     }
     if (threadIdx.x == 0) {
         if (!faulted && p.serial) {
             mf__balance_replicas(E, R, P, B, map, B ? spare : (const int32_t *)0, rep_off, rep_rank, rep_slot, order);
             mf__balance_split(E, R, counts, rep_off, rep_rank, share, load, order);
             for (int32_t r = 0; r < R; r++) home[r] = 0;
-            for (int32_t e = 0; e < E; e++) home[e / (E / R)] += counts[e];
+            for (int32_t e = 0; e < E; e++) home[mf__placement_rank(E, R, p.placement, e)] += counts[e];
             /* Capacity verdict for every rank, as the CPU plan reports it: the lowest failing rank (MASKED:
              * its lowest overflowing replica), from one pass over the replicas (expert order). */
             small[1] = -1, small[2] = -1;
@@ -304,6 +308,11 @@ __device__ void mf__plan_offsets_balanced(const mf__plan_params_t &p) {
     __syncthreads();
     if (ok)
         for (int32_t e = threadIdx.x; e < E; e += blockDim.x) p.prev_counts[e] = counts[e];
+    /* mf_dispatch: the caller's copies (its slots are the first out_slots; a faulted call writes none) */
+    if (ok && p.counts_out)
+        for (int32_t s = threadIdx.x; s < p.out_slots; s += blockDim.x) p.counts_out[s] = p.counts[s];
+    if (ok && p.offsets_out)
+        for (int32_t s = threadIdx.x; s <= p.out_slots; s += blockDim.x) p.offsets_out[s] = p.offsets[s];
 }
 
 /* The verdict and offsets of the plan without balancing, block-wide (after mf__plan_check_meta):
