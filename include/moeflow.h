@@ -593,6 +593,33 @@ typedef struct mf_combine_out {
 MF_API mf_result_t mf_combine(mf_moe_t moe, const mf_combine_in_t *in, const mf_combine_out_t *out,
                        mf_stream_t stream);
 
+typedef struct mf_experts_in {
+    /* Rows in the MASKED layout of mf_dispatch's output, the layer's dtype: [L, C, H] (L =
+     * info.num_local_slots), slot e's rows [0, expert_counts[e]) of recv_x[e]. */
+    mf_tensor_t recv_x;
+    mf_tensor_t recv_scales;   /* FP8: [L, C, H/128] fp32 1 x 128 scales of recv_x; BF16: unused */
+    mf_tensor_t expert_counts; /* [L] int32, the backend's memory (device memory on CUDA) */
+} mf_experts_in_t;
+
+typedef struct mf_experts_out {
+    /* [L, C, H] BF16: row j < expert_counts[e] of slot e is W2 (SwiGLU (W13 recv_x[e, j])) with
+     * slot e's weights, unweighted; rows past a count are not written. */
+    mf_tensor_t expert_out;
+} mf_experts_out_t;
+
+/* This rank's experts on rows in the dispatch layout, for engines that use moeflow's dispatch and
+ * combine around moeflow's grouped GEMMs (vLLM's prepare / experts / finalize split): W13 ->
+ * SwiGLU -> W2 with the layer's weights and the fused layer's rounding points (the intermediate
+ * requantised 1 x 128 for FP8, rounded to BF16 for BF16; W2 rounded to BF16), so that mf_dispatch
+ * -> mf_moe_experts -> mf_combine gives mf_moe_forward's y (bit for bit on the CPU backend). The
+ * layer's layout must be MASKED. Not collective, asynchronous on `stream` (CUDA; the counts are
+ * read on the device, at most C rows a slot: a larger count is clamped to C), graph-capturable;
+ * it uses the layer's scratch, so no other call on the layer may run concurrently. Errors:
+ * INVALID_ARGUMENT (shapes, dtypes, NULL data; on the CPU a count outside [0, C]), INVALID_USAGE
+ * (weights not set), NOT_SUPPORTED (EXPERT_MAJOR layout, a layer with spare slots). */
+MF_API mf_result_t mf_moe_experts(mf_moe_t moe, const mf_experts_in_t *in, const mf_experts_out_t *out,
+                           mf_stream_t stream);
+
 /* ---------------------------------------------------------------------------------------------
  * Numerics helpers (host; the same conversions every backend uses)
  * ------------------------------------------------------------------------------------------- */
@@ -631,7 +658,9 @@ typedef enum mf_struct {
     MF_STRUCT_COMBINE_OUT = 12,
     MF_STRUCT_PHASE_TIMES = 13,
     MF_STRUCT_MOE_BALANCE_STATS = 14,
-    MF_NUM_STRUCTS = 15
+    MF_STRUCT_EXPERTS_IN = 15,
+    MF_STRUCT_EXPERTS_OUT = 16,
+    MF_NUM_STRUCTS = 17
 } mf_struct_t;
 
 /* sizeof the struct `which` in this library (0 for an unknown value). Not collective, non-blocking;

@@ -87,6 +87,8 @@ static int test_abi(void) {
         {MF_STRUCT_COMBINE_OUT, sizeof(mf_combine_out_t)},
         {MF_STRUCT_PHASE_TIMES, sizeof(mf_phase_times_t)},
         {MF_STRUCT_MOE_BALANCE_STATS, sizeof(mf_moe_balance_stats_t)},
+        {MF_STRUCT_EXPERTS_IN, sizeof(mf_experts_in_t)},
+        {MF_STRUCT_EXPERTS_OUT, sizeof(mf_experts_out_t)},
     };
     MFT_CHECK_EQ_INT(sizeof sizes / sizeof sizes[0], MF_NUM_STRUCTS);
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++)

@@ -118,6 +118,14 @@ class CombineOut(Structure):
     _fields_ = [("y", Tensor)]
 
 
+class ExpertsIn(Structure):
+    _fields_ = [("recv_x", Tensor), ("recv_scales", Tensor), ("expert_counts", Tensor)]
+
+
+class ExpertsOut(Structure):
+    _fields_ = [("expert_out", Tensor)]
+
+
 class PhaseTimes(Structure):
     _fields_ = [("us", c_double * len(PHASES)), ("total_us", c_double)]
 
@@ -136,7 +144,8 @@ class BalanceStats(Structure):
 
 # mf_struct_t order: the index is the enum value.
 STRUCTS = (Tensor, GroupConfig, CommConfig, Bootstrap, MoeConfig, MoeInfo, MoeWeights, ForwardIn,
-           ForwardOut, DispatchIn, DispatchOut, CombineIn, CombineOut, PhaseTimes, BalanceStats)
+           ForwardOut, DispatchIn, DispatchOut, CombineIn, CombineOut, PhaseTimes, BalanceStats,
+           ExpertsIn, ExpertsOut)
 
 
 # ---- loading --------------------------------------------------------------------------------------
@@ -189,6 +198,7 @@ _FUNCTIONS = {
     "mf_moe_get_balance_stats": (c_int32, [_handle, _P(BalanceStats)]),
     "mf_dispatch": (c_int32, [_handle, _P(DispatchIn), _P(DispatchOut), c_void_p]),
     "mf_combine": (c_int32, [_handle, _P(CombineIn), _P(CombineOut), c_void_p]),
+    "mf_moe_experts": (c_int32, [_handle, _P(ExpertsIn), _P(ExpertsOut), c_void_p]),
     "mf_fp8_e4m3_from_float": (c_uint8, [c_float]),
     "mf_fp8_e4m3_to_float": (c_float, [c_uint8]),
     "mf_bf16_from_float": (c_uint16, [c_float]),

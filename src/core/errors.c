@@ -206,6 +206,8 @@ int64_t mf_get_struct_size(mf_struct_t which) {
     case MF_STRUCT_COMBINE_OUT: return (int64_t)sizeof(mf_combine_out_t);
     case MF_STRUCT_PHASE_TIMES: return (int64_t)sizeof(mf_phase_times_t);
     case MF_STRUCT_MOE_BALANCE_STATS: return (int64_t)sizeof(mf_moe_balance_stats_t);
+    case MF_STRUCT_EXPERTS_IN: return (int64_t)sizeof(mf_experts_in_t);
+    case MF_STRUCT_EXPERTS_OUT: return (int64_t)sizeof(mf_experts_out_t);
     case MF_NUM_STRUCTS: break;
     }
     return 0;

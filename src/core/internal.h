@@ -336,6 +336,9 @@ struct mf__backend_ops {
                             mf_stream_t stream);
     mf_result_t (*combine)(mf_moe_t moe, const mf_combine_in_t *in, const mf_combine_out_t *out,
                            mf_stream_t stream);
+    /* mf_moe_experts (not collective): validated MASKED rows of the layer's num_local_slots. */
+    mf_result_t (*experts)(mf_moe_t moe, const mf_experts_in_t *in, const mf_experts_out_t *out,
+                           mf_stream_t stream);
     /* A data-path call whose input this rank rejected (`code`, message already set): takes part
      * in the call's synchronisations (`phases`: a bit per mf__phase_t the call meets at) with that
      * status, so that every peer fails the call too, and writes nothing. Returns `code` with the

@@ -752,6 +752,36 @@ mf_result_t mf_combine(mf_moe_t moe, const mf_combine_in_t *in, const mf_combine
     return res;
 }
 
+mf_result_t mf_moe_experts(mf_moe_t moe, const mf_experts_in_t *in, const mf_experts_out_t *out,
+                           mf_stream_t stream) {
+    const char *fn = "mf_moe_experts";
+    mf__clear_error();
+    MF_REQUIRE(moe && in && out, "%s: moe, in and out must not be NULL", fn);
+    MF_CHECK(mf__check_usable(moe, fn));
+    const mf_moe_config_t *c = &moe->config;
+    if (c->layout != MF_LAYOUT_MASKED)
+        return mf__error(MF_ERR_NOT_SUPPORTED, "%s: the layer's layout is EXPERT_MAJOR; the experts run on the "
+                         "MASKED layout (create the layer with layout MF_LAYOUT_MASKED)", fn);
+    if (c->spare_slots > 0)
+        return mf__error(MF_ERR_NOT_SUPPORTED, "%s: a layer with spare slots runs its experts in mf_moe_forward "
+                         "only (the spare slots hold moeflow's own weight copies)", fn);
+    if (!moe->weights_set)
+        return mf__error(MF_ERR_INVALID_USAGE, "%s: weights are not set (mf_moe_set_weights)", fn);
+    if (!moe->comm->ops->experts)
+        return mf__error(MF_ERR_NOT_SUPPORTED, "%s: the %s backend has no standalone experts", fn,
+                         moe->comm->ops->name);
+    int64_t L = moe->info.num_local_slots, C = c->expert_capacity, H = c->hidden;
+    MF_CHECK(mf__check_tensor(&in->recv_x, "mf_moe_experts recv_x", c->dtype, 3, MF__DIMS(L, C, H), 0));
+    MF_CHECK(mf__check_rows16(&in->recv_x, "mf_moe_experts recv_x"));
+    if (c->dtype == MF_DTYPE_FP8_E4M3)
+        MF_CHECK(mf__check_tensor(&in->recv_scales, "mf_moe_experts recv_scales", MF_DTYPE_FP32, 3,
+                                  MF__DIMS(L, C, H / MF__QUANT_BLOCK), 0));
+    MF_CHECK(mf__check_tensor(&in->expert_counts, "mf_moe_experts expert_counts", MF_DTYPE_INT32, 1, MF__DIMS(L), 0));
+    MF_CHECK(mf__check_tensor(&out->expert_out, "mf_moe_experts expert_out", MF_DTYPE_BF16, 3, MF__DIMS(L, C, H), 0));
+    MF_CHECK(mf__check_rows16(&out->expert_out, "mf_moe_experts expert_out"));
+    return moe->comm->ops->experts(moe, in, out, stream);
+}
+
 mf_result_t mf_moe_get_phase_times(mf_moe_t moe, mf_phase_times_t *times) {
     mf__clear_error();
     MF_REQUIRE(moe && times, "mf_moe_get_phase_times: moe and times must not be NULL");

@@ -303,20 +303,20 @@ static mf_result_t mf__cpu_sum(mf_moe_t moe, int32_t T, const float *w, uint16_t
 
 /* ---- experts: W13 -> SwiGLU -> W2 --------------------------------------------------------- */
 
-/* Decodes `m` receive rows starting at `row` into s->a (fp32) and s->a_scales. */
-static void mf__cpu_load_rows(mf_moe_t moe, int64_t row, int64_t m) {
+/* Decodes `m` rows of x (+ scales) starting at `row` into s->a (fp32) and s->a_scales. */
+static void mf__cpu_load_rows(mf_moe_t moe, const void *x, const float *scales, int64_t row, int64_t m) {
     mf__cpu_moe_t *s = moe->backend_state;
     const mf_moe_config_t *c = &moe->config;
     int64_t H = c->hidden, nsc = H / MF__QUANT_BLOCK;
     for (int64_t i = 0; i < m; i++) {
         float *a = s->a + i * H;
         if (c->dtype == MF_DTYPE_FP8_E4M3) {
-            const uint8_t *q = (const uint8_t *)s->recv_x + (row + i) * H;
+            const uint8_t *q = (const uint8_t *)x + (row + i) * H;
             const float *lut = mf__cpu_fp8_table();
             for (int64_t h = 0; h < H; h++) a[h] = lut[q[h]];
-            memcpy(s->a_scales + i * nsc, s->recv_scales + (row + i) * nsc, (size_t)nsc * sizeof(float));
+            memcpy(s->a_scales + i * nsc, scales + (row + i) * nsc, (size_t)nsc * sizeof(float));
         } else {
-            const uint16_t *b = (const uint16_t *)s->recv_x + (row + i) * H;
+            const uint16_t *b = (const uint16_t *)x + (row + i) * H;
             for (int64_t h = 0; h < H; h++) a[h] = mf__bf16_to_float(b[h]);
         }
     }
@@ -357,7 +357,18 @@ static void mf__cpu_debug_gemm(mf_moe_t moe) {
     }
 }
 
-static void mf__cpu_experts(mf_moe_t moe, double *t_w13, double *t_w2) {
+/* The rows the experts run on: slot e's counts[e] rows of x (+ scales) from row offsets[e] on
+ * (offsets NULL: e * C, the MASKED layout). Each result row, rounded to BF16, goes to `out` at the
+ * same row, or (out NULL) back to its token's owner through the plan's src. */
+typedef struct mf__cpu_rows {
+    const void *x;
+    const float *scales;
+    const int32_t *counts, *offsets;
+    int32_t num_slots;
+    uint16_t *out;
+} mf__cpu_rows_t;
+
+static void mf__cpu_experts(mf_moe_t moe, const mf__cpu_rows_t *rows, double *t_w13, double *t_w2) {
     mf__cpu_moe_t *s = moe->backend_state;
     if (mf__debug_on()) mf__cpu_debug_gemm(moe);
     const mf__plan_t *p = &s->plan;
@@ -366,8 +377,9 @@ static void mf__cpu_experts(mf_moe_t moe, double *t_w13, double *t_w2) {
     int64_t H = c->hidden, I = c->intermediate;
     int fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
     size_t esz = fp8 ? 1 : 2;
-    for (int32_t e = 0; e < p->num_local; e++) { /* e: a slot, static (the caller's) or spare (ours) */
-        if (!p->counts[e]) continue;
+    for (int32_t e = 0; e < rows->num_slots; e++) { /* e: a slot, static (the caller's) or spare (ours) */
+        const int32_t count = rows->counts[e];
+        if (!count) continue;
         mf__cpu_weight_t w13, w2;
         if (e < p->slots_per_rank) {
             w13 = (mf__cpu_weight_t){(const uint8_t *)w->w13.data + (size_t)e * 2 * I * H * esz,
@@ -385,18 +397,20 @@ static void mf__cpu_experts(mf_moe_t moe, double *t_w13, double *t_w2) {
             w2 = (mf__cpu_weight_t){base + sl->w2 + j * sl->w2_bytes,
                                     fp8 ? (const float *)(base + sl->w2_scales + j * sl->w2_scale_bytes) : NULL, fp8};
         }
-        for (int64_t j = 0; j < p->counts[e]; j += MF__CPU_ROWS) {
-            int64_t m = p->counts[e] - j < MF__CPU_ROWS ? p->counts[e] - j : MF__CPU_ROWS;
-            int64_t row = mf__plan_row(p, e, (int32_t)j);
+        const int64_t first = rows->offsets ? rows->offsets[e] : (int64_t)e * c->expert_capacity;
+        for (int64_t j = 0; j < count; j += MF__CPU_ROWS) {
+            int64_t m = count - j < MF__CPU_ROWS ? count - j : MF__CPU_ROWS;
+            int64_t row = first + j;
             double t0 = mf__now_us();
-            mf__cpu_load_rows(moe, row, m);
+            mf__cpu_load_rows(moe, rows->x, rows->scales, row, m);
             mf__cpu_gemm_nt(s->a, s->a_scales, m, &w13, 2 * I, H, s->c);
             mf__cpu_swiglu(moe, m);
             double t1 = mf__now_us();
             mf__cpu_gemm_nt(s->a, s->a_scales, m, &w2, H, I, s->c);
             for (int64_t i = 0; i < m; i++) {
-                for (int64_t h = 0; h < H; h++) s->part[h] = mf__bf16_from_float(s->c[i * H + h]);
-                mf__cpu_return_row(moe, p->src + 3 * (row + i), s->part);
+                uint16_t *part = rows->out ? rows->out + (row + i) * H : s->part;
+                for (int64_t h = 0; h < H; h++) part[h] = mf__bf16_from_float(s->c[i * H + h]);
+                if (!rows->out) mf__cpu_return_row(moe, p->src + 3 * (row + i), s->part);
             }
             *t_w13 += t1 - t0;
             *t_w2 += mf__now_us() - t1;
@@ -417,7 +431,8 @@ static mf_result_t mf__cpu_forward(mf_moe_t moe, const mf_moe_forward_in_t *in, 
     MF_CHECK(mf__cpu_exchange_and_plan(moe));
     mf__cpu_gather(moe, s->recv_x, s->recv_scales, NULL);
     double t2 = mf__now_us(), w13 = 0, w2 = 0;
-    mf__cpu_experts(moe, &w13, &w2);
+    const mf__cpu_rows_t rows = {s->recv_x, s->recv_scales, s->plan.counts, s->plan.offsets, s->plan.num_local, NULL};
+    mf__cpu_experts(moe, &rows, &w13, &w2);
     double t3 = mf__now_us();
     MF_CHECK(mf__cpu_sum(moe, (int32_t)in->x.dims[0], (const float *)in->topk_weights.data, (uint16_t *)out->y.data));
     double t4 = mf__now_us();
@@ -458,6 +473,22 @@ static mf_result_t mf__cpu_combine(mf_moe_t moe, const mf_combine_in_t *in, cons
             mf__cpu_return_row(moe, p->src + 3 * row, eo + row * H);
         }
     return mf__cpu_sum(moe, moe->dispatch_T, (const float *)in->topk_weights.data, (uint16_t *)out->y.data);
+}
+
+static mf_result_t mf__cpu_moe_experts(mf_moe_t moe, const mf_experts_in_t *in, const mf_experts_out_t *out,
+                                       mf_stream_t stream) {
+    (void)stream;
+    const int32_t L = moe->info.num_local_slots, C = moe->config.expert_capacity;
+    const int32_t *counts = (const int32_t *)in->expert_counts.data;
+    for (int32_t e = 0; e < L; e++)
+        if (counts[e] < 0 || counts[e] > C)
+            return mf__error(MF_ERR_INVALID_ARGUMENT, "mf_moe_experts: expert_counts[%d] = %d is outside [0, C = %d]",
+                             e, counts[e], C);
+    const mf__cpu_rows_t rows = {in->recv_x.data, (const float *)in->recv_scales.data, counts, NULL, L,
+                                 (uint16_t *)out->expert_out.data};
+    double w13 = 0, w2 = 0;
+    mf__cpu_experts(moe, &rows, &w13, &w2);
+    return MF_SUCCESS;
 }
 
 /* A rejected call: arrive with the failure as status at the call's first synchronisation and wait,
@@ -604,6 +635,7 @@ const mf__backend_ops_t mf__cpu_backend = {
     .forward = mf__cpu_forward,
     .dispatch = mf__cpu_dispatch,
     .combine = mf__cpu_combine,
+    .experts = mf__cpu_moe_experts,
     .reject = mf__cpu_reject,
     .abort = mf__cpu_abort,
     .get_async_error = mf__cpu_get_async_error,

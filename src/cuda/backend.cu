@@ -98,6 +98,7 @@ enum { kMfSchedW13 = 0, kMfSchedSpareW13, kMfSchedW2, kMfSchedSpareW2, kMfSchedP
 typedef struct mf__cuda_moe {
     int32_t *ids_all, *T_all, *global_counts; /* plan: [R, S, K], [R], [E] (zero between calls) */
     int32_t *counts, *offsets, *src; /* plan: [L], [L + 1], [rows, 3] */
+    int32_t *masked_offsets;         /* MASKED: [L + 1] e * C, the segments of mf_moe_experts */
     uint8_t *recv_x;                 /* [rows, H] of mf_moe_forward */
     float *recv_scales;              /* [rows, H/128] (FP8) */
     uint8_t *h;                      /* [rows, I] FP8 or BF16 */
@@ -428,6 +429,7 @@ static void mf__cuda_moe_fini(mf_moe_t moe) {
     cudaFree(s->global_counts);
     cudaFree(s->counts);
     cudaFree(s->offsets);
+    cudaFree(s->masked_offsets);
     cudaFree(s->src);
     cudaFree(s->recv_x);
     cudaFree(s->recv_scales);
@@ -504,6 +506,7 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
         {(void **)&s->global_counts, (size_t)c->num_experts * 4},
         {(void **)&s->counts, (size_t)L * 4},
         {(void **)&s->offsets, (size_t)(L + 1) * 4},
+        {(void **)&s->masked_offsets, c->layout == MF_LAYOUT_MASKED ? (size_t)(L + 1) * 4 : 0},
         {(void **)&s->src, (size_t)s->rows * 12},
         {(void **)&s->recv_x, pull ? (size_t)(s->rows * H) * esz : 0},
         {(void **)&s->recv_scales, pull && fp8 ? (size_t)(s->rows * (H / MF__QUANT_BLOCK)) * 4 : 0},
@@ -542,6 +545,14 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
     if (e == cudaSuccess) e = cudaMemsetAsync(s->words, 0, 2 * 4, setup);
     if (e == cudaSuccess) e = cudaMemsetAsync(s->sched, 0, kMfSchedPairs * 2 * 4, setup);
     if (e == cudaSuccess) e = cudaMemsetAsync(s->stats, 0, (2 * MF_MAX_RANKS + 3) * 8, setup);
+    int32_t *masked = NULL; /* host copy of e * C, until the setup stream has read it */
+    if (e == cudaSuccess && s->masked_offsets) {
+        masked = (int32_t *)mf__malloc((size_t)(L + 1) * 4);
+        if (!masked) e = cudaErrorMemoryAllocation;
+        for (int64_t i = 0; masked && i <= L; i++) masked[i] = (int32_t)(i * c->expert_capacity);
+        if (e == cudaSuccess)
+            e = cudaMemcpyAsync(s->masked_offsets, masked, (size_t)(L + 1) * 4, cudaMemcpyHostToDevice, setup);
+    }
     if (e == cudaSuccess && plan_smem > 48 * 1024 && plan_smem <= kMfPrefetchMaxSmem)
         e = cudaFuncSetAttribute(mf__plan_offsets_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)plan_smem);
     if (e == cudaSuccess && B) e = mf__cuda_prefetch_preload(pick_smem) == MF_SUCCESS ? cudaSuccess : cudaErrorUnknown;
@@ -549,6 +560,7 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&s->fwd_done, cudaEventDisableTiming);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&s->pf_done, cudaEventDisableTiming);
     if (e == cudaSuccess) e = cudaStreamSynchronize(setup);
+    mf__free(masked);
     if (e != cudaSuccess) {
         (void)cudaGetLastError();
         mf__cuda_moe_fini(moe);
@@ -939,6 +951,43 @@ static mf_result_t mf__cuda_combine(mf_moe_t moe, const mf_combine_in_t *in, con
     return mf__cuda_leave(moe->comm, mf__cuda_combine_launch(moe, in, out, stream), pending);
 }
 
+/* mf_moe_experts: W13 -> SwiGLU -> W2 over the caller's MASKED rows with the layer's weights and scratch,
+ * the forward's GEMM launchers (the family from the rows hint of the pending dispatch's T, else S). The
+ * first kernel follows the caller's work without PDL, W2 follows W13 with it. */
+static mf_result_t mf__cuda_experts_launch(mf_moe_t moe, const mf_experts_in_t *in, const mf_experts_out_t *out,
+                                           cudaStream_t stream) {
+    mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
+    const mf_moe_config_t *c = &moe->config;
+    const mf_moe_weights_t *w = &moe->weights;
+    const int32_t fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
+    mf__cuda_gemm_debug_layer(moe->id);
+    mf__gemm_segments_t seg;
+    seg.counts = (const int32_t *)in->expert_counts.data;
+    seg.offsets = s->masked_offsets;
+    seg.num_experts = s->held;
+    seg.max_rows_per_expert = c->expert_capacity; /* counts are clamped to it on the device */
+    seg.rows_hint = mf__cuda_rows_hint(moe, moe->comm->pending_dispatch == moe ? moe->dispatch_T
+                                                                               : c->max_tokens_per_rank);
+    seg.sched = s->sched + 2 * kMfSchedW13;
+    mf__gemm_operand_t a = {in->recv_x.data, fp8 ? (const float *)in->recv_scales.data : NULL, NULL};
+    mf__gemm_operand_t w13 = {w->w13.data, fp8 ? (const float *)w->w13_scales.data : NULL, NULL};
+    MF_CHECK(mf__cuda_w13_swiglu(&seg, c->dtype, c->ue8m0_scales, a, w13, c->hidden, c->intermediate, s->h,
+                                 s->h_scales, stream, 0));
+    seg.sched = s->sched + 2 * kMfSchedW2;
+    mf__gemm_operand_t h = {s->h, s->h_scales, NULL};
+    mf__gemm_operand_t w2 = {w->w2.data, fp8 ? (const float *)w->w2_scales.data : NULL, NULL};
+    return mf__cuda_w2(&seg, c->dtype, h, w2, c->hidden, c->intermediate, (uint16_t *)out->expert_out.data, NULL,
+                       stream, 1);
+}
+
+static mf_result_t mf__cuda_experts(mf_moe_t moe, const mf_experts_in_t *in, const mf_experts_out_t *out,
+                                    mf_stream_t stream_) {
+    cudaStream_t stream = (cudaStream_t)stream_;
+    mf_result_t pending = MF_SUCCESS;
+    MF_CHECK(mf__cuda_enter(moe->comm, stream, &pending));
+    return mf__cuda_leave(moe->comm, mf__cuda_experts_launch(moe, in, out, stream), pending);
+}
+
 /* A call whose input the host rejected: it still takes part in the call's synchronisations, with
  * the rejection as its status, so that every rank fails the call and writes nothing. The stream is
  * then synchronised (an error path), so that the fault the rejection makes is known to be this
@@ -1161,6 +1210,7 @@ const mf__backend_ops_t mf__cuda_backend = {
     mf__cuda_forward,
     mf__cuda_dispatch,
     mf__cuda_combine,
+    mf__cuda_experts,
     mf__cuda_reject,
     mf__cuda_abort,
     mf__cuda_get_async_error,
