@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
-"""distributed.py — one rank per process, as an engine runs moeflow, through the vLLM-shaped adapter.
+"""distributed.py — one rank per process, as an engine runs moeflow.
 
 Each process joins a torch.distributed group (gloo), makes its moeflow comm from it
 (moeflow.torch.comm_from_process_group: the group's allgather is the bootstrap; ranks of one host
 meet over the ipc transport), loads only its own experts from a Hugging Face-style checkpoint
-(moeflow.weights) and runs the layer twice through moeflow.adapter, as vLLM's modular kernel
-would drive it:
-  mode "layer"  MoeflowFusedMoE with moeflow's fused layer (dispatch + grouped GEMMs + combine);
-  mode "torch"  prepare (dispatch) -> the engine's experts (torch GEMMs) -> finalize (combine).
+(moeflow.weights) and runs the layer twice:
+  "fused"             layer(x, topk_ids, topk_weights): dispatch + grouped GEMMs + combine;
+  "dispatch/combine"  layer.dispatch -> layer.experts (moeflow's grouped GEMMs on the delivered
+                      rows; an engine's own GEMMs go here) -> layer.combine.
 Each y is checked against the fp64 reference; exit status 0 when every rank matched, else 1.
+(examples/vllm_layer.py runs the same layer inside vLLM's modular kernel.)
 
     python3 examples/distributed.py                          # spawns 2 processes, CPU backend
     torchrun --nproc-per-node 2 examples/distributed.py --backend cuda   # one GPU per rank
@@ -27,8 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moeflow import adapter, reference, weights
-from moeflow.torch import comm_from_process_group
+from moeflow import reference, weights
+from moeflow.torch import MoELayer, comm_from_process_group
 
 PREFIX = "model.layers.5.mlp"
 
@@ -53,38 +54,45 @@ def rank_main(rank, world, a, init):
     p = reference.make_problem(world, E, K, H, I, [T + 5 * r for r in range(world)], dtype=dtype,
                                seed=12, drop=0.05)
     w = weights.load_experts(state_dict, PREFIX, weights.local_expert_ids(rank, world, E), device=dev)
-    qc = adapter.QuantConfig(w["w13_scale"], w["w2_scale"])
     x, ids, wts = p.x[rank].to(dev), p.topk_ids[rank].to(dev), p.topk_weights[rank].to(dev)
 
     comm = comm_from_process_group(backend=a.backend)           # collective over the group
     full = weights.load_experts(state_dict, PREFIX, range(E))
     ref = reference.reference_moe(p.x[rank], p.topk_ids[rank], p.topk_weights[rank], full["w13"],
                                   full["w13_scale"], full["w2"], full["w2_scale"])
-    failed = 0
-    for mode in ("layer", "torch"):
-        moe = adapter.MoeflowFusedMoE.create(comm, E, K, H, I, max_tokens=T + 5 * world,
-                                             dtype=dtype, mode=mode, quant_config=qc)
-        y = moe(x, w["w13"], w["w2"], wts, ids).cpu()          # collective
-        moe.close()
+    failed, lines = 0, []
+    layer = MoELayer(comm, E, K, H, I, max_tokens=T + 5 * world, dtype=dtype,
+                     layout="masked")                         # collective
+    layer.set_weights(w["w13"], w["w2"], w["w13_scale"], w["w2_scale"])       # borrowed
+    for mode in ("fused", "dispatch/combine"):
+        if mode == "fused":
+            y = layer(x, ids, wts).cpu()                       # collective
+        else:
+            d = layer.dispatch(x, ids)                         # collective
+            expert_out = layer.experts(d.recv_x, d.recv_scales, d.expert_counts)
+            y = layer.combine(expert_out, wts, d).cpu()        # collective
         try:
             reference.assert_close(y, ref, dtype, oracle=False)
             status = "ok"
         except AssertionError as e:
             status, failed = f"MISMATCH: {e}", 1
-        print(f"distributed.py: rank {rank}/{world} ({comm.transport}, {comm.backend}) mode {mode}: "
-              f"T {x.shape[0]} diff {reference.diff(y, ref):.3g} {status}", flush=True)
+        lines.append(f"distributed.py: rank {rank}/{world} ({comm.transport}, {comm.backend}) mode "
+                     f"{mode}: T {x.shape[0]} diff {reference.diff(y, ref):.3g} {status}")
+    layer.close()
     comm.close()                                               # collective
-    verdict = torch.tensor([failed])
-    dist.all_reduce(verdict)
+    every = [None] * world                                     # rank 0 prints, in rank order
+    dist.all_gather_object(every, (failed, lines))
     dist.destroy_process_group()
+    failed = any(f for f, _ in every)
     if rank == 0:
-        print(f"distributed.py: {a.backend} {a.dtype} R {world}: {'PASS' if not verdict.item() else 'FAIL'}")
+        print("\n".join(line for _, ls in every for line in ls))
+        print(f"distributed.py: {a.backend} {a.dtype} R {world}: {'FAIL' if failed else 'PASS'}")
     # os._exit, not a return: torch 2.15 can abort a process that used a torch.library custom op
     # and a gloo group in its exit-time destructors ("terminate called without an active
     # exception"; reproduced here without moeflow, 2 of 17 runs). Nothing is left to clean up.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(1 if verdict.item() else 0)
+    os._exit(1 if failed else 0)
 
 
 def main():

@@ -58,6 +58,7 @@ class Comm:
         self.device = device            # CUDA ordinal (CUDA backend), else None
         self.group = group              # the Group of a virtual rank, else None
         self._keepalive = keepalive     # the bootstrap callback of Comm.init
+        self._layers = set()            # open Layers: the comm refuses to close under them
         rank, size, transport = ctypes.c_int32(), ctypes.c_int32(), ctypes.c_int32()
         check(_lib.mf_comm_get_rank(handle, ctypes.byref(rank)))
         check(_lib.mf_comm_get_size(handle, ctypes.byref(size)))
@@ -104,19 +105,32 @@ class Comm:
         return cls(handle.value, backend, device if backend == "cuda" else None,
                    keepalive=callback)
 
+    def live(self, what):
+        """The C handle; RuntimeError naming `what` once the comm (or its group) is closed."""
+        if not self.handle:
+            raise RuntimeError(f"moeflow: {what}: the comm is closed")
+        return self.handle
+
     def abort(self):
         """mf_comm_abort: every wait of this rank (and of peers waiting for it) ends with
         MF_ERR_ABORTED. Any thread, not collective."""
-        check(_lib.mf_comm_abort(self.handle))
+        check(_lib.mf_comm_abort(self.live("abort")))
 
     def async_error(self):
         """mf_comm_get_async_error: raises the first device fault since the last report."""
-        check(_lib.mf_comm_get_async_error(self.handle))
+        check(_lib.mf_comm_get_async_error(self.live("async_error")))
+
+    def _check_no_layers(self, what):
+        if self._layers:
+            raise RuntimeError(f"moeflow: {what}: rank {self.rank} still has {len(self._layers)} "
+                               f"open layer(s); close them first (layer.close())")
 
     def close(self):
-        """Destroys a comm made by Comm.init (collective when healthy); a no-op for a group's
-        comm (Group.close frees it)."""
+        """Destroys a comm made by Comm.init (collective when healthy), after its layers (a
+        RuntimeError, with nothing destroyed, while one is open); a no-op for a group's comm
+        (Group.close frees it)."""
         if self.group is None and self.handle:
+            self._check_no_layers("Comm.close")
             handle, self.handle = self.handle, None
             check(_lib.mf_comm_destroy(handle))
 
@@ -162,8 +176,11 @@ class Group:
         return list(self._comms)
 
     def close(self):
-        """mf_group_destroy, after every rank's layers are closed."""
+        """mf_group_destroy, after every rank's layers are closed (a RuntimeError, with nothing
+        destroyed, while one is open)."""
         if self.handle:
+            for c in self._comms:
+                c._check_no_layers("Group.close")
             handle, self.handle = self.handle, None
             for c in self._comms:
                 c.handle = None
@@ -214,8 +231,9 @@ class Layer:
                           num_physical_experts=num_physical_experts, spare_slots=spare_slots,
                           placement=_enum(_lib.PLACEMENT, "placement", placement))
         handle = ctypes.c_void_p()
-        check(_lib.mf_moe_create(comm.handle, ctypes.byref(cfg), ctypes.byref(handle)))
+        check(_lib.mf_moe_create(comm.live("Layer"), ctypes.byref(cfg), ctypes.byref(handle)))
         self.handle = handle.value
+        comm._layers.add(self)
         raw = _lib.MoeInfo()
         check(_lib.mf_moe_get_info(self.handle, ctypes.byref(raw)))
         self.info = LayerInfo(*(getattr(raw, f) for f, _ in _lib.MoeInfo._fields_))
@@ -223,31 +241,36 @@ class Layer:
     def set_weights(self, w13, w13_scales, w2, w2_scales):
         """mf_moe_set_weights with _lib.Tensor descriptors; the layer borrows the memory."""
         w = _lib.MoeWeights(w13, w13_scales, w2, w2_scales)
-        check(_lib.mf_moe_set_weights(self.handle, ctypes.byref(w)))
+        check(_lib.mf_moe_set_weights(self._live(), ctypes.byref(w)))
 
     def forward(self, x, topk_ids, topk_weights, y, stream=None):
         """mf_moe_forward with descriptors (collective); `stream` a cudaStream_t address."""
-        check(_lib.mf_moe_forward(self.handle, ctypes.byref(_lib.ForwardIn(x, topk_ids, topk_weights)),
+        check(_lib.mf_moe_forward(self._live(), ctypes.byref(_lib.ForwardIn(x, topk_ids, topk_weights)),
                                   ctypes.byref(_lib.ForwardOut(y)), stream))
 
     def dispatch(self, x, topk_ids, recv_x, recv_scales, recv_src, expert_counts, expert_offsets,
                  stream=None):
         """mf_dispatch with descriptors (collective)."""
         out = _lib.DispatchOut(recv_x, recv_scales, recv_src, expert_counts, expert_offsets)
-        check(_lib.mf_dispatch(self.handle, ctypes.byref(_lib.DispatchIn(x, topk_ids)),
+        check(_lib.mf_dispatch(self._live(), ctypes.byref(_lib.DispatchIn(x, topk_ids)),
                                ctypes.byref(out), stream))
 
     def combine(self, expert_out, topk_weights, y, stream=None):
         """mf_combine with descriptors (collective)."""
-        check(_lib.mf_combine(self.handle, ctypes.byref(_lib.CombineIn(expert_out, topk_weights)),
+        check(_lib.mf_combine(self._live(), ctypes.byref(_lib.CombineIn(expert_out, topk_weights)),
                               ctypes.byref(_lib.CombineOut(y)), stream))
+
+    def experts(self, recv_x, recv_scales, expert_counts, expert_out, stream=None):
+        """mf_moe_experts with descriptors (not collective): this rank's experts on MASKED rows."""
+        check(_lib.mf_moe_experts(self._live(), ctypes.byref(_lib.ExpertsIn(recv_x, recv_scales, expert_counts)),
+                                  ctypes.byref(_lib.ExpertsOut(expert_out)), stream))
 
     def set_expert_map(self, phys_to_logical):
         """mf_moe_set_expert_map: the logical expert of every physical slot (a sequence of P ints,
         vLLM EPLB's physical_to_logical_map for this layer); every rank sets the same map."""
         ids = [int(e) for e in phys_to_logical]
         arr = (ctypes.c_int32 * max(len(ids), 1))(*ids)
-        check(_lib.mf_moe_set_expert_map(self.handle, arr, len(ids)))
+        check(_lib.mf_moe_set_expert_map(self._live(), arr, len(ids)))
 
     def stage_expert_map(self, phys_to_logical, w13, w13_scales, w2, w2_scales, experts_per_step=0):
         """mf_moe_stage_expert_map (collective, blocking): stages a new map whose weights moeflow
@@ -257,19 +280,19 @@ class Layer:
         ids = [int(e) for e in phys_to_logical]
         arr = (ctypes.c_int32 * max(len(ids), 1))(*ids)
         w = _lib.MoeWeights(w13, w13_scales, w2, w2_scales)
-        check(_lib.mf_moe_stage_expert_map(self.handle, arr, len(ids), ctypes.byref(w), int(experts_per_step)))
+        check(_lib.mf_moe_stage_expert_map(self._live(), arr, len(ids), ctypes.byref(w), int(experts_per_step)))
 
     def prefetch(self, stream=None):
         """mf_moe_prefetch (collective between two forwards): fills the spare slots for the next
         forward from the last forward's counts; `stream` a cudaStream_t address."""
-        check(_lib.mf_moe_prefetch(self.handle, stream))
+        check(_lib.mf_moe_prefetch(self._live(), stream))
 
     def balance_stats(self):
         """mf_moe_get_balance_stats as a dict: recv_rows / home_rows per rank (lists of R),
         prefetch_bytes, prefetch_bytes_all, spare_resident, num_physical_experts, slots_per_rank,
         spare_slots."""
         st = _lib.BalanceStats(size=ctypes.sizeof(_lib.BalanceStats))
-        check(_lib.mf_moe_get_balance_stats(self.handle, ctypes.byref(st)))
+        check(_lib.mf_moe_get_balance_stats(self._live(), ctypes.byref(st)))
         R = self.info.num_ranks
         out = {f: getattr(st, f) for f, _ in _lib.BalanceStats._fields_ if f not in ("size", "pad")}
         out["recv_rows"], out["home_rows"] = list(st.recv_rows[:R]), list(st.home_rows[:R])
@@ -279,13 +302,19 @@ class Layer:
         """Microseconds per phase of the last forward ({"prepare": .., "total": ..}); needs
         profile=True."""
         t = _lib.PhaseTimes()
-        check(_lib.mf_moe_get_phase_times(self.handle, ctypes.byref(t)))
+        check(_lib.mf_moe_get_phase_times(self._live(), ctypes.byref(t)))
         return dict(zip(_lib.PHASES, t.us), total=t.total_us)
 
+    def _live(self):
+        if not self.handle:
+            raise RuntimeError("moeflow: the layer is closed")
+        return self.handle
+
     def close(self):
-        """mf_moe_destroy (not collective; no call on the layer may be in flight)."""
+        """mf_moe_destroy (not collective; no call on the layer may be in flight). Idempotent."""
         if self.handle:
             handle, self.handle = self.handle, None
+            self.comm._layers.discard(self)
             check(_lib.mf_moe_destroy(handle))
 
     def __enter__(self):

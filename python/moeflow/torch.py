@@ -34,12 +34,14 @@ _UNUSED = _lib.Tensor()  # a field the layer's dtype or layout does not use
 
 # ---- comms ----------------------------------------------------------------------------------------
 def comm_from_process_group(group=None, backend="auto", device=None, transport="auto",
-                            heap_bytes=0, timeout_ms=0):
+                            heap_bytes=0, timeout_ms=0, num_sms=0):
     """This process's rank of torch.distributed process group `group` (None: the default group):
     mf_comm_init with a bootstrap whose allgather is dist.all_gather of a uint8 tensor over the
     group (on the current CUDA device for an nccl group, else on the CPU). Collective over the
-    group. CUDA backend: `device` defaults to torch.cuda.current_device(). The group must stay
-    usable until the comm is closed (setup calls and close() use it)."""
+    group. CUDA backend: `device` defaults to torch.cuda.current_device(). `transport` "auto"
+    (ipc for ranks of one host), "ipc" or "local"; `num_sms` the SMs this rank's peer-waiting
+    kernels may use (0: all, or num_sms / ranks sharing the device), as mf_comm_config_t. The
+    group must stay usable until the comm is closed (setup calls and close() use it)."""
     import torch.distributed as dist
 
     rank, size = dist.get_rank(group), dist.get_world_size(group)
@@ -58,7 +60,8 @@ def comm_from_process_group(group=None, backend="auto", device=None, transport="
         return [bytes(t.cpu().tolist()) for t in recv]
 
     return Comm.init(rank, size, allgather, backend=backend, transport=transport,
-                     device=device or 0, heap_bytes=heap_bytes, timeout_ms=timeout_ms)
+                     device=device or 0, heap_bytes=heap_bytes, timeout_ms=timeout_ms,
+                     num_sms=num_sms)
 
 
 def virtual_comms(num_ranks, backend="auto", device=None, timeout_ms=0, heap_bytes=0):
@@ -125,9 +128,12 @@ def _layer(handle):
         raise ValueError(f"moeflow: no open MoELayer has handle {handle}") from None
 
 
-def _forward(layer, x, topk_ids, topk_weights):
+def _forward(layer, x, topk_ids, topk_weights, y=None):
     layer._check_tokens(x, topk_ids, topk_weights)
-    y = torch.empty_like(x)
+    if y is None:
+        y = torch.empty_like(x)
+    else:
+        _check("out", y, torch.bfloat16, tuple(x.shape), layer.device, row=True)
     layer._core.forward(_desc(x), _desc(topk_ids), _desc(topk_weights), _desc(y), layer._stream())
     return y
 
@@ -164,16 +170,23 @@ def _(handle, x, topk_ids):
     return layer._dispatch_outputs(torch.empty)
 
 
+def _combine(layer, expert_out, topk_weights, recv_src, y=None):
+    layer._check_combine(expert_out, topk_weights, recv_src)
+    if y is None:
+        y = layer._new((topk_weights.shape[0], layer.hidden), torch.bfloat16)
+    else:
+        _check("out", y, torch.bfloat16, (topk_weights.shape[0], layer.hidden), layer.device,
+               row=True)
+    layer._core.combine(_desc(expert_out), _desc(topk_weights), _desc(y), layer._stream())
+    return y
+
+
 @torch.library.custom_op("moeflow::combine", mutates_args=())
 def _combine_op(handle: int, expert_out: torch.Tensor, topk_weights: torch.Tensor,
                 recv_src: torch.Tensor) -> torch.Tensor:
     # recv_src (of the dispatch being combined) is read by no one: it orders combine after
     # its dispatch for graph transforms.
-    layer = _layer(handle)
-    layer._check_combine(expert_out, topk_weights, recv_src)
-    y = layer._new((topk_weights.shape[0], layer.hidden), torch.bfloat16)
-    layer._core.combine(_desc(expert_out), _desc(topk_weights), _desc(y), layer._stream())
-    return y
+    return _combine(_layer(handle), expert_out, topk_weights, recv_src)
 
 
 @_combine_op.register_fake
@@ -181,6 +194,37 @@ def _(handle, expert_out, topk_weights, recv_src):
     layer = _layer(handle)
     layer._check_combine(expert_out, topk_weights, recv_src)
     return layer._new((topk_weights.shape[0], layer.hidden), torch.bfloat16)
+
+
+def _experts(layer, recv_x, recv_scales, expert_counts, out):
+    lead, H = layer._rows_shape(), layer.hidden
+    if layer.layout != "masked":
+        raise ValueError("moeflow: layer.experts runs on the MASKED layout (make the layer with "
+                         "layout='masked')")
+    _check("recv_x", recv_x, layer.dtype, (*lead, H), layer.device, row=True)
+    fp8 = layer.dtype == torch.float8_e4m3fn
+    if fp8:
+        _check("recv_scales", recv_scales, torch.float32, (*lead, H // _lib.QUANT_BLOCK),
+               layer.device)
+    _check("expert_counts", expert_counts, torch.int32, lead[:1], layer.device)
+    if out is None:
+        out = layer._new((*lead, H), torch.bfloat16)
+    else:
+        _check("out", out, torch.bfloat16, (*lead, H), layer.device, row=True)
+    layer._core.experts(_desc(recv_x), _desc(recv_scales) if fp8 else _UNUSED,
+                        _desc(expert_counts), _desc(out), layer._stream())
+    return out
+
+
+@torch.library.custom_op("moeflow::experts", mutates_args=("out",))
+def _experts_op(handle: int, recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
+                expert_counts: torch.Tensor, out: torch.Tensor) -> None:
+    _experts(_layer(handle), recv_x, recv_scales, expert_counts, out)
+
+
+@_experts_op.register_fake
+def _(handle, recv_x, recv_scales, expert_counts, out):
+    return None
 
 
 @dataclass
@@ -199,10 +243,9 @@ class DispatchResult:
 class MoELayer(torch.nn.Module):
     """An EP MoE layer on one rank (`comm`): created collectively over the comm's group (virtual
     ranks: one thread each). `dtype` is the weights' and dispatch payload's: torch.float8_e4m3fn
-    (block-scaled) or torch.bfloat16. Other arguments as mf_moe_config_t (docs/API.md);
-    `placement` "linear" (E / R experts per rank, the first E % R ranks one more) or
-    "round_robin" (expert e on rank e % R). Call close() before the comm (or its group) is closed;
-    the registry keeps the layer alive until then."""
+    (block-scaled) or torch.bfloat16. Other arguments as mf_moe_config_t (docs/API.md). Call
+    close() before the comm (or its group) is closed; the registry keeps the layer alive until
+    then."""
 
     def __init__(self, comm, num_experts, topk, hidden, intermediate, max_tokens,
                  dtype=torch.float8_e4m3fn, layout="expert_major", block_m=0, expert_capacity=0,
@@ -218,11 +261,11 @@ class MoELayer(torch.nn.Module):
                            dataflow=dataflow, ue8m0=ue8m0,
                            num_physical_experts=num_physical_experts, spare_slots=spare_slots,
                            placement=placement)
-        self.comm, self.dtype, self.layout = comm, dtype, layout
+        self.comm, self.dtype, self.layout, self.placement = comm, dtype, layout, placement
         self.num_experts, self.topk, self.hidden = num_experts, topk, hidden
         self.intermediate, self.max_tokens = intermediate, max_tokens
         self.info = self._core.info
-        self.slots_per_rank = self.info.num_local_slots  # weights' and dispatch segments' leading dim
+        self.slots_per_rank = self.info.num_local_slots  # L_r, or P / R with replicas
         self.device = (torch.device("cuda", comm.device) if comm.backend == "cuda"
                        else torch.device("cpu"))
         self._weights = None
@@ -232,11 +275,11 @@ class MoELayer(torch.nn.Module):
 
     # -- weights ------------------------------------------------------------------------------------
     def set_weights(self, w13, w2, w13_scale=None, w2_scale=None):
-        """This rank's L = info.num_local_slots local experts (its placement's experts, or the
-        Lp = num_physical_experts / R slots with replicas, in the expert map's order): w13
-        [L, 2I, H], w2 [L, H, I] in the layer's dtype; FP8 also fp32 block scales w13_scale
-        [L, 2I/128, H/128], w2_scale [L, H/128, I/128]. The layer keeps references (the library
-        borrows the memory): do not resize them; in-place updates are seen by the next forward."""
+        """This rank's L local experts (Lp = num_physical_experts / R slots with replicas, in
+        the expert map's order): w13 [L, 2I, H], w2 [L, H, I] in the layer's dtype; FP8 also fp32
+        block scales w13_scale [L, 2I/128, H/128], w2_scale [L, H/128, I/128]. The layer keeps
+        references (the library borrows the memory): do not resize them; in-place updates are
+        seen by the next forward."""
         self._core.set_weights(*self._weight_descs(w13, w2, w13_scale, w2_scale))
         self._weights = (w13, w2, w13_scale, w2_scale)
 
@@ -257,15 +300,17 @@ class MoELayer(torch.nn.Module):
         return _desc(w13), scales[0], _desc(w2), scales[1]
 
     # -- the calls ----------------------------------------------------------------------------------
-    def forward(self, x, topk_ids, topk_weights):
+    def forward(self, x, topk_ids, topk_weights, out=None):
         """y [T, H] bf16 = sum over k of topk_weights[:, k] * expert_{topk_ids[:, k]}(x), for
         x [T, H] bf16 (T <= max_tokens), topk_ids [T, K] int32 (or int64) global expert ids in
-        [-1, E), -1 skipping, topk_weights [T, K] fp32. Collective."""
+        [-1, E), -1 skipping, topk_weights [T, K] fp32; written into `out` ([T, H] bf16,
+        contiguous) when given. Collective."""
         _tensors(x=x, topk_ids=topk_ids, topk_weights=topk_weights)
         if torch.compiler.is_compiling():  # traced: the op, which torch.compile sees
-            return torch.ops.moeflow.forward(self.handle, x, _ids(topk_ids), topk_weights)
+            y = torch.ops.moeflow.forward(self.handle, x, _ids(topk_ids), topk_weights)
+            return y if out is None else out.copy_(y)
         # eager: the op's body without the dispatcher (~5 us a call); the same checks and call
-        return _forward(self, x, _ids(topk_ids), topk_weights)
+        return _forward(self, x, _ids(topk_ids), topk_weights, out)
 
     def dispatch(self, x, topk_ids):
         """Sends every (token, k) to its expert's rank: a DispatchResult in the layer's layout.
@@ -275,12 +320,31 @@ class MoELayer(torch.nn.Module):
         used = self._dispatch_used()
         return DispatchResult(*(t if u else None for t, u in zip(out, used)))
 
-    def combine(self, expert_out, topk_weights, dispatch_result):
+    def combine(self, expert_out, topk_weights, dispatch_result, out=None):
         """y [T, H] bf16: the weighted K-sum of expert_out (bf16, recv_x's layout and rows) over
-        this rank's tokens of the preceding dispatch (`dispatch_result`). Collective."""
+        this rank's tokens of the preceding dispatch (`dispatch_result`); written into `out`
+        ([T, H] bf16, contiguous) when given. Collective."""
         _tensors(expert_out=expert_out, topk_weights=topk_weights)
-        return torch.ops.moeflow.combine(self.handle, expert_out, topk_weights,
-                                         dispatch_result.recv_src)
+        if torch.compiler.is_compiling():
+            y = torch.ops.moeflow.combine(self.handle, expert_out, topk_weights,
+                                          dispatch_result.recv_src)
+            return y if out is None else out.copy_(y)
+        return _combine(self, expert_out, topk_weights, dispatch_result.recv_src, out)
+
+    def experts(self, recv_x, recv_scales, expert_counts, out=None):
+        """This rank's experts (W13 -> SwiGLU -> W2 with the layer's weights) on rows in the MASKED
+        dispatch layout: recv_x [L, C, H] (the layer's dtype; FP8 with recv_scales [L, C, H/128]
+        fp32, else None), expert_counts [L] int32 -> expert_out [L, C, H] bf16 (into `out` when
+        given; rows past a count not written). The fused layer's rounding, so dispatch ->
+        experts -> combine is forward's y (bit for bit on the CPU). Not collective; on CUDA on
+        the current stream, counts read on the device (graph-capturable)."""
+        if torch.compiler.is_compiling():
+            if out is None:
+                out = torch.empty((*self._rows_shape(), self.hidden), dtype=torch.bfloat16,
+                                  device=self.device)
+            torch.ops.moeflow.experts(self.handle, recv_x, recv_scales, expert_counts, out)
+            return out
+        return _experts(self, recv_x, recv_scales, expert_counts, out)
 
     def set_expert_map(self, phys_to_logical):
         """The logical expert of each of the P physical slots (a list or an integer tensor, vLLM

@@ -166,3 +166,30 @@ def test_bad_weights_and_combine_inputs(layer):
         lay.combine(d.recv_x[:1], wts, d)
     y = lay.combine(torch.zeros_like(d.recv_x), wts, d)  # the dispatch is still pending
     assert torch.equal(y, torch.zeros_like(x))
+
+
+def test_lifetimes_refuse_instead_of_crashing():
+    """A group or comm with an open layer refuses to close (RuntimeError, nothing destroyed, the
+    layer still works); a closed layer and a layer on a closed comm raise RuntimeError instead
+    of touching freed memory; close() is idempotent."""
+    comms = virtual_comms(1, "cpu")
+    group = comms[0].group
+    layer = MoELayer(comms[0], E, K, H, I, 4, dtype=torch.bfloat16)
+    p = ref.make_problem(1, E, K, H, I, 3, dtype=torch.bfloat16, seed=2)
+    layer.set_weights(*p.local_weights(0))
+    with pytest.raises(RuntimeError, match="open layer"):
+        group.close()
+    y = layer(p.x[0], p.topk_ids[0], p.topk_weights[0])  # still alive and usable
+    ref.assert_close(y, p.reference(0), torch.bfloat16)
+    layer.close()
+    layer.close()
+    with pytest.raises(RuntimeError, match="layer is closed"):
+        layer(p.x[0], p.topk_ids[0], p.topk_weights[0])
+    with pytest.raises(ValueError, match="no open MoELayer"):
+        layer.dispatch(p.x[0], p.topk_ids[0])
+    group.close()
+    group.close()
+    with pytest.raises(RuntimeError, match="comm is closed"):
+        MoELayer(comms[0], E, K, H, I, 4, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="comm is closed"):
+        comms[0].abort()

@@ -1,0 +1,368 @@
+"""moeflow.vllm against vLLM itself (vllm==0.33.0, CPU tensors, VLLM_TARGET_DEVICE=cpu): vLLM's
+real FusedMoEKernel built from moeflow's classes (the fused layer; dispatch/combine with moeflow's
+grouped GEMMs; dispatch/combine with vLLM's own batched experts), BF16 and FP8 block, R = 1, 2 and
+4 virtual ranks and gloo processes, uneven and round-robin placement, EPLB's physical ids with
+replicas, T = 0 on some ranks, and the refusals. Skipped only where vLLM is not installed; CI
+installs it and sets MOEFLOW_REQUIRE_VLLM=1, which turns the skip into a failure."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+if os.environ.get("MOEFLOW_REQUIRE_VLLM") == "1":
+    import vllm  # noqa: F401  (CI: the conformance tests must run)
+else:
+    pytest.importorskip("vllm")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import torch.nn.functional as F  # noqa: E402
+from vllm.model_executor.layers.fused_moe import modular_kernel as mk  # noqa: E402
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation  # noqa: E402
+from vllm.model_executor.layers.fused_moe.config import (  # noqa: E402
+    FusedMoEConfig,
+    FusedMoEParallelConfig,
+    FusedMoEQuantConfig,
+    RoutingMethodType,
+    fp8_w8a8_moe_quant_config,
+)
+from vllm.model_executor.layers.fused_moe.experts import fused_batched_moe  # noqa: E402
+
+from conftest import run_layer_ranks  # noqa: E402
+from moeflow import reference as ref  # noqa: E402
+from moeflow import vllm as mv  # noqa: E402
+from moeflow import weights as W  # noqa: E402
+from moeflow.torch import virtual_comms  # noqa: E402
+
+FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
+K, H, I = 3, 256, 128
+PREFIX = "model.layers.0.mlp"
+
+
+# ---- vLLM's objects for one rank ------------------------------------------------------------------
+def moe_config(E, R, r, S, placement="linear", topk=K, eplb=False):
+    pc = FusedMoEParallelConfig(tp_size=1, tp_rank=0, pcp_size=1, pcp_rank=0, dp_size=R,
+                                dp_rank=r, ep_size=R, ep_rank=r, sp_size=1, use_ep=True,
+                                all2all_backend="allgather_reducescatter", enable_eplb=eplb)
+    L = int((mv.placement_expert_map(placement, E, R, r) >= 0).sum())
+    return FusedMoEConfig(num_experts=E, experts_per_token=topk, hidden_dim=H,
+                          intermediate_size=I, num_local_experts=L, num_logical_experts=E,
+                          activation=MoEActivation.SILU, device="cpu",
+                          routing_method=RoutingMethodType.TopK, moe_parallel_config=pc,
+                          in_dtype=BF16, max_num_tokens=S)
+
+
+def quant_config(dtype, w):
+    if dtype == BF16:
+        return FusedMoEQuantConfig.make()
+    return fp8_w8a8_moe_quant_config(w["w13_scale"], w["w2_scale"], block_shape=[128, 128])
+
+
+def local_ids(placement, E, R, r):
+    """Global ids of rank r's experts in local order."""
+    m = mv.placement_expert_map(placement, E, R, r)
+    ids = (m >= 0).nonzero().flatten()
+    return ids[m[ids].argsort()].tolist()
+
+
+# vLLM's batched experts ask torch.accelerator.current_stream() whether a CUDA graph is being
+# captured, which a CUDA build of torch answers only with a GPU driver: on this CPU-only machine
+# nothing is ever captured.
+fused_batched_moe._is_capturing_or_compiling = lambda: False
+
+
+class TorchActivationNaiveBatchedExperts(fused_batched_moe.NaiveBatchedExperts):
+    """vLLM's NaiveBatchedExperts (its torch reference experts for the batched format) with the
+    SiLU-and-mul written in torch: vLLM's compiled silu_and_mul needs a GPU driver."""
+
+    def activation(self, activation, output, input, **kwargs):
+        n = output.shape[-1]
+        output.copy_(F.silu(input[..., :n].float()) * input[..., n:].float())
+
+
+def run(R, fn):
+    comms = virtual_comms(R, "cpu")
+    try:
+        return run_layer_ranks(comms, fn)
+    finally:
+        comms[0].group.close()
+
+
+def layer_problem(dtype, E, R, tokens, seed, placement="linear"):
+    sd = W.make_state_dict(E, H, I, dtype=dtype, layer_prefix=PREFIX, seed=seed)
+    p = ref.make_problem(R, E, K, H, I, tokens, dtype=dtype, seed=seed + 1, drop=0.1)
+    full = W.load_experts(sd, PREFIX, range(E))
+    want = [ref.reference_moe(p.x[r], p.topk_ids[r], p.topk_weights[r], full["w13"],
+                              full["w13_scale"], full["w2"], full["w2_scale"]) for r in range(R)]
+    return sd, p, want
+
+
+def run_kernel(dtype, E, R, tokens, p, sd, mode, placement="linear", experts=None, ids64=True,
+               ids_of=None, weights_of=None):
+    """y of every rank through vLLM's FusedMoEKernel.apply, twice (buffer reuse)."""
+    S = max(max(tokens), 1)
+
+    def rank(r, comm, ready):
+        w = weights_of(r) if weights_of else W.load_experts(sd, PREFIX, local_ids(placement, E, R, r))
+        mc, qc = moe_config(E, R, r, S, placement), quant_config(dtype, w)
+        ex = None
+        if experts == "vllm":
+            ex = TorchActivationNaiveBatchedExperts(mc, qc, max_num_tokens=S, num_dispatchers=R)
+        kernel = mv.make_kernel(mc, qc, comm, mode=mode, placement=placement, experts=ex)
+        assert isinstance(kernel, mk.FusedMoEKernel)
+        emap = mv.placement_expert_map(placement, E, R, r)
+        ids = (ids_of(r) if ids_of else p.topk_ids[r])
+        ids = ids.long() if ids64 else ids.int()
+        ready()
+        try:
+            return [kernel.apply(p.x[r], w["w13"], w["w2"], p.topk_weights[r], ids,
+                                 MoEActivation.SILU, E, emap, False) for _ in range(2)]
+        finally:
+            kernel.moeflow_layer.close()
+
+    return run(R, rank)
+
+
+# ---- the fused layer and dispatch/combine, against the fp64 reference ------------------------------
+CASES = [(1, [9]), (2, [6, 0]), (2, [5, 7]), (4, [3, 0, 8, 1])]
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("R,tokens", CASES, ids=[f"R{r}-{t}" for r, t in CASES])
+def test_layer_and_dispatch_kernels_match_reference_and_each_other(dtype, R, tokens):
+    E = 8
+    sd, p, want = layer_problem(dtype, E, R, tokens, seed=20 + R)
+    ys = {mode: run_kernel(dtype, E, R, tokens, p, sd, mode) for mode in ("layer", "dispatch")}
+    for r in range(R):
+        for mode, y in ys.items():
+            assert y[r][0].shape == (tokens[r], H) and y[r][0].dtype == BF16
+            ref.assert_close(y[r][0], want[r], dtype, oracle=True)
+            assert torch.equal(y[r][0], y[r][1]), f"{mode}: the second call differs"
+        # dispatch -> moeflow's grouped GEMMs -> combine is the fused layer, bit for bit (CPU)
+        assert torch.equal(ys["layer"][r][0], ys["dispatch"][r][0])
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP8], ids=["bf16", "fp8"])
+def test_prepare_finalize_with_vllms_own_batched_experts(dtype):
+    """moeflow's dispatch/combine around vLLM's NaiveBatchedExperts (a1q [L, R*S, H], FP8 scales
+    [L, R*S, H/128] fp32, expert_num_tokens): vLLM's experts read what moeflow delivers."""
+    E, R, tokens = 8, 2, [7, 4]
+    sd, p, want = layer_problem(dtype, E, R, tokens, seed=40)
+    ys = run_kernel(dtype, E, R, tokens, p, sd, "dispatch", experts="vllm")
+    for r in range(R):
+        # vLLM's naive experts keep W13's output and SwiGLU in bf16 and (FP8) dequantise the
+        # intermediate unquantised: close to the reference, not at moeflow's rounding points
+        assert ref.diff(ys[r][0], want[r]) < (1e-4 if dtype == BF16 else 1e-3)
+
+
+def test_int32_ids_and_the_prepare_contract():
+    """int32 ids (the prepare's topk_indices_dtype) give the int64 result; the prepare/finalize
+    reports vLLM's batched contract."""
+    E, R, tokens = 8, 2, [5, 3]
+    sd, p, _ = layer_problem(BF16, E, R, tokens, seed=50)
+    a = run_kernel(BF16, E, R, tokens, p, sd, "dispatch", ids64=True)
+    b = run_kernel(BF16, E, R, tokens, p, sd, "dispatch", ids64=False)
+    for r in range(R):
+        assert torch.equal(a[r][0], b[r][0])
+
+    def rank(r, comm, ready):
+        kernel = mv.make_kernel(moe_config(E, R, r, 5), None, comm, mode="dispatch")
+        try:
+            pf = kernel.prepare_finalize
+            return (pf.activation_format, pf.num_dispatchers(), pf.max_num_tokens_per_rank(),
+                    pf.output_is_reduced(), pf.topk_indices_dtype(),
+                    type(kernel.fused_experts).activation_format())
+        finally:
+            kernel.moeflow_layer.close()
+
+    for got in run(R, rank):
+        assert got == (mk.FusedMoEActivationFormat.BatchedExperts, R, 5, True, torch.int32,
+                       mk.FusedMoEActivationFormat.BatchedExperts)
+
+
+# ---- placements vLLM hands over ---------------------------------------------------------------
+PLACEMENT_CASES = [("linear", 10, 4, [4, 6, 0, 5]), ("linear", 7, 2, [5, 5]),
+                   ("round_robin", 8, 2, [6, 3]), ("round_robin", 10, 4, [2, 0, 7, 4])]
+
+
+@pytest.mark.parametrize("mode", ["layer", "dispatch"])
+@pytest.mark.parametrize("placement,E,R,tokens", PLACEMENT_CASES,
+                         ids=[f"{c[0]}-E{c[1]}-R{c[2]}" for c in PLACEMENT_CASES])
+def test_uneven_and_round_robin_placement(mode, placement, E, R, tokens):
+    """vLLM's uneven linear split (the first E % R ranks hold one more expert) and round-robin
+    placement: y bit for bit the linear layer's with E % R == 0 (the same routing; R = 1)."""
+    sd, p, want = layer_problem(BF16, E, R, tokens, seed=60 + E + R)
+    ys = run_kernel(BF16, E, R, tokens, p, sd, mode, placement=placement)
+    for r in range(R):
+        ref.assert_close(ys[r][0], want[r], BF16, oracle=True)
+    one = ref.make_problem(1, E, K, H, I, [sum(tokens)], dtype=BF16, seed=1)
+    one.x, one.topk_ids, one.topk_weights = ([torch.cat(t)] for t in (p.x, p.topk_ids,
+                                                                       p.topk_weights))
+    single = run_kernel(BF16, E, 1, [sum(tokens)], one, sd, mode)[0][0]
+    assert torch.equal(torch.cat([y[0] for y in ys]), single)
+
+
+# ---- EPLB: physical ids, replicas ---------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["layer", "dispatch"])
+@pytest.mark.parametrize("dtype", [BF16, FP8], ids=["bf16", "fp8"])
+def test_eplb_physical_ids_with_replicas(mode, dtype):
+    """Under EPLB vLLM's router hands over physical ids (global_num_experts = P physical slots,
+    each holding a logical expert; hot experts have replicas on several ranks): the moeflow layer
+    is made with E = P, each rank holding its slots' weights. y is bit for bit the same routing
+    through logical ids on a layer without replicas."""
+    E, R, tokens = 8, 2, [9, 6]
+    phys_to_logical = [0, 1, 2, 3, 4, 5, 6, 7, 1, 3, 5, 2]  # P = 12: 1, 2, 3 and 5 twice
+    P = len(phys_to_logical)
+    sd, p, want = layer_problem(dtype, E, R, tokens, seed=70)
+    g = torch.Generator().manual_seed(71)
+
+    def physical(logical):  # vLLM's router: each (token, k) to one replica of its expert
+        out = logical.clone()
+        for idx in (logical >= 0).nonzero().tolist():
+            reps = [q for q, e in enumerate(phys_to_logical) if e == logical[tuple(idx)]]
+            out[tuple(idx)] = reps[torch.randint(len(reps), (1,), generator=g).item()]
+        return out
+
+    phys_ids = [physical(p.topk_ids[r]) for r in range(R)]
+
+    def slot_weights(r):
+        slots = [phys_to_logical[q] for q in local_ids("linear", P, R, r)]
+        return W.load_experts(sd, PREFIX, slots)
+
+    y_phys = run_kernel(dtype, P, R, tokens, p, sd, mode, ids_of=lambda r: phys_ids[r],
+                        weights_of=slot_weights)
+    y_log = run_kernel(dtype, E, R, tokens, p, sd, mode)
+    for r in range(R):
+        assert torch.equal(y_phys[r][0], y_log[r][0])
+        ref.assert_close(y_phys[r][0], want[r], dtype, oracle=True)
+
+
+# ---- refusals -----------------------------------------------------------------------------------
+def test_refusals_are_clear_and_leave_the_comm_usable():
+    E, R, S = 8, 1, 4
+    comms = virtual_comms(R, "cpu")
+    try:
+        comm = comms[0]
+        mc = moe_config(E, R, 0, S)
+        w = W.load_experts(W.make_state_dict(E, H, I, dtype=FP8, layer_prefix=PREFIX, seed=3),
+                           PREFIX, range(E))
+        fp8_qc = quant_config(FP8, w)
+        # an FP8-block quant config on a BF16 layer: refused at construction, nothing silently bf16
+        bf16_layer = mv.make_layer(mc, None, comm, layout="masked")
+        try:
+            with pytest.raises(ValueError, match="quant config asks for torch.float8_e4m3fn"):
+                mv.MoeflowPrepareAndFinalize(bf16_layer, fp8_qc)
+            with pytest.raises(ValueError, match="quant config asks for"):
+                mv.MoeflowExperts(mc, fp8_qc, bf16_layer)
+            with pytest.raises(ValueError, match="quant config asks for"):
+                mv.MoeflowLayerExperts(mc, fp8_qc, bf16_layer)
+        finally:
+            bf16_layer.close()
+        # quantisation schemes moeflow does not have
+        per_tensor = fp8_w8a8_moe_quant_config(torch.ones(E), torch.ones(E))
+        with pytest.raises(ValueError, match="block_shape"):
+            mv.make_kernel(mc, per_tensor, comm)
+        per_token = fp8_w8a8_moe_quant_config(torch.ones(E), torch.ones(E),
+                                              per_act_token_quant=True)
+        with pytest.raises(ValueError, match="per-token"):
+            mv.layer_dtype(per_token)
+        static = fp8_w8a8_moe_quant_config(w["w13_scale"], w["w2_scale"], a1_scale=torch.ones(1),
+                                           block_shape=[128, 128])
+        with pytest.raises(ValueError, match="static activation scales"):
+            mv.layer_dtype(static)
+        # the activation and the layout
+        relu = moe_config(E, R, 0, S)
+        relu.activation = MoEActivation.GELU
+        with pytest.raises(NotImplementedError, match="SILU"):
+            mv.make_layer(relu, None, comm)
+        layer = mv.make_layer(mc, None, comm, layout="expert_major")
+        try:
+            with pytest.raises(ValueError, match="layout='masked'"):
+                mv.MoeflowPrepareAndFinalize(layer)
+        finally:
+            layer.close()
+        # the kernel: wrong E, a foreign expert_map, prepare twice, finalize first
+        kernel = mv.make_kernel(mc, None, comm, mode="dispatch")
+        try:
+            pf = kernel.prepare_finalize
+            p = ref.make_problem(1, E, K, H, I, [S], dtype=BF16, seed=4)
+            x, ids, wts = p.x[0], p.topk_ids[0], p.topk_weights[0]
+            qc = FusedMoEQuantConfig.make()
+            with pytest.raises(ValueError, match="global_num_experts"):
+                pf.prepare(x, wts, ids, E + 1, None, False, qc)
+            with pytest.raises(NotImplementedError, match="expert_map"):
+                pf.prepare(x, wts, ids, E, torch.arange(E, dtype=torch.int32).flip(0), False, qc)
+            with pytest.raises(RuntimeError, match="without a prepare"):
+                pf.finalize(torch.empty_like(x), torch.empty(1), wts, ids, False,
+                            kernel.fused_experts.finalize_weight_and_reduce_impl())
+            a = pf.prepare(x, wts, ids, E, None, False, qc)
+            with pytest.raises(RuntimeError, match="again before finalize"):
+                pf.prepare(x, wts, ids, E, None, False, qc)
+            out = torch.empty_like(x)
+            pf.finalize(out, torch.zeros_like(a[0]), wts, ids, False,
+                        kernel.fused_experts.finalize_weight_and_reduce_impl())
+            assert torch.equal(out, torch.zeros_like(out))  # zeros in, zeros out; usable again
+        finally:
+            kernel.moeflow_layer.close()
+    finally:
+        comms[0].group.close()
+
+
+# ---- one rank per process: vLLM's own layer and EP group over gloo ----------------------------------
+EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples",
+                       "vllm_layer.py")
+GLOO_CASES = [["-R", "2"], ["-R", "4", "-E", "10", "--idle", "1"],
+              ["-R", "3", "-E", "8", "--placement", "round_robin", "--idle", "2"],
+              ["-R", "2", "--dtype", "fp8", "--idle", "0"]]
+
+
+@pytest.mark.parametrize("args", GLOO_CASES, ids=["-".join(a) for a in GLOO_CASES])
+def test_gloo_processes_run_vllms_own_layer(args):
+    """examples/vllm_layer.py: R processes in vLLM's distributed environment over gloo, vLLM's
+    RoutedExperts (FusedMoEFactory; vLLM places the experts: uneven linear with E = 10 on R = 4,
+    round-robin), moeflow installed as its moe_kernel from vLLM's EP group (the ipc transport
+    between the processes), both modes, an idle rank; every rank against the fp64 reference."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(q for q in sys.path if q))
+    r = subprocess.run([sys.executable, EXAMPLE, *args], capture_output=True, text=True, env=env,
+                       timeout=600)
+    out = r.stdout + r.stderr
+    R = int(args[1])
+    assert r.returncode == 0 and ": PASS" in r.stdout, out[-4000:]
+    assert r.stdout.count(" ok\n") == R * 2, out[-4000:]  # every rank, both modes
+
+
+# ---- the H200's test double stands for this vLLM ---------------------------------------------------
+def test_double_matches_vllm():
+    """tests/python/vllm_double.py (what test_vllm_cuda.py runs on a machine without vLLM) names
+    what the real vLLM 0.33 has: every module and attribute, the enum members, and the parameter
+    names of every method and function the double defines."""
+    import importlib
+    import inspect
+
+    import vllm_double
+
+    def params(f):
+        return [q for q in inspect.signature(f).parameters if q not in ("kwargs",)]
+
+    for name, attrs in vllm_double.MODULES.items():
+        real = importlib.import_module(name)
+        for attr, fake in attrs.items():
+            if attr.startswith("__"):
+                continue
+            assert hasattr(real, attr), f"{name}.{attr}: not in vLLM"
+            got = getattr(real, attr)
+            if isinstance(fake, type) and issubclass(fake, vllm_double.enum.Enum):
+                assert {m.name for m in fake} <= {m.name for m in got}, f"{name}.{attr} members"
+            elif isinstance(fake, type) and not hasattr(fake, "__dataclass_fields__"):
+                for meth, f in vars(fake).items():
+                    if callable(f) and not meth.startswith("_") or meth == "__init__":
+                        assert params(getattr(got, meth)) == params(f), f"{name}.{attr}.{meth}"
+            elif inspect.isfunction(fake):  # called with keywords: the names must exist
+                assert set(params(fake)) <= set(params(got)), f"{name}.{attr}"
+    # the fields and properties moeflow reads off the double's configs exist on vLLM's
+    for cls, real in ((vllm_double.FusedMoEQuantConfig, FusedMoEQuantConfig),
+                      (vllm_double.FusedMoEConfig, FusedMoEConfig),
+                      (vllm_double.FusedMoEParallelConfig, FusedMoEParallelConfig)):
+        for f in cls.__dataclass_fields__:
+            assert hasattr(real, f) or f in real.__dataclass_fields__, f"{real.__name__}.{f}"
