@@ -284,6 +284,28 @@ static void rnd_free_y(uint16_t **y, int32_t R) {
     free(y);
 }
 
+/* MASKED cases: the layer split as vLLM's modular kernel runs it (mf_dispatch, mf_moe_experts,
+ * mf_combine) on `backend` gives `forward`'s y bit for bit (0), else a failure naming the first
+ * differing value. Other layouts: 0 (the split runs on MASKED only). */
+static int rnd_split_matches(const mfp_problem_t *p, mf_backend_t backend, int64_t timeout_ms,
+                             uint16_t *const *forward) {
+    if (p->spec.layout != MF_LAYOUT_MASKED) return 0;
+    uint16_t **y = rnd_alloc_y(p);
+    char err[512] = "";
+    mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
+    o.backend = backend, o.timeout_ms = timeout_ms, o.op = MFP_OP_SPLIT;
+    mf_result_t res = mfp_run(p, &o, y, NULL, err, (int)sizeof err);
+    int rc = res != MF_SUCCESS ? mft_fail(__FILE__, __LINE__, "split run -> %s: %s", mft_result_name(res), err) : 0;
+    for (int32_t r = 0; r < p->spec.R && !rc; r++)
+        for (int64_t i = 0; i < (int64_t)p->T[r] * p->spec.H && !rc; i++)
+            if (y[r][i] != forward[r][i])
+                rc = mft_fail(__FILE__, __LINE__, "dispatch + mf_moe_experts + combine != forward: rank %d token %lld "
+                              "h %lld: 0x%04x vs 0x%04x", (int)r, (long long)(i / p->spec.H),
+                              (long long)(i % p->spec.H), y[r][i], forward[r][i]);
+    rnd_free_y(y, p->spec.R);
+    return rc;
+}
+
 #ifndef MFT_RANDOM_CASE_SPACE_ONLY
 /* ---- the CPU backend against the fp64 reference --------------------------------------------- */
 
@@ -312,6 +334,7 @@ static int cpu_case(uint64_t seed, const rnd_bounds_t bounds[2], rnd_stats_t st[
             rc = mft_fail(__FILE__, __LINE__, "mfp_run_forward -> %s: %s", mft_result_name(res), err);
         else
             rc = rnd_judge("ref", &p, y, y_ref, bounds[fp8], &st[fp8]);
+        if (!rc) rc = rnd_split_matches(&p, MF_BACKEND_CPU, RND_TIMEOUT_MS, y);
     }
     if (rc) {
         mft_note("case %s", desc);

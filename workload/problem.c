@@ -858,7 +858,7 @@ static void *rank_main(void *varg) {
     const mfp_spec_t *s = &p->spec;
     const mfp_run_opts_t *o = run->opts;
     const int32_t r = arg->rank, T = p->T[r], fp8 = s->dtype == MF_DTYPE_FP8_E4M3;
-    const int32_t procs = !run->group, comm_op = o->op == MFP_OP_DISPATCH_COMBINE;
+    const int32_t procs = !run->group, comm_op = o->op != MFP_OP_FORWARD, split = o->op == MFP_OP_SPLIT;
     const int32_t total = o->warmup + o->iters;
     const size_t H = (size_t)s->H, I = (size_t)s->I, K = (size_t)s->K;
     const size_t esize = fp8 ? 1 : 2, nsc = (2 * I / MFP_QBLOCK) * (H / MFP_QBLOCK);
@@ -1246,6 +1246,12 @@ static void *rank_main(void *varg) {
             if (ev[1]) cudaEventRecord(ev[1], cst);
 #endif
             t_disp = now_s() - c0;
+            if (res == MF_SUCCESS && split) {
+                call = "mf_moe_experts";
+                const mf_experts_in_t ein = {dout.recv_x, dout.recv_scales, dout.expert_counts};
+                const mf_experts_out_t eout = {cin.expert_out};
+                res = mf_moe_experts(moe, &ein, &eout, stream);
+            }
             if (res == MF_SUCCESS && o->digests) {
                 const size_t rows = (size_t)rb.rows, nq = H / MFP_QBLOCK;
 #if MF_WITH_CUDA
@@ -1626,7 +1632,8 @@ mf_result_t mfp_run(const mfp_problem_t *p, const mfp_run_opts_t *opts, uint16_t
     if (!p || !p->T || !opts || !y || opts->iters < 1 || opts->warmup < 0 ||
         (opts->transport != MF_TRANSPORT_LOCAL && opts->transport != MF_TRANSPORT_IPC &&
          opts->transport != MF_TRANSPORT_NCCL) ||
-        (opts->op != MFP_OP_FORWARD && opts->op != MFP_OP_DISPATCH_COMBINE) ||
+        (opts->op != MFP_OP_FORWARD && opts->op != MFP_OP_DISPATCH_COMBINE && opts->op != MFP_OP_SPLIT) ||
+        (opts->op == MFP_OP_SPLIT && (p->spec.layout != MF_LAYOUT_MASKED || opts->digests || opts->profile)) ||
         (opts->graph && (opts->op != MFP_OP_FORWARD || opts->profile || opts->gated))) {
         if (err && errlen > 0) snprintf(err, (size_t)errlen, "mfp_run: bad arguments");
         return MF_ERR_INVALID_ARGUMENT;

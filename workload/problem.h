@@ -193,7 +193,10 @@ typedef enum mfp_op {
      * device buffer (nothing between the calls: for timing). With profile, phase DISPATCH holds the
      * dispatch's device time on the rank's stream (events around the call), COMBINE the
      * combine's, total their sum; the other phases 0. */
-    MFP_OP_DISPATCH_COMBINE = 1
+    MFP_OP_DISPATCH_COMBINE = 1,
+    /* mf_dispatch, mf_moe_experts on the received rows, mf_combine: the layer split as vLLM's
+     * modular kernel runs it (MASKED layouts; no digests, no profile). y is the forward's. */
+    MFP_OP_SPLIT = 2
 } mfp_op_t;
 
 #define MFP_RUN_OPTS_INIT                                                                                \

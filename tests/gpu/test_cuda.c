@@ -497,6 +497,7 @@ static int gpu_random_case(uint64_t seed, rnd_stats_t st[2][2]) {
     if (!rc && mfref_layer(&p.ref, y_ref) != 0) rc = mft_fail(__FILE__, __LINE__, "mfref_layer failed");
     if (!rc) rc = rnd_judge("ref", &p, y_gpu, y_ref, b, &st[fp8][0]);
     if (!rc) rc = rnd_judge("cpu", &p, y_gpu, y_cpu, b, &st[fp8][1]);
+    if (!rc) rc = rnd_split_matches(&p, MF_BACKEND_CUDA, peer_timeout_ms(), y_gpu); /* MASKED cases */
     if (!rc) { /* the data movement alone, bit for bit */
         comm_out_t cpu, gpu;
         memset(&cpu, 0, sizeof cpu);
