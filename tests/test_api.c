@@ -681,8 +681,47 @@ static int dispatch_args_body(fixture_t *f) {
         mft_fail(__FILE__, __LINE__, "valid pair after a rejected combine: %s", mf_last_error());
         goto out;
     }
+    /* mf_moe_experts between a dispatch and its combine: refused before the weights, with a count
+     * past C or a wrong shape (expert_out untouched); then the valid triple. */
+    uint16_t *eo = (uint16_t *)mft_alloc(rows * (size_t)H * 2);
+    mf_experts_in_t ein = {dout.recv_x, dout.recv_scales, dout.expert_counts};
+    mf_experts_out_t eout = {mft_t3(eo, MF_DTYPE_BF16, E, S, H)};
+    mft_poison(eo, rows * (size_t)H * 2);
+    if (mf_dispatch(f->moe, &din, &dout, NULL) != MF_SUCCESS) {
+        mft_fail(__FILE__, __LINE__, "mf_dispatch before mf_moe_experts: %s", mf_last_error());
+        free(eo);
+        goto out;
+    }
+    what = "mf_moe_experts before mf_moe_set_weights";
+    if ((r = mf_moe_experts(f->moe, &ein, &eout, NULL)) != MF_ERR_INVALID_USAGE || !mf_last_error()[0]) goto fail_eo;
+    MFT_CHECK_OK(mf_moe_set_weights(f->moe, &f->weights));
+    const int32_t saved = counts[1];
+    counts[1] = S + 1;
+    what = "mf_moe_experts with expert_counts[1] = C + 1";
+    if ((r = mf_moe_experts(f->moe, &ein, &eout, NULL)) != MF_ERR_INVALID_ARGUMENT || !mf_last_error()[0]) goto fail_eo;
+    counts[1] = saved;
+    eout.expert_out = mft_t3(eo, MF_DTYPE_BF16, E, S - 1, H);
+    what = "mf_moe_experts with expert_out [L, C - 1, H]";
+    if ((r = mf_moe_experts(f->moe, &ein, &eout, NULL)) != MF_ERR_INVALID_ARGUMENT || !mf_last_error()[0]) goto fail_eo;
+    what = "mf_moe_experts with NULL in";
+    if ((r = mf_moe_experts(f->moe, NULL, &eout, NULL)) != MF_ERR_INVALID_ARGUMENT || !mf_last_error()[0]) goto fail_eo;
+    if (mft_first_unpoisoned(eo, rows * (size_t)H * 2) >= 0) {
+        mft_fail(__FILE__, __LINE__, "a rejected mf_moe_experts wrote expert_out");
+        free(eo);
+        goto out;
+    }
+    eout.expert_out = mft_t3(eo, MF_DTYPE_BF16, E, S, H);
+    cin.expert_out = eout.expert_out;
+    if (mf_moe_experts(f->moe, &ein, &eout, NULL) != MF_SUCCESS || mf_combine(f->moe, &cin, &cout, NULL) != MF_SUCCESS) {
+        mft_fail(__FILE__, __LINE__, "dispatch + mf_moe_experts + combine: %s", mf_last_error());
+        free(eo);
+        goto out;
+    }
+    free(eo);
     rc = 0;
     goto out;
+fail_eo:
+    free(eo);
 fail:
     mft_fail(__FILE__, __LINE__, "%s -> %s (\"%s\")", what, mft_result_name(r), mf_last_error());
 out:
@@ -696,6 +735,18 @@ static int test_dispatch_args(void) {
     fixture_t f;
     int rc = fixture_open(&f, &cfg);
     if (!rc) rc = dispatch_args_body(&f);
+    fixture_free(&f);
+    if (rc) return rc;
+    /* mf_moe_experts runs on the MASKED layout only */
+    cfg = small_config(MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR);
+    if ((rc = fixture_open(&f, &cfg)) != 0) return rc;
+    uint16_t row[128];
+    int32_t one = 0;
+    mf_experts_in_t ein = {mft_t3(row, MF_DTYPE_BF16, 1, 1, 128), {0}, mft_t1(&one, MF_DTYPE_INT32, 1)};
+    mf_experts_out_t eout = {mft_t3(row, MF_DTYPE_BF16, 1, 1, 128)};
+    if (mf_moe_set_weights(f.moe, &f.weights) != MF_SUCCESS) rc = mft_fail(__FILE__, __LINE__, "%s", mf_last_error());
+    else if (mf_moe_experts(f.moe, &ein, &eout, NULL) != MF_ERR_NOT_SUPPORTED || !strstr(mf_last_error(), "MASKED"))
+        rc = mft_fail(__FILE__, __LINE__, "mf_moe_experts on EXPERT_MAJOR: %s", mf_last_error());
     fixture_free(&f);
     return rc;
 }
