@@ -9,7 +9,10 @@
  * 0, 1, 13 bytes, 1 MiB and 3 MiB + 5, every block compared bitwise against a payload that encodes
  * (group, call, rank, byte), the bytes past the result untouched, every new fd close-on-exec and
  * none left after destroy; rank 0 starting late; a rank or rank 0 that never arrives
- * (MF_ERR_TIMEOUT naming the missing rank, within the timeout); a rank or rank 0 that exits after
+ * (MF_ERR_TIMEOUT naming the missing rank, within the timeout); ranks absent under start-up skew,
+ * rank 0 last or every rank at random, R = 3 and 8 (every rank that arrived names the absent ones,
+ * whoever's timeout ends first); a rank 0 that accepts and then hangs (bounded: the timeout and
+ * the verdict's grace); a rank or rank 0 that exits after
  * the rendezvous (the next allgather fails at once on the others, naming it, and every later call
  * fails too); a rank that hangs instead of calling the allgather (MF_ERR_TIMEOUT naming it); a
  * rank that dies in the middle of 8 MiB allgathers (no hang, whatever the phase); `bytes` that differ
@@ -18,13 +21,17 @@
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <stddef.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/types.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -373,7 +380,8 @@ static int test_two_groups(void) {
 
 enum { ROLE_NORMAL = 0, ROLE_ABSENT = 1, ROLE_LEAVE = 2, ROLE_BIG = 3, ROLE_PATIENT = 4 };
 
-/* Expects MF_ERR_TIMEOUT within its timeout (+ slack), naming rank `missing` where rank 0 knows. */
+/* Expects MF_ERR_TIMEOUT within its timeout (+ slack), naming rank `missing`: rank 0 knows, and
+ * tells every rank that arrived (the patient ones hear it well before their own timeout). */
 static int child_expect_timeout(const rdv_proc_t *p) {
     if (p->role == ROLE_ABSENT) return 0;
     int32_t missing = p->num_ranks - 1;
@@ -388,15 +396,11 @@ static int child_expect_timeout(const rdv_proc_t *p) {
     MFT_CHECK_MSG(ms < (double)(p->timeout_ms + RDV_SLACK_MS), "took %.0f ms", ms);
     MFT_CHECK(memcmp(&bs, &before, sizeof bs) == 0);
     MFT_CHECK_EQ_INT(rdv_count_fds(), fds_before);
-    char needle[32];
-    snprintf(needle, sizeof needle, "rank %d", (int)missing);
-    if (p->rank == 0 || p->role == ROLE_PATIENT) {
-        /* Rank 0 knows who is missing, and the patient ranks hear it from rank 0 (their own
-         * timeout is longer than rank 0's), well before their own timeout. */
-        MFT_CHECK_MSG(mft_contains_ci(mf_last_error(), needle), "\"%s\" does not name %s",
-                      mf_last_error(), needle);
-        if (p->rank != 0) MFT_CHECK_MSG(ms < RDV_SHORT_TIMEOUT_MS + RDV_SLACK_MS, "took %.0f ms", ms);
-    }
+    char needle[64];
+    snprintf(needle, sizeof needle, "rank %d of %d did not arrive", (int)missing, (int)p->num_ranks);
+    MFT_CHECK_MSG(mft_contains_ci(mf_last_error(), needle), "\"%s\" does not say \"%s\"",
+                  mf_last_error(), needle);
+    if (p->role == ROLE_PATIENT) MFT_CHECK_MSG(ms < RDV_SHORT_TIMEOUT_MS + RDV_SLACK_MS, "took %.0f ms", ms);
     return 0;
 }
 
@@ -430,6 +434,132 @@ static int test_missing_root(void) {
     char addr[MF_ADDRESS_BYTES];
     MFT_CHECK_OK(mf_rendezvous_address(addr));
     return rdv_run_group(3, addr, RDV_SHORT_TIMEOUT_MS, NULL, child_root_absent);
+}
+
+/* ---- the verdict under start-up skew ---------------------------------------------------------- */
+
+/* Ranks start at different times (rank 0, the listener, last; or each at random) and some never
+ * start: every rank that arrived must report the same MF_ERR_TIMEOUT, naming the absent ranks,
+ * whoever's timeout ends first (issue 26: a rank that arrived before rank 0 blamed rank 0). The
+ * skew stays well inside the timeout, so every present rank is connected when the verdict falls. */
+#define RDV_SKEW_TIMEOUT_MS 800
+#define RDV_SKEW_MAX_MS 200
+#define RDV_SKEW_REPEATS 3
+
+/* "rank 2 of 3 did not arrive" / "ranks 3, 5 of 8 did not arrive": the absent ranks as named. */
+static void rdv_absent_note(uint64_t absent, int32_t R, char *out, size_t size) {
+    char list[128] = "";
+    size_t at = 0;
+    for (int32_t r = 0; r < R; r++)
+        if (absent & ((uint64_t)1 << r))
+            at += (size_t)snprintf(list + at, sizeof list - at, "%s%d", at ? ", " : "", (int)r);
+    snprintf(out, size, "rank%s %s of %d did not arrive", (absent & (absent - 1)) ? "s" : "", list,
+             (int)R);
+}
+
+/* The parent's plan for the children it forks (they inherit it): per group, each rank's start-up
+ * delay and the ranks that never arrive. */
+static struct {
+    int delay_ms[2][RDV_MAX_PROCS];
+    uint64_t absent[2];
+} rdv_skew;
+
+static int child_skewed(const rdv_proc_t *p) {
+    const uint64_t absent = rdv_skew.absent[p->group];
+    const int delay_ms = rdv_skew.delay_ms[p->group][p->rank];
+    if (absent & ((uint64_t)1 << p->rank)) return 0;
+    rdv_sleep_ms(delay_ms);
+    mf_bootstrap_t bs;
+    double t0 = rdv_now_ms();
+    mf_result_t res = mf_rendezvous_bootstrap(p->address, p->rank, p->num_ranks, p->timeout_ms, &bs);
+    double ms = rdv_now_ms() - t0;
+    char needle[160];
+    rdv_absent_note(absent, p->num_ranks, needle, sizeof needle);
+    mft_verbose("  R = %d, rank %d (+%d ms): %d after %.0f ms: %s\n", (int)p->num_ranks, (int)p->rank,
+                delay_ms, (int)res, ms, mf_last_error());
+    if (res == MF_SUCCESS) bs.destroy(bs.ctx);
+    MFT_CHECK_MSG(res == MF_ERR_TIMEOUT, "-> %d, expected MF_ERR_TIMEOUT: %s", (int)res, mf_last_error());
+    MFT_CHECK_MSG(mft_contains_ci(mf_last_error(), needle), "\"%s\" does not say \"%s\"",
+                  mf_last_error(), needle);
+    MFT_CHECK_MSG(ms < (double)(p->timeout_ms + RDV_SLACK_MS), "took %.0f ms", ms);
+    return 0;
+}
+
+/* One repetition: a group of 3 and a group of 8 at once, each with its skew and absent ranks. */
+static int rdv_skew_round(int listener_last, int rep) {
+    static const int32_t sizes[2] = {3, 8};
+    char addr[2][MF_ADDRESS_BYTES];
+    rdv_proc_t procs[3 + 8];
+    int n = 0;
+    for (int g = 0; g < 2; g++) {
+        const int32_t R = sizes[g];
+        MFT_CHECK_OK(mf_rendezvous_address(addr[g]));
+        uint64_t h = mft_hash4(26, (uint64_t)listener_last, (uint64_t)rep, (uint64_t)R);
+        /* Listener last: rank R - 1 absent, as in the issue; random: one or two of ranks 1..R-1. */
+        uint64_t absent = (uint64_t)1 << (listener_last ? R - 1 : 1 + (int32_t)(h % (uint64_t)(R - 1)));
+        if (!listener_last && R > 3 && (h >> 8) % 2)
+            absent |= (uint64_t)1 << (1 + (int32_t)((h >> 16) % (uint64_t)(R - 1)));
+        rdv_skew.absent[g] = absent;
+        for (int32_t r = 0; r < R; r++) {
+            int delay = (int)(mft_hash4(h, (uint64_t)r, 0, 0) % (RDV_SKEW_MAX_MS + 1));
+            rdv_skew.delay_ms[g][r] = !listener_last ? delay : r == 0 ? RDV_SKEW_MAX_MS : delay / 2;
+            procs[n++] = (rdv_proc_t){r, R, addr[g], g, RDV_SKEW_TIMEOUT_MS, 0};
+        }
+    }
+    return rdv_run(procs, n, child_skewed);
+}
+
+static int test_skew_listener_last(void) {
+    for (int rep = 0; rep < RDV_SKEW_REPEATS; rep++)
+        if (rdv_skew_round(1, rep)) return mft_fail(__FILE__, __LINE__, "repetition %d", rep);
+    return 0;
+}
+
+static int test_skew_random(void) {
+    for (int rep = 0; rep < RDV_SKEW_REPEATS; rep++)
+        if (rdv_skew_round(0, rep)) return mft_fail(__FILE__, __LINE__, "repetition %d", rep);
+    return 0;
+}
+
+/* A rank 0 that hangs after accepting (a stand-in that listens at the address, takes the HELLO
+ * and never answers): rank 1 waits for the verdict no longer than its timeout plus the grace the
+ * library gives rank 0 (1 s, src/transport/rendezvous.c), and says that rank 0 gave none. */
+#define RDV_VERDICT_GRACE_MS 1000
+
+static int child_silent_root(const rdv_proc_t *p) {
+    if (p->rank == 0) {
+        struct sockaddr_un sa;
+        memset(&sa, 0, sizeof sa);
+        sa.sun_family = AF_UNIX;
+        const char *name = p->address + 5; /* after "unix:"; sun_path[0] = '\0': abstract */
+        memcpy(sa.sun_path + 1, name, strlen(name));
+        socklen_t len = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + strlen(name));
+        int lfd = socket(AF_UNIX, SOCK_STREAM, 0);
+        MFT_CHECK(lfd >= 0 && bind(lfd, (struct sockaddr *)&sa, len) == 0 && listen(lfd, 1) == 0);
+        int fd = accept(lfd, NULL, NULL);
+        MFT_CHECK(fd >= 0);
+        char buf[64];
+        MFT_CHECK(read(fd, buf, sizeof buf) > 0); /* the HELLO; then silence until rank 1 leaves */
+        struct pollfd pfd = {fd, POLLIN, 0};
+        while (poll(&pfd, 1, (int)p->timeout_ms + RDV_VERDICT_GRACE_MS + RDV_SLACK_MS) > 0 &&
+               read(fd, buf, sizeof buf) > 0) {}
+        close(fd);
+        close(lfd);
+        return 0;
+    }
+    mf_bootstrap_t bs;
+    double t0 = rdv_now_ms();
+    MFT_CHECK_ERR(mf_rendezvous_bootstrap(p->address, 1, 2, p->timeout_ms, &bs), MF_ERR_TIMEOUT);
+    double ms = rdv_now_ms() - t0, bound = (double)(p->timeout_ms + RDV_VERDICT_GRACE_MS);
+    MFT_CHECK_MSG(ms >= bound - 5 && ms < bound + RDV_SLACK_MS, "took %.0f ms", ms);
+    MFT_CHECK_MSG(mft_contains_ci(mf_last_error(), "rank 0 gave no verdict"), "%s", mf_last_error());
+    return 0;
+}
+
+static int test_silent_root(void) {
+    char addr[MF_ADDRESS_BYTES];
+    MFT_CHECK_OK(mf_rendezvous_address(addr));
+    return rdv_run_group(2, addr, RDV_SHORT_TIMEOUT_MS, NULL, child_silent_root);
 }
 
 /* ---- a rank that leaves, bytes that differ --------------------------------------------------- */
@@ -681,6 +811,9 @@ const mft_test_t mft_tests_rendezvous[] = {
     {"rendezvous_two_groups", test_two_groups, 30},
     {"rendezvous_missing_rank", test_missing_rank, 30},
     {"rendezvous_missing_root", test_missing_root, 30},
+    {"rendezvous_skew_listener_last", test_skew_listener_last, 60},
+    {"rendezvous_skew_random", test_skew_random, 60},
+    {"rendezvous_silent_root", test_silent_root, 30},
     {"rendezvous_rank_leaves", test_rank_leaves, 30},
     {"rendezvous_root_leaves", test_root_leaves, 30},
     {"rendezvous_rank_stalls", test_rank_stalls, 30},

@@ -9,7 +9,8 @@
  * rank 0. Nothing touches the filesystem: an abstract name vanishes with its socket.
  *
  * Messages: one fixed struct, mf__rdv_msg_t, in native byte order (every rank is on this host).
- *   HELLO    rank r -> 0   r and its R; rank 0 checks the range, that R agrees, and duplicates
+ *   HELLO    rank r -> 0   r, its R and when its timeout ends; rank 0 checks the range, that R
+ *                          agrees, and duplicates
  *   WELCOME  0 -> rank r   MF_SUCCESS once every rank has arrived, else the failure's code and a
  *                          note (which ranks did not arrive, who disagreed): the call is collective
  *   BLOCK    rank r -> 0   the allgather's sequence number and `bytes`, then r's block
@@ -20,11 +21,20 @@
  * land in place in recv), checks that sequence and bytes agree, then writes the result to every
  * rank, again multiplexed over all connections.
  *
+ * One verdict for all (issue 26): ranks start at different times, each with its own timeout, yet
+ * every rank that arrived must learn the same outcome, naming the ranks that did not arrive. So
+ * rank 0 decides: it waits until every rank has arrived or until the earliest timeout among its
+ * own and those of the ranks that arrived (each HELLO says how long its sender still waits), and
+ * then tells every connected rank. A rank other than 0 waits for that verdict up to
+ * MF__RDV_VERDICT_GRACE_MS past its own timeout (the verdict is due at it, plus the time rank 0
+ * took to read the HELLO), so that only a rank 0 that hangs leaves it without one.
+ *
  * Only processes of this user take part (SO_PEERCRED on both ends): an abstract address is open
  * to every user of the host, and rank 0 drops the connections of others unread.
  *
  * Every socket is non-blocking and close-on-exec; every wait is a poll() bounded by the
- * bootstrap's timeout, counted from the start of the call; sends use MSG_NOSIGNAL. A peer that
+ * bootstrap's timeout, counted from the start of the call (the wait for rank 0's verdict: that
+ * plus MF__RDV_VERDICT_GRACE_MS); sends use MSG_NOSIGNAL. A peer that
  * died is an error (EOF, EPIPE, ECONNRESET), never a signal or a hang. A failure is sticky: the
  * rank records its description in the context and in mf_last_error(), rank 0 tells the ranks
  * that are between messages, every connection is closed (so peers see EOF rather than wait), and
@@ -52,10 +62,12 @@
 #define MF__RDV_PREFIX "unix:"
 #define MF__RDV_PREFIX_LEN 5
 #define MF__RDV_MAGIC 0x6d667276u        /* "mfrv" */
-#define MF__RDV_VERSION 1u               /* of the messages below */
+#define MF__RDV_VERSION 2u               /* of the messages below */
 #define MF__RDV_NOTE_BYTES 200           /* a failure's description, carried by WELCOME/RESULT */
 #define MF__RDV_ERROR_BYTES 384          /* the context's copy: a prefix and the note */
 #define MF__RDV_RETRY_MS 5               /* between a rank's attempts to connect to rank 0 */
+#define MF__RDV_VERDICT_GRACE_MS 1000    /* how long past its own timeout a rank waits for rank 0's
+                                            verdict (rank 0 gives it at that timeout at the latest) */
 #define MF__RDV_MAX_PENDING MF_MAX_RANKS /* accepted connections whose HELLO is incomplete */
 #define MF__RDV_MAX_TIMEOUT_MS ((int64_t)1 << 40) /* longer timeouts are this (35 years) */
 
@@ -68,6 +80,8 @@ typedef struct mf__rdv_msg {
     int32_t rank;       /* HELLO: the sender's rank */
     int32_t num_ranks;  /* HELLO: the sender's R */
     int32_t status;     /* WELCOME, RESULT: MF_SUCCESS or the failure's mf_result_t */
+    int64_t wait_ms;    /* HELLO: how long from now the sender's timeout runs on */
+    int64_t timeout_ms; /* HELLO: the sender's timeout */
     uint64_t sequence;  /* BLOCK, RESULT: allgathers completed before this one */
     uint64_t bytes;     /* BLOCK, RESULT: bytes per rank */
     char note[MF__RDV_NOTE_BYTES]; /* with a failure status: what failed, as rank 0 saw it */
@@ -287,10 +301,19 @@ typedef struct mf__rdv_pending {
     mf__rdv_xfer_t x;
 } mf__rdv_pending_t;
 
-/* Checks one complete HELLO; on success moves its connection into c->fd. Returns MF_SUCCESS,
- * or a failure with `note` filled; a stranger (bad magic) is dropped with MF_SUCCESS. */
+/* When rank 0 gives its verdict: the earliest end of a timeout among rank 0's and those of the
+ * ranks that arrived, and whose timeout that is. */
+typedef struct mf__rdv_verdict {
+    int64_t at;
+    int32_t rank;
+    int64_t timeout_ms;
+} mf__rdv_verdict_t;
+
+/* Checks one complete HELLO; on success moves its connection into c->fd and brings the verdict
+ * forward to its sender's timeout where that ends first. Returns MF_SUCCESS, or a failure with
+ * `note` filled; a stranger (bad magic) is dropped with MF_SUCCESS. */
 static mf_result_t mf__rdv_root_hello(mf__rdv_t *c, mf__rdv_pending_t *p, uint64_t *arrived,
-                                      char *note, size_t note_size) {
+                                      mf__rdv_verdict_t *verdict, char *note, size_t note_size) {
     const mf__rdv_msg_t *h = &p->hello;
     if (!mf__rdv_msg_ok(h, MF__RDV_HELLO)) { /* not one of ours (or another moeflow version) */
         mf__rdv_close(&p->fd);
@@ -309,28 +332,34 @@ static mf_result_t mf__rdv_root_hello(mf__rdv_t *c, mf__rdv_pending_t *p, uint64
     c->fd[h->rank] = p->fd;
     p->fd = -1;
     *arrived |= (uint64_t)1 << h->rank;
+    int64_t wait = h->wait_ms < 0 ? 0 : h->wait_ms > MF__RDV_MAX_TIMEOUT_MS ? MF__RDV_MAX_TIMEOUT_MS
+                                                                          : h->wait_ms;
+    int64_t at = mf__rdv_now_ms() + wait;
+    if (at < verdict->at) *verdict = (mf__rdv_verdict_t){at, h->rank, h->timeout_ms};
     return MF_SUCCESS;
 }
 
-/* The accept loop: until every rank's HELLO has arrived and checked, or the deadline. */
+/* The accept loop: until every rank's HELLO has arrived and checked, or the verdict falls due
+ * (rank 0's deadline, or an earlier one of a rank that arrived). */
 static mf_result_t mf__rdv_root_accept(mf__rdv_t *c, int lfd, const char *address,
                                        int64_t deadline, char *note, size_t note_size) {
     const uint64_t all = c->num_ranks == 64 ? ~(uint64_t)0 : ((uint64_t)1 << c->num_ranks) - 1;
     uint64_t arrived = 1; /* rank 0 */
+    mf__rdv_verdict_t verdict = {deadline, 0, c->timeout_ms};
     mf__rdv_pending_t pending[MF__RDV_MAX_PENDING];
     int32_t num_pending = 0;
     mf_result_t res = MF_SUCCESS;
     int bad_fd = -1; /* the connection whose HELLO made the rendezvous fail */
 
     while (arrived != all && res == MF_SUCCESS) {
-        int left = mf__rdv_left_ms(deadline);
+        int left = mf__rdv_left_ms(verdict.at);
         if (left == 0) {
             char missing[160];
             mf__rdv_rank_list(all & ~arrived, missing, sizeof missing);
             /* Bounded fields: the note holds them whatever the list and the address. */
-            snprintf(note, note_size, "rank%s %.80s of %d did not arrive at %.40s within %lld ms",
-                     mf__rdv_plural(all & ~arrived), missing, (int)c->num_ranks, address,
-                     (long long)c->timeout_ms);
+            snprintf(note, note_size, "rank%s %.80s of %d did not arrive at %.40s within %lld ms "
+                     "(rank %d's timeout)", mf__rdv_plural(all & ~arrived), missing,
+                     (int)c->num_ranks, address, (long long)verdict.timeout_ms, (int)verdict.rank);
             res = MF_ERR_TIMEOUT;
             break;
         }
@@ -350,7 +379,7 @@ static mf_result_t mf__rdv_root_accept(mf__rdv_t *c, int lfd, const char *addres
             int st = mf__rdv_xfer_step(p->fd, &p->x, 0);
             if (st == MF__IO_CLOSED || st == MF__IO_ERROR) mf__rdv_close(&p->fd); /* left early */
             else if (st == MF__IO_DONE) {
-                res = mf__rdv_root_hello(c, p, &arrived, note, note_size);
+                res = mf__rdv_root_hello(c, p, &arrived, &verdict, note, note_size);
                 if (res != MF_SUCCESS) {
                     bad_fd = p->fd;
                     p->fd = -1;
@@ -498,12 +527,14 @@ static mf_result_t mf__rdv_join(mf__rdv_t *c, const struct sockaddr_un *sa, sock
     mf__rdv_msg_init(&m, MF__RDV_HELLO);
     m.rank = c->rank;
     m.num_ranks = c->num_ranks;
+    m.wait_ms = deadline - mf__rdv_now_ms();
+    m.timeout_ms = c->timeout_ms;
     mf__rdv_xfer_t x;
     mf__rdv_xfer_init(&x, &m, sizeof m, NULL, 0);
     int st = mf__rdv_xfer_wait(fd, &x, 1, deadline);
-    if (st == MF__IO_DONE) {
-        mf__rdv_xfer_init(&x, &m, sizeof m, NULL, 0); /* now the WELCOME, into m */
-        st = mf__rdv_xfer_wait(fd, &x, 0, deadline);
+    if (st == MF__IO_DONE) { /* now the verdict, into m: due by this rank's deadline */
+        mf__rdv_xfer_init(&x, &m, sizeof m, NULL, 0);
+        st = mf__rdv_xfer_wait(fd, &x, 0, deadline + MF__RDV_VERDICT_GRACE_MS);
     }
     if (st == MF__IO_DONE && !mf__rdv_msg_ok(&m, MF__RDV_WELCOME)) {
         res = mf__error(MF_ERR_SYSTEM, "mf_rendezvous_bootstrap: rank %d of %d: protocol error: "
@@ -515,8 +546,9 @@ static mf_result_t mf__rdv_join(mf__rdv_t *c, const struct sockaddr_un *sa, sock
                         "rank 0 reports: %s", (int)c->rank, (int)c->num_ranks, m.note);
     } else if (st == MF__IO_TIMEOUT) {
         res = mf__error(MF_ERR_TIMEOUT, "mf_rendezvous_bootstrap: rank %d of %d: connected, but rank "
-                        "0 did not report every rank's arrival within %lld ms", (int)c->rank,
-                        (int)c->num_ranks, (long long)c->timeout_ms);
+                        "0 gave no verdict within %lld ms (this rank's timeout + %d ms): is rank 0 "
+                        "stuck?", (int)c->rank, (int)c->num_ranks, (long long)c->timeout_ms,
+                        MF__RDV_VERDICT_GRACE_MS);
     } else if (st == MF__IO_CLOSED) {
         res = mf__error(MF_ERR_SYSTEM, "mf_rendezvous_bootstrap: rank %d of %d: rank 0 closed the "
                         "connection during the rendezvous", (int)c->rank, (int)c->num_ranks);
