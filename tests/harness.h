@@ -36,6 +36,7 @@ extern const mft_test_t mft_tests_transport[]; /* tests/test_transport.c (ranks 
 extern const mft_test_t mft_tests_rendezvous[]; /* tests/test_rendezvous.c (processes) */
 extern const mft_test_t mft_tests_random[]; /* tests/test_random.c (random layer cases) */
 extern const mft_test_t mft_tests_balance[]; /* tests/test_balance.c (balanced EP) */
+extern const mft_test_t mft_tests_placement[]; /* tests/test_placement.c (mf_placement_t) */
 extern const mft_test_t mft_tests_cuda[]; /* tests/gpu/test_cuda.c (the CUDA suite) */
 extern const mft_test_t mft_tests_cuda_transport[]; /* tests/gpu/test_transport.c (ranks as processes) */
 extern const mft_test_t mft_tests_cuda_balance[]; /* tests/gpu/test_balance.c (balanced EP on the device) */

@@ -48,6 +48,7 @@ static const mft_test_t *const mft_tables[] = {
     mft_tests_rendezvous,
     mft_tests_random,
     mft_tests_balance,
+    mft_tests_placement,
     NULL,
 };
 #endif

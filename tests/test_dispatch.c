@@ -11,6 +11,12 @@
  * return, bit for bit, bf16(sum over k ascending of w[t,k] * row) accumulated in fp32 (-1 skipped).
  * Several rounds reuse one layer and one set of buffers with different routing and T; each rank
  * runs on its own thread (mft_run_ranks), creating its layer collectively.
+ *
+ * The same checks run on layers whose segments are not E / R contiguous experts: placements
+ * (uneven LINEAR, ROUND_ROBIN: segment l is the placement's local expert l, all of its rows) and
+ * expert maps (replicas, permutations: segment l is slot map[rank * Lp + l], which takes the rows
+ * [begin, begin + share) of its expert's rank-major order that the balancing split gives it,
+ * computed here with src/plan/balance.h's serial functions).
  */
 #include <math.h>
 #include <stdio.h>
@@ -18,6 +24,7 @@
 #include <string.h>
 
 #include "harness.h"
+#include "plan/balance.h"
 
 #define DMAX_R 8
 #define DROUNDS 4
@@ -33,11 +40,54 @@ typedef struct dround {
     float *w[DMAX_R];      /* [S, K] */
 } dround_t;
 
+#define DMAX_E 64
+#define DMAX_P (DMAX_E + 4 * DMAX_R)
+
 typedef struct dctx {
     int32_t R, E, K, H, S, dtype, layout, ue8m0, block_m;
+    int32_t placement;     /* mf_placement_t */
+    int32_t P;             /* > 0: the layer has this expert map of P slots (map) */
+    int32_t map[DMAX_P];
     dround_t rounds[DROUNDS];
     mf_group_t group;
 } dctx_t;
+
+/* The rank holding expert g under the placement (docs/API.md section 3). */
+static int32_t placement_rank(const dctx_t *c, int32_t g) {
+    if (c->placement == MF_PLACEMENT_ROUND_ROBIN) return g % c->R;
+    int32_t r = 0, end = c->E / c->R + (0 < c->E % c->R); /* LINEAR: E / R each, the first E % R one more */
+    while (g >= end) r++, end += c->E / c->R + (r < c->E % c->R);
+    return r;
+}
+
+/* Which rows segment `e` of `rank` holds in round `rd`: expert *g's rows [*begin, *begin + *count)
+ * of its rank-major, token, k order (all of them without a map; the balancing split's share of the
+ * slot with one). */
+static void segment_rows(const dctx_t *c, const dround_t *rd, int32_t rank, int32_t e, int32_t *g, int32_t *begin,
+                         int32_t *count) {
+    int32_t counts[DMAX_E] = {0};
+    for (int32_t r = 0; r < c->R; r++)
+        for (int32_t i = 0; i < rd->T[r] * c->K; i++)
+            if (rd->ids[r][i] >= 0) counts[rd->ids[r][i]]++;
+    if (!c->P) { /* the placement's e-th expert of this rank, in ascending ids */
+        int32_t l = e;
+        for (*g = 0; *g < c->E && (placement_rank(c, *g) != rank || l-- > 0); ++*g) continue;
+        *begin = 0, *count = counts[*g];
+        return;
+    }
+    int32_t rep_off[DMAX_E + 1], rep_rank[DMAX_P], rep_slot[DMAX_P], share[DMAX_P], scratch[DMAX_E];
+    int64_t load[DMAX_R];
+    mf__balance_replicas(c->E, c->R, c->P, 0, c->map, NULL, rep_off, rep_rank, rep_slot, scratch);
+    mf__balance_split(c->E, c->R, counts, rep_off, rep_rank, share, load, scratch);
+    *g = c->map[rank * (c->P / c->R) + e];
+    *begin = 0;
+    for (int32_t i = rep_off[*g]; i < rep_off[*g + 1]; *begin += share[i], i++)
+        if (rep_rank[i] == rank && rep_slot[i] == e) {
+            *count = share[i];
+            return;
+        }
+    *count = 0; /* not reached: every slot of the map is a replica */
+}
 
 static uint16_t x_value(int round, int32_t r, int32_t t, int32_t h) {
     if (h == 0) return mf_bf16_from_float((float)(r + 1));
@@ -180,13 +230,9 @@ static int check_dispatch(const dctx_t *c, int round, int32_t rank, const rank_b
     int64_t next_start = 0;
     if (em) MFT_CHECK_EQ_INT(b->offsets[0], 0);
     for (int32_t e = 0; e < L; e++) {
-        int32_t g = rank * L + e;
-        /* The expected list: rank-major, then token, then k. */
-        int32_t n = 0;
-        for (int32_t r = 0; r < c->R; r++)
-            for (int32_t t = 0; t < rd->T[r]; t++)
-                for (int32_t k = 0; k < K; k++)
-                    if (rd->ids[r][(size_t)t * K + k] == g) n++;
+        /* The expected list: expert g's rows [first, first + n) in rank-major, then token, then k order. */
+        int32_t g, first, n;
+        segment_rows(c, rd, rank, e, &g, &first, &n);
         if (b->counts[e] != n)
             MFT_FAIL("round %d rank %d: expert_counts[%d] (global expert %d) = %d, expected %d", round,
                      (int)rank, (int)e, (int)g, (int)b->counts[e], (int)n);
@@ -220,11 +266,11 @@ static int check_dispatch(const dctx_t *c, int round, int32_t rank, const rank_b
                 MFT_FAIL("round %d rank %d: MASKED expert %d: rows at or past its count %d were "
                          "written", round, (int)rank, (int)e, (int)n);
         }
-        int32_t j = 0;
+        int32_t j = 0, seen = 0;
         for (int32_t r = 0; r < c->R; r++)
             for (int32_t t = 0; t < rd->T[r]; t++)
                 for (int32_t k = 0; k < K; k++) {
-                    if (rd->ids[r][(size_t)t * K + k] != g) continue;
+                    if (rd->ids[r][(size_t)t * K + k] != g || seen++ < first || j >= n) continue;
                     int64_t row = base + j++;
                     const int32_t *src = b->recv_src + row * 3;
                     if (src[0] != r || src[1] != t || src[2] != k) {
@@ -315,17 +361,24 @@ static int dispatch_rank(int32_t rank, void *arg) {
     cfg.layout = c->layout;
     cfg.block_m = c->block_m;
     cfg.ue8m0_scales = c->ue8m0;
+    cfg.placement = c->placement;
+    cfg.num_physical_experts = c->P;
     MFT_CHECK_OK(mf_moe_create(comm, &cfg, &moe));
+    if (c->P) MFT_CHECK_OK(mf_moe_set_expert_map(moe, c->map, c->P));
     mf_moe_info_t info;
     MFT_CHECK_OK(mf_moe_get_info(moe, &info));
     MFT_CHECK_EQ_INT(info.rank, rank);
-    MFT_CHECK_EQ_INT(info.num_local_experts, c->E / c->R);
-    MFT_CHECK_EQ_INT(info.first_expert, rank * (c->E / c->R));
+    int32_t mine = 0, first = -1; /* this rank's experts under the placement, and the first */
+    for (int32_t g = c->E - 1; g >= 0; g--)
+        if (placement_rank(c, g) == rank) mine++, first = g;
+    MFT_CHECK_EQ_INT(info.num_local_experts, mine);
+    MFT_CHECK_EQ_INT(info.first_expert, first);
+    MFT_CHECK_EQ_INT(info.num_local_slots, c->P ? c->P / c->R : mine);
     if (c->block_m) MFT_CHECK_EQ_INT(info.block_m, c->block_m);
 
     rank_bufs_t b;
     memset(&b, 0, sizeof b);
-    b.L = info.num_local_experts;
+    b.L = info.num_local_slots;
     b.C = info.expert_capacity;
     b.block_m = info.block_m;
     b.max_recv_rows = info.max_recv_rows;
@@ -408,21 +461,30 @@ static int dispatch_rank(int32_t rank, void *arg) {
     return failed;
 }
 
+/* Where a case's experts live: E (0 = 16), the placement, and an expert map of E + extra * R slots
+ * (mapped: a random map from the seed, replicas when extra > 0; else none). */
+typedef struct dwhere {
+    int32_t E, placement, mapped, extra;
+} dwhere_t;
+
 /* Runs DROUNDS rounds (uniform + drops, hot expert, varying T, rank 0 only) on R ranks; H = 0
  * means 256. */
-static int run_case_h(int32_t R, int32_t dtype, int32_t layout, int32_t ue8m0, int32_t block_m,
-                      int32_t H) {
+static int run_case_at(int32_t R, int32_t dtype, int32_t layout, int32_t ue8m0, int32_t block_m, int32_t H,
+                       dwhere_t where) {
     dctx_t *c = (dctx_t *)calloc(1, sizeof *c);
     if (!c) MFT_FAIL("out of memory");
     c->R = R;
-    c->E = 16;
-    c->K = 4;
+    c->E = where.E ? where.E : 16;
+    c->K = c->E < 4 ? c->E : 4;
     c->H = H ? H : 256;
     c->S = 16;
     c->dtype = dtype;
     c->layout = layout;
     c->ue8m0 = ue8m0;
     c->block_m = block_m;
+    c->placement = where.placement;
+    c->P = where.mapped ? c->E + where.extra * R : 0;
+    if (c->P) mft_random_map(c->E, c->P, 0x3a9 + (uint64_t)R * 17u + (uint64_t)where.extra, c->map);
     for (int i = 0; i < DROUNDS; i++)
         make_round(c, i, i, 0x5eed0000u + (uint64_t)R * 131u + (uint64_t)i * 7u + (uint64_t)dtype);
     int rc = 1;
@@ -432,12 +494,18 @@ static int run_case_h(int32_t R, int32_t dtype, int32_t layout, int32_t ue8m0, i
         mf_group_destroy(c->group);
     }
     if (rc)
-        mft_note("case: R=%d H=%d %s %s ue8m0=%d block_m=%d", (int)R, (int)c->H,
-                 dtype == MF_DTYPE_FP8_E4M3 ? "fp8" : "bf16",
-                 layout == MF_LAYOUT_MASKED ? "masked" : "expert_major", (int)ue8m0, (int)block_m);
+        mft_note("case: R=%d E=%d %s P=%d H=%d %s %s ue8m0=%d block_m=%d", (int)R, (int)c->E,
+                 c->placement == MF_PLACEMENT_ROUND_ROBIN ? "round_robin" : "linear", (int)c->P, (int)c->H,
+                 dtype == MF_DTYPE_FP8_E4M3 ? "fp8" : "bf16", layout == MF_LAYOUT_MASKED ? "masked" : "expert_major",
+                 (int)ue8m0, (int)block_m);
     free_rounds(c);
     free(c);
     return rc;
+}
+
+static int run_case_h(int32_t R, int32_t dtype, int32_t layout, int32_t ue8m0, int32_t block_m, int32_t H) {
+    const dwhere_t plain = {0, MF_PLACEMENT_LINEAR, 0, 0};
+    return run_case_at(R, dtype, layout, ue8m0, block_m, H, plain);
 }
 
 static int run_case(int32_t R, int32_t dtype, int32_t layout, int32_t ue8m0, int32_t block_m) {
@@ -477,6 +545,42 @@ static int test_odd_hidden(void) {
     if (run_case_h(4, MF_DTYPE_BF16, MF_LAYOUT_MASKED, 0, 0, 8)) return 1;
     if (run_case_h(2, MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED, 0, 0, 384)) return 1;
     if (run_case_h(4, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, 1, 0, 896)) return 1;
+    return 0;
+}
+
+/* Placements: uneven LINEAR and ROUND_ROBIN (E a multiple of R or not), every rank's segments its
+ * own L_r experts; idle ranks (round 2), both dtypes and layouts, a block_m that is not 128. */
+static int test_placements(void) {
+    const int32_t BF = MF_DTYPE_BF16, F8 = MF_DTYPE_FP8_E4M3, EM = MF_LAYOUT_EXPERT_MAJOR, MA = MF_LAYOUT_MASKED;
+    const int32_t LIN = MF_PLACEMENT_LINEAR, RR = MF_PLACEMENT_ROUND_ROBIN;
+    const struct {
+        int32_t R, dtype, layout, block_m;
+        dwhere_t where;
+    } cases[] = {
+        {3, BF, EM, 0, {10, LIN, 0, 0}}, {3, F8, MA, 0, {10, LIN, 0, 0}}, {4, F8, EM, 8, {10, LIN, 0, 0}},
+        {4, BF, MA, 0, {10, LIN, 0, 0}}, {6, BF, EM, 0, {26, LIN, 0, 0}}, {4, BF, MA, 0, {12, RR, 0, 0}},
+        {4, F8, EM, 0, {12, RR, 0, 0}},  {4, F8, MA, 0, {10, RR, 0, 0}},  {3, BF, EM, 48, {11, RR, 0, 0}},
+        {8, F8, EM, 0, {9, RR, 0, 0}},   {2, BF, MA, 0, {3, RR, 0, 0}},   {2, F8, EM, 0, {3, LIN, 0, 0}},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        if (run_case_at(cases[i].R, cases[i].dtype, cases[i].layout, 0, cases[i].block_m, 0, cases[i].where)) return 1;
+    return 0;
+}
+
+/* Expert maps (B = 0): replicas on one or more ranks, and a permutation without replicas; every
+ * segment is one slot with its share of its expert's rows. */
+static int test_expert_maps(void) {
+    const int32_t BF = MF_DTYPE_BF16, F8 = MF_DTYPE_FP8_E4M3, EM = MF_LAYOUT_EXPERT_MAJOR, MA = MF_LAYOUT_MASKED;
+    const struct {
+        int32_t R, dtype, layout, block_m, extra;
+    } cases[] = {
+        {1, BF, EM, 0, 2}, {2, F8, MA, 0, 2}, {2, BF, EM, 8, 0}, {4, BF, MA, 0, 1},
+        {4, F8, EM, 0, 3}, {4, F8, MA, 0, 0}, {8, BF, EM, 48, 2}, {8, F8, MA, 0, 1},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        const dwhere_t where = {16, MF_PLACEMENT_LINEAR, 1, cases[i].extra};
+        if (run_case_at(cases[i].R, cases[i].dtype, cases[i].layout, 0, cases[i].block_m, 0, where)) return 1;
+    }
     return 0;
 }
 
@@ -593,5 +697,7 @@ const mft_test_t mft_tests_dispatch[] = {
     {"dispatch_block_m", test_block_m, 60},
     {"dispatch_odd_hidden", test_odd_hidden, 60},
     {"dispatch_call_order", test_call_order, 30},
+    {"dispatch_placements", test_placements, 60},
+    {"dispatch_expert_maps", test_expert_maps, 60},
     {NULL, NULL, 0},
 };
