@@ -1,7 +1,7 @@
 # moeflow — the build. `make` builds libmoeflow (static + shared), the `moeflow` CLI and the test
 # runner into build/; the CUDA backend is compiled whenever nvcc is found (CUDA=0 turns it off).
 #
-#   make              library, CLI, tests          make test      CPU suite (CI), Python tests
+#   make              library, CLI, tests          make test      CPU suite (CI), CLI, Python tests
 #   make SAN=1 test   ASan + UBSan build, into build-san/ (CPU only)
 #   make test-gpu     CUDA suite, then the Python tests (on CUDA where torch sees a GPU)
 #   make clean
@@ -109,6 +109,7 @@ $(GPU_TESTS): $(BUILD)/tests/gpu/main.o $(GPU_TEST_OBJ) $(BUILD)/tests/harness.o
 test: $(TESTS) $(CLI) $(SHARED)
 	./$(TESTS)
 	bash tests/abi.sh $(SHARED) include/moeflow.h
+	bash tests/cli.sh $(CLI)
 ifeq ($(SAN),0)
 	@$(MAKE) --no-print-directory test-python
 endif

@@ -30,7 +30,9 @@
  *
  * Output: nccl-tests style (`#` metadata, one fixed-column row per case); --json writes docs/DESIGN.md's
  * benchmark record (op "gemm"; extra fields: kernel, model, counts, rows, C, expert_rows,
- * weight_tbps). Exit status: 0 every case ran (or was skipped) and passed, 1 a case failed, 2 usage.
+ * weight_tbps). Exit status (tools/bench.h): 0 every case ran (or was skipped) and passed; 1 a case
+ * failed; 2 usage, or no usable CUDA GPU (sm_90; the check `--backend cuda` makes); 3 an I/O or system
+ * failure (--json not writable, checked before any work; CUDA setup; out of host memory).
  */
 #include <cuda_runtime_api.h>
 /* cublasLt.h declares cublasLtLoggerForceDisable() without a prototype */
@@ -41,7 +43,6 @@
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -74,8 +75,6 @@
 #define CHECK_ROW_MAX 8            /* --check: sampled rows per expert (see pick_rows) */
 #define MAX_REF_THREADS 64
 #define POISON 0xFF                /* NaN in E4M3, BF16 and fp32 */
-#define EXIT_FAIL 1
-#define EXIT_USAGE 2
 
 /* Check bounds (docs/DESIGN.md "Numerics"; as dev/cuda/gemm_lab.cu): diff measure, and element-wise
  * |got - ref| <= rtol max(|got|, |ref|) + 1e-5 rms(ref) (+ one E4M3 subnormal step x scale, FP8 h). */
@@ -169,23 +168,16 @@ static void usage(FILE *f) {
             "      --dry-run           list the cases with their sizes and floors; no GPU needed\n"
             "  -h, --help\n"
             "\n"
-            "Cases whose operands pass %.0f GB are skipped. Exit status: 0 every case passed, 1 a case\n"
-            "failed, 2 usage.\n",
+            "Cases whose operands pass %.0f GB are skipped. Exit status: 0 every case passed; 1 a case\n"
+            "failed; 2 usage, or no usable CUDA GPU (sm_90); 3 an I/O or system failure (--json not\n"
+            "writable, CUDA setup, out of host memory).\n",
             100 * UNEVEN_SPREAD, ZIPF_S, SEGMENT_ALIGN, DEF_CAPACITY, k_quick_M[0], k_quick_M[1],
             k_quick_M[2], k_quick_M[3], k_quick_M[4], QUICK_L_DEEPSEEK, DEF_ITERS, DEF_WARMUP, DEF_SEED,
             MAX_CASE_BYTES / 1e9);
 }
 
-static void die_usage(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
-static void die_usage(const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "moeflow bench gemm: ");
-    vfprintf(stderr, fmt, ap);
-    fprintf(stderr, "\n");
-    va_end(ap);
-    exit(EXIT_USAGE);
-}
+#define die_usage(...) mf__cli_die(EXIT_USAGE, "moeflow bench gemm", __VA_ARGS__)
+#define die_io(...) mf__cli_die(EXIT_IO, "moeflow bench gemm", __VA_ARGS__)
 
 static int64_t parse_int(const char *flag, const char *v, int64_t lo, int64_t hi) {
     char *end;
@@ -414,7 +406,7 @@ static void make_counts(int kind, int32_t L, int32_t M, uint64_t seed, int32_t *
         int32_t *order = malloc(sizeof(int32_t) * (size_t)L);
         double *frac = malloc(sizeof(double) * (size_t)L);
         char *taken = calloc((size_t)L, 1);
-        if (!order || !frac || !taken) die_usage("out of host memory");
+        if (!order || !frac || !taken) die_io("out of host memory");
         for (int32_t e = 0; e < L; e++) order[e] = e;
         for (int32_t e = L - 1; e > 0; e--) { /* Fisher-Yates: order[r] = expert of popularity rank r */
             int32_t j = (int32_t)(rng_next(&s) % (uint64_t)(e + 1)), t = order[e];
@@ -452,7 +444,7 @@ static void plan_case(const gopts_t *o, gcase_t *c) {
     else c->N = 2 * I, c->K = H, c->out_cols = 2 * I, c->out_esz = 2, c->out_scaled = 0;
     c->counts = malloc(sizeof(int32_t) * (size_t)L);
     c->offsets = malloc(sizeof(int32_t) * (size_t)(L + 1));
-    if (!c->counts || !c->offsets) die_usage("out of host memory");
+    if (!c->counts || !c->offsets) die_io("out of host memory");
     make_counts(c->counts_kind, L, c->M, o->seed, c->counts);
     int32_t maxc = 0;
     c->rows = 0, c->used = 0;
@@ -494,7 +486,7 @@ static void plan_case(const gopts_t *o, gcase_t *c) {
 static gcase_t *build_cases(const gopts_t *o, int *ncases) {
     int cap = 64, n = 0;
     gcase_t *cs = malloc(sizeof *cs * (size_t)cap);
-    if (!cs) die_usage("out of host memory");
+    if (!cs) die_io("out of host memory");
     for (int mi = 0; mi < o->nmodels; mi++) {
         const model_t *m = &k_models[o->models[mi]];
         int32_t Ls[MAX_LIST];
@@ -509,7 +501,7 @@ static gcase_t *build_cases(const gopts_t *o, int *ncases) {
                         for (int di = 0; di < o->ndtypes; di++)
                             for (int yi = 0; yi < o->nlayouts; yi++) {
                                 if (n == cap && !(cs = realloc(cs, sizeof *cs * (size_t)(cap *= 2))))
-                                    die_usage("out of host memory");
+                                    die_io("out of host memory");
                                 gcase_t *c = &cs[n];
                                 memset(c, 0, sizeof *c);
                                 c->model = m, c->op = &k_ops[o->ops[oi]], c->dtype = o->dtypes[di];
@@ -1357,6 +1349,8 @@ static int run_case(gdev_t *d, const gopts_t *o, gcase_t *c, uint32_t seed) {
 int mf__bench_gemm_main(int argc, char **argv) {
     gopts_t o;
     parse_args(argc, argv, &o);
+    if (o.json && !o.dry_run && mf__json_check_writable(o.json) != 0) /* before any work */
+        die_io("--json %s: %s", o.json, strerror(errno));
     setvbuf(stdout, NULL, _IOLBF, 0);
     int n = 0;
     gcase_t *cs = build_cases(&o, &n);
@@ -1383,24 +1377,18 @@ int mf__bench_gemm_main(int argc, char **argv) {
         return 0;
     }
 
-    int ndev = 0;
-    cudaError_t e = cudaGetDeviceCount(&ndev);
-    if (e != cudaSuccess || ndev == 0) {
-        fprintf(stderr, "moeflow bench gemm: no usable CUDA device (cudaGetDeviceCount: %s); this benchmark needs an "
-                        "sm_90 GPU (try --dry-run to list the cases)\n",
-                e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
-        return EXIT_FAIL;
+    /* The test `moeflow --backend cuda` makes: device 0 present and sm_90. */
+    if (!mf_backend_available(MF_BACKEND_CUDA)) {
+        int ndev = 0;
+        cudaError_t ce = cudaGetDeviceCount(&ndev);
+        (void)cudaGetLastError();
+        die_usage("needs a CUDA GPU (sm_90): no usable CUDA device found (%s); --dry-run lists the cases "
+                  "without one", ce != cudaSuccess ? cudaGetErrorString(ce)
+                                                   : ndev == 0 ? "0 devices" : "device 0 is not sm_90");
     }
     struct cudaDeviceProp prop;
-    if ((e = cudaGetDeviceProperties(&prop, 0)) != cudaSuccess) {
-        fprintf(stderr, "moeflow bench gemm: cudaGetDeviceProperties: %s\n", cudaGetErrorString(e));
-        return EXIT_FAIL;
-    }
-    if (prop.major != 9) {
-        fprintf(stderr, "moeflow bench gemm: device 0 (%s) is sm_%d%d; the library's GEMMs are built for sm_90a\n",
-                prop.name, prop.major, prop.minor);
-        return EXIT_FAIL;
-    }
+    cudaError_t e = cudaGetDeviceProperties(&prop, 0);
+    if (e != cudaSuccess) die_io("cudaGetDeviceProperties: %s", cudaGetErrorString(e));
     gdev_t d;
     memset(&d, 0, sizeof d);
     d.fp8_block_ok = -1;
@@ -1412,8 +1400,7 @@ int mf__bench_gemm_main(int argc, char **argv) {
     if (!d.times || cudaStreamCreateWithFlags(&d.stream, cudaStreamNonBlocking) != cudaSuccess ||
         cudaEventCreate(&d.ev0) != cudaSuccess || cudaEventCreate(&d.ev1) != cudaSuccess ||
         cublasLtCreate(&d.lt) != CUBLAS_STATUS_SUCCESS) {
-        fprintf(stderr, "moeflow bench gemm: setup failed (stream, events, cublasLt handle)\n");
-        return EXIT_FAIL;
+        die_io("setup failed (stream, events, cublasLt handle)");
     }
     char device[512];
     snprintf(device, sizeof device, "%.200s, sm_%d%d, %d SMs, %.0f MB L2, %.0f GB; CUDA runtime %d, driver %d, cuBLASLt %zu",
@@ -1443,7 +1430,7 @@ int mf__bench_gemm_main(int argc, char **argv) {
     if (o.check) printf("# check: %d of %d checked cases passed\n", passed, checked);
     printf("# %s: %d cases ran, %d failed\n", failed || fatal ? "FAIL" : "PASS", ran, failed);
     int rc = failed || fatal ? EXIT_FAIL : 0;
-    if (o.json && write_json(&o, cs, n, argc, argv) != 0) rc = EXIT_FAIL;
+    if (o.json && write_json(&o, cs, n, argc, argv) != 0) rc = EXIT_IO;
 
     free_bufs(&d);
     cublasLtDestroy(d.lt);

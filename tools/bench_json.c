@@ -1,12 +1,17 @@
 /*
  * bench_json.c — the JSON pieces both benchmarks of the CLI write (docs/DESIGN.md "Benchmark records"):
- * escaped strings, numbers (null when not finite) and the record's meta header.
+ * escaped strings, numbers (null when not finite) and the record's meta header; the early check of
+ * the --json path; and the CLI's exit with a message (tools/bench.h has the statuses).
  */
+#include <errno.h>
+#include <fcntl.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "bench.h"
 
@@ -70,4 +75,28 @@ void mf__json_meta(FILE *f, const char *backend, int argc, char **argv) {
     fprintf(f, "\", \"backend\": ");
     mf__json_string(f, backend);
     fprintf(f, "}, \"rows\": [");
+}
+
+int mf__json_check_writable(const char *path) {
+    int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd >= 0) { /* it did not exist: leave nothing behind until the record is written */
+        close(fd);
+        unlink(path);
+        return 0;
+    }
+    if (errno != EEXIST) return -1;
+    fd = open(path, O_WRONLY | O_CLOEXEC); /* it exists: writable, not truncated yet */
+    if (fd < 0) return -1;
+    close(fd);
+    return 0;
+}
+
+void mf__cli_die(int status, const char *who, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "%s: ", who);
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n");
+    va_end(ap);
+    exit(status);
 }

@@ -7,8 +7,14 @@
  *
  * Output follows nccl-tests: `#` metadata lines, a `#` header, then one fixed-column row per
  * (size, dtype), so `grep -v '^#'` leaves only data. Progress goes to stderr. --json writes the
- * docs/DESIGN.md "Benchmark records" object. Exit status: 0 every row passed, 1 a row failed or the
- * library returned an error, 2 bad usage or not enough memory.
+ * docs/DESIGN.md "Benchmark records" object (its path is checked before any work). Exit status
+ * (tools/bench.h): 0 every row passed; 1 a row failed or the library returned an error; 2 bad
+ * usage, or a request this machine cannot serve (--backend cuda without a GPU, a problem past the
+ * memory check); 3 an I/O or system failure (--json not writable, out of host memory).
+ *
+ * The memory check: the problem's host bytes (estimate_bytes) against 80% of the kernel's
+ * MemAvailable (/proc/meminfo: free pages plus the cache it would give back; free pages where it is
+ * absent), or against --memory-limit G; --memory-limit 0 turns it off.
  *
  * Counting (docs/DESIGN.md "Performance doctrine"), with rows = routed (token, k) pairs of all ranks:
  *   FLOPs = 2 * rows * H * I * 3
@@ -62,15 +68,13 @@
 #define MAX_SIZES 32              /* entries of a -T list */
 #define QBLOCK 128                /* FP8 block edge: H and I multiples of it */
 #define BF16_ALIGN 8              /* BF16: H and I multiples of it (16-byte rows) */
-#define MEM_FRACTION 0.8          /* refuse when the estimate passes this share of free RAM */
+#define MEM_FRACTION 0.8          /* refuse when the estimate passes this share of MemAvailable */
 #define PROGRESS_AFTER_S 1.0      /* show progress only for stages longer than this */
 #define PROGRESS_TTY_EVERY_S 0.1
 #define PROGRESS_LINE_EVERY_S 5.0 /* stderr not a terminal: one line this often */
 #define MAX_REF_THREADS 64
 #define DEF_LINK_GBPS 450.0       /* --link-gbps: H200 NVLink 4, 900 GB/s both ways = 450 each way
                                      (nominal; pass the rate measured on the node) */
-#define EXIT_FAIL 1
-#define EXIT_USAGE 2
 
 static const char *const k_phase_names[MF_NUM_PHASES] = {"prepare", "dispatch", "w13", "w2", "combine"};
 
@@ -111,6 +115,9 @@ typedef struct opts {
     int32_t balance;   /* --balance B: spare slots per rank; each row also runs with B (0 = off) */
     double link_gbps;  /* the step-time model's link rate */
     int32_t rebalance; /* --rebalance N: each row stages a new map, N experts per step (-1 = off) */
+    double memory_limit_gb; /* --memory-limit G: -1 = MEM_FRACTION of MemAvailable, 0 = no check */
+    double mem_need, mem_limit, mem_avail; /* the memory check's figures, bytes (memory_guard) */
+    const char *mem_source; /* where mem_avail came from: "MemAvailable" or "free pages" */
 } opts_t;
 
 static void usage(FILE *f) {
@@ -175,25 +182,25 @@ static void usage(FILE *f) {
             "      --no-phases              CUDA layer: time each forward between two events only\n"
             "                               (no phase events, which end programmatic dependent\n"
             "                               launches between kernels); the phases print as 0\n"
-            "      --timeout-ms N           bound on every wait for a peer       [library's]\n"
+            "      --timeout-ms N           bound on every wait for a peer; 0: the library's\n"
+            "                               default, MF_TIMEOUT_MS (env) or else 30 s        [0]\n"
             "      --json FILE              write the results as docs/DESIGN.md's benchmark record\n"
+            "                               (FILE must be writable: checked before the run)\n"
+            "      --memory-limit G         refuse a problem whose host memory estimate passes G GB;\n"
+            "                               0: no check                  [%.0f%% of MemAvailable]\n"
             "  -h, --help\n"
+            "      --version                the library's version\n"
             "\n"
-            "Exit status: 0 every row passed, 1 a row failed or the library failed, 2 usage / memory.\n",
+            "Exit status: 0 every row passed; 1 a row failed or the library returned an error; 2 bad\n"
+            "usage, or a request this machine cannot serve (no CUDA GPU, the memory check); 3 an I/O\n"
+            "or system failure (--json not writable, out of host memory).\n",
             DEF_R, DEF_E, MF_MAX_TOPK, DEF_K, DEF_H, DEF_I, DEF_T, PRESET_T, DEF_ZIPF_S, DEF_SEED, DEF_LINK_GBPS,
             RUN_ITERS, RUN_WARMUP, BENCH_ITERS_CUDA, BENCH_WARMUP_CUDA, BENCH_ITERS_CPU,
-            BENCH_WARMUP_CPU);
+            BENCH_WARMUP_CPU, 100 * MEM_FRACTION);
 }
 
-static void die_usage(const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "moeflow: ");
-    vfprintf(stderr, fmt, ap);
-    fprintf(stderr, "\n");
-    va_end(ap);
-    exit(EXIT_USAGE);
-}
+#define die_usage(...) mf__cli_die(EXIT_USAGE, "moeflow", __VA_ARGS__)
+#define die_io(...) mf__cli_die(EXIT_IO, "moeflow", __VA_ARGS__)
 
 static int64_t parse_int(const char *flag, const char *v, int64_t lo, int64_t hi) {
     char *end;
@@ -281,8 +288,8 @@ static const struct {
     {0, "backend", 1},  {0, "preset", 1},    {0, "ue8m0", 0},        {0, "iters", 1},
     {0, "warmup", 1},   {0, "json", 1},      {0, "timeout-ms", 1},   {0, "no-check", 0},
     {0, "dataflow", 1}, {0, "per-rank", 0}, {0, "gated", 0}, {0, "no-phases", 0}, {0, "transport", 1}, {0, "op", 1},
-    {0, "balance", 1},  {0, "link-gbps", 1}, {0, "rebalance", 1},
-    {'h', "help", 0},
+    {0, "balance", 1},  {0, "link-gbps", 1}, {0, "rebalance", 1}, {0, "memory-limit", 1},
+    {'h', "help", 0},   {0, "version", 0},
 };
 #define NUM_FLAGS ((int)(sizeof k_flags / sizeof k_flags[0]))
 
@@ -330,11 +337,19 @@ static void parse_args(int argc, char **argv, opts_t *o) {
     o->check = 1;
     o->link_gbps = DEF_LINK_GBPS;
     o->rebalance = -1;
+    o->memory_limit_gb = -1;
     /* Pass 1: the preset, so that every other flag overrides it wherever it stands. */
     for (int i = first; i < argc; i++) {
         const char *v, *name = next_flag(argc, argv, &i, &v);
         if (!strcmp(name, "--help")) {
             usage(stdout);
+            exit(0);
+        }
+        if (!strcmp(name, "--version")) {
+            const int32_t lib = mf_get_version();
+            printf("moeflow %d.%d.%d (libmoeflow %d.%d.%d, %s CUDA)\n", MOEFLOW_VERSION_MAJOR,
+                   MOEFLOW_VERSION_MINOR, MOEFLOW_VERSION_PATCH, (int)(lib / 10000),
+                   (int)(lib / 100 % 100), (int)(lib % 100), MF_WITH_CUDA ? "with" : "without");
             exit(0);
         }
         if (!strcmp(name, "--preset")) o->preset = find_preset(v);
@@ -395,6 +410,10 @@ static void parse_args(int argc, char **argv, opts_t *o) {
         else if (!strcmp(name, "--no-check")) o->check = 0;
         else if (!strcmp(name, "--balance")) o->balance = (int32_t)parse_int(name, v, 0, MF_MAX_SPARE_SLOTS);
         else if (!strcmp(name, "--rebalance")) o->rebalance = (int32_t)parse_int(name, v, 0, 1000000);
+        else if (!strcmp(name, "--memory-limit")) {
+            o->memory_limit_gb = parse_double(name, v);
+            if (!(o->memory_limit_gb >= 0)) die_usage("--memory-limit needs G >= 0 (GB; 0: no check)");
+        }
         else if (!strcmp(name, "--link-gbps")) {
             o->link_gbps = parse_double(name, v);
             if (!(o->link_gbps > 0)) die_usage("--link-gbps needs a rate > 0");
@@ -459,7 +478,7 @@ static int32_t rebalance_maps(const opts_t *o, int32_t *prev, int32_t *next) {
         most = m > most ? m : most;
     }
     mf__stage_slot_t *plan = malloc(sizeof *plan * (size_t)P);
-    if (!plan) die_usage("out of host memory");
+    if (!plan) die_io("out of host memory");
     int32_t steps = mf__stage_schedule(prev, next, P, o->R, n ? n : (most ? most : 1), plan);
     free(plan);
     return steps;
@@ -483,21 +502,45 @@ static double estimate_bytes(const opts_t *o, int32_t dtype) {
     return bytes;
 }
 
-static void memory_guard(const opts_t *o) {
-    double need = 0.0;
+/* Host bytes this process may count on: the kernel's MemAvailable (free pages plus the page cache
+ * and reclaimable memory it would give back), else, where /proc/meminfo lacks it, free pages. */
+static double host_available_bytes(const char **source) {
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (f) {
+        char line[256];
+        unsigned long long kb;
+        while (fgets(line, sizeof line, f))
+            if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) {
+                fclose(f);
+                *source = "MemAvailable";
+                return (double)kb * 1024.0;
+            }
+        fclose(f);
+    }
+    *source = "free pages";
+    return (double)sysconf(_SC_AVPHYS_PAGES) * (double)sysconf(_SC_PAGESIZE);
+}
+
+/* Refuses (EXIT_USAGE) a problem whose estimate passes the limit; records the figures for the
+ * `# memory` line. */
+static void memory_guard(opts_t *o) {
+    int bf16 = 0;
     for (int d = 0; d < o->ndtypes; d++) { /* dtypes run one after the other */
         double b = estimate_bytes(o, o->dtypes[d]);
-        need = b > need ? b : need;
+        o->mem_need = b > o->mem_need ? b : o->mem_need;
+        bf16 |= o->dtypes[d] == MF_DTYPE_BF16;
     }
-    double avail = (double)sysconf(_SC_AVPHYS_PAGES) * (double)sysconf(_SC_PAGESIZE);
-    if (avail > 0 && need > MEM_FRACTION * avail) {
-        fprintf(stderr,
-                "moeflow: this problem needs about %.1f GB of host memory, more than %.0f%% of the "
-                "%.1f GB free.\n  Try fewer experts (-E), smaller -H / -I, fewer tokens (-T / -S) or "
-                "--dtype fp8 (half the weight bytes).\n",
-                need / 1e9, MEM_FRACTION * 100, avail / 1e9);
-        exit(EXIT_USAGE);
-    }
+    o->mem_avail = host_available_bytes(&o->mem_source);
+    o->mem_limit = o->memory_limit_gb >= 0 ? o->memory_limit_gb * 1e9 : MEM_FRACTION * o->mem_avail;
+    if (o->memory_limit_gb == 0 || o->mem_limit <= 0 || o->mem_need <= o->mem_limit) return;
+    char limit[128];
+    if (o->memory_limit_gb > 0) snprintf(limit, sizeof limit, "the --memory-limit of %.3g GB", o->memory_limit_gb);
+    else snprintf(limit, sizeof limit, "%.0f%% of the %.1f GB available (%s)", MEM_FRACTION * 100,
+                  o->mem_avail / 1e9, o->mem_source);
+    die_usage("this problem needs about %.1f GB of host memory, more than %s.\n  Try fewer experts (-E), "
+              "smaller -H / -I%s; or set the limit with --memory-limit G (GB; 0: no check).",
+              o->mem_need / 1e9, limit, bf16 ? ", fewer tokens (-T / -S) or --dtype fp8 (half the weight bytes)"
+                                             : " or fewer tokens (-T / -S)");
 }
 
 /* ---- progress on stderr ------------------------------------------------------------------------ */
@@ -593,7 +636,7 @@ static const char *routing_name(const opts_t *o, char *buf, size_t n) {
 static void load_stats(const mfp_problem_t *p, row_t *row, int32_t *empty) {
     const int32_t R = p->spec.R, E = p->spec.E;
     int64_t *pr = calloc((size_t)R, sizeof *pr), *pe = calloc((size_t)E, sizeof *pe);
-    if (!pr || !pe) die_usage("out of host memory");
+    if (!pr || !pe) die_io("out of host memory");
     row->rows = mfp_count_rows(p, pr, pe);
     int64_t mr = 0, me = 0;
     *empty = 0;
@@ -622,7 +665,7 @@ static void count(const opts_t *o, const mfp_problem_t *p, row_t *row) {
     const int fp8 = row->dtype == MF_DTYPE_FP8_E4M3;
     const double es = fp8 ? 1 : 2;
     int64_t *pe = calloc((size_t)o->E, sizeof *pe);
-    if (!pe) die_usage("out of host memory");
+    if (!pe) die_io("out of host memory");
     mfp_count_rows(p, NULL, pe);
     double used = 0;
     for (int32_t e = 0; e < o->E; e++) used += pe[e] > 0;
@@ -639,7 +682,7 @@ static void count(const opts_t *o, const mfp_problem_t *p, row_t *row) {
     { /* the busiest rank's share: its received rows, its routed experts, its own x and y */
         const int32_t L = o->E / o->R;
         int64_t *pe2 = calloc((size_t)o->E, sizeof *pe2);
-        if (!pe2) die_usage("out of host memory");
+        if (!pe2) die_io("out of host memory");
         mfp_count_rows(p, NULL, pe2);
         for (int32_t q = 0; q < o->R; q++) {
             double rq = 0, uq = 0;
@@ -948,6 +991,14 @@ static void print_meta(const opts_t *o) {
     if (o->preset) printf("# preset   %s: %s\n", o->preset->name, o->preset->why);
     printf("# routing  %s  drop %g  seed %llu\n", routing_name(o, rbuf, sizeof rbuf), o->drop,
            (unsigned long long)o->seed);
+    if (o->memory_limit_gb == 0)
+        printf("# memory   host estimate %.2f GB; no check (--memory-limit 0)\n", o->mem_need / 1e9);
+    else if (o->memory_limit_gb > 0)
+        printf("# memory   host estimate %.2f GB, limit %.2f GB (--memory-limit; %s %.1f GB)\n",
+               o->mem_need / 1e9, o->mem_limit / 1e9, o->mem_source, o->mem_avail / 1e9);
+    else
+        printf("# memory   host estimate %.2f GB, limit %.2f GB (%.0f%% of %s %.1f GB)\n", o->mem_need / 1e9,
+               o->mem_limit / 1e9, 100 * MEM_FRACTION, o->mem_source, o->mem_avail / 1e9);
     printf("# iters    %d timed after %d warm-up; times: median over iterations of the slowest rank\n"
            "#          (phases: mf_moe_get_phase_times; total: %s)\n",
            o->iters, o->warmup,
@@ -999,7 +1050,7 @@ static void run_row(const opts_t *o, mfp_problem_t *p, row_t *row, uint16_t **y,
     int32_t *maps = NULL;
     if (o->rebalance >= 0) { /* stage a quarter into the timed forwards; enough forwards to switch */
         maps = malloc(sizeof(int32_t) * 2 * (size_t)o->E);
-        if (!maps) die_usage("out of host memory");
+        if (!maps) die_io("out of host memory");
         row->stage_steps = rebalance_maps(o, maps, maps + o->E);
         ro.expert_map = maps, ro.num_physical = o->E, ro.prefetch = 1;
         ro.stage_map = maps + o->E, ro.stage_per_step = o->rebalance;
@@ -1185,14 +1236,16 @@ int main(int argc, char **argv) {
 #if MF_WITH_CUDA
         return mf__bench_gemm_main(argc, argv);
 #else
-        printf("# moeflow bench gemm: SKIP (this build has no CUDA: nvcc not found or CUDA=0)\n");
-        return 0;
+        mf__cli_die(EXIT_USAGE, "moeflow bench gemm", "needs a CUDA GPU (sm_90): this build has no CUDA "
+                    "(nvcc not found or CUDA=0)");
 #endif
     }
     opts_t o;
     memset(&o, 0, sizeof o);
     parse_args(argc, argv, &o);
     resolve(&o);
+    if (o.json && mf__json_check_writable(o.json) != 0) /* before any work, not after the run */
+        die_io("--json %s: %s", o.json, strerror(errno));
     memory_guard(&o);
     setvbuf(stdout, NULL, _IOLBF, 0);
 
@@ -1200,11 +1253,11 @@ int main(int argc, char **argv) {
     const int passes = o.balance ? 2 : 1; /* --balance: every row without, then with spare slots */
     row_t *rows = calloc((size_t)(o.nT * o.ndtypes * o.nflows * 2 * passes), sizeof *rows);
     uint16_t **y = calloc((size_t)o.R, sizeof *y), **yref = calloc((size_t)o.R, sizeof *yref);
-    if (!rows || !y || !yref) die_usage("out of host memory");
+    if (!rows || !y || !yref) die_io("out of host memory");
     for (int32_t r = 0; r < o.R; r++) {
         y[r] = malloc(sizeof(uint16_t) * (size_t)o.S * o.H + 1);
         yref[r] = malloc(sizeof(uint16_t) * (size_t)o.S * o.H + 1);
-        if (!y[r] || !yref[r]) die_usage("out of host memory");
+        if (!y[r] || !yref[r]) die_io("out of host memory");
     }
 
     int nrows = 0, all_pass = 1, header = 0;
@@ -1221,14 +1274,14 @@ int main(int argc, char **argv) {
         if (mfp_generate(&spec, &p) != 0) {
             fprintf(stderr, "moeflow: could not generate the %s problem (%s)\n", dtype_name(o.dtypes[d]),
                     mf_last_error()[0] ? mf_last_error() : "out of host memory");
-            return EXIT_FAIL;
+            return EXIT_IO;
         }
         if (wbytes > 1e9) fprintf(stderr, "# drawn in %.1f s\n", now_s() - t0);
         if (!header) { /* load lines (routing is the same for every dtype), then the header */
             for (int i = 0; i < o.nT; i++) {
                 row_t lr = {.T = o.T[i]};
                 int32_t empty;
-                if (mfp_set_tokens(&p, o.T[i], o.seed) != 0) die_usage("out of host memory");
+                if (mfp_set_tokens(&p, o.T[i], o.seed) != 0) die_io("out of host memory");
                 load_stats(&p, &lr, &empty);
                 printf("# load     T %d: rows %lld; received rows max/mean: per rank %.2f, per "
                        "expert %.2f; %d of %d experts empty\n",
@@ -1247,7 +1300,7 @@ int main(int argc, char **argv) {
                 row->balance = fl % passes ? o.balance : 0;
                 row->T = o.T[i];
                 row->op = o.comm_op ? ROW_DISPATCH : ROW_LAYER;
-                if (mfp_set_tokens(&p, o.T[i], o.seed) != 0) die_usage("out of host memory");
+                if (mfp_set_tokens(&p, o.T[i], o.seed) != 0) die_io("out of host memory");
                 load_stats(&p, row, &empty);
                 run_row(&o, &p, row, y, yref);
                 print_row(&o, row);
@@ -1271,7 +1324,7 @@ int main(int argc, char **argv) {
     if (o.bench && o.per_rank) print_rank_phases(&o, rows, nrows);
     printf("# %s: %d of %d rows passed\n", all_pass ? "PASS" : "FAIL", passed, nrows);
     int rc = all_pass ? 0 : EXIT_FAIL;
-    if (o.json && write_json(&o, rows, nrows, argc, argv) != 0) rc = EXIT_FAIL;
+    if (o.json && write_json(&o, rows, nrows, argc, argv) != 0) rc = EXIT_IO;
     for (int32_t r = 0; r < o.R; r++) {
         free(y[r]);
         free(yref[r]);

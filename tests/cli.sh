@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# tests/cli.sh MOEFLOW — the `moeflow` command's exit statuses and early checks (README "The
+# `moeflow` command"): 0 ok, 1 a check failed, 2 usage or a request this machine cannot serve, 3 an
+# I/O or system failure. Runs a few tiny CPU problems; a few seconds in all. The cases that need a
+# machine without a CUDA GPU (what CI has) SKIP where one is present.
+set -uo pipefail
+cli=${1:?usage: tests/cli.sh MOEFLOW}
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+tiny=(-R 2 -E 4 -K 2 -H 128 -I 128 -T 2) # a problem every backend runs in well under a second
+failed=0 passed=0 skipped=0
+limit=60 # seconds a case may take (a regression must not hang the suite)
+
+# expect NAME STATUS [GREP_STDOUT_AND_STDERR] -- ARGS...: runs $cli ARGS, checks the status and,
+# where given, that the output matches the extended regexp.
+expect() {
+    local name=$1 want=$2 pattern=$3
+    shift 4
+    timeout "$limit" "$cli" "$@" > "$tmp/out" 2>&1
+    local got=$?
+    if [ "$got" != "$want" ]; then
+        echo "cli: FAIL $name: exit $got, expected $want: moeflow $*"
+        sed 's/^/cli:   | /' "$tmp/out" | tail -8
+        failed=$((failed + 1))
+    elif [ -n "$pattern" ] && ! grep -qE -- "$pattern" "$tmp/out"; then
+        echo "cli: FAIL $name: exit $got as expected, but the output does not match /$pattern/: moeflow $*"
+        sed 's/^/cli:   | /' "$tmp/out" | tail -8
+        failed=$((failed + 1))
+    else
+        passed=$((passed + 1))
+    fi
+}
+
+fail() { echo "cli: FAIL $1"; failed=$((failed + 1)); }
+
+# ---- 0: it ran, and passed -------------------------------------------------------------------
+expect version 0 '^moeflow [0-9]+\.[0-9]+\.[0-9]+ \(libmoeflow [0-9]+\.[0-9]+\.[0-9]+' -- --version
+expect help 0 'MF_TIMEOUT_MS' -- --help
+grep -qE -- '--memory-limit' "$tmp/out" && grep -qE -- '--version' "$tmp/out" && grep -q 'Exit status' "$tmp/out" \
+    || fail "help: --memory-limit, --version or the exit statuses are missing"
+expect run 0 '^# PASS' -- run "${tiny[@]}" --backend cpu --json "$tmp/run.json"
+[ -s "$tmp/run.json" ] && grep -q '"rows": \[' "$tmp/run.json" || fail "run: --json wrote no record"
+
+# ---- 2: usage ----------------------------------------------------------------------------------
+expect unknown_flag 2 "unknown option '--bogus'" -- run --bogus
+expect unknown_command 2 "unknown command" -- frobnicate
+expect bad_value 2 'outside' -- run -R 0
+expect bad_combination 2 'multiple of -R' -- run -R 3 -E 4 --json "$tmp/not_made.json"
+[ ! -e "$tmp/not_made.json" ] || fail "bad_combination: the --json check left $tmp/not_made.json behind"
+
+# ---- the memory check: a limit that nothing fits, the fp8 hint only for BF16, no check -----------
+expect memory_fp8 2 'more than the --memory-limit of' -- run "${tiny[@]}" --dtype fp8 --memory-limit 0.000001
+grep -q -- '--dtype fp8' "$tmp/out" && fail "memory_fp8: the --dtype fp8 hint is printed for an fp8 problem"
+expect memory_bf16 2 '--dtype fp8 \(half the weight bytes\)' -- run "${tiny[@]}" --dtype bf16 --memory-limit 0.000001
+expect memory_off 0 '^# memory .*no check' -- run "${tiny[@]}" --backend cpu --memory-limit 0
+expect memory_default 0 '^# memory .*of (MemAvailable|free pages) ' -- run "${tiny[@]}" --backend cpu
+if want_kb=$(awk '/^MemAvailable:/ {print $2}' /proc/meminfo 2>/dev/null) && [ -n "$want_kb" ]; then
+    # The figure the check used is the kernel's MemAvailable (within what other processes change).
+    got_gb=$(sed -nE 's/^# memory .*of MemAvailable ([0-9.]+) GB\)$/\1/p' "$tmp/out")
+    awk -v got="$got_gb" -v want="$want_kb" 'BEGIN { w = want * 1024 / 1e9; d = got - w; if (d < 0) d = -d;
+        exit !(got != "" && d <= 0.2 * w + 1) }' \
+        || fail "memory_default: the check read ${got_gb:-nothing} GB; /proc/meminfo says MemAvailable $want_kb kB"
+fi
+
+# ---- 3: I/O, before any work --------------------------------------------------------------------
+# deepseek-v3 draws GBs of weights for a minute before the run; the refusal must come at once.
+start=$(date +%s)
+limit=10
+expect json_missing_dir 3 "--json $tmp/no/such/dir/x.json: No such file" -- \
+    run --preset deepseek-v3 --json "$tmp/no/such/dir/x.json"
+limit=60
+[ $(($(date +%s) - start)) -le 5 ] || fail "json_missing_dir: took $(($(date +%s) - start)) s (not before the run)"
+expect json_directory 3 "--json $tmp: Is a directory" -- run "${tiny[@]}" --json "$tmp"
+if [ "$(id -u)" != 0 ]; then # root writes anyway
+    : > "$tmp/read_only.json"
+    chmod 444 "$tmp/read_only.json"
+    expect json_read_only 3 'Permission denied' -- run "${tiny[@]}" --json "$tmp/read_only.json"
+else
+    echo "cli: SKIP json_read_only (running as root)"
+    skipped=$((skipped + 1))
+fi
+
+# ---- 2: what this machine cannot serve: a CUDA GPU ----------------------------------------------
+if command -v nvidia-smi > /dev/null 2>&1 && nvidia-smi -L 2> /dev/null | grep -q '^GPU '; then
+    echo "cli: SKIP bench_gemm_no_gpu, backend_cuda_no_gpu (a GPU is present)"
+    skipped=$((skipped + 2))
+else
+    expect bench_gemm_no_gpu 2 '^moeflow bench gemm: needs a CUDA GPU' -- bench gemm
+    expect backend_cuda_no_gpu 2 '^moeflow: --backend cuda: ' -- run "${tiny[@]}" --backend cuda
+fi
+
+echo "cli: $passed passed, $failed failed, $skipped skipped ($cli)"
+[ "$failed" = 0 ]
