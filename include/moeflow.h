@@ -250,8 +250,9 @@ MF_API mf_result_t mf_rendezvous_address(char address[MF_ADDRESS_BYTES]);
 
 /* Connects rank `rank` of `num_ranks` at `address` and fills *bootstrap with an allgather over
  * the connection (destroy set: the comm it is given to owns it). Collective over the ranks,
- * blocking for at most `timeout_ms` (0 = MF_TIMEOUT_MS or 30000): MF_ERR_TIMEOUT when a rank does
- * not arrive; MF_ERR_SYSTEM when a socket call fails or a rank leaves. */
+ * blocking for at most `timeout_ms` (0 = MF_TIMEOUT_MS or 30000), or 1 s more on a rank other than 0
+ * while it waits for rank 0's verdict: MF_ERR_TIMEOUT, on every rank that arrived, naming the ranks
+ * that did not; MF_ERR_SYSTEM when a socket call fails or a rank leaves. */
 MF_API mf_result_t mf_rendezvous_bootstrap(const char *address, int32_t rank, int32_t num_ranks,
                                     int64_t timeout_ms, mf_bootstrap_t *bootstrap);
 
