@@ -7,6 +7,8 @@
  * (MFREF_ORACLE_POOLED_DIFF_MAX: what catches a missing bf16 rounding, see ref.h).
  *
  * The case space: R in 1..8, L = E / R in 1..4, K in 1..min(E, 8) (sometimes min(E, MF_MAX_TOPK)),
+ * the placement (half the cases the plain LINEAR layer; else LINEAR with E not a multiple of R, or
+ * ROUND_ROBIN with E a multiple of R or not: up to R - 1 experts more),
  * H and I multiples of 128 (FP8, up to 384) or of 8 (BF16, up to 384), S in 1..32 and an uneven T
  * per rank (idle ranks with T = 0, ranks with T = S), uniform / zipf / hot routing, -1 drops (none,
  * some, all), both dtypes and layouts, UE8M0 scales on and off, block_m, and an expert_capacity /
@@ -104,6 +106,11 @@ static void rnd_draw(uint64_t seed, rnd_case_t *c) {
                                     MF_DATAFLOW_UNFUSED};
     c->dataflow = flows[mft_rng_int(&rng, 4)];
     s->seed = mft_rng_u64(&rng);
+    /* Where the experts live, drawn last (the draws above stay those of the plain case): half the
+     * cases the plain LINEAR layer; else uneven LINEAR, or ROUND_ROBIN with R | E or not. */
+    const int32_t where = mft_rng_int(&rng, 4);
+    if (where >= 2 && s->R > 1 && (where == 2 || mft_rng_int(&rng, 2))) s->E += 1 + mft_rng_int(&rng, s->R - 1);
+    s->placement = where == 3 ? MF_PLACEMENT_ROUND_ROBIN : MF_PLACEMENT_LINEAR;
 }
 
 /* Generates the problem of case c and sets its capacities from the routing drawn: exactly what it
@@ -117,7 +124,8 @@ static int rnd_generate(rnd_case_t *c, mfp_problem_t *p) {
     int64_t most = 0, rows = 0; /* the fullest expert; the most rows a rank receives */
     for (int32_t q = 0; q < s->R; q++) {
         int64_t sum = 0;
-        for (int32_t e = q * p->L; e < (q + 1) * p->L; e++) {
+        for (int32_t e = 0; e < s->E; e++) {
+            if (mfp_expert_rank(s, s->placement, e) != q) continue;
             most = per_expert[e] > most ? per_expert[e] : most;
             sum += (per_expert[e] + bm - 1) / bm * bm;
         }
@@ -155,10 +163,11 @@ static void rnd_describe(const rnd_case_t *c, char *buf, size_t len) {
     static const char *const caps[] = {"default", "exact", "slack"};
     const mfp_spec_t *s = &c->spec;
     buf[0] = '\0';
-    rnd_append(buf, len, "seed %llu: %s %s R=%d E=%d (L=%d) K=%d H=%d I=%d S=%d T=[",
+    rnd_append(buf, len, "seed %llu: %s %s R=%d E=%d (%s, L=%d..%d) K=%d H=%d I=%d S=%d T=[",
                (unsigned long long)c->seed, rnd_dtype_name(s->dtype),
                s->layout == MF_LAYOUT_MASKED ? "masked" : "expert_major", (int)s->R, (int)s->E,
-               (int)(s->E / s->R), (int)s->K, (int)s->H, (int)s->I, (int)s->S);
+               s->placement == MF_PLACEMENT_ROUND_ROBIN ? "round_robin" : "linear", (int)(s->E / s->R),
+               (int)((s->E + s->R - 1) / s->R), (int)s->K, (int)s->H, (int)s->I, (int)s->S);
     for (int32_t r = 0; r < s->R; r++) rnd_append(buf, len, "%s%d", r ? "," : "", (int)c->T[r]);
     rnd_append(buf, len, "] routing=%s", routings[s->routing]);
     if (s->routing == MFP_ROUTING_ZIPF) rnd_append(buf, len, ":%.2f", s->zipf_s);

@@ -22,7 +22,14 @@
  *                          call equals the plain CUDA layer's bit for bit, while staging (old map) and
  *                          after the switch (new map); next_weights equal the experts byte for byte
  *                          (mfp_run checks); steps, forwards while staging and bytes equal the CPU's;
- *   cuda_balance_stage_ipc the same with ranks as processes (CUDA IPC pushes; one or more GPUs).
+ *   cuda_balance_stage_ipc the same with ranks as processes (CUDA IPC pushes; one or more GPUs);
+ *   cuda_placement_bitwise uneven LINEAR and ROUND_ROBIN layers (every dataflow, both dtypes and
+ *                          layouts, E = 3..128, the decode and the TMA GEMMs): linear = round robin
+ *                          = the same tokens on one rank, bit for bit; within bounds of the CPU; the
+ *                          rows each rank computed equal the CPU's;
+ *   cuda_placement_comm    mf_dispatch + mf_combine on placed layers and on layers with an expert map
+ *                          (B = 0): the dispatch outputs and y equal the CPU backend's call by call,
+ *                          and y the plain layer's.
  * Every failure names the case (R, dtype, layout, dataflow, P, B) and, for y, the first differing
  * element, so one GPU run tells where a misroute is.
  */
@@ -746,7 +753,151 @@ static int cuda_balance_stage(void) {
 
 static int cuda_balance_stage_ipc(void) { return stage_case(2, MF_DTYPE_FP8_E4M3, 2, 1, 1, MF_TRANSPORT_IPC, 81); }
 
+/* ---- placements, and dispatch / combine on mapped layers (issue 24) ------------------------- */
+
+typedef struct place_case {
+    int32_t R, E, dtype, layout, flow, T, K;
+    uint64_t seed;
+} place_case_t;
+
+static int place_problem(const place_case_t *c, int32_t placement, mfp_problem_t *p) {
+    mfp_spec_t s;
+    memset(&s, 0, sizeof s);
+    s.R = c->R, s.E = c->E, s.K = c->K, s.H = 256, s.I = 256, s.S = c->T, s.T_per_rank = c->T;
+    s.dtype = c->dtype, s.layout = c->layout, s.routing = MFP_ROUTING_ZIPF, s.zipf_s = 1.2, s.drop_prob = 0.05;
+    s.placement = placement, s.seed = c->seed;
+    return mfp_generate(&s, p);
+}
+
+/* One shape (T equal on every rank, so that every layer below has the same rows hint T K R / E and
+ * runs the same GEMM family): on CUDA with the dataflow pinned, the LINEAR and the ROUND_ROBIN
+ * layer give y bit for bit equal to each other and to the same tokens on one rank (the identity
+ * placement); within the contract's bounds of the CPU backend; and each rank's rows (balance stats
+ * of the mapped layers) equal the CPU's. */
+static int placement_case(const place_case_t *c) {
+    mfp_problem_t p[2], one;
+    MFT_CHECK(place_problem(c, MF_PLACEMENT_LINEAR, &p[0]) == 0 && place_problem(c, MF_PLACEMENT_ROUND_ROBIN, &p[1]) == 0);
+    MFT_CHECK(mfp_gather_ranks(&p[0], &one) == 0);
+    char label[200], err[512] = "";
+    snprintf(label, sizeof label, "R=%d E=%d T=%d K=%d %s %s %s", (int)c->R, (int)c->E, (int)c->T, (int)c->K,
+             c->dtype == MF_DTYPE_FP8_E4M3 ? "fp8" : "bf16", c->layout == MF_LAYOUT_MASKED ? "masked" : "expert_major",
+             flow_name(c->flow));
+    uint16_t *yg[2][MF_MAX_RANKS], *yc[2][MF_MAX_RANKS], *y1[1];
+    alloc_ys(&p[0], yg[0]), alloc_ys(&p[0], yg[1]), alloc_ys(&p[0], yc[0]), alloc_ys(&p[0], yc[1]), alloc_ys(&one, y1);
+    mfp_timing_t tg[2], tc[2];
+    memset(tg, 0, sizeof tg), memset(tc, 0, sizeof tc);
+    int rc = 0;
+    for (int k = 0; k < 5 && !rc; k++) { /* cuda linear, cuda round robin, cpu linear, cpu round robin, cuda one rank */
+        mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
+        o.backend = k == 2 || k == 3 ? MF_BACKEND_CPU : MF_BACKEND_CUDA, o.iters = 2, o.timeout_ms = bal_timeout_ms();
+        o.dataflow = k == 2 || k == 3 ? MF_DATAFLOW_AUTO : c->flow;
+        const mfp_problem_t *q = k == 4 ? &one : &p[k % 2];
+        uint16_t **y = k == 4 ? y1 : k < 2 ? yg[k] : yc[k - 2];
+        mfp_timing_t *t = k < 2 ? &tg[k] : k < 4 ? &tc[k - 2] : NULL;
+        if (mfp_run(q, &o, y, t, err, sizeof err) != MF_SUCCESS)
+            rc = mft_fail(__FILE__, __LINE__, "%s: run %d (%s %s): %s", label, k, k == 2 || k == 3 ? "cpu" : "cuda",
+                          k == 4 ? "one rank" : k % 2 ? "round robin" : "linear", err);
+    }
+    if (!rc) rc = same_y(label, &p[0], yg[1], yg[0]);
+    for (int32_t r = 0, t0 = 0; r < c->R && !rc; t0 += p[0].T[r], r++)
+        if (memcmp(yg[0][r], y1[0] + (size_t)t0 * p[0].spec.H, (size_t)p[0].T[r] * p[0].spec.H * 2) != 0)
+            rc = mft_fail(__FILE__, __LINE__, "%s: rank %d: y of the linear layer differs from the same tokens on one rank",
+                          label, (int)r);
+    for (int k = 0; k < 2 && !rc; k++) rc = close_y(label, &p[k], yg[k], yc[k]);
+    for (int k = 0; k < 2 && !rc; k++)
+        for (int32_t r = 0; r < c->R && !rc && tg[k].have_balance; r++)
+            if (!tc[k].have_balance || tg[k].balance.recv_rows[r] != tc[k].balance.recv_rows[r] ||
+                tg[k].balance.home_rows[r] != tc[k].balance.home_rows[r])
+                rc = mft_fail(__FILE__, __LINE__, "%s %s: rank %d computed %lld rows (home %lld) on cuda, %lld (%lld) on cpu",
+                              label, k ? "round robin" : "linear", (int)r, (long long)tg[k].balance.recv_rows[r],
+                              (long long)tg[k].balance.home_rows[r], (long long)tc[k].balance.recv_rows[r],
+                              (long long)tc[k].balance.home_rows[r]);
+    if (!rc) mft_verbose("  %s: linear = round robin = one rank bit for bit, within bounds of the cpu\n", label);
+    for (int k = 0; k < 2; k++) free_ys(&p[0], yg[k]), free_ys(&p[0], yc[k]);
+    free_ys(&one, y1);
+    mfp_free(&p[0]), mfp_free(&p[1]), mfp_free(&one);
+    return rc;
+}
+
+static int cuda_placement_bitwise(void) {
+    const int32_t BF = MF_DTYPE_BF16, F8 = MF_DTYPE_FP8_E4M3, EM = MF_LAYOUT_EXPERT_MAJOR, MA = MF_LAYOUT_MASKED;
+    const int32_t DI = MF_DATAFLOW_DIRECT, PU = MF_DATAFLOW_PULL, UN = MF_DATAFLOW_UNFUSED;
+    static place_case_t cases[] = {
+        /* R, E, dtype, layout, flow, T, K, seed */
+        {3, 10, 0, 0, 0, 12, 3, 1}, {4, 10, 0, 0, 0, 12, 3, 2}, {4, 12, 0, 0, 0, 12, 3, 3}, {6, 26, 0, 0, 0, 8, 4, 4},
+        {8, 9, 0, 0, 0, 8, 2, 5},   {2, 3, 0, 0, 0, 12, 2, 6},  {4, 18, 0, 0, 0, 256, 8, 7}, {6, 128, 0, 0, 0, 64, 8, 8},
+    };
+    static const int32_t kinds[][3] = {{BF, EM, PU}, {F8, MA, DI}, {F8, EM, UN}, {BF, MA, DI},
+                                       {F8, EM, PU}, {BF, MA, UN}, {F8, MA, PU}, {BF, EM, PU}};
+    int failed = 0;
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        cases[i].dtype = kinds[i][0], cases[i].layout = kinds[i][1], cases[i].flow = kinds[i][2];
+        if (placement_case(&cases[i])) failed++, mft_fail(__FILE__, __LINE__, "placement case %zu failed", i);
+    }
+    return failed ? mft_fail(__FILE__, __LINE__, "%d placement cases failed", failed) : 0;
+}
+
+/* mf_dispatch + mf_combine (the identity expert) on CUDA against the CPU backend call by call, the
+ * routing redrawn every call: the dispatch outputs (counts, offsets, every row's source, payload
+ * and scales) and y bit for bit; on both placements and on layers with an expert map (B = 0), whose
+ * y equals the plain layer's. */
+static int comm_digests(const mfp_problem_t *p, int32_t backend, const int32_t *map, int32_t P, uint64_t *d,
+                        const char *label) {
+    uint16_t *y[MF_MAX_RANKS];
+    alloc_ys(p, y);
+    mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
+    o.backend = backend, o.iters = 3, o.timeout_ms = bal_timeout_ms(), o.op = MFP_OP_DISPATCH_COMBINE;
+    o.redraw = 1, o.redraw_seed = 4242, o.digests = d, o.expert_map = map, o.num_physical = map ? P : 0;
+    char err[512] = "";
+    mf_result_t res = mfp_run(p, &o, y, NULL, err, sizeof err);
+    free_ys(p, y);
+    MFT_CHECK_MSG(res == MF_SUCCESS, "%s on %s: %s", label, backend == MF_BACKEND_CUDA ? "cuda" : "cpu", err);
+    return 0;
+}
+
+static int cuda_placement_comm(void) {
+    static const struct {
+        int32_t R, E, placement, dtype, layout, extra; /* extra < 0: no map; else a map of E + extra * R slots */
+    } cases[] = {
+        {3, 10, MF_PLACEMENT_LINEAR, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, -1},
+        {4, 10, MF_PLACEMENT_ROUND_ROBIN, MF_DTYPE_BF16, MF_LAYOUT_MASKED, -1},
+        {4, 12, MF_PLACEMENT_ROUND_ROBIN, MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED, -1},
+        {8, 9, MF_PLACEMENT_LINEAR, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, -1},
+        {2, 8, MF_PLACEMENT_LINEAR, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, 2},
+        {4, 16, MF_PLACEMENT_LINEAR, MF_DTYPE_BF16, MF_LAYOUT_MASKED, 1},
+        {4, 16, MF_PLACEMENT_LINEAR, MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED, 0},
+        {8, 32, MF_PLACEMENT_LINEAR, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, 3},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        const place_case_t c = {cases[i].R, cases[i].E, cases[i].dtype, cases[i].layout, MF_DATAFLOW_AUTO, 12, 3, 50 + i};
+        mfp_problem_t p, plain;
+        MFT_CHECK(place_problem(&c, cases[i].placement, &p) == 0 && place_problem(&c, MF_PLACEMENT_LINEAR, &plain) == 0);
+        const int32_t P = c.E + (cases[i].extra > 0 ? cases[i].extra : 0) * c.R, n = c.R * 3 * 2;
+        int32_t map[256];
+        mft_random_map(c.E, P, 60 + i, map);
+        const int32_t *m = cases[i].extra >= 0 ? map : NULL;
+        char label[160];
+        snprintf(label, sizeof label, "dispatch + combine R=%d E=%d %s P=%d %s %s", (int)c.R, (int)c.E,
+                 cases[i].placement ? "round_robin" : "linear", m ? (int)P : 0, c.dtype == MF_DTYPE_FP8_E4M3 ? "fp8" : "bf16",
+                 c.layout == MF_LAYOUT_MASKED ? "masked" : "expert_major");
+        uint64_t dg[MF_MAX_RANKS * 6], dc[MF_MAX_RANKS * 6], d0[MF_MAX_RANKS * 6];
+        int rc = comm_digests(&p, MF_BACKEND_CUDA, m, P, dg, label) || comm_digests(&p, MF_BACKEND_CPU, m, P, dc, label) ||
+                 comm_digests(&plain, MF_BACKEND_CUDA, NULL, 0, d0, label);
+        for (int32_t j = 0; j < n && !rc; j++)
+            if (dg[j] != dc[j] || (j % 2 && dg[j] != d0[j]))
+                rc = mft_fail(__FILE__, __LINE__, "%s: rank %d call %d: the %s digest differs (cuda %016llx, cpu %016llx, "
+                              "plain cuda %016llx)", label, (int)(j / 6), (int)(j / 2 % 3), j % 2 ? "y" : "dispatch",
+                              (unsigned long long)dg[j], (unsigned long long)dc[j], (unsigned long long)d0[j]);
+        if (!rc) mft_verbose("  %s: cuda = cpu call by call, y = the plain layer's\n", label);
+        mfp_free(&p), mfp_free(&plain);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
 const mft_test_t mft_tests_cuda_balance[] = {
+    {"cuda_placement_bitwise", cuda_placement_bitwise, 180},
+    {"cuda_placement_comm", cuda_placement_comm, 120},
     {"cuda_balance_stage", cuda_balance_stage, 120},
     {"cuda_balance_stage_ipc", cuda_balance_stage_ipc, 120},
     {"cuda_balance_pick", cuda_balance_pick, 120},

@@ -224,7 +224,8 @@ typedef struct comm_out {
     float *recv_scales[MF_MAX_RANKS];
     int32_t *recv_src[MF_MAX_RANKS], *counts[MF_MAX_RANKS], *offsets[MF_MAX_RANKS];
     uint16_t *y[MF_MAX_RANKS];
-    int64_t rows;
+    int32_t L[MF_MAX_RANKS]; /* each rank's segments (num_local_slots: its placement's L_r) */
+    int64_t capacity;        /* MASKED rows per segment (C) */
 } comm_out_t;
 
 typedef struct comm_run {
@@ -253,15 +254,15 @@ static int comm_rank(int32_t rank, void *arg) {
     cfg.num_experts = s->E, cfg.num_topk = s->K, cfg.hidden = s->H, cfg.intermediate = s->I;
     cfg.max_tokens_per_rank = s->S, cfg.dtype = s->dtype, cfg.layout = run->layout;
     cfg.block_m = s->block_m, cfg.expert_capacity = s->expert_capacity, cfg.max_recv_rows = s->max_recv_rows;
-    cfg.ue8m0_scales = s->ue8m0;
+    cfg.ue8m0_scales = s->ue8m0, cfg.placement = s->placement;
     MFT_CHECK_OK(mf_moe_create(comm, &cfg, &moe));
     mf_moe_info_t info;
     MFT_CHECK_OK(mf_moe_get_info(moe, &info));
-    int64_t L = info.num_local_experts, H = s->H, T = p->T[rank], K = s->K;
+    int64_t L = info.num_local_slots, H = s->H, T = p->T[rank], K = s->K;
     int64_t rows = run->layout == MF_LAYOUT_MASKED ? L * info.expert_capacity : info.max_recv_rows;
     size_t esz = s->dtype == MF_DTYPE_FP8_E4M3 ? 1 : 2, nsc = (size_t)H / 128;
     comm_out_t *o = run->out;
-    o->rows = rows;
+    o->L[rank] = (int32_t)L, o->capacity = info.expert_capacity;
     o->recv_x[rank] = mft_alloc((size_t)rows * H * esz);
     o->recv_scales[rank] = mft_alloc((size_t)rows * nsc * 4 + 4);
     o->recv_src[rank] = mft_alloc((size_t)rows * 12);
@@ -356,11 +357,11 @@ static int run_comm(const mfp_problem_t *p, int32_t backend, int32_t layout, int
 
 static int compare_comm(const mfp_problem_t *p, int32_t layout, const comm_out_t *a, const comm_out_t *b) {
     const mfp_spec_t *s = &p->spec;
-    int32_t L = p->L;
     size_t esz = s->dtype == MF_DTYPE_FP8_E4M3 ? 1 : 2, nsc = (size_t)s->H / 128;
-    int64_t cap = layout == MF_LAYOUT_MASKED ? a->rows / L : 0;
+    const int64_t cap = layout == MF_LAYOUT_MASKED ? a->capacity : 0;
     for (int32_t r = 0; r < s->R; r++) {
-        for (int32_t e = 0; e < L; e++) {
+        MFT_CHECK_MSG(a->L[r] == b->L[r], "rank %d: %d segments vs %d", r, a->L[r], b->L[r]);
+        for (int32_t e = 0; e < a->L[r]; e++) {
             MFT_CHECK_MSG(a->counts[r][e] == b->counts[r][e], "rank %d expert %d: counts %d vs %d", r, e,
                           a->counts[r][e], b->counts[r][e]);
             int64_t row0 = layout == MF_LAYOUT_MASKED ? e * cap : a->offsets[r][e];
