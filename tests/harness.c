@@ -113,6 +113,20 @@ void *mft_alloc(size_t bytes) {
 
 void mft_poison(void *p, size_t bytes) { memset(p, MFT_POISON_BYTE, bytes); }
 
+uint16_t **mft_alloc_ys(int32_t R, const int32_t *T, int64_t H) {
+    uint16_t **y = mft_alloc(sizeof *y * (size_t)R);
+    for (int32_t r = 0; r < R; r++) {
+        y[r] = mft_alloc((size_t)T[r] * (size_t)H * 2 + 2);
+        mft_poison(y[r], (size_t)T[r] * (size_t)H * 2);
+    }
+    return y;
+}
+
+void mft_free_ys(uint16_t **y, int32_t R) {
+    for (int32_t r = 0; y && r < R; r++) free(y[r]);
+    free(y);
+}
+
 int64_t mft_first_unpoisoned(const void *p, size_t bytes) {
     const unsigned char *b = (const unsigned char *)p;
     for (size_t i = 0; i < bytes; i++)

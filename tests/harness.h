@@ -131,6 +131,11 @@ mf_tensor_t mft_none(void);
 /* malloc that never returns NULL (prints and exits the test process on failure); bytes may be 0. */
 void *mft_alloc(size_t bytes);
 
+/* Per-rank output rows: y[r] of [T[r], H] bf16 for r < R, poisoned (MFT_POISON_BYTE), each with two
+ * spare bytes so that T[r] = 0 still allocates; mft_free_ys frees them (NULL is a no-op). */
+uint16_t **mft_alloc_ys(int32_t R, const int32_t *T, int64_t H);
+void mft_free_ys(uint16_t **y, int32_t R);
+
 #define MFT_POISON_BYTE 0xA5
 /* Fills with MFT_POISON_BYTE; mft_first_unpoisoned returns the index of the first byte that no
  * longer reads so, or -1 when all still do (for "outputs untouched" checks). */

@@ -118,19 +118,7 @@ static int test_info(void) {
 
 /* ---- the whole layer ------------------------------------------------------------------------ */
 
-static uint16_t **pl_alloc_y(const mfp_problem_t *p) {
-    uint16_t **y = mft_alloc(sizeof *y * (size_t)p->spec.R);
-    for (int32_t r = 0; r < p->spec.R; r++) {
-        y[r] = mft_alloc((size_t)p->T[r] * p->spec.H * 2 + 2);
-        mft_poison(y[r], (size_t)p->T[r] * p->spec.H * 2);
-    }
-    return y;
-}
-
-static void pl_free_y(uint16_t **y, int32_t R) {
-    for (int32_t r = 0; y && r < R; r++) free(y[r]);
-    free(y);
-}
+static uint16_t **pl_alloc_y(const mfp_problem_t *p) { return mft_alloc_ys(p->spec.R, p->T, p->spec.H); }
 
 /* y of `p` (R ranks, its placement) against the same tokens on one rank, bit for bit, and against
  * the fp64 reference within the oracle's bounds; the rows per rank of the balance stats are the
@@ -175,7 +163,7 @@ static int forward_case(const mfp_spec_t *spec, const char *label) {
                           (int)r, (long long)t.balance.recv_rows[r], (long long)t.balance.home_rows[r],
                           (long long)rows[r]);
     if (!rc) mft_verbose("  %s: bit-identical to one rank, within the oracle's bounds\n", label);
-    pl_free_y(y, R), pl_free_y(y1, 1), pl_free_y(yref, R);
+    mft_free_ys(y, R), mft_free_ys(y1, 1), mft_free_ys(yref, R);
     mfp_free(&p), mfp_free(&one);
     return rc;
 }
@@ -225,7 +213,7 @@ static int run_digests(const mfp_problem_t *p, mfp_run_opts_t o, uint64_t *diges
     o.redraw = 1, o.redraw_seed = 900, o.digests = digests;
     char err[512];
     mf_result_t res = mfp_run(p, &o, y, NULL, err, sizeof err);
-    pl_free_y(y, p->spec.R);
+    mft_free_ys(y, p->spec.R);
     MFT_CHECK_MSG(res == MF_SUCCESS, "%s: %s", label, err);
     return 0;
 }
@@ -437,7 +425,7 @@ static int test_misuse(void) {
     MFT_CHECK(x.group);
     int rc = mft_run_ranks(3, misuse_rank, &x);
     MFT_CHECK_OK(mf_group_destroy(x.group));
-    pl_free_y(x.yref, 3);
+    mft_free_ys(x.yref, 3);
     mfp_free(&p);
     return rc;
 }

@@ -278,20 +278,9 @@ static void rnd_print_stats(const char *what, const rnd_stats_t st[2], const rnd
 }
 
 /* y arrays of a problem: [R] -> [T_r, H] bf16, poisoned. */
-static uint16_t **rnd_alloc_y(const mfp_problem_t *p) {
-    uint16_t **y = (uint16_t **)mft_alloc(sizeof *y * (size_t)p->spec.R);
-    for (int32_t r = 0; r < p->spec.R; r++) {
-        size_t bytes = (size_t)p->T[r] * (size_t)p->spec.H * 2;
-        y[r] = (uint16_t *)mft_alloc(bytes);
-        mft_poison(y[r], bytes);
-    }
-    return y;
-}
+static uint16_t **rnd_alloc_y(const mfp_problem_t *p) { return mft_alloc_ys(p->spec.R, p->T, p->spec.H); }
 
-static void rnd_free_y(uint16_t **y, int32_t R) {
-    for (int32_t r = 0; y && r < R; r++) free(y[r]);
-    free(y);
-}
+static void rnd_free_y(uint16_t **y, int32_t R) { mft_free_ys(y, R); }
 
 /* MASKED cases: the layer split as vLLM's modular kernel runs it (mf_dispatch, mf_moe_experts,
  * mf_combine) on `backend` gives `forward`'s y bit for bit (0), else a failure naming the first
