@@ -55,6 +55,7 @@ except ImportError as e:  # vLLM absent, or a release without 0.33's class names
 
 from . import _lib
 from .torch import MoELayer, comm_from_process_group
+from .weights import local_expert_ids
 
 FP8 = torch.float8_e4m3fn
 BLOCK = _lib.QUANT_BLOCK
@@ -115,16 +116,9 @@ def placement_expert_map(placement, num_experts, num_ranks, rank):
     e % R) on `rank`, as vLLM's determine_expert_map computes it."""
     if placement not in PLACEMENTS:
         raise ValueError(f"moeflow: placement must be one of {PLACEMENTS}, not {placement!r}")
-    E, R = num_experts, num_ranks
-    m = torch.full((E,), -1, dtype=torch.int32)
-    if placement == "linear":
-        base, extra = divmod(E, R)
-        n = base + (rank < extra)
-        first = rank * base + min(rank, extra)
-        m[first:first + n] = torch.arange(n, dtype=torch.int32)
-    else:
-        mine = torch.arange(rank, E, R)
-        m[mine] = torch.arange(len(mine), dtype=torch.int32)
+    mine = torch.tensor(list(local_expert_ids(rank, num_ranks, num_experts, placement)))
+    m = torch.full((num_experts,), -1, dtype=torch.int32)
+    m[mine] = torch.arange(len(mine), dtype=torch.int32)
     return m
 
 

@@ -1,6 +1,6 @@
 """moeflow.weights — a rank's expert weights from a Hugging Face-style state dict, in moeflow's layout.
 
-    ids = local_expert_ids(rank, num_ranks, num_experts)            # rank * L .. rank * L + L - 1
+    ids = local_expert_ids(rank, num_ranks, num_experts)            # this rank's, linear placement
     w = load_experts(state_dict, "model.layers.3.mlp", ids)         # {"w13", "w13_scale", "w2", "w2_scale"}
     layer.set_weights(w["w13"], w["w2"], w["w13_scale"], w["w2_scale"])
 
@@ -51,15 +51,22 @@ class WeightsError(ValueError):
     """A state dict that does not hold the experts asked for in a layout this module reads."""
 
 
-def local_expert_ids(rank, num_ranks, num_experts):
-    """Global ids of `rank`'s experts: rank * L .. rank * L + L - 1, L = num_experts / num_ranks
-    (LAYOUTS.md: local expert e of rank r is global expert r * L + e)."""
+def local_expert_ids(rank, num_ranks, num_experts, placement="linear"):
+    """Global ids of `rank`'s experts in its local order, under `placement` (mf_placement_t,
+    include/moeflow.h): "linear", contiguous ranges with the first E % R ranks holding one more
+    (rank * L .. rank * L + L - 1 when R | E); "round_robin", expert e on rank e % R as local
+    expert e // R. These are vLLM's placements too."""
     if num_ranks < 1 or not 0 <= rank < num_ranks:
         raise WeightsError(f"rank {rank} is outside [0, {num_ranks})")
-    if num_experts % num_ranks:
-        raise WeightsError(f"{num_experts} experts do not divide over {num_ranks} ranks")
-    L = num_experts // num_ranks
-    return range(rank * L, rank * L + L)
+    if num_experts < num_ranks:
+        raise WeightsError(f"{num_experts} experts over {num_ranks} ranks: every rank holds one at least")
+    if placement == "linear":
+        base, extra = divmod(num_experts, num_ranks)
+        first = rank * base + min(rank, extra)
+        return range(first, first + base + (rank < extra))
+    if placement == "round_robin":
+        return range(rank, num_experts, num_ranks)
+    raise WeightsError(f"placement must be 'linear' or 'round_robin', not {placement!r}")
 
 
 def _cdiv(a, b):

@@ -61,9 +61,7 @@ def quant_config(dtype, w):
 
 def local_ids(placement, E, R, r):
     """Global ids of rank r's experts in local order."""
-    m = mv.placement_expert_map(placement, E, R, r)
-    ids = (m >= 0).nonzero().flatten()
-    return ids[m[ids].argsort()].tolist()
+    return list(W.local_expert_ids(r, R, E, placement))
 
 
 # vLLM's batched experts ask torch.accelerator.current_stream() whether a CUDA graph is being
@@ -201,6 +199,19 @@ def test_uneven_and_round_robin_placement(mode, placement, E, R, tokens):
                                                                        p.topk_weights))
     single = run_kernel(BF16, E, 1, [sum(tokens)], one, sd, mode)[0][0]
     assert torch.equal(torch.cat([y[0] for y in ys]), single)
+
+
+def test_placement_maps_are_vllms():
+    """moeflow's placements are vLLM's: placement_expert_map equals vLLM's determine_expert_map
+    (and moeflow.weights.local_expert_ids its local order) for even, uneven and round-robin splits."""
+    from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
+    for placement in ("linear", "round_robin"):
+        for E, R in ((8, 2), (10, 4), (128, 6), (7, 3), (5, 5)):
+            for r in range(R):
+                n, want, _ = determine_expert_map(R, r, E, placement)
+                got = mv.placement_expert_map(placement, E, R, r)
+                assert torch.equal(got, want.to(torch.int32)), (placement, E, R, r)
+                assert n == len(local_ids(placement, E, R, r))
 
 
 # ---- EPLB: physical ids, replicas ---------------------------------------------------------------

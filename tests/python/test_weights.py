@@ -43,8 +43,15 @@ def fused_from_per_expert(sd, prefix=P, n=E):
 def test_local_expert_ids():
     assert list(W.local_expert_ids(1, 2, 8)) == [4, 5, 6, 7]
     assert list(W.local_expert_ids(0, 1, 3)) == [0, 1, 2]
-    with pytest.raises(W.WeightsError, match="divide"):
-        W.local_expert_ids(0, 3, 8)
+    # uneven: the first E % R ranks one more (Qwen3's 128 experts on 6 ranks: 22, 22, 21, ...)
+    assert [len(W.local_expert_ids(r, 6, 128)) for r in range(6)] == [22, 22, 21, 21, 21, 21]
+    assert [list(W.local_expert_ids(r, 3, 8)) for r in range(3)] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert [list(W.local_expert_ids(r, 3, 8, "round_robin")) for r in range(3)] == [
+        [0, 3, 6], [1, 4, 7], [2, 5]]
+    with pytest.raises(W.WeightsError, match="one at least"):
+        W.local_expert_ids(0, 3, 2)
+    with pytest.raises(W.WeightsError, match="placement"):
+        W.local_expert_ids(0, 2, 8, "random")
     with pytest.raises(W.WeightsError, match="outside"):
         W.local_expert_ids(2, 2, 8)
 
