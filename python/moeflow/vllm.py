@@ -265,7 +265,37 @@ class MoeflowPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                            out=output[:T])
 
 
-class MoeflowExperts(mk.FusedMoEExpertsModular):
+class _MoeflowSupport:
+    """What both experts classes tell vLLM's kernel oracle (is_supported_config): the CPU or CUDA
+    sm_90, SiLU gate-and-up, unquantised or FP8 128 x 128 blocks with 1 x 128 dynamic
+    activations, TP = 1 inside the MoE."""
+
+    _SCHEMES = ((None, None), (kFp8Static128BlockSym, kFp8Dynamic128Sym))
+
+    @staticmethod
+    def _supports_current_device():
+        if current_platform.is_cpu():
+            return True
+        return current_platform.is_cuda() and current_platform.is_device_capability(90)
+
+    @staticmethod
+    def _supports_no_act_and_mul():
+        return False
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key, activation_key):
+        return (weight_key, activation_key) in _MoeflowSupport._SCHEMES
+
+    @staticmethod
+    def _supports_activation(activation):
+        return activation == MoEActivation.SILU
+
+    @staticmethod
+    def _supports_parallel_config(moe_parallel_config):
+        return moe_parallel_config.tp_size == 1
+
+
+class MoeflowExperts(_MoeflowSupport, mk.FusedMoEExpertsModular):
     """vLLM's experts for what MoeflowPrepareAndFinalize delivers: moeflow's grouped GEMMs
     (W13 -> SwiGLU -> W2, mf_moe_experts) on a1q [L, R*S, H] with expert_num_tokens, the
     weights vLLM passes (w1 [L, 2I, H], w2 [L, H, I]; FP8 scales from the quant config), into
@@ -286,26 +316,6 @@ class MoeflowExperts(mk.FusedMoEExpertsModular):
     @staticmethod
     def activation_format():
         return mk.FusedMoEActivationFormat.BatchedExperts
-
-    @staticmethod
-    def _supports_current_device():
-        return _supports_current_device()
-
-    @staticmethod
-    def _supports_no_act_and_mul():
-        return False
-
-    @staticmethod
-    def _supports_quant_scheme(weight_key, activation_key):
-        return (weight_key, activation_key) in _SCHEMES
-
-    @staticmethod
-    def _supports_activation(activation):
-        return activation == MoEActivation.SILU
-
-    @staticmethod
-    def _supports_parallel_config(moe_parallel_config):
-        return moe_parallel_config.tp_size == 1
 
     def supports_expert_map(self):
         return False  # rows arrive per local expert
@@ -330,7 +340,7 @@ class MoeflowExperts(mk.FusedMoEExpertsModular):
 
 
 # ---- the whole layer ------------------------------------------------------------------------------
-class MoeflowLayerExperts(mk.FusedMoEExpertsModular):
+class MoeflowLayerExperts(_MoeflowSupport, mk.FusedMoEExpertsModular):
     """The whole EP layer as one experts object that owns its communication (mf_moe_forward:
     dispatch, W13 -> SwiGLU -> W2, combine), in the shape of vLLM's Mega-MoE experts: Standard
     format, unquantised input (expects_unquantized_inputs; an FP8 layer quantises in its own
@@ -354,26 +364,6 @@ class MoeflowLayerExperts(mk.FusedMoEExpertsModular):
     @property
     def expects_unquantized_inputs(self):
         return True
-
-    @staticmethod
-    def _supports_current_device():
-        return _supports_current_device()
-
-    @staticmethod
-    def _supports_no_act_and_mul():
-        return False
-
-    @staticmethod
-    def _supports_quant_scheme(weight_key, activation_key):
-        return (weight_key, activation_key) in _SCHEMES
-
-    @staticmethod
-    def _supports_activation(activation):
-        return activation == MoEActivation.SILU
-
-    @staticmethod
-    def _supports_parallel_config(moe_parallel_config):
-        return moe_parallel_config.tp_size == 1
 
     def supports_expert_map(self):
         return True  # global ids, placed by the layer
@@ -454,16 +444,6 @@ class _PlacementCheck:
             raise NotImplementedError(f"moeflow: vLLM's expert_map is not the layer's "
                                       f"{placement!r} placement (rank {info.rank})")
         self.key = key
-
-
-_SCHEMES = ((None, None), (kFp8Static128BlockSym, kFp8Dynamic128Sym))
-
-
-def _supports_current_device():
-    """The CPU backend everywhere; CUDA on sm_90 (the kernels are sm_90a)."""
-    if current_platform.is_cpu():
-        return True
-    return current_platform.is_cuda() and current_platform.is_device_capability(90)
 
 
 # ---- the glue an engine needs -----------------------------------------------------------------

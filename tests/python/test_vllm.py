@@ -179,6 +179,24 @@ def test_int32_ids_and_the_prepare_contract():
                        mk.FusedMoEActivationFormat.BatchedExperts)
 
 
+def test_vllms_kernel_oracle_accepts_what_moeflow_serves():
+    """vLLM's own selection check (FusedMoEExperts.is_supported_config) passes moeflow's experts
+    for BF16 and FP8 block in their formats, and turns away other schemes and activations."""
+    from vllm.model_executor.layers.quantization.utils import quant_utils as qu
+    mc = moe_config(8, 2, 0, 4)
+    fmt = mk.FusedMoEActivationFormat
+    for cls, form in ((mv.MoeflowExperts, fmt.BatchedExperts), (mv.MoeflowLayerExperts, fmt.Standard)):
+        ok = mk.FusedMoEExperts.is_supported_config
+        assert ok(cls, mc, None, None, form) == (True, None)
+        assert ok(cls, mc, qu.kFp8Static128BlockSym, qu.kFp8Dynamic128Sym, form) == (True, None)
+        assert not ok(cls, mc, qu.kFp8StaticTensorSym, qu.kFp8DynamicTokenSym, form)[0]
+        other = fmt.Standard if form == fmt.BatchedExperts else fmt.BatchedExperts
+        assert not ok(cls, mc, None, None, other)[0]
+        gelu = moe_config(8, 2, 0, 4)
+        gelu.activation = MoEActivation.GELU
+        assert not ok(cls, gelu, None, None, form)[0]
+
+
 # ---- placements vLLM hands over ---------------------------------------------------------------
 PLACEMENT_CASES = [("linear", 10, 4, [4, 6, 0, 5]), ("linear", 7, 2, [5, 5]),
                    ("round_robin", 8, 2, [6, 3]), ("round_robin", 10, 4, [2, 0, 7, 4])]
