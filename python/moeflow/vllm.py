@@ -31,6 +31,8 @@ What moeflow accepts from vLLM (and refuses, with a clear error at construction 
     `expert_map` vLLM passes must be the one that placement gives.
 Importing this module needs vLLM 0.33 (`pip install ./python[vllm]`).
 """
+import warnings
+
 import torch
 
 try:
@@ -59,8 +61,11 @@ from .weights import local_expert_ids
 
 FP8 = torch.float8_e4m3fn
 BLOCK = _lib.QUANT_BLOCK
-SUPPORTED_VLLM = "0.33"
+SUPPORTED_VLLM = "0.33"  # the release these classes are tested against (CI: vllm==0.33.0)
 PLACEMENTS = ("linear", "round_robin")
+if not vllm.__version__.startswith(SUPPORTED_VLLM):
+    warnings.warn(f"moeflow.vllm is tested against vLLM {SUPPORTED_VLLM}; this is vLLM "
+                  f"{vllm.__version__}", stacklevel=2)
 
 __all__ = ["MoeflowPrepareAndFinalize", "MoeflowExperts", "MoeflowLayerExperts",
            "MoeflowPassThroughPrepareAndFinalize", "layer_dtype", "make_layer", "make_kernel",

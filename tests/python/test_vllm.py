@@ -197,6 +197,38 @@ def test_vllms_kernel_oracle_accepts_what_moeflow_serves():
         assert not ok(cls, gelu, None, None, form)[0]
 
 
+def test_router_weight_on_input_top1():
+    """apply_router_weight_on_input with top-1 (as vLLM's Llama-4 style layers ask): x is scaled
+    by the router weight before dispatch and combine applies 1; K > 1 is refused."""
+    E, R, tokens = 8, 2, [5, 4]
+    sd = W.make_state_dict(E, H, I, dtype=BF16, layer_prefix=PREFIX, seed=80)
+    p = ref.make_problem(R, E, 1, H, I, tokens, dtype=BF16, seed=81)
+    full = W.load_experts(sd, PREFIX, range(E))
+
+    def rank(r, comm, ready):
+        w = W.load_experts(sd, PREFIX, local_ids("linear", E, R, r))
+        kernel = mv.make_kernel(moe_config(E, R, r, 5, topk=1), None, comm, mode="dispatch")
+        emap = mv.placement_expert_map("linear", E, R, r)
+        ready()
+        try:
+            y = kernel.apply(p.x[r], w["w13"], w["w2"], p.topk_weights[r], p.topk_ids[r].long(),
+                             MoEActivation.SILU, E, emap, True)
+            with pytest.raises(ValueError, match="top-1"):  # refused before any collective
+                kernel.prepare_finalize.prepare(p.x[r], torch.ones(tokens[r], 2),
+                                                torch.zeros(tokens[r], 2, dtype=torch.int64), E,
+                                                emap, True, FusedMoEQuantConfig.make())
+            return y
+        finally:
+            kernel.moeflow_layer.close()
+
+    ys = run(R, rank)
+    for r in range(R):
+        xs = (p.x[r].float() * p.topk_weights[r]).to(BF16)
+        want = ref.reference_moe(xs, p.topk_ids[r], torch.ones(tokens[r], 1), full["w13"], None,
+                                 full["w2"], None)
+        ref.assert_close(ys[r], want, BF16, oracle=True)
+
+
 # ---- placements vLLM hands over ---------------------------------------------------------------
 PLACEMENT_CASES = [("linear", 10, 4, [4, 6, 0, 5]), ("linear", 7, 2, [5, 5]),
                    ("round_robin", 8, 2, [6, 3]), ("round_robin", 10, 4, [2, 0, 7, 4])]
