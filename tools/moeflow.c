@@ -65,7 +65,12 @@
 #define BENCH_WARMUP_CUDA 5
 #define BENCH_ITERS_CPU 3
 #define BENCH_WARMUP_CPU 1
+#define BENCH_ROUNDS 3            /* bench: rounds over the whole sweep (min / median / max) */
+#define MAX_ROUNDS 1000
+#define SPREAD_FLAG 0.05          /* (max - min) / median over the rounds above this: flagged */
 #define MAX_SIZES 32              /* entries of a -T list */
+#define MAX_CAPACITIES 8          /* entries of a -S list */
+#define S_OF_T 0                  /* a -S entry "T": each row's capacity is its own T */
 #define QBLOCK 128                /* FP8 block edge: H and I multiples of it */
 #define BF16_ALIGN 8              /* BF16: H and I multiples of it (16-byte rows) */
 #define MEM_FRACTION 0.8          /* refuse when the estimate passes this share of MemAvailable */
@@ -97,8 +102,11 @@ static const preset_t k_presets[] = {
 /* ---- options ---------------------------------------------------------------------------------- */
 typedef struct opts {
     int bench;
-    int32_t R, E, K, H, I, S;
+    int32_t R, E, K, H, I, S; /* S: the largest capacity of the -S list (host buffers) */
     int32_t T[MAX_SIZES], nT;
+    int32_t Sl[MAX_CAPACITIES], nS; /* the -S list (S_OF_T: the row's T); nS 0 = max T */
+    int32_t events[2], nevents;    /* --phases: 1 phase events (the default), 0 none (--no-phases) */
+    int32_t rounds;                /* bench: rounds over the whole sweep */
     int32_t dtypes[2], ndtypes;
     int32_t flows[4], nflows; /* mf_dataflow_t values to run, in order */
     int32_t layout, routing, hot, ue8m0;
@@ -138,7 +146,9 @@ static void usage(FILE *f) {
             "  -H, --hidden N         hidden size (FP8: a multiple of 128)                [%d]\n"
             "  -I, --inter N          expert intermediate size (FP8: a multiple of 128)   [%d]\n"
             "  -T, --tokens N[,N..]   tokens per rank; bench sweeps a list such as 1,8,64 [%d]\n"
-            "  -S, --capacity N       max tokens per rank per call, >= every T            [max T]\n"
+            "  -S, --capacity S[,S..] max tokens per rank per call (the layer's S), >= every\n"
+            "                         T; bench: a list times each row at each S; T: the row's\n"
+            "                         own T, e.g. -S T,4096                               [max T]\n"
             "      --preset NAME      a real model's E, K, H, I and dtype, with T = %d; other\n"
             "                         flags override it: deepseek-v3, kimi-k2, qwen3-235b-a22b,\n"
             "                         glm-4.5, mixtral-8x7b\n"
@@ -175,13 +185,19 @@ static void usage(FILE *f) {
             "                               mf_combine alone (GB/s counted as DeepEP) [layer]\n"
             "      --iters N, --warmup N    run: %d, %d; bench: %d, %d on CUDA and %d, %d on CPU\n"
             "      --no-check               bench: skip the reference\n"
+            "      --rounds N               bench: run the whole sweep N times, rounds one after\n"
+            "                               the other; each row reports the median round and the\n"
+            "                               min / max, and flags a spread (max - min) / median\n"
+            "                               above %.0f%% with '!'                                 [%d]\n"
             "      --per-rank               bench: each rank's own phase medians too\n"
             "      --gated                  CUDA: hold each rank's stream until its forward is\n"
             "                               enqueued (device time without host launch gaps,\n"
             "                               as a CUDA graph replay runs)\n"
             "      --no-phases              CUDA layer: time each forward between two events only\n"
             "                               (no phase events, which end programmatic dependent\n"
-            "                               launches between kernels); the phases print as 0\n"
+            "                               launches between kernels); the phases print as -\n"
+            "      --phases on|off|on,off   bench: with phase events (on), without (off, as\n"
+            "                               --no-phases), or each row both ways            [on]\n"
             "      --timeout-ms N           bound on every wait for a peer; 0: the library's\n"
             "                               default, MF_TIMEOUT_MS (env) or else 30 s        [0]\n"
             "      --json FILE              write the results as docs/DESIGN.md's benchmark record\n"
@@ -196,7 +212,7 @@ static void usage(FILE *f) {
             "or system failure (--json not writable, out of host memory).\n",
             DEF_R, DEF_E, MF_MAX_TOPK, DEF_K, DEF_H, DEF_I, DEF_T, PRESET_T, DEF_ZIPF_S, DEF_SEED, DEF_LINK_GBPS,
             RUN_ITERS, RUN_WARMUP, BENCH_ITERS_CUDA, BENCH_WARMUP_CUDA, BENCH_ITERS_CPU,
-            BENCH_WARMUP_CPU, 100 * MEM_FRACTION);
+            BENCH_WARMUP_CPU, 100 * SPREAD_FLAG, BENCH_ROUNDS, 100 * MEM_FRACTION);
 }
 
 #define die_usage(...) mf__cli_die(EXIT_USAGE, "moeflow", __VA_ARGS__)
@@ -234,6 +250,32 @@ static void parse_sizes(opts_t *o, const char *v) {
         s += n + (s[n] == ',');
     }
     if (o->nT == 0) die_usage("--tokens: empty list");
+}
+
+/* -S: a list of capacities, each an integer >= 1 or T (the row's own T: S_OF_T). */
+static void parse_capacities(opts_t *o, const char *v) {
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s", v);
+    o->nS = 0;
+    for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+        if (o->nS == MAX_CAPACITIES) die_usage("--capacity: at most %d entries", MAX_CAPACITIES);
+        o->Sl[o->nS++] = !strcmp(t, "T") ? S_OF_T : (int32_t)parse_int("--capacity", t, 1, INT32_MAX / 2);
+    }
+    if (!o->nS) die_usage("--capacity: empty list");
+}
+
+/* --phases: on (phase events), off (none: --no-phases), or both as a list. */
+static void parse_events(opts_t *o, const char *v) {
+    char buf[32];
+    snprintf(buf, sizeof buf, "%s", v);
+    o->nevents = 0;
+    for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+        int e = !strcmp(t, "on") ? 1 : !strcmp(t, "off") ? 0 : -1;
+        if (e < 0) die_usage("--phases: '%s' is not on or off", t);
+        if (o->nevents == 2 || (o->nevents == 1 && o->events[0] == e)) die_usage("--phases: on, off or on,off");
+        o->events[o->nevents++] = e;
+    }
+    if (!o->nevents) die_usage("--phases: empty list");
 }
 
 static void parse_routing(opts_t *o, const char *v) {
@@ -289,6 +331,7 @@ static const struct {
     {0, "warmup", 1},   {0, "json", 1},      {0, "timeout-ms", 1},   {0, "no-check", 0},
     {0, "dataflow", 1}, {0, "per-rank", 0}, {0, "gated", 0}, {0, "no-phases", 0}, {0, "transport", 1}, {0, "op", 1},
     {0, "balance", 1},  {0, "link-gbps", 1}, {0, "rebalance", 1}, {0, "memory-limit", 1},
+    {0, "rounds", 1},   {0, "phases", 1},
     {'h', "help", 0},   {0, "version", 0},
 };
 #define NUM_FLAGS ((int)(sizeof k_flags / sizeof k_flags[0]))
@@ -338,6 +381,7 @@ static void parse_args(int argc, char **argv, opts_t *o) {
     o->link_gbps = DEF_LINK_GBPS;
     o->rebalance = -1;
     o->memory_limit_gb = -1;
+    o->events[0] = 1, o->nevents = 1;
     /* Pass 1: the preset, so that every other flag overrides it wherever it stands. */
     for (int i = first; i < argc; i++) {
         const char *v, *name = next_flag(argc, argv, &i, &v);
@@ -367,7 +411,7 @@ static void parse_args(int argc, char **argv, opts_t *o) {
         else if (!strcmp(name, "--hidden")) o->H = (int32_t)parse_int(name, v, 1, INT32_MAX);
         else if (!strcmp(name, "--inter")) o->I = (int32_t)parse_int(name, v, 1, INT32_MAX);
         else if (!strcmp(name, "--tokens")) parse_sizes(o, v);
-        else if (!strcmp(name, "--capacity")) o->S = (int32_t)parse_int(name, v, 1, INT32_MAX / 2);
+        else if (!strcmp(name, "--capacity")) parse_capacities(o, v);
         else if (!strcmp(name, "--dtype")) {
             if (!strcmp(v, "bf16")) o->dtypes[0] = MF_DTYPE_BF16, o->ndtypes = 1;
             else if (!strcmp(v, "fp8")) o->dtypes[0] = MF_DTYPE_FP8_E4M3, o->ndtypes = 1;
@@ -382,7 +426,9 @@ static void parse_args(int argc, char **argv, opts_t *o) {
         else if (!strcmp(name, "--routing")) parse_routing(o, v);
         else if (!strcmp(name, "--per-rank")) o->per_rank = 1;
         else if (!strcmp(name, "--gated")) o->gated = 1;
-        else if (!strcmp(name, "--no-phases")) o->no_phases = 1;
+        else if (!strcmp(name, "--no-phases")) o->events[0] = 0, o->nevents = 1;
+        else if (!strcmp(name, "--phases")) parse_events(o, v);
+        else if (!strcmp(name, "--rounds")) o->rounds = (int32_t)parse_int(name, v, 1, MAX_ROUNDS);
         else if (!strcmp(name, "--transport")) {
             if (!strcmp(v, "local")) o->transport = MF_TRANSPORT_LOCAL;
             else if (!strcmp(v, "ipc")) o->transport = MF_TRANSPORT_IPC;
@@ -437,8 +483,21 @@ static void resolve(opts_t *o) {
     int32_t maxT = 0;
     for (int i = 0; i < o->nT; i++) maxT = o->T[i] > maxT ? o->T[i] : maxT;
     if (!o->bench && o->nT > 1) die_usage("run takes one -T; sweeps are for bench");
-    if (o->S == 0) o->S = maxT > 0 ? maxT : 1;
-    if (o->S < maxT) die_usage("-S %d is below -T %d (T <= S on every call)", o->S, maxT);
+    if (!o->bench && o->nS > 1) die_usage("run takes one -S; lists are for bench");
+    if (!o->bench && o->rounds) die_usage("--rounds is for bench");
+    if (!o->bench && o->nevents > 1) die_usage("--phases on,off is for bench");
+    if (o->nS == 0) o->Sl[0] = maxT > 0 ? maxT : 1, o->nS = 1; /* S = the largest T */
+    o->S = maxT > 0 ? maxT : 1;
+    for (int i = 0; i < o->nS; i++) {
+        if (o->Sl[i] != S_OF_T && o->Sl[i] < maxT)
+            die_usage("-S %d is below -T %d (T <= S on every call)", o->Sl[i], maxT);
+        if (o->Sl[i] > o->S) o->S = o->Sl[i];
+    }
+    for (int i = 0; i < o->nS; i++)
+        for (int j = 0; j < i; j++)
+            if (o->Sl[i] == o->Sl[j]) die_usage("-S: an entry repeats");
+    if (!o->rounds) o->rounds = o->bench ? BENCH_ROUNDS : 1;
+    o->no_phases = o->nevents == 1 && !o->events[0];
     /* With --transport ipc the rank processes are forked from this one, which must not have used
      * CUDA: a child process answers the question instead. */
     const mf_backend_t cuda_here = o->transport != MF_TRANSPORT_LOCAL ? mfp_probe_backend(MF_BACKEND_AUTO)
@@ -455,6 +514,7 @@ static void resolve(opts_t *o) {
     if (o->transport == MF_TRANSPORT_NCCL && o->backend != MF_BACKEND_CUDA)
         die_usage("--transport nccl needs the CUDA backend");
     if (o->comm_op && !o->bench) die_usage("--op comm is for bench");
+    if (o->comm_op && o->nevents > 1) die_usage("--phases on,off is for the whole layer, not --op comm");
     if (o->comm_op) { /* nothing to check against the reference; one pass, no dataflows */
         o->check = 0;
         o->flows[0] = MF_DATAFLOW_AUTO, o->nflows = 1;
@@ -591,6 +651,8 @@ static void on_run_progress(void *ctx, int32_t done, int32_t total) {
 /* ---- one result row ------------------------------------------------------------------------- */
 typedef struct row {
     int32_t dtype, T, flow, balance;
+    int32_t S;             /* the layer's capacity in this row */
+    int32_t events;        /* 1: phase events (CUDA: config.profile); 0: --phases off */
     int32_t stage_steps;   /* --rebalance: the schedule's prefetch steps */
     int32_t op;            /* ROW_LAYER, ROW_DISPATCH, ROW_COMBINE */
     double floor_rank_us;  /* the busiest rank's share alone; -1 on the CPU */
@@ -600,8 +662,16 @@ typedef struct row {
     int64_t rows;
     double rank_lb, expert_lb; /* max / mean of received rows */
     mf_result_t code;
-    mfp_timing_t timing;
-    double time_us, tflops, gbps, floor_us, pct;
+    mfp_timing_t timing;   /* the median round's (bench --rounds) */
+    double time_us, tflops, gbps, floor_us, pct; /* time_us: the median over the rounds */
+    double flops, bytes;   /* the layer's, for the rates (count()) */
+    /* --rounds: each round's time (the median over its iterations) and timing; the rounds' min,
+     * max and spread (max - min) / median (NAN with one round); flagged above SPREAD_FLAG. */
+    double *round_us;
+    mfp_timing_t *round_timing;
+    int32_t rounds_done;
+    double min_us, max_us, spread;
+    int flagged;
     double ph_flops[MF_NUM_PHASES], ph_bytes[MF_NUM_PHASES]; /* all ranks' work per phase */
     int checked;
     double diff, max_abs;
@@ -673,11 +743,8 @@ static void count(const opts_t *o, const mfp_problem_t *p, row_t *row) {
     double flops = 2.0 * rows * H * I * 3;
     double bytes = used * 3 * I * H * (es + (fp8 ? 4.0 / (QBLOCK * QBLOCK) : 0)) +
                    2.0 * o->R * row->T * H * 2 + rows * H * (es + 2);
-    double t = row->time_us * 1e-6;
-    row->tflops = t > 0 ? flops / t / 1e12 : 0;
-    row->gbps = t > 0 ? bytes / t / 1e9 : 0;
+    row->flops = flops, row->bytes = bytes;
     row->floor_us = floor_of(o, row->dtype, flops, bytes);
-    row->pct = row->floor_us >= 0 && row->time_us > 0 ? 100.0 * row->floor_us / row->time_us : 0;
     row->floor_rank_us = -1;
     { /* the busiest rank's share: its received rows, its routed experts, its own x and y */
         const int32_t L = o->E / o->R;
@@ -716,7 +783,7 @@ typedef struct phase_stat {
 } phase_stat_t;
 
 static int phase_stat(const opts_t *o, const row_t *r, int f, phase_stat_t *ps) {
-    if (r->code != MF_SUCCESS || !r->timing.have_phases || r->op != ROW_LAYER) return 0;
+    if (r->code != MF_SUCCESS || !r->timing.have_phases || r->op != ROW_LAYER || !r->events) return 0;
     ps->us = r->timing.phase_max_us[f];
     double t = ps->us * 1e-6;
     ps->tflops = t > 0 ? r->ph_flops[f] / t / 1e12 : 0;
@@ -743,17 +810,29 @@ static void print_line(char *line) {
     printf("%s\n", line);
 }
 
+/* The optional columns: S where the -S list has several entries or T, events where --phases has
+ * both; min / max / spread of the rounds where there are several. */
+static int show_S(const opts_t *o) { return o->bench && (o->nS > 1 || o->Sl[0] == S_OF_T); }
+static int show_events(const opts_t *o) { return o->bench && o->nevents > 1; }
+static int show_rounds(const opts_t *o) { return o->bench && o->rounds > 1; }
+
 static void print_header(const opts_t *o) {
-    char l1[512] = "", l2[512] = "";
+    char l1[640] = "", l2[640] = "";
     append(l1, sizeof l1, "#%5s %8s %7s %8s", "dtype", "dataflow", "T", "rows");
     append(l2, sizeof l2, "#%5s %8s %7s %8s", "", "", "", "");
     if (o->balance) append(l1, sizeof l1, " %3s", "B"), append(l2, sizeof l2, " %3s", "");
+    if (show_S(o)) append(l1, sizeof l1, " %7s", "S"), append(l2, sizeof l2, " %7s", "");
+    if (show_events(o)) append(l1, sizeof l1, " %6s", "events"), append(l2, sizeof l2, " %6s", "");
     if (!o->bench) {
         append(l1, sizeof l1, " %7s %7s", "rank_lb", "exp_lb");
         append(l2, sizeof l2, " %7s %7s", "max/mn", "max/mn");
     } else {
         append(l1, sizeof l1, " %10s", "time");
-        append(l2, sizeof l2, " %10s", "(us)");
+        append(l2, sizeof l2, " %10s", show_rounds(o) ? "(us, med)" : "(us)");
+    }
+    if (show_rounds(o)) {
+        append(l1, sizeof l1, " %10s %10s %8s", "min", "max", "spread");
+        append(l2, sizeof l2, " %10s %10s %8s", "(us)", "(us)", "");
     }
     for (int f = 0; f < MF_NUM_PHASES; f++) {
         append(l1, sizeof l1, " %9s", k_phase_names[f]);
@@ -780,11 +859,18 @@ static void print_row(const opts_t *o, const row_t *r) {
     }
     printf(" %5s %8s %7d %8lld", dtype_name(r->dtype), row_flow_name(r), r->T, (long long)r->rows);
     if (o->balance) printf(" %3d", r->balance);
+    if (show_S(o)) printf(" %7d", r->S);
+    if (show_events(o)) printf(" %6s", r->events ? "on" : "off");
     if (!o->bench) printf(" %7.2f %7.2f", r->rank_lb, r->expert_lb);
     else if (r->code == MF_SUCCESS) printf(" %10.1f", r->time_us);
     else printf(" %10s", "-");
+    if (show_rounds(o) && r->code == MF_SUCCESS) /* '!': the spread passes SPREAD_FLAG */
+        printf(" %10.1f %10.1f %6.1f%%%s", r->min_us, r->max_us, 100 * r->spread, r->flagged ? "!" : " ");
+    else if (show_rounds(o))
+        printf(" %10s %10s %7s ", "-", "-", "-");
     for (int f = 0; f < MF_NUM_PHASES; f++) {
-        if (r->code == MF_SUCCESS && r->timing.have_phases) printf(" %9.1f", r->timing.phase_max_us[f]);
+        if (r->code == MF_SUCCESS && r->timing.have_phases && (r->events || r->op != ROW_LAYER))
+            printf(" %9.1f", r->timing.phase_max_us[f]);
         else printf(" %9s", "-");
     }
     if (!o->bench) {
@@ -816,14 +902,15 @@ static void print_phases(const opts_t *o, const row_t *rows, int nrows) {
             phase_stat_t ps;
             if (!phase_stat(o, &rows[i], f, &ps)) break;
             if (!any) {
-                printf("#\n# phases   slowest rank's time; FLOPs and bytes of all ranks (reads + writes; "
-                       "see tools/moeflow.c)\n#%5s %8s %7s %9s %9s %8s %8s %9s %7s\n", "dtype", "dataflow", "T", "phase",
-                       "time(us)", "TFLOP/s", "GB/s", "floor", "%floor");
+                printf("#\n# phases   slowest rank's time (bench --rounds: the median round's); FLOPs and bytes of all\n"
+                       "#          ranks (reads + writes; see tools/moeflow.c)\n#%5s %8s %7s", "dtype", "dataflow", "T");
+                if (show_S(o)) printf(" %7s", "S");
+                printf(" %9s %9s %8s %8s %9s %7s\n", "phase", "time(us)", "TFLOP/s", "GB/s", "floor", "%floor");
                 any = 1;
             }
-            printf(" %5s %8s %7d %9s %9.1f %8.1f %8.1f", dtype_name(rows[i].dtype), row_flow_name(&rows[i]), rows[i].T,
-                   k_phase_names[f],
-                   ps.us, ps.tflops, ps.gbps);
+            printf(" %5s %8s %7d", dtype_name(rows[i].dtype), row_flow_name(&rows[i]), rows[i].T);
+            if (show_S(o)) printf(" %7d", rows[i].S);
+            printf(" %9s %9.1f %8.1f %8.1f", k_phase_names[f], ps.us, ps.tflops, ps.gbps);
             if (ps.floor_us >= 0) printf(" %9.1f %6.1f%%\n", ps.floor_us, ps.pct);
             else printf(" %9s %7s\n", "-", "-");
         }
@@ -841,7 +928,7 @@ static void print_rank_phases(const opts_t *o, const row_t *rows, int nrows) {
     printf(" %9s\n", "total");
     for (int i = 0; i < nrows; i++) {
         const row_t *r = &rows[i];
-        if (r->code != MF_SUCCESS || !r->timing.have_phases) continue;
+        if (r->code != MF_SUCCESS || !r->timing.have_phases || !r->events) continue;
         for (int32_t q = 0; q < o->R; q++) {
             printf(" %5s %8s %7d %5d", dtype_name(r->dtype), row_flow_name(r), r->T, q);
             if (r->timing.rank_start_us[q] >= 0) printf(" %9.1f", r->timing.rank_start_us[q]);
@@ -882,10 +969,26 @@ static int write_json(const opts_t *o, const row_t *rows, int nrows, int argc, c
             fprintf(f, ", ");
         }
         fprintf(f, "\"shape\": {\"R\": %d, \"E\": %d, \"K\": %d, \"H\": %d, \"I\": %d, \"T\": %d, "
-                   "\"L\": %d, \"M\": %lld}, ",
-                o->R, o->E, o->K, o->H, o->I, r->T, o->E / o->R, (long long)r->rows);
+                   "\"L\": %d, \"M\": %lld, \"S\": %d}, ",
+                o->R, o->E, o->K, o->H, o->I, r->T, o->E / o->R, (long long)r->rows, r->S);
+        if (r->op == ROW_LAYER) fprintf(f, "\"phase_events\": %d, ", r->events);
         fprintf(f, "\"time_us\": ");
         mf__json_number(f, r->time_us);
+        /* the rounds (docs/DESIGN.md "Benchmark records"): time_us is their median */
+        fprintf(f, ", \"rounds\": %d, \"round_us\": [", r->rounds_done);
+        for (int32_t k = 0; k < r->rounds_done; k++) {
+            if (k) fprintf(f, ", ");
+            mf__json_number(f, r->round_us[k]);
+        }
+        fprintf(f, "], \"min_us\": ");
+        mf__json_number(f, r->min_us);
+        fprintf(f, ", \"median_us\": ");
+        mf__json_number(f, r->time_us);
+        fprintf(f, ", \"max_us\": ");
+        mf__json_number(f, r->max_us);
+        fprintf(f, ", \"spread\": ");
+        mf__json_number(f, r->spread);
+        fprintf(f, ", \"spread_flagged\": %s", r->flagged ? "true" : "false");
         fprintf(f, ", \"tflops\": ");
         mf__json_number(f, r->tflops);
         fprintf(f, ", \"gbps\": ");
@@ -912,7 +1015,7 @@ static int write_json(const opts_t *o, const row_t *rows, int nrows, int argc, c
             fprintf(f, ", \"wrong\": %lld, \"diff\": ", (long long)r->wrong);
             mf__json_number(f, r->diff);
         }
-        if (r->timing.have_phases) {
+        if (r->timing.have_phases && (r->events || r->op != ROW_LAYER)) {
             fprintf(f, ", \"phases_us\": {");
             for (int p = 0; p < MF_NUM_PHASES; p++) {
                 fprintf(f, "%s\"%s\": ", p ? ", " : "", k_phase_names[p]);
@@ -941,10 +1044,11 @@ static int write_json(const opts_t *o, const row_t *rows, int nrows, int argc, c
             phase_stat_t ps;
             if (!phase_stat(o, r, p, &ps)) break;
             fprintf(f, ",\n  {\"op\": \"%s\", \"dataflow\": \"%s\", \"dtype\": \"%s\", \"layout\": \"%s\", \"shape\": {\"R\": %d, "
-                       "\"E\": %d, \"K\": %d, \"H\": %d, \"I\": %d, \"T\": %d, \"L\": %d, \"M\": %lld}, \"time_us\": ",
+                       "\"E\": %d, \"K\": %d, \"H\": %d, \"I\": %d, \"T\": %d, \"L\": %d, \"M\": %lld, \"S\": %d}, "
+                       "\"phase_events\": %d, \"time_us\": ",
                     k_phase_names[p], row_flow_name(r), dtype_name(r->dtype),
                     o->layout == MF_LAYOUT_MASKED ? "masked" : "expert_major",
-                    o->R, o->E, o->K, o->H, o->I, r->T, o->E / o->R, (long long)r->rows);
+                    o->R, o->E, o->K, o->H, o->I, r->T, o->E / o->R, (long long)r->rows, r->S, r->events);
             mf__json_number(f, ps.us);
             if (r->ph_flops[p] > 0) {
                 fprintf(f, ", \"tflops\": ");
@@ -985,8 +1089,13 @@ static void print_meta(const opts_t *o) {
     if (o->comm_op)
         printf("# op       mf_dispatch and mf_combine alone (no GEMM between them); GB/s per rank as DeepEP counts:\n"
                "#          selections x (H + H/128*4 + 16) FP8 dispatch (2H BF16), x 2H combine\n");
-    printf("# shape    R %d  E %d  L %d  K %d  H %d  I %d  S %d  layout %s  ue8m0 %d%s%s\n", o->R, o->E,
-           o->E / o->R, o->K, o->H, o->I, o->S, o->layout == MF_LAYOUT_MASKED ? "masked" : "expert_major",
+    char sbuf[128] = "";
+    for (int i = 0; i < o->nS; i++) {
+        if (o->Sl[i] == S_OF_T) append(sbuf, sizeof sbuf, "%sT", i ? "," : "");
+        else append(sbuf, sizeof sbuf, "%s%d", i ? "," : "", o->Sl[i]);
+    }
+    printf("# shape    R %d  E %d  L %d  K %d  H %d  I %d  S %s  layout %s  ue8m0 %d%s%s\n", o->R, o->E,
+           o->E / o->R, o->K, o->H, o->I, sbuf, o->layout == MF_LAYOUT_MASKED ? "masked" : "expert_major",
            o->ue8m0, o->preset ? "  preset " : "", o->preset ? o->preset->name : "");
     if (o->preset) printf("# preset   %s: %s\n", o->preset->name, o->preset->why);
     printf("# routing  %s  drop %g  seed %llu\n", routing_name(o, rbuf, sizeof rbuf), o->drop,
@@ -1004,6 +1113,13 @@ static void print_meta(const opts_t *o) {
            o->iters, o->warmup,
            o->backend == MF_BACKEND_CUDA ? "its device-event total"
                                          : "wall clock from a common start to the last rank's return");
+    if (o->bench)
+        printf("# rounds   %d: the whole sweep once per round, one round after the other; each row: the median\n"
+               "#          round (time), min and max; spread (max - min) / median above %.0f%% is marked !\n",
+               o->rounds, 100 * SPREAD_FLAG);
+    if (o->bench && o->nevents > 1)
+        printf("# events   on: phase events between the phases (they end programmatic dependent launches\n"
+               "#          there); off: one event before and one after each forward (--no-phases)\n");
     if (o->backend == MF_BACKEND_CUDA)
         printf("# launch   %s\n", o->gated ? "gated: each stream held until its forward is enqueued (no host gaps)"
                                           : "eager: kernels start as the host enqueues them (host gaps count)");
@@ -1028,8 +1144,55 @@ static int ref_threads(void) {
     return n < 1 ? 1 : n > MAX_REF_THREADS ? MAX_REF_THREADS : (int)n;
 }
 
-/* Runs and checks one (dtype, T): the problem's inputs are already drawn for T. */
-static void run_row(const opts_t *o, mfp_problem_t *p, row_t *row, uint16_t **y, uint16_t **yref) {
+/* One round's time of a row: the layer's device-event total (CUDA, STYLE.md: time with device
+ * events) or wall clock (CPU); --op comm: the dispatch's or the combine's events. */
+static double round_value(const opts_t *o, int32_t op, const mfp_timing_t *t) {
+    if (op == ROW_DISPATCH) return t->phase_max_us[MF_PHASE_DISPATCH];
+    if (op == ROW_COMBINE) return t->phase_max_us[MF_PHASE_COMBINE];
+    return o->backend == MF_BACKEND_CUDA && t->have_phases ? t->phase_max_us[MF_NUM_PHASES] : t->forward_max_ms * 1e3;
+}
+
+/* A row's rates from its time_us (count() gave the FLOPs, bytes and floor in the first round). */
+static void rates(const opts_t *o, row_t *row) {
+    const double t = row->time_us * 1e-6;
+    if (row->op != ROW_LAYER) { /* GB/s as DeepEP counts it (the file comment); no floor */
+        const double per = row->op == ROW_COMBINE ? 2.0 * o->H
+                           : row->dtype == MF_DTYPE_FP8_E4M3 ? o->H + o->H / 128 * 4 + 16 : 2.0 * o->H;
+        row->gbps = t > 0 ? row->sel_per_rank * per / t / 1e9 : 0;
+        row->tflops = NAN, row->floor_us = -1, row->pct = 0, row->floor_rank_us = -1; /* JSON null */
+        return;
+    }
+    row->tflops = t > 0 ? row->flops / t / 1e12 : 0;
+    row->gbps = t > 0 ? row->bytes / t / 1e9 : 0;
+    row->pct = row->floor_us >= 0 && row->time_us > 0 ? 100.0 * row->floor_us / row->time_us : 0;
+}
+
+/* The rounds of a row, gathered: min, max, the median as time_us (the mean of the two middle rounds
+ * when they are even), the spread (max - min) / median and its flag; the timing (phases, balance,
+ * stage) of the median round (the lower middle one), so that a row's phases come from one round. */
+static void aggregate_rounds(const opts_t *o, row_t *row) {
+    const int32_t n = row->rounds_done;
+    if (row->code != MF_SUCCESS || n < 1) return;
+    int32_t order[MAX_ROUNDS];
+    for (int32_t i = 0; i < n; i++) order[i] = i;
+    for (int32_t i = 1; i < n; i++) /* insertion sort of the round indices by time (stable) */
+        for (int32_t j = i; j > 0 && row->round_us[order[j]] < row->round_us[order[j - 1]]; j--) {
+            int32_t t = order[j];
+            order[j] = order[j - 1], order[j - 1] = t;
+        }
+    const int32_t mid = (n - 1) / 2;
+    row->min_us = row->round_us[order[0]];
+    row->max_us = row->round_us[order[n - 1]];
+    row->time_us = n % 2 ? row->round_us[order[mid]] : 0.5 * (row->round_us[order[mid]] + row->round_us[order[mid + 1]]);
+    row->spread = n > 1 && row->time_us > 0 ? (row->max_us - row->min_us) / row->time_us : NAN;
+    row->flagged = n > 1 && row->spread > SPREAD_FLAG;
+    row->timing = row->round_timing[order[mid]];
+    rates(o, row);
+}
+
+/* Runs round `rnd` of one (dtype, T, S, dataflow, events, B) row, and in round 0 checks it: the
+ * problem's inputs are already drawn for T. */
+static void run_row(const opts_t *o, mfp_problem_t *p, row_t *row, int32_t rnd, uint16_t **y, uint16_t **yref) {
     char err[512];
     progress_t pg;
     mfp_run_opts_t ro = MFP_RUN_OPTS_INIT;
@@ -1038,7 +1201,8 @@ static void run_row(const opts_t *o, mfp_problem_t *p, row_t *row, uint16_t **y,
     ro.warmup = o->warmup;
     ro.timeout_ms = o->timeout_ms;
     ro.profile = 1;
-    ro.no_phases = o->no_phases && !o->comm_op;
+    ro.no_phases = !row->events && !o->comm_op;
+    ro.max_tokens = row->S;
     ro.dataflow = row->flow;
     ro.gated = o->gated;
     ro.transport = o->transport;
@@ -1057,35 +1221,34 @@ static void run_row(const opts_t *o, mfp_problem_t *p, row_t *row, uint16_t **y,
         ro.stage_at = o->warmup + o->iters / 4;
         if (ro.iters < o->iters / 4 + row->stage_steps + 2) ro.iters = o->iters / 4 + row->stage_steps + 2;
     }
-    char what[64];
-    snprintf(what, sizeof what, "%s T=%d: %d forward%s", dtype_name(row->dtype), row->T,
-             o->warmup + o->iters, o->warmup + o->iters > 1 ? "s" : "");
+    char what[96];
+    snprintf(what, sizeof what, "%s T=%d: %d forward%s%s", dtype_name(row->dtype), row->T, o->warmup + o->iters,
+             o->warmup + o->iters > 1 ? "s" : "", o->rounds > 1 ? " (a round)" : "");
     progress_start(&pg, what);
-    row->code = mfp_run(p, &ro, y, &row->timing, err, sizeof err);
+    mfp_timing_t *t = &row->round_timing[rnd];
+    row->code = mfp_run(p, &ro, y, t, err, sizeof err);
     progress_end(&pg);
     free(maps);
     if (row->code != MF_SUCCESS) {
-        fprintf(stderr, "moeflow: %s T=%d: %s: %s\n", dtype_name(row->dtype), row->T,
+        fprintf(stderr, "moeflow: %s T=%d S=%d: %s: %s\n", dtype_name(row->dtype), row->T, row->S,
                 mf_result_string(row->code), err);
         row->pass = 0;
         return;
     }
-    /* CUDA: the library's device-event total (STYLE.md: time with device events); CPU: wall clock. */
-    row->time_us = o->backend == MF_BACKEND_CUDA && row->timing.have_phases
-                       ? row->timing.phase_max_us[MF_NUM_PHASES]
-                       : row->timing.forward_max_ms * 1e3;
+    row->round_us[rnd] = round_value(o, row->op, t);
+    row->rounds_done = rnd + 1;
+    if (rnd > 0) return; /* counted and checked in the first round */
+    row->timing = *t;
+    row->time_us = row->round_us[0];
     count(o, p, row);
-    if (o->comm_op) { /* the dispatch row; main() derives the combine row from it */
+    if (o->comm_op) { /* the dispatch row; main() derives the combine row from the same runs */
         int64_t sel = 0;
         for (int32_t r = 0; r < o->R; r++)
             for (int64_t i = 0; i < (int64_t)p->T[r] * o->K; i++) sel += p->topk_ids[r][i] >= 0;
         row->op = ROW_DISPATCH;
         row->sel_per_rank = (double)sel / o->R;
-        row->time_us = row->timing.phase_max_us[MF_PHASE_DISPATCH];
-        const double per = row->dtype == MF_DTYPE_FP8_E4M3 ? o->H + o->H / 128 * 4 + 16 : 2.0 * o->H;
-        row->gbps = row->time_us > 0 ? row->sel_per_rank * per / (row->time_us * 1e-6) / 1e9 : 0;
-        row->tflops = NAN, row->floor_us = -1, row->pct = 0, row->floor_rank_us = -1; /* JSON null */
     }
+    rates(o, row);
     row->pass = 1;
     if (!o->check) return;
 
@@ -1251,13 +1414,20 @@ int main(int argc, char **argv) {
 
     print_meta(&o);
     const int passes = o.balance ? 2 : 1; /* --balance: every row without, then with spare slots */
-    row_t *rows = calloc((size_t)(o.nT * o.ndtypes * o.nflows * 2 * passes), sizeof *rows);
+    const int nops = o.comm_op ? 2 : 1;   /* --op comm: a dispatch and a combine row per run */
+    const int per_dtype = o.nT * o.nS * o.nflows * o.nevents * passes * nops;
+    row_t *rows = calloc((size_t)(per_dtype * o.ndtypes), sizeof *rows);
     uint16_t **y = calloc((size_t)o.R, sizeof *y), **yref = calloc((size_t)o.R, sizeof *yref);
     if (!rows || !y || !yref) die_io("out of host memory");
     for (int32_t r = 0; r < o.R; r++) {
         y[r] = malloc(sizeof(uint16_t) * (size_t)o.S * o.H + 1);
         yref[r] = malloc(sizeof(uint16_t) * (size_t)o.S * o.H + 1);
         if (!y[r] || !yref[r]) die_io("out of host memory");
+    }
+    for (int i = 0; i < per_dtype * o.ndtypes; i++) {
+        rows[i].round_us = calloc((size_t)o.rounds, sizeof *rows[i].round_us);
+        rows[i].round_timing = calloc((size_t)o.rounds, sizeof *rows[i].round_timing);
+        if (!rows[i].round_us || !rows[i].round_timing) die_io("out of host memory");
     }
 
     int nrows = 0, all_pass = 1, header = 0;
@@ -1277,7 +1447,7 @@ int main(int argc, char **argv) {
             return EXIT_IO;
         }
         if (wbytes > 1e9) fprintf(stderr, "# drawn in %.1f s\n", now_s() - t0);
-        if (!header) { /* load lines (routing is the same for every dtype), then the header */
+        if (!header) { /* load lines (routing is the same for every dtype) */
             for (int i = 0; i < o.nT; i++) {
                 row_t lr = {.T = o.T[i]};
                 int32_t empty;
@@ -1287,37 +1457,79 @@ int main(int argc, char **argv) {
                        "expert %.2f; %d of %d experts empty\n",
                        o.T[i], (long long)lr.rows, lr.rank_lb, lr.expert_lb, empty, o.E);
             }
-            printf("#\n");
-            print_header(&o);
             header = 1;
         }
+        /* This dtype's rows, in sweep order: T, S, dataflow, events, then B (without / with spare
+         * slots next to each other); --op comm: each run's dispatch row, then its combine row. */
+        const int first = nrows;
         for (int i = 0; i < o.nT; i++)
-            for (int fl = 0; fl < o.nflows * passes; fl++) {
-                row_t *row = &rows[nrows++];
+            for (int si = 0; si < o.nS; si++)
+                for (int fl = 0; fl < o.nflows; fl++)
+                    for (int ev = 0; ev < o.nevents; ev++)
+                        for (int pass = 0; pass < passes; pass++)
+                            for (int op = 0; op < nops; op++) {
+                                row_t *row = &rows[nrows++];
+                                row->dtype = o.dtypes[d];
+                                row->T = o.T[i];
+                                row->S = o.Sl[si] == S_OF_T ? (o.T[i] > 0 ? o.T[i] : 1) : o.Sl[si];
+                                row->flow = o.flows[fl];
+                                row->events = o.events[ev];
+                                row->balance = pass ? o.balance : 0;
+                                row->op = o.comm_op ? (op ? ROW_COMBINE : ROW_DISPATCH) : ROW_LAYER;
+                                row->code = MF_SUCCESS;
+                            }
+        /* The rounds: the whole sweep once per round, so that a drift over the run shows as the
+         * spread of every row, not as a difference between rows. */
+        for (int32_t rnd = 0; rnd < o.rounds; rnd++)
+            for (int i = first; i < nrows; i += nops) {
+                row_t *row = &rows[i];
+                if (row->code != MF_SUCCESS) continue; /* failed in an earlier round */
                 int32_t empty;
-                row->dtype = o.dtypes[d];
-                row->flow = o.flows[fl / passes];
-                row->balance = fl % passes ? o.balance : 0;
-                row->T = o.T[i];
-                row->op = o.comm_op ? ROW_DISPATCH : ROW_LAYER;
-                if (mfp_set_tokens(&p, o.T[i], o.seed) != 0) die_io("out of host memory");
-                load_stats(&p, row, &empty);
-                run_row(&o, &p, row, y, yref);
-                print_row(&o, row);
-                all_pass &= row->pass;
-                if (o.comm_op && row->code == MF_SUCCESS) { /* the same run's combine */
-                    row_t *c = &rows[nrows++];
-                    *c = *row;
-                    c->op = ROW_COMBINE;
-                    c->time_us = row->timing.phase_max_us[MF_PHASE_COMBINE];
-                    c->gbps = c->time_us > 0 ? c->sel_per_rank * 2.0 * o.H / (c->time_us * 1e-6) / 1e9 : 0;
-                    print_row(&o, c);
+                if (mfp_set_tokens(&p, row->T, o.seed) != 0) die_io("out of host memory");
+                if (rnd == 0) load_stats(&p, row, &empty);
+                run_row(&o, &p, row, rnd, y, yref);
+                if (o.comm_op) { /* the same runs' combine */
+                    row_t *c = &rows[i + 1];
+                    c->code = row->code;
+                    if (row->code == MF_SUCCESS) {
+                        c->round_timing[rnd] = row->round_timing[rnd];
+                        c->round_us[rnd] = round_value(&o, ROW_COMBINE, &row->round_timing[rnd]);
+                        c->rounds_done = row->rounds_done;
+                        if (rnd == 0) {
+                            c->rows = row->rows, c->rank_lb = row->rank_lb, c->expert_lb = row->expert_lb;
+                            c->sel_per_rank = row->sel_per_rank, c->pass = row->pass;
+                        }
+                    } else
+                        c->pass = 0;
+                }
+                if (o.rounds > 1 && row->code == MF_SUCCESS) { /* each round as it ends: drift shows */
+                    printf("# round %d/%d  %s %s T %d S %d%s%s: %.1f us", rnd + 1, o.rounds, dtype_name(row->dtype),
+                           row_flow_name(row), row->T, row->S, row->balance ? " B on" : "",
+                           o.nevents > 1 ? (row->events ? " events on" : " events off") : "", row->round_us[rnd]);
+                    if (o.comm_op) printf(", combine %.1f us", rows[i + 1].round_us[rnd]);
+                    printf("\n");
                 }
             }
+        if (first == 0) {
+            printf("#\n");
+            print_header(&o);
+        }
+        for (int i = first; i < nrows; i++) {
+            aggregate_rounds(&o, &rows[i]);
+            print_row(&o, &rows[i]);
+            all_pass &= rows[i].pass;
+        }
         mfp_free(&p);
     }
-    int passed = 0;
-    for (int i = 0; i < nrows; i++) passed += rows[i].pass;
+    int passed = 0, flagged = 0, measured = 0;
+    for (int i = 0; i < nrows; i++) {
+        passed += rows[i].pass;
+        flagged += rows[i].code == MF_SUCCESS && rows[i].flagged;
+        measured += rows[i].code == MF_SUCCESS;
+    }
+    if (show_rounds(&o))
+        printf("# spread   %d of %d rows above %.0f%% ((max - min) / median over %d rounds)%s\n", flagged, measured,
+               100 * SPREAD_FLAG, o.rounds, flagged ? ": marked ! (not a measurement to quote alone)" : "");
     if (o.balance) print_balance(&o, rows, nrows);
     if (o.rebalance >= 0) print_rebalance(&o, rows, nrows);
     if (o.bench) print_phases(&o, rows, nrows);
@@ -1331,6 +1543,7 @@ int main(int argc, char **argv) {
     }
     free(y);
     free(yref);
+    for (int i = 0; i < per_dtype * o.ndtypes; i++) free(rows[i].round_us), free(rows[i].round_timing);
     free(rows);
     return rc;
 }

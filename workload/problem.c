@@ -1005,7 +1005,7 @@ static void *rank_main(void *varg) {
     cfg.num_topk = s->K;
     cfg.hidden = s->H;
     cfg.intermediate = s->I;
-    cfg.max_tokens_per_rank = s->S;
+    cfg.max_tokens_per_rank = o->max_tokens > 0 ? o->max_tokens : s->S;
     cfg.dtype = s->dtype;
     cfg.layout = s->layout;
     cfg.block_m = s->block_m;
@@ -1634,7 +1634,7 @@ mf_result_t mfp_run(const mfp_problem_t *p, const mfp_run_opts_t *opts, uint16_t
          opts->transport != MF_TRANSPORT_NCCL) ||
         (opts->op != MFP_OP_FORWARD && opts->op != MFP_OP_DISPATCH_COMBINE && opts->op != MFP_OP_SPLIT) ||
         (opts->op == MFP_OP_SPLIT && (p->spec.layout != MF_LAYOUT_MASKED || opts->digests || opts->profile)) ||
-        (opts->graph && (opts->op != MFP_OP_FORWARD || opts->profile || opts->gated))) {
+        (opts->graph && (opts->op != MFP_OP_FORWARD || opts->profile || opts->gated)) || opts->max_tokens < 0) {
         if (err && errlen > 0) snprintf(err, (size_t)errlen, "mfp_run: bad arguments");
         return MF_ERR_INVALID_ARGUMENT;
     }
@@ -1642,6 +1642,13 @@ mf_result_t mfp_run(const mfp_problem_t *p, const mfp_run_opts_t *opts, uint16_t
         if (err && errlen > 0) snprintf(err, (size_t)errlen, "mfp_run: the nccl transport needs the CUDA backend");
         return MF_ERR_NOT_SUPPORTED;
     }
+    for (int32_t r = 0; opts->max_tokens > 0 && r < p->spec.R; r++)
+        if (p->T[r] > opts->max_tokens) {
+            if (err && errlen > 0)
+                snprintf(err, (size_t)errlen, "mfp_run: max_tokens %d is below rank %d's T = %d", opts->max_tokens, r,
+                         p->T[r]);
+            return MF_ERR_INVALID_ARGUMENT;
+        }
     /* ipc: rank processes, the problem's own transport between them; nccl: rank processes too */
     const int32_t R = p->spec.R, ipc = opts->transport != MF_TRANSPORT_LOCAL;
     size_t y_off = 0, block_bytes = run_block_bytes(p, opts, &y_off);

@@ -182,6 +182,11 @@ typedef struct mfp_run_opts {
      * dependent launch there (docs/DESIGN.md "Performance doctrine"), so phase events cost the
      * forward what they measure; this is the total as a graph replay runs it. */
     int32_t no_phases;
+    /* The layer's capacity S (config.max_tokens_per_rank) for this run: 0 = spec.S; else >= every
+     * rank's T. The buffers a layer sizes by S (symmetric heap, receive tensor, routing copies) and
+     * the plan variant (the small plan fits R S K <= 4096 entries) follow it; the problem's inputs
+     * do not depend on it (`moeflow bench -S 512,4096` times one T at two capacities). */
+    int32_t max_tokens;
 } mfp_run_opts_t;
 
 /* What each rank calls per iteration. */
@@ -201,7 +206,7 @@ typedef enum mfp_op {
 
 #define MFP_RUN_OPTS_INIT                                                                                \
     {MF_BACKEND_AUTO, 1, 0, 0, 0, MF_DATAFLOW_AUTO, 0, NULL, NULL, MF_TRANSPORT_LOCAL, -1, -1, 0, MFP_OP_FORWARD, \
-     0, 0, 0, NULL, NULL, NULL, 0, 0, 0, NULL, 0, 0, 0}
+     0, 0, 0, NULL, NULL, NULL, 0, 0, 0, NULL, 0, 0, 0, 0}
 
 /* Draws rank r's inputs for `seed` (as mfp_redraw_inputs would, for that rank alone) into x
  * [T_r, H], topk_ids [T_r, K], topk_weights [T_r, K] (host). 0 ok, -1 no memory. */
