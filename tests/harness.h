@@ -37,6 +37,7 @@ extern const mft_test_t mft_tests_rendezvous[]; /* tests/test_rendezvous.c (proc
 extern const mft_test_t mft_tests_random[]; /* tests/test_random.c (random layer cases) */
 extern const mft_test_t mft_tests_balance[]; /* tests/test_balance.c (balanced EP) */
 extern const mft_test_t mft_tests_placement[]; /* tests/test_placement.c (mf_placement_t) */
+extern const mft_test_t mft_tests_gemm_bounds[]; /* tests/test_gemm_bounds.c (bench gemm --check bounds) */
 extern const mft_test_t mft_tests_cuda[]; /* tests/gpu/test_cuda.c (the CUDA suite) */
 extern const mft_test_t mft_tests_cuda_transport[]; /* tests/gpu/test_transport.c (ranks as processes) */
 extern const mft_test_t mft_tests_cuda_balance[]; /* tests/gpu/test_balance.c (balanced EP on the device) */

@@ -49,6 +49,7 @@ static const mft_test_t *const mft_tables[] = {
     mft_tests_random,
     mft_tests_balance,
     mft_tests_placement,
+    mft_tests_gemm_bounds,
     NULL,
 };
 #endif

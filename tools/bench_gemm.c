@@ -15,7 +15,10 @@
  *                    one launch, then sampled rows of sampled experts are recomputed on the host in
  *                    double from the operands copied back (FP8: per-128-K-block promotion; W13: SwiGLU
  *                    and the same 1x128 requantisation), compared by diff = 1 - 2 sum(xy) / sum(xx + yy)
- *                    plus element-wise bounds, and the rows past counts[e] must still hold the poison;
+ *                    plus the element bounds of docs/DESIGN.md "GEMM error bounds" (each element's
+ *                    own forward-error bound from its products, cuda/gemm_bench.h; the table's
+ *                    err/bnd is the largest |gpu - exact| / bound), and the rows past counts[e] must
+ *                    still hold the poison;
  *   moeflow          --warmup untimed then --iters timed launches; each preceded by a 512 MB memset
  *                    (L2 flush) outside the cudaEvent pair; the median is reported;
  *   cublas_dense     the ceiling of the same total work: one dense GEMM [rows, K] . [K, N] -> bf16
@@ -76,14 +79,11 @@
 #define MAX_REF_THREADS 64
 #define POISON 0xFF                /* NaN in E4M3, BF16 and fp32 */
 
-/* Check bounds (docs/DESIGN.md "Numerics"; as dev/cuda/gemm_lab.cu): diff measure, and element-wise
- * |got - ref| <= rtol max(|got|, |ref|) + 1e-5 rms(ref) (+ one E4M3 subnormal step x scale, FP8 h). */
+/* Check (docs/DESIGN.md "Numerics", "GEMM error bounds"): the diff measure against the reference
+ * rounded as the kernel rounds, and element-wise |got - exact| <= bound, exact the fp64 value and
+ * bound the forward-error bound of the arithmetic the kernels do (cuda/gemm_bench.h, mf__gemm_*). */
 #define DIFF_MAX_BF16 1e-5
 #define DIFF_MAX_FP8 1e-3
-#define RTOL_BF16_OUT 0.0079       /* one bf16 ulp (2^-7 relative) */
-#define RTOL_FP8_OUT 0.126         /* one E4M3 ulp (2^-3 relative) */
-#define ATOL_RMS 1e-5
-#define ATOL_FP8_SUBNORMAL (1.01 / 512)
 
 /* ---- models, ops, counts ---------------------------------------------------------------------- */
 typedef struct model {
@@ -363,8 +363,8 @@ typedef struct gcase {
     double us, cublas_us;
     const char *cublas_mode; /* "bf16", "block", "block-t", "tensor" */
     int checked, check_pass;
-    double diff, max_err;
-    int64_t wrong, untouched_bad;
+    double diff, max_err, max_ratio; /* max |got - exact| and max |got - exact| / bound */
+    int64_t wrong, scale_bad, untouched_bad;
 } gcase_t;
 
 static const char *dtype_name(int32_t d) { return d == MF_DTYPE_BF16 ? "bf16" : "fp8"; }
@@ -857,9 +857,11 @@ typedef struct ref_job {
     int nrows;
     int32_t n0, n1;
     double *acc;       /* [nrows, N] */
+    double *err;       /* [nrows, N]: the accumulation bound of acc (mf__gemm_ref_dot) */
 } ref_job_t;
 
-/* acc[r, n] = sum over K blocks of (sum_k a[r, k] w[n, k]) (x a_scale[r, kb] w_scale[n/128, kb]). */
+/* acc[r, n] = sum over K blocks of (sum_k a[r, k] w[n, k]) (x a_scale[r, kb] w_scale[n/128, kb]),
+ * exact in fp64, and err[r, n] its bound (cuda/gemm_bench.h). */
 static void *ref_worker(void *arg) {
     const ref_job_t *j = arg;
     const int fp8 = j->c->dtype == MF_DTYPE_FP8_E4M3;
@@ -876,15 +878,9 @@ static void *ref_worker(void *arg) {
             }
         }
         for (int r = 0; r < j->nrows; r++) {
-            const float *ar = j->a + (size_t)r * K;
-            double acc = 0;
-            for (int32_t kb = 0; kb < kbs; kb++) {
-                double part = 0;
-                const int32_t k1 = (kb + 1) * QBLOCK < K ? (kb + 1) * QBLOCK : K;
-                for (int32_t k = kb * QBLOCK; k < k1; k++) part += (double)ar[k] * wrow[k];
-                acc += fp8 ? part * j->as[(size_t)r * kbs + kb] * j->ws[(size_t)(n / QBLOCK) * kbs + kb] : part;
-            }
-            j->acc[(size_t)r * N + n] = acc;
+            const size_t at = (size_t)r * N + n;
+            mf__gemm_ref_dot(j->a + (size_t)r * K, wrow, K, fp8 ? j->as + (size_t)r * kbs : NULL,
+                             fp8 ? j->ws + (size_t)(n / QBLOCK) * kbs : NULL, &j->acc[at], &j->err[at], NULL);
         }
     }
     free(wrow);
@@ -954,21 +950,25 @@ static int pick_experts(const gcase_t *c, int32_t *ex) {
 }
 
 typedef struct cmp_acc {
-    double sxy, sxx, syy, max_err;
+    double sxy, sxx, syy, max_err, max_ratio;
     int64_t n, wrong;
     int nonfinite;
 } cmp_acc_t;
 
-/* One element: got x, reference y, bound = rtol max(|x|, |y|) + atol. */
-static void cmp_one(cmp_acc_t *s, const char *what, const char *where, double x, double y, double rtol, double atol) {
+/* One element: got x, the reference rounded as the kernel rounds y (for the diff measure), the
+ * exact value and its bound: wrong when !(|x - exact| <= bound) (NaN never passes). */
+static void cmp_one(cmp_acc_t *s, const char *what, const char *where, double x, double y, double exact, double bound) {
     if (!isfinite(x) || !isfinite(y)) s->nonfinite = 1;
     s->sxy += x * y, s->sxx += x * x, s->syy += y * y, s->n++;
-    double err = fabs(x - y), bound = rtol * (fabs(x) > fabs(y) ? fabs(x) : fabs(y)) + atol;
+    const double err = fabs(x - exact), ratio = bound > 0 ? err / bound : err > 0 ? INFINITY : 0;
     if (!(err <= bound)) {
-        if (s->wrong < 4) fprintf(stderr, "moeflow bench gemm: %s: %s mismatch at %s: gpu %.8g ref %.8g\n", g_case, what, where, x, y);
+        if (s->wrong < 4)
+            fprintf(stderr, "moeflow bench gemm: %s: %s outside its bound at %s: gpu %.9g exact %.9g |diff| %.3g bound %.3g\n",
+                    g_case, what, where, x, exact, err, bound);
         s->wrong++;
     }
     if (err > s->max_err || err != err) s->max_err = err;
+    if (ratio > s->max_ratio || ratio != ratio) s->max_ratio = ratio != ratio ? INFINITY : ratio;
 }
 
 /* Poison-check of the rows [row0, row1) of the output (and its scales): every byte POISON. */
@@ -990,95 +990,116 @@ static int64_t count_touched(gdev_t *d, const gcase_t *c, int64_t row0, int64_t 
     return touched;
 }
 
-/* The checked elements of a case: what the GPU wrote, the reference, the reference's FP8 scale. */
+/* The checked elements of a case: what the GPU wrote, the reference rounded as the kernel rounds
+ * (the diff measure), the exact fp64 value and the element's bound on |got - exact|. */
 typedef struct check_set {
-    double *got, *want, *scale;
+    double *got, *want, *exact, *bound;
     int32_t *where; /* [n, 3]: expert, row of the expert, column */
     size_t n, cap;
+    int64_t scale_bad; /* FP8 h scales no amax within the bounds gives (mf__gemm_fp8_scale_ok) */
 } check_set_t;
 
 static int check_set_init(check_set_t *s, size_t cap) {
-    s->n = 0, s->cap = cap ? cap : 1;
+    memset(s, 0, sizeof *s);
+    s->cap = cap ? cap : 1;
     s->got = malloc(sizeof(double) * s->cap), s->want = malloc(sizeof(double) * s->cap);
-    s->scale = malloc(sizeof(double) * s->cap), s->where = malloc(sizeof(int32_t) * 3 * s->cap);
-    return s->got && s->want && s->scale && s->where ? 0 : -1;
+    s->exact = malloc(sizeof(double) * s->cap), s->bound = malloc(sizeof(double) * s->cap);
+    s->where = malloc(sizeof(int32_t) * 3 * s->cap);
+    return s->got && s->want && s->exact && s->bound && s->where ? 0 : -1;
 }
 
 static void check_set_free(check_set_t *s) {
-    free(s->got), free(s->want), free(s->scale), free(s->where);
+    free(s->got), free(s->want), free(s->exact), free(s->bound), free(s->where);
     memset(s, 0, sizeof *s);
 }
 
-static void check_set_add(check_set_t *s, double got, double want, double scale, int32_t e, int32_t row, int32_t col) {
+static void check_set_add(check_set_t *s, double got, double want, double exact, double bound, int32_t e, int32_t row,
+                          int32_t col) {
     if (s->n == s->cap) return; /* sized for every sampled row: never */
-    s->got[s->n] = got, s->want[s->n] = want, s->scale[s->n] = scale;
+    s->got[s->n] = got, s->want[s->n] = want, s->exact[s->n] = exact, s->bound[s->n] = bound;
     s->where[3 * s->n] = e, s->where[3 * s->n + 1] = row, s->where[3 * s->n + 2] = col;
     s->n++;
 }
 
-/* One sampled output row: acc [N] are the row's fp64 GEMM sums; out the row the GPU wrote
- * ([out_cols] E4M3 codes or bf16) and gs its h scales (FP8 W13). W13: h = silu(gate) * up in
- * double, rounded to fp32 and then, as the kernel does, to BF16 or to E4M3 in 1x128 blocks
+/* One sampled output row: acc [N] are the row's exact fp64 GEMM sums and err [N] their bounds; out
+ * the row the GPU wrote ([out_cols] E4M3 codes or bf16) and gs its h scales (FP8 W13). W13: h =
+ * silu(gate) * up exactly with its bound (mf__gemm_swiglu), the FP8 element bound taken at the
+ * scale the kernel wrote, which must itself be one the block's amax allows. The diff measure's
+ * reference is h rounded to fp32 and then, as the kernel does, to BF16 or to E4M3 in 1x128 blocks
  * (mf__fp8_block_scale over the fp32 amax); the comparison is of dequantised values. */
-static void collect_row(const gcase_t *c, int32_t ue8m0, const double *acc, const uint8_t *out, const float *gs, int32_t e,
-                        int32_t row, check_set_t *set) {
+static void collect_row(const gcase_t *c, int32_t ue8m0, const double *acc, const double *err, const uint8_t *out,
+                        const float *gs, int32_t e, int32_t row, check_set_t *set) {
     const int fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
     const int32_t I = c->model->I;
     if (c->op->op != MF__GEMM_OP_W13_SWIGLU) { /* bf16 out [rows, out_cols] */
         for (int32_t col = 0; col < c->out_cols; col++) {
             uint16_t v;
             memcpy(&v, out + 2 * (size_t)col, 2);
-            check_set_add(set, mf__bf16_to_float(v), mf__bf16_to_float(mf__bf16_from_float((float)acc[col])), 0, e, row, col);
+            check_set_add(set, mf__bf16_to_float(v), mf__bf16_to_float(mf__bf16_from_float((float)acc[col])), acc[col],
+                          mf__gemm_bound_bf16_out(acc[col], err[col]), e, row, col);
         }
         return;
     }
     float h[QBLOCK];
+    double hx[QBLOCK], eh[QBLOCK];
     for (int32_t b0 = 0; b0 < I; b0 += QBLOCK) {
         const int32_t bn = I - b0 < QBLOCK ? I - b0 : QBLOCK;
         float amax = 0;
+        double amax_x = 0, eh_max = 0;
         for (int32_t j = 0; j < bn; j++) {
-            const double g = acc[b0 + j], u = acc[I + b0 + j];
-            h[j] = (float)(g / (1.0 + exp(-g)) * u);
+            mf__gemm_swiglu(acc[b0 + j], err[b0 + j], acc[I + b0 + j], err[I + b0 + j], &hx[j], &eh[j]);
+            h[j] = (float)hx[j];
             amax = fabsf(h[j]) > amax ? fabsf(h[j]) : amax;
+            amax_x = fabs(hx[j]) > amax_x ? fabs(hx[j]) : amax_x;
+            eh_max = eh[j] > eh_max ? eh[j] : eh_max;
         }
         float scale = 1, inv = 1;
-        if (fp8) mf__fp8_block_scale(amax, ue8m0, &scale, &inv);
+        if (fp8) {
+            mf__fp8_block_scale(amax, ue8m0, &scale, &inv);
+            const double g = gs[b0 / QBLOCK];
+            if (!mf__gemm_fp8_scale_ok(amax_x, eh_max, ue8m0, g, MF__FP8_AMAX_MIN, MF__FP8_MAX)) {
+                if (set->scale_bad < 4)
+                    fprintf(stderr, "moeflow bench gemm: %s: h scale outside its bound at expert %d row %d block %d: gpu %.9g, "
+                                    "exact amax / 448 %.9g (amax within %.3g)\n",
+                            g_case, e, row, b0 / QBLOCK, g, amax_x / MF__FP8_MAX, eh_max);
+                set->scale_bad++;
+            }
+        }
         for (int32_t j = 0; j < bn; j++) {
             const int32_t col = b0 + j;
             if (fp8) {
-                check_set_add(set, (double)mf__fp8_to_float(out[col]) * gs[col / QBLOCK],
-                              (double)mf__fp8_to_float(mf__fp8_from_float(h[j] * inv)) * scale, scale, e, row, col);
+                const double g = gs[col / QBLOCK];
+                check_set_add(set, (double)mf__fp8_to_float(out[col]) * g,
+                              (double)mf__fp8_to_float(mf__fp8_from_float(h[j] * inv)) * scale, hx[j],
+                              mf__gemm_bound_fp8_h(hx[j], eh[j], g), e, row, col);
             } else {
                 uint16_t v;
                 memcpy(&v, out + 2 * (size_t)col, 2);
-                check_set_add(set, mf__bf16_to_float(v), mf__bf16_to_float(mf__bf16_from_float(h[j])), 0, e, row, col);
+                check_set_add(set, mf__bf16_to_float(v), mf__bf16_to_float(mf__bf16_from_float(h[j])), hx[j],
+                              mf__gemm_bound_bf16_out(hx[j], eh[j]), e, row, col);
             }
         }
     }
 }
 
-/* Judges a check set (diff measure + element-wise bounds): sets c->checked, diff, wrong, max_err
- * and check_pass (which also needs c->untouched_bad == 0). */
+/* Judges a check set (diff measure + element-wise bounds): sets c->checked, diff, wrong, scale_bad,
+ * max_err, max_ratio and check_pass (which also needs c->untouched_bad == 0). */
 static void judge(gcase_t *c, const check_set_t *set) {
-    double rms = 0;
-    for (size_t i = 0; i < set->n; i++) rms += set->want[i] * set->want[i];
-    rms = set->n ? sqrt(rms / (double)set->n) : 0;
-    const int fp8_out = c->out_scaled;
-    const double rtol = fp8_out ? RTOL_FP8_OUT : RTOL_BF16_OUT;
     cmp_acc_t s;
     memset(&s, 0, sizeof s);
     for (size_t i = 0; i < set->n; i++) {
         char at[96];
         snprintf(at, sizeof at, "expert %d row %d col %d", set->where[3 * i], set->where[3 * i + 1], set->where[3 * i + 2]);
-        cmp_one(&s, c->op->name, at, set->got[i], set->want[i], rtol,
-                ATOL_RMS * rms + (fp8_out ? ATOL_FP8_SUBNORMAL * set->scale[i] : 0));
+        cmp_one(&s, c->op->name, at, set->got[i], set->want[i], set->exact[i], set->bound[i]);
     }
     c->checked = 1;
     c->diff = s.nonfinite ? INFINITY : (s.sxx + s.syy) == 0 ? 0.0 : 1.0 - 2.0 * s.sxy / (s.sxx + s.syy);
     c->wrong = s.wrong;
+    c->scale_bad = set->scale_bad;
     c->max_err = s.max_err;
+    c->max_ratio = s.max_ratio;
     c->check_pass = !s.nonfinite && c->diff < (c->dtype == MF_DTYPE_FP8_E4M3 ? DIFF_MAX_FP8 : DIFF_MAX_BF16) &&
-                    s.wrong == 0 && c->untouched_bad == 0 && set->n > 0;
+                    s.wrong == 0 && set->scale_bad == 0 && c->untouched_bad == 0 && set->n > 0;
 }
 
 /* --check of one case: NaN garbage in unowned input rows, poisoned outputs, one launch, then the
@@ -1110,10 +1131,10 @@ static int check_case(gdev_t *d, gcase_t *c, const mf__gemm_bench_args_t *args) 
     uint8_t *w = malloc(wbytes), *raw = malloc(CHECK_ROW_MAX * (arow + asrow + orow + osrow) + orow + osrow);
     float *ws = malloc(sizeof(float) * (wsn ? wsn : 1)), *a = malloc(sizeof(float) * CHECK_ROW_MAX * (size_t)K);
     float *as = malloc(sizeof(float) * CHECK_ROW_MAX * (size_t)(kbs ? kbs : 1));
-    double *acc = malloc(sizeof(double) * CHECK_ROW_MAX * (size_t)N);
+    double *acc = malloc(sizeof(double) * CHECK_ROW_MAX * (size_t)N), *err = malloc(sizeof(double) * CHECK_ROW_MAX * (size_t)N);
     check_set_t set;
     int rc = 0, io_fail = 0;
-    if (check_set_init(&set, (size_t)nex * CHECK_ROW_MAX * (size_t)ocols) || !w || !raw || !ws || !a || !as || !acc) {
+    if (check_set_init(&set, (size_t)nex * CHECK_ROW_MAX * (size_t)ocols) || !w || !raw || !ws || !a || !as || !acc || !err) {
         fprintf(stderr, "moeflow bench gemm: %s: --check: out of host memory\n", g_case);
         rc = 1;
         goto done;
@@ -1143,7 +1164,7 @@ static int check_case(gdev_t *d, gcase_t *c, const mf__gemm_bench_args_t *args) 
             }
             if (fp8) CK(cudaMemcpy(as + (size_t)i * kbs, (const uint8_t *)d->b[B_AS].p + (size_t)row * asrow, asrow, cudaMemcpyDeviceToHost));
         }
-        ref_job_t job = {c, w, ws, a, as, nr, 0, N, acc};
+        ref_job_t job = {c, w, ws, a, as, nr, 0, N, acc, err};
         if (ref_expert(&job)) {
             fprintf(stderr, "moeflow bench gemm: %s: --check: reference threads failed\n", g_case);
             rc = 1;
@@ -1163,7 +1184,7 @@ static int check_case(gdev_t *d, gcase_t *c, const mf__gemm_bench_args_t *args) 
                 }
                 CK(cudaMemcpy(gs, (const uint8_t *)d->b[B_OS].p + (size_t)row * osrow, osrow, cudaMemcpyDeviceToHost));
             }
-            collect_row(c, args->ue8m0, acc + (size_t)i * N, orow_buf, gs, e, rws[i], &set);
+            collect_row(c, args->ue8m0, acc + (size_t)i * N, err + (size_t)i * N, orow_buf, gs, e, rws[i], &set);
         }
     }
     if (io_fail) {
@@ -1173,22 +1194,24 @@ static int check_case(gdev_t *d, gcase_t *c, const mf__gemm_bench_args_t *args) 
     }
     {
         judge(c, &set);
+        if (c->scale_bad)
+            fprintf(stderr, "moeflow bench gemm: %s: %lld h scales outside their bounds\n", g_case, (long long)c->scale_bad);
         if (c->untouched_bad)
             fprintf(stderr, "moeflow bench gemm: %s: %lld rows past counts[e] were written\n", g_case, (long long)c->untouched_bad);
     }
 done:
-    free(w), free(raw), free(ws), free(a), free(as), free(acc);
+    free(w), free(raw), free(ws), free(a), free(as), free(acc), free(err);
     check_set_free(&set);
     return rc;
 }
 
 /* ---- output ----------------------------------------------------------------------------------- */
 static void print_header(void) {
-    printf("#%-15s %-4s %-4s %-12s %-6s %4s %5s %6s %10s %8s %6s %9s %7s %10s %8s %7s %9s %6s\n", "model", "op",
+    printf("#%-15s %-4s %-4s %-12s %-6s %4s %5s %6s %10s %8s %6s %9s %7s %10s %8s %7s %9s %8s %6s\n", "model", "op",
            "type", "layout", "counts", "L", "M", "C", "time", "TFLOP/s", "wTB/s", "floor", "%floor", "cublas", "TFLOP/s",
-           "%cublas", "diff", "#wrong");
-    printf("#%-15s %-4s %-4s %-12s %-6s %4s %5s %6s %10s %8s %6s %9s %7s %10s %8s %7s %9s %6s\n", "", "", "", "", "", "",
-           "", "", "(us)", "", "", "(us)", "", "(us)", "", "", "", "");
+           "%cublas", "diff", "err/bnd", "#wrong");
+    printf("#%-15s %-4s %-4s %-12s %-6s %4s %5s %6s %10s %8s %6s %9s %7s %10s %8s %7s %9s %8s %6s\n", "", "", "", "", "", "",
+           "", "", "(us)", "", "", "(us)", "", "(us)", "", "", "", "(max)", "");
 }
 
 static void print_row(const gcase_t *c) {
@@ -1199,8 +1222,8 @@ static void print_row(const gcase_t *c) {
     if (c->status != CASE_OK) { /* the status in the time column, the reason after the row */
         const char *what = c->status == CASE_SKIP ? "skip" : c->status == CASE_UNSUPPORTED ? "n/a"
                            : c->status == CASE_DRY  ? "dry-run" : "ERROR";
-        printf(" %10s %8s %6s %9.1f %7s %10s %8s %7s %9s %6s%s%s%s\n", what, "-", "-", c->floor_us, "-", "-", "-", "-", "-",
-               "-", c->note[0] ? "  (" : "", c->note, c->note[0] ? ")" : "");
+        printf(" %10s %8s %6s %9.1f %7s %10s %8s %7s %9s %8s %6s%s%s%s\n", what, "-", "-", c->floor_us, "-", "-", "-", "-",
+               "-", "-", "-", c->note[0] ? "  (" : "", c->note, c->note[0] ? ")" : "");
         return;
     }
     const double t = c->us * 1e-6;
@@ -1209,8 +1232,10 @@ static void print_row(const gcase_t *c) {
     if (c->cublas_mode)
         printf(" %10.1f %8.1f %6.1f%%", c->cublas_us, c->flops / (c->cublas_us * 1e-6) / 1e12, 100.0 * c->cublas_us / c->us);
     else printf(" %10s %8s %7s", "-", "-", "-");
-    if (c->checked) printf(" %9.2e %6lld%s\n", c->diff, (long long)c->wrong, c->check_pass ? "" : "  FAIL");
-    else printf(" %9s %6s\n", "-", "-");
+    if (c->checked)
+        printf(" %9.2e %8.2e %6lld%s\n", c->diff, c->max_ratio, (long long)(c->wrong + c->scale_bad),
+               c->check_pass ? "" : "  FAIL");
+    else printf(" %9s %8s %6s\n", "-", "-", "-");
 }
 
 static int write_json(const gopts_t *o, const gcase_t *cs, int n, int argc, char **argv) {
@@ -1246,8 +1271,10 @@ static int write_json(const gopts_t *o, const gcase_t *cs, int n, int argc, char
         fprintf(f, ", \"pct_of_floor\": ");
         mf__json_number(f, 100.0 * c->floor_us / c->us);
         if (c->checked) {
-            fprintf(f, ", \"wrong\": %lld, \"diff\": ", (long long)(c->wrong + c->untouched_bad));
+            fprintf(f, ", \"wrong\": %lld, \"diff\": ", (long long)(c->wrong + c->scale_bad + c->untouched_bad));
             mf__json_number(f, c->diff);
+            fprintf(f, ", \"max_err_ratio\": ");
+            mf__json_number(f, c->max_ratio);
         }
         fprintf(f, ", \"iters\": %d, \"warmup\": %d, \"expert_rows\": [", o->iters, o->warmup);
         for (int32_t e = 0; e < c->L; e++) fprintf(f, "%s%d", e ? "," : "", c->counts[e]);
@@ -1303,8 +1330,9 @@ static void print_meta(const gopts_t *o, const char *device, int ncases) {
                "algorithm);\n#          %%cublas = cublas time / moeflow time (100%% = as fast as the dense ceiling)\n");
     if (o->check)
         printf("# check    every case first: sampled rows of sampled experts vs a double host reference; diff < %g "
-               "(bf16) / %g (fp8);\n#          #wrong: elements outside the bounds; rows past counts[e] must stay "
-               "poisoned\n",
+               "(bf16) / %g (fp8);\n#          element bounds of docs/DESIGN.md \"GEMM error bounds\": err/bnd = max "
+               "|gpu - exact| / bound (< 1 passes);\n#          #wrong: elements (and FP8 h scales) outside their "
+               "bounds; rows past counts[e] must stay poisoned\n",
                DIFF_MAX_BF16, DIFF_MAX_FP8);
     printf("# cases    %d (operands over %.0f GB skipped)\n", ncases, MAX_CASE_BYTES / 1e9);
 }

@@ -13,6 +13,7 @@
 #ifndef MF_CUDA_GEMM_BENCH_H
 #define MF_CUDA_GEMM_BENCH_H
 
+#include <math.h>
 #include <stdint.h>
 
 #include "moeflow.h"
@@ -72,6 +73,122 @@ typedef enum mf__bench_fill {
 /* Fills count elements of `data` (device) on `stream`; not blocking. */
 mf_result_t mf__gemm_bench_fill(void *data, int64_t count, int32_t kind, uint32_t seed, float mag,
                                 void *stream);
+
+/* ---- --check: the element bounds (docs/DESIGN.md "Numerics", "GEMM error bounds") -------------
+ * Pure C (no CUDA), shared by `moeflow bench gemm --check` and the tests (tests/test_gemm_bounds.c
+ * on the CPU, tests/gpu/test_gemm_bounds.c on the device). Every function returns a bound on
+ * |gpu - exact| for one output element, where `exact` is the fp64 value of the arithmetic on the
+ * same quantised operands (no rounding anywhere), so a bound never depends on how the reference
+ * itself rounds. The accumulation term is condition-aware: it is built from the exact prefix sums
+ * and product magnitudes of the element's own dot product, so an output that is near zero by
+ * cancellation is judged by the size of what cancelled, not by its own size. */
+
+/* Tensor-core accumulation model: each MMA k-step adds MF__GEMM_CHUNK_* exact products and the
+ * running sum c, aligned to the largest of them and truncated to u (relative to that largest), and
+ * the result is truncated again to the accumulator's precision. Per step:
+ *   |err| <= u ((chunk + 1) max(|c|, max |p_j|) + |c'|)        (c' the sum after the step)
+ * FP8 E4M3 wgmma (k32): 13 fraction bits are observed (DeepSeek-V3 3.3.2 "around 14 bits";
+ * Khattak & Mikaitis 2025, arXiv:2512.07004: H100 FP8 truncates to 13 fraction bits); u takes one
+ * bit of margin. BF16 (k16): fp32's 23 fraction bits with truncation; u one bit of margin. */
+#define MF__GEMM_CHUNK_FP8 32
+#define MF__GEMM_CHUNK_BF16 16
+#define MF__GEMM_UACC_FP8 0x1p-12
+#define MF__GEMM_UACC_BF16 0x1p-22
+#define MF__GEMM_U32 0x1p-24          /* unit roundoff of an fp32 operation (round to nearest) */
+#define MF__GEMM_SILU_DMAX 1.0999     /* max |silu'(x)| = 1.0998.. (at x = 2.3994..) */
+#define MF__GEMM_SILU_OPS 8.0         /* fp32 silu(g) * u: expf (<= 2 ulp), add, IEEE div, mul */
+#define MF__GEMM_BF16_HALF_ULP 0x1p-8 /* |bf16(x) - x| <= 2^-8 |x| (8-bit significand) */
+#define MF__GEMM_E4M3_HALF_ULP 0x1p-4 /* |e4m3(x) - x| <= 2^-4 |x| for normal x ... */
+#define MF__GEMM_E4M3_SUB_HALF 0x1p-10 /* ... and <= 2^-10 below 2^-6 (half the subnormal step) */
+
+/* One element of a grouped GEMM: exact = sum_kb s_kb sum_{k in kb} a_k w_k (FP8: s_kb = a_scales[kb]
+ * w_scales[kb], kb the 128-wide K blocks, each promoted into an fp32 accumulator; BF16: a_scales =
+ * w_scales = NULL, the whole K in one tensor-core accumulator). a, w: [K] decoded values (E4M3 code
+ * values or bf16). *bound: the accumulation model above per k-step, scaled by |s_kb|, plus the
+ * promotion (fp32 scale product and fma: (kbs + 2) u32 of the scaled absolute sums) and the fp64
+ * reference's own rounding; *abs_sum: sum_kb |s_kb| sum |a_k w_k| (the condition of the element). */
+static inline void mf__gemm_ref_dot(const float *a, const float *w, int32_t K, const float *a_scales,
+                                    const float *w_scales, double *exact, double *bound, double *abs_sum) {
+    const int fp8 = a_scales != 0;
+    const int32_t seg = fp8 ? 128 : K, chunk = fp8 ? MF__GEMM_CHUNK_FP8 : MF__GEMM_CHUNK_BF16;
+    const double u = fp8 ? MF__GEMM_UACC_FP8 : MF__GEMM_UACC_BF16;
+    double acc = 0, err = 0, tsum = 0;
+    int32_t kbs = 0;
+    for (int32_t k0 = 0; k0 < K; k0 += seg, kbs++) {
+        const int32_t k1 = k0 + seg < K ? k0 + seg : K;
+        double c = 0, steps = 0, sabs = 0;
+        for (int32_t j0 = k0; j0 < k1; j0 += chunk) {
+            const int32_t j1 = j0 + chunk < k1 ? j0 + chunk : k1;
+            double m = c < 0 ? -c : c;
+            for (int32_t j = j0; j < j1; j++) {
+                const double p = (double)a[j] * (double)w[j], ap = p < 0 ? -p : p;
+                m = ap > m ? ap : m;
+                sabs += ap;
+                c += p;
+            }
+            steps += (double)(chunk + 1) * m + (c < 0 ? -c : c);
+        }
+        double s = 1;
+        if (fp8) s = (double)a_scales[kbs] * (double)w_scales[kbs];
+        const double as = s < 0 ? -s : s;
+        acc += s * c;
+        err += as * u * steps;
+        tsum += as * sabs;
+    }
+    /* promotion in fp32: s_kb rounded, then acc += P s (fma or mul + add), over kbs blocks; the
+     * fp64 reference sums K products: its rounding is below K 2^-53 of the absolute sum */
+    err += (double)(kbs + 2) * MF__GEMM_U32 * (tsum + err) + (double)K * 0x1p-53 * tsum;
+    *exact = acc;
+    *bound = err;
+    if (abs_sum) *abs_sum = tsum;
+}
+
+/* A BF16 output of an fp32 value within e of y: |gpu - y| <= e + 2^-8 (|y| + e). */
+static inline double mf__gemm_bound_bf16_out(double y, double e) {
+    return e + MF__GEMM_BF16_HALF_ULP * ((y < 0 ? -y : y) + e);
+}
+
+/* SwiGLU of two accumulated values g, u within eg, eu: h = silu(g) u exactly (*h), and the bound
+ * of the kernel's fp32 h on |h_gpu - h| (*eh), before any output rounding:
+ *   |silu(g') u' - silu(g) u| <= max|silu'| eg (|u| + eu) + |silu(g)| eu, plus the fp32 ops. */
+static inline void mf__gemm_swiglu(double g, double eg, double u, double eu, double *h, double *eh) {
+    const double sg = g / (1.0 + exp(-g)), au = u < 0 ? -u : u, asg = sg < 0 ? -sg : sg;
+    const double prop = MF__GEMM_SILU_DMAX * eg * (au + eu) + asg * eu;
+    *h = sg * u;
+    *eh = prop + MF__GEMM_SILU_OPS * MF__GEMM_U32 * ((*h < 0 ? -*h : *h) + prop);
+}
+
+/* An FP8 h element: the kernel's fp32 h (within eh of the exact h) requantised with the block
+ * scale gs the kernel wrote, q = e4m3(h * (1 / gs)), read back as q gs:
+ *   |q gs - h| <= eh + max(2^-4 (|h| + eh), 2^-10 gs) (1 + 2^-21) + 2^-22 (|h| + eh)
+ * (half an E4M3 step at the element's own magnitude, or half the subnormal step of the block;
+ * 2^-22: the rounding of h * inv and of inv against gs). A one-step flip where the GPU's h and the
+ * exact h straddle a rounding boundary is inside this bound: it is measured from the exact h. */
+static inline double mf__gemm_bound_fp8_h(double h, double eh, double gs) {
+    const double ah = (h < 0 ? -h : h) + eh, rel = MF__GEMM_E4M3_HALF_ULP * ah, sub = MF__GEMM_E4M3_SUB_HALF * gs;
+    return eh + (rel > sub ? rel : sub) * (1 + 0x1p-21) + 0x1p-22 * ah;
+}
+
+/* The h scale of a block whose exact amax is `amax` and whose fp32 h values are each within
+ * e_max of exact (so the kernel's amax is within e_max of amax): 1 when gs is a scale the kernel
+ * may have computed (mf__fp8_block_scale of some amax' in [amax - e_max, amax + e_max], with the
+ * MF__FP8_AMAX_MIN clamp and one fp32 rounding), else 0. */
+static inline int mf__gemm_fp8_scale_ok(double amax, double e_max, int ue8m0, double gs, double amax_min,
+                                        double fp8_max) {
+    double lo = amax - e_max, hi = amax + e_max;
+    lo = lo > amax_min ? lo : amax_min;
+    hi = hi > amax_min ? hi : amax_min;
+    lo /= fp8_max, hi /= fp8_max;
+    if (ue8m0) { /* 2^ceil(log2(x)) is monotone: the bounds' powers of two */
+        double plo = 1, phi = 1;
+        while (plo < lo) plo *= 2;
+        while (plo / 2 >= lo) plo /= 2;
+        while (phi < hi) phi *= 2;
+        while (phi / 2 >= hi) phi /= 2;
+        lo = plo, hi = phi;
+    }
+    return gs >= lo * (1 - 0x1p-23) && gs <= hi * (1 + 0x1p-23);
+}
 
 #ifdef __cplusplus
 }
