@@ -41,11 +41,65 @@ grep -qE -- '--memory-limit' "$tmp/out" && grep -qE -- '--version' "$tmp/out" &&
 expect run 0 '^# PASS' -- run "${tiny[@]}" --backend cpu --json "$tmp/run.json"
 [ -s "$tmp/run.json" ] && grep -q '"rows": \[' "$tmp/run.json" || fail "run: --json wrote no record"
 
+# ---- bench in rounds (issue 25.3): the whole sweep once per round, min / median / max, spread flag
+expect bench_rounds 0 '^# spread   [0-9]+ of 8 rows above 5%' -- \
+    bench "${tiny[@]}" -T 1,2 -S T,4 --phases on,off --rounds 3 --dtype fp8 --backend cpu --json "$tmp/bench.json"
+cp "$tmp/out" "$tmp/bench.out"
+grep -qE '^#dtype .* S +events +time +min +max +spread' "$tmp/bench.out" \
+    || fail "bench_rounds: the header lacks the S, events, min, max and spread columns"
+# Separated rounds: every round runs all 8 rows, and round k + 1 starts only after round k ended.
+sed -nE 's|^# round ([0-9]+)/3 .*|\1|p' "$tmp/bench.out" | tr '\n' ' ' \
+    | grep -qx '1 1 1 1 1 1 1 1 2 2 2 2 2 2 2 2 3 3 3 3 3 3 3 3 ' \
+    || fail "bench_rounds: the per-round lines are not 3 rounds of the whole 8-row sweep, one after the other"
+if command -v python3 > /dev/null 2>&1; then
+    python3 - "$tmp/bench.json" "$tmp/bench.out" > "$tmp/py.out" 2>&1 <<'PY' || { fail "bench_rounds JSON: $(tail -1 "$tmp/py.out")"; }
+import json, re, sys
+rec = json.load(open(sys.argv[1]))
+assert {"card", "date", "commit", "command", "backend"} <= set(rec["meta"]), rec["meta"]
+layer = [r for r in rec["rows"] if r["op"] == "layer"]
+assert [(r["shape"]["T"], r["shape"]["S"], r["phase_events"]) for r in layer] == [
+    (1, 1, 1), (1, 1, 0), (1, 4, 1), (1, 4, 0), (2, 2, 1), (2, 2, 0), (2, 4, 1), (2, 4, 0)], layer
+# the console's per-round times of each row, in sweep order
+rounds = {}
+for ln in open(sys.argv[2]):
+    m = re.match(r"# round (\d)/3  fp8 auto T (\d+) S (\d+) events (on|off): ([0-9.]+) us", ln)
+    if m:
+        rounds.setdefault((int(m[2]), int(m[3]), m[4] == "on"), []).append(float(m[5]))
+for r in layer:
+    v = r["round_us"]
+    assert r["rounds"] == 3 and len(v) == 3 and all(x > 0 for x in v), r
+    got = rounds[(r["shape"]["T"], r["shape"]["S"], bool(r["phase_events"]))]
+    assert all(abs(a - b) <= 0.051 + 1e-6 * b for a, b in zip(got, v)), (got, v)  # console prints 0.1 us
+    lo, med, hi = sorted(v)
+    assert r["min_us"] == lo and r["max_us"] == hi and r["median_us"] == med and r["time_us"] == med, r
+    assert abs(r["spread"] - (hi - lo) / med) <= 1e-5 * max(1.0, r["spread"]), r
+    assert r["spread_flagged"] == (r["spread"] > 0.05), r
+    assert ("phases_us" in r) == bool(r["phase_events"]), r
+phase_rows = [r for r in rec["rows"] if r["op"] in ("prepare", "dispatch", "w13", "w2", "combine")]
+assert len(phase_rows) == 5 * 4 and all(r["phase_events"] == 1 for r in phase_rows), len(phase_rows)
+print("ok")
+PY
+else
+    echo "cli: SKIP bench_rounds JSON checks (no python3)"
+    skipped=$((skipped + 1))
+fi
+expect bench_one_round 0 '^# rounds   1:' -- bench "${tiny[@]}" --rounds 1 --dtype fp8 --backend cpu --json "$tmp/one.json"
+grep -q '^# round 1/1' "$tmp/out" && fail "bench_one_round: per-round lines with one round"
+grep -qE '"rounds": 1, "round_us": \[[0-9.e+-]+\], .*"spread": null, "spread_flagged": false' "$tmp/one.json" \
+    || fail "bench_one_round: the record lacks rounds 1 with a null spread"
+expect bench_comm_rounds 0 '^# spread   [0-9]+ of 2 rows above' -- \
+    bench "${tiny[@]}" --op comm --rounds 2 --dtype fp8 --backend cpu
+
 # ---- 2: usage ----------------------------------------------------------------------------------
 expect unknown_flag 2 "unknown option '--bogus'" -- run --bogus
 expect unknown_command 2 "unknown command" -- frobnicate
 expect bad_value 2 'outside' -- run -R 0
 expect bad_combination 2 'multiple of -R' -- run -R 3 -E 4 --json "$tmp/not_made.json"
+expect bad_rounds 2 "--rounds: 0 is outside" -- bench "${tiny[@]}" --rounds 0
+expect run_rounds 2 '--rounds is for bench' -- run "${tiny[@]}" --rounds 3
+expect capacity_below_T 2 '-S 1 is below -T 2' -- bench "${tiny[@]}" -S T,1
+expect run_capacities 2 'run takes one -S' -- run "${tiny[@]}" -S 2,4
+expect bad_phases 2 "--phases: 'maybe' is not on or off" -- bench "${tiny[@]}" --phases on,maybe
 [ ! -e "$tmp/not_made.json" ] || fail "bad_combination: the --json check left $tmp/not_made.json behind"
 
 # ---- the memory check: a limit that nothing fits, the fp8 hint only for BF16, no check -----------
