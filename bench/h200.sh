@@ -2,7 +2,7 @@
 # bench/h200.sh — the benchmark set behind docs/PERFORMANCE.md, for one H200 (run from the repo root
 # after `make -j16 all lab`). Writes JSON records and logs into DIR and prints a short summary.
 #
-#   MF_COMMIT=<hash> bash bench/h200.sh DIR [gemm|layer|transport|balance|rebalance|all]
+#   MF_COMMIT=<hash> bash bench/h200.sh DIR [gemm|layer|transport|balance|rebalance|capacity|all]
 #
 # Everything lands in DIR and in one archive DIR.tgz (the device tool returns a limited number of
 # files: take the archive).
@@ -25,8 +25,16 @@
 #        R = 8 virtual ranks, T = 128, FP8, zipf 1.2; half of every rank's experts move, 4 per rank
 #        per prefetch step; the forward time while staging and not, the step time, bytes per step;
 #        not in `all`
+# capacity: why a larger capacity S slowed a row (issue 25.3; hypotheses in docs/PERFORMANCE.md
+#        "Timing method"): deepseek-v3, R = 1, FP8, gated, 3 rounds each, three processes (~3.5 min):
+#        A  T = 512 and 513 (R T K = 4096 / 4104 routing entries: either side of the small plan's
+#           bound) at S = T and S = 4096, phase events on and off;
+#        B  the sweep that showed it, -T 1,2,4,8,32,128,512,4096 (S = 4096), events on and off;
+#        C  A's T = 512 rows under MF_PDL=0 (no programmatic dependent launch: events change nothing).
+#        Prints one table: preset, T, S, events, PDL, min / median / max us over the rounds, spread.
+#        Not in `all`.
 set -u
-dir=${1:?usage: bench/h200.sh DIR [gemm|layer|transport|balance|rebalance|all]}
+dir=${1:?usage: bench/h200.sh DIR [gemm|layer|transport|balance|rebalance|capacity|all]}
 what=${2:-all}
 mkdir -p "$dir"
 : "${MF_COMMIT:=unknown}"
@@ -132,6 +140,17 @@ if [ "$what" = rebalance ]; then
     grep -E "^#dtype +dataflow +T +B +steps" "$dir/$name.log" | sed "s/^#/rebalance /"
     grep -E "^ +fp8 +auto +128 +[0-9]+ +[0-9]+ +[0-9]+ +[0-9]+\.[0-9]" "$dir/$name.log" | sed "s/^/rebalance /"
     tail -1 "$dir/$name.log"
+fi
+if [ "$what" = capacity ]; then
+    common=(--preset deepseek-v3 -R 1 --dtype fp8 --gated --no-check --rounds 3 --iters 10 --warmup 3 --phases on,off)
+    timeout 110 ./build/moeflow bench layer "${common[@]}" -T 512,513 -S T,4096 \
+        --json "$dir/capacity_A.json" > "$dir/capacity_A.log" 2>&1 || rc=1
+    timeout 200 ./build/moeflow bench layer "${common[@]}" -T 1,2,4,8,32,128,512,4096 \
+        --json "$dir/capacity_B.json" > "$dir/capacity_B.log" 2>&1 || rc=1
+    MF_PDL=0 timeout 80 ./build/moeflow bench layer "${common[@]}" -T 512 -S 512,4096 \
+        --json "$dir/capacity_C_pdl0.json" > "$dir/capacity_C_pdl0.log" 2>&1 || rc=1
+    python3 bench/summarize.py capacity "$dir/capacity_A.json" "$dir/capacity_B.json" "$dir/capacity_C_pdl0.json" \
+        | tee "$dir/capacity_summary.txt" || rc=1
 fi
 tar czf "$dir.tgz" -C "$(dirname "$dir")" "$(basename "$dir")"
 exit $rc

@@ -4,6 +4,7 @@
   python3 bench/summarize.py gemm RECORD.json [--layout expert_major] [--counts equal]
                                    [--model NAME ...] [--dtype bf16|fp8] [--M 8,64,...]
   python3 bench/summarize.py layer RECORD.json [RECORD.json ...] [--no-phases]
+  python3 bench/summarize.py capacity RECORD.json [RECORD.json ...]
 
 Every figure is printed beside the peers of the same record (one run, one machine state), and the
 comparison columns compare only like with like:
@@ -23,6 +24,12 @@ layer: `moeflow bench layer --json` records: the fused dataflow (auto) beside un
        the prefill ratio. These records carry no torch or cuBLAS run: the `torch peer` column says
        so (`python3 -m moeflow.bench` records an unfused torch layer beside moeflow; none is
        recorded yet on the H200).
+       Records written with rounds (`moeflow bench --rounds`, the default since issue 25) show the
+       rounds' range in the fused cell, `median (min-max)`, and `!` where the spread (max - min) /
+       median passes 5 %; a record with several capacities S or --phases on,off names them in the
+       preset cell. Older records (one measurement per row, no S in the shape) read as before.
+capacity: one line per layer row of each record: preset, T, S, phase events, PDL (the record's
+       meta.env MF_PDL), rounds, min / median / max us and the spread (bench/h200.sh DIR capacity).
 """
 import argparse
 import json
@@ -97,6 +104,19 @@ def gemm(a):
               f"{rate} | {r['pct_of_floor']:.1f} | {' | '.join(peer_cells)} | {dense_cell} | {dense_ratio} |")
 
 
+def rounds_cell(r, spec=".0f"):
+    """`median (min-max)` with `!` past the spread flag, for a row with several rounds; else the time."""
+    if r.get("rounds", 1) > 1 and r.get("min_us") is not None:
+        flag = "!" if r.get("spread_flagged") else ""
+        return f"{format(r['time_us'], spec)} ({format(r['min_us'], spec)}-{format(r['max_us'], spec)}){flag}"
+    return format(r["time_us"], spec)
+
+
+def variant(r):
+    """(S, phase events) of a layer row; (None, None) for records older than both fields."""
+    return r["shape"].get("S"), r.get("phase_events")
+
+
 def layer(a):
     recs = [(path, json.load(open(path))) for path in a.records]
     for path, rec in recs:  # sources first: a comment line inside a table would split it
@@ -109,18 +129,54 @@ def layer(a):
         m = rec["meta"]
         rows = [r for r in rec["rows"] if r["op"] in ("layer", "layer_unfused")]
         preset = m.get("command", "").split("--preset ")[-1].split()[0] if "--preset" in m.get("command", "") else "-"
+        several = len({variant(r) for r in rows}) > 1  # -S lists or --phases on,off: name them
         for r in rows:
             if r["op"] != "layer":
                 continue
             s = r["shape"]
-            un = next((u for u in rows if u["op"] == "layer_unfused" and u["shape"] == s), None)
+            un = next((u for u in rows if u["op"] == "layer_unfused" and u["shape"] == s
+                       and u.get("phase_events") == r.get("phase_events")), None)
+            name = preset
+            if several:
+                S, ev = variant(r)
+                name += f" (S {S}" + ("" if ev is None else f", events {'on' if ev else 'off'}") + ")"
+            floor = r.get("floor_us")  # none on the CPU backend
             tp = peer(r, "torch")  # python -m moeflow.bench: torch_unfused_<op> in the layer row's peers
             gem = r["phases_us"]["w13"] + r["phases_us"]["w2"] if "phases_us" in r and not a.no_phases else None
-            print(f"| {preset} | {s['R']} | {s['T']} | {r['time_us']:.0f} | {fmt(un and un['time_us'], '.0f')} | "
+            print(f"| {name} | {s['R']} | {s['T']} | {rounds_cell(r)} | {fmt(un and un['time_us'], '.0f')} | "
                   f"{'not run' if tp is None else format(tp, '.0f')} | "
-                  f"{r['floor_us']:.0f} | {r['time_us'] / r['floor_us']:.2f}x | "
+                  f"{fmt(floor, '.0f')} | {ratio(floor and r['time_us'] / floor)} | "
                   f"{ratio(un and un['time_us'] / r['time_us'])} | {fmt(gem, '.0f')} | "
                   f"{ratio(gem and r['time_us'] / gem)} |")
+
+
+def capacity(a):
+    """bench/h200.sh DIR capacity: every layer row's rounds, one line each."""
+    print(f"#{'record':<22} {'preset':<16} {'T':>5} {'S':>5} {'events':>6} {'PDL':>3} {'rounds':>6} {'min':>9} "
+          f"{'median':>9} {'max':>9} {'spread':>7}")
+    for path in a.records:
+        try:
+            rec = json.load(open(path))
+        except (OSError, ValueError) as e:
+            print(f"# {path}: {e}")
+            continue
+        m = rec["meta"]
+        cmd = m.get("command", "")
+        preset = cmd.split("--preset ")[-1].split()[0] if "--preset" in cmd else "-"
+        env = m.get("env", {})  # records before the CLI wrote it: a hand-written "MF_PDL=0" string
+        env = env if isinstance(env, dict) else dict(v.split("=", 1) for v in str(env).split() if "=" in v)
+        pdl = env.get("MF_PDL", "1")
+        tag = path.rsplit("/", 1)[-1].removesuffix(".json")
+        for r in rec["rows"]:
+            if r["op"] not in ("layer", "layer_unfused"):
+                continue
+            S, ev = variant(r)
+            ev_s = "-" if ev is None else "on" if ev else "off"
+            sp = r.get("spread")
+            sp_s = "-" if sp is None else f"{100 * sp:.1f}%" + ("!" if r.get("spread_flagged") else "")
+            print(f" {tag[:22]:<22} {preset:<16} {r['shape']['T']:>5} {fmt(S, 'd'):>5} {ev_s:>6} {pdl:>3} "
+                  f"{r.get('rounds', 1):>6} {fmt(r.get('min_us', r['time_us'])):>9} {r['time_us']:>9.1f} "
+                  f"{fmt(r.get('max_us', r['time_us'])):>9} {sp_s:>7}")
 
 
 def main():
@@ -140,6 +196,9 @@ def main():
     l.add_argument("--no-phases", action="store_true",
                    help="leave the GEMM-phase columns empty (R > 1 virtual ranks: a rank's phases hold others' work)")
     l.set_defaults(fn=layer)
+    c = sub.add_parser("capacity")
+    c.add_argument("records", nargs="+")
+    c.set_defaults(fn=capacity)
     a = p.parse_args()
     a.fn(a)
 

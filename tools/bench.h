@@ -38,8 +38,9 @@ int mf__json_check_writable(const char *path);
 int mf__bench_gemm_main(int argc, char **argv);
 
 /* tools/bench_json.c: a JSON string (", \ and control characters escaped), a number (null when not
- * finite), and the record's start: {"meta": {card, date, commit, command = argv, backend}, "rows": [
- * (card: "cpu" for the CPU backend, else MF_CARD or "h200"; commit: MF_COMMIT, else git). */
+ * finite), and the record's start: {"meta": {card, date, commit, command = argv, backend[, env]},
+ * "rows": [ (card: "cpu" for the CPU backend, else MF_CARD or "h200"; commit: MF_COMMIT, else git;
+ * env: the MF_* environment variables set, e.g. {"MF_PDL": "0"}, where any). */
 void mf__json_string(FILE *f, const char *s);
 void mf__json_number(FILE *f, double x);
 void mf__json_meta(FILE *f, const char *backend, int argc, char **argv);

@@ -74,6 +74,21 @@ void mf__json_meta(FILE *f, const char *backend, int argc, char **argv) {
     }
     fprintf(f, "\", \"backend\": ");
     mf__json_string(f, backend);
+    /* The library's knobs set for this run (MF_PDL=0 and the like; docs/API.md), so that an A/B's
+     * records say which side they are; MF_COMMIT and MF_CARD are in the fields above. */
+    extern char **environ;
+    int n = 0;
+    for (char **e = environ; e && *e; e++) {
+        const char *eq = strchr(*e, '=');
+        if (strncmp(*e, "MF_", 3) || !eq || !strncmp(*e, "MF_COMMIT=", 10) || !strncmp(*e, "MF_CARD=", 8)) continue;
+        char name[128];
+        snprintf(name, sizeof name, "%.*s", (int)(eq - *e < 127 ? eq - *e : 127), *e);
+        fprintf(f, "%s", n++ ? ", " : ", \"env\": {");
+        mf__json_string(f, name);
+        fprintf(f, ": ");
+        mf__json_string(f, eq + 1);
+    }
+    if (n) fprintf(f, "}");
     fprintf(f, "}, \"rows\": [");
 }
 
