@@ -41,6 +41,7 @@ extern const mft_test_t mft_tests_gemm_bounds[]; /* tests/test_gemm_bounds.c (be
 extern const mft_test_t mft_tests_cuda[]; /* tests/gpu/test_cuda.c (the CUDA suite) */
 extern const mft_test_t mft_tests_cuda_transport[]; /* tests/gpu/test_transport.c (ranks as processes) */
 extern const mft_test_t mft_tests_cuda_balance[]; /* tests/gpu/test_balance.c (balanced EP on the device) */
+extern const mft_test_t mft_tests_cuda_gemm_bounds[]; /* tests/gpu/test_gemm_bounds.c (GEMMs within their bounds) */
 
 /* ---- failure reporting -------------------------------------------------------------------- */
 

@@ -34,6 +34,7 @@ static const mft_test_t *const mft_tables[] = {
     mft_tests_cuda,
     mft_tests_cuda_transport,
     mft_tests_cuda_balance,
+    mft_tests_cuda_gemm_bounds,
     NULL,
 };
 #else

@@ -1,0 +1,252 @@
+/*
+ * test_gemm_bounds.c — the library's grouped expert GEMMs against the element bounds of
+ * docs/DESIGN.md "GEMM error bounds" (cuda/gemm_bench.h, the ones `moeflow bench gemm --check`
+ * applies), on small problems that put each kernel family to work, and negative controls that
+ * the same check must fail.
+ *
+ *   families  decode (rows_hint <= kMfDecodeMaxRows), TMA (above it), v1 (the mma.sync fallback:
+ *             W2 with H not a multiple of the TMA tile's 256 columns, BF16 W13 with 2I = 384,
+ *             FP8 W13 with L past the TMA tables' 1024 experts); FP8 and BF16; W13 + SwiGLU
+ *             and W2. Operands drawn by mf__gemm_bench_fill as the benchmark draws them.
+ *   controls  the GPU's output judged against a wrong reference: a K block's weight scale taken
+ *             from the next block (a kernel reading the wrong scale column), the next row's
+ *             values (a wrong row), one element moved by twice its bound, and (FP8 W13) an h
+ *             scale doubled. Each must be caught.
+ */
+#include <cuda_runtime_api.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../harness.h"
+#include "core/numerics.h"
+#include "cuda/gemm_bench.h"
+
+#define QB MF__QUANT_BLOCK
+#define SEG_ALIGN 128
+
+enum { CTRL_NONE, CTRL_SCALE, CTRL_ROW, CTRL_ELEMENT, CTRL_HSCALE };
+static const char *const k_ctrl[] = {"none", "wrong scale column", "wrong row", "one element off", "h scale doubled"};
+
+typedef struct gcase {
+    const char *family;
+    int32_t op, dtype, H, I, L, M;
+} gcase_t;
+
+typedef struct verdict {
+    int64_t checked, wrong, scale_bad;
+    double max_ratio;
+} verdict_t;
+
+typedef struct host {
+    uint8_t *a, *w, *out;
+    float *as, *ws, *os;
+} host_t;
+
+static float decode(const uint8_t *p, size_t i, int fp8) {
+    if (fp8) return mf__fp8_to_float(p[i]);
+    uint16_t v;
+    memcpy(&v, p + 2 * i, 2);
+    return mf__bf16_to_float(v);
+}
+
+static void judge_one(verdict_t *v, double got, double exact, double bound) {
+    const double r = fabs(got - exact) / bound;
+    v->checked++;
+    if (!(fabs(got - exact) <= bound)) v->wrong++;
+    if (r > v->max_ratio || r != r) v->max_ratio = r != r ? INFINITY : r;
+}
+
+/* Judges rows [r0, r0 + n) of expert e of the host copies; `ctrl` makes the reference (or the
+ * output read) wrong on purpose. */
+static int judge_expert(const gcase_t *c, const host_t *h, int32_t e, int64_t off, int ctrl, verdict_t *v) {
+    const int fp8 = c->dtype == MF_DTYPE_FP8_E4M3, swiglu = c->op == MF__GEMM_OP_W13_SWIGLU;
+    const int32_t N = swiglu ? 2 * c->I : c->H, K = swiglu ? c->H : c->I, kbs = K / QB;
+    const int32_t ocols = swiglu ? c->I : c->H, oesz = swiglu && fp8 ? 1 : 2;
+    float *ar = malloc(sizeof(float) * (size_t)K), *wr = malloc(sizeof(float) * (size_t)K);
+    float *wsr = malloc(sizeof(float) * (size_t)(kbs + 1));
+    double *acc = malloc(sizeof(double) * (size_t)N), *err = malloc(sizeof(double) * (size_t)N);
+    if (!ar || !wr || !wsr || !acc || !err) return -1;
+    for (int32_t i = 0; i < c->M; i++) {
+        const int64_t row = off + i, ref_row = ctrl == CTRL_ROW ? off + (i + 1) % c->M : row;
+        for (int32_t k = 0; k < K; k++) ar[k] = decode(h->a, (size_t)ref_row * K + k, fp8);
+        for (int32_t n = 0; n < N; n++) {
+            for (int32_t k = 0; k < K; k++) wr[k] = decode(h->w, ((size_t)e * N + n) * K + k, fp8);
+            if (fp8) {
+                memcpy(wsr, h->ws + ((size_t)e * (N / QB) + n / QB) * kbs, sizeof(float) * (size_t)kbs);
+                if (ctrl == CTRL_SCALE) wsr[0] = wsr[kbs > 1 ? 1 : 0] * (kbs > 1 ? 1.0f : 1.5f);
+            }
+            mf__gemm_ref_dot(ar, wr, K, fp8 ? h->as + (size_t)ref_row * kbs : NULL, fp8 ? wsr : NULL, &acc[n], &err[n], NULL);
+        }
+        const uint8_t *orow = h->out + (size_t)row * ocols * oesz;
+        if (!swiglu) {
+            for (int32_t n = 0; n < N; n++) {
+                double got = decode(orow, (size_t)n, 0);
+                const double bound = mf__gemm_bound_bf16_out(acc[n], err[n]);
+                if (ctrl == CTRL_ELEMENT && i == 0 && n == 0) got = acc[n] + 2 * bound;
+                judge_one(v, got, acc[n], bound);
+            }
+            continue;
+        }
+        for (int32_t b0 = 0; b0 < c->I; b0 += QB) {
+            const int32_t bn = c->I - b0 < QB ? c->I - b0 : QB; /* BF16 I need not be a multiple */
+            double hx[QB], eh[QB], amax = 0, eh_max = 0;
+            for (int32_t j = 0; j < bn; j++) {
+                mf__gemm_swiglu(acc[b0 + j], err[b0 + j], acc[c->I + b0 + j], err[c->I + b0 + j], &hx[j], &eh[j]);
+                amax = fabs(hx[j]) > amax ? fabs(hx[j]) : amax;
+                eh_max = eh[j] > eh_max ? eh[j] : eh_max;
+            }
+            double gs = 1;
+            if (fp8) {
+                gs = h->os[(size_t)row * (c->I / QB) + b0 / QB] * (ctrl == CTRL_HSCALE ? 2.0 : 1.0);
+                v->scale_bad += !mf__gemm_fp8_scale_ok(amax, eh_max, 0, gs, MF__FP8_AMAX_MIN, MF__FP8_MAX);
+            }
+            for (int32_t j = 0; j < bn; j++) {
+                double got = fp8 ? decode(orow, (size_t)(b0 + j), 1) * gs : decode(orow, (size_t)(b0 + j), 0);
+                const double bound = fp8 ? mf__gemm_bound_fp8_h(hx[j], eh[j], gs) : mf__gemm_bound_bf16_out(hx[j], eh[j]);
+                if (ctrl == CTRL_ELEMENT && i == 0 && b0 + j == 0) got = hx[j] + 2 * bound;
+                judge_one(v, got, hx[j], bound);
+            }
+        }
+    }
+    free(ar), free(wr), free(wsr), free(acc), free(err);
+    return 0;
+}
+
+#define CUDA_OK(call)                                                                                 \
+    do {                                                                                              \
+        cudaError_t e_ = (call);                                                                      \
+        if (e_ != cudaSuccess) MFT_FAIL("%s failed: %s", #call, cudaGetErrorString(e_));             \
+    } while (0)
+
+/* Runs one case on the device, copies it back and judges it under every control. */
+static int run_case(const gcase_t *c) {
+    const int fp8 = c->dtype == MF_DTYPE_FP8_E4M3, swiglu = c->op == MF__GEMM_OP_W13_SWIGLU;
+    const int32_t N = swiglu ? 2 * c->I : c->H, K = swiglu ? c->H : c->I, kbs = K / QB, L = c->L;
+    const int32_t ocols = swiglu ? c->I : c->H, oesz = swiglu && fp8 ? 1 : 2, esz = fp8 ? 1 : 2;
+    const int64_t slot = (c->M + SEG_ALIGN - 1) / SEG_ALIGN * SEG_ALIGN, rows = slot * L;
+    int32_t *counts = malloc(sizeof(int32_t) * (size_t)L), *offsets = malloc(sizeof(int32_t) * (size_t)(L + 1));
+    MFT_CHECK(counts && offsets);
+    for (int32_t e = 0; e <= L; e++) {
+        if (e < L) counts[e] = c->M;
+        offsets[e] = (int32_t)(e * slot);
+    }
+    const size_t ab = (size_t)rows * K * esz, asb = fp8 ? (size_t)rows * kbs * 4 : 16, wb = (size_t)L * N * K * esz;
+    const size_t wsb = fp8 ? (size_t)L * (N / QB) * kbs * 4 : 16, ob = (size_t)rows * ocols * oesz;
+    const size_t osb = swiglu && fp8 ? (size_t)rows * (c->I / QB) * 4 : 16;
+    void *da, *das, *dw, *dws, *dout, *dos, *dcounts, *doffsets, *dsched;
+    CUDA_OK(cudaMalloc(&da, ab));
+    CUDA_OK(cudaMalloc(&das, asb));
+    CUDA_OK(cudaMalloc(&dw, wb));
+    CUDA_OK(cudaMalloc(&dws, wsb));
+    CUDA_OK(cudaMalloc(&dout, ob));
+    CUDA_OK(cudaMalloc(&dos, osb));
+    CUDA_OK(cudaMalloc(&dcounts, sizeof(int32_t) * (size_t)L));
+    CUDA_OK(cudaMalloc(&doffsets, sizeof(int32_t) * (size_t)(L + 1)));
+    CUDA_OK(cudaMalloc(&dsched, 2 * sizeof(int32_t)));
+    CUDA_OK(cudaMemcpy(dcounts, counts, sizeof(int32_t) * (size_t)L, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(doffsets, offsets, sizeof(int32_t) * (size_t)(L + 1), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemset(dsched, 0, 2 * sizeof(int32_t)));
+    CUDA_OK(cudaMemset(dout, 0xFF, ob));
+    CUDA_OK(cudaMemset(dos, 0xFF, osb));
+    const float wmag = sqrtf(3.0f / (float)K);
+    if (fp8) {
+        MFT_CHECK_OK(mf__gemm_bench_fill(da, (int64_t)rows * K, MF__BENCH_FILL_FP8, 11, 0, NULL));
+        MFT_CHECK_OK(mf__gemm_bench_fill(das, (int64_t)rows * kbs, MF__BENCH_FILL_SCALE, 12, 0.25f, NULL));
+        MFT_CHECK_OK(mf__gemm_bench_fill(dw, (int64_t)L * N * K, MF__BENCH_FILL_FP8, 13, 0, NULL));
+        MFT_CHECK_OK(mf__gemm_bench_fill(dws, (int64_t)L * (N / QB) * kbs, MF__BENCH_FILL_SCALE, 14, 0.25f * wmag, NULL));
+    } else {
+        MFT_CHECK_OK(mf__gemm_bench_fill(da, (int64_t)rows * K, MF__BENCH_FILL_BF16, 11, 1.0f, NULL));
+        MFT_CHECK_OK(mf__gemm_bench_fill(dw, (int64_t)L * N * K, MF__BENCH_FILL_BF16, 13, wmag, NULL));
+    }
+    mf__gemm_bench_args_t args;
+    memset(&args, 0, sizeof args);
+    args.op = c->op, args.dtype = c->dtype, args.H = c->H, args.I = c->I;
+    args.num_experts = L, args.max_rows_per_expert = c->M, args.rows_hint = c->M;
+    args.counts = dcounts, args.offsets = doffsets, args.sched = dsched;
+    args.a = da, args.a_scales = fp8 ? das : NULL, args.w = dw, args.w_scales = fp8 ? dws : NULL;
+    args.out = dout, args.out_scales = swiglu && fp8 ? dos : NULL;
+    MFT_CHECK_OK(mf__gemm_bench_run(&args, NULL));
+    CUDA_OK(cudaDeviceSynchronize());
+
+    host_t h;
+    h.a = malloc(ab), h.as = malloc(asb), h.w = malloc(wb), h.ws = malloc(wsb), h.out = malloc(ob), h.os = malloc(osb);
+    MFT_CHECK(h.a && h.as && h.w && h.ws && h.out && h.os);
+    CUDA_OK(cudaMemcpy(h.a, da, ab, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(h.as, das, asb, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(h.w, dw, wb, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(h.ws, dws, wsb, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(h.out, dout, ob, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(h.os, dos, osb, cudaMemcpyDeviceToHost));
+
+    const int32_t ex[3] = {0, L / 2, L - 1};
+    for (int ctrl = CTRL_NONE; ctrl <= CTRL_HSCALE; ctrl++) {
+        if (ctrl == CTRL_HSCALE && !(swiglu && fp8)) continue;
+        verdict_t v;
+        memset(&v, 0, sizeof v);
+        for (int x = 0; x < 3; x++) {
+            if (x > 0 && ex[x] == ex[x - 1]) continue;
+            MFT_CHECK(judge_expert(c, &h, ex[x], offsets[ex[x]], ctrl, &v) == 0);
+        }
+        mft_verbose("  %-6s %s %s H %d I %d L %d M %d, %-18s: %lld elements, %lld outside, %lld h scales bad, max "
+                    "|err| / bound %.3g\n",
+                    c->family, swiglu ? "w13" : "w2", fp8 ? "fp8" : "bf16", c->H, c->I, L, c->M, k_ctrl[ctrl],
+                    (long long)v.checked, (long long)v.wrong, (long long)v.scale_bad, v.max_ratio);
+        const int caught = v.wrong > 0 || v.scale_bad > 0;
+        if (ctrl == CTRL_NONE)
+            MFT_CHECK_MSG(!caught && v.max_ratio < 1 && v.checked > 0, "%s %s %s: %lld outside, %lld scales, max ratio %.3g",
+                          c->family, swiglu ? "w13" : "w2", fp8 ? "fp8" : "bf16", (long long)v.wrong,
+                          (long long)v.scale_bad, v.max_ratio);
+        else
+            MFT_CHECK_MSG(caught, "%s %s %s: the control '%s' was not caught (max ratio %.3g)", c->family,
+                          swiglu ? "w13" : "w2", fp8 ? "fp8" : "bf16", k_ctrl[ctrl], v.max_ratio);
+    }
+    free(h.a), free(h.as), free(h.w), free(h.ws), free(h.out), free(h.os), free(counts), free(offsets);
+    cudaFree(da), cudaFree(das), cudaFree(dw), cudaFree(dws), cudaFree(dout), cudaFree(dos);
+    cudaFree(dcounts), cudaFree(doffsets), cudaFree(dsched);
+    return 0;
+}
+
+static int run_cases(const gcase_t *cs, int n) {
+    for (int i = 0; i < n; i++)
+        if (run_case(&cs[i])) return 1;
+    return 0;
+}
+
+static int gemm_bounds_decode(void) {
+    static const gcase_t cs[] = {
+        {"decode", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_FP8_E4M3, 512, 256, 4, 40},
+        {"decode", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_BF16, 512, 256, 4, 40},
+        {"decode", MF__GEMM_OP_W2, MF_DTYPE_FP8_E4M3, 512, 256, 4, 40},
+        {"decode", MF__GEMM_OP_W2, MF_DTYPE_BF16, 512, 256, 4, 40},
+    };
+    return run_cases(cs, 4);
+}
+
+static int gemm_bounds_tma(void) {
+    static const gcase_t cs[] = {
+        {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_FP8_E4M3, 512, 256, 3, 200},
+        {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_BF16, 512, 256, 3, 200},
+        {"tma", MF__GEMM_OP_W2, MF_DTYPE_FP8_E4M3, 512, 256, 3, 200},
+        {"tma", MF__GEMM_OP_W2, MF_DTYPE_BF16, 512, 256, 3, 200},
+    };
+    return run_cases(cs, 4);
+}
+
+static int gemm_bounds_v1(void) {
+    static const gcase_t cs[] = {
+        {"v1", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_FP8_E4M3, 256, 128, 1030, 72},
+        {"v1", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_BF16, 256, 192, 3, 200},
+        {"v1", MF__GEMM_OP_W2, MF_DTYPE_FP8_E4M3, 384, 256, 3, 200},
+        {"v1", MF__GEMM_OP_W2, MF_DTYPE_BF16, 384, 256, 3, 200},
+    };
+    return run_cases(cs, 4);
+}
+
+const mft_test_t mft_tests_cuda_gemm_bounds[] = {
+    {"cuda_gemm_bounds_decode", gemm_bounds_decode, 120},
+    {"cuda_gemm_bounds_tma", gemm_bounds_tma, 120},
+    {"cuda_gemm_bounds_v1", gemm_bounds_v1, 180},
+    {NULL, NULL, 0},
+};
