@@ -24,6 +24,12 @@ For each preset and T (tokens per rank) it times, in one run on one device:
 Timing: CUDA events on each rank's stream, median of --iters after --warmup, a 512 MB fill before
 each iteration (L2 flushed, outside the events), the slowest rank's median; on the CPU, wall clock.
 Eager launches (no CUDA graph): host launch gaps are included, unlike `moeflow bench --gated`.
+Rounds (--rounds N, default 3; issue 25): the whole T sweep runs N times, one round after the other
+(round 1 over every T, then round 2, ...), for moeflow and for the torch peer alike; each row's
+time_us is the median round, with the rounds' min / max and the spread (max - min) / median in the
+record ("rounds", "round_us", "min_us", "median_us", "max_us", "spread", "spread_flagged"; a peer
+entry the same) and on the console, where a spread above 5 % is marked `!` (docs/DESIGN.md
+"Benchmark records"). A row's phases are its median round's.
 
 Output under --out: one record per preset, `<date>_pybench_<preset>_R<R>_<dtype>_<commit>.json`
 in docs/DESIGN.md's schema (rows op "layer", "w13", "w2", each with "peers"), and PNG plots
@@ -71,6 +77,45 @@ SMOKE_TOKENS = "1,4,16"
 # tools/bench.h (read from the checkout when present)
 CEILINGS = {"H200_COPY_BYTES_PER_S": 4.24e12, "H200_BF16_FLOPS": 795e12, "H200_FP8_FLOPS": 1436e12}
 FLUSH_BYTES = 512 << 20
+DEFAULT_ROUNDS = 3
+SPREAD_FLAG = 0.05  # (max - min) / median over the rounds above this: flagged (tools/moeflow.c)
+
+
+# ---- rounds -------------------------------------------------------------------------------------
+def schedule(tokens, rounds):
+    """[(round, T)] in the order they run: the whole sweep once per round, rounds one after the
+    other, so that a drift over the run shows as every row's spread."""
+    return [(rnd, T) for rnd in range(rounds) for T in tokens]
+
+
+def aggregate_rounds(values, flag=SPREAD_FLAG):
+    """Each round's time -> the record's fields: the median of the rounds (the mean of the two
+    middle ones when they are even), min, max, spread = (max - min) / median (None with one round)
+    and whether it passes `flag`; "median_round" is the index of the lower middle round (the round
+    whose phases a row reports)."""
+    if not values:
+        raise ValueError("aggregate_rounds: no rounds")
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    n, mid = len(values), (len(values) - 1) // 2
+    med = values[order[mid]] if n % 2 else 0.5 * (values[order[mid]] + values[order[mid + 1]])
+    lo, hi = values[order[0]], values[order[-1]]
+    spread = (hi - lo) / med if n > 1 and med > 0 else None
+    return {"rounds": n, "round_us": [round(v, 3) for v in values], "min_us": round(lo, 3),
+            "median_us": round(med, 3), "max_us": round(hi, 3),
+            "spread": None if spread is None else round(spread, 5),
+            "spread_flagged": spread is not None and spread > flag, "median_round": order[mid]}
+
+
+def round_fields(agg):
+    """The record's fields of an aggregate (without the helper's median_round)."""
+    return {k: v for k, v in agg.items() if k != "median_round"}
+
+
+def spread_cell(agg):
+    """The console's spread: `1.2%`, `7.3%!` past the flag, `-` with one round."""
+    if agg["spread"] is None:
+        return "-"
+    return f"{100 * agg['spread']:.1f}%" + ("!" if agg["spread_flagged"] else "")
 
 
 # ---- the floor (tools/moeflow.c count()) --------------------------------------------------------
@@ -181,10 +226,12 @@ def _desc(t):
     return _lib.tensor(t.data_ptr() if t.numel() else 0, _DTYPES[t.dtype], t.shape)
 
 
-def time_moeflow(comms, spec, weights, tokens_by_t, iters, warmup, dataflow="auto"):
-    """{T: (time_us, phases_us)}: the layer (`dataflow`) on every rank (one thread each), eager
-    calls timed by CUDA events without profiling, then a profiled twin layer's phases: the slowest
-    rank's median total and its phases' medians."""
+def time_moeflow(comms, spec, weights, tokens_by_t, iters, warmup, dataflow="auto", rounds=1, trace=None):
+    """{T: (rounds, phases_us)}: the layer (`dataflow`) on every rank (one thread each), eager
+    calls timed by CUDA events without profiling, then a profiled twin layer's phases; `rounds`
+    times over the whole T sweep (schedule()). Per round, the slowest rank's median total; rounds:
+    aggregate_rounds() of those, phases_us: the median round's slowest rank's phase medians.
+    `trace` (a list) gets each (round, T) as rank 0 starts it."""
     R = len(comms)
     E, K, H, I, fp8 = spec
     S = max(tokens_by_t)
@@ -211,8 +258,10 @@ def time_moeflow(comms, spec, weights, tokens_by_t, iters, warmup, dataflow="aut
                     torch.zeros(1, device=device).add_(1)
                     stream.synchronize()
                 out = {}
-                for T, toks in tokens_by_t.items():
-                    x, ids, wts = toks[r]
+                for rnd, T in schedule(list(tokens_by_t), rounds):
+                    if trace is not None and r == 0:
+                        trace.append((rnd, T))
+                    x, ids, wts = tokens_by_t[T][r]
                     y = torch.empty_like(x)
                     st = stream.cuda_stream if cuda else None
                     times, phases = [], []
@@ -243,7 +292,7 @@ def time_moeflow(comms, spec, weights, tokens_by_t, iters, warmup, dataflow="aut
                             phases.append(lay.phase_times())
                         else:
                             times.append(t)
-                    out[T] = (statistics.median(times),
+                    out[(rnd, T)] = (statistics.median(times),
                               {k: statistics.median(p[k] for p in phases)
                                for k in ("prepare", "dispatch", "w13", "w2", "combine")})
                 return out
@@ -260,8 +309,9 @@ def time_moeflow(comms, spec, weights, tokens_by_t, iters, warmup, dataflow="aut
     per_rank = run_ranks(rank_main, R)
     result = {}
     for T in tokens_by_t:
-        slowest = max(range(R), key=lambda r: per_rank[r][T][0])
-        result[T] = per_rank[slowest][T]
+        per_round = [max((per_rank[r][(rnd, T)] for r in range(R)), key=lambda v: v[0]) for rnd in range(rounds)]
+        agg = aggregate_rounds([t for t, _ in per_round])
+        result[T] = (agg, per_round[agg["median_round"]][1])
     return result
 
 
@@ -378,7 +428,7 @@ class TorchPeer:
 
 # ---- one preset ----------------------------------------------------------------------------------
 def bench_preset(name, spec, tokens, R, backend, device, iters, warmup, peers, ceil, log,
-                 dataflows=("auto",)):
+                 dataflows=("auto",), rounds=1):
     E, K, H, I, fp8 = spec
     if E % R:
         raise ValueError(f"{name}: E = {E} does not divide over {R} ranks")
@@ -389,7 +439,7 @@ def bench_preset(name, spec, tokens, R, backend, device, iters, warmup, peers, c
     tokens_by_t = {T: make_tokens(R, T, E, K, H, device, seed=1000 + T) for T in tokens}
     comms = virtual_comms(R, backend)
     try:
-        timed = {df: time_moeflow(comms, spec, weights, tokens_by_t, iters, warmup, df) for df in dataflows}
+        timed = {df: time_moeflow(comms, spec, weights, tokens_by_t, iters, warmup, df, rounds) for df in dataflows}
     finally:
         comms[0].group.close()
     del weights
@@ -405,6 +455,18 @@ def bench_preset(name, spec, tokens, R, backend, device, iters, warmup, peers, c
             peer, peer_err = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             log(f"# {name}: torch peer unavailable: {peer_err}")
     timer = Timer(device, iters, warmup)
+    # the torch peer in rounds too: the whole sweep per round (schedule()), then each op's rounds
+    peer_rounds = {T: {} for T in tokens}
+    if peer is not None:
+        for _, T in schedule(tokens, rounds):
+            if "error" in peer_rounds[T]:
+                continue
+            try:
+                for op, us in peer.time(timer, *_all_tokens(tokens_by_t[T])).items():
+                    peer_rounds[T].setdefault(op, []).append(us)
+            except Exception as e:  # noqa: BLE001
+                peer_rounds[T] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+    S = max(tokens) if max(tokens) > 0 else 1  # one layer per rank over the sweep (time_moeflow)
     rows_out = []
     for T in tokens:
         x, ids, wts = _all_tokens(tokens_by_t[T])
@@ -414,13 +476,12 @@ def bench_preset(name, spec, tokens, R, backend, device, iters, warmup, peers, c
         cnt = counts(R, T, H, I, nrows, used, fp8)
         pt = None
         if peer is not None:
-            try:
-                pt = peer.time(timer, x, ids, wts)
-            except Exception as e:  # noqa: BLE001
-                pt = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
-        shape = {"R": R, "E": E, "K": K, "H": H, "I": I, "T": T, "L": L, "M": nrows}
+            pr = peer_rounds[T]
+            pt = dict(pr) if "error" in pr else {op: aggregate_rounds(v) for op, v in pr.items()}
+        shape = {"R": R, "E": E, "K": K, "H": H, "I": I, "T": T, "L": L, "M": nrows, "S": S}
         for n_df, df in enumerate(dataflows):
-            t_us, phases = timed[df][T]
+            agg, phases = timed[df][T]
+            t_us = agg["median_us"]
             # the first dataflow's rows carry the GEMM phases and the peers; the others the layer
             if n_df == 0:
                 ops = (("layer", t_us), ("w13", phases["w13"]), ("w2", phases["w2"]))
@@ -430,14 +491,16 @@ def bench_preset(name, spec, tokens, R, backend, device, iters, warmup, peers, c
                 row = _row(op, us, name, df, fp8, shape, cnt["layer" if op == "layer_unfused" else op],
                            ceil if cuda else None, iters, warmup)
                 if op in ("layer", "layer_unfused"):
+                    row.update(round_fields(agg))  # the rounds (module docstring)
                     row["phases_us"] = {k: round(v, 3) for k, v in phases.items()}
                 if n_df == 0:
                     row["peers"] = _peers_of(op, peer, pt, peer_err)
                 rows_out.append(row)
-            peer_s = f"{pt['layer']:10.1f}" if n_df == 0 and pt and "layer" in pt else f"{'-':>10}"
+            peer_s = f"{pt['layer']['median_us']:10.1f}" if n_df == 0 and pt and "layer" in pt else f"{'-':>10}"
             fl_s = f"{floor_us(*cnt['layer'], fp8, ceil):10.1f}" if cuda else f"{'-':>10}"
             print(f" {name:<16} {df:>8} {R:>2} {T:>6} {nrows:>8} {t_us:10.1f} {phases['w13']:9.1f} "
-                  f"{phases['w2']:9.1f} {peer_s} {fl_s}", flush=True)
+                  f"{phases['w2']:9.1f} {peer_s} {fl_s} {agg['min_us']:10.1f} {agg['max_us']:10.1f} "
+                  f"{spread_cell(agg):>8}", flush=True)
     del peer
     if cuda:
         torch.cuda.empty_cache()
@@ -464,7 +527,7 @@ def _peers_of(op, peer, pt, peer_err):
         return [{"name": peer.name(), "error": pt["error"]}]
     if pt is not None:
         pname = peer.name() if op != "layer" else "torch_unfused_" + peer.name().removeprefix("torch_")
-        return [{"name": pname, "time_us": round(pt[op], 3)}]
+        return [{"name": pname, "time_us": pt[op]["median_us"], **round_fields(pt[op])}]
     if peer_err:
         return [{"name": "torch", "error": peer_err}]
     return []
@@ -728,6 +791,10 @@ def main(argv=None):
                          "gives the GEMM rows and the peers (default auto)")
     ap.add_argument("--iters", type=int, help="timed iterations (default 10 CUDA, 3 CPU)")
     ap.add_argument("--warmup", type=int, help="untimed iterations first (default 2 CUDA, 1 CPU)")
+    ap.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
+                    help=f"run the whole T sweep this many times, one round after the other; rows report "
+                         f"the median round, min / max and flag a spread above {100 * SPREAD_FLAG:.0f}%% "
+                         f"(default {DEFAULT_ROUNDS})")
     ap.add_argument("--out", default="bench_out", help="directory for records and plots")
     ap.add_argument("--no-peers", action="store_true", help="moeflow only")
     ap.add_argument("--no-plots", action="store_true")
@@ -761,8 +828,8 @@ def main(argv=None):
     for p in presets:
         if p not in PRESETS:
             ap.error(f"--presets: unknown '{p}' ({', '.join(PRESETS)})")
-    if iters < 1 or warmup < 0 or a.ranks < 1 or not tokens or min(tokens) < 0:
-        ap.error("--iters >= 1, --warmup >= 0, --ranks >= 1 and T >= 0 are required")
+    if iters < 1 or warmup < 0 or a.ranks < 1 or not tokens or min(tokens) < 0 or a.rounds < 1:
+        ap.error("--iters >= 1, --warmup >= 0, --ranks >= 1, --rounds >= 1 and T >= 0 are required")
     os.makedirs(a.out, exist_ok=True)
     ceil = ceilings()
     commit, date = git_commit(), now_utc()
@@ -770,21 +837,24 @@ def main(argv=None):
     dev_name = torch.cuda.get_device_name(device) if cuda else "cpu"
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     print(f"# moeflow.bench: {backend} ({dev_name}), torch {torch.__version__}, commit {commit}, R {a.ranks}; "
-          f"median of {iters} after {warmup}; {'CUDA events, 512 MB fill before each' if cuda else 'wall clock'}")
+          f"median of {iters} after {warmup}; {'CUDA events, 512 MB fill before each' if cuda else 'wall clock'}; "
+          f"{a.rounds} rounds over the sweep (median round, min, max; spread (max - min) / median > "
+          f"{100 * SPREAD_FLAG:.0f}% marked !)")
     if cuda:
         print(f"# floor    max(FLOPs / peak, bytes / {ceil[0] / 1e12:.2f} TB/s), peak {ceil[1] / 1e12:.0f} (bf16) / "
               f"{ceil[2] / 1e12:.0f} (fp8) TFLOP/s (tools/bench.h)")
     else:
         print("# floor    - (no CPU ceiling is defined)")
     print(f"#{'preset':<16} {'dataflow':>8} {'R':>2} {'T':>6} {'rows':>8} {'moeflow':>10} {'w13':>9} {'w2':>9} "
-          f"{'torch':>10} {'floor':>10}")
-    print(f"#{'':<16} {'':>8} {'':>2} {'':>6} {'':>8} {'(us)':>10} {'(us)':>9} {'(us)':>9} {'(us)':>10} {'(us)':>10}")
+          f"{'torch':>10} {'floor':>10} {'min':>10} {'max':>10} {'spread':>8}")
+    print(f"#{'':<16} {'':>8} {'':>2} {'':>6} {'':>8} {'(us)':>10} {'(us)':>9} {'(us)':>9} {'(us)':>10} {'(us)':>10} "
+          f"{'(us)':>10} {'(us)':>10} {'':>8}")
     all_rows, written = [], []
     for name in presets:
         E, K, H, I, dt = PRESETS[name]
         dt = dt if a.dtype == "preset" else a.dtype
         rows = bench_preset(name, (E, K, H, I, dt == "fp8"), tokens, a.ranks, backend, device, iters, warmup,
-                            not a.no_peers, ceil, log, dataflows)
+                            not a.no_peers, ceil, log, dataflows, a.rounds)
         all_rows.extend(rows)
         rec = {"meta": {"card": card, "date": date, "commit": commit,
                         "command": "python3 -m moeflow.bench " + " ".join(sys.argv[1:] if argv is None else argv),

@@ -34,7 +34,7 @@ def test_smoke_run_records_and_plots(tmp_path, capsys):
     assert [(r["op"], r["shape"]["T"]) for r in rows] == [
         ("layer", 1), ("w13", 1), ("w2", 1), ("layer", 3), ("w13", 3), ("w2", 3)]
     for r in rows:
-        assert set(r["shape"]) == {"R", "E", "K", "H", "I", "T", "L", "M"}
+        assert set(r["shape"]) == {"R", "E", "K", "H", "I", "T", "L", "M", "S"} and r["shape"]["S"] == 3
         assert r["shape"]["M"] == 2 * r["shape"]["T"]  # K = 2, no drops: every (t, k) a row
         assert r["time_us"] > 0 and r["dtype"] == "fp8" and r["layout"] == "expert_major"
         assert "floor_us" not in r  # the CPU has no ceiling
