@@ -364,6 +364,7 @@ typedef struct gcase {
     const char *cublas_mode; /* "bf16", "block", "block-t", "tensor" */
     int checked, check_pass;
     double diff, max_err, max_ratio; /* max |got - exact| and max |got - exact| / bound */
+    double max_acc_ratio;            /* max (|got - exact| - output rounding) / accumulation bound */
     int64_t wrong, scale_bad, untouched_bad;
 } gcase_t;
 
@@ -950,14 +951,15 @@ static int pick_experts(const gcase_t *c, int32_t *ex) {
 }
 
 typedef struct cmp_acc {
-    double sxy, sxx, syy, max_err, max_ratio;
+    double sxy, sxx, syy, max_err, max_ratio, max_acc_ratio;
     int64_t n, wrong;
     int nonfinite;
 } cmp_acc_t;
 
 /* One element: got x, the reference rounded as the kernel rounds y (for the diff measure), the
  * exact value and its bound: wrong when !(|x - exact| <= bound) (NaN never passes). */
-static void cmp_one(cmp_acc_t *s, const char *what, const char *where, double x, double y, double exact, double bound) {
+static void cmp_one(cmp_acc_t *s, const char *what, const char *where, double x, double y, double exact, double bound,
+                    double eacc, double rout) {
     if (!isfinite(x) || !isfinite(y)) s->nonfinite = 1;
     s->sxy += x * y, s->sxx += x * x, s->syy += y * y, s->n++;
     const double err = fabs(x - exact), ratio = bound > 0 ? err / bound : err > 0 ? INFINITY : 0;
@@ -969,6 +971,9 @@ static void cmp_one(cmp_acc_t *s, const char *what, const char *where, double x,
     }
     if (err > s->max_err || err != err) s->max_err = err;
     if (ratio > s->max_ratio || ratio != ratio) s->max_ratio = ratio != ratio ? INFINITY : ratio;
+    /* what the accumulation must have contributed at least, against its own bound */
+    const double acc_err = err - rout > 0 ? err - rout : 0, acc_ratio = eacc > 0 ? acc_err / eacc : 0;
+    if (acc_ratio > s->max_acc_ratio || acc_ratio != acc_ratio) s->max_acc_ratio = acc_ratio != acc_ratio ? INFINITY : acc_ratio;
 }
 
 /* Poison-check of the rows [row0, row1) of the output (and its scales): every byte POISON. */
@@ -994,6 +999,7 @@ static int64_t count_touched(gdev_t *d, const gcase_t *c, int64_t row0, int64_t 
  * (the diff measure), the exact fp64 value and the element's bound on |got - exact|. */
 typedef struct check_set {
     double *got, *want, *exact, *bound;
+    double *eacc, *rout; /* the bound before output rounding; the most the output's rounding can move got */
     int32_t *where; /* [n, 3]: expert, row of the expert, column */
     size_t n, cap;
     int64_t scale_bad; /* FP8 h scales no amax within the bounds gives (mf__gemm_fp8_scale_ok) */
@@ -1004,21 +1010,36 @@ static int check_set_init(check_set_t *s, size_t cap) {
     s->cap = cap ? cap : 1;
     s->got = malloc(sizeof(double) * s->cap), s->want = malloc(sizeof(double) * s->cap);
     s->exact = malloc(sizeof(double) * s->cap), s->bound = malloc(sizeof(double) * s->cap);
+    s->eacc = malloc(sizeof(double) * s->cap), s->rout = malloc(sizeof(double) * s->cap);
     s->where = malloc(sizeof(int32_t) * 3 * s->cap);
-    return s->got && s->want && s->exact && s->bound && s->where ? 0 : -1;
+    return s->got && s->want && s->exact && s->bound && s->eacc && s->rout && s->where ? 0 : -1;
 }
 
 static void check_set_free(check_set_t *s) {
-    free(s->got), free(s->want), free(s->exact), free(s->bound), free(s->where);
+    free(s->got), free(s->want), free(s->exact), free(s->bound), free(s->eacc), free(s->rout), free(s->where);
     memset(s, 0, sizeof *s);
 }
 
-static void check_set_add(check_set_t *s, double got, double want, double exact, double bound, int32_t e, int32_t row,
-                          int32_t col) {
+static void check_set_add(check_set_t *s, double got, double want, double exact, double bound, double eacc, double rout,
+                          int32_t e, int32_t row, int32_t col) {
     if (s->n == s->cap) return; /* sized for every sampled row: never */
     s->got[s->n] = got, s->want[s->n] = want, s->exact[s->n] = exact, s->bound[s->n] = bound;
+    s->eacc[s->n] = eacc, s->rout[s->n] = rout;
     s->where[3 * s->n] = e, s->where[3 * s->n + 1] = row, s->where[3 * s->n + 2] = col;
     s->n++;
+}
+
+/* Half a BF16 ulp at x's binade: no fp32 value that rounds to the BF16 x is further from it. */
+static double bf16_half_ulp(double x) {
+    int ex;
+    frexp(x, &ex); /* 2^(ex-1) <= |x| < 2^ex */
+    return x == 0 ? 0x1p-134 : ldexp(1.0, ex - 1 - 8);
+}
+
+/* Half an E4M3 step at code c (subnormal step below 2^-6), in code units. */
+static double e4m3_half_step(uint8_t c) {
+    const int e = (c >> 3) & 15;
+    return e == 0 ? 0x1p-10 : ldexp(1.0, e - 7 - 4);
 }
 
 /* One sampled output row: acc [N] are the row's exact fp64 GEMM sums and err [N] their bounds; out
@@ -1035,8 +1056,9 @@ static void collect_row(const gcase_t *c, int32_t ue8m0, const double *acc, cons
         for (int32_t col = 0; col < c->out_cols; col++) {
             uint16_t v;
             memcpy(&v, out + 2 * (size_t)col, 2);
-            check_set_add(set, mf__bf16_to_float(v), mf__bf16_to_float(mf__bf16_from_float((float)acc[col])), acc[col],
-                          mf__gemm_bound_bf16_out(acc[col], err[col]), e, row, col);
+            const double got = mf__bf16_to_float(v);
+            check_set_add(set, got, mf__bf16_to_float(mf__bf16_from_float((float)acc[col])), acc[col],
+                          mf__gemm_bound_bf16_out(acc[col], err[col]), err[col], bf16_half_ulp(got), e, row, col);
         }
         return;
     }
@@ -1071,12 +1093,14 @@ static void collect_row(const gcase_t *c, int32_t ue8m0, const double *acc, cons
                 const double g = gs[col / QBLOCK];
                 check_set_add(set, (double)mf__fp8_to_float(out[col]) * g,
                               (double)mf__fp8_to_float(mf__fp8_from_float(h[j] * inv)) * scale, hx[j],
-                              mf__gemm_bound_fp8_h(hx[j], eh[j], g), e, row, col);
+                              mf__gemm_bound_fp8_h(hx[j], eh[j], g), eh[j], e4m3_half_step(out[col]) * g * (1 + 0x1p-20),
+                              e, row, col);
             } else {
                 uint16_t v;
                 memcpy(&v, out + 2 * (size_t)col, 2);
-                check_set_add(set, mf__bf16_to_float(v), mf__bf16_to_float(mf__bf16_from_float(h[j])), hx[j],
-                              mf__gemm_bound_bf16_out(hx[j], eh[j]), e, row, col);
+                const double got = mf__bf16_to_float(v);
+                check_set_add(set, got, mf__bf16_to_float(mf__bf16_from_float(h[j])), hx[j],
+                              mf__gemm_bound_bf16_out(hx[j], eh[j]), eh[j], bf16_half_ulp(got), e, row, col);
             }
         }
     }
@@ -1090,7 +1114,7 @@ static void judge(gcase_t *c, const check_set_t *set) {
     for (size_t i = 0; i < set->n; i++) {
         char at[96];
         snprintf(at, sizeof at, "expert %d row %d col %d", set->where[3 * i], set->where[3 * i + 1], set->where[3 * i + 2]);
-        cmp_one(&s, c->op->name, at, set->got[i], set->want[i], set->exact[i], set->bound[i]);
+        cmp_one(&s, c->op->name, at, set->got[i], set->want[i], set->exact[i], set->bound[i], set->eacc[i], set->rout[i]);
     }
     c->checked = 1;
     c->diff = s.nonfinite ? INFINITY : (s.sxx + s.syy) == 0 ? 0.0 : 1.0 - 2.0 * s.sxy / (s.sxx + s.syy);
@@ -1098,6 +1122,7 @@ static void judge(gcase_t *c, const check_set_t *set) {
     c->scale_bad = set->scale_bad;
     c->max_err = s.max_err;
     c->max_ratio = s.max_ratio;
+    c->max_acc_ratio = s.max_acc_ratio;
     c->check_pass = !s.nonfinite && c->diff < (c->dtype == MF_DTYPE_FP8_E4M3 ? DIFF_MAX_FP8 : DIFF_MAX_BF16) &&
                     s.wrong == 0 && set->scale_bad == 0 && c->untouched_bad == 0 && set->n > 0;
 }
@@ -1207,11 +1232,11 @@ done:
 
 /* ---- output ----------------------------------------------------------------------------------- */
 static void print_header(void) {
-    printf("#%-15s %-4s %-4s %-12s %-6s %4s %5s %6s %10s %8s %6s %9s %7s %10s %8s %7s %9s %8s %6s\n", "model", "op",
+    printf("#%-15s %-4s %-4s %-12s %-6s %4s %5s %6s %10s %8s %6s %9s %7s %10s %8s %7s %9s %8s %8s %6s\n", "model", "op",
            "type", "layout", "counts", "L", "M", "C", "time", "TFLOP/s", "wTB/s", "floor", "%floor", "cublas", "TFLOP/s",
-           "%cublas", "diff", "err/bnd", "#wrong");
-    printf("#%-15s %-4s %-4s %-12s %-6s %4s %5s %6s %10s %8s %6s %9s %7s %10s %8s %7s %9s %8s %6s\n", "", "", "", "", "", "",
-           "", "", "(us)", "", "", "(us)", "", "(us)", "", "", "", "(max)", "");
+           "%cublas", "diff", "err/bnd", "acc/bnd", "#wrong");
+    printf("#%-15s %-4s %-4s %-12s %-6s %4s %5s %6s %10s %8s %6s %9s %7s %10s %8s %7s %9s %8s %8s %6s\n", "", "", "", "", "", "",
+           "", "", "(us)", "", "", "(us)", "", "(us)", "", "", "", "(max)", "(max)", "");
 }
 
 static void print_row(const gcase_t *c) {
@@ -1222,8 +1247,8 @@ static void print_row(const gcase_t *c) {
     if (c->status != CASE_OK) { /* the status in the time column, the reason after the row */
         const char *what = c->status == CASE_SKIP ? "skip" : c->status == CASE_UNSUPPORTED ? "n/a"
                            : c->status == CASE_DRY  ? "dry-run" : "ERROR";
-        printf(" %10s %8s %6s %9.1f %7s %10s %8s %7s %9s %8s %6s%s%s%s\n", what, "-", "-", c->floor_us, "-", "-", "-", "-",
-               "-", "-", "-", c->note[0] ? "  (" : "", c->note, c->note[0] ? ")" : "");
+        printf(" %10s %8s %6s %9.1f %7s %10s %8s %7s %9s %8s %8s %6s%s%s%s\n", what, "-", "-", c->floor_us, "-", "-", "-",
+               "-", "-", "-", "-", "-", c->note[0] ? "  (" : "", c->note, c->note[0] ? ")" : "");
         return;
     }
     const double t = c->us * 1e-6;
@@ -1233,9 +1258,9 @@ static void print_row(const gcase_t *c) {
         printf(" %10.1f %8.1f %6.1f%%", c->cublas_us, c->flops / (c->cublas_us * 1e-6) / 1e12, 100.0 * c->cublas_us / c->us);
     else printf(" %10s %8s %7s", "-", "-", "-");
     if (c->checked)
-        printf(" %9.2e %8.2e %6lld%s\n", c->diff, c->max_ratio, (long long)(c->wrong + c->scale_bad),
+        printf(" %9.2e %8.2e %8.2e %6lld%s\n", c->diff, c->max_ratio, c->max_acc_ratio, (long long)(c->wrong + c->scale_bad),
                c->check_pass ? "" : "  FAIL");
-    else printf(" %9s %8s %6s\n", "-", "-", "-");
+    else printf(" %9s %8s %8s %6s\n", "-", "-", "-", "-");
 }
 
 static int write_json(const gopts_t *o, const gcase_t *cs, int n, int argc, char **argv) {
@@ -1275,6 +1300,8 @@ static int write_json(const gopts_t *o, const gcase_t *cs, int n, int argc, char
             mf__json_number(f, c->diff);
             fprintf(f, ", \"max_err_ratio\": ");
             mf__json_number(f, c->max_ratio);
+            fprintf(f, ", \"max_acc_ratio\": ");
+            mf__json_number(f, c->max_acc_ratio);
         }
         fprintf(f, ", \"iters\": %d, \"warmup\": %d, \"expert_rows\": [", o->iters, o->warmup);
         for (int32_t e = 0; e < c->L; e++) fprintf(f, "%s%d", e ? "," : "", c->counts[e]);
@@ -1331,7 +1358,8 @@ static void print_meta(const gopts_t *o, const char *device, int ncases) {
     if (o->check)
         printf("# check    every case first: sampled rows of sampled experts vs a double host reference; diff < %g "
                "(bf16) / %g (fp8);\n#          element bounds of docs/DESIGN.md \"GEMM error bounds\": err/bnd = max "
-               "|gpu - exact| / bound (< 1 passes);\n#          #wrong: elements (and FP8 h scales) outside their "
+               "|gpu - exact| / bound (< 1 passes; output rounding alone can reach ~1);\n#          acc/bnd = max (|gpu - exact| - the "
+               "output's rounding) / accumulation bound (the kernel's accumulation error at least);\n#          #wrong: elements (and FP8 h scales) outside their "
                "bounds; rows past counts[e] must stay poisoned\n",
                DIFF_MAX_BF16, DIFF_MAX_FP8);
     printf("# cases    %d (operands over %.0f GB skipped)\n", ncases, MAX_CASE_BYTES / 1e9);
