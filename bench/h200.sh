@@ -12,7 +12,8 @@
 # layer: moeflow bench layer for deepseek-v3, qwen3-235b-a22b and kimi-k2 at R = 8 (virtual ranks)
 #        and R = 1, T 1..4096 per rank, the fused dataflow beside the unfused path in one process;
 #        gated (device time without host launch gaps, as under CUDA graph replay) unless
-#        MF_LAUNCH=eager
+#        MF_LAUNCH=eager; every bench here runs 3 rounds (moeflow bench's default since issue 25:
+#        ~3x the device time of the single-round records before it)
 # transport: the R = 1 layer (deepseek-v3, T 1..4096) over the local transport and over ipc (one
 #        rank process), each in its own process; the per-call synchronisation in each (a tiny
 #        layer whose time is its syncs: R = 1, 2, 4 as threads and as processes time-sharing the
@@ -60,14 +61,14 @@ if [ "$what" = layer ] || [ "$what" = all ]; then
     [ "${MF_LAUNCH:-gated}" = eager ] && gate=
     # R = 8 virtual ranks (time-sharing one GPU), fused dataflow beside the unfused path
     for preset in deepseek-v3 qwen3-235b-a22b kimi-k2; do
-        timeout 150 ./build/moeflow bench layer --preset "$preset" -R 8 -T 1,8,32,128,512,4096 --dtype fp8 --per-rank $gate \
+        timeout 300 ./build/moeflow bench layer --preset "$preset" -R 8 -T 1,8,32,128,512,4096 --dtype fp8 --per-rank $gate \
             --dataflow auto,unfused --no-check --iters 10 --warmup 2 --json "$dir/layer_${preset}_R8.json" \
             > "$dir/layer_${preset}_R8.log" 2>&1 || rc=1
         grep -E "^ +fp8 +(auto|unfused) +[0-9]+ +[0-9]+ " "$dir/layer_${preset}_R8.log" | sed "s/^/$preset R8 /"
     done
     # R = 1: every expert on one rank, no peers to wait for; T = 4096 is the prefill case
     for preset in deepseek-v3 qwen3-235b-a22b kimi-k2; do
-        timeout 100 ./build/moeflow bench layer --preset "$preset" -R 1 -T 1,8,32,128,512,4096 --dtype fp8 $gate \
+        timeout 200 ./build/moeflow bench layer --preset "$preset" -R 1 -T 1,8,32,128,512,4096 --dtype fp8 $gate \
             --dataflow auto,unfused --no-check --iters 10 --warmup 2 --json "$dir/layer_${preset}_R1.json" \
             > "$dir/layer_${preset}_R1.log" 2>&1 || rc=1
         grep -E "^ +fp8 +(auto|unfused) +[0-9]+ +[0-9]+ " "$dir/layer_${preset}_R1.log" | sed "s/^/$preset R1 /"
