@@ -673,8 +673,13 @@ static mf_result_t mf__cuda_publish(mf_moe_t moe, const mf_tensor_t *x, const mf
 }
 
 /* Waits for every rank's publication, then builds the plan into the layer's buffers (and, for
- * mf_dispatch, copies counts and offsets into the caller's tensors: no memcpy on the data path). */
-static mf_result_t mf__cuda_plan(mf_moe_t moe, int32_t *counts_out, int32_t *offsets_out, cudaStream_t stream) {
+ * mf_dispatch, copies counts and offsets into the caller's tensors: no memcpy on the data path).
+ * The small plan is chosen by this rank's T (every rank's T assumed alike), never by the capacity
+ * S: an engine sizes S for its largest batch and decodes far below it. Both plans give the same
+ * bits and the same sync, so ranks may choose differently (a peer with more tokens only makes the
+ * one block of the small plan slower). */
+static mf_result_t mf__cuda_plan(mf_moe_t moe, int32_t T, int32_t *counts_out, int32_t *offsets_out,
+                                 cudaStream_t stream) {
     mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
     const mf_moe_config_t *c = &moe->config;
     mf__plan_params_t p;
@@ -716,7 +721,7 @@ static mf_result_t mf__cuda_plan(mf_moe_t moe, int32_t *counts_out, int32_t *off
     p.placement = c->placement;
     p.out_slots = moe->info.num_local_slots;
     if (!s->balanced && mf__cuda_plan_small &&
-        mf__plan_small_fits(moe->comm->num_ranks, p.S, p.K, p.E, p.L)) { /* the sync and the plan in one block */
+        mf__plan_small_fits(moe->comm->num_ranks, T, p.K, p.E, p.L)) { /* the sync and the plan in one block */
         const mf__sync_params_t sp = mf__sync_params(moe->comm, moe->id, MF__PHASE_DISPATCH, MF_SUCCESS);
         void *args[] = {(void *)&sp, (void *)&p};
         MF_CUDA_CHECK(mf__cuda_launch((const void *)mf__plan_small_kernel, dim3(1), dim3(kMfPlanSmallThreads), 0, stream,
@@ -824,7 +829,7 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     MF__MARK(MF_PHASE_PREPARE);
     MF_CHECK(mf__cuda_publish(moe, &in->x, &in->topk_ids, (const float *)in->topk_weights.data, stream));
     MF__MARK(MF_PHASE_DISPATCH);
-    MF_CHECK(mf__cuda_plan(moe, NULL, NULL, stream));
+    MF_CHECK(mf__cuda_plan(moe, T, NULL, NULL, stream));
     if (flow != MF_DATAFLOW_DIRECT) MF_CHECK(mf__cuda_gather(moe, s->recv_x, s->recv_scales, NULL, stream));
     MF__MARK(MF_PHASE_W13);
 
@@ -920,7 +925,7 @@ static mf_result_t mf__cuda_dispatch_launch(mf_moe_t moe, const mf_dispatch_in_t
                                             cudaStream_t stream) {
     MF_CHECK(mf__cuda_publish(moe, &in->x, &in->topk_ids, NULL, stream));
     int32_t *offsets_out = moe->config.layout == MF_LAYOUT_EXPERT_MAJOR ? (int32_t *)out->expert_offsets.data : NULL;
-    MF_CHECK(mf__cuda_plan(moe, (int32_t *)out->expert_counts.data, offsets_out, stream));
+    MF_CHECK(mf__cuda_plan(moe, (int32_t)in->x.dims[0], (int32_t *)out->expert_counts.data, offsets_out, stream));
     return mf__cuda_gather(moe, out->recv_x.data, (float *)out->recv_scales.data, (int32_t *)out->recv_src.data,
                            stream);
 }

@@ -22,7 +22,7 @@
 #define kMfPlanFetchBlocks 8   /* plan fetch: blocks per rank copying its routing */
 #define kMfPlanSmemExperts 8192 /* plan fetch: experts counted in shared memory (more: global atomics) */
 #define kMfPlanSmallThreads 512 /* the small plan (sync + plan in one block, movement.cuh) */
-#define kMfPlanSmallEntries 4096 /* the small plan: R S K routing entries at most */
+#define kMfPlanSmallEntries 4096 /* the small plan: R T K routing entries at most (this rank's T) */
 #define kMfPlanSmallExperts 1024 /* the small plan: E at most (counts in shared memory) */
 #define kMfPlanSmallLocal 512   /* the small plan: local experts L at most (kimi-k2 at R = 1: 384) */
 #define kMfMaxWarps 32          /* warps of a 1024-thread block */

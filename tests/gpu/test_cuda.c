@@ -759,10 +759,10 @@ static mf_result_t pdl_run(const pdl_case_t *c, const mfp_problem_t *p, uint16_t
 }
 
 /* The small plan (the DISPATCH sync and the plan in one block; mf__cuda_plan_small) against the
- * sync kernel + fetch / offsets / fill, on cases it takes (R S K <= 4096): mf_dispatch's outputs
- * (counts, offsets, every row's source, payload and scales: the digests) and the forward's y bit
- * for bit, idle ranks, both layouts, padding, a capacity overflow (every rank fails alike) and
- * a captured graph included. */
+ * sync kernel + fetch / offsets / fill, on cases it takes (R T K <= 4096 for this rank's T, whatever
+ * S): mf_dispatch's outputs (counts, offsets, every row's source, payload and scales: the digests)
+ * and the forward's y bit for bit, idle ranks, both layouts, padding, a capacity S far above T, a capacity overflow (every
+ * rank fails alike) and a captured graph included. */
 static int cuda_plan_small_bitwise(void) {
     const int32_t idle[4] = {3, 0, 9, 0};
     const pdl_case_t cases[] = {
@@ -779,15 +779,21 @@ static int cuda_plan_small_bitwise(void) {
          MF_DATAFLOW_AUTO, MFP_OP_DISPATCH_COMBINE, 0, 0},
         {{2, 8, 2, 256, 256, 4, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED, MFP_ROUTING_UNIFORM, 0, 3, 0, NULL, 35},
          MF_DATAFLOW_DIRECT, MFP_OP_FORWARD, 1, 0},
+        /* a capacity far above T (R S K = 8192): the small plan by T all the same */
+        {{2, 16, 4, 256, 256, 4, 1024, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 3, 0, NULL, 38},
+         MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 0, 0},
+        {{2, 16, 4, 256, 256, 3, 1024, MF_DTYPE_BF16, MF_LAYOUT_MASKED, MFP_ROUTING_UNIFORM, 0, 3, 0, NULL, 39},
+         MF_DATAFLOW_AUTO, MFP_OP_DISPATCH_COMBINE, 0, 0},
     };
     enum { kCases = sizeof cases / sizeof cases[0] };
     for (int i = 0; i < kCases; i++) {
         const layer_case_t *c = &cases[i].layer;
         mfp_problem_t p;
         MFT_CHECK(generate_case(c, &p) == 0);
-        const int32_t S = p.spec.S;
-        MFT_CHECK_MSG((int64_t)c->R * S * c->K <= 4096, "case %d: R S K = %lld is not a small plan", i,
-                      (long long)c->R * S * c->K);
+        int32_t Tmax = 0;
+        for (int32_t r = 0; r < c->R; r++) Tmax = p.T[r] > Tmax ? p.T[r] : Tmax;
+        MFT_CHECK_MSG((int64_t)c->R * Tmax * c->K <= 4096, "case %d: R T K = %lld is not a small plan", i,
+                      (long long)c->R * Tmax * c->K);
         const size_t nd = (size_t)c->R * 3 * 2; /* [R][warmup 0 + iters 3][2] */
         uint64_t *dig[2] = {mft_alloc(nd * 8), mft_alloc(nd * 8)};
         uint16_t *y[2][MF_MAX_RANKS];

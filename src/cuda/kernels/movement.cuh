@@ -474,7 +474,7 @@ __global__ void __launch_bounds__(kMfPlanThreads) mf__plan_fill_kernel(mf__plan_
 
 /* ---- the small plan: the DISPATCH sync and the whole plan in one block ----------------------
  *
- * For small problems without balancing (the host's test: mf__plan_small_fits) one block of
+ * For small problems without balancing (the host's test: mf__plan_small_fits, on this rank's T) one block of
  * kMfPlanSmallThreads does what mf__sync_kernel, fetch, offsets and fill do, with the same
  * results bit for bit: the global counts live in shared memory (the global counters are never
  * touched, so they stay zero), the verdict and offsets are mf__plan_offsets_static's, and the fill
@@ -483,8 +483,8 @@ __global__ void __launch_bounds__(kMfPlanThreads) mf__plan_fill_kernel(mf__plan_
  * boundaries fewer on the decode path (each ~2-3 us at T = 1). The block triggers its dependents
  * only after its sync wait: the next kernel is a GEMM or the gather, large grids that must not
  * sit on SMs while this rank waits for its peers (docs/DESIGN.md "Performance doctrine"). */
-static inline bool mf__plan_small_fits(int32_t R, int32_t S, int32_t K, int32_t E, int32_t L) {
-    return (int64_t)R * S * K <= kMfPlanSmallEntries && E <= kMfPlanSmallExperts && L <= kMfPlanSmallLocal;
+static inline bool mf__plan_small_fits(int32_t R, int32_t T, int32_t K, int32_t E, int32_t L) {
+    return (int64_t)R * T * K <= kMfPlanSmallEntries && E <= kMfPlanSmallExperts && L <= kMfPlanSmallLocal;
 }
 
 __global__ void __launch_bounds__(kMfPlanSmallThreads) mf__plan_small_kernel(mf__sync_params_t sp, mf__plan_params_t p) {
