@@ -1,13 +1,14 @@
 """moeflow.bench — the layer and its GEMMs beside a torch peer, as JSON records and PNG plots.
 
     python3 -m moeflow.bench [--presets deepseek-v3,kimi-k2,qwen3-235b-a22b] [--tokens 1,8,32,128]
-                             [--dtype fp8|bf16] [--ranks 1] [--out DIR]
+                             [--dtype fp8|bf16] [--ranks 1] [--launch auto|graph|eager]
+                             [--flush on|off] [--c-record C.json ...] [--out DIR]
     python3 -m moeflow.bench --smoke --out DIR          # a tiny shape: seconds on a CPU
     python3 -m moeflow.bench --plot-records bench/results/h200/*.json --out docs/img
 
 For each preset and T (tokens per rank) it times, in one run on one device:
   layer       moeflow's whole layer (mf_moe_forward, EXPERT_MAJOR) on R virtual ranks of this
-              process, eager calls (host launch gaps included, unlike the CLI's gated times),
+              process, replays of a captured CUDA graph or eager calls (--launch, below),
               timed without profiling; a profiled twin layer's W13 and W2 phases are the
               "w13" / "w2" rows; each --dataflow
               (default auto; auto,unfused adds "layer_unfused" rows, as the CLI's records);
@@ -22,8 +23,21 @@ For each preset and T (tokens per rank) it times, in one run on one device:
               bytes = the routed experts' weights once (+ FP8 scales) + x, y + the rows' payload
               and partials. CUDA only (the CPU has no ceiling: no floor, as the CLI).
 Timing: CUDA events on each rank's stream, median of --iters after --warmup, a 512 MB fill before
-each iteration (L2 flushed, outside the events), the slowest rank's median; on the CPU, wall clock.
-Eager launches (no CUDA graph): host launch gaps are included, unlike `moeflow bench --gated`.
+each iteration (L2 flushed, outside the events; --flush off: none, as `moeflow bench`), the slowest
+rank's median; on the CPU, wall clock.
+Launch (--launch, issue 25.4): "graph" captures each T's forward once into a torch.cuda.CUDAGraph
+(after one eager call of that T) and times its replays between the two events; "eager" calls the
+forward every iteration, so the host's launch gaps (ctypes, the library's host code, ~10-20 us at
+decode) are inside the events. The default "auto" is graph on CUDA with R = 1, because that is how
+an engine runs the small batches this bench is about: vLLM and SGLang capture their decode steps
+(batch sizes up to a few hundred tokens) into CUDA graphs and replay them, so an engine never pays
+the Python or launch gaps there, and `moeflow bench --gated` (the C numbers) measures the same
+device time without host gaps. Eager stays the default for R > 1 virtual ranks (one thread per rank,
+each capturing while its peers wait in the collective is not supported here) and on the CPU (no
+graphs). Rows carry "launch": "graph" | "eager" (the w13 / w2 rows and the torch peer, timed eagerly
+by their nature: "eager") and "l2_flush". --c-record adds, per layer row, the C row of the same
+shape from `moeflow bench --json` records ("c": its time, diff_us, within_tol = |diff| <= 2 us)
+and a "vs C" table.
 Rounds (--rounds N, default 3; issue 25): the whole T sweep runs N times, one round after the other
 (round 1 over every T, then round 2, ...), for moeflow and for the torch peer alike; each row's
 time_us is the median round, with the rounds' min / max and the spread (max - min) / median in the
@@ -186,12 +200,12 @@ def make_tokens(R, T, E, K, H, device, seed):
 
 # ---- timing --------------------------------------------------------------------------------------
 class Timer:
-    """median_us(fn): CUDA events on the current stream after a 512 MB fill (L2 flushed), or wall
-    clock on the CPU."""
+    """median_us(fn): CUDA events on the current stream after a 512 MB fill (L2 flushed; none with
+    flush=False), or wall clock on the CPU."""
 
-    def __init__(self, device, iters, warmup):
+    def __init__(self, device, iters, warmup, flush=True):
         self.cuda, self.iters, self.warmup = device.type == "cuda", iters, warmup
-        self.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if self.cuda else None
+        self.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if self.cuda and flush else None
 
     def samples(self, fn, before=None):
         times = []
@@ -199,7 +213,8 @@ class Timer:
             if before:
                 before()
             if self.cuda:
-                self.flush.fill_(it & 0xFF)
+                if self.flush is not None:
+                    self.flush.fill_(it & 0xFF)
                 ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
                 ev[0].record()
                 fn()
@@ -226,16 +241,25 @@ def _desc(t):
     return _lib.tensor(t.data_ptr() if t.numel() else 0, _DTYPES[t.dtype], t.shape)
 
 
-def time_moeflow(comms, spec, weights, tokens_by_t, iters, warmup, dataflow="auto", rounds=1, trace=None):
-    """{T: (rounds, phases_us)}: the layer (`dataflow`) on every rank (one thread each), eager
-    calls timed by CUDA events without profiling, then a profiled twin layer's phases; `rounds`
+def time_moeflow(comms, spec, weights, tokens_by_t, iters, warmup, dataflow="auto", rounds=1, trace=None,
+                 launch="eager", flush=True):
+    """{T: (rounds, phases_us)}: the layer (`dataflow`) on every rank (one thread each), timed by
+    CUDA events without profiling, then a profiled twin layer's phases (eager calls); `rounds`
     times over the whole T sweep (schedule()). Per round, the slowest rank's median total; rounds:
     aggregate_rounds() of those, phases_us: the median round's slowest rank's phase medians.
-    `trace` (a list) gets each (round, T) as rank 0 starts it."""
+    launch "eager": a forward call per timed iteration; "graph" (CUDA, R = 1: resolve_launch()):
+    the forward captured once per T into a torch.cuda.CUDAGraph (after an eager call of that T) and
+    the graph replayed between the events. flush: the 512 MB fill before each iteration (outside
+    the events), as the module docstring; False: none, as the CLI. `trace` (a list) gets each
+    (round, T) as rank 0 starts it."""
     R = len(comms)
     E, K, H, I, fp8 = spec
     S = max(tokens_by_t)
     cuda = comms[0].backend == "cuda"
+    graph = launch == "graph"
+    if graph and (not cuda or R != 1):
+        raise ValueError(f"time_moeflow: launch 'graph' needs the CUDA backend and R = 1 (got "
+                         f"{comms[0].backend}, R = {R}; resolve_launch())")
     device = torch.device("cuda", comms[0].device) if cuda else torch.device("cpu")
     barrier = threading.Barrier(R)
     L = E // R
@@ -253,10 +277,12 @@ def time_moeflow(comms, spec, weights, tokens_by_t, iters, warmup, dataflow="aut
                 for lay in (layer, prof):
                     lay.set_weights(_desc(w13), _desc(s13) if fp8 else _lib.Tensor(), _desc(w2),
                                     _desc(s2) if fp8 else _lib.Tensor())
-                flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if cuda and r == 0 else None
+                fill = (torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
+                        if cuda and flush and r == 0 else None)
                 if cuda:  # a stream's first launch must not be inside a collective (API.md section 10)
                     torch.zeros(1, device=device).add_(1)
                     stream.synchronize()
+                graphs = capture_graphs(layer, tokens_by_t, stream) if graph else {}
                 out = {}
                 for rnd, T in schedule(list(tokens_by_t), rounds):
                     if trace is not None and r == 0:
@@ -271,14 +297,17 @@ def time_moeflow(comms, spec, weights, tokens_by_t, iters, warmup, dataflow="aut
                         profiled = it >= warmup + iters
                         lay = prof if profiled else layer
                         if cuda:
-                            if r == 0:
-                                flush.fill_(it & 0xFF)  # L2 flushed, outside the events
+                            if fill is not None:
+                                fill.fill_(it & 0xFF)  # L2 flushed, outside the events
                             stream.synchronize()
                         barrier.wait()
                         if cuda:
                             ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
                             ev[0].record(stream)
-                            lay.forward(_desc(x), _desc(ids), _desc(wts), _desc(y), st)
+                            if graph and not profiled:
+                                graphs[T][0].replay()  # on the current stream: this rank's
+                            else:
+                                lay.forward(_desc(x), _desc(ids), _desc(wts), _desc(y), st)
                             ev[1].record(stream)
                             ev[1].synchronize()
                             t = ev[0].elapsed_time(ev[1]) * 1e3
@@ -302,6 +331,7 @@ def time_moeflow(comms, spec, weights, tokens_by_t, iters, warmup, dataflow="aut
             finally:
                 if cuda:
                     stream.synchronize()
+                graphs = None  # the graphs go before their layer
                 layer.close()
                 prof.close()
 
@@ -313,6 +343,27 @@ def time_moeflow(comms, spec, weights, tokens_by_t, iters, warmup, dataflow="aut
         agg = aggregate_rounds([t for t, _ in per_round])
         result[T] = (agg, per_round[agg["median_round"]][1])
     return result
+
+
+def capture_graphs(layer, tokens_by_t, stream):
+    """{T: (torch.cuda.CUDAGraph, its tensors)} of `layer`'s forward (a moeflow.core.Layer of one rank, R = 1) on
+    each T's tokens of rank 0, captured on `stream` (the rank's own, current) after one eager call
+    of that T; each graph writes its own y (allocated before its capture: the graph's pool holds
+    nothing of torch's). Replays re-run the captured forward on the same tensors (docs/API.md
+    section 10: what a captured forward bakes in)."""
+    graphs = {}
+    for T, per_rank in tokens_by_t.items():
+        x, ids, wts = per_rank[0]
+        y = torch.empty_like(x)
+        args = (_desc(x), _desc(ids), _desc(wts), _desc(y))
+        layer.forward(*args, stream.cuda_stream)  # the eager call torch.cuda.graph wants first
+        stream.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=stream):
+            layer.forward(*args, stream.cuda_stream)
+        stream.synchronize()
+        graphs[T] = (g, (x, ids, wts, y))  # the tensors live as long as the graph
+    return graphs
 
 
 class _Null:
@@ -428,7 +479,7 @@ class TorchPeer:
 
 # ---- one preset ----------------------------------------------------------------------------------
 def bench_preset(name, spec, tokens, R, backend, device, iters, warmup, peers, ceil, log,
-                 dataflows=("auto",), rounds=1):
+                 dataflows=("auto",), rounds=1, launch="eager", flush=True):
     E, K, H, I, fp8 = spec
     if E % R:
         raise ValueError(f"{name}: E = {E} does not divide over {R} ranks")
@@ -439,7 +490,8 @@ def bench_preset(name, spec, tokens, R, backend, device, iters, warmup, peers, c
     tokens_by_t = {T: make_tokens(R, T, E, K, H, device, seed=1000 + T) for T in tokens}
     comms = virtual_comms(R, backend)
     try:
-        timed = {df: time_moeflow(comms, spec, weights, tokens_by_t, iters, warmup, df, rounds) for df in dataflows}
+        timed = {df: time_moeflow(comms, spec, weights, tokens_by_t, iters, warmup, df, rounds, launch=launch,
+                                  flush=flush) for df in dataflows}
     finally:
         comms[0].group.close()
     del weights
@@ -454,7 +506,7 @@ def bench_preset(name, spec, tokens, R, backend, device, iters, warmup, peers, c
         except Exception as e:  # noqa: BLE001 - recorded, the run goes on
             peer, peer_err = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             log(f"# {name}: torch peer unavailable: {peer_err}")
-    timer = Timer(device, iters, warmup)
+    timer = Timer(device, iters, warmup, flush)
     # the torch peer in rounds too: the whole sweep per round (schedule()), then each op's rounds
     peer_rounds = {T: {} for T in tokens}
     if peer is not None:
@@ -490,6 +542,9 @@ def bench_preset(name, spec, tokens, R, backend, device, iters, warmup, peers, c
             for op, us in ops:
                 row = _row(op, us, name, df, fp8, shape, cnt["layer" if op == "layer_unfused" else op],
                            ceil if cuda else None, iters, warmup)
+                # the layer rows as timed; the phases (w13, w2) always from the eager profiled twin
+                row["launch"] = launch if op in ("layer", "layer_unfused") else "eager"
+                row["l2_flush"] = cuda and flush
                 if op in ("layer", "layer_unfused"):
                     row.update(round_fields(agg))  # the rounds (module docstring)
                     row["phases_us"] = {k: round(v, 3) for k, v in phases.items()}
@@ -527,7 +582,7 @@ def _peers_of(op, peer, pt, peer_err):
         return [{"name": peer.name(), "error": pt["error"]}]
     if pt is not None:
         pname = peer.name() if op != "layer" else "torch_unfused_" + peer.name().removeprefix("torch_")
-        return [{"name": pname, "time_us": pt[op]["median_us"], **round_fields(pt[op])}]
+        return [{"name": pname, "time_us": pt[op]["median_us"], "launch": "eager", **round_fields(pt[op])}]
     if peer_err:
         return [{"name": "torch", "error": peer_err}]
     return []
@@ -572,6 +627,83 @@ def preset_of(shape):
         if (shape.get("E"), shape.get("H"), shape.get("I")) == (E, H, I):
             return name
     return f"E{shape.get('E')}_H{shape.get('H')}_I{shape.get('I')}"
+
+
+# ---- the C bench's numbers beside these (issue 25.4) -----------------------------------------------
+C_TOLERANCE_US = 2.0  # issue 25.4: Python's small-batch numbers within 2 us of the C bench's
+_C_MATCH_SHAPE = ("R", "E", "K", "H", "I", "T")
+
+
+def load_c_rows(paths):
+    """[(path, row)]: the layer rows ("layer", "layer_unfused") with a time of the
+    `moeflow bench ... --json` records among `paths` (globs allowed)."""
+    return [(path, row) for path, rec in load_records(paths) for row in rec.get("rows", [])
+            if row.get("op") in ("layer", "layer_unfused") and row.get("time_us") is not None]
+
+
+def match_c_row(c_rows, row):
+    """The (path, row) of `c_rows` that times what `row` (a Python record's row) times: the same
+    op, dtype, dataflow, layout and shape R, E, K, H, I, T; among several, the one nearest a graph
+    replay: gated first, then without phase events (phase_events 0: one event before and one after
+    the forward, as here), then the same capacity S. None when no row matches."""
+    S = row["shape"].get("S")
+    cands = [(p, c) for p, c in c_rows
+             if c["op"] == row["op"] and c.get("dtype") == row.get("dtype")
+             and c.get("dataflow", "auto") == row.get("dataflow", "auto")
+             and c.get("layout", "expert_major") == row.get("layout", "expert_major")
+             and all(c.get("shape", {}).get(k) == row["shape"].get(k) for k in _C_MATCH_SHAPE)]
+    if not cands:
+        return None
+    return min(cands, key=lambda pc: (pc[1].get("gated", 0) != 1, pc[1].get("phase_events", 1) != 0,
+                                      pc[1]["shape"].get("S") != S))
+
+
+def c_entry(row, match, tol=C_TOLERANCE_US):
+    """A row's "c" field: the matched C row (match_c_row) and diff_us = this row's time_us minus
+    the C row's; within_tol: |diff_us| <= tol (issue 25.4's 2 us)."""
+    path, c = match
+    diff = row["time_us"] - c["time_us"]
+    return {"record": os.path.basename(path), "time_us": c["time_us"], "gated": c.get("gated"),
+            "phase_events": c.get("phase_events"), "S": c.get("shape", {}).get("S"),
+            "spread": c.get("spread"), "diff_us": round(diff, 3), "within_tol": abs(diff) <= tol,
+            "tol_us": tol}
+
+
+def attach_c(rows, c_rows, tol=C_TOLERANCE_US):
+    """Adds "c" (c_entry) to every layer row of `rows` that a C row matches; returns how many."""
+    n = 0
+    for row in rows:
+        if row.get("op") in ("layer", "layer_unfused") and row.get("time_us") is not None:
+            m = match_c_row(c_rows, row)
+            if m is not None:
+                row["c"] = c_entry(row, m, tol)
+                n += 1
+    return n
+
+
+def c_cells(row):
+    """The console's C columns of a row: (C us, diff us, ok), '-' without a match."""
+    c = row.get("c")
+    if c is None:
+        return f"{'-':>9}", f"{'-':>8}", f"{'-':>4}"
+    return (f"{c['time_us']:9.1f}", f"{c['diff_us']:+8.1f}", f"{'yes' if c['within_tol'] else 'NO':>4}")
+
+
+def print_c_table(rows, out=None):
+    """The layer rows beside their C rows (attach_c): fixed columns, `#` header lines."""
+    out = out or sys.stdout
+    print(f"#\n# vs C     time_us - the C row's (gated, phase events off preferred); ok: within "
+          f"{C_TOLERANCE_US:g} us", file=out)
+    print(f"#{'preset':<16} {'op':>13} {'launch':>6} {'T':>6} {'python':>9} {'C':>9} {'diff':>8} {'ok':>4} "
+          f"{'C S':>6} {'C ev':>4}", file=out)
+    for r in rows:
+        if r.get("op") not in ("layer", "layer_unfused"):
+            continue
+        c = r.get("c") or {}
+        cu, d, ok = c_cells(r)
+        print(f" {r.get('preset') or preset_of(r['shape']):<16} {r['op']:>13} {r.get('launch', '-'):>6} "
+              f"{r['shape']['T']:>6} {r['time_us']:9.1f} {cu} {d} {ok} {str(c.get('S', '-')):>6} "
+              f"{str(c.get('phase_events', '-')):>4}", file=out)
 
 
 # ---- plots ---------------------------------------------------------------------------------------
@@ -775,6 +907,25 @@ def parse_list(s, kind=str):
     return [kind(v) for v in s.split(",") if v.strip()]
 
 
+LAUNCHES = ("auto", "graph", "eager")
+
+
+def resolve_launch(launch, backend, R):
+    """--launch -> "graph" or "eager". auto: graph on CUDA with R = 1 (an engine's decode step is a
+    graph replay), else eager (the CPU has no graphs; virtual ranks' threads are not captured
+    here); graph elsewhere: ValueError."""
+    if launch not in LAUNCHES:
+        raise ValueError(f"--launch: one of {', '.join(LAUNCHES)}, not {launch!r}")
+    if launch == "auto":
+        return "graph" if backend == "cuda" and R == 1 else "eager"
+    if launch == "graph" and backend != "cuda":
+        raise ValueError("--launch graph needs the CUDA backend (the CPU backend has no graphs)")
+    if launch == "graph" and R != 1:
+        raise ValueError(f"--launch graph is for R = 1 (got R = {R}): virtual ranks run eager "
+                         f"(--launch eager or auto)")
+    return launch
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m moeflow.bench",
                                  description="Time moeflow's layer and GEMMs beside a torch peer; "
@@ -795,6 +946,17 @@ def main(argv=None):
                     help=f"run the whole T sweep this many times, one round after the other; rows report "
                          f"the median round, min / max and flag a spread above {100 * SPREAD_FLAG:.0f}%% "
                          f"(default {DEFAULT_ROUNDS})")
+    ap.add_argument("--launch", default="auto", choices=LAUNCHES,
+                    help="graph: each T's forward captured once into a CUDA graph and the replays timed "
+                         "(CUDA, R = 1); eager: a call per iteration (host launch gaps included); auto "
+                         "(default): graph on CUDA at R = 1, else eager")
+    ap.add_argument("--flush", default="on", choices=["on", "off"],
+                    help="CUDA: a 512 MB fill before each iteration, outside the events (on, the default: "
+                         "L2 flushed); off: none, as `moeflow bench`")
+    ap.add_argument("--c-record", nargs="+", metavar="JSON",
+                    help=f"`moeflow bench --json` records (globs): each layer row beside the C row of the "
+                         f"same shape (gated, no phase events, same S preferred), the difference and "
+                         f"whether it is within {C_TOLERANCE_US:g} us (the record's \"c\")")
     ap.add_argument("--out", default="bench_out", help="directory for records and plots")
     ap.add_argument("--no-peers", action="store_true", help="moeflow only")
     ap.add_argument("--no-plots", action="store_true")
@@ -830,6 +992,14 @@ def main(argv=None):
             ap.error(f"--presets: unknown '{p}' ({', '.join(PRESETS)})")
     if iters < 1 or warmup < 0 or a.ranks < 1 or not tokens or min(tokens) < 0 or a.rounds < 1:
         ap.error("--iters >= 1, --warmup >= 0, --ranks >= 1, --rounds >= 1 and T >= 0 are required")
+    try:
+        launch = resolve_launch(a.launch, backend, a.ranks)
+    except ValueError as e:
+        ap.error(str(e))
+    flush = a.flush == "on"
+    c_rows = load_c_rows(a.c_record) if a.c_record else []
+    if a.c_record and not c_rows:
+        ap.error(f"--c-record: no layer rows in {' '.join(a.c_record)}")
     os.makedirs(a.out, exist_ok=True)
     ceil = ceilings()
     commit, date = git_commit(), now_utc()
@@ -837,7 +1007,8 @@ def main(argv=None):
     dev_name = torch.cuda.get_device_name(device) if cuda else "cpu"
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     print(f"# moeflow.bench: {backend} ({dev_name}), torch {torch.__version__}, commit {commit}, R {a.ranks}; "
-          f"median of {iters} after {warmup}; {'CUDA events, 512 MB fill before each' if cuda else 'wall clock'}; "
+          f"median of {iters} after {warmup}; "
+          f"{('CUDA events, ' + ('512 MB fill before each' if flush else 'no L2 flush')) if cuda else 'wall clock'}; "
           f"{a.rounds} rounds over the sweep (median round, min, max; spread (max - min) / median > "
           f"{100 * SPREAD_FLAG:.0f}% marked !)")
     if cuda:
@@ -845,6 +1016,9 @@ def main(argv=None):
               f"{ceil[2] / 1e12:.0f} (fp8) TFLOP/s (tools/bench.h)")
     else:
         print("# floor    - (no CPU ceiling is defined)")
+    print(f"# launch   {launch}: " + ("each T's forward captured once into a CUDA graph, replays timed "
+                                      "(phases w13 / w2 and the torch peer: eager)" if launch == "graph" else
+                                      "a call per iteration, host launch gaps included"))
     print(f"#{'preset':<16} {'dataflow':>8} {'R':>2} {'T':>6} {'rows':>8} {'moeflow':>10} {'w13':>9} {'w2':>9} "
           f"{'torch':>10} {'floor':>10} {'min':>10} {'max':>10} {'spread':>8}")
     print(f"#{'':<16} {'':>8} {'':>2} {'':>6} {'':>8} {'(us)':>10} {'(us)':>9} {'(us)':>9} {'(us)':>10} {'(us)':>10} "
@@ -854,7 +1028,8 @@ def main(argv=None):
         E, K, H, I, dt = PRESETS[name]
         dt = dt if a.dtype == "preset" else a.dtype
         rows = bench_preset(name, (E, K, H, I, dt == "fp8"), tokens, a.ranks, backend, device, iters, warmup,
-                            not a.no_peers, ceil, log, dataflows, a.rounds)
+                            not a.no_peers, ceil, log, dataflows, a.rounds, launch, flush)
+        attach_c(rows, c_rows)
         all_rows.extend(rows)
         rec = {"meta": {"card": card, "date": date, "commit": commit,
                         "command": "python3 -m moeflow.bench " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -865,6 +1040,8 @@ def main(argv=None):
             json.dump(rec, f, indent=1)
         written.append(path)
         print(f"# record: {path}", flush=True)
+    if c_rows:
+        print_c_table(all_rows)
     if not a.no_plots:
         by_dtype = {}
         for r in all_rows:
