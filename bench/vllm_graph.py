@@ -18,7 +18,9 @@ against vLLM 0.33 (test_vllm.py::test_double_matches_vllm); --double forces the 
 meta.vllm says which ran.
 
 Timing, as `python -m moeflow.bench` (moeflow.bench.Timer, schedule, aggregate_rounds): CUDA
-events around each replay on the current stream, median of --iters after --warmup, --rounds times
+events around each replay on the current stream, held (a spin kernel of moeflow.bench.HOLD_CYCLES
+ahead of the begin event, so the replay is enqueued before the begin event fires: its device time
+without the launch latency, as `moeflow bench --gated`; "gated": 1 in the rows), median of --iters after --warmup, --rounds times
 over the whole T sweep (median round, min / max, spread; 5 % flagged), no L2 flush by default (as
 `moeflow bench`, the numbers this is compared with; --flush on: a 512 MB fill before each replay,
 outside the events). On the CPU there are no graphs: eager calls, wall clock (the smoke path).
@@ -169,7 +171,8 @@ def bench_preset(name, tokens, device, mode, is_double, timer, rounds, check, ce
                              ceil if cuda else None, timer.iters, timer.warmup)
             row["layout"] = "masked" if mode == "dispatch" else "expert_major"
             row.update(bench.round_fields(agg))
-            row.update({"launch": "graph" if cuda else "eager", "l2_flush": timer.flush is not None,
+            row.update({"launch": "graph" if cuda else "eager", "gated": int(timer.hold),
+                        "l2_flush": timer.flush is not None,
                         "interface": f"vllm_kernel_{mode}", "replay_equals_eager": cases[T][4],
                         "checked_reference": bool(check)})
             rows.append(row)
@@ -230,13 +233,13 @@ def main(argv=None):
 
     vllm, is_double = load_vllm(a.double)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    timer = bench.Timer(device, iters, warmup, flush=a.flush == "on")
+    timer = bench.Timer(device, iters, warmup, flush=a.flush == "on", hold=cuda)
     commit, date = bench.git_commit(), bench.now_utc()
     dev_name = torch.cuda.get_device_name(device) if cuda else "cpu"
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     print(f"# vllm_graph: {backend} ({dev_name}), torch {torch.__version__}, vllm {vllm.__version__}, commit "
           f"{commit}, R 1, make_kernel mode {a.mode}; median of {iters} after {warmup}, {a.rounds} rounds")
-    print(f"# launch   {'graph: kernel.apply captured once per T, replays between CUDA events' if cuda else 'eager (no graphs on the CPU), wall clock'}"
+    print(f"# launch   {'graph: kernel.apply captured once per T, held replays between CUDA events' if cuda else 'eager (no graphs on the CPU), wall clock'}"
           f"{'; 512 MB fill before each' if cuda and a.flush == 'on' else ''}")
     print(f"# C        {'diff = python - C (gated, phase events off preferred); ok: |diff| <= %g us' % bench.C_TOLERANCE_US if c_rows else 'no --c-record'}")
     print(f"#{'preset':<16} {'launch':>6} {'T':>5} {'python':>10} {'C':>9} {'diff':>8} {'ok':>4} {'min':>9} {'max':>9} {'spread':>7}")

@@ -26,7 +26,10 @@ Timing: CUDA events on each rank's stream, median of --iters after --warmup, a 5
 each iteration (L2 flushed, outside the events; --flush off: none, as `moeflow bench`), the slowest
 rank's median; on the CPU, wall clock.
 Launch (--launch, issue 25.4): "graph" captures each T's forward once into a torch.cuda.CUDAGraph
-(after one eager call of that T) and times its replays between the two events; "eager" calls the
+(after one eager call of that T) and times its replays between the two events, held: a spin kernel
+(HOLD_CYCLES) ahead of the begin event lets the host enqueue event, graph and end event first, so
+the time is the replay's device time without its launch latency ("gated": 1, as the CLI's
+--gated); "eager" calls the
 forward every iteration, so the host's launch gaps (ctypes, the library's host code, ~10-20 us at
 decode) are inside the events. The default "auto" is graph on CUDA with R = 1, because that is how
 an engine runs the small batches this bench is about: vLLM and SGLang capture their decode steps
@@ -93,6 +96,11 @@ CEILINGS = {"H200_COPY_BYTES_PER_S": 4.24e12, "H200_BF16_FLOPS": 795e12, "H200_F
 FLUSH_BYTES = 512 << 20
 DEFAULT_ROUNDS = 3
 SPREAD_FLAG = 0.05  # (max - min) / median over the rounds above this: flagged (tools/moeflow.c)
+# Graph replays are timed held: a spin kernel of this many clocks (~0.5 ms on an H200) runs ahead of
+# the begin event, so that the host has enqueued the event, the graph and the end event before the
+# begin event fires: the replay's device time without its host launch latency, as `moeflow bench
+# --gated` holds each stream until the forward is enqueued. Far longer than the ~10-30 us enqueue.
+HOLD_CYCLES = 1_000_000
 
 
 # ---- rounds -------------------------------------------------------------------------------------
@@ -201,10 +209,12 @@ def make_tokens(R, T, E, K, H, device, seed):
 # ---- timing --------------------------------------------------------------------------------------
 class Timer:
     """median_us(fn): CUDA events on the current stream after a 512 MB fill (L2 flushed; none with
-    flush=False), or wall clock on the CPU."""
+    flush=False), held (hold=True: HOLD_CYCLES of spin before the begin event, for graph replays),
+    or wall clock on the CPU."""
 
-    def __init__(self, device, iters, warmup, flush=True):
+    def __init__(self, device, iters, warmup, flush=True, hold=False):
         self.cuda, self.iters, self.warmup = device.type == "cuda", iters, warmup
+        self.hold = hold and self.cuda
         self.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if self.cuda and flush else None
 
     def samples(self, fn, before=None):
@@ -216,6 +226,8 @@ class Timer:
                 if self.flush is not None:
                     self.flush.fill_(it & 0xFF)
                 ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                if self.hold:
+                    torch.cuda._sleep(HOLD_CYCLES)  # the replay enqueued before the begin event fires
                 ev[0].record()
                 fn()
                 ev[1].record()
@@ -249,7 +261,7 @@ def time_moeflow(comms, spec, weights, tokens_by_t, iters, warmup, dataflow="aut
     aggregate_rounds() of those, phases_us: the median round's slowest rank's phase medians.
     launch "eager": a forward call per timed iteration; "graph" (CUDA, R = 1: resolve_launch()):
     the forward captured once per T into a torch.cuda.CUDAGraph (after an eager call of that T) and
-    the graph replayed between the events. flush: the 512 MB fill before each iteration (outside
+    the graph replayed between the events, held (HOLD_CYCLES). flush: the 512 MB fill before each iteration (outside
     the events), as the module docstring; False: none, as the CLI. `trace` (a list) gets each
     (round, T) as rank 0 starts it."""
     R = len(comms)
@@ -303,6 +315,8 @@ def time_moeflow(comms, spec, weights, tokens_by_t, iters, warmup, dataflow="aut
                         barrier.wait()
                         if cuda:
                             ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                            if graph and not profiled:
+                                torch.cuda._sleep(HOLD_CYCLES)  # held: HOLD_CYCLES' comment
                             ev[0].record(stream)
                             if graph and not profiled:
                                 graphs[T][0].replay()  # on the current stream: this rank's
@@ -544,6 +558,7 @@ def bench_preset(name, spec, tokens, R, backend, device, iters, warmup, peers, c
                            ceil if cuda else None, iters, warmup)
                 # the layer rows as timed; the phases (w13, w2) always from the eager profiled twin
                 row["launch"] = launch if op in ("layer", "layer_unfused") else "eager"
+                row["gated"] = int(row["launch"] == "graph")  # held replays (HOLD_CYCLES), as the CLI's
                 row["l2_flush"] = cuda and flush
                 if op in ("layer", "layer_unfused"):
                     row.update(round_fields(agg))  # the rounds (module docstring)

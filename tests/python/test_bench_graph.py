@@ -156,7 +156,7 @@ def test_cpu_bench_with_c_record(tmp_path, capsys):
     layers = [r for r in rec["rows"] if r["op"] == "layer"]
     assert [r["shape"]["T"] for r in layers] == [1, 3]
     for r in rec["rows"]:
-        assert r["launch"] == "eager" and r["l2_flush"] is False  # the CPU: no graphs, no flush
+        assert (r["launch"], r["gated"], r["l2_flush"]) == ("eager", 0, False)  # the CPU: no graphs, no flush
     for r in layers:
         want = next(c for c in c_rows if c["op"] == "layer" and c["shape"]["T"] == r["shape"]["T"]
                     and c["phase_events"] == 0)  # events off: the graph-like C row
@@ -193,8 +193,8 @@ def check_script_record(out, want_double, cpath=None):
         [("layer", "tiny", 1, 3), ("layer", "tiny", 3, 3)]
     for r in rows:
         assert {k: r["shape"][k] for k in TINY} == TINY and r["shape"]["R"] == 1
-        assert (r["launch"], r["interface"], r["replay_equals_eager"], r["checked_reference"]) == \
-            ("eager", "vllm_kernel_layer", True, True)
+        assert (r["launch"], r["gated"], r["l2_flush"], r["interface"], r["replay_equals_eager"],
+                r["checked_reference"]) == ("eager", 0, False, "vllm_kernel_layer", True, True)
         assert r["rounds"] == 2 and r["time_us"] == r["median_us"] and len(r["round_us"]) == 2
         assert r["min_us"] <= r["time_us"] <= r["max_us"]
         if cpath:
