@@ -388,6 +388,7 @@ static void run_case(const gemm_case &c) {
     CUDA_OK(cudaMalloc((void **)&d_out, out_count * 2));
 
     mf__gemm_segments_t seg = {d_counts, d_offsets, L, lo.max_rows + 7 /* a loose bound is fine */};
+    const mf__gemm_choice_t choice = mf__gemm_choose(seg.rows_hint, seg.max_rows_per_expert, MF_DATAFLOW_PULL);
     mf__gemm_operand_t op_a = {d_a, d_as}, op_w13 = {d_w13, d_w13s}, op_hin = {d_hin, d_hins}, op_w2 = {d_w2, d_w2s};
     cudaStream_t stream;
     CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -407,8 +408,8 @@ static void run_case(const gemm_case &c) {
         CUDA_OK(cudaDeviceSynchronize());
         cudaGraph_t graph;
         CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-        mf_result_t r1 = mf__cuda_w13_swiglu(&seg, c.dtype, c.ue8m0, op_a, op_w13, c.H, c.I, d_h, d_hs, stream, 0);
-        mf_result_t r2 = mf__cuda_w2(&seg, c.dtype, op_hin, op_w2, c.H, c.I, d_out, NULL, stream, 0);
+        mf_result_t r1 = mf__cuda_w13_swiglu(&choice, &seg, c.dtype, c.ue8m0, op_a, op_w13, c.H, c.I, d_h, d_hs, stream, 0);
+        mf_result_t r2 = mf__cuda_w2(&choice, &seg, c.dtype, op_hin, op_w2, c.H, c.I, d_out, NULL, stream, 0);
         cudaError_t ec = cudaStreamEndCapture(stream, &graph);
         if (r1 != MF_SUCCESS || r2 != MF_SUCCESS || ec != cudaSuccess) {
             fail("graph capture: w13 %s, w2 %s, end capture %s (%s)", mf_result_string(r1), mf_result_string(r2),
@@ -429,7 +430,7 @@ static void run_case(const gemm_case &c) {
 
     /* W13 */
     poison();
-    if (mf__cuda_w13_swiglu(&seg, c.dtype, c.ue8m0, op_a, op_w13, c.H, c.I, d_h, d_hs, stream, 0) != MF_SUCCESS) {
+    if (mf__cuda_w13_swiglu(&choice, &seg, c.dtype, c.ue8m0, op_a, op_w13, c.H, c.I, d_h, d_hs, stream, 0) != MF_SUCCESS) {
         fail("mf__cuda_w13_swiglu: %s", mf_last_error());
         return;
     }
@@ -449,14 +450,14 @@ static void run_case(const gemm_case &c) {
 
     /* W13 again: deterministic, bit for bit. */
     poison();
-    if (mf__cuda_w13_swiglu(&seg, c.dtype, c.ue8m0, op_a, op_w13, c.H, c.I, d_h, d_hs, stream, 0) != MF_SUCCESS)
+    if (mf__cuda_w13_swiglu(&choice, &seg, c.dtype, c.ue8m0, op_a, op_w13, c.H, c.I, d_h, d_hs, stream, 0) != MF_SUCCESS)
         fail("mf__cuda_w13_swiglu (repeat): %s", mf_last_error());
     CUDA_OK(cudaStreamSynchronize(stream));
     if (to_host(d_h, h_bytes) != h) fail("w13: a repeated launch is not bitwise identical");
     else printf("  ok   w13 repeat bitwise identical\n");
 
     /* W2 into out */
-    if (mf__cuda_w2(&seg, c.dtype, op_hin, op_w2, c.H, c.I, d_out, NULL, stream, 0) != MF_SUCCESS) {
+    if (mf__cuda_w2(&choice, &seg, c.dtype, op_hin, op_w2, c.H, c.I, d_out, NULL, stream, 0) != MF_SUCCESS) {
         fail("mf__cuda_w2: %s", mf_last_error());
         return;
     }
@@ -499,7 +500,7 @@ static void run_case(const gemm_case &c) {
         int32_t *d_src = to_device(src);
         ret.src = d_src;
         ret.num_topk = kRetTopk;
-        if (mf__cuda_w2(&seg, c.dtype, op_hin, op_w2, c.H, c.I, NULL, &ret, stream, 0) != MF_SUCCESS) {
+        if (mf__cuda_w2(&choice, &seg, c.dtype, op_hin, op_w2, c.H, c.I, NULL, &ret, stream, 0) != MF_SUCCESS) {
             fail("mf__cuda_w2 (ret): %s", mf_last_error());
         } else {
             CUDA_OK(cudaStreamSynchronize(stream));
@@ -546,16 +547,17 @@ static void run_refusals(void) {
     CUDA_OK(cudaMalloc((void **)&d_b, 1 << 16));
     float *d_f = (float *)d_b;
     mf__gemm_segments_t seg = {d_i, d_i, 1, 8};
+    const mf__gemm_choice_t choice = mf__gemm_choose(seg.rows_hint, seg.max_rows_per_expert, MF_DATAFLOW_PULL);
     mf__gemm_operand_t op = {d_b, d_f}, bad = {d_b + 8, d_f};
     expect_result("BF16 H = 1004 (not a multiple of 8)",
-                  mf__cuda_w13_swiglu(&seg, MF_DTYPE_BF16, 0, op, op, 1004, 64, d_b, NULL, 0, 0), MF_ERR_NOT_SUPPORTED);
+                  mf__cuda_w13_swiglu(&choice, &seg, MF_DTYPE_BF16, 0, op, op, 1004, 64, d_b, NULL, 0, 0), MF_ERR_NOT_SUPPORTED);
     expect_result("FP8 I = 200 (not a multiple of 128)",
-                  mf__cuda_w2(&seg, MF_DTYPE_FP8_E4M3, op, op, 256, 200, (uint16_t *)d_b, NULL, 0, 0), MF_ERR_NOT_SUPPORTED);
-    expect_result("FP32 dtype", mf__cuda_w2(&seg, MF_DTYPE_FP32, op, op, 256, 256, (uint16_t *)d_b, NULL, 0, 0),
+                  mf__cuda_w2(&choice, &seg, MF_DTYPE_FP8_E4M3, op, op, 256, 200, (uint16_t *)d_b, NULL, 0, 0), MF_ERR_NOT_SUPPORTED);
+    expect_result("FP32 dtype", mf__cuda_w2(&choice, &seg, MF_DTYPE_FP32, op, op, 256, 256, (uint16_t *)d_b, NULL, 0, 0),
                   MF_ERR_NOT_SUPPORTED);
-    expect_result("a.data 8 bytes off 16", mf__cuda_w13_swiglu(&seg, MF_DTYPE_BF16, 0, bad, op, 64, 64, d_b, NULL, 0, 0),
+    expect_result("a.data 8 bytes off 16", mf__cuda_w13_swiglu(&choice, &seg, MF_DTYPE_BF16, 0, bad, op, 64, 64, d_b, NULL, 0, 0),
                   MF_ERR_INVALID_ARGUMENT);
-    expect_result("FP8 without h_scales", mf__cuda_w13_swiglu(&seg, MF_DTYPE_FP8_E4M3, 0, op, op, 128, 128, d_b, NULL, 0, 0),
+    expect_result("FP8 without h_scales", mf__cuda_w13_swiglu(&choice, &seg, MF_DTYPE_FP8_E4M3, 0, op, op, 128, 128, d_b, NULL, 0, 0),
                   MF_ERR_INVALID_ARGUMENT);
     CUDA_OK(cudaFree(d_i));
     CUDA_OK(cudaFree(d_b));
@@ -649,12 +651,13 @@ static void run_bench(void) {
                 std::vector<int32_t> cnt(L, M);
                 CUDA_OK(cudaMemcpy(counts, cnt.data(), L * 4, cudaMemcpyHostToDevice));
                 mf__gemm_segments_t seg = {counts, offsets, L, C};
+                const mf__gemm_choice_t choice = mf__gemm_choose(seg.rows_hint, seg.max_rows_per_expert, MF_DATAFLOW_PULL);
                 std::vector<float> ms;
                 for (int run = 0; run < kWarmupRuns + kTimedRuns; run++) {
                     CUDA_OK(cudaEventRecord(ev0, stream));
                     mf_result_t r = gemm == 0
-                        ? mf__cuda_w13_swiglu(&seg, dtype, 0, mf__gemm_operand_t{a, as}, mf__gemm_operand_t{w13, w13s}, H, I, h, hs, stream, 0)
-                        : mf__cuda_w2(&seg, dtype, mf__gemm_operand_t{hin, hins}, mf__gemm_operand_t{w2, w2s}, H, I,
+                        ? mf__cuda_w13_swiglu(&choice, &seg, dtype, 0, mf__gemm_operand_t{a, as}, mf__gemm_operand_t{w13, w13s}, H, I, h, hs, stream, 0)
+                        : mf__cuda_w2(&choice, &seg, dtype, mf__gemm_operand_t{hin, hins}, mf__gemm_operand_t{w2, w2s}, H, I,
                                       (uint16_t *)out, NULL, stream, 0);
                     if (r != MF_SUCCESS) {
                         fail("bench launch: %s", mf_last_error());

@@ -165,19 +165,29 @@ static mf__gemm_segments_t seg_of(const call_t &c) {
     return s;
 }
 
+/* The library's choice for the call (mf__gemm_choose; rows may be gathered: AUTO); for the decode
+ * launcher itself (dispatcher = 0) the choice for at most kMfDecodeMaxRows rows, which is the decode
+ * family with the tokens per tile the hint asks for (64 above it). */
+static mf__gemm_choice_t choice_of(const call_t &c, int dispatcher) {
+    const int hint = dispatcher || c.rows_hint <= kMfDecodeMaxRows ? c.rows_hint : kMfDecodeMaxRows;
+    return mf__gemm_choose(hint, c.max_rows, MF_DATAFLOW_AUTO);
+}
+
 /* The decode launcher (dispatcher = 0) or the library's dispatcher (1). */
 static mf_result_t run_call(const call_t &c, cudaStream_t stream, int dispatcher = 0) {
     const mf__gemm_segments_t seg = seg_of(c);
+    const mf__gemm_choice_t choice = choice_of(c, dispatcher);
     const int32_t dtype = c.fp8 ? MF_DTYPE_FP8_E4M3 : MF_DTYPE_BF16;
     const mf__gemm_operand_t w = {c.w, c.w_scales, NULL};
     if (c.epi == kEpiSwiglu) {
         const mf__gemm_operand_t a = {c.a, c.a_scales, c.gather};
-        return dispatcher ? mf__cuda_w13_swiglu(&seg, dtype, c.ue8m0, a, w, c.K, c.N / 2, c.out, c.out_scales, stream, 0)
-                          : mf__sm90_decode_w13_swiglu(&seg, dtype, c.ue8m0, a, w, c.K, c.N / 2, c.out, c.out_scales, stream, 0);
+        return dispatcher ? mf__cuda_w13_swiglu(&choice, &seg, dtype, c.ue8m0, a, w, c.K, c.N / 2, c.out, c.out_scales, stream, 0)
+                          : mf__sm90_decode_w13_swiglu(&choice, &seg, dtype, c.ue8m0, a, w, c.K, c.N / 2, c.out, c.out_scales,
+                                                       stream, 0);
     }
     const mf__gemm_operand_t h = {c.a, c.a_scales, NULL};
-    return dispatcher ? mf__cuda_w2(&seg, dtype, h, w, c.N, c.K, (uint16_t *)c.out, c.ret, stream, 0)
-                      : mf__sm90_decode_w2(&seg, dtype, h, w, c.N, c.K, (uint16_t *)c.out, c.ret, stream, 0);
+    return dispatcher ? mf__cuda_w2(&choice, &seg, dtype, h, w, c.N, c.K, (uint16_t *)c.out, c.ret, stream, 0)
+                      : mf__sm90_decode_w2(&choice, &seg, dtype, h, w, c.N, c.K, (uint16_t *)c.out, c.ret, stream, 0);
 }
 
 /* True when the call launched; else prints FAIL (declined: the reason; CUDA: the error). */
@@ -765,7 +775,7 @@ static void run_vcase(const vcase &vc, int max_print) {
     device_problem d = upload(pb);
     const int rows_hint = vc.block_t ? vc.block_t : pb.lo.max_count;
     call_t c = call_of(pb, d, rows_hint);
-    const int block_t = mf__decode::block_t_for(rows_hint, pb.lo.max_rows);
+    const int block_t = choice_of(c, 0).block_rows;
     const mf__decode_variant_info_t *vi = variant_info(pb.fp8, pb.epi == kEpiSwiglu, block_t, 0);
     snprintf(name, sizeof name, "%s [T%d st%d]", vc.name.c_str(), block_t, vi ? vi->stages : 0);
     if (!launched(run_call(c, 0), name)) {
@@ -1202,7 +1212,7 @@ static void bench_case(bench_ctx &bc, const bmodel &m, int gemm, int fp8, int ma
     }
     mf_result_t r = run_call(c, bc.stream);
     if (!launched(r, name)) return;
-    const int block_t = mf__decode::block_t_for(c.rows_hint, lo.max_rows);
+    const int block_t = choice_of(c, 0).block_rows;
     const mf__decode_variant_info_t *vi = variant_info(fp8, epi == kEpiSwiglu, block_t, gather);
     const double us = time_median(bc, [&] { r = run_call(c, bc.stream); });
     if (!launched(r, name)) return;

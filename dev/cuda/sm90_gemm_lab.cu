@@ -1,9 +1,11 @@
 /*
  * sm90_gemm_lab.cu — validate-then-bench main of the sm90 TMA grouped GEMM (the dispatcher's family
  * for more than kMfDecodeMaxRows rows per expert): the kernel is src/cuda/kernels/sm90_tma_gemm.cuh
- * (its design is described there), the launchers src/cuda/gemm_tma.cu. Every GEMM here runs through
- * the library's launchers (mf__sm90_tma_w13_swiglu / mf__sm90_tma_w2, linked from libmoeflow.a), so
- * the lab validates and times exactly what ships. The plain W13 GEMM (for measuring the SwiGLU
+ * (its design is described there), the launchers src/cuda/gemm_tma.cu. Every shipped GEMM here runs
+ * through the library's launchers (mf__sm90_tma_w13_swiglu / mf__sm90_tma_w2, linked from
+ * libmoeflow.a), so the lab validates and times exactly what ships; the A/B kernels and timing
+ * probes are the lab's own fork of the kernel with its own launcher (sm90_tma_lab_kernel.cuh,
+ * selected by the lab switch kMfTmaLab*), never in the library. The plain W13 GEMM (for measuring the SwiGLU
  * epilogue's cost) is mf__sm90_tma_w2 with W13's shapes: out[rows, 2I] = a[rows, H] . W13[e]^T.
  * Built by `make lab` into build/dev/sm90_gemm_lab; needs one sm_90a GPU.
  *
@@ -47,8 +49,8 @@
  *
  * Bench: W13 SwiGLU, W13 plain, W2 plain (+ W2 ret at two sizes), L in {4, 32}, M in {256, 1024,
  * 4096, 8192} rows per expert (L M <= 32768), EXPERT_MAJOR, random data generated on the device;
- * then an A/B of the FP8 kernels without the issue order (the lab-only switch
- * mf__sm90_tma_lab_variant; validated above with "[unordered]" cases) and the SwiGLU epilogue's
+ * then an A/B of the FP8 kernels without the issue order (the lab switch, mf__tma_lab::set_switch,
+ * sm90_tma_lab_kernel.cuh; validated above with "[unordered]" cases) and the SwiGLU epilogue's
  * cost against plain W13; then, interleaved over 3 rounds on the same data: the FP8 SwiGLU
  * epilogue overlap (ships against kMfTmaLabNoOverlap), and two timing probes, whose results are
  * not the GEMM (so they are never validated): the FP8 promotion's cost (no overlap against no
@@ -77,6 +79,7 @@ extern "C" {
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels/sm90_ptx.cuh"
 #include "cuda/kernels/sm90_tma_gemm.cuh"
+#include "sm90_tma_lab_kernel.cuh" /* the lab's fork: A/B kernels and timing probes */
 
 static const int kScaleBlock = MF__QUANT_BLOCK; /* FP8 K block and h scale block */
 static const int kBlockM = mf__tma::kBlockM;
@@ -210,14 +213,17 @@ static mf_result_t run_call(const gemm_call &c, cudaStream_t st, int dispatcher 
     seg.max_rows_per_expert = c.max_rows;
     seg.rows_hint = 128;
     seg.sched = c.sched;
+    const mf__gemm_choice_t choice = mf__gemm_choose(seg.rows_hint, seg.max_rows_per_expert, MF_DATAFLOW_PULL);
     const int32_t dtype = c.fp8 ? MF_DTYPE_FP8_E4M3 : MF_DTYPE_BF16;
     mf__gemm_operand_t a = {c.a, c.a_scales, c.gather};
     mf__gemm_operand_t w = {c.w, c.w_scales, NULL};
+    /* the lab switch selects a lab kernel: the dispatcher cannot run it, the lab's launcher does */
+    if (mf__tma_lab::get_switch() != kMfTmaLabShipped) dispatcher = 0;
     if (c.swiglu)
-        return dispatcher ? mf__cuda_w13_swiglu(&seg, dtype, c.ue8m0, a, w, c.k, c.n, c.out, c.out_scales, st, 0)
-                          : mf__sm90_tma_w13_swiglu(&seg, dtype, c.ue8m0, a, w, c.k, c.n, c.out, c.out_scales, st, 0);
-    return dispatcher ? mf__cuda_w2(&seg, dtype, a, w, c.n, c.k, (uint16_t *)c.out, c.ret, st, 0)
-                      : mf__sm90_tma_w2(&seg, dtype, a, w, c.n, c.k, (uint16_t *)c.out, c.ret, st, 0);
+        return dispatcher ? mf__cuda_w13_swiglu(&choice, &seg, dtype, c.ue8m0, a, w, c.k, c.n, c.out, c.out_scales, st, 0)
+                          : tma_lab_w13_swiglu(&seg, dtype, c.ue8m0, a, w, c.k, c.n, c.out, c.out_scales, st);
+    return dispatcher ? mf__cuda_w2(&choice, &seg, dtype, a, w, c.n, c.k, (uint16_t *)c.out, c.ret, st, 0)
+                      : tma_lab_w2(&seg, dtype, a, w, c.n, c.k, (uint16_t *)c.out, c.ret, st);
 }
 
 /* A call that must launch: on any other result, the case fails loudly. */
@@ -245,11 +251,18 @@ static void list_variants(void) {
     for (int i = 0; i < n; i++) {
         bool ok = v[i].usable && v[i].local_bytes == 0;
         if (!ok) g_failures++;
-        printf("%s variant %2d %-4s %-6s %-9s %-10s %-17s regs %3d local %d B usable %d\n", ok ? "PASS" : "FAIL", i,
-               v[i].fp8 ? "fp8" : "bf16", v[i].swiglu ? "swiglu" : "plain",
-               v[i].fp8 ? (v[i].ordered ? "ordered" : "unordered") : "", v[i].fp8 && !v[i].overlap ? "no overlap" : "",
-               v[i].probe == mf__tma::kProbeNoPromote ? "probe no-promote" : v[i].probe == mf__tma::kProbeNoStore ? "probe no-store" : "",
-               v[i].num_regs, v[i].local_bytes, v[i].usable);
+        printf("%s variant %2d %-4s %-6s regs %3d local %d B usable %d\n", ok ? "PASS" : "FAIL", i,
+               v[i].fp8 ? "fp8" : "bf16", v[i].swiglu ? "swiglu" : "plain", v[i].num_regs, v[i].local_bytes, v[i].usable);
+    }
+    /* the lab's fork (sm90_tma_lab_kernel.cuh): the same register contract */
+    for (int i = 0; i < mf__tma_lab::kNumVariants; i++) {
+        const mf__tma_lab::variant_t &lv = mf__tma_lab::kVariants[i];
+        cudaFuncAttributes fa;
+        CUDA_OK(cudaFuncGetAttributes(&fa, lv.fn));
+        const bool ok = fa.numRegs == mf__tma::kLaunchRegs && fa.localSizeBytes == 0;
+        if (!ok) g_failures++;
+        printf("%s lab     %2d %-4s %-6s %-20s regs %3d local %d B\n", ok ? "PASS" : "FAIL", i, lv.fp8 ? "fp8" : "bf16",
+               lv.swiglu ? "swiglu" : "plain", lv.tag, fa.numRegs, (int)fa.localSizeBytes);
     }
 }
 
@@ -712,13 +725,13 @@ static void run_case(const vcase &c) {
     int32_t *d_sched = dev_alloc<int32_t>(2);
     CUDA_OK(cudaMemset(d_sched, 0, 8));
     bool sched_ok = true;
-    mf__sm90_tma_lab_variant(c.unordered);
+    mf__tma_lab::set_switch(c.unordered);
     for (int run = 0; run < 3; run++) {
         CUDA_OK(cudaMemset(d_out, kPoison, out_bytes));
         if (sc_n) CUDA_OK(cudaMemset(d_osc, kPoison, sc_n * 4));
         g.sched = run == 0 ? NULL : d_sched;
         if (!launched(run_call(g, 0, run == 2))) {
-            mf__sm90_tma_lab_variant(kMfTmaLabShipped);
+            mf__tma_lab::set_switch(kMfTmaLabShipped);
             CUDA_OK(cudaFree(d_sched));
             return;
         }
@@ -729,7 +742,7 @@ static void run_case(const vcase &c) {
         sched_ok = sched_ok && pair[0] == 0 && pair[1] == 0;
     }
     CUDA_OK(cudaFree(d_sched));
-    mf__sm90_tma_lab_variant(kMfTmaLabShipped);
+    mf__tma_lab::set_switch(kMfTmaLabShipped);
     /* bitwise: the scales of rows no expert owns keep the NaN poison, and NaN != NaN as floats (a
      * float == here reported the FP8 SwiGLU variant as non-repeatable on 2026-12-02) */
     const bool repeat_ok = out[0] == out[1] && same_bits(osc[0], osc[1]) && sched_ok;
@@ -1036,9 +1049,9 @@ static void time_ab_us(const gemm_call &g, int a, int b, uint8_t *d_flush, cudaE
     std::vector<double> med[2];
     for (int round = 0; round < 3; round++)
         for (int v = 0; v < 2; v++) {
-            mf__sm90_tma_lab_variant(v ? b : a);
+            mf__tma_lab::set_switch(v ? b : a);
             med[v].push_back(time_call_us(g, d_flush, ev0, ev1));
-            mf__sm90_tma_lab_variant(kMfTmaLabShipped);
+            mf__tma_lab::set_switch(kMfTmaLabShipped);
         }
     for (int v = 0; v < 2; v++) std::sort(med[v].begin(), med[v].end());
     *us_a = med[0][1];
@@ -1150,7 +1163,7 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
         const int fp8 = 1;
         fill_random(d_a, a_bytes, 0);
         fill_random(d_w, w_bytes, 0);
-        printf("# A/B: FP8 without the issue order (mf__sm90_tma_lab_variant); compare with the rows above\n");
+        printf("# A/B: FP8 without the issue order (the lab's fork, kMfTmaLabUnordered); compare with the rows above\n");
         const int ab[2][2] = {{4, 4096}, {32, 256}};
         for (const shape &sh : shapes) {
             if (sh.ret) continue;
@@ -1160,9 +1173,9 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
                 snprintf(name, sizeof name, "bench fp8 %s L=%d M=%d unordered", sh.name, L, M);
                 g_case = name;
                 const gemm_call g = equal_call(fp8, sh, L, M);
-                mf__sm90_tma_lab_variant(kMfTmaLabUnordered);
+                mf__tma_lab::set_switch(kMfTmaLabUnordered);
                 const double us = time_call_us(g, d_flush, ev0, ev1);
-                mf__sm90_tma_lab_variant(kMfTmaLabShipped);
+                mf__tma_lab::set_switch(kMfTmaLabShipped);
                 const double tf = 2.0 * L * M * (double)sh.nw * sh.k / us * 1e-6;
                 printf("  %-5s %-11s %3d %5d %5d %5d %10.1f %9.1f %6.1f  unordered\n", "fp8", sh.name, L, sh.nw, sh.k, M, us,
                        tf, 100.0 * tf / 1436.0);
@@ -1319,26 +1332,7 @@ int main(int argc, char **argv) {
     }
     CUDA_OK(cudaHostAlloc((void **)&g_fault, sizeof *g_fault, cudaHostAllocMapped));
     memset((void *)g_fault, 0, sizeof *g_fault);
-    /* The A/B kernels and timing probes (variants 4-11 of gemm_tma.cu's table, in its order) are
-     * compiled here, never into libmoeflow. */
-    {
-        using namespace mf__tma;
-        const void *lab_fns[] = {
-            (const void *)sm90_tma_kernel<true, kEpiPlain, false>,
-            (const void *)sm90_tma_kernel<true, kEpiSwiglu, false>,
-            (const void *)sm90_tma_kernel<true, kEpiSwiglu, true, true>,
-            (const void *)sm90_tma_kernel<true, kEpiPlain, true, true>,
-            (const void *)sm90_tma_kernel<true, kEpiPlain, true, true, kProbeNoPromote>,
-            (const void *)sm90_tma_kernel<true, kEpiSwiglu, true, true, kProbeNoPromote>,
-            (const void *)sm90_tma_kernel<false, kEpiPlain, true, false, kProbeNoStore>,
-            (const void *)sm90_tma_kernel<false, kEpiSwiglu, true, false, kProbeNoStore>,
-        };
-        if (mf__sm90_tma_lab_register(lab_fns, (int)(sizeof lab_fns / sizeof lab_fns[0])) != 0) {
-            fprintf(stderr, "FATAL: mf__sm90_tma_lab_register: the lab's kernel list does not match gemm_tma.cu's table\n");
-            return 2;
-        }
-    }
-    CUDA_OK(mf__sm90_set_fault_record(g_fault));   /* this file's selftest kernels and the A/B kernels */
+    CUDA_OK(mf__sm90_set_fault_record(g_fault));   /* this file's selftest kernels and the lab's fork */
     CUDA_OK(mf__sm90_tma_set_fault_record(g_fault)); /* the library's TMA kernels */
     if (selftest) run_selftest();
     if (validate) run_validate();

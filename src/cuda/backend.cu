@@ -452,22 +452,31 @@ static void mf__cuda_moe_fini(mf_moe_t moe) {
     moe->backend_state = NULL;
 }
 
-/* Expected rows per local expert, T K R / E from this rank's T (rounded up): picks the GEMM
- * kernels (grouped_gemm.h), the same for every dataflow. */
+/* Expected rows per local expert, T K R / E from this rank's T (rounded up): the fact the GEMM
+ * choice reads, the same for every dataflow. */
 static int32_t mf__cuda_rows_hint(mf_moe_t moe, int32_t T) {
     const mf_moe_config_t *c = &moe->config;
     int64_t routed = (int64_t)T * c->num_topk * moe->comm->num_ranks;
     return (int32_t)((routed + c->num_experts - 1) / c->num_experts);
 }
 
-/* The dataflow of one forward (docs/API.md "Dataflow"). DIRECT only while the decode GEMM runs
- * (rows_hint <= kMfDecodeMaxRows): it is the kernel that can read rows in place, and above it the
- * TMA GEMM runs for every dataflow, so an explicit DIRECT pulls there (y stays the same bits).
- * AUTO: DIRECT where it can. The choice is local (peers only publish). */
-static int32_t mf__cuda_dataflow(mf_moe_t moe, int32_t T) {
-    const int32_t flow = moe->config.dataflow, direct_ok = mf__cuda_rows_hint(moe, T) <= kMfDecodeMaxRows;
-    if (flow == MF_DATAFLOW_AUTO || flow == MF_DATAFLOW_DIRECT) return direct_ok ? MF_DATAFLOW_DIRECT : MF_DATAFLOW_PULL;
-    return flow;
+/* The bound on one local expert's receive rows: a token routes to an expert at most once, R * S
+ * rows (MASKED: at most C; EXPERT_MAJOR: at most max_recv_rows). */
+static int32_t mf__cuda_rows_bound(mf_moe_t moe) {
+    const mf_moe_config_t *c = &moe->config;
+    int64_t per_expert = (int64_t)moe->comm->num_ranks * c->max_tokens_per_rank;
+    if (c->layout == MF_LAYOUT_MASKED) per_expert = c->expert_capacity;
+    if (c->layout == MF_LAYOUT_EXPERT_MAJOR && per_expert > c->max_recv_rows) per_expert = c->max_recv_rows;
+    return (int32_t)per_expert;
+}
+
+/* The GEMM choice of one forward with this rank's T (grouped_gemm.h mf__gemm_choose): kernel family,
+ * tile and dataflow (docs/API.md "Dataflow": DIRECT only with the decode family, the one that reads
+ * rows in place; above it an explicit DIRECT pulls, y stays the same bits; AUTO: DIRECT where it
+ * can). Made once per forward and carried to every GEMM of it. The choice is local (peers only
+ * publish). */
+static mf__gemm_choice_t mf__cuda_gemm_choice(mf_moe_t moe, int32_t T) {
+    return mf__gemm_choose(mf__cuda_rows_hint(moe, T), mf__cuda_rows_bound(moe), moe->config.dataflow);
 }
 
 static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
@@ -497,8 +506,10 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
     int fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
     s->rows = c->layout == MF_LAYOUT_MASKED ? L * c->expert_capacity : c->max_recv_rows;
     size_t esz = fp8 ? 1 : 2;
-    /* A receive tensor only where a forward can pull: DIRECT layers pull above the decode regime. */
-    int pull = c->dataflow != MF_DATAFLOW_DIRECT || mf__cuda_rows_hint(moe, c->max_tokens_per_rank) > kMfDecodeMaxRows;
+    /* A receive tensor only where a forward can pull: DIRECT layers pull where the choice for the
+     * largest T does (rows_hint grows with T, and decode is chosen below a bound). */
+    int pull = c->dataflow != MF_DATAFLOW_DIRECT ||
+               mf__cuda_gemm_choice(moe, c->max_tokens_per_rank).dataflow != MF_DATAFLOW_DIRECT;
     const size_t R = (size_t)moe->comm->num_ranks;
     struct { void **p; size_t bytes; } allocs[] = {
         {(void **)&s->ids_all, R * (size_t)c->max_tokens_per_rank * (size_t)c->num_topk * 4},
@@ -811,7 +822,8 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     } while (0)
 
     const int32_t T = (int32_t)in->x.dims[0];
-    const int32_t flow = mf__cuda_dataflow(moe, T);
+    const mf__gemm_choice_t choice = mf__cuda_gemm_choice(moe, T); /* both GEMMs', and the dataflow */
+    const int32_t flow = choice.dataflow;
 
     /* Spare slots, staged maps: after the prefetch issued since the last forward (see the file
      * comment); the next prefetch follows this forward. */
@@ -838,11 +850,7 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     seg.counts = s->counts;
     seg.offsets = s->offsets;
     seg.num_experts = s->held; /* the static slots with weights; the spare slots are a second launch */
-    /* A token routes to an expert at most once: R * S rows (MASKED: at most C). */
-    int64_t per_expert = (int64_t)comm->num_ranks * c->max_tokens_per_rank;
-    if (c->layout == MF_LAYOUT_MASKED) per_expert = c->expert_capacity;
-    if (c->layout == MF_LAYOUT_EXPERT_MAJOR && per_expert > c->max_recv_rows) per_expert = c->max_recv_rows;
-    seg.max_rows_per_expert = (int32_t)per_expert;
+    seg.max_rows_per_expert = mf__cuda_rows_bound(moe);
     seg.rows_hint = mf__cuda_rows_hint(moe, T);
     seg.sched = s->sched + 2 * kMfSchedW13;
     mf__gemm_gather_t gather;
@@ -853,7 +861,7 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     gather.src = s->src;
     mf__gemm_operand_t a = {s->recv_x, s->recv_scales, flow == MF_DATAFLOW_DIRECT ? &gather : NULL};
     mf__gemm_operand_t w13 = {w->w13.data, fp8 ? (const float *)w->w13_scales.data : NULL, NULL};
-    MF_CHECK(mf__cuda_w13_swiglu(&seg, c->dtype, c->ue8m0_scales, a, w13, c->hidden, c->intermediate, s->h,
+    MF_CHECK(mf__cuda_w13_swiglu(&choice, &seg, c->dtype, c->ue8m0_scales, a, w13, c->hidden, c->intermediate, s->h,
                                  s->h_scales, stream, 1));
     /* Spare slots: segments [Lp, Lp + B) over moeflow's [B, 2I, H] copies (rows stay absolute). */
     mf__gemm_segments_t spare_seg = seg;
@@ -865,8 +873,8 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     const uint8_t *spare = (const uint8_t *)moe->spare.local;
     if (s->B) {
         mf__gemm_operand_t sw13 = {spare + sl->w13, fp8 ? (const float *)(spare + sl->w13_scales) : NULL, NULL};
-        MF_CHECK(mf__cuda_w13_swiglu(&spare_seg, c->dtype, c->ue8m0_scales, a, sw13, c->hidden, c->intermediate, s->h,
-                                     s->h_scales, stream, 1));
+        MF_CHECK(mf__cuda_w13_swiglu(&choice, &spare_seg, c->dtype, c->ue8m0_scales, a, sw13, c->hidden, c->intermediate,
+                                     s->h, s->h_scales, stream, 1));
     }
     MF__MARK(MF_PHASE_W2);
 
@@ -884,18 +892,21 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     mf__gemm_operand_t sw2 = {s->B ? spare + sl->w2 : NULL, fp8 && s->B ? (const float *)(spare + sl->w2_scales) : NULL,
                               NULL};
     if (flow == MF_DATAFLOW_UNFUSED) {
-        MF_CHECK(mf__cuda_w2(&seg, c->dtype, h, w2, c->hidden, c->intermediate, s->expert_out, NULL, stream, 1));
+        MF_CHECK(mf__cuda_w2(&choice, &seg, c->dtype, h, w2, c->hidden, c->intermediate, s->expert_out, NULL, stream,
+                             1));
         if (s->B)
-            MF_CHECK(mf__cuda_w2(&spare_seg, c->dtype, h, sw2, c->hidden, c->intermediate, s->expert_out, NULL, stream,
-                                 1));
+            MF_CHECK(mf__cuda_w2(&choice, &spare_seg, c->dtype, h, sw2, c->hidden, c->intermediate, s->expert_out, NULL,
+                                 stream, 1));
         MF__MARK(MF_PHASE_COMBINE);
         mf__move_params_t p = mf__move_params(moe);
         p.expert_out = s->expert_out;
         MF_CUDA_CHECK(mf__cuda_launch(mf__return_kernel, dim3((unsigned)mf__move_blocks(moe)), dim3(kMfMoveThreads), 0,
                                       stream, 1, p));
     } else {
-        MF_CHECK(mf__cuda_w2(&seg, c->dtype, h, w2, c->hidden, c->intermediate, NULL, &ret, stream, 1));
-        if (s->B) MF_CHECK(mf__cuda_w2(&spare_seg, c->dtype, h, sw2, c->hidden, c->intermediate, NULL, &ret, stream, 1));
+        MF_CHECK(mf__cuda_w2(&choice, &seg, c->dtype, h, w2, c->hidden, c->intermediate, NULL, &ret, stream, 1));
+        if (s->B)
+            MF_CHECK(mf__cuda_w2(&choice, &spare_seg, c->dtype, h, sw2, c->hidden, c->intermediate, NULL, &ret, stream,
+                                 1));
         MF__MARK(MF_PHASE_COMBINE);
     }
 
@@ -957,8 +968,9 @@ static mf_result_t mf__cuda_combine(mf_moe_t moe, const mf_combine_in_t *in, con
 }
 
 /* mf_moe_experts: W13 -> SwiGLU -> W2 over the caller's MASKED rows with the layer's weights and scratch,
- * the forward's GEMM launchers (the family from the rows hint of the pending dispatch's T, else S). The
- * first kernel follows the caller's work without PDL, W2 follows W13 with it. */
+ * the forward's GEMM launchers (one choice from the rows hint of the pending dispatch's T, else S; the
+ * caller's rows are contiguous: PULL). The first kernel follows the caller's work without PDL, W2
+ * follows W13 with it. */
 static mf_result_t mf__cuda_experts_launch(mf_moe_t moe, const mf_experts_in_t *in, const mf_experts_out_t *out,
                                            cudaStream_t stream) {
     mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
@@ -974,15 +986,16 @@ static mf_result_t mf__cuda_experts_launch(mf_moe_t moe, const mf_experts_in_t *
     seg.rows_hint = mf__cuda_rows_hint(moe, moe->comm->pending_dispatch == moe ? moe->dispatch_T
                                                                                : c->max_tokens_per_rank);
     seg.sched = s->sched + 2 * kMfSchedW13;
+    const mf__gemm_choice_t choice = mf__gemm_choose(seg.rows_hint, seg.max_rows_per_expert, MF_DATAFLOW_PULL);
     mf__gemm_operand_t a = {in->recv_x.data, fp8 ? (const float *)in->recv_scales.data : NULL, NULL};
     mf__gemm_operand_t w13 = {w->w13.data, fp8 ? (const float *)w->w13_scales.data : NULL, NULL};
-    MF_CHECK(mf__cuda_w13_swiglu(&seg, c->dtype, c->ue8m0_scales, a, w13, c->hidden, c->intermediate, s->h,
+    MF_CHECK(mf__cuda_w13_swiglu(&choice, &seg, c->dtype, c->ue8m0_scales, a, w13, c->hidden, c->intermediate, s->h,
                                  s->h_scales, stream, 0));
     seg.sched = s->sched + 2 * kMfSchedW2;
     mf__gemm_operand_t h = {s->h, s->h_scales, NULL};
     mf__gemm_operand_t w2 = {w->w2.data, fp8 ? (const float *)w->w2_scales.data : NULL, NULL};
-    return mf__cuda_w2(&seg, c->dtype, h, w2, c->hidden, c->intermediate, (uint16_t *)out->expert_out.data, NULL,
-                       stream, 1);
+    return mf__cuda_w2(&choice, &seg, c->dtype, h, w2, c->hidden, c->intermediate, (uint16_t *)out->expert_out.data,
+                       NULL, stream, 1);
 }
 
 static mf_result_t mf__cuda_experts(mf_moe_t moe, const mf_experts_in_t *in, const mf_experts_out_t *out,

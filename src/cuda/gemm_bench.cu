@@ -73,13 +73,15 @@ mf_result_t mf__gemm_bench_run(const mf__gemm_bench_args_t *args, void *stream) 
     seg.max_rows_per_expert = args->max_rows_per_expert;
     seg.rows_hint = args->rows_hint > 0 ? args->rows_hint : args->max_rows_per_expert;
     seg.sched = args->sched;
+    /* the layer's choice for these rows (contiguous: PULL) */
+    const mf__gemm_choice_t choice = mf__gemm_choose(seg.rows_hint, seg.max_rows_per_expert, MF_DATAFLOW_PULL);
     mf__gemm_operand_t a = {args->a, args->a_scales, NULL}, w = {args->w, args->w_scales, NULL};
     cudaStream_t s = (cudaStream_t)stream;
     /* pdl 0: back-to-back timed launches stay serialised, as the records were taken */
     if (args->op == MF__GEMM_OP_W13_SWIGLU)
-        return mf__cuda_w13_swiglu(&seg, args->dtype, args->ue8m0, a, w, args->H, args->I, args->out,
+        return mf__cuda_w13_swiglu(&choice, &seg, args->dtype, args->ue8m0, a, w, args->H, args->I, args->out,
                                    args->out_scales, s, 0);
-    return mf__cuda_w2(&seg, args->dtype, a, w, args->H, args->I, (uint16_t *)args->out, NULL, s, 0);
+    return mf__cuda_w2(&choice, &seg, args->dtype, a, w, args->H, args->I, (uint16_t *)args->out, NULL, s, 0);
 }
 
 mf_result_t mf__gemm_bench_fill(void *data, int64_t count, int32_t kind, uint32_t seed, float mag, void *stream) {

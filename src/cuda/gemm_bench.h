@@ -42,7 +42,7 @@ typedef struct mf__gemm_bench_args {
     int32_t H, I;
     int32_t num_experts;         /* L */
     int32_t max_rows_per_expert; /* host bound on counts[e]: C (MASKED) or the largest count */
-    int32_t rows_hint;           /* expected rows per expert (picks the kernel); 0 = the bound */
+    int32_t rows_hint;           /* expected rows per expert (mf__gemm_choose reads it); 0 = the bound */
     const int32_t *counts;       /* [L] device */
     const int32_t *offsets;      /* [L + 1] device */
     int32_t *sched;              /* device: a zeroed schedule pair (mf__gemm_segments_t.sched) or NULL */

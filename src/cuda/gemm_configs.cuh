@@ -11,7 +11,8 @@
  * named-barrier and fault-tag ids, and the static_asserts that tie a kernel to these numbers.
  * Host-shared limits (block_m, heap and row alignments, the BF16 vector width, the FP8 scale block
  * MF__QUANT_BLOCK) are in core/internal.h and core/numerics.h; kMfDecodeMaxRows, the rows_hint
- * bound that selects the decode family, is in cuda/configs.cuh with the dataflow it also decides.
+ * bound below which mf__gemm_choose (grouped_gemm.cu) picks the decode family and with it the
+ * DIRECT dataflow, is in cuda/configs.cuh.
  *
  * Families: mf__decode (kernels/sm90_decode_gemm.cuh, gemm_decode.cu: weights as the wgmma A
  * operand, T <= 64 tokens per tile) and mf__tma (kernels/sm90_tma_gemm.cuh, gemm_tma.cu: 128-row

@@ -1,17 +1,19 @@
 /*
  * gemm_decode.cu — launchers of the sm90 decode grouped GEMMs (cuda/grouped_gemm.h; the kernel and
  * its design are in kernels/sm90_decode_gemm.cuh, validated and timed by dev/cuda/sm90_decode_lab.cu
- * through these launchers). Each launcher checks the shape, picks a kernel variant from host data
- * only (tokens per tile from seg->rows_hint), encodes the weight (and contiguous activation) tensor
- * maps on the host into the kernel's __grid_constant__ parameter, and launches once. They never
- * synchronise and never allocate, so they are CUDA-graph capturable.
+ * through these launchers). Each launcher checks the shape, takes the variant of the call's choice
+ * (tokens per tile: choice->block_rows, decided by mf__gemm_choose in grouped_gemm.cu, never here),
+ * encodes the weight (and contiguous activation) tensor maps on the host into the kernel's
+ * __grid_constant__ parameter, and launches once. They never synchronise and never allocate, so
+ * they are CUDA-graph capturable.
  *
  * Declining: a shape or argument the kernel does not take returns MF_ERR_NOT_SUPPORTED without
- * launching and without recording a library error (the dispatcher then runs v1); the reason is kept
- * per thread for the lab (mf__sm90_decode_last_decline). Configuring, declining and the MF_DEBUG
- * report go through the families' one skeleton, cuda/gemm_family.cuh. The kernel takes: BF16 or FP8 E4M3, N a
- * multiple of 128 (W2: H) or 256 (W13: 2I), K * element bytes a multiple of 128 (W13: H, W2: I),
- * L <= kMaxExperts, L * N < 2^31, 16-byte aligned data, 4-byte aligned scales.
+ * launching and without recording a library error (the dispatcher then runs the mma.sync fallback);
+ * the reason is kept per thread for the lab (mf__sm90_decode_last_decline). Configuring, declining
+ * and the MF_DEBUG report go through the families' one skeleton, cuda/gemm_family.cuh. The kernel
+ * takes: BF16 or FP8 E4M3, N a multiple of 128 (W2: H) or 256 (W13: 2I), K * element bytes a
+ * multiple of 128 (W13: H, W2: I), L <= kMaxExperts, L * N < 2^31, 16-byte aligned data, 4-byte
+ * aligned scales.
  *
  * Variants (24): W13 {FP8, BF16} x T {8, 16, 32, 64} x {contiguous A by TMA, A gathered at its
  * owners by cp.async}; W2 {FP8, BF16} x T (rows to out or, with `ret`, to the owners' slots: a
@@ -122,10 +124,10 @@ int grid_of(const mf__gemm_segments_t *seg, int64_t N, int swiglu, int block_t, 
     return (int)(tiles < sms ? tiles : sms);
 }
 
-/* Picks the variant, encodes the weight map (and the contiguous activation map) and launches. */
-mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int swiglu, int gather, const void *w,
-                   const void *a, gemm_params *p, cudaStream_t stream, int32_t pdl) {
-    const int block_t = block_t_for(seg->rows_hint, seg->max_rows_per_expert);
+/* Takes the choice's variant, encodes the weight map (and the contiguous activation map) and launches. */
+mf_result_t launch(const char *who, const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int fp8,
+                   int swiglu, int gather, const void *w, const void *a, gemm_params *p, cudaStream_t stream, int32_t pdl) {
+    const int block_t = choice->block_rows;
     const int vi = find_variant(fp8, swiglu, block_t, gather);
     if (vi < 0)
         return mf__gemm_decline(&g_family, "no variant fp8 %d swiglu %d T %d gather %d", fp8, swiglu, block_t, gather);
@@ -156,9 +158,9 @@ mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int
 
 } /* namespace */
 
-mf_result_t mf__sm90_decode_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, int32_t ue8m0, mf__gemm_operand_t a,
-                                       mf__gemm_operand_t w13, int32_t H, int32_t I, void *h, float *h_scales,
-                                       cudaStream_t stream, int32_t pdl) {
+mf_result_t mf__sm90_decode_w13_swiglu(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t dtype,
+                                       int32_t ue8m0, mf__gemm_operand_t a, mf__gemm_operand_t w13, int32_t H, int32_t I,
+                                       void *h, float *h_scales, cudaStream_t stream, int32_t pdl) {
     static const char *who = "mf__sm90_decode_w13_swiglu";
     const int64_t N = 2 * (int64_t)I, K = H;
     const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
@@ -184,12 +186,12 @@ mf_result_t mf__sm90_decode_w13_swiglu(const mf__gemm_segments_t *seg, int32_t d
     if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) return MF_SUCCESS;
 
     gemm_params p = w13_params(seg, ue8m0, a, w13, H, I, h, h_scales);
-    return launch(who, seg, fp8, 1, a.gather ? 1 : 0, w13.data, a.data, &p, stream, pdl);
+    return launch(who, choice, seg, fp8, 1, a.gather ? 1 : 0, w13.data, a.data, &p, stream, pdl);
 }
 
-mf_result_t mf__sm90_decode_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__gemm_operand_t h, mf__gemm_operand_t w2,
-                               int32_t H, int32_t I, uint16_t *out, const mf__gemm_return_t *ret, cudaStream_t stream,
-                               int32_t pdl) {
+mf_result_t mf__sm90_decode_w2(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t dtype,
+                               mf__gemm_operand_t h, mf__gemm_operand_t w2, int32_t H, int32_t I, uint16_t *out,
+                               const mf__gemm_return_t *ret, cudaStream_t stream, int32_t pdl) {
     static const char *who = "mf__sm90_decode_w2";
     const int64_t N = H, K = I;
     const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
@@ -198,7 +200,7 @@ mf_result_t mf__sm90_decode_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf
     if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) return MF_SUCCESS;
 
     gemm_params p = w2_params(seg, h, w2, H, I, out, ret);
-    return launch(who, seg, fp8, 0, 0, w2.data, h.data, &p, stream, pdl);
+    return launch(who, choice, seg, fp8, 0, 0, w2.data, h.data, &p, stream, pdl);
 }
 
 mf_result_t mf__sm90_decode_preload(void) {

@@ -51,7 +51,6 @@ mf_result_t mf__gemm_configure(mf__gemm_family_t *f, const char *who, int *dev_o
         const int n = f->count();
         for (int i = 0; i < n && i < kMfGemmMaxVariants; i++) {
             const void *fn = f->fn(i);
-            if (!fn) continue; /* a lab variant not registered */
             cudaFuncAttributes fa;
             MF__GEMM_CUDA(cudaFuncGetAttributes(&fa, fn), who);
             MF__GEMM_CUDA(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, f->smem(i)), who);
@@ -69,16 +68,11 @@ mf_result_t mf__gemm_require(const mf__gemm_family_t *f, int dev, int vi) {
     if (f->usable[dev].load() & ((int64_t)1 << vi)) return MF_SUCCESS;
     const int cc = f->cc[dev].load();
     if (cc / 10 != 9) return mf__gemm_decline(f, "sm90 unsupported: device %d is sm_%d", dev, cc);
-    if (!f->fn(vi)) return mf__gemm_decline(f, "variant %d is the lab's and not registered", vi);
     return mf__gemm_decline(f, "variant %d unusable on device %d (registers != %d)", vi, dev, f->launch_regs);
 }
 
 int64_t mf__gemm_usable(const mf__gemm_family_t *f, int dev) {
     return dev >= 0 && dev < kMfGemmMaxDevices ? f->usable[dev].load() : 0;
-}
-
-void mf__gemm_reconfigure(mf__gemm_family_t *f) {
-    for (int d = 0; d < kMfGemmMaxDevices; d++) f->usable[d].store(0);
 }
 
 mf_result_t mf__gemm_check_segments(const mf__gemm_family_t *f, const mf__gemm_segments_t *seg, int32_t dtype, int64_t N,

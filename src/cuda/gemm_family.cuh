@@ -29,7 +29,7 @@
 #include "cuda/gemm_configs.cuh" /* kMfGemmMaxDevices, kMfGemmMaxVariants, the alignments */
 #include "cuda/grouped_gemm.h"
 
-enum { kMfGemmFamilyDecode = 0, kMfGemmFamilyTma = 1, kMfGemmFamilies = 2 };
+enum { kMfGemmFamilies = 2 }; /* the families on this skeleton: decode and tma (grouped_gemm.h) */
 static_assert(kMfGemmMaxVariants < 63, "one usable bit per variant, below kMfGemmConfigured");
 constexpr int64_t kMfGemmConfigured = (int64_t)1 << 62; /* usable[dev]: the device was examined */
 
@@ -37,7 +37,7 @@ typedef struct mf__gemm_family {
     int id;                           /* kMfGemmFamily*: the per-thread report buffers */
     int launch_regs;                  /* registers every usable variant was compiled to */
     int (*count)(void);               /* variants, at most kMfGemmMaxVariants */
-    const void *(*fn)(int variant);   /* its kernel; NULL: a lab variant not registered (skipped) */
+    const void *(*fn)(int variant);   /* its kernel */
     int (*smem)(int variant);         /* its dynamic shared memory, bytes */
     std::atomic<int64_t> usable[kMfGemmMaxDevices]; /* kMfGemmConfigured | a bit per usable variant; 0: not yet */
     std::atomic<int> sms[kMfGemmMaxDevices];
@@ -70,14 +70,11 @@ const char *mf__gemm_last_launch(const mf__gemm_family_t *f);  /* "" before any 
 mf_result_t mf__gemm_configure(mf__gemm_family_t *f, const char *who, int *dev, int *sms);
 
 /* MF_SUCCESS when variant `vi` can launch on configured device `dev`; else declines saying why
- * (not an sm_90 device, a lab variant not registered, or the wrong register count). */
+ * (not an sm_90 device, or the wrong register count). */
 mf_result_t mf__gemm_require(const mf__gemm_family_t *f, int dev, int vi);
 
 /* The usable mask of device `dev` (0 beyond the tables or before configure). */
 int64_t mf__gemm_usable(const mf__gemm_family_t *f, int dev);
-
-/* Every device examines the variants again at its next call (after the lab registers its own). */
-void mf__gemm_reconfigure(mf__gemm_family_t *f);
 
 /* The segments and dtype, as both families take them: BF16 or FP8 E4M3, L in [0, max_experts],
  * L * N weight rows within int32 TMA coordinates, max_rows_per_expert >= 0, counts and offsets

@@ -8,30 +8,26 @@
  * they are CUDA-graph capturable.
  *
  * Declining: a shape or argument the kernel does not take returns MF_ERR_NOT_SUPPORTED without
- * launching and without recording a library error (the dispatcher then runs v1); the reason is kept
- * per thread for the lab (mf__sm90_tma_last_decline). Configuring, declining and the MF_DEBUG
- * report go through the families' one skeleton, cuda/gemm_family.cuh. The kernel takes: BF16 or FP8 E4M3; W13:
- * contiguous A (a.gather declines: TMA cannot gather rows), I a multiple of 128; W2: H a multiple
- * of 256; K * element bytes a multiple of 16 (FP8: K a multiple of 128); L <= kMaxExperts;
- * L * N < 2^31; 16-byte aligned data, 4-byte aligned scales.
+ * launching and without recording a library error (the dispatcher then runs the mma.sync fallback);
+ * the reason is kept per thread for the lab (mf__sm90_tma_last_decline). Configuring, declining and
+ * the MF_DEBUG report go through the families' one skeleton, cuda/gemm_family.cuh. The kernel
+ * takes: BF16 or FP8 E4M3; W13: contiguous A (a.gather declines: TMA cannot gather rows), I a
+ * multiple of 128; W2: H a multiple of 256; K * element bytes a multiple of 16 (FP8: K a multiple
+ * of 128); L <= kMaxExperts; L * N < 2^31; 16-byte aligned data, 4-byte aligned scales.
  *
- * Variants (4 shipped): {FP8, BF16} x {W13 SwiGLU, W2 plain}; W2 sends rows to `out` or, with `ret`,
- * to the owners' combine slots (a runtime flag). Two more, the FP8 kernels without the issue order,
- * exist for the lab's A/B measurement only (mf__sm90_tma_lab_variant): they are compiled in
- * dev/cuda/sm90_gemm_lab.cu, never into the library, and registered by it
- * (mf__sm90_tma_lab_register). mf__sm90_tma_preload loads
- * every variant and raises its shared-memory limit (group init calls it before any rank can spin:
- * no lazy module load ever happens on the data path); a launch on a device not yet configured does
- * the same first. A variant that did not get exactly kLaunchRegs registers (setmaxnreg's
- * assumption: with fewer, the consumers' setmaxnreg.inc would wait forever) is never launched: its
- * calls decline.
+ * Variants (4): {FP8, BF16} x {W13 SwiGLU, W2 plain}; W2 sends rows to `out` or, with `ret`, to the
+ * owners' combine slots (a runtime flag). The lab's A/B kernels and timing probes are its own fork
+ * of the kernel with its own launcher (dev/cuda/sm90_tma_lab_kernel.cuh), never compiled or
+ * registered here. mf__sm90_tma_preload loads every variant and raises its shared-memory limit
+ * (group init calls it before any rank can spin: no lazy module load ever happens on the data
+ * path); a launch on a device not yet configured does the same first. A variant that did not get
+ * exactly kLaunchRegs registers (setmaxnreg's assumption: with fewer, the consumers' setmaxnreg.inc
+ * would wait forever) is never launched: its calls decline.
  */
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <string.h>
-
-#include <atomic>
 
 #include "core/internal.h"
 #include "cuda/gemm_family.cuh"
@@ -43,52 +39,21 @@ using namespace mf__tma;
 
 namespace {
 
-constexpr int kNumVariants = 12;
-
 struct variant_t {
     const void *fn;
-    int fp8, swiglu, ordered, overlap, probe;
-    const char *tag; /* the MF_DEBUG report's note */
+    int fp8, swiglu;
 };
 
-/* Every variant, in a fixed order: indices 0-3 (2 fp8 + swiglu) ship; 4-11 only run under the lab's
- * A/B switch and are not compiled into the library: the lab (dev/cuda/sm90_gemm_lab.cu)
- * instantiates them and registers them (mf__sm90_tma_lab_register); until then their fn is NULL and
- * they are unusable. */
-constexpr int kNumShipped = 4;
+/* Every variant, indexed by 2 fp8 + swiglu. */
+constexpr int kNumVariants = 4;
 const variant_t kVariants[kNumVariants] = {
-    {(const void *)sm90_tma_kernel<false, kEpiPlain>, 0, 0, 0, 0, kProbeNone, ""},
-    {(const void *)sm90_tma_kernel<false, kEpiSwiglu>, 0, 1, 0, 0, kProbeNone, ""},
-    {(const void *)sm90_tma_kernel<true, kEpiPlain>, 1, 0, 1, 1, kProbeNone, ""},
-    {(const void *)sm90_tma_kernel<true, kEpiSwiglu>, 1, 1, 1, 1, kProbeNone, ""},
-    /* the lab's: <true, kEpiPlain, false>, <true, kEpiSwiglu, false> */
-    {NULL, 1, 0, 0, 1, kProbeNone, " unordered (lab A/B)"},
-    {NULL, 1, 1, 0, 1, kProbeNone, " unordered (lab A/B)"},
-    /* <true, kEpiSwiglu, true, true>, <true, kEpiPlain, true, true> */
-    {NULL, 1, 1, 1, 0, kProbeNone, " no overlap (lab A/B)"},
-    {NULL, 1, 0, 1, 0, kProbeNone, " no overlap (lab A/B)"},
-    /* <true, kEpiPlain, true, true, kProbeNoPromote>, <true, kEpiSwiglu, true, true, kProbeNoPromote> */
-    {NULL, 1, 0, 1, 0, kProbeNoPromote, " probe: no promotion (lab)"},
-    {NULL, 1, 1, 1, 0, kProbeNoPromote, " probe: no promotion (lab)"},
-    /* <false, kEpiPlain, true, false, kProbeNoStore>, <false, kEpiSwiglu, true, false, kProbeNoStore> */
-    {NULL, 0, 0, 0, 0, kProbeNoStore, " probe: no epilogue (lab)"},
-    {NULL, 0, 1, 0, 0, kProbeNoStore, " probe: no epilogue (lab)"},
+    {(const void *)sm90_tma_kernel<false, kEpiPlain>, 0, 0},
+    {(const void *)sm90_tma_kernel<false, kEpiSwiglu>, 0, 1},
+    {(const void *)sm90_tma_kernel<true, kEpiPlain>, 1, 0},
+    {(const void *)sm90_tma_kernel<true, kEpiSwiglu>, 1, 1},
 };
 
-/* The variant the lab's switch `lab` (kMfTmaLab*) selects for (fp8, swiglu). */
-int variant_index(int lab, int fp8, int swiglu) {
-    if (!fp8) return (lab & kMfTmaLabNoStore) ? 10 + swiglu : swiglu;
-    if (lab & kMfTmaLabNoPromote) return 8 + swiglu;
-    if (lab & kMfTmaLabNoOverlap) return swiglu ? 6 : 7;
-    return 2 + swiglu + ((lab & kMfTmaLabUnordered) ? 2 : 0);
-}
-
-/* The lab's A/B switch (mf__sm90_tma_lab_variant) and its registered kernels. */
-std::atomic<int> g_lab_variant;
-std::atomic<const void *> g_lab_fn[kNumVariants - kNumShipped];
-
-const void *variant_fn(int i) { return i < kNumShipped ? kVariants[i].fn : g_lab_fn[i - kNumShipped].load(); }
-
+const void *variant_fn(int i) { return kVariants[i].fn; }
 int variant_count(void) { return kNumVariants; }
 int variant_smem(int) { return kSmemBytes; }
 
@@ -118,26 +83,19 @@ mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int
                    gemm_params *p, cudaStream_t stream, int32_t pdl) {
     int dev = 0, sms = 0;
     MF_CHECK(mf__gemm_configure(&g_family, who, &dev, &sms));
-    const int vi = variant_index(g_lab_variant.load(), fp8, swiglu);
+    const int vi = 2 * fp8 + swiglu;
     MF_CHECK(mf__gemm_require(&g_family, dev, vi));
-    const int esz = fp8 ? 1 : 2;
-    const uint64_t kbytes = (uint64_t)p->K * esz;
-    const CUtensorMapDataType dt = fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-    CUresult r = mf__tma_encode_2d(&p->tmap_a, dt, a, (uint64_t)p->K, (uint64_t)kMaxRowCoord, kbytes,
-                                   (uint32_t)(kKBlock / esz), (uint32_t)kBlockM, CU_TENSOR_MAP_SWIZZLE_128B);
-    if (r != CUDA_SUCCESS) return mf__gemm_decline(&g_family, "activation tensor map: CUresult %d", (int)r);
-    r = mf__tma_encode_2d(&p->tmap_w, dt, w, (uint64_t)p->K, (uint64_t)seg->num_experts * p->N, kbytes,
-                          (uint32_t)(kKBlock / esz), (uint32_t)kBoxRows, CU_TENSOR_MAP_SWIZZLE_128B);
-    if (r != CUDA_SUCCESS) return mf__gemm_decline(&g_family, "weight tensor map: CUresult %d", (int)r);
-    const int64_t tiles = (int64_t)seg->num_experts * ((seg->max_rows_per_expert + kBlockM - 1) / kBlockM) * (p->N / kTileN);
-    const int grid = (int)(tiles < sms ? tiles : sms);
+    const char *map = NULL;
+    const CUresult r = encode_maps(p, fp8, a, w, &map);
+    if (r != CUDA_SUCCESS) return mf__gemm_decline(&g_family, "%s tensor map: CUresult %d", map, (int)r);
+    const int grid = grid_of(p, seg->max_rows_per_expert, sms);
     if (grid <= 0) return MF_SUCCESS;
     void *args[] = {(void *)p};
     MF__GEMM_CUDA(mf__cuda_launch(variant_fn(vi), dim3((unsigned)grid), dim3(kThreads), (size_t)kSmemBytes, stream, pdl,
                                  args),
                  who);
-    mf__gemm_report_launch(&g_family, "tma %s %s%s (%d-row tiles, %d stages, %d B smem, grid %d, %s schedule)",
-                           fp8 ? "fp8" : "bf16", swiglu ? "swiglu" : "plain", kVariants[vi].tag, kBlockM, kStages,
+    mf__gemm_report_launch(&g_family, "tma %s %s (%d-row tiles, %d stages, %d B smem, grid %d, %s schedule)",
+                           fp8 ? "fp8" : "bf16", swiglu ? "swiglu" : "plain", kBlockM, kStages,
                            kSmemBytes, grid, p->sched ? "dynamic" : "static");
     return MF_SUCCESS;
 }
@@ -149,7 +107,7 @@ mf_result_t mf__sm90_tma_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtyp
                                     cudaStream_t stream, int32_t pdl) {
     static const char *who = "mf__sm90_tma_w13_swiglu";
     if (a.gather)
-        return mf__gemm_decline(&g_family, "a.gather: TMA cannot gather rows (the dispatcher sends gathers elsewhere)");
+        return mf__gemm_decline(&g_family, "a.gather: TMA cannot gather rows (mf__gemm_choose never asks it to)");
     const int64_t N = 2 * (int64_t)I, K = H;
     const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
     MF_CHECK(check_shape(seg, dtype, 1, N, K));
@@ -192,16 +150,13 @@ int mf__sm90_tma_variants(mf__tma_variant_info_t *out, int max) {
     for (int i = 0; i < kNumVariants && out && i < max; i++) {
         cudaFuncAttributes fa;
         memset(&fa, 0, sizeof fa);
-        if (variant_fn(i) && cudaFuncGetAttributes(&fa, variant_fn(i)) != cudaSuccess) {
+        if (cudaFuncGetAttributes(&fa, variant_fn(i)) != cudaSuccess) {
             (void)cudaGetLastError();
             return -1;
         }
         mf__tma_variant_info_t &o = out[i];
         o.fp8 = kVariants[i].fp8;
         o.swiglu = kVariants[i].swiglu;
-        o.ordered = kVariants[i].ordered;
-        o.overlap = kVariants[i].overlap;
-        o.probe = kVariants[i].probe;
         o.smem_bytes = kSmemBytes;
         o.stages = kStages;
         o.num_regs = fa.numRegs;
@@ -214,14 +169,5 @@ int mf__sm90_tma_variants(mf__tma_variant_info_t *out, int max) {
 const char *mf__sm90_tma_last_decline(void) { return mf__gemm_last_decline(&g_family); }
 
 const char *mf__sm90_tma_last_launch(void) { return mf__gemm_last_launch(&g_family); }
-
-void mf__sm90_tma_lab_variant(int variant) { g_lab_variant.store(variant); }
-
-int mf__sm90_tma_lab_register(const void *const *fns, int n) {
-    if (n != kNumVariants - kNumShipped) return -1;
-    for (int i = 0; i < n; i++) g_lab_fn[i].store(fns[i]);
-    mf__gemm_reconfigure(&g_family); /* every device examines them on its next call */
-    return 0;
-}
 
 cudaError_t mf__sm90_tma_set_fault_record(mf__sm90_fault_t *record) { return mf__sm90_set_fault_record(record); }

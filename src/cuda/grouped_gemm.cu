@@ -1,8 +1,11 @@
 /*
- * grouped_gemm.cu — host launchers of the grouped expert GEMMs (cuda/grouped_gemm.h): argument
- * checks, the persistent grid, and one kernel launch each. The kernels are in
- * kernels/sm90_grouped_gemm.cuh; the lab dev/cuda/gemm_lab.cu validates them against the CPU
- * oracle and times them.
+ * grouped_gemm.cu — the GEMM choice and the dispatchers of the grouped expert GEMMs
+ * (cuda/grouped_gemm.h): mf__gemm_choose, the one place that decides the kernel family, its tile
+ * and the dataflow of a layer call; mf__cuda_w13_swiglu / mf__cuda_w2, which run the family a choice
+ * names and, where it declines the shape, the mma.sync fallback ("v1"), whose host launchers
+ * (argument checks, the persistent grid, one kernel launch each) are here too. The fallback's
+ * kernels are in kernels/sm90_grouped_gemm.cuh; the lab dev/cuda/gemm_lab.cu validates them
+ * against the CPU oracle and times them.
  *
  * The launchers never synchronise and never allocate, so they are CUDA-graph capturable. On
  * first use per device and kernel they raise the kernel's dynamic shared-memory limit and read
@@ -158,6 +161,45 @@ void debug_report(const char *phase, const mf__gemm_segments_t *seg, int32_t dty
 
 void mf__cuda_gemm_debug_layer(uint32_t layer) { g_debug_layer = layer; }
 
+/* ---- the choice -------------------------------------------------------------------------------- */
+
+mf__gemm_choice_t mf__gemm_choose(int32_t rows_hint, int32_t max_rows_per_expert, int32_t dataflow) {
+    mf__gemm_choice_t c;
+    if (rows_hint <= kMfDecodeMaxRows) {
+        /* decode: tokens per tile, the smallest of the variants' 8, 16, 32, 64 (gemm_decode.cu) that
+         * holds the expected rows (0 = unknown: the bound), never more than the bound needs */
+        int32_t m = rows_hint > 0 ? rows_hint : max_rows_per_expert;
+        if (max_rows_per_expert > 0 && max_rows_per_expert < m) m = max_rows_per_expert;
+        c.family = kMfGemmFamilyDecode;
+        c.block_rows = m <= 8 ? 8 : m <= 16 ? 16 : m <= 32 ? 32 : 64;
+    } else {
+        c.family = kMfGemmFamilyTma;
+        c.block_rows = mf__tma::kBlockM;
+    }
+    /* rows read in place at their owners: only the decode family gathers them */
+    const int32_t may_gather = dataflow == MF_DATAFLOW_AUTO || dataflow == MF_DATAFLOW_DIRECT;
+    c.dataflow = !may_gather ? dataflow : c.family == kMfGemmFamilyDecode ? MF_DATAFLOW_DIRECT : MF_DATAFLOW_PULL;
+    return c;
+}
+
+/* MF_DEBUG: the families a call did not run and why; `r` is the chosen family's result. */
+static void note_declines(decision_t *d, const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg,
+                          mf_result_t r) {
+    if (choice->family == kMfGemmFamilyDecode) {
+        if (r == MF_ERR_NOT_SUPPORTED) declined(d, "decode: %s", mf__sm90_decode_last_decline());
+        declined(d, "tma: not tried (rows_hint %d <= kMfDecodeMaxRows %d)", seg->rows_hint, kMfDecodeMaxRows);
+    } else {
+        declined(d, "decode: rows_hint %d > kMfDecodeMaxRows %d", seg->rows_hint, kMfDecodeMaxRows);
+        if (r == MF_ERR_NOT_SUPPORTED) declined(d, "tma: %s", mf__sm90_tma_last_decline());
+    }
+}
+
+/* MF_DEBUG: what ran, when the chosen family launched (or found nothing to do). */
+static const char *chosen_ran(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg) {
+    if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) return "nothing (no rows)";
+    return choice->family == kMfGemmFamilyDecode ? mf__sm90_decode_last_launch() : mf__sm90_tma_last_launch();
+}
+
 /* ---- expired pipeline waits (sm90_ptx.cuh mf__mbar_wait_bounded) ------------------------------ */
 
 cudaError_t mf__sm90_decode_set_fault_record(mf__sm90_fault_t *record);
@@ -202,10 +244,11 @@ mf_result_t mf__cuda_gemm_preload(void) {
     return MF_SUCCESS;
 }
 
-mf_result_t mf__cuda_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, int32_t ue8m0, mf__gemm_operand_t a,
-                                mf__gemm_operand_t w13, int32_t H, int32_t I, void *h, float *h_scales,
-                                cudaStream_t stream, int32_t pdl) {
+mf_result_t mf__cuda_w13_swiglu(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t dtype,
+                                int32_t ue8m0, mf__gemm_operand_t a, mf__gemm_operand_t w13, int32_t H, int32_t I, void *h,
+                                float *h_scales, cudaStream_t stream, int32_t pdl) {
     static const char *who = "mf__cuda_w13_swiglu";
+    MF_REQUIRE(choice, "%s: choice must not be NULL", who);
     MF_CHECK(check_common(who, seg, dtype, H, I));
     const bool fp8 = dtype == MF_DTYPE_FP8_E4M3;
     if (a.gather) MF_CHECK(check_data(who, "a.gather->src", a.gather->src));
@@ -221,32 +264,19 @@ mf_result_t mf__cuda_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, i
     decision_t d;
     d.n = 0;
     d.declined[0] = '\0';
-    mf_result_t r = MF_ERR_NOT_SUPPORTED;
-    if (seg->rows_hint <= kMfDecodeMaxRows) {
-        r = mf__sm90_decode_w13_swiglu(seg, dtype, ue8m0, a, w13, H, I, h, h_scales, stream, pdl);
-        if (dbg) {
-            if (r == MF_ERR_NOT_SUPPORTED) declined(&d, "decode: %s", mf__sm90_decode_last_decline());
-            declined(&d, "tma: not tried (rows_hint %d <= kMfDecodeMaxRows %d)", seg->rows_hint, kMfDecodeMaxRows);
-        }
-    } else {
-        if (dbg) declined(&d, "decode: rows_hint %d > kMfDecodeMaxRows %d", seg->rows_hint, kMfDecodeMaxRows);
-        if (!a.gather) {
-            r = mf__sm90_tma_w13_swiglu(seg, dtype, ue8m0, a, w13, H, I, h, h_scales, stream, pdl);
-            if (dbg && r == MF_ERR_NOT_SUPPORTED) declined(&d, "tma: %s", mf__sm90_tma_last_decline());
-        } else if (dbg) {
-            declined(&d, "tma: A gathered in place (TMA cannot gather rows)");
-        }
-    }
+    /* the TMA launcher declines a gathered A itself (TMA cannot gather rows; a choice never asks it) */
+    const mf_result_t r =
+        choice->family == kMfGemmFamilyDecode
+            ? mf__sm90_decode_w13_swiglu(choice, seg, dtype, ue8m0, a, w13, H, I, h, h_scales, stream, pdl)
+            : mf__sm90_tma_w13_swiglu(seg, dtype, ue8m0, a, w13, H, I, h, h_scales, stream, pdl);
+    if (dbg) note_declines(&d, choice, seg, r);
     if (r != MF_ERR_NOT_SUPPORTED) {
         if (dbg && r == MF_SUCCESS)
-            debug_report("w13", seg, dtype, H, I, a.gather != NULL, 0,
-                         seg->num_experts == 0 || seg->max_rows_per_expert == 0 ? "nothing (no rows)"
-                         : seg->rows_hint <= kMfDecodeMaxRows                   ? mf__sm90_decode_last_launch()
-                                                                                : mf__sm90_tma_last_launch(),
-                         &d);
+            debug_report("w13", seg, dtype, H, I, a.gather != NULL, 0, chosen_ran(choice, seg), &d);
         return r;
     }
 
+    /* the chosen family declined the shape: the mma.sync fallback */
     const int32_t col_tiles = (int32_t)mf__ceil_div(I, mf__gemm::kW13BlockN);
     const int64_t tiles = max_tiles(seg, col_tiles);
     if (tiles == 0) {
@@ -288,10 +318,11 @@ mf_result_t mf__cuda_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, i
     return MF_SUCCESS;
 }
 
-mf_result_t mf__cuda_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__gemm_operand_t h, mf__gemm_operand_t w2,
-                        int32_t H, int32_t I, uint16_t *out, const mf__gemm_return_t *ret, cudaStream_t stream,
-                        int32_t pdl) {
+mf_result_t mf__cuda_w2(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t dtype,
+                        mf__gemm_operand_t h, mf__gemm_operand_t w2, int32_t H, int32_t I, uint16_t *out,
+                        const mf__gemm_return_t *ret, cudaStream_t stream, int32_t pdl) {
     static const char *who = "mf__cuda_w2";
+    MF_REQUIRE(choice, "%s: choice must not be NULL", who);
     MF_CHECK(check_common(who, seg, dtype, H, I));
     const bool fp8 = dtype == MF_DTYPE_FP8_E4M3;
     MF_CHECK(check_data(who, "h.data", h.data));
@@ -309,32 +340,20 @@ mf_result_t mf__cuda_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__gemm_
     } else {
         MF_CHECK(check_data(who, "out", out));
     }
-    const bool decode = seg->rows_hint <= kMfDecodeMaxRows;
-    mf_result_t r = decode ? mf__sm90_decode_w2(seg, dtype, h, w2, H, I, out, ret, stream, pdl)
-                           : mf__sm90_tma_w2(seg, dtype, h, w2, H, I, out, ret, stream, pdl);
+    const mf_result_t r = choice->family == kMfGemmFamilyDecode
+                              ? mf__sm90_decode_w2(choice, seg, dtype, h, w2, H, I, out, ret, stream, pdl)
+                              : mf__sm90_tma_w2(seg, dtype, h, w2, H, I, out, ret, stream, pdl);
     const bool dbg = mf__debug_on() && debug_first(1, seg, dtype, H, I, 0, ret != NULL);
     decision_t d;
     d.n = 0;
     d.declined[0] = '\0';
-    if (dbg) {
-        if (decode) {
-            if (r == MF_ERR_NOT_SUPPORTED) declined(&d, "decode: %s", mf__sm90_decode_last_decline());
-            declined(&d, "tma: not tried (rows_hint %d <= kMfDecodeMaxRows %d)", seg->rows_hint, kMfDecodeMaxRows);
-        } else {
-            declined(&d, "decode: rows_hint %d > kMfDecodeMaxRows %d", seg->rows_hint, kMfDecodeMaxRows);
-            if (r == MF_ERR_NOT_SUPPORTED) declined(&d, "tma: %s", mf__sm90_tma_last_decline());
-        }
-    }
+    if (dbg) note_declines(&d, choice, seg, r);
     if (r != MF_ERR_NOT_SUPPORTED) {
-        if (dbg && r == MF_SUCCESS)
-            debug_report("w2", seg, dtype, H, I, 0, ret != NULL,
-                         seg->num_experts == 0 || seg->max_rows_per_expert == 0 ? "nothing (no rows)"
-                         : decode                                               ? mf__sm90_decode_last_launch()
-                                                                                : mf__sm90_tma_last_launch(),
-                         &d);
+        if (dbg && r == MF_SUCCESS) debug_report("w2", seg, dtype, H, I, 0, ret != NULL, chosen_ran(choice, seg), &d);
         return r;
     }
 
+    /* the chosen family declined the shape: the mma.sync fallback */
     const int32_t col_tiles = (int32_t)mf__ceil_div(H, mf__gemm::kW2BlockN);
     const int64_t tiles = max_tiles(seg, col_tiles);
     if (tiles == 0) {

@@ -17,6 +17,10 @@
  * rounded to BF16 and written either to out[row] or, when `ret` is given, to the token owner's
  * combine slot ret->slots[rank] + (token * K + k) * H with (rank, token, k) = ret->src[row].
  *
+ * The choice (mf__gemm_choose, below): the kernel family, its tile and the dataflow of one layer call
+ * are decided once, from host facts only, and carried in a mf__gemm_choice_t to both GEMMs of the
+ * call; no launcher re-decides (a family that declines a shape falls back to the mma.sync kernels).
+ *
  * `pdl` (every launcher, last): 1 launches the kernel with programmatic dependent launch
  * (cuda/pdl.cuh): it may start while the previous kernel on `stream` drains and waits for it
  * before reading anything. Only the forward's chain passes 1 (src/cuda/backend.cu); benchmarks and
@@ -35,8 +39,9 @@ typedef struct mf__gemm_segments {
     const int32_t *offsets;      /* [L + 1] device: first receive row of each expert */
     int32_t num_experts;         /* L */
     int32_t max_rows_per_expert; /* host bound on counts[e], for sizing grids (C or R * S) */
-    int32_t rows_hint;           /* host estimate of rows per expert (0 = unknown): picks the
-                                    kernel (decode at most kMfDecodeMaxRows, else the TMA one) */
+    int32_t rows_hint;           /* host estimate of rows per expert (0 = unknown), the fact the
+                                    call's mf__gemm_choose read; MF_DEBUG reports it, no launcher
+                                    reads it */
     int32_t *sched;              /* device, NULL or two zeroed int32 (tile ticket, finished CTAs):
                                     the TMA kernel hands out tiles from it in order (dynamic
                                     schedule) and zeroes it again when it ends; a launch that can
@@ -78,20 +83,41 @@ mf_result_t mf__cuda_gemm_preload(void);
 mf_result_t mf__cuda_gemm_watch(void);
 int32_t mf__cuda_gemm_expired(char *what, size_t bytes);
 
-/* The dispatchers below choose among three kernel families, by seg->rows_hint only (never by
- * dataflow, so DIRECT and PULL run the same arithmetic and give the same bits):
- *   decode (rows_hint <= kMfDecodeMaxRows): kernels/sm90_decode_gemm.cuh, gemm_decode.cu — the
- *           weights are the wgmma A operand and stream at HBM rate; A rows may be gathered
- *   tma (larger):  kernels/sm90_tma_gemm.cuh, gemm_tma.cu — TMA + wgmma, 128-row tiles
- *   v1:            kernels/sm90_grouped_gemm.cuh — mma.sync; the fallback for any shape the
- *                  others decline (they return MF_ERR_NOT_SUPPORTED without launching)
- * Every variant takes the arguments of its dispatcher and honours the same contract. decode and tma
- * configure, decline and report through one skeleton (cuda/gemm_family.cuh). */
-mf_result_t mf__sm90_decode_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, int32_t ue8m0,
-                                       mf__gemm_operand_t a, mf__gemm_operand_t w13, int32_t H, int32_t I, void *h,
-                                       float *h_scales, cudaStream_t stream, int32_t pdl);
-mf_result_t mf__sm90_decode_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__gemm_operand_t h,
-                               mf__gemm_operand_t w2, int32_t H, int32_t I, uint16_t *out,
+/* ---- the choice ------------------------------------------------------------------------------
+ * Three kernel families; what differs between them is all the choice carries:
+ *   decode   (rows_hint <= kMfDecodeMaxRows): kernels/sm90_decode_gemm.cuh, gemm_decode.cu — the
+ *            weights are the wgmma A operand and stream at HBM rate; block_rows = tokens per tile
+ *            (8, 16, 32 or 64); the only family that is chosen with gathered A rows (DIRECT)
+ *   tma      (larger): kernels/sm90_tma_gemm.cuh, gemm_tma.cu — TMA + wgmma, 128-row tiles
+ *   mma.sync kernels/sm90_grouped_gemm.cuh, this file — never chosen: the fallback the dispatchers
+ *            run for any shape the chosen family declines (MF_ERR_NOT_SUPPORTED without launching);
+ *            it takes gathered rows too, so DIRECT stays correct after a decode decline
+ * The family never depends on the dataflow, so DIRECT and PULL run the same arithmetic and give the
+ * same bits; the dataflow depends on the family (TMA cannot gather rows). */
+enum { kMfGemmFamilyDecode = 0, kMfGemmFamilyTma = 1, kMfGemmFamilyMmaSync = 2 };
+
+typedef struct mf__gemm_choice {
+    int32_t family;     /* kMfGemmFamilyDecode or kMfGemmFamilyTma */
+    int32_t block_rows; /* receive rows per tile: decode 8, 16, 32 or 64 tokens; TMA 128 */
+    int32_t dataflow;   /* MF_DATAFLOW_*: DIRECT only with the decode family */
+} mf__gemm_choice_t;
+
+/* The choice for one layer call (a forward, an mf_moe_experts call, a benchmark launch), from host
+ * facts only: `rows_hint` the expected rows per expert (0 = unknown: the bound),
+ * `max_rows_per_expert` the bound on any expert's rows, `dataflow` the one asked for (MF_DATAFLOW_*;
+ * AUTO and DIRECT: rows may be read in place at their owners, which only the decode family can
+ * do: DIRECT with decode, else PULL; PULL and UNFUSED are kept; rows that are already contiguous
+ * pass PULL). Pure host arithmetic: never fails, never launches. */
+mf__gemm_choice_t mf__gemm_choose(int32_t rows_hint, int32_t max_rows_per_expert, int32_t dataflow);
+
+/* The families' launchers: every variant takes the arguments of its dispatcher (decode also the
+ * choice, for its tokens per tile) and honours the same contract. decode and tma configure, decline
+ * and report through one skeleton (cuda/gemm_family.cuh). */
+mf_result_t mf__sm90_decode_w13_swiglu(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t dtype,
+                                       int32_t ue8m0, mf__gemm_operand_t a, mf__gemm_operand_t w13, int32_t H, int32_t I,
+                                       void *h, float *h_scales, cudaStream_t stream, int32_t pdl);
+mf_result_t mf__sm90_decode_w2(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t dtype,
+                               mf__gemm_operand_t h, mf__gemm_operand_t w2, int32_t H, int32_t I, uint16_t *out,
                                const mf__gemm_return_t *ret, cudaStream_t stream, int32_t pdl);
 mf_result_t mf__sm90_decode_preload(void);
 mf_result_t mf__sm90_tma_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, int32_t ue8m0,
@@ -106,15 +132,18 @@ mf_result_t mf__sm90_tma_preload(void);
  * (a thread-local label; nothing else reads it). */
 void mf__cuda_gemm_debug_layer(uint32_t layer);
 
+/* The dispatchers: the family `choice` names (mf__gemm_choose), or the mma.sync fallback where that
+ * family declines the shape. a.gather (W13) only with choice->dataflow DIRECT. */
+
 /* h[rows, I] (+ h_scales [rows, I/128] for FP8) = swiglu(a[rows, H] . w13[e]^T) per expert. */
-mf_result_t mf__cuda_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, int32_t ue8m0,
-                                mf__gemm_operand_t a, mf__gemm_operand_t w13, int32_t H, int32_t I,
+mf_result_t mf__cuda_w13_swiglu(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t dtype,
+                                int32_t ue8m0, mf__gemm_operand_t a, mf__gemm_operand_t w13, int32_t H, int32_t I,
                                 void *h, float *h_scales, cudaStream_t stream, int32_t pdl);
 
 /* out = bf16(h[rows, I] . w2[e]^T) per expert: into out[rows, H] when `ret` is NULL, else into
  * the owners' combine slots. */
-mf_result_t mf__cuda_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__gemm_operand_t h,
-                        mf__gemm_operand_t w2, int32_t H, int32_t I, uint16_t *out,
+mf_result_t mf__cuda_w2(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t dtype,
+                        mf__gemm_operand_t h, mf__gemm_operand_t w2, int32_t H, int32_t I, uint16_t *out,
                         const mf__gemm_return_t *ret, cudaStream_t stream, int32_t pdl);
 
 #endif /* MF_CUDA_GROUPED_GEMM_H */

@@ -452,17 +452,6 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_decode_kernel(const __grid_c
     }
 }
 
-/* ---- host ------------------------------------------------------------------------------------- */
-
-/* Tokens per tile for an expected `rows_hint` rows per expert (0 = unknown: the bound `max_rows`),
- * never more than the bound needs: the smallest of 8, 16, 32, 64 that holds it, else 64. Host data
- * only, so the kernel a call runs never depends on device data. */
-static inline int block_t_for(int32_t rows_hint, int32_t max_rows) {
-    int32_t m = rows_hint > 0 ? rows_hint : max_rows;
-    if (max_rows > 0 && max_rows < m) m = max_rows;
-    return m <= 8 ? 8 : m <= 16 ? 16 : m <= 32 ? 32 : 64;
-}
-
 } /* namespace mf__decode */
 
 /* What gemm_decode.cu ships, for the lab and for diagnostics: one entry per kernel variant. */

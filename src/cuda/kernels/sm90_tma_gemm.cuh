@@ -118,11 +118,6 @@
 namespace mf__tma {
 
 enum { kEpiPlain = 0, kEpiSwiglu = 1 };
-/* Lab timing probes (never shipped; their results are not the GEMM): kProbeNoPromote, FP8 without
- * the epilogue overlap whose wgmmas accumulate straight into acc (the same waits, no promotion);
- * kProbeNoStore, no epilogue (its code stays, behind a test that is never true, so that the main
- * loop is compiled as in what ships). Each against its baseline measures one cost. */
-enum { kProbeNone = 0, kProbeNoPromote = 1, kProbeNoStore = 2 };
 
 /* Threads, registers, tile and stage sizes, table sizes and the wait bound: cuda/gemm_configs.cuh.
  * Params, tables, tile walk, ring, roles and row targets: the shared core, kernels/sm90_core.cuh. */
@@ -242,21 +237,20 @@ __device__ __forceinline__ void producer(const gemm_params &p, const tables_t &t
 
 /* ---- consumers ------------------------------------------------------------------------------- */
 
-/* FP8: issues the 4 k32 wgmmas of box b of the stage at `st` for warpgroup `wg` into `tmp`, in
- * turn with the other warpgroup (see "Issue order"). */
-template <bool kOrdered, bool kZero = true>
+/* FP8: issues the 4 k32 wgmmas of box b of the stage at `st` for warpgroup `wg` into `tmp` (the
+ * first overwrites), in turn with the other warpgroup (see "Issue order"). */
 __device__ __forceinline__ void fp8_issue(float *tmp, uint64_t desc_st, int wg, int b) {
     const uint64_t da = mf__wgmma_desc_advance(desc_st, wg * kWgOperandBytes);
     const uint64_t db = mf__wgmma_desc_advance(desc_st, kABytes + b * kBoxBytes);
     mf__fence_fragment<kBoxRows>(tmp); /* the last promotion's reads of tmp come first */
-    if (kOrdered) mf__named_barrier_sync(wg == 0 ? kBarIssued1 : kBarIssued0, kConsumerThreads);
+    mf__named_barrier_sync(wg == 0 ? kBarIssued1 : kBarIssued0, kConsumerThreads);
     mf__wgmma_fence();
 #pragma unroll
     for (int k = 0; k < kKSteps; k++)
         mf__wgmma_e4m3<kBoxRows>(tmp, mf__wgmma_desc_advance(da, k * kKStepBytes), mf__wgmma_desc_advance(db, k * kKStepBytes),
-                                 (k > 0 || !kZero) ? 1 : 0);
+                                 k > 0 ? 1 : 0);
     mf__wgmma_commit();
-    if (kOrdered) mf__named_barrier_arrive(wg == 0 ? kBarIssued0 : kBarIssued1, kConsumerThreads);
+    mf__named_barrier_arrive(wg == 0 ? kBarIssued0 : kBarIssued1, kConsumerThreads);
 }
 
 /* FP8 promotion of one box: acc (+)= tmp * scale (rows r: s_lo, r + 8: s_hi); kFirst assigns. */
@@ -293,13 +287,13 @@ struct consumer_t {
 __device__ __forceinline__ void release(const consumer_t &c, uint32_t slot) { release_stage(c.empty, slot, c.lane); }
 
 /* FP8: one K block at ring position `it`; with kIssued, box 0's group is already in flight. */
-template <bool kOrdered, bool kFirst, bool kIssued>
+template <bool kFirst, bool kIssued>
 __device__ __forceinline__ void fp8_kblock(const consumer_t &c, float *acc, float *tmp, uint32_t it) {
     const uint32_t slot = ring_t::slot(it);
     const uint64_t desc_st = mf__wgmma_desc_advance(c.desc_stages, slot * kStageBytes);
     if (!kIssued) {
         ring_t::wait_full(c.full, it);
-        fp8_issue<kOrdered>(tmp, desc_st, c.wg, 0);
+        fp8_issue(tmp, desc_st, c.wg, 0);
     }
     /* this stage's scales, read before the stage is released */
     const float sa_lo = c.a_sc[slot * kBlockM + c.row_lo], sa_hi = c.a_sc[slot * kBlockM + c.row_lo + 8];
@@ -307,27 +301,11 @@ __device__ __forceinline__ void fp8_kblock(const consumer_t &c, float *acc, floa
     mf__wgmma_wait<0>();
     mf__fence_fragment<kBoxRows>(tmp);
     fp8_promote<kFirst>(acc, tmp, sa_lo * sw0, sa_hi * sw0);
-    fp8_issue<kOrdered>(tmp, desc_st, c.wg, 1);
+    fp8_issue(tmp, desc_st, c.wg, 1);
     mf__wgmma_wait<0>();
     mf__fence_fragment<kBoxRows>(tmp);
     release(c, slot);
     fp8_promote<kFirst>(acc + kBoxAcc, tmp, sa_lo * sw1, sa_hi * sw1);
-}
-
-/* kProbeNoPromote: fp8_kblock's issues and waits, each box's wgmmas straight into its half of acc
- * (zeroed on the tile's first K block), no scales, no promotion. */
-template <bool kOrdered, bool kFirst>
-__device__ __forceinline__ void fp8_kblock_probe(const consumer_t &c, float *acc, uint32_t it) {
-    const uint32_t slot = ring_t::slot(it);
-    const uint64_t desc_st = mf__wgmma_desc_advance(c.desc_stages, slot * kStageBytes);
-    ring_t::wait_full(c.full, it);
-    fp8_issue<kOrdered, kFirst>(acc, desc_st, c.wg, 0);
-    mf__wgmma_wait<0>();
-    mf__fence_fragment<kBoxRows>(acc);
-    fp8_issue<kOrdered, kFirst>(acc + kBoxAcc, desc_st, c.wg, 1);
-    mf__wgmma_wait<0>();
-    mf__fence_fragment<kBoxRows>(acc + kBoxAcc);
-    release(c, slot);
 }
 
 /* BF16: the whole K loop of one tile into acc (the first wgmma overwrites). */
@@ -476,49 +454,41 @@ __device__ __forceinline__ void epilogue(const gemm_params &p, const consumer_t 
     }
 }
 
-template <bool kFp8, int kEpi, bool kOrdered, bool kNoOverlap, int kProbe>
+template <bool kFp8, int kEpi>
 __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &tb, int32_t nblocks, consumer_t &c,
                                          float *acc, float *tmp) {
-    /* FP8: the next tile's first wgmmas overlap this tile's epilogue (see "Epilogue overlap");
-     * kNoOverlap: the lab's A/B kernel without it. */
-    constexpr bool kOverlap = kFp8 && !kNoOverlap;
-    static_assert(kProbe != kProbeNoPromote || (kFp8 && kNoOverlap), "the promotion probe is FP8 without the overlap");
     const int32_t kblocks = (p.K * (kFp8 ? 1 : 2) + kKBlock - 1) / kKBlock;
     uint32_t it = 0;
     int32_t cursor = 0, idx = (int32_t)blockIdx.x;
     tile_t t;
     if (!next_tile<kBlockM, kNInner>(tb, p.num_experts, nblocks, idx, cursor, t)) return;
     /* FP8 issue order: WG 1's arrival lets WG 0 issue its first group; WG 0 takes WG 1's last at the end */
-    if (kFp8 && kOrdered && c.wg == 1) mf__named_barrier_arrive(kBarIssued1, kConsumerThreads);
-    if constexpr (kOverlap) {
+    if (kFp8 && c.wg == 1) mf__named_barrier_arrive(kBarIssued1, kConsumerThreads);
+    /* FP8: the next tile's first wgmmas overlap this tile's epilogue (see "Epilogue overlap") */
+    if constexpr (kFp8) {
         ring_t::wait_full(c.full, 0);
-        fp8_issue<kOrdered>(tmp, c.desc_stages, c.wg, 0);
+        fp8_issue(tmp, c.desc_stages, c.wg, 0);
     }
     for (;;) {
-        if constexpr (kProbe == kProbeNoPromote) {
-            fp8_kblock_probe<kOrdered, true>(c, acc, it++);
-            for (int32_t kb = 1; kb < kblocks; kb++) fp8_kblock_probe<kOrdered, false>(c, acc, it++);
-        } else if constexpr (kFp8) {
-            fp8_kblock<kOrdered, true, kOverlap>(c, acc, tmp, it++);
-            for (int32_t kb = 1; kb < kblocks; kb++) fp8_kblock<kOrdered, false, false>(c, acc, tmp, it++);
+        if constexpr (kFp8) {
+            fp8_kblock<true, true>(c, acc, tmp, it++);
+            for (int32_t kb = 1; kb < kblocks; kb++) fp8_kblock<false, false>(c, acc, tmp, it++);
         } else {
             bf16_mainloop(c, acc, it, kblocks);
         }
         /* The next tile is the one the producer put into the next stage (tile_of; -1: none):
-         * FP8 with the overlap learns it before its epilogue, the others after. */
+         * FP8, with the overlap, learns it before its epilogue, BF16 after. */
         int32_t idx_next = -1;
-        if constexpr (kOverlap) {
+        if constexpr (kFp8) {
             ring_t::wait_full(c.full, it);
             idx_next = c.tile_of[ring_t::slot(it)];
             /* issued unconditionally (wgmmas on a divergent path serialise too): without a next
              * tile it reruns the last, consumed stage into tmp and the result is dropped */
             const uint32_t at = idx_next >= 0 ? it : it - 1;
-            fp8_issue<kOrdered>(tmp, mf__wgmma_desc_advance(c.desc_stages, ring_t::slot(at) * kStageBytes), c.wg, 0);
+            fp8_issue(tmp, mf__wgmma_desc_advance(c.desc_stages, ring_t::slot(at) * kStageBytes), c.wg, 0);
         }
-        /* kProbeNoStore: ue8m0 is 0 or 1, so the epilogue never runs, yet it keeps acc, hence the
-         * main loop's wgmmas, alive (the wgmma asm has no side effect of its own) */
-        if (kProbe != kProbeNoStore || p.ue8m0 == 0x7fffffff) epilogue<kFp8, kEpi>(p, c, t, acc);
-        if constexpr (!kOverlap) {
+        epilogue<kFp8, kEpi>(p, c, t, acc);
+        if constexpr (!kFp8) {
             ring_t::wait_full(c.full, it);
             idx_next = c.tile_of[ring_t::slot(it)];
         }
@@ -526,14 +496,14 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
         idx = idx_next;
         next_tile<kBlockM, kNInner>(tb, p.num_experts, nblocks, idx, cursor, t);
     }
-    if constexpr (kOverlap) mf__wgmma_wait<0>();
-    if (kFp8 && kOrdered && c.wg == 0) mf__named_barrier_sync(kBarIssued1, kConsumerThreads);
+    if constexpr (kFp8) mf__wgmma_wait<0>();
+    if (kFp8 && c.wg == 0) mf__named_barrier_sync(kBarIssued1, kConsumerThreads);
 }
 
-/* kOrdered: the FP8 issue order; kNoOverlap: FP8 without the epilogue overlap; kProbe: a lab timing
- * probe (kProbe*). What ships is <kFp8, kEpi, true, false, kProbeNone>; the others exist for the
- * lab's A/B measurements (mf__sm90_tma_lab_variant). */
-template <bool kFp8, int kEpi, bool kOrdered = true, bool kNoOverlap = false, int kProbe = kProbeNone>
+/* The shipped kernel: kFp8 (E4M3 with block scales, else BF16) x kEpi (kEpiPlain: W2, kEpiSwiglu:
+ * W13). The lab's A/B kernels (without the issue order or the epilogue overlap, and the timing
+ * probes) are its fork in dev/cuda/sm90_tma_lab_kernel.cuh, never compiled into the library. */
+template <bool kFp8, int kEpi>
 __global__ void __launch_bounds__(kThreads, 1) sm90_tma_kernel(const __grid_constant__ gemm_params p) {
     /* full[s]: the producer's arrive.expect_tx, + FP8 one cp.async arrival per producer lane */
     constexpr uint32_t kFullArrivals = kFp8 ? 1 + 32 : 1;
@@ -571,16 +541,40 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_tma_kernel(const __grid_cons
         float tmp[kFp8 ? kBoxAcc : 1];
 #pragma unroll
         for (int i = 0; i < (kFp8 ? kBoxAcc : 1); i++) tmp[i] = 0.0f;
-        consumer<kFp8, kEpi, kOrdered, kNoOverlap, kProbe>(p, tb, nblocks, c, acc, tmp);
+        consumer<kFp8, kEpi>(p, tb, nblocks, c, acc, tmp);
     }
+}
+
+/* ---- host: what every launch of the kernel (gemm_tma.cu, the lab's fork) sets up ------------------ */
+
+/* Encodes p's activation map ([kMaxRowCoord, K] from `a`, 128-row boxes) and weight map ([L N, K]
+ * from `w`, 128-row boxes), both 128B-swizzled; p's K, N and num_experts must be set. CUDA_SUCCESS,
+ * or the driver's result with *which naming the map ("activation", "weight"). */
+static inline CUresult encode_maps(gemm_params *p, int fp8, const void *a, const void *w, const char **which) {
+    const int esz = fp8 ? 1 : 2;
+    const uint64_t kbytes = (uint64_t)p->K * esz;
+    const CUtensorMapDataType dt = fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+    *which = "activation";
+    CUresult r = mf__tma_encode_2d(&p->tmap_a, dt, a, (uint64_t)p->K, (uint64_t)kMaxRowCoord, kbytes,
+                                   (uint32_t)(kKBlock / esz), (uint32_t)kBlockM, CU_TENSOR_MAP_SWIZZLE_128B);
+    if (r != CUDA_SUCCESS) return r;
+    *which = "weight";
+    return mf__tma_encode_2d(&p->tmap_w, dt, w, (uint64_t)p->K, (uint64_t)p->num_experts * p->N, kbytes,
+                             (uint32_t)(kKBlock / esz), (uint32_t)kBoxRows, CU_TENSOR_MAP_SWIZZLE_128B);
+}
+
+/* The persistent grid: one CTA per SM, never more than the tiles of the largest possible problem
+ * (`max_rows` rows per expert). */
+static inline int grid_of(const gemm_params *p, int32_t max_rows, int sms) {
+    const int64_t tiles = (int64_t)p->num_experts * ((max_rows + kBlockM - 1) / kBlockM) * (p->N / kTileN);
+    return (int)(tiles < sms ? tiles : sms);
 }
 
 } /* namespace mf__tma */
 
 /* What gemm_tma.cu ships, for the lab and for diagnostics: one entry per kernel variant. */
 typedef struct mf__tma_variant_info {
-    int32_t fp8, swiglu, ordered;     /* the template parameters (ordered: the FP8 issue order) */
-    int32_t overlap, probe;           /* FP8 epilogue overlap; a lab timing probe (kProbe*) */
+    int32_t fp8, swiglu;              /* the template parameters */
     int32_t smem_bytes, stages;       /* the shared-memory map */
     int32_t num_regs, local_bytes;    /* cudaFuncGetAttributes on the current device */
     int32_t usable;                   /* num_regs == kLaunchRegs (setmaxnreg's assumption) */
@@ -596,20 +590,6 @@ const char *mf__sm90_tma_last_decline(void);
 /* Under MF_DEBUG: what the calling thread's last tma launch ran (variant, stages, grid); "" before
  * any. Not written when MF_DEBUG is off. */
 const char *mf__sm90_tma_last_launch(void);
-
-/* Lab only: picks what the launchers run in this process, for an A/B measurement in one run (bits):
- * 0 = what ships; FP8: 1 = without the issue order (kOrdered = false), 2 = without the epilogue
- * overlap (kNoOverlap = true), 4 = without the overlap and without the promotion (kProbeNoPromote:
- * timing only, the results are not the GEMM); BF16: 8 = without the epilogue (kProbeNoStore: timing
- * only, nothing is written). */
-enum { kMfTmaLabShipped = 0, kMfTmaLabUnordered = 1, kMfTmaLabNoOverlap = 2, kMfTmaLabNoPromote = 4, kMfTmaLabNoStore = 8 };
-void mf__sm90_tma_lab_variant(int variant);
-
-/* Lab only: hands the launchers the lab's kernels, variants 4-11 of gemm_tma.cu's table in order
- * (fns[i] is variant 4 + i; the template arguments are listed there), instantiated in the lab's own
- * translation unit (the library compiles only what ships). Until then, lab variants decline.
- * Returns 0, or -1 when n is not the number of lab variants. */
-int mf__sm90_tma_lab_register(const void *const *fns, int n);
 
 /* Registers a fault record (see sm90_ptx.cuh; NULL turns reporting off) for the kernels of
  * gemm_tma.cu, whose translation unit holds its own copy of the record pointer. */
