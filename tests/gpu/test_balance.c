@@ -40,18 +40,13 @@
 #include <string.h>
 
 #include "../harness.h"
+#include "cuda_test.h"
 #include "cuda/balance.h"
 #include "plan/balance.h"
 #include "plan/placement.h"
 #include "plan/stage.h"
 #include "problem.h"
 #include "ref.h"
-
-#define CUDA_OK(call)                                                                                 \
-    do {                                                                                              \
-        cudaError_t e_ = (call);                                                                      \
-        if (e_ != cudaSuccess) MFT_FAIL("%s failed: %s", #call, cudaGetErrorString(e_));             \
-    } while (0)
 
 enum { MAXE = 384, MAXR = 8, MAXB = 4, MAXP = MAXE + MAXR * 4 };
 
@@ -421,13 +416,6 @@ static int cuda_balance_graph(void) {
         if (e_ != cudaSuccess) MFT_FAIL("rank %d: %s failed: %s", (int)rank, #call, cudaGetErrorString(e_)); \
     } while (0)
 
-static void *to_dev(const void *host, size_t bytes) {
-    void *d = NULL;
-    if (cudaMalloc(&d, bytes ? bytes : 16) != cudaSuccess) return NULL;
-    if (bytes && host && cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice) != cudaSuccess) return NULL;
-    return d;
-}
-
 typedef struct rank_ctx {
     mf_group_t group;
     const mfp_problem_t *p[2]; /* the same weights, two routings */
@@ -616,15 +604,15 @@ static int rank_main(int32_t rank, void *arg) {
     cfg.num_physical_experts = c->P, cfg.spare_slots = c->B;
     mf_moe_t moe;
     MFT_CHECK_OK(mf_moe_create(comm, &cfg, &moe));
-    void *w13 = to_dev(NULL, (size_t)Lp * 2 * I * H * 2), *w2 = to_dev(NULL, (size_t)Lp * H * I * 2);
+    void *w13 = mft_to_dev(NULL, (size_t)Lp * 2 * I * H * 2), *w2 = mft_to_dev(NULL, (size_t)Lp * H * I * 2);
     void *x[2], *ids[2], *wt[2];
     for (int k = 0; k < 2; k++) {
-        x[k] = to_dev(c->p[k]->x[rank], (size_t)T * H * 2);
-        ids[k] = to_dev(c->p[k]->topk_ids[rank], (size_t)T * K * 4);
-        wt[k] = to_dev(c->p[k]->topk_weights[rank], (size_t)T * K * 4);
+        x[k] = mft_to_dev(c->p[k]->x[rank], (size_t)T * H * 2);
+        ids[k] = mft_to_dev(c->p[k]->topk_ids[rank], (size_t)T * K * 4);
+        wt[k] = mft_to_dev(c->p[k]->topk_weights[rank], (size_t)T * K * 4);
     }
-    void *y = to_dev(NULL, (size_t)T * H * 2), *xin = to_dev(NULL, (size_t)T * H * 2);
-    void *idsin = to_dev(NULL, (size_t)T * K * 4), *wtin = to_dev(NULL, (size_t)T * K * 4);
+    void *y = mft_to_dev(NULL, (size_t)T * H * 2), *xin = mft_to_dev(NULL, (size_t)T * H * 2);
+    void *idsin = mft_to_dev(NULL, (size_t)T * K * 4), *wtin = mft_to_dev(NULL, (size_t)T * K * 4);
     MFT_CHECK(w13 && w2 && x[0] && x[1] && ids[0] && ids[1] && wt[0] && wt[1] && y && xin && idsin && wtin);
     CUDA_OK_R(cudaMemsetAsync(y, 0, 2, stream)); /* the stream's first work, finished before any collective */
     CUDA_OK_R(cudaStreamSynchronize(stream));

@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "../harness.h"
+#include "cuda_test.h"
 #include "core/internal.h" /* mf__debug_reset: MF_DEBUG is read once per process */
 #include "problem.h"
 #include "ref.h"
@@ -31,25 +32,11 @@
 #define MFT_RANDOM_CASE_SPACE_ONLY
 #include "../test_random.c"
 
-#define CUDA_OK(call)                                                                                 \
-    do {                                                                                              \
-        cudaError_t e_ = (call);                                                                      \
-        if (e_ != cudaSuccess) MFT_FAIL("%s failed: %s", #call, cudaGetErrorString(e_));             \
-    } while (0)
-
-/* Device copy of a host array (bytes may be 0). */
 /* Peer waits: 20 s, or MFT_PEER_TIMEOUT_MS (tests/gpu/sanitize.sh shortens it to retry sooner). */
 static int64_t peer_timeout_ms(void) {
     const char *env = getenv("MFT_PEER_TIMEOUT_MS");
     long long v = env ? atoll(env) : 0;
     return v > 0 ? (int64_t)v : 20000;
-}
-
-static void *to_dev(const void *host, size_t bytes) {
-    void *d = NULL;
-    if (cudaMalloc(&d, bytes ? bytes : 16) != cudaSuccess) return NULL;
-    if (bytes && host && cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice) != cudaSuccess) return NULL;
-    return d;
 }
 
 /* Virtual ranks share one GPU: cudaMalloc / cudaMemcpy may wait for the device, and so for a
@@ -278,10 +265,12 @@ static int comm_rank(int32_t rank, void *arg) {
     if (cuda) {
         CUDA_OK(cudaSetDevice(0));
         CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-        x = to_dev(x, (size_t)T * H * 2), ids = to_dev(ids, (size_t)T * K * 4), w = to_dev(w, (size_t)T * K * 4);
-        rx = to_dev(NULL, (size_t)rows * H * esz), rs = to_dev(NULL, (size_t)rows * nsc * 4 + 4);
-        rsrc = to_dev(NULL, (size_t)rows * 12), cnt = to_dev(NULL, (size_t)L * 4), off = to_dev(NULL, (size_t)(L + 1) * 4);
-        y = to_dev(NULL, (size_t)T * H * 2 + 2), deo = to_dev(NULL, (size_t)rows * H * 2);
+        x = mft_to_dev(x, (size_t)T * H * 2), ids = mft_to_dev(ids, (size_t)T * K * 4);
+        w = mft_to_dev(w, (size_t)T * K * 4);
+        rx = mft_to_dev(NULL, (size_t)rows * H * esz), rs = mft_to_dev(NULL, (size_t)rows * nsc * 4 + 4);
+        rsrc = mft_to_dev(NULL, (size_t)rows * 12), cnt = mft_to_dev(NULL, (size_t)L * 4);
+        off = mft_to_dev(NULL, (size_t)(L + 1) * 4);
+        y = mft_to_dev(NULL, (size_t)T * H * 2 + 2), deo = mft_to_dev(NULL, (size_t)rows * H * 2);
         MFT_CHECK(x && ids && w && rx && rs && rsrc && cnt && off && y && deo);
         CUDA_OK(warm_stream(stream, y));
     }
@@ -446,12 +435,12 @@ static int make_cuda_layer(mf_group_t group, const mfp_problem_t *p, int32_t ran
     cfg.max_tokens_per_rank = s->S, cfg.dtype = s->dtype, cfg.layout = s->layout, cfg.dataflow = dataflow;
     MFT_CHECK_OK(mf_moe_create(*comm, &cfg, moe));
     memset(w, 0, sizeof *w);
-    w->w13 = mft_t3(to_dev(p->w13[rank], (size_t)L * 2 * I * H * esz), s->dtype, L, 2 * I, H);
-    w->w2 = mft_t3(to_dev(p->w2[rank], (size_t)L * H * I * esz), s->dtype, L, H, I);
+    w->w13 = mft_t3(mft_to_dev(p->w13[rank], (size_t)L * 2 * I * H * esz), s->dtype, L, 2 * I, H);
+    w->w2 = mft_t3(mft_to_dev(p->w2[rank], (size_t)L * H * I * esz), s->dtype, L, H, I);
     if (esz == 1) {
-        w->w13_scales = mft_t3(to_dev(p->w13_scales[rank], (size_t)L * (2 * I / 128) * (H / 128) * 4), MF_DTYPE_FP32,
+        w->w13_scales = mft_t3(mft_to_dev(p->w13_scales[rank], (size_t)L * (2 * I / 128) * (H / 128) * 4), MF_DTYPE_FP32,
                                L, 2 * I / 128, H / 128);
-        w->w2_scales = mft_t3(to_dev(p->w2_scales[rank], (size_t)L * (H / 128) * (I / 128) * 4), MF_DTYPE_FP32, L,
+        w->w2_scales = mft_t3(mft_to_dev(p->w2_scales[rank], (size_t)L * (H / 128) * (I / 128) * 4), MF_DTYPE_FP32, L,
                               H / 128, I / 128);
     }
     MFT_CHECK(w->w13.data && w->w2.data && (esz == 2 || (w->w13_scales.data && w->w2_scales.data)));
@@ -561,8 +550,8 @@ static int graph_rank(int32_t rank, void *arg) {
     mf_moe_t moe;
     mf_moe_weights_t w;
     if (make_cuda_layer(g->group, g->p, rank, g->dataflow, &comm, &moe, &w)) return 1;
-    void *x = to_dev(NULL, (size_t)T * H * 2), *ids = to_dev(NULL, (size_t)T * K * 4), *wt = to_dev(NULL, (size_t)T * K * 4),
-         *y = to_dev(NULL, (size_t)T * H * 2);
+    void *x = mft_to_dev(NULL, (size_t)T * H * 2), *ids = mft_to_dev(NULL, (size_t)T * K * 4),
+         *wt = mft_to_dev(NULL, (size_t)T * K * 4), *y = mft_to_dev(NULL, (size_t)T * H * 2);
     MFT_CHECK(x && ids && wt && y);
     mf_moe_forward_in_t in = {mft_t2(x, MF_DTYPE_BF16, T, H), mft_t2(ids, MF_DTYPE_INT32, T, K),
                               mft_t2(wt, MF_DTYPE_FP32, T, K)};
@@ -571,8 +560,8 @@ static int graph_rank(int32_t rank, void *arg) {
      * host thread until the stream drains, i.e. until peers launch their replay, which they may not
      * do while blocked the same way (docs/API.md, virtual ranks). */
     size_t xb = (size_t)T * H * 2, ib = (size_t)T * K * 4;
-    uint8_t *rx = to_dev(NULL, xb * GRAPH_REPLAYS), *rids = to_dev(NULL, ib * GRAPH_REPLAYS),
-            *rwt = to_dev(NULL, ib * GRAPH_REPLAYS), *ry = to_dev(NULL, xb * GRAPH_REPLAYS);
+    uint8_t *rx = mft_to_dev(NULL, xb * GRAPH_REPLAYS), *rids = mft_to_dev(NULL, ib * GRAPH_REPLAYS),
+            *rwt = mft_to_dev(NULL, ib * GRAPH_REPLAYS), *ry = mft_to_dev(NULL, xb * GRAPH_REPLAYS);
     MFT_CHECK(rx && rids && rwt && ry);
     for (int32_t i = 0; i < GRAPH_REPLAYS; i++) {
         const mfp_problem_t *q = &g->inputs[i];
@@ -951,8 +940,8 @@ static int shared_rank(int32_t rank, void *arg) {
         const mfp_problem_t *p = sr->p[l];
         int64_t T = p->T[rank], H = p->spec.H, K = p->spec.K;
         if (make_cuda_layer(sr->group, p, rank, sr->dataflow[l], &comm, &moe[l], &w[l])) return 1;
-        x[l] = to_dev(p->x[rank], (size_t)T * H * 2), ids[l] = to_dev(p->topk_ids[rank], (size_t)T * K * 4);
-        wt[l] = to_dev(p->topk_weights[rank], (size_t)T * K * 4), y[l] = to_dev(NULL, (size_t)T * H * 2 + 2);
+        x[l] = mft_to_dev(p->x[rank], (size_t)T * H * 2), ids[l] = mft_to_dev(p->topk_ids[rank], (size_t)T * K * 4);
+        wt[l] = mft_to_dev(p->topk_weights[rank], (size_t)T * K * 4), y[l] = mft_to_dev(NULL, (size_t)T * H * 2 + 2);
         MFT_CHECK(x[l] && ids[l] && wt[l] && y[l]);
         in[l] = (mf_moe_forward_in_t){mft_t2(x[l], MF_DTYPE_BF16, T, H), mft_t2(ids[l], MF_DTYPE_INT32, T, K),
                                       mft_t2(wt[l], MF_DTYPE_FP32, T, K)};
@@ -1073,9 +1062,9 @@ static int fault_rank(int32_t rank, void *arg) {
     mf_moe_weights_t w;
     if (make_cuda_layer(f->group, f->p, rank, MF_DATAFLOW_AUTO, &comm, &moe, &w)) return 1;
     const int32_t *first_ids = rank == 0 && f->bad_ids ? f->bad_ids : f->p->topk_ids[rank];
-    void *x = to_dev(f->p->x[rank], (size_t)T * H * 2), *ids = to_dev(f->p->topk_ids[rank], (size_t)T * K * 4),
-         *ids1 = to_dev(first_ids, (size_t)T * K * 4), *wt = to_dev(f->p->topk_weights[rank], (size_t)T * K * 4),
-         *y = to_dev(NULL, ybytes);
+    void *x = mft_to_dev(f->p->x[rank], (size_t)T * H * 2), *ids = mft_to_dev(f->p->topk_ids[rank], (size_t)T * K * 4),
+         *ids1 = mft_to_dev(first_ids, (size_t)T * K * 4), *wt = mft_to_dev(f->p->topk_weights[rank], (size_t)T * K * 4),
+         *y = mft_to_dev(NULL, ybytes);
     MFT_CHECK(x && ids && ids1 && wt && y);
     mf_moe_forward_in_t in = {mft_t2(x, MF_DTYPE_BF16, T, H), mft_t2(ids, MF_DTYPE_INT32, T, K),
                               mft_t2(wt, MF_DTYPE_FP32, T, K)};

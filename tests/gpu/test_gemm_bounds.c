@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "../harness.h"
+#include "cuda_test.h"
 #include "core/numerics.h"
 #include "cuda/gemm_bench.h"
 
@@ -113,12 +114,6 @@ static int judge_expert(const gcase_t *c, const host_t *h, int32_t e, int64_t of
     free(ar), free(wr), free(wsr), free(acc), free(err);
     return 0;
 }
-
-#define CUDA_OK(call)                                                                                 \
-    do {                                                                                              \
-        cudaError_t e_ = (call);                                                                      \
-        if (e_ != cudaSuccess) MFT_FAIL("%s failed: %s", #call, cudaGetErrorString(e_));             \
-    } while (0)
 
 /* Runs one case on the device, copies it back and judges it under every control. */
 static int run_case(const gcase_t *c) {

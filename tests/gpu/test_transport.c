@@ -39,6 +39,7 @@
 #pragma GCC diagnostic pop
 
 #include "../harness.h"
+#include "cuda_test.h"
 #include "problem.h"
 #include "ref.h"
 
@@ -343,19 +344,6 @@ static int cuda_ipc_rank_dies(void) {
 
 /* ---- capacity and layer faults on every rank (virtual ranks) ----------------------------------- */
 
-#define CUDA_OK(call)                                                                                 \
-    do {                                                                                              \
-        cudaError_t e_ = (call);                                                                      \
-        if (e_ != cudaSuccess) MFT_FAIL("%s failed: %s", #call, cudaGetErrorString(e_));             \
-    } while (0)
-
-static void *dev_copy(const void *host, size_t bytes) {
-    void *d = NULL;
-    if (cudaMalloc(&d, bytes ? bytes : 16) != cudaSuccess) return NULL;
-    if (bytes && host && cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice) != cudaSuccess) return NULL;
-    return d;
-}
-
 static int dev_is_poison(const void *d, size_t bytes) {
     uint8_t *h = mft_alloc(bytes + 1);
     int ok = cudaMemcpy(h, d, bytes, cudaMemcpyDeviceToHost) == cudaSuccess && mft_first_unpoisoned(h, bytes) < 0;
@@ -390,7 +378,8 @@ static int fault_case_rank(int32_t rank, void *arg) {
     cfg.max_tokens_per_rank = s->S, cfg.dtype = MF_DTYPE_BF16, cfg.layout = MF_LAYOUT_MASKED;
     cfg.expert_capacity = f->capacity;
     mf_moe_t moe[2];
-    void *w13 = dev_copy(f->hot->w13[rank], (size_t)L * 2 * s->I * H * 2), *w2 = dev_copy(f->hot->w2[rank], (size_t)L * H * s->I * 2);
+    void *w13 = mft_to_dev(f->hot->w13[rank], (size_t)L * 2 * s->I * H * 2),
+         *w2 = mft_to_dev(f->hot->w2[rank], (size_t)L * H * s->I * 2);
     MFT_CHECK(w13 && w2);
     mf_moe_weights_t w;
     memset(&w, 0, sizeof w);
@@ -400,10 +389,11 @@ static int fault_case_rank(int32_t rank, void *arg) {
         MFT_CHECK_OK(mf_moe_create(comm, &cfg, &moe[l]));
         MFT_CHECK_OK(mf_moe_set_weights(moe[l], &w));
     }
-    void *x = dev_copy(f->hot->x[rank], (size_t)T * H * 2), *hot = dev_copy(f->hot->topk_ids[rank], (size_t)T * K * 4),
-         *fine = dev_copy(f->fine->topk_ids[rank], (size_t)T * K * 4),
-         *wt = dev_copy(f->hot->topk_weights[rank], (size_t)T * K * 4), *y = dev_copy(NULL, (size_t)T * H * 2),
-         *rx = dev_copy(NULL, (size_t)L * C * H * 2), *rsrc = dev_copy(NULL, (size_t)L * C * 12), *cnt = dev_copy(NULL, (size_t)L * 4);
+    void *x = mft_to_dev(f->hot->x[rank], (size_t)T * H * 2), *hot = mft_to_dev(f->hot->topk_ids[rank], (size_t)T * K * 4),
+         *fine = mft_to_dev(f->fine->topk_ids[rank], (size_t)T * K * 4),
+         *wt = mft_to_dev(f->hot->topk_weights[rank], (size_t)T * K * 4), *y = mft_to_dev(NULL, (size_t)T * H * 2),
+         *rx = mft_to_dev(NULL, (size_t)L * C * H * 2), *rsrc = mft_to_dev(NULL, (size_t)L * C * 12),
+         *cnt = mft_to_dev(NULL, (size_t)L * 4);
     MFT_CHECK(x && hot && fine && wt && y && rx && rsrc && cnt);
     CUDA_OK(cudaMemset(y, MFT_POISON_BYTE, (size_t)T * H * 2));
     CUDA_OK(cudaMemset(cnt, MFT_POISON_BYTE, (size_t)L * 4));
@@ -557,11 +547,11 @@ static int cuda_nccl_r1(void) {
     cfg.max_tokens_per_rank = spec.S, cfg.dtype = spec.dtype, cfg.layout = spec.layout;
     mf_moe_t moe;
     MFT_CHECK_OK(mf_moe_create(comm, &cfg, &moe));
-    void *w13 = dev_copy(p.w13[0], (size_t)L * 2 * I * H), *w2 = dev_copy(p.w2[0], (size_t)L * H * I),
-         *s13 = dev_copy(p.w13_scales[0], (size_t)L * (2 * I / 128) * (H / 128) * 4),
-         *s2 = dev_copy(p.w2_scales[0], (size_t)L * (H / 128) * (I / 128) * 4), *x = dev_copy(p.x[0], (size_t)T * H * 2),
-         *ids = dev_copy(p.topk_ids[0], (size_t)T * K * 4), *wt = dev_copy(p.topk_weights[0], (size_t)T * K * 4),
-         *y = dev_copy(NULL, (size_t)T * H * 2);
+    void *w13 = mft_to_dev(p.w13[0], (size_t)L * 2 * I * H), *w2 = mft_to_dev(p.w2[0], (size_t)L * H * I),
+         *s13 = mft_to_dev(p.w13_scales[0], (size_t)L * (2 * I / 128) * (H / 128) * 4),
+         *s2 = mft_to_dev(p.w2_scales[0], (size_t)L * (H / 128) * (I / 128) * 4), *x = mft_to_dev(p.x[0], (size_t)T * H * 2),
+         *ids = mft_to_dev(p.topk_ids[0], (size_t)T * K * 4), *wt = mft_to_dev(p.topk_weights[0], (size_t)T * K * 4),
+         *y = mft_to_dev(NULL, (size_t)T * H * 2);
     MFT_CHECK(w13 && w2 && s13 && s2 && x && ids && wt && y);
     mf_moe_weights_t w = {mft_t3(w13, MF_DTYPE_FP8_E4M3, L, 2 * I, H), mft_t3(s13, MF_DTYPE_FP32, L, 2 * I / 128, H / 128),
                           mft_t3(w2, MF_DTYPE_FP8_E4M3, L, H, I), mft_t3(s2, MF_DTYPE_FP32, L, H / 128, I / 128)};
