@@ -23,7 +23,7 @@
                         setup */
 
 /* Prints "<who>: <message>" on stderr and exits with `status` (one of the above). */
-void mf__cli_die(int status, const char *who, const char *fmt, ...)
+void cli_die(int status, const char *who, const char *fmt, ...)
 #if defined(__GNUC__)
     __attribute__((format(printf, 3, 4), noreturn))
 #endif
@@ -31,18 +31,18 @@ void mf__cli_die(int status, const char *who, const char *fmt, ...)
 
 /* --json FILE, checked before any work: opens FILE for writing without truncating it, and removes
  * it again where it did not exist. 0 when it can be written, else -1 with errno set. */
-int mf__json_check_writable(const char *path);
+int cli_json_check_writable(const char *path);
 
 /* `moeflow bench gemm [options]`: argv[0] the program, argv[1] "bench", argv[2] "gemm", options
  * from argv[3]. Returns the exit status (above). */
-int mf__bench_gemm_main(int argc, char **argv);
+int cli_bench_gemm_main(int argc, char **argv);
 
 /* tools/bench_json.c: a JSON string (", \ and control characters escaped), a number (null when not
  * finite), and the record's start: {"meta": {card, date, commit, command = argv, backend[, env]},
  * "rows": [ (card: "cpu" for the CPU backend, else MF_CARD or "h200"; commit: MF_COMMIT, else git;
  * env: the MF_* environment variables set, e.g. {"MF_PDL": "0"}, where any). */
-void mf__json_string(FILE *f, const char *s);
-void mf__json_number(FILE *f, double x);
-void mf__json_meta(FILE *f, const char *backend, int argc, char **argv);
+void cli_json_string(FILE *f, const char *s);
+void cli_json_number(FILE *f, double x);
+void cli_json_meta(FILE *f, const char *backend, int argc, char **argv);
 
 #endif /* MF_TOOLS_BENCH_H */

@@ -176,8 +176,8 @@ static void usage(FILE *f) {
             MAX_CASE_BYTES / 1e9);
 }
 
-#define die_usage(...) mf__cli_die(EXIT_USAGE, "moeflow bench gemm", __VA_ARGS__)
-#define die_io(...) mf__cli_die(EXIT_IO, "moeflow bench gemm", __VA_ARGS__)
+#define die_usage(...) cli_die(EXIT_USAGE, "moeflow bench gemm", __VA_ARGS__)
+#define die_io(...) cli_die(EXIT_IO, "moeflow bench gemm", __VA_ARGS__)
 
 static int64_t parse_int(const char *flag, const char *v, int64_t lo, int64_t hi) {
     char *end;
@@ -1269,7 +1269,7 @@ static int write_json(const gopts_t *o, const gcase_t *cs, int n, int argc, char
         fprintf(stderr, "moeflow bench gemm: --json %s: %s\n", o->json, strerror(errno));
         return -1;
     }
-    mf__json_meta(f, "cuda", argc, argv);
+    cli_json_meta(f, "cuda", argc, argv);
     int first = 1;
     for (int i = 0; i < n; i++) {
         const gcase_t *c = &cs[i];
@@ -1284,31 +1284,31 @@ static int write_json(const gopts_t *o, const gcase_t *cs, int n, int argc, char
                 c->model->H, c->model->I, c->L, c->M, (long long)c->rows);
         if (c->layout == MF_LAYOUT_MASKED) fprintf(f, "\"C\": %d, ", c->C);
         fprintf(f, "\"time_us\": ");
-        mf__json_number(f, c->us);
+        cli_json_number(f, c->us);
         fprintf(f, ", \"tflops\": ");
-        mf__json_number(f, c->flops / t / 1e12);
+        cli_json_number(f, c->flops / t / 1e12);
         fprintf(f, ", \"gbps\": ");
-        mf__json_number(f, c->bytes / t / 1e9);
+        cli_json_number(f, c->bytes / t / 1e9);
         fprintf(f, ", \"weight_tbps\": ");
-        mf__json_number(f, c->wbytes / t / 1e12);
+        cli_json_number(f, c->wbytes / t / 1e12);
         fprintf(f, ", \"floor_us\": ");
-        mf__json_number(f, c->floor_us);
+        cli_json_number(f, c->floor_us);
         fprintf(f, ", \"pct_of_floor\": ");
-        mf__json_number(f, 100.0 * c->floor_us / c->us);
+        cli_json_number(f, 100.0 * c->floor_us / c->us);
         if (c->checked) {
             fprintf(f, ", \"wrong\": %lld, \"diff\": ", (long long)(c->wrong + c->scale_bad + c->untouched_bad));
-            mf__json_number(f, c->diff);
+            cli_json_number(f, c->diff);
             fprintf(f, ", \"max_err_ratio\": ");
-            mf__json_number(f, c->max_ratio);
+            cli_json_number(f, c->max_ratio);
             fprintf(f, ", \"max_acc_ratio\": ");
-            mf__json_number(f, c->max_acc_ratio);
+            cli_json_number(f, c->max_acc_ratio);
         }
         fprintf(f, ", \"iters\": %d, \"warmup\": %d, \"expert_rows\": [", o->iters, o->warmup);
         for (int32_t e = 0; e < c->L; e++) fprintf(f, "%s%d", e ? "," : "", c->counts[e]);
         fprintf(f, "], \"peers\": [");
         if (c->cublas_mode) {
             fprintf(f, "{\"name\": \"cublas_dense\", \"time_us\": ");
-            mf__json_number(f, c->cublas_us);
+            cli_json_number(f, c->cublas_us);
             if (c->dtype == MF_DTYPE_FP8_E4M3) fprintf(f, ", \"scaling\": \"%s\"", c->cublas_mode);
             fprintf(f, "}");
         }
@@ -1402,10 +1402,10 @@ static int run_case(gdev_t *d, const gopts_t *o, gcase_t *c, uint32_t seed) {
     return 0;
 }
 
-int mf__bench_gemm_main(int argc, char **argv) {
+int cli_bench_gemm_main(int argc, char **argv) {
     gopts_t o;
     parse_args(argc, argv, &o);
-    if (o.json && !o.dry_run && mf__json_check_writable(o.json) != 0) /* before any work */
+    if (o.json && !o.dry_run && cli_json_check_writable(o.json) != 0) /* before any work */
         die_io("--json %s: %s", o.json, strerror(errno));
     setvbuf(stdout, NULL, _IOLBF, 0);
     int n = 0;

@@ -15,7 +15,7 @@
 
 #include "bench.h"
 
-void mf__json_string(FILE *f, const char *s) {
+void cli_json_string(FILE *f, const char *s) {
     fputc('"', f);
     for (; *s; s++) {
         unsigned char c = (unsigned char)*s;
@@ -26,7 +26,7 @@ void mf__json_string(FILE *f, const char *s) {
     fputc('"', f);
 }
 
-void mf__json_number(FILE *f, double x) {
+void cli_json_number(FILE *f, double x) {
     if (isfinite(x)) fprintf(f, "%.6g", x);
     else fprintf(f, "null");
 }
@@ -50,7 +50,7 @@ static void git_commit(char *out, size_t n) {
     pclose(p);
 }
 
-void mf__json_meta(FILE *f, const char *backend, int argc, char **argv) {
+void cli_json_meta(FILE *f, const char *backend, int argc, char **argv) {
     char date[32], commit[64];
     time_t now = time(NULL);
     struct tm tm;
@@ -59,9 +59,9 @@ void mf__json_meta(FILE *f, const char *backend, int argc, char **argv) {
     git_commit(commit, sizeof commit);
     const char *card = getenv("MF_CARD");
     fprintf(f, "{\"meta\": {\"card\": ");
-    mf__json_string(f, !strcmp(backend, "cpu") ? "cpu" : card && *card ? card : "h200");
+    cli_json_string(f, !strcmp(backend, "cpu") ? "cpu" : card && *card ? card : "h200");
     fprintf(f, ", \"date\": \"%s\", \"commit\": ", date);
-    mf__json_string(f, commit);
+    cli_json_string(f, commit);
     fprintf(f, ", \"command\": \"");
     for (int i = 0; i < argc; i++) { /* argv joined by spaces; each escaped as a JSON string body */
         if (i) fputc(' ', f);
@@ -73,7 +73,7 @@ void mf__json_meta(FILE *f, const char *backend, int argc, char **argv) {
         }
     }
     fprintf(f, "\", \"backend\": ");
-    mf__json_string(f, backend);
+    cli_json_string(f, backend);
     /* The library's knobs set for this run (MF_PDL=0 and the like; docs/API.md), so that an A/B's
      * records say which side they are; MF_COMMIT and MF_CARD are in the fields above. */
     extern char **environ;
@@ -84,15 +84,15 @@ void mf__json_meta(FILE *f, const char *backend, int argc, char **argv) {
         char name[128];
         snprintf(name, sizeof name, "%.*s", (int)(eq - *e < 127 ? eq - *e : 127), *e);
         fprintf(f, "%s", n++ ? ", " : ", \"env\": {");
-        mf__json_string(f, name);
+        cli_json_string(f, name);
         fprintf(f, ": ");
-        mf__json_string(f, eq + 1);
+        cli_json_string(f, eq + 1);
     }
     if (n) fprintf(f, "}");
     fprintf(f, "}, \"rows\": [");
 }
 
-int mf__json_check_writable(const char *path) {
+int cli_json_check_writable(const char *path) {
     int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
     if (fd >= 0) { /* it did not exist: leave nothing behind until the record is written */
         close(fd);
@@ -106,7 +106,7 @@ int mf__json_check_writable(const char *path) {
     return 0;
 }
 
-void mf__cli_die(int status, const char *who, const char *fmt, ...) {
+void cli_die(int status, const char *who, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     fprintf(stderr, "%s: ", who);

@@ -215,8 +215,8 @@ static void usage(FILE *f) {
             BENCH_WARMUP_CPU, 100 * SPREAD_FLAG, BENCH_ROUNDS, 100 * MEM_FRACTION);
 }
 
-#define die_usage(...) mf__cli_die(EXIT_USAGE, "moeflow", __VA_ARGS__)
-#define die_io(...) mf__cli_die(EXIT_IO, "moeflow", __VA_ARGS__)
+#define die_usage(...) cli_die(EXIT_USAGE, "moeflow", __VA_ARGS__)
+#define die_io(...) cli_die(EXIT_IO, "moeflow", __VA_ARGS__)
 
 static int64_t parse_int(const char *flag, const char *v, int64_t lo, int64_t hi) {
     char *end;
@@ -947,7 +947,7 @@ static int write_json(const opts_t *o, const row_t *rows, int nrows, int argc, c
         fprintf(stderr, "moeflow: --json %s: %s\n", o->json, strerror(errno));
         return -1;
     }
-    mf__json_meta(f, o->backend == MF_BACKEND_CUDA ? "cuda" : "cpu", argc, argv);
+    cli_json_meta(f, o->backend == MF_BACKEND_CUDA ? "cuda" : "cpu", argc, argv);
     int first = 1;
     for (int i = 0; i < nrows; i++) {
         const row_t *r = &rows[i];
@@ -961,11 +961,11 @@ static int write_json(const opts_t *o, const row_t *rows, int nrows, int argc, c
         fprintf(f, "\"transport\": \"%s\", \"gated\": %d, ", transport_name(o->transport), o->gated);
         if (r->op != ROW_LAYER) {
             fprintf(f, "\"counting\": \"deepep_low_latency\", \"selections_per_rank\": ");
-            mf__json_number(f, r->sel_per_rank);
+            cli_json_number(f, r->sel_per_rank);
             fprintf(f, ", ");
         } else if (r->floor_rank_us >= 0) {
             fprintf(f, "\"floor_rank_us\": ");
-            mf__json_number(f, r->floor_rank_us);
+            cli_json_number(f, r->floor_rank_us);
             fprintf(f, ", ");
         }
         fprintf(f, "\"shape\": {\"R\": %d, \"E\": %d, \"K\": %d, \"H\": %d, \"I\": %d, \"T\": %d, "
@@ -973,53 +973,53 @@ static int write_json(const opts_t *o, const row_t *rows, int nrows, int argc, c
                 o->R, o->E, o->K, o->H, o->I, r->T, o->E / o->R, (long long)r->rows, r->S);
         if (r->op == ROW_LAYER) fprintf(f, "\"phase_events\": %d, ", r->events);
         fprintf(f, "\"time_us\": ");
-        mf__json_number(f, r->time_us);
+        cli_json_number(f, r->time_us);
         /* the rounds (docs/DESIGN.md "Benchmark records"): time_us is their median */
         fprintf(f, ", \"rounds\": %d, \"round_us\": [", r->rounds_done);
         for (int32_t k = 0; k < r->rounds_done; k++) {
             if (k) fprintf(f, ", ");
-            mf__json_number(f, r->round_us[k]);
+            cli_json_number(f, r->round_us[k]);
         }
         fprintf(f, "], \"min_us\": ");
-        mf__json_number(f, r->min_us);
+        cli_json_number(f, r->min_us);
         fprintf(f, ", \"median_us\": ");
-        mf__json_number(f, r->time_us);
+        cli_json_number(f, r->time_us);
         fprintf(f, ", \"max_us\": ");
-        mf__json_number(f, r->max_us);
+        cli_json_number(f, r->max_us);
         fprintf(f, ", \"spread\": ");
-        mf__json_number(f, r->spread);
+        cli_json_number(f, r->spread);
         fprintf(f, ", \"spread_flagged\": %s", r->flagged ? "true" : "false");
         fprintf(f, ", \"tflops\": ");
-        mf__json_number(f, r->tflops);
+        cli_json_number(f, r->tflops);
         fprintf(f, ", \"gbps\": ");
-        mf__json_number(f, r->gbps);
+        cli_json_number(f, r->gbps);
         if (r->floor_us >= 0 && r->op == ROW_LAYER) {
             fprintf(f, ", \"floor_us\": ");
-            mf__json_number(f, r->floor_us);
+            cli_json_number(f, r->floor_us);
             fprintf(f, ", \"pct_of_floor\": ");
-            mf__json_number(f, r->pct);
+            cli_json_number(f, r->pct);
         }
         if (o->rebalance >= 0 && r->op == ROW_LAYER && r->code == MF_SUCCESS) { /* --rebalance */
             const mfp_timing_t *t = &r->timing;
             fprintf(f, ", \"rebalance\": {\"experts_per_step\": %d, \"steps\": %d, \"forwards_staging\": %d, "
                     "\"forward_off_us\": ", o->rebalance, t->stage_steps, t->stage_forwards);
-            mf__json_number(f, t->plain_forward_max_ms * 1e3);
+            cli_json_number(f, t->plain_forward_max_ms * 1e3);
             fprintf(f, ", \"forward_on_us\": ");
-            mf__json_number(f, t->stage_forward_max_ms * 1e3);
+            cli_json_number(f, t->stage_forward_max_ms * 1e3);
             fprintf(f, ", \"step_us\": ");
-            mf__json_number(f, t->stage_prefetch_ms * 1e3);
+            cli_json_number(f, t->stage_prefetch_ms * 1e3);
             fprintf(f, ", \"pushed_step_max_bytes\": %lld, \"pushed_bytes\": %lld}",
                     (long long)t->stage_step_bytes_max, (long long)t->stage_bytes_total);
         }
         if (r->checked) {
             fprintf(f, ", \"wrong\": %lld, \"diff\": ", (long long)r->wrong);
-            mf__json_number(f, r->diff);
+            cli_json_number(f, r->diff);
         }
         if (r->timing.have_phases && (r->events || r->op != ROW_LAYER)) {
             fprintf(f, ", \"phases_us\": {");
             for (int p = 0; p < MF_NUM_PHASES; p++) {
                 fprintf(f, "%s\"%s\": ", p ? ", " : "", k_phase_names[p]);
-                mf__json_number(f, r->timing.phase_max_us[p]);
+                cli_json_number(f, r->timing.phase_max_us[p]);
             }
             fprintf(f, "}");
         }
@@ -1027,16 +1027,16 @@ static int write_json(const opts_t *o, const row_t *rows, int nrows, int argc, c
             const mf_moe_balance_stats_t *b = &r->timing.balance;
             double mean = r->rows ? (double)r->rows / o->R : 1.0;
             fprintf(f, ", \"balance\": {\"B\": %d, \"rank_max_over_mean_home\": ", r->balance);
-            mf__json_number(f, (double)max_rows(b->home_rows, o->R) / mean);
+            cli_json_number(f, (double)max_rows(b->home_rows, o->R) / mean);
             fprintf(f, ", \"rank_max_over_mean\": ");
-            mf__json_number(f, (double)max_rows(b->recv_rows, o->R) / mean);
+            cli_json_number(f, (double)max_rows(b->recv_rows, o->R) / mean);
             fprintf(f, ", \"moved_first_bytes\": %lld, \"moved_last_bytes\": %lld, \"prefetch_ms\": ",
                     (long long)r->timing.prefetch_first_bytes, (long long)r->timing.prefetch_last_bytes);
-            mf__json_number(f, r->timing.prefetch_ms);
+            cli_json_number(f, r->timing.prefetch_ms);
             fprintf(f, ", \"model_us\": ");
-            mf__json_number(f, r->model_us);
+            cli_json_number(f, r->model_us);
             fprintf(f, ", \"model_rows\": %lld, \"link_gbps\": ", (long long)r->model_rows);
-            mf__json_number(f, o->link_gbps);
+            cli_json_number(f, o->link_gbps);
             fprintf(f, "}");
         }
         fprintf(f, ", \"iters\": %d, \"warmup\": %d, \"peers\": []}", o->iters, o->warmup);
@@ -1049,18 +1049,18 @@ static int write_json(const opts_t *o, const row_t *rows, int nrows, int argc, c
                     k_phase_names[p], row_flow_name(r), dtype_name(r->dtype),
                     o->layout == MF_LAYOUT_MASKED ? "masked" : "expert_major",
                     o->R, o->E, o->K, o->H, o->I, r->T, o->E / o->R, (long long)r->rows, r->S, r->events);
-            mf__json_number(f, ps.us);
+            cli_json_number(f, ps.us);
             if (r->ph_flops[p] > 0) {
                 fprintf(f, ", \"tflops\": ");
-                mf__json_number(f, ps.tflops);
+                cli_json_number(f, ps.tflops);
             }
             fprintf(f, ", \"gbps\": ");
-            mf__json_number(f, ps.gbps);
+            cli_json_number(f, ps.gbps);
             if (ps.floor_us >= 0) {
                 fprintf(f, ", \"floor_us\": ");
-                mf__json_number(f, ps.floor_us);
+                cli_json_number(f, ps.floor_us);
                 fprintf(f, ", \"pct_of_floor\": ");
-                mf__json_number(f, ps.pct);
+                cli_json_number(f, ps.pct);
             }
             fprintf(f, ", \"peers\": []}");
         }
@@ -1397,17 +1397,17 @@ int main(int argc, char **argv) {
     mfp_cuda_env();
     if (argc > 2 && !strcmp(argv[1], "bench") && !strcmp(argv[2], "gemm")) {
 #if MF_WITH_CUDA
-        return mf__bench_gemm_main(argc, argv);
+        return cli_bench_gemm_main(argc, argv);
 #else
-        mf__cli_die(EXIT_USAGE, "moeflow bench gemm", "needs a CUDA GPU (sm_90): this build has no CUDA "
-                    "(nvcc not found or CUDA=0)");
+        cli_die(EXIT_USAGE, "moeflow bench gemm", "needs a CUDA GPU (sm_90): this build has no CUDA "
+                "(nvcc not found or CUDA=0)");
 #endif
     }
     opts_t o;
     memset(&o, 0, sizeof o);
     parse_args(argc, argv, &o);
     resolve(&o);
-    if (o.json && mf__json_check_writable(o.json) != 0) /* before any work, not after the run */
+    if (o.json && cli_json_check_writable(o.json) != 0) /* before any work, not after the run */
         die_io("--json %s: %s", o.json, strerror(errno));
     memory_guard(&o);
     setvbuf(stdout, NULL, _IOLBF, 0);

@@ -7,8 +7,8 @@
  * thread per rank, each creating its layer, setting its weights (copied to the device on CUDA)
  * and calling mf_moe_forward `iters` times, and returns the y of the last call per rank.
  */
-#ifndef MF_TESTS_PROBLEM_H
-#define MF_TESTS_PROBLEM_H
+#ifndef MF_WORKLOAD_PROBLEM_H
+#define MF_WORKLOAD_PROBLEM_H
 
 #include <stdint.h>
 
@@ -246,4 +246,4 @@ mf_result_t mfp_run_forward(const mfp_problem_t *p, mf_backend_t backend, int32_
                             int64_t timeout_ms, uint16_t *const *y, mfp_timing_t *timing,
                             char *err, int errlen);
 
-#endif /* MF_TESTS_PROBLEM_H */
+#endif /* MF_WORKLOAD_PROBLEM_H */

@@ -9,8 +9,8 @@
  * h = silu(g) * u is requantised to FP8 1x128 (FP8) or rounded to BF16 (BF16), each W2 partial is
  * rounded to BF16 and y = bf16(sum over k ascending of w * partial).
  */
-#ifndef MF_TESTS_REF_H
-#define MF_TESTS_REF_H
+#ifndef MF_WORKLOAD_REF_H
+#define MF_WORKLOAD_REF_H
 
 #include <stdint.h>
 
@@ -116,4 +116,4 @@ double mfref_diff_bf16(const uint16_t *a, const uint16_t *b, int64_t n);
 int64_t mfref_count_wrong_bf16(const uint16_t *out, const uint16_t *ref, int64_t n, double atol,
                                double rtol, int64_t *first_wrong, double *max_abs_err);
 
-#endif /* MF_TESTS_REF_H */
+#endif /* MF_WORKLOAD_REF_H */
