@@ -851,155 +851,229 @@ static int check_next_weights(run_state_t *run, int32_t r, mf_moe_t moe, void *c
     return 0;
 }
 
-static void *rank_main(void *varg) {
-    rank_arg_t *arg = varg;
-    run_state_t *run = arg->run;
+/* ---- one rank: its steps, in order (rank_main) ------------------------------------------------ */
+
+/* Everything one rank holds while it runs: its inputs and weights, its comm and layer, the tensors of
+ * its calls and, on CUDA, its stream, events and graph. Each step below fills or uses a part of it;
+ * a step that fails has called fail() and returns -1, and rank_release frees whatever was made. */
+typedef struct rank_ctx {
+    run_state_t *run;
+    const mfp_problem_t *p;
+    const mfp_spec_t *s;
+    const mfp_run_opts_t *o;
+    int32_t r, T, fp8, procs, comm_op, split, total;
+    size_t H, I, K, esize, nsc, P, L;
+    int on_device;
+    /* host or device addresses of: x, ids, topk weights, y, w13, w2, w13 scales, w2 scales */
+    const void *host[8];
+    size_t bytes[8];
+    void *mem[8];
+    void *phys[4];                                      /* mapped or placed weights, laid out on the host */
+    void *next[4];                                      /* stage_map: next_weights */
+    uint16_t y_dummy[MFP_MIN_ALLOC / sizeof(uint16_t)]; /* a y for T = 0 when the caller has none */
+    mf_stream_t stream;
+    mf_comm_t comm;
+    mf_moe_t moe;
+    mf_moe_weights_t w, nw; /* the layer's weights; a staged map's (the run's buffers, poisoned) */
+    int staging;            /* a stage is in flight (its prefetch steps are counted) */
+    recv_bufs_t rb;
+    mf_moe_forward_in_t in;
+    mf_moe_forward_out_t out;
+    mf_dispatch_in_t din;
+    mf_dispatch_out_t dout;
+    mf_combine_in_t cin;
+    mf_combine_out_t cout;
+    /* redraw: this rank's inputs of the iteration, drawn on the host */
+    uint16_t *rx_host;
+    int32_t *rids_host;
+    float *rw_host;
+#if MF_WITH_CUDA
+    cudaStream_t cst;
+    cudaEvent_t ev[4]; /* DISPATCH_COMBINE with profile: around each call */
+    cudaGraph_t graph;
+    cudaGraphExec_t graph_exec;
+    nccl_api_t nccl;
+    void *nccl_comm;
+    int32_t device;
+    int gate_always;
+    atomic_int gate_open;
+#endif
+} rank_ctx_t;
+
+/* The rank's constants and host addresses; with an expert map, this rank's slots hold the map's
+ * logical experts; with another placement than LINEAR, the placement's: copied from the LINEAR
+ * ranks that hold them in the problem. 0 ok. */
+static int rank_lay_out_weights(rank_ctx_t *c, run_state_t *run, int32_t r) {
+    memset(c, 0, sizeof *c);
     const mfp_problem_t *p = run->p;
     const mfp_spec_t *s = &p->spec;
     const mfp_run_opts_t *o = run->opts;
-    const int32_t r = arg->rank, T = p->T[r], fp8 = s->dtype == MF_DTYPE_FP8_E4M3;
-    const int32_t procs = !run->group, comm_op = o->op != MFP_OP_FORWARD, split = o->op == MFP_OP_SPLIT;
-    const int32_t total = o->warmup + o->iters;
-    const size_t H = (size_t)s->H, I = (size_t)s->I, K = (size_t)s->K;
-    const size_t esize = fp8 ? 1 : 2, nsc = (2 * I / MFP_QBLOCK) * (H / MFP_QBLOCK);
-    /* host or device addresses of: x, ids, topk weights, y, w13, w2, w13 scales, w2 scales */
+    c->run = run, c->p = p, c->s = s, c->o = o, c->r = r;
+    c->T = p->T[r], c->fp8 = s->dtype == MF_DTYPE_FP8_E4M3;
+    c->procs = !run->group, c->comm_op = o->op != MFP_OP_FORWARD, c->split = o->op == MFP_OP_SPLIT;
+    c->total = o->warmup + o->iters;
+    c->H = (size_t)s->H, c->I = (size_t)s->I, c->K = (size_t)s->K;
+    c->esize = c->fp8 ? 1 : 2, c->nsc = (2 * c->I / MFP_QBLOCK) * (c->H / MFP_QBLOCK);
     const void *host[8] = {p->x[r], p->topk_ids[r], p->topk_weights[r], run->y[r],
                            p->w13[r], p->w2[r], p->w13_scales[r], p->w2_scales[r]};
-    /* With an expert map, this rank's slots hold the map's logical experts; with another placement
-     * than LINEAR, the placement's: copied from the LINEAR ranks that hold them in the problem. */
-    const size_t P = o->num_physical ? (size_t)o->num_physical : (size_t)s->E;
-    const size_t L = o->expert_map ? P / (size_t)s->R : (size_t)mfp_rank_experts(s, s->placement, r);
-    void *phys[4] = {NULL, NULL, NULL, NULL};
-    void *next[4] = {NULL, NULL, NULL, NULL}; /* stage_map: next_weights */
+    memcpy(c->host, host, sizeof host);
+    c->P = o->num_physical ? (size_t)o->num_physical : (size_t)s->E;
+    c->L = o->expert_map ? c->P / (size_t)s->R : (size_t)mfp_rank_experts(s, s->placement, r);
     if (o->expert_map || s->placement != MF_PLACEMENT_LINEAR) {
         size_t per[4];
         expert_bytes(s, per);
         for (int i = 0; i < 4; i++) {
             if (!per[i]) continue;
-            phys[i] = malloc(L * per[i]);
-            if (!phys[i]) {
+            c->phys[i] = malloc(c->L * per[i]);
+            if (!c->phys[i]) {
                 fail(run, r, MF_ERR_OUT_OF_MEMORY, "laying out the mapped weights", "out of host memory");
-                for (int j = 0; j < 4; j++) free(phys[j]);
-                return NULL;
+                for (int j = 0; j < 4; j++) free(c->phys[j]);
+                return -1;
             }
-            for (size_t l = 0; l < L; l++) {
-                const int32_t e = o->expert_map ? o->expert_map[(size_t)r * L + l]
+            for (size_t l = 0; l < c->L; l++) {
+                const int32_t e = o->expert_map ? o->expert_map[(size_t)r * c->L + l]
                                                 : mfp_rank_expert(s, s->placement, r, (int32_t)l);
                 uint8_t *w[4];
                 expert_ptrs(p, e, w);
-                memcpy((uint8_t *)phys[i] + l * per[i], w[i], per[i]);
+                memcpy((uint8_t *)c->phys[i] + l * per[i], w[i], per[i]);
             }
-            host[4 + i] = phys[i];
+            c->host[4 + i] = c->phys[i];
         }
     }
+    const size_t T = (size_t)c->T, H = c->H, I = c->I, K = c->K, L = c->L, esize = c->esize, nsc = c->nsc;
     const size_t bytes[8] = {T * H * 2, T * K * 4, T * K * 4, T * H * 2, L * 2 * I * H * esize,
-                             L * H * I * esize, fp8 ? L * nsc * 4 : 0, fp8 ? L * nsc / 2 * 4 : 0};
-    uint16_t y_dummy[MFP_MIN_ALLOC / sizeof(uint16_t)]; /* a y for T = 0 when the caller has none */
-    if (!host[3]) host[3] = y_dummy;
-    void *mem[8];
-    for (int i = 0; i < 8; i++) mem[i] = (void *)host[i];
-    mf_stream_t stream = NULL;
-    mf_comm_t comm = NULL;
-    mf_moe_t moe = NULL;
-    mf_result_t res;
-    recv_bufs_t rb;
-    memset(&rb, 0, sizeof rb);
-    /* redraw: this rank's inputs of the iteration, drawn on the host */
-    uint16_t *rx_host = NULL;
-    int32_t *rids_host = NULL;
-    float *rw_host = NULL;
-    const int on_device = run->backend == MF_BACKEND_CUDA;
+                             L * H * I * esize, c->fp8 ? L * nsc * 4 : 0, c->fp8 ? L * nsc / 2 * 4 : 0};
+    memcpy(c->bytes, bytes, sizeof bytes);
+    if (!c->host[3]) c->host[3] = c->y_dummy;
+    for (int i = 0; i < 8; i++) c->mem[i] = (void *)c->host[i];
+    c->on_device = run->backend == MF_BACKEND_CUDA;
+    return 0;
+}
+
+/* CUDA: the rank's device, stream and events, and its inputs and weights copied to the device
+ * (y allocated only). 0 ok. */
+static int rank_upload(rank_ctx_t *c) {
 #if MF_WITH_CUDA
-    cudaStream_t cst = NULL;
-    cudaEvent_t ev[4] = {NULL, NULL, NULL, NULL}; /* DISPATCH_COMBINE with profile: around each call */
-    cudaGraph_t graph = NULL;
-    cudaGraphExec_t graph_exec = NULL;
-    nccl_api_t nccl;
-    void *nccl_comm = NULL;
-    memset(&nccl, 0, sizeof nccl);
-    int32_t device = 0;
-    if (on_device) {
+    const mfp_run_opts_t *o = c->o;
+    if (c->on_device) {
         int n = 0;
         cudaError_t ce = cudaSuccess;
-        if (procs) { /* one GPU per rank where there are R; else they share round robin */
+        if (c->procs) { /* one GPU per rank where there are R; else they share round robin */
             ce = cudaGetDeviceCount(&n);
-            device = ce == cudaSuccess && n > 0 ? r % n : 0;
+            c->device = ce == cudaSuccess && n > 0 ? c->r % n : 0;
         }
-        if (ce == cudaSuccess) ce = cudaSetDevice(device);
-        if (ce == cudaSuccess) ce = cudaStreamCreateWithFlags(&cst, cudaStreamNonBlocking);
-        for (int i = 0; i < 8; i++) mem[i] = NULL;
+        if (ce == cudaSuccess) ce = cudaSetDevice(c->device);
+        if (ce == cudaSuccess) ce = cudaStreamCreateWithFlags(&c->cst, cudaStreamNonBlocking);
+        for (int i = 0; i < 8; i++) c->mem[i] = NULL;
         for (int i = 0; i < 8 && ce == cudaSuccess; i++) /* y (3) is only allocated */
-            if (host[i]) ce = to_device(&mem[i], i == 3 ? NULL : host[i], bytes[i], cst);
-        for (int i = 0; i < 4 && ce == cudaSuccess && comm_op && o->profile; i++) ce = cudaEventCreate(&ev[i]);
-        if (ce == cudaSuccess && !comm_op && o->profile && o->no_phases) ce = cudaEventCreate(&ev[3]); /* the end */
-        if (ce == cudaSuccess) ce = cudaStreamSynchronize(cst);
-        stream = (mf_stream_t)cst;
+            if (c->host[i]) ce = to_device(&c->mem[i], i == 3 ? NULL : c->host[i], c->bytes[i], c->cst);
+        for (int i = 0; i < 4 && ce == cudaSuccess && c->comm_op && o->profile; i++) ce = cudaEventCreate(&c->ev[i]);
+        if (ce == cudaSuccess && !c->comm_op && o->profile && o->no_phases) ce = cudaEventCreate(&c->ev[3]); /* the end */
+        if (ce == cudaSuccess) ce = cudaStreamSynchronize(c->cst);
+        c->stream = (mf_stream_t)c->cst;
         if (ce != cudaSuccess) {
-            fail(run, r, MF_ERR_CUDA, "copying the inputs to the device", cudaGetErrorString(ce));
-            goto done;
+            fail(c->run, c->r, MF_ERR_CUDA, "copying the inputs to the device", cudaGetErrorString(ce));
+            return -1;
         }
     }
+#else
+    (void)c;
 #endif
-    if (o->redraw) {
-        rx_host = malloc(bytes[0] + MFP_MIN_ALLOC);
-        rids_host = malloc(bytes[1] + MFP_MIN_ALLOC);
-        rw_host = malloc(bytes[2] + MFP_MIN_ALLOC);
-        if (!rx_host || !rids_host || !rw_host) {
-            fail(run, r, MF_ERR_OUT_OF_MEMORY, "redraw", "out of host memory");
-            goto done;
-        }
-        if (!on_device) mem[0] = rx_host, mem[1] = rids_host, mem[2] = rw_host;
-    }
+    return 0;
+}
 
-    if (run->group) {
-        if ((res = mf_group_get_comm(run->group, r, &comm)) != MF_SUCCESS) {
-            fail(run, r, res, "mf_group_get_comm", mf_last_error());
-            goto done;
-        }
-    } else {
-        mf_bootstrap_t boot;
-        mf_comm_config_t cc = MF_COMM_CONFIG_INIT;
-        const mf_bootstrap_t *bp = &boot;
-        cc.backend = run->backend;
-        cc.transport = o->transport;
-        cc.timeout_ms = o->timeout_ms;
-#if MF_WITH_CUDA
-        cc.device = device;
-        if (o->transport == MF_TRANSPORT_NCCL) {
-            /* rank 0 draws the unique id and hands it over in shared memory (the barrier) */
-            char why[256];
-            nccl_id_t id;
-            int nr = 0;
-            if (nccl_open(&nccl, why, sizeof why) != 0) {
-                fail(run, r, MF_ERR_NOT_SUPPORTED, "nccl transport", why);
-                goto done;
-            }
-            if (r == 0 && (nr = nccl.get_unique_id(&id)) != 0) {
-                fail(run, r, MF_ERR_NCCL, "ncclGetUniqueId", nccl.get_error_string(nr));
-                goto done;
-            }
-            if (r == 0) memcpy(run->nccl_id, id.internal, sizeof id.internal);
-            if (barrier_wait(&run->barrier) != 0) goto done;
-            memcpy(id.internal, run->nccl_id, sizeof id.internal);
-            if ((nr = nccl.comm_init_rank(&nccl_comm, s->R, id, r)) != 0) {
-                nccl_comm = NULL;
-                fail(run, r, MF_ERR_NCCL, "ncclCommInitRank", nccl.get_error_string(nr));
-                goto done;
-            }
-            cc.nccl_comm = nccl_comm;
-            bp = NULL; /* the ncclComm's allgather is the bootstrap */
-        }
-#endif
-        if (bp && (res = mf_rendezvous_bootstrap(run->address, r, s->R, o->timeout_ms, &boot)) != MF_SUCCESS) {
-            fail(run, r, res, "mf_rendezvous_bootstrap", mf_last_error());
-            goto done;
-        }
-        if ((res = mf_comm_init(&cc, r, s->R, bp, &comm)) != MF_SUCCESS) {
-            comm = NULL;
-            fail(run, r, res, "mf_comm_init", mf_last_error());
-            goto done;
-        }
+/* redraw: the host buffers the iteration's inputs are drawn into (on the CPU, the call's own). */
+static int rank_alloc_redraw(rank_ctx_t *c) {
+    if (!c->o->redraw) return 0;
+    c->rx_host = malloc(c->bytes[0] + MFP_MIN_ALLOC);
+    c->rids_host = malloc(c->bytes[1] + MFP_MIN_ALLOC);
+    c->rw_host = malloc(c->bytes[2] + MFP_MIN_ALLOC);
+    if (!c->rx_host || !c->rids_host || !c->rw_host) {
+        fail(c->run, c->r, MF_ERR_OUT_OF_MEMORY, "redraw", "out of host memory");
+        return -1;
     }
+    if (!c->on_device) c->mem[0] = c->rx_host, c->mem[1] = c->rids_host, c->mem[2] = c->rw_host;
+    return 0;
+}
+
+#if MF_WITH_CUDA
+/* NCCL transport: rank 0 draws the unique id and hands it over in shared memory (the barrier);
+ * every rank makes its ncclComm, which the comm borrows (its allgather is the bootstrap). 0 ok. */
+static int rank_nccl_comm(rank_ctx_t *c) {
+    run_state_t *run = c->run;
+    const int32_t r = c->r;
+    char why[256];
+    nccl_id_t id;
+    int nr = 0;
+    if (nccl_open(&c->nccl, why, sizeof why) != 0) {
+        fail(run, r, MF_ERR_NOT_SUPPORTED, "nccl transport", why);
+        return -1;
+    }
+    if (r == 0 && (nr = c->nccl.get_unique_id(&id)) != 0) {
+        fail(run, r, MF_ERR_NCCL, "ncclGetUniqueId", c->nccl.get_error_string(nr));
+        return -1;
+    }
+    if (r == 0) memcpy(run->nccl_id, id.internal, sizeof id.internal);
+    if (barrier_wait(&run->barrier) != 0) return -1;
+    memcpy(id.internal, run->nccl_id, sizeof id.internal);
+    if ((nr = c->nccl.comm_init_rank(&c->nccl_comm, c->s->R, id, r)) != 0) {
+        c->nccl_comm = NULL;
+        fail(run, r, MF_ERR_NCCL, "ncclCommInitRank", c->nccl.get_error_string(nr));
+        return -1;
+    }
+    return 0;
+}
+#endif
+
+/* The rank's comm: the group's (threads), or its own through the rendezvous or an ncclComm
+ * (processes). 0 ok. */
+static int rank_join_comm(rank_ctx_t *c) {
+    run_state_t *run = c->run;
+    const mfp_run_opts_t *o = c->o;
+    const int32_t r = c->r, R = c->s->R;
+    mf_result_t res;
+    if (run->group) {
+        if ((res = mf_group_get_comm(run->group, r, &c->comm)) != MF_SUCCESS) {
+            fail(run, r, res, "mf_group_get_comm", mf_last_error());
+            return -1;
+        }
+        return 0;
+    }
+    mf_bootstrap_t boot;
+    mf_comm_config_t cc = MF_COMM_CONFIG_INIT;
+    const mf_bootstrap_t *bp = &boot;
+    cc.backend = run->backend;
+    cc.transport = o->transport;
+    cc.timeout_ms = o->timeout_ms;
+#if MF_WITH_CUDA
+    cc.device = c->device;
+    if (o->transport == MF_TRANSPORT_NCCL) {
+        if (rank_nccl_comm(c) != 0) return -1;
+        cc.nccl_comm = c->nccl_comm;
+        bp = NULL; /* the ncclComm's allgather is the bootstrap */
+    }
+#endif
+    if (bp && (res = mf_rendezvous_bootstrap(run->address, r, R, o->timeout_ms, &boot)) != MF_SUCCESS) {
+        fail(run, r, res, "mf_rendezvous_bootstrap", mf_last_error());
+        return -1;
+    }
+    if ((res = mf_comm_init(&cc, r, R, bp, &c->comm)) != MF_SUCCESS) {
+        c->comm = NULL;
+        fail(run, r, res, "mf_comm_init", mf_last_error());
+        return -1;
+    }
+    return 0;
+}
+
+/* The rank's layer: created from the problem and the run's options, its expert map and weights set,
+ * and with stage_map the poisoned buffers its staged map's weights go to. 0 ok. */
+static int rank_create_layer(rank_ctx_t *c) {
+    run_state_t *run = c->run;
+    const mfp_spec_t *s = c->s;
+    const mfp_run_opts_t *o = c->o;
+    const int32_t r = c->r;
+    const int64_t L = (int64_t)c->L, H = (int64_t)c->H, I = (int64_t)c->I;
+    mf_result_t res;
     mf_moe_config_t cfg = MF_MOE_CONFIG_INIT;
     cfg.num_experts = s->E;
     cfg.num_topk = s->K;
@@ -1012,404 +1086,517 @@ static void *rank_main(void *varg) {
     cfg.expert_capacity = s->expert_capacity;
     cfg.max_recv_rows = s->max_recv_rows;
     cfg.ue8m0_scales = s->ue8m0;
-    cfg.profile = o->profile && !comm_op && !o->no_phases;
+    cfg.profile = o->profile && !c->comm_op && !o->no_phases;
     cfg.dataflow = o->dataflow;
     cfg.num_physical_experts = o->num_physical;
     cfg.spare_slots = o->spare_slots;
     cfg.placement = s->placement;
-    if ((res = mf_moe_create(comm, &cfg, &moe)) != MF_SUCCESS) {
+    if ((res = mf_moe_create(c->comm, &cfg, &c->moe)) != MF_SUCCESS) {
         fail(run, r, res, "mf_moe_create", mf_last_error());
-        goto done;
+        return -1;
     }
-    if (o->expert_map && (res = mf_moe_set_expert_map(moe, o->expert_map, (int32_t)P)) != MF_SUCCESS) {
+    if (o->expert_map && (res = mf_moe_set_expert_map(c->moe, o->expert_map, (int32_t)c->P)) != MF_SUCCESS) {
         fail(run, r, res, "mf_moe_set_expert_map", mf_last_error());
-        goto done;
+        return -1;
     }
     const int32_t wdt = s->dtype;
-    mf_moe_weights_t w = {
-        .w13 = {mem[4], wdt, 3, {(int64_t)L, 2 * (int64_t)I, (int64_t)H}},
-        .w2 = {mem[5], wdt, 3, {(int64_t)L, (int64_t)H, (int64_t)I}},
+    c->w = (mf_moe_weights_t){
+        .w13 = {c->mem[4], wdt, 3, {L, 2 * I, H}},
+        .w2 = {c->mem[5], wdt, 3, {L, H, I}},
     };
-    if (fp8) {
-        w.w13_scales = (mf_tensor_t){mem[6], MF_DTYPE_FP32, 3,
-                                     {(int64_t)L, 2 * (int64_t)I / MFP_QBLOCK, (int64_t)H / MFP_QBLOCK}};
-        w.w2_scales = (mf_tensor_t){mem[7], MF_DTYPE_FP32, 3,
-                                    {(int64_t)L, (int64_t)H / MFP_QBLOCK, (int64_t)I / MFP_QBLOCK}};
+    if (c->fp8) {
+        c->w.w13_scales = (mf_tensor_t){c->mem[6], MF_DTYPE_FP32, 3, {L, 2 * I / MFP_QBLOCK, H / MFP_QBLOCK}};
+        c->w.w2_scales = (mf_tensor_t){c->mem[7], MF_DTYPE_FP32, 3, {L, H / MFP_QBLOCK, I / MFP_QBLOCK}};
     }
-    if ((res = mf_moe_set_weights(moe, &w)) != MF_SUCCESS) {
+    if ((res = mf_moe_set_weights(c->moe, &c->w)) != MF_SUCCESS) {
         fail(run, r, res, "mf_moe_set_weights", mf_last_error());
-        goto done;
+        return -1;
     }
     /* A staged map's weights: the run's buffers, poisoned, that moeflow fills. */
-    mf_moe_weights_t nw = w;
-    int staging = 0; /* a stage is in flight (its prefetch steps are counted) */
+    c->nw = c->w;
+    c->staging = 0;
     if (o->stage_map) {
         for (int i = 0; i < 4; i++) {
-            if (!bytes[4 + i]) continue;
-            next[i] = backend_alloc(on_device, bytes[4 + i]);
-            if (!next[i] || backend_poison(on_device, next[i], bytes[4 + i]) != 0) {
+            if (!c->bytes[4 + i]) continue;
+            c->next[i] = backend_alloc(c->on_device, c->bytes[4 + i]);
+            if (!c->next[i] || backend_poison(c->on_device, c->next[i], c->bytes[4 + i]) != 0) {
                 fail(run, r, MF_ERR_OUT_OF_MEMORY, "next_weights", "out of memory");
-                goto done;
+                return -1;
             }
         }
-        nw.w13.data = next[0], nw.w2.data = next[1];
-        if (fp8) nw.w13_scales.data = next[2], nw.w2_scales.data = next[3];
+        c->nw.w13.data = c->next[0], c->nw.w2.data = c->next[1];
+        if (c->fp8) c->nw.w13_scales.data = c->next[2], c->nw.w2_scales.data = c->next[3];
     }
+    return 0;
+}
 
-    mf_moe_forward_in_t in = {
-        .x = {mem[0], MF_DTYPE_BF16, 2, {T, (int64_t)H}},
-        .topk_ids = {mem[1], MF_DTYPE_INT32, 2, {T, (int64_t)K}},
-        .topk_weights = {mem[2], MF_DTYPE_FP32, 2, {T, (int64_t)K}},
+/* The tensors of the rank's calls: the forward's, and with a comm op the receive tensors of
+ * dispatch and combine, sized by the layer (mf_moe_get_info), with host copies for digests. 0 ok. */
+static int rank_bind_tensors(rank_ctx_t *c) {
+    run_state_t *run = c->run;
+    const mfp_spec_t *s = c->s;
+    const int32_t r = c->r, wdt = s->dtype;
+    const int64_t T = c->T;
+    const size_t H = c->H, L = c->L, esize = c->esize;
+    recv_bufs_t *rb = &c->rb;
+    mf_result_t res;
+    c->in = (mf_moe_forward_in_t){
+        .x = {c->mem[0], MF_DTYPE_BF16, 2, {T, (int64_t)H}},
+        .topk_ids = {c->mem[1], MF_DTYPE_INT32, 2, {T, (int64_t)c->K}},
+        .topk_weights = {c->mem[2], MF_DTYPE_FP32, 2, {T, (int64_t)c->K}},
     };
-    mf_moe_forward_out_t out = {.y = {mem[3], MF_DTYPE_BF16, 2, {T, (int64_t)H}}};
-    mf_dispatch_in_t din = {in.x, in.topk_ids};
-    mf_dispatch_out_t dout;
-    mf_combine_in_t cin;
-    mf_combine_out_t cout = {out.y};
-    memset(&dout, 0, sizeof dout);
-    memset(&cin, 0, sizeof cin);
-    if (comm_op) { /* the receive tensors, sized by the layer (mf_moe_get_info) */
-        mf_moe_info_t info;
-        if ((res = mf_moe_get_info(moe, &info)) != MF_SUCCESS) {
-            fail(run, r, res, "mf_moe_get_info", mf_last_error());
-            goto done;
+    c->out = (mf_moe_forward_out_t){.y = {c->mem[3], MF_DTYPE_BF16, 2, {T, (int64_t)H}}};
+    c->din = (mf_dispatch_in_t){c->in.x, c->in.topk_ids};
+    c->cout = (mf_combine_out_t){c->out.y};
+    memset(&c->dout, 0, sizeof c->dout);
+    memset(&c->cin, 0, sizeof c->cin);
+    if (!c->comm_op) return 0;
+    mf_moe_info_t info;
+    if ((res = mf_moe_get_info(c->moe, &info)) != MF_SUCCESS) {
+        fail(run, r, res, "mf_moe_get_info", mf_last_error());
+        return -1;
+    }
+    const int masked = s->layout == MF_LAYOUT_MASKED;
+    const int64_t Lq = (int64_t)L, Hq = (int64_t)H, nq = Hq / MFP_QBLOCK;
+    if (info.num_local_slots != (int32_t)L) {
+        char msg[96];
+        snprintf(msg, sizeof msg, "num_local_slots %d, the run laid out %zu slots", (int)info.num_local_slots, L);
+        fail(run, r, MF_ERR_INTERNAL, "mf_moe_get_info", msg);
+        return -1;
+    }
+    rb->L = Lq;
+    rb->cap = masked ? info.expert_capacity : 0;
+    rb->rows = masked ? Lq * info.expert_capacity : info.max_recv_rows;
+    const size_t rows = (size_t)rb->rows;
+    rb->x = backend_alloc(c->on_device, rows * H * esize);
+    rb->scales = backend_alloc(c->on_device, rows * (size_t)nq * 4);
+    rb->src = backend_alloc(c->on_device, rows * 12);
+    rb->counts = backend_alloc(c->on_device, L * 4);
+    rb->offsets = backend_alloc(c->on_device, (L + 1) * 4);
+    rb->eo = backend_alloc(c->on_device, rows * H * 2);
+    if (!rb->x || !rb->scales || !rb->src || !rb->counts || !rb->offsets || !rb->eo) {
+        fail(run, r, MF_ERR_OUT_OF_MEMORY, "receive tensors", "out of memory");
+        return -1;
+    }
+    if (c->o->digests) {
+        rb->hx = malloc(rows * H * esize + 1), rb->hscales = malloc(rows * (size_t)nq * 4 + 4);
+        rb->hsrc = malloc(rows * 12 + 4), rb->hcounts = malloc(L * 4 + 4), rb->hoffsets = malloc((L + 1) * 4);
+        rb->heo = calloc(rows * H + 1, 2);
+        if (!rb->hx || !rb->hscales || !rb->hsrc || !rb->hcounts || !rb->hoffsets || !rb->heo) {
+            fail(run, r, MF_ERR_OUT_OF_MEMORY, "receive tensors", "out of host memory");
+            return -1;
         }
-        const int masked = s->layout == MF_LAYOUT_MASKED;
-        const int64_t Lq = (int64_t)L, Hq = (int64_t)H, nq = Hq / MFP_QBLOCK;
-        if (info.num_local_slots != (int32_t)L) {
-            char msg[96];
-            snprintf(msg, sizeof msg, "num_local_slots %d, the run laid out %zu slots", (int)info.num_local_slots, L);
-            fail(run, r, MF_ERR_INTERNAL, "mf_moe_get_info", msg);
-            goto done;
+    }
+    mf_dispatch_out_t *dout = &c->dout;
+    if (masked) {
+        dout->recv_x = (mf_tensor_t){rb->x, wdt, 3, {Lq, rb->cap, Hq}};
+        if (c->fp8) dout->recv_scales = (mf_tensor_t){rb->scales, MF_DTYPE_FP32, 3, {Lq, rb->cap, nq}};
+        dout->recv_src = (mf_tensor_t){rb->src, MF_DTYPE_INT32, 3, {Lq, rb->cap, 3}};
+        c->cin.expert_out = (mf_tensor_t){rb->eo, MF_DTYPE_BF16, 3, {Lq, rb->cap, Hq}};
+    } else {
+        dout->recv_x = (mf_tensor_t){rb->x, wdt, 2, {rb->rows, Hq}};
+        if (c->fp8) dout->recv_scales = (mf_tensor_t){rb->scales, MF_DTYPE_FP32, 2, {rb->rows, nq}};
+        dout->recv_src = (mf_tensor_t){rb->src, MF_DTYPE_INT32, 2, {rb->rows, 3}};
+        dout->expert_offsets = (mf_tensor_t){rb->offsets, MF_DTYPE_INT32, 1, {Lq + 1}};
+        c->cin.expert_out = (mf_tensor_t){rb->eo, MF_DTYPE_BF16, 2, {rb->rows, Hq}};
+    }
+    dout->expert_counts = (mf_tensor_t){rb->counts, MF_DTYPE_INT32, 1, {Lq}};
+    c->cin.topk_weights = c->in.topk_weights;
+    return 0;
+}
+
+/* opts->graph on CUDA: the forward captured once, before any rank's first collective, then
+ * instantiated and uploaded. 0 ok. */
+static int rank_capture_graph(rank_ctx_t *c) {
+#if MF_WITH_CUDA
+    if (c->on_device && c->o->graph) {
+        cudaError_t ce = cudaStreamBeginCapture(c->cst, cudaStreamCaptureModeThreadLocal);
+        if (ce != cudaSuccess) {
+            fail(c->run, c->r, MF_ERR_CUDA, "cudaStreamBeginCapture", cudaGetErrorString(ce));
+            return -1;
         }
-        rb.L = Lq;
-        rb.cap = masked ? info.expert_capacity : 0;
-        rb.rows = masked ? Lq * info.expert_capacity : info.max_recv_rows;
-        const size_t rows = (size_t)rb.rows;
-        rb.x = backend_alloc(on_device, rows * H * esize);
-        rb.scales = backend_alloc(on_device, rows * (size_t)nq * 4);
-        rb.src = backend_alloc(on_device, rows * 12);
-        rb.counts = backend_alloc(on_device, L * 4);
-        rb.offsets = backend_alloc(on_device, (L + 1) * 4);
-        rb.eo = backend_alloc(on_device, rows * H * 2);
-        if (!rb.x || !rb.scales || !rb.src || !rb.counts || !rb.offsets || !rb.eo) {
-            fail(run, r, MF_ERR_OUT_OF_MEMORY, "receive tensors", "out of memory");
-            goto done;
+        mf_result_t res = mf_moe_forward(c->moe, &c->in, &c->out, c->stream);
+        ce = cudaStreamEndCapture(c->cst, &c->graph);
+        if (res != MF_SUCCESS) {
+            fail(c->run, c->r, res, "mf_moe_forward (captured)", mf_last_error());
+            return -1;
         }
-        if (o->digests) {
-            rb.hx = malloc(rows * H * esize + 1), rb.hscales = malloc(rows * (size_t)nq * 4 + 4);
-            rb.hsrc = malloc(rows * 12 + 4), rb.hcounts = malloc(L * 4 + 4), rb.hoffsets = malloc((L + 1) * 4);
-            rb.heo = calloc(rows * H + 1, 2);
-            if (!rb.hx || !rb.hscales || !rb.hsrc || !rb.hcounts || !rb.hoffsets || !rb.heo) {
-                fail(run, r, MF_ERR_OUT_OF_MEMORY, "receive tensors", "out of host memory");
-                goto done;
-            }
+        if (ce == cudaSuccess) ce = cudaGraphInstantiate(&c->graph_exec, c->graph, 0);
+        if (ce == cudaSuccess) ce = cudaGraphUpload(c->graph_exec, c->cst);
+        if (ce == cudaSuccess) ce = cudaStreamSynchronize(c->cst);
+        if (ce != cudaSuccess) {
+            fail(c->run, c->r, MF_ERR_CUDA, "capturing the forward", cudaGetErrorString(ce));
+            return -1;
         }
-        if (masked) {
-            dout.recv_x = (mf_tensor_t){rb.x, wdt, 3, {Lq, rb.cap, Hq}};
-            if (fp8) dout.recv_scales = (mf_tensor_t){rb.scales, MF_DTYPE_FP32, 3, {Lq, rb.cap, nq}};
-            dout.recv_src = (mf_tensor_t){rb.src, MF_DTYPE_INT32, 3, {Lq, rb.cap, 3}};
-            cin.expert_out = (mf_tensor_t){rb.eo, MF_DTYPE_BF16, 3, {Lq, rb.cap, Hq}};
-        } else {
-            dout.recv_x = (mf_tensor_t){rb.x, wdt, 2, {rb.rows, Hq}};
-            if (fp8) dout.recv_scales = (mf_tensor_t){rb.scales, MF_DTYPE_FP32, 2, {rb.rows, nq}};
-            dout.recv_src = (mf_tensor_t){rb.src, MF_DTYPE_INT32, 2, {rb.rows, 3}};
-            dout.expert_offsets = (mf_tensor_t){rb.offsets, MF_DTYPE_INT32, 1, {Lq + 1}};
-            cin.expert_out = (mf_tensor_t){rb.eo, MF_DTYPE_BF16, 2, {rb.rows, Hq}};
-        }
-        dout.expert_counts = (mf_tensor_t){rb.counts, MF_DTYPE_INT32, 1, {Lq}};
-        cin.topk_weights = in.topk_weights;
+    }
+#else
+    (void)c;
+#endif
+    return 0;
+}
+
+/* redraw: iteration it's inputs, into the tensors the calls (or the graph) use. 0 ok. */
+static int rank_redraw_inputs(rank_ctx_t *c, int32_t it) {
+    if (!c->o->redraw) return 0;
+    if (mfp_draw_rank_inputs(c->p, c->r, c->o->redraw_seed + (uint64_t)it, c->rx_host, c->rids_host, c->rw_host) != 0 ||
+        (c->on_device && (backend_copy(1, c->mem[0], c->rx_host, c->bytes[0], 0) != 0 ||
+                          backend_copy(1, c->mem[1], c->rids_host, c->bytes[1], 0) != 0 ||
+                          backend_copy(1, c->mem[2], c->rw_host, c->bytes[2], 0) != 0))) {
+        fail(c->run, c->r, MF_ERR_CUDA, "redraw", "drawing or uploading the iteration's inputs failed");
+        return -1;
+    }
+    return 0;
+}
+
+/* stage_map at stage_at: the map staged; prefetch after the first iteration: mf_moe_prefetch
+ * between two forwards, as an engine would during attention, with rank 0 counting its bytes, time
+ * and the stage's steps. 0 ok. */
+static int rank_stage_and_prefetch(rank_ctx_t *c, int32_t it) {
+    run_state_t *run = c->run;
+    const mfp_run_opts_t *o = c->o;
+    const int32_t r = c->r;
+    mf_result_t res;
+    if (o->stage_map && it == o->stage_at &&
+        (res = mf_moe_stage_expert_map(c->moe, o->stage_map, (int32_t)c->P, &c->nw, o->stage_per_step)) != MF_SUCCESS) {
+        fail(run, r, res, "mf_moe_stage_expert_map", mf_last_error());
+        return -1;
+    }
+    if (o->stage_map && it == o->stage_at) c->staging = 1;
+    if (!o->prefetch || it == 0) return 0;
+    double tp = now_s();
+    if ((res = mf_moe_prefetch(c->moe, c->stream)) != MF_SUCCESS) {
+        fail(run, r, res, "mf_moe_prefetch", mf_last_error());
+        return -1;
     }
 #if MF_WITH_CUDA
-    if (on_device && o->graph) { /* captured once, before any rank's first collective */
-        cudaError_t ce = cudaStreamBeginCapture(cst, cudaStreamCaptureModeThreadLocal);
-        if (ce != cudaSuccess) {
-            fail(run, r, MF_ERR_CUDA, "cudaStreamBeginCapture", cudaGetErrorString(ce));
-            goto done;
-        }
-        res = mf_moe_forward(moe, &in, &out, stream);
-        ce = cudaStreamEndCapture(cst, &graph);
-        if (res != MF_SUCCESS) {
-            fail(run, r, res, "mf_moe_forward (captured)", mf_last_error());
-            goto done;
-        }
-        if (ce == cudaSuccess) ce = cudaGraphInstantiate(&graph_exec, graph, 0);
-        if (ce == cudaSuccess) ce = cudaGraphUpload(graph_exec, cst);
-        if (ce == cudaSuccess) ce = cudaStreamSynchronize(cst);
-        if (ce != cudaSuccess) {
-            fail(run, r, MF_ERR_CUDA, "capturing the forward", cudaGetErrorString(ce));
-            goto done;
-        }
+    if (c->on_device && cudaStreamSynchronize(c->cst) != cudaSuccess) {
+        fail(run, r, MF_ERR_CUDA, "cudaStreamSynchronize after mf_moe_prefetch", "");
+        return -1;
     }
 #endif
-    run->setup_done[r] = now_s();
+    mf_moe_balance_stats_t bs = {.size = sizeof bs};
+    if (r == 0 && mf_moe_get_balance_stats(c->moe, &bs) == MF_SUCCESS) {
+        if (run->prefetch_n == 0) run->prefetch_first_bytes = bs.prefetch_bytes_all;
+        run->prefetch_last_bytes = bs.prefetch_bytes_all;
+        run->prefetch_ms_sum += (now_s() - tp) * 1e3;
+        run->prefetch_n++;
+        if (c->staging) { /* this prefetch made a step of the stage */
+            c->staging = bs.stage_steps_left > 0;
+            run->stage_steps++;
+            run->stage_prefetch_ms_sum += (now_s() - tp) * 1e3;
+            run->stage_bytes_total += bs.stage_bytes_all;
+            if (bs.stage_bytes_all > run->stage_step_bytes_max) run->stage_step_bytes_max = bs.stage_bytes_all;
+        }
+        const int32_t jt = it - o->warmup;
+        if (jt >= 0 && jt < MFP_STAGE_ITERS) run->staged_iter[jt] = bs.stage_steps_left > 0;
+    }
+    return 0;
+}
+
+/* With digests, between dispatch and combine: the dispatch outputs copied to the host, their digest
+ * (*digest) and the identity expert's outputs uploaded as the combine's input. 0 ok (*res holds the
+ * comm's async error, if any). */
+static int rank_identity_expert(rank_ctx_t *c, mf_result_t *res, uint64_t *digest) {
+    run_state_t *run = c->run;
+    const int32_t r = c->r;
+    const int on_device = c->on_device;
+    recv_bufs_t *rb = &c->rb;
+    const size_t rows = (size_t)rb->rows, H = c->H, L = c->L, nq = H / MFP_QBLOCK;
+#if MF_WITH_CUDA
+    cudaError_t ce = on_device ? cudaStreamSynchronize(c->cst) : cudaSuccess;
+    if (ce == cudaSuccess && on_device) *res = mf_comm_get_async_error(c->comm);
+    if (ce != cudaSuccess) {
+        fail(run, r, MF_ERR_CUDA, "cudaStreamSynchronize after mf_dispatch", cudaGetErrorString(ce));
+        return -1;
+    }
+#endif
+    if (*res == MF_SUCCESS &&
+        (backend_copy(on_device, rb->hcounts, rb->counts, L * 4, 1) != 0 ||
+         backend_copy(on_device, rb->hoffsets, rb->offsets, (L + 1) * 4, 1) != 0 ||
+         backend_copy(on_device, rb->hsrc, rb->src, rows * 12, 1) != 0 ||
+         backend_copy(on_device, rb->hx, rb->x, rows * H * c->esize, 1) != 0 ||
+         (c->fp8 && backend_copy(on_device, rb->hscales, rb->scales, rows * nq * 4, 1) != 0))) {
+        fail(run, r, MF_ERR_CUDA, "copying the dispatch outputs", "copy failed");
+        return -1;
+    }
+    if (*res == MF_SUCCESS) {
+        *digest = identity_step(c->p, c->s->layout, rb);
+        if (backend_copy(on_device, rb->eo, rb->heo, rows * H * 2, 0) != 0) {
+            fail(run, r, MF_ERR_CUDA, "uploading the expert outputs", "copy failed");
+            return -1;
+        }
+    }
+    return 0;
+}
 
 #if MF_WITH_CUDA
-    const int gate_always = on_device && o->gated && !o->graph && !(comm_op && o->digests);
-    atomic_int gate_open = 1;
+static void rank_record(const rank_ctx_t *c, int i) {
+    if (c->ev[i]) cudaEventRecord(c->ev[i], c->cst);
+}
 #endif
-    for (int32_t it = 0; it < total; it++) {
-        if (barrier_wait(&run->barrier) != 0) goto done; /* another rank failed */
-        if (o->redraw) { /* the iteration's inputs, into the tensors the calls (or the graph) use */
-            if (mfp_draw_rank_inputs(p, r, o->redraw_seed + (uint64_t)it, rx_host, rids_host, rw_host) != 0 ||
-                (on_device && (backend_copy(1, mem[0], rx_host, bytes[0], 0) != 0 ||
-                               backend_copy(1, mem[1], rids_host, bytes[1], 0) != 0 ||
-                               backend_copy(1, mem[2], rw_host, bytes[2], 0) != 0))) {
-                fail(run, r, MF_ERR_CUDA, "redraw", "drawing or uploading the iteration's inputs failed");
-                goto done;
-            }
-        }
-        if (r == o->die_rank && it == o->die_at && procs && !o->die_mid) raise(SIGKILL); /* fault injection */
-        if (o->stage_map && it == o->stage_at &&
-            (res = mf_moe_stage_expert_map(moe, o->stage_map, (int32_t)P, &nw, o->stage_per_step)) != MF_SUCCESS) {
-            fail(run, r, res, "mf_moe_stage_expert_map", mf_last_error());
-            goto done;
-        }
-        if (o->stage_map && it == o->stage_at) staging = 1;
-        if (o->prefetch && it > 0) { /* between two forwards, as an engine would during attention */
-            double tp = now_s();
-            if ((res = mf_moe_prefetch(moe, stream)) != MF_SUCCESS) {
-                fail(run, r, res, "mf_moe_prefetch", mf_last_error());
-                goto done;
-            }
+
+/* A comm op: dispatch; with split, the experts; with digests, the host's identity expert between the
+ * calls; combine. Each call's wall time in *t_disp / *t_comb, the failing call's name in *call.
+ * Returns the calls' result; -1 in *failed where the run has failed already. */
+static mf_result_t rank_comm_op(rank_ctx_t *c, const char **call, double *t_disp, double *t_comb, uint64_t *digest,
+                                int *failed) {
+    mf_result_t res;
+    *call = "mf_dispatch";
 #if MF_WITH_CUDA
-            if (on_device && cudaStreamSynchronize(cst) != cudaSuccess) {
-                fail(run, r, MF_ERR_CUDA, "cudaStreamSynchronize after mf_moe_prefetch", "");
-                goto done;
-            }
+    rank_record(c, 0);
 #endif
-            mf_moe_balance_stats_t bs = {.size = sizeof bs};
-            if (r == 0 && mf_moe_get_balance_stats(moe, &bs) == MF_SUCCESS) {
-                if (run->prefetch_n == 0) run->prefetch_first_bytes = bs.prefetch_bytes_all;
-                run->prefetch_last_bytes = bs.prefetch_bytes_all;
-                run->prefetch_ms_sum += (now_s() - tp) * 1e3;
-                run->prefetch_n++;
-                if (staging) { /* this prefetch made a step of the stage */
-                    staging = bs.stage_steps_left > 0;
-                    run->stage_steps++;
-                    run->stage_prefetch_ms_sum += (now_s() - tp) * 1e3;
-                    run->stage_bytes_total += bs.stage_bytes_all;
-                    if (bs.stage_bytes_all > run->stage_step_bytes_max) run->stage_step_bytes_max = bs.stage_bytes_all;
-                }
-                const int32_t jt = it - o->warmup;
-                if (jt >= 0 && jt < MFP_STAGE_ITERS) run->staged_iter[jt] = bs.stage_steps_left > 0;
-            }
-        }
-        double t0 = now_s(), t_disp = 0, t_comb = 0;
-        uint64_t digest_disp = 0;
-        const int dies_mid = r == o->die_rank && it == o->die_at && procs && o->die_mid;
+    double c0 = now_s();
+    res = mf_dispatch(c->moe, &c->din, &c->dout, c->stream);
 #if MF_WITH_CUDA
-        /* A rank that dies mid-call holds its stream too: killed with its call launched and not
-         * run, whatever the timing, while its peers are inside the call. */
-        const int gated = gate_always || (on_device && dies_mid && !graph_exec && !(comm_op && o->digests));
-        if (gated) {
-            atomic_store_explicit(&gate_open, 0, memory_order_relaxed);
-            cudaError_t ce = cudaLaunchHostFunc(cst, gate_hold, &gate_open);
-            if (ce != cudaSuccess) {
-                fail(run, r, MF_ERR_CUDA, "cudaLaunchHostFunc (gate)", cudaGetErrorString(ce));
-                goto done;
-            }
-        }
-        if (on_device && run->begins && it >= o->warmup) {
-            cudaEvent_t *bev = &run->begins[(size_t)r * o->iters + (it - o->warmup)];
-            cudaError_t ce = cudaEventCreate(bev);
-            if (ce == cudaSuccess) ce = cudaEventRecord(*bev, cst);
-            if (ce != cudaSuccess) {
-                atomic_store_explicit(&gate_open, 1, memory_order_release);
-                fail(run, r, MF_ERR_CUDA, "recording the begin event", cudaGetErrorString(ce));
-                goto done;
-            }
-        }
+    rank_record(c, 1);
 #endif
-        const char *call = "mf_moe_forward";
-        if (!comm_op) {
-#if MF_WITH_CUDA
-            if (graph_exec) {
-                cudaError_t ce = cudaGraphLaunch(graph_exec, cst);
-                res = ce == cudaSuccess ? MF_SUCCESS : MF_ERR_CUDA;
-                if (ce != cudaSuccess) {
-                    fail(run, r, res, "cudaGraphLaunch", cudaGetErrorString(ce));
-                    goto done;
-                }
-            } else
-#endif
-                res = mf_moe_forward(moe, &in, &out, stream);
-        } else {
-            /* dispatch; with digests, the host's identity expert between the calls; combine */
-            call = "mf_dispatch";
-#if MF_WITH_CUDA
-            if (ev[0]) cudaEventRecord(ev[0], cst);
-#endif
-            double c0 = now_s();
-            res = mf_dispatch(moe, &din, &dout, stream);
-#if MF_WITH_CUDA
-            if (ev[1]) cudaEventRecord(ev[1], cst);
-#endif
-            t_disp = now_s() - c0;
-            if (res == MF_SUCCESS && split) {
-                call = "mf_moe_experts";
-                const mf_experts_in_t ein = {dout.recv_x, dout.recv_scales, dout.expert_counts};
-                const mf_experts_out_t eout = {cin.expert_out};
-                res = mf_moe_experts(moe, &ein, &eout, stream);
-            }
-            if (res == MF_SUCCESS && o->digests) {
-                const size_t rows = (size_t)rb.rows, nq = H / MFP_QBLOCK;
-#if MF_WITH_CUDA
-                cudaError_t ce = on_device ? cudaStreamSynchronize(cst) : cudaSuccess;
-                if (ce == cudaSuccess && on_device) res = mf_comm_get_async_error(comm);
-                if (ce != cudaSuccess) {
-                    fail(run, r, MF_ERR_CUDA, "cudaStreamSynchronize after mf_dispatch", cudaGetErrorString(ce));
-                    goto done;
-                }
-#endif
-                if (res == MF_SUCCESS &&
-                    (backend_copy(on_device, rb.hcounts, rb.counts, L * 4, 1) != 0 ||
-                     backend_copy(on_device, rb.hoffsets, rb.offsets, (L + 1) * 4, 1) != 0 ||
-                     backend_copy(on_device, rb.hsrc, rb.src, rows * 12, 1) != 0 ||
-                     backend_copy(on_device, rb.hx, rb.x, rows * H * esize, 1) != 0 ||
-                     (fp8 && backend_copy(on_device, rb.hscales, rb.scales, rows * nq * 4, 1) != 0))) {
-                    fail(run, r, MF_ERR_CUDA, "copying the dispatch outputs", "copy failed");
-                    goto done;
-                }
-                if (res == MF_SUCCESS) {
-                    digest_disp = identity_step(p, s->layout, &rb);
-                    if (backend_copy(on_device, rb.eo, rb.heo, rows * H * 2, 0) != 0) {
-                        fail(run, r, MF_ERR_CUDA, "uploading the expert outputs", "copy failed");
-                        goto done;
-                    }
-                }
-            }
-            if (res == MF_SUCCESS) {
-                call = "mf_combine";
-#if MF_WITH_CUDA
-                if (ev[2]) cudaEventRecord(ev[2], cst);
-#endif
-                c0 = now_s();
-                res = mf_combine(moe, &cin, &cout, stream);
-                t_comb = now_s() - c0;
-#if MF_WITH_CUDA
-                if (ev[3]) cudaEventRecord(ev[3], cst);
-#endif
-            }
-        }
-#if MF_WITH_CUDA
-        if (ev[3] && !comm_op && res == MF_SUCCESS) cudaEventRecord(ev[3], cst); /* no_phases: the forward's end */
-#endif
-        if (dies_mid) raise(SIGKILL); /* its call launched, its peers inside the call */
-#if MF_WITH_CUDA
-        if (gated) atomic_store_explicit(&gate_open, 1, memory_order_release);
-#endif
-        if (res != MF_SUCCESS) {
-            fail(run, r, res, call, mf_last_error());
-            goto done;
-        }
-#if MF_WITH_CUDA
-        cudaError_t ce = on_device ? cudaStreamSynchronize(cst) : cudaSuccess;
-        if (ce != cudaSuccess) {
-            fail(run, r, MF_ERR_CUDA, "cudaStreamSynchronize after the call", cudaGetErrorString(ce));
-            goto done;
-        }
-#endif
-        double t1 = now_s();
-        /* Faults found by device code (a peer that never arrived) surface here, not as the
-         * forward's result; outside the timed span. */
-        if ((res = mf_comm_get_async_error(comm)) != MF_SUCCESS) {
-            fail(run, r, res, "mf_comm_get_async_error after the call", mf_last_error());
-            goto done;
-        }
-        const int32_t j = it - o->warmup;
-        if (j >= 0) {
-            run->times[(size_t)r * o->iters + j] = (t1 - t0) * 1e3;
-            mf_phase_times_t *ph = &run->phases[(size_t)r * o->iters + j];
-            if (o->profile && !comm_op && !o->no_phases && (res = mf_moe_get_phase_times(moe, ph)) != MF_SUCCESS) {
-                fail(run, r, res, "mf_moe_get_phase_times", mf_last_error());
-                goto done;
-            }
-            if (o->profile && !comm_op && o->no_phases) { /* begin -> end on the device, nothing between */
-                memset(ph, 0, sizeof *ph);
-#if MF_WITH_CUDA
-                float ms = 0;
-                if (on_device && (!run->begins || cudaEventElapsedTime(&ms, run->begins[(size_t)r * o->iters + j], ev[3]) !=
-                                                      cudaSuccess)) {
-                    fail(run, r, MF_ERR_CUDA, "reading the begin / end events", "cudaEventElapsedTime failed");
-                    goto done;
-                }
-                ph->total_us = ms * 1e3;
-#endif
-            }
-            if (o->profile && comm_op) { /* device events on CUDA, wall clock on the CPU */
-                memset(ph, 0, sizeof *ph);
-                ph->us[MF_PHASE_DISPATCH] = t_disp * 1e6;
-                ph->us[MF_PHASE_COMBINE] = t_comb * 1e6;
-#if MF_WITH_CUDA
-                float a = 0, b = 0;
-                if (on_device && (cudaEventElapsedTime(&a, ev[0], ev[1]) != cudaSuccess ||
-                                  cudaEventElapsedTime(&b, ev[2] ? ev[2] : ev[1], ev[3]) != cudaSuccess)) {
-                    fail(run, r, MF_ERR_CUDA, "reading the dispatch / combine events", "cudaEventElapsedTime failed");
-                    goto done;
-                }
-                if (on_device) ph->us[MF_PHASE_DISPATCH] = a * 1e3, ph->us[MF_PHASE_COMBINE] = b * 1e3;
-#endif
-                ph->total_us = ph->us[MF_PHASE_DISPATCH] + ph->us[MF_PHASE_COMBINE];
-            }
-        }
-        if (o->digests) { /* y of this call, bit for bit */
-            uint64_t *d = &run->digests[((size_t)r * total + it) * 2];
-            if (T > 0 && backend_copy(on_device, run->y[r], mem[3], bytes[3], 1) != 0) {
-                fail(run, r, MF_ERR_CUDA, "copying y to the host", "copy failed");
-                goto done;
-            }
-            d[0] = digest_disp;
-            d[1] = fnv1a(FNV_OFFSET, run->y[r], T > 0 ? bytes[3] : 0);
-        }
-        if (r == 0 && o->progress) o->progress(o->progress_ctx, it + 1, total);
+    *t_disp = now_s() - c0;
+    if (res == MF_SUCCESS && c->split) {
+        *call = "mf_moe_experts";
+        const mf_experts_in_t ein = {c->dout.recv_x, c->dout.recv_scales, c->dout.expert_counts};
+        const mf_experts_out_t eout = {c->cin.expert_out};
+        res = mf_moe_experts(c->moe, &ein, &eout, c->stream);
     }
-    if (o->stage_map && check_next_weights(run, r, moe, next, L) != 0) goto done;
+    if (res == MF_SUCCESS && c->o->digests && rank_identity_expert(c, &res, digest) != 0) {
+        *failed = -1;
+        return res;
+    }
+    if (res == MF_SUCCESS) {
+        *call = "mf_combine";
+#if MF_WITH_CUDA
+        rank_record(c, 2);
+#endif
+        c0 = now_s();
+        res = mf_combine(c->moe, &c->cin, &c->cout, c->stream);
+        *t_comb = now_s() - c0;
+#if MF_WITH_CUDA
+        rank_record(c, 3);
+#endif
+    }
+    return res;
+}
+
+/* Iteration j >= 0 (timed): its wall time (t0 to t1) and, with profile, its phases: the layer's
+ * phase times, the begin -> end events without phases, or the comm op's two calls. 0 ok. */
+static int rank_record_times(rank_ctx_t *c, int32_t j, double t0, double t1, double t_disp, double t_comb) {
+    run_state_t *run = c->run;
+    const mfp_run_opts_t *o = c->o;
+    const int32_t r = c->r;
+    mf_result_t res;
+    run->times[(size_t)r * o->iters + j] = (t1 - t0) * 1e3;
+    mf_phase_times_t *ph = &run->phases[(size_t)r * o->iters + j];
+    if (o->profile && !c->comm_op && !o->no_phases && (res = mf_moe_get_phase_times(c->moe, ph)) != MF_SUCCESS) {
+        fail(run, r, res, "mf_moe_get_phase_times", mf_last_error());
+        return -1;
+    }
+    if (o->profile && !c->comm_op && o->no_phases) { /* begin -> end on the device, nothing between */
+        memset(ph, 0, sizeof *ph);
+#if MF_WITH_CUDA
+        float ms = 0;
+        if (c->on_device && (!run->begins || cudaEventElapsedTime(&ms, run->begins[(size_t)r * o->iters + j], c->ev[3]) !=
+                                                 cudaSuccess)) {
+            fail(run, r, MF_ERR_CUDA, "reading the begin / end events", "cudaEventElapsedTime failed");
+            return -1;
+        }
+        ph->total_us = ms * 1e3;
+#endif
+    }
+    if (o->profile && c->comm_op) { /* device events on CUDA, wall clock on the CPU */
+        memset(ph, 0, sizeof *ph);
+        ph->us[MF_PHASE_DISPATCH] = t_disp * 1e6;
+        ph->us[MF_PHASE_COMBINE] = t_comb * 1e6;
+#if MF_WITH_CUDA
+        float a = 0, b = 0;
+        if (c->on_device && (cudaEventElapsedTime(&a, c->ev[0], c->ev[1]) != cudaSuccess ||
+                             cudaEventElapsedTime(&b, c->ev[2] ? c->ev[2] : c->ev[1], c->ev[3]) != cudaSuccess)) {
+            fail(run, r, MF_ERR_CUDA, "reading the dispatch / combine events", "cudaEventElapsedTime failed");
+            return -1;
+        }
+        if (c->on_device) ph->us[MF_PHASE_DISPATCH] = a * 1e3, ph->us[MF_PHASE_COMBINE] = b * 1e3;
+#endif
+        ph->total_us = ph->us[MF_PHASE_DISPATCH] + ph->us[MF_PHASE_COMBINE];
+    }
+    return 0;
+}
+
+/* One iteration: after the barrier, its inputs, the stage and prefetch, then the call (the forward,
+ * or its graph, or the comm op) between the gate and the events, its faults, times and digests.
+ * 0 ok; -1 when this rank or another failed. */
+static int rank_iteration(rank_ctx_t *c, int32_t it) {
+    run_state_t *run = c->run;
+    const mfp_run_opts_t *o = c->o;
+    const int32_t r = c->r, T = c->T;
+    mf_result_t res;
+    if (barrier_wait(&run->barrier) != 0) return -1; /* another rank failed */
+    if (rank_redraw_inputs(c, it) != 0) return -1;
+    if (r == o->die_rank && it == o->die_at && c->procs && !o->die_mid) raise(SIGKILL); /* fault injection */
+    if (rank_stage_and_prefetch(c, it) != 0) return -1;
+    double t0 = now_s(), t_disp = 0, t_comb = 0;
+    uint64_t digest_disp = 0;
+    const int dies_mid = r == o->die_rank && it == o->die_at && c->procs && o->die_mid;
+#if MF_WITH_CUDA
+    /* A rank that dies mid-call holds its stream too: killed with its call launched and not
+     * run, whatever the timing, while its peers are inside the call. */
+    const int gated = c->gate_always || (c->on_device && dies_mid && !c->graph_exec && !(c->comm_op && o->digests));
+    if (gated) {
+        atomic_store_explicit(&c->gate_open, 0, memory_order_relaxed);
+        cudaError_t ce = cudaLaunchHostFunc(c->cst, gate_hold, &c->gate_open);
+        if (ce != cudaSuccess) {
+            fail(run, r, MF_ERR_CUDA, "cudaLaunchHostFunc (gate)", cudaGetErrorString(ce));
+            return -1;
+        }
+    }
+    if (c->on_device && run->begins && it >= o->warmup) {
+        cudaEvent_t *bev = &run->begins[(size_t)r * o->iters + (it - o->warmup)];
+        cudaError_t ce = cudaEventCreate(bev);
+        if (ce == cudaSuccess) ce = cudaEventRecord(*bev, c->cst);
+        if (ce != cudaSuccess) {
+            atomic_store_explicit(&c->gate_open, 1, memory_order_release);
+            fail(run, r, MF_ERR_CUDA, "recording the begin event", cudaGetErrorString(ce));
+            return -1;
+        }
+    }
+#endif
+    const char *call = "mf_moe_forward";
+    if (!c->comm_op) {
+#if MF_WITH_CUDA
+        if (c->graph_exec) {
+            cudaError_t ce = cudaGraphLaunch(c->graph_exec, c->cst);
+            res = ce == cudaSuccess ? MF_SUCCESS : MF_ERR_CUDA;
+            if (ce != cudaSuccess) {
+                fail(run, r, res, "cudaGraphLaunch", cudaGetErrorString(ce));
+                return -1;
+            }
+        } else
+#endif
+            res = mf_moe_forward(c->moe, &c->in, &c->out, c->stream);
+    } else {
+        int failed = 0;
+        res = rank_comm_op(c, &call, &t_disp, &t_comb, &digest_disp, &failed);
+        if (failed) return -1;
+    }
+#if MF_WITH_CUDA
+    if (c->ev[3] && !c->comm_op && res == MF_SUCCESS) cudaEventRecord(c->ev[3], c->cst); /* no_phases: the forward's end */
+#endif
+    if (dies_mid) raise(SIGKILL); /* its call launched, its peers inside the call */
+#if MF_WITH_CUDA
+    if (gated) atomic_store_explicit(&c->gate_open, 1, memory_order_release);
+#endif
+    if (res != MF_SUCCESS) {
+        fail(run, r, res, call, mf_last_error());
+        return -1;
+    }
+#if MF_WITH_CUDA
+    cudaError_t ce = c->on_device ? cudaStreamSynchronize(c->cst) : cudaSuccess;
+    if (ce != cudaSuccess) {
+        fail(run, r, MF_ERR_CUDA, "cudaStreamSynchronize after the call", cudaGetErrorString(ce));
+        return -1;
+    }
+#endif
+    double t1 = now_s();
+    /* Faults found by device code (a peer that never arrived) surface here, not as the
+     * forward's result; outside the timed span. */
+    if ((res = mf_comm_get_async_error(c->comm)) != MF_SUCCESS) {
+        fail(run, r, res, "mf_comm_get_async_error after the call", mf_last_error());
+        return -1;
+    }
+    const int32_t j = it - o->warmup;
+    if (j >= 0 && rank_record_times(c, j, t0, t1, t_disp, t_comb) != 0) return -1;
+    if (o->digests) { /* y of this call, bit for bit */
+        uint64_t *d = &run->digests[((size_t)r * c->total + it) * 2];
+        if (T > 0 && backend_copy(c->on_device, run->y[r], c->mem[3], c->bytes[3], 1) != 0) {
+            fail(run, r, MF_ERR_CUDA, "copying y to the host", "copy failed");
+            return -1;
+        }
+        d[0] = digest_disp;
+        d[1] = fnv1a(FNV_OFFSET, run->y[r], T > 0 ? c->bytes[3] : 0);
+    }
+    if (r == 0 && o->progress) o->progress(o->progress_ctx, it + 1, c->total);
+    return 0;
+}
+
+/* After the last iteration: the staged weights checked, rank 0's balance statistics, y to the host.
+ * 0 ok. */
+static int rank_finish(rank_ctx_t *c) {
+    run_state_t *run = c->run;
+    const mfp_spec_t *s = c->s;
+    const mfp_run_opts_t *o = c->o;
+    const int32_t r = c->r;
+    mf_result_t res;
+    if (o->stage_map && check_next_weights(run, r, c->moe, c->next, c->L) != 0) return -1;
     if (r == 0 && (o->num_physical || o->spare_slots || o->expert_map || s->placement != MF_PLACEMENT_LINEAR ||
                    s->E % s->R)) {
         run->balance.size = sizeof run->balance;
-        if ((res = mf_moe_get_balance_stats(moe, &run->balance)) != MF_SUCCESS)
+        if ((res = mf_moe_get_balance_stats(c->moe, &run->balance)) != MF_SUCCESS)
             fail(run, r, res, "mf_moe_get_balance_stats", mf_last_error());
     }
 #if MF_WITH_CUDA
-    if (on_device && T > 0) {
-        cudaError_t ce = cudaMemcpy(run->y[r], mem[3], bytes[3], cudaMemcpyDeviceToHost);
+    if (c->on_device && c->T > 0) {
+        cudaError_t ce = cudaMemcpy(run->y[r], c->mem[3], c->bytes[3], cudaMemcpyDeviceToHost);
         if (ce != cudaSuccess) fail(run, r, MF_ERR_CUDA, "copying y to the host", cudaGetErrorString(ce));
     }
 #endif
-done:
+    return 0;
+}
+
+/* Frees what the steps made, in reverse: the graph, the layer, a rank process's comm (a healthy one
+ * meets its peers here: they stop using its heap), its ncclComm, the receive tensors, the redraw
+ * buffers, the device copies, events and stream, the laid-out and staged weights. */
+static void rank_release(rank_ctx_t *c) {
+    run_state_t *run = c->run;
+    const int on_device = c->on_device;
 #if MF_WITH_CUDA
-    if (graph_exec) cudaGraphExecDestroy(graph_exec);
-    if (graph) cudaGraphDestroy(graph);
+    if (c->graph_exec) cudaGraphExecDestroy(c->graph_exec);
+    if (c->graph) cudaGraphDestroy(c->graph);
 #endif
-    mf_moe_destroy(moe);
-    if (!run->group && comm) {
-        /* A rank process's comm; a healthy one meets its peers here (they stop using its heap). */
-        res = mf_comm_destroy(comm);
-        if (res != MF_SUCCESS) fail(run, r, res, "mf_comm_destroy", mf_last_error());
+    mf_moe_destroy(c->moe);
+    if (!run->group && c->comm) {
+        mf_result_t res = mf_comm_destroy(c->comm);
+        if (res != MF_SUCCESS) fail(run, c->r, res, "mf_comm_destroy", mf_last_error());
     }
 #if MF_WITH_CUDA
-    if (nccl_comm) { /* after the comm that borrowed it; a failed run aborts (peers may be gone) */
-        if (run->code == MF_SUCCESS) nccl.comm_destroy(nccl_comm);
-        else nccl.comm_abort(nccl_comm);
+    if (c->nccl_comm) { /* after the comm that borrowed it; a failed run aborts (peers may be gone) */
+        if (run->code == MF_SUCCESS) c->nccl.comm_destroy(c->nccl_comm);
+        else c->nccl.comm_abort(c->nccl_comm);
     }
 #endif
-    void *rbufs[] = {rb.x, rb.scales, rb.src, rb.counts, rb.offsets, rb.eo};
+    recv_bufs_t *rb = &c->rb;
+    void *rbufs[] = {rb->x, rb->scales, rb->src, rb->counts, rb->offsets, rb->eo};
     for (size_t i = 0; i < sizeof rbufs / sizeof rbufs[0]; i++)
         if (rbufs[i]) backend_free(on_device, rbufs[i]);
-    free(rb.hx), free(rb.hscales), free(rb.hsrc), free(rb.hcounts), free(rb.hoffsets), free(rb.heo);
-    free(rx_host), free(rids_host), free(rw_host);
+    free(rb->hx), free(rb->hscales), free(rb->hsrc), free(rb->hcounts), free(rb->hoffsets), free(rb->heo);
+    free(c->rx_host), free(c->rids_host), free(c->rw_host);
 #if MF_WITH_CUDA
     if (on_device) {
-        for (int i = 0; i < 8; i++) cudaFree(mem[i]);
+        for (int i = 0; i < 8; i++) cudaFree(c->mem[i]);
         for (int i = 0; i < 4; i++)
-            if (ev[i]) cudaEventDestroy(ev[i]);
-        if (cst) cudaStreamDestroy(cst);
+            if (c->ev[i]) cudaEventDestroy(c->ev[i]);
+        if (c->cst) cudaStreamDestroy(c->cst);
     }
 #endif
-    for (int i = 0; i < 4; i++) free(phys[i]);
+    for (int i = 0; i < 4; i++) free(c->phys[i]);
     for (int i = 0; i < 4; i++)
-        if (next[i]) backend_free(on_device, next[i]);
+        if (c->next[i]) backend_free(on_device, c->next[i]);
+}
+
+/* One rank, a thread of this process or the main thread of a rank process: its steps in order; the
+ * first that fails ends the rank (the run has failed, and the barrier is broken for the others). */
+static void *rank_main(void *varg) {
+    rank_arg_t *arg = varg;
+    rank_ctx_t ctx, *c = &ctx;
+    if (rank_lay_out_weights(c, arg->run, arg->rank) != 0) return NULL;
+    if (rank_upload(c) == 0 && rank_alloc_redraw(c) == 0 && rank_join_comm(c) == 0 && rank_create_layer(c) == 0 &&
+        rank_bind_tensors(c) == 0 && rank_capture_graph(c) == 0) {
+        c->run->setup_done[c->r] = now_s();
+#if MF_WITH_CUDA
+        c->gate_always = c->on_device && c->o->gated && !c->o->graph && !(c->comm_op && c->o->digests);
+        atomic_init(&c->gate_open, 1);
+#endif
+        int32_t it = 0;
+        while (it < c->total && rank_iteration(c, it) == 0) it++;
+        if (it == c->total) rank_finish(c);
+    }
+    rank_release(c);
     return NULL;
 }
 
