@@ -163,7 +163,7 @@ ifeq ($(CUDA),1)
 LAB_BINS := $(patsubst dev/cuda/%.cu,$(BUILD)/dev/%,$(wildcard dev/cuda/*.cu))
 lab: $(LAB_BINS)
 
-$(BUILD)/dev/%: dev/cuda/%.cu $(STATIC)
+$(BUILD)/dev/%: dev/cuda/%.cu dev/cuda/common.h dev/cuda/sm90_tma_lab_kernel.cuh $(STATIC)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -Idev/cuda -o $@ $< $(STATIC) -lcublasLt -lcuda -ldl -lrt -lpthread -lm
 else

@@ -43,15 +43,7 @@ extern "C" {
 }
 #include "core/numerics.h"
 #include "cuda/grouped_gemm.h"
-
-#define CUDA_OK(call)                                                                               \
-    do {                                                                                            \
-        cudaError_t e_ = (call);                                                                    \
-        if (e_ != cudaSuccess) {                                                                    \
-            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-            exit(2);                                                                                \
-        }                                                                                           \
-    } while (0)
+#include "common.h" /* the labs' CUDA_OK, random data, device vectors */
 
 static const double kDiffMaxBf16 = 1e-5;
 static const double kDiffMaxFp8 = 1e-3;
@@ -60,35 +52,8 @@ static const int kWarmupRuns = 3;
 static const int kTimedRuns = 25;
 static const int kRetRanks = 2;       /* ranks of combine slots in the ret check */
 static const int kRetTopk = 4;
-static const uint8_t kPoison = 0xFF;  /* NaN in E4M3, BF16 and fp32 */
-
-static int g_failures = 0;
 
 /* ---- host helpers ------------------------------------------------------------------------------ */
-
-static uint64_t g_rng = 0x9E3779B97F4A7C15ull;
-static uint64_t rnd_u64(void) {
-    uint64_t z = (g_rng += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-static double rnd_unit(void) { return (double)(rnd_u64() >> 11) * (1.0 / 9007199254740992.0); } /* [0, 1) */
-static float rnd_sym(void) { return (float)(2.0 * rnd_unit() - 1.0); }                              /* [-1, 1) */
-
-/* Random BF16 [rows, cols]: uniform in [-mag, mag) with a per-128-block magnitude spread of 2^[-2, 2]
- * (so that 1x128 and 128x128 scales differ), never all zero. */
-static void fill_bf16(uint16_t *x, int64_t rows, int64_t cols, float mag) {
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t c0 = 0; c0 < cols; c0 += 128) {
-            float m = mag * exp2f((float)(4.0 * rnd_unit() - 2.0));
-            for (int64_t c = c0; c < cols && c < c0 + 128; c++) {
-                float v = rnd_sym() * m;
-                if (v == 0.0f) v = m * 0.5f;
-                x[r * cols + c] = mf__bf16_from_float(v);
-            }
-        }
-}
 
 static mf_tensor_t tensor(void *data, int32_t dtype, int64_t d0, int64_t d1, int64_t d2) {
     mf_tensor_t t;
@@ -133,21 +98,6 @@ static host_operand make_operand(int dtype, int64_t batch, int64_t rows, int64_t
         exit(2);
     }
     return op;
-}
-
-template <typename T>
-static T *to_device(const std::vector<T> &v) {
-    T *d = NULL;
-    CUDA_OK(cudaMalloc((void **)&d, v.empty() ? 16 : v.size() * sizeof(T)));
-    if (!v.empty()) CUDA_OK(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-    return d;
-}
-
-template <typename T>
-static std::vector<T> to_host(const T *d, size_t n) {
-    std::vector<T> v(n);
-    if (n) CUDA_OK(cudaMemcpy(v.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return v;
 }
 
 /* The value of element (row, col) of an operand: FP8 code * its 1x128 scale, or BF16. */

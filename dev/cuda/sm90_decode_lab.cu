@@ -70,6 +70,7 @@ extern "C" {
 #include "cuda/configs.cuh"
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels/sm90_decode_gemm.cuh"
+#include "common.h" /* the labs' CUDA_OK, random data, device vectors */
 
 using mf__decode::kEpiPlain;
 using mf__decode::kEpiSwiglu;
@@ -78,15 +79,7 @@ using mf__decode::kEpiSwiglu;
  * errors, the shipped variants, one launcher call
  * ============================================================================================== */
 
-#define CUDA_OK(call)                                                                                    \
-    do {                                                                                                 \
-        cudaError_t e_ = (call);                                                                         \
-        if (e_ != cudaSuccess) cuda_fatal(e_, #call, __FILE__, __LINE__);                                \
-    } while (0)
-
-static const char *g_case = "setup";          /* the case running now, named in every fatal error */
 static mf__sm90_fault_t *g_fault = NULL;      /* mapped host memory: timed-out waits report here */
-static int g_failures = 0;
 
 static void report_fault(void) {
     if (g_fault && g_fault->magic == kMfSm90FaultMagic)
@@ -94,12 +87,6 @@ static void report_fault(void) {
                 g_case, g_fault->block, g_fault->thread, g_fault->smem, g_fault->parity, g_fault->tag,
                 g_fault->tag == mf__decode::kTagProducerEmpty ? "producer waiting for a free stage"
                 : g_fault->tag == mf__decode::kTagConsumerFull ? "consumer waiting for a full stage" : "?");
-}
-
-static void cuda_fatal(cudaError_t e, const char *what, const char *file, int line) {
-    fprintf(stderr, "FATAL [case %s] %s:%d: %s failed: %s\n", g_case, file, line, what, cudaGetErrorString(e));
-    report_fault();
-    exit(3);
 }
 
 static std::vector<mf__decode_variant_info_t> g_variants;
@@ -209,31 +196,9 @@ static bool launched(mf_result_t r, const char *name) {
  * host: data, layouts, the CPU oracle
  * ============================================================================================== */
 
-static uint64_t g_rng = 0x9E3779B97F4A7C15ull;
-static uint64_t rnd_u64(void) {
-    uint64_t z = (g_rng += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-static double rnd_unit(void) { return (double)(rnd_u64() >> 11) * (1.0 / 9007199254740992.0); }
-
 template <typename T>
 static void shuffle(std::vector<T> &v) {
     for (size_t i = v.size(); i > 1; i--) std::swap(v[i - 1], v[(size_t)(rnd_u64() % i)]);
-}
-
-/* Random BF16 [rows, cols] in [-mag, mag) with a per-128-block magnitude spread of 2^[-2, 2], never 0. */
-static void fill_bf16(uint16_t *x, int64_t rows, int64_t cols, float mag) {
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t c0 = 0; c0 < cols; c0 += 128) {
-            const float m = mag * exp2f((float)(4.0 * rnd_unit() - 2.0));
-            for (int64_t c = c0; c < cols && c < c0 + 128; c++) {
-                float v = (float)(2.0 * rnd_unit() - 1.0) * m;
-                if (v == 0.0f) v = 0.5f * m;
-                x[r * cols + c] = mf__bf16_from_float(v);
-            }
-        }
 }
 
 /* [batch, rows, cols] BF16 -> FP8 in 128x128 blocks (weights), with numerics.h as the library does. */
@@ -312,21 +277,6 @@ static void garble_rows(const layout_t &lo, uint8_t *data, int64_t row_bytes, fl
         garble(data + r * row_bytes, row_bytes);
         if (scales) garble_scales(scales + r * scale_cols, scale_cols);
     }
-}
-
-template <typename T>
-static T *to_device(const std::vector<T> &v) {
-    T *d = NULL;
-    CUDA_OK(cudaMalloc((void **)&d, std::max<size_t>(v.size() * sizeof(T), 16)));
-    if (!v.empty()) CUDA_OK(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-    return d;
-}
-
-template <typename T>
-static std::vector<T> to_host(const T *d, size_t n) {
-    std::vector<T> v(n);
-    if (n) CUDA_OK(cudaMemcpy(v.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return v;
 }
 
 /* One validation problem on the host. */
@@ -476,7 +426,6 @@ struct device_problem {
     }
 };
 
-static const uint8_t kPoison = 0xFF; /* NaN in E4M3, BF16 and fp32 */
 
 void device_problem::poison() const {
     CUDA_OK(cudaMemset(out, kPoison, out_bytes));
@@ -1367,6 +1316,7 @@ static void run_bench(const char *json_path, bool peers, bool quick, const std::
 
 int main(int argc, char **argv) {
     bool selftest = false, validate = false, bench = false, peers = true, quick = false;
+    g_on_fatal = report_fault;
     const char *json = NULL;
     std::string command;
     for (int i = 0; i < argc; i++) command += (i ? " " : "") + std::string(argv[i]);

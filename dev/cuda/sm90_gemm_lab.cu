@@ -80,6 +80,7 @@ extern "C" {
 #include "cuda/kernels/sm90_ptx.cuh"
 #include "cuda/kernels/sm90_tma_gemm.cuh"
 #include "sm90_tma_lab_kernel.cuh" /* the lab's fork: A/B kernels and timing probes */
+#include "common.h"               /* the labs' CUDA_OK, random data, device vectors */
 
 static const int kScaleBlock = MF__QUANT_BLOCK; /* FP8 K block and h scale block */
 static const int kBlockM = mf__tma::kBlockM;
@@ -91,9 +92,7 @@ static const int kKSteps = kRowBytes / kWgmmaKBytes;
  * errors
  * ==================================================================================================== */
 
-static const char *g_case = "(setup)";
 static mf__sm90_fault_t *g_fault = NULL;
-static int g_failures = 0;
 
 static void report_fault(void) {
     if (g_fault && g_fault->magic == kMfSm90FaultMagic)
@@ -104,46 +103,15 @@ static void report_fault(void) {
                                                            : "selftest");
 }
 
-#define CUDA_OK(call)                                                                                     \
-    do {                                                                                                  \
-        cudaError_t e_ = (call);                                                                          \
-        if (e_ != cudaSuccess) {                                                                          \
-            fprintf(stderr, "FATAL %s:%d: case %s: %s failed: %s\n", __FILE__, __LINE__, g_case, #call,    \
-                    cudaGetErrorString(e_));                                                              \
-            report_fault();                                                                               \
-            exit(2);                                                                                      \
-        }                                                                                                 \
-    } while (0)
-
-#define CU_OK(call)                                                                                       \
-    do {                                                                                                  \
-        CUresult r_ = (call);                                                                             \
-        if (r_ != CUDA_SUCCESS) {                                                                         \
-            fprintf(stderr, "FATAL %s:%d: case %s: %s failed: CUresult %d\n", __FILE__, __LINE__, g_case,  \
-                    #call, (int)r_);                                                                      \
-            exit(2);                                                                                      \
-        }                                                                                                 \
-    } while (0)
-
 static const double kDiffMaxBf16 = 1e-5;
 static const double kDiffMaxFp8 = 1e-3;
 static const int kWarmupRuns = 3;
 static const int kTimedRuns = 20;
 static const size_t kFlushBytes = 512ull << 20;
-static const uint8_t kPoison = 0xFF; /* NaN in E4M3, BF16 and fp32 */
 
 /* ====================================================================================================
  * random data
  * ==================================================================================================== */
-
-static uint64_t g_rng = 0x9E3779B97F4A7C15ull;
-static uint64_t rnd_u64(void) {
-    uint64_t z = (g_rng += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-static double rnd_unit(void) { return (double)(rnd_u64() >> 11) * (1.0 / 9007199254740992.0); }
 
 /* A random E4M3 code, |x| in [2^-6, 2^3) or so, never zero or NaN. */
 static uint8_t rnd_fp8(void) {
@@ -162,27 +130,6 @@ static uint16_t rnd_bf16(void) {
 
 /* An FP8 scale in [2^-8, 2^-4). */
 static float rnd_scale(void) { return exp2f((float)(-8.0 + 4.0 * rnd_unit())); }
-
-template <typename T>
-static T *dev_alloc(size_t n) {
-    T *d = NULL;
-    CUDA_OK(cudaMalloc((void **)&d, std::max<size_t>(n, 1) * sizeof(T)));
-    return d;
-}
-
-template <typename T>
-static T *to_device(const std::vector<T> &v) {
-    T *d = dev_alloc<T>(v.size());
-    if (!v.empty()) CUDA_OK(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-    return d;
-}
-
-template <typename T>
-static std::vector<T> to_host(const T *d, size_t n) {
-    std::vector<T> v(n);
-    if (n) CUDA_OK(cudaMemcpy(v.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return v;
-}
 
 /* ====================================================================================================
  * one launcher call
@@ -1306,6 +1253,7 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
 
 int main(int argc, char **argv) {
     bool selftest = false, validate = false, bench = false, ab_only = false;
+    g_on_fatal = report_fault;
     const char *json = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--selftest")) selftest = true;
