@@ -2,7 +2,7 @@
  * bench_gemm.c — `moeflow bench gemm`: the library's grouped expert GEMMs alone, every case timed
  * beside its floor and beside cuBLAS on the same total work, measured in the same run (issue 4).
  * Built into the CLI only with CUDA (tools/moeflow.c dispatches here); C11 on the CUDA runtime and
- * cuBLASLt C APIs; the GEMMs are reached through src/cuda/gemm_bench.h.
+ * cuBLASLt C APIs; the GEMMs are reached through src/testing.h (src/cuda/gemm_bench.h).
  *
  * Cases: models (expert shapes) x L local experts x M rows per expert x counts (equal, uneven
  * +-30%, zipf; always M * L rows in all) x op (w13 = W13 with its fused SwiGLU, w2) x dtype
@@ -54,9 +54,7 @@
 #include <unistd.h>
 
 #include "moeflow.h"
-#include "core/internal.h"
-#include "core/numerics.h"
-#include "cuda/gemm_bench.h"
+#include "testing.h" /* the GEMMs alone, their element bounds, the exact numerics (src/testing.h) */
 #include "bench.h"
 
 /* ---- defaults and limits ---------------------------------------------------------------------- */
@@ -72,7 +70,7 @@
 #define MAX_LIST 32                /* entries of a -M / -L list */
 #define MAX_MODEL_L 4
 #define QBLOCK MF__QUANT_BLOCK     /* FP8 scale block edge */
-#define SEGMENT_ALIGN MF__DEFAULT_BLOCK_M
+#define SEGMENT_ALIGN 128           /* EXPERT_MAJOR segment starts: mf_moe_config_t.block_m's default */
 #define CHECK_EXPERTS 8            /* --check: experts sampled per case (spread over [0, L)), + 1 empty */
 #define CHECK_TAIL_ROWS 2          /* --check: rows past counts[e] that must still hold the poison */
 #define CHECK_ROW_MAX 8            /* --check: sampled rows per expert (see pick_rows) */

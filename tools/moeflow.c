@@ -46,7 +46,7 @@
 #include "moeflow.h"
 #include "problem.h"
 #include "ref.h"
-#include "plan/stage.h" /* --rebalance: the schedule of a staged map */
+#include "testing.h" /* --rebalance: the schedule of a staged map (src/testing.h) */
 #include "bench.h" /* the H200 ceilings; `moeflow bench gemm` */
 
 /* ---- defaults and limits -------------------------------------------------------------------- */

@@ -21,8 +21,7 @@
 
 #include "../harness.h"
 #include "cuda_test.h"
-#include "core/numerics.h"
-#include "cuda/gemm_bench.h"
+#include "testing.h" /* the GEMMs alone, their element bounds, the exact numerics */
 
 #define QB MF__QUANT_BLOCK
 #define SEG_ALIGN 128
