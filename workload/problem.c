@@ -1519,21 +1519,19 @@ static int rank_iteration(rank_ctx_t *c, int32_t it) {
  * 0 ok. */
 static int rank_finish(rank_ctx_t *c) {
     run_state_t *run = c->run;
-    const mfp_spec_t *s = c->s;
     const mfp_run_opts_t *o = c->o;
-    const int32_t r = c->r;
-    mf_result_t res;
-    if (o->stage_map && check_next_weights(run, r, c->moe, c->next, c->L) != 0) return -1;
-    if (r == 0 && (o->num_physical || o->spare_slots || o->expert_map || s->placement != MF_PLACEMENT_LINEAR ||
-                   s->E % s->R)) {
+    if (o->stage_map && check_next_weights(run, c->r, c->moe, c->next, c->L) != 0) return -1;
+    const int balanced = o->num_physical || o->spare_slots || o->expert_map ||
+                         c->s->placement != MF_PLACEMENT_LINEAR || c->s->E % c->s->R;
+    if (c->r == 0 && balanced) {
         run->balance.size = sizeof run->balance;
-        if ((res = mf_moe_get_balance_stats(c->moe, &run->balance)) != MF_SUCCESS)
-            fail(run, r, res, "mf_moe_get_balance_stats", mf_last_error());
+        mf_result_t res = mf_moe_get_balance_stats(c->moe, &run->balance);
+        if (res != MF_SUCCESS) fail(run, c->r, res, "mf_moe_get_balance_stats", mf_last_error());
     }
 #if MF_WITH_CUDA
     if (c->on_device && c->T > 0) {
-        cudaError_t ce = cudaMemcpy(run->y[r], c->mem[3], c->bytes[3], cudaMemcpyDeviceToHost);
-        if (ce != cudaSuccess) fail(run, r, MF_ERR_CUDA, "copying y to the host", cudaGetErrorString(ce));
+        cudaError_t ce = cudaMemcpy(run->y[c->r], c->mem[3], c->bytes[3], cudaMemcpyDeviceToHost);
+        if (ce != cudaSuccess) fail(run, c->r, MF_ERR_CUDA, "copying y to the host", cudaGetErrorString(ce));
     }
 #endif
     return 0;
