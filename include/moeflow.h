@@ -168,6 +168,8 @@ typedef struct mf_group *mf_group_t; /* R ranks and their symmetric heaps */
 typedef struct mf_comm *mf_comm_t;   /* one rank of a group */
 typedef struct mf_moe *mf_moe_t;     /* one MoE layer on one rank */
 typedef void *mf_stream_t;           /* cudaStream_t on CUDA; ignored (pass NULL) on CPU */
+typedef void *mf_event_t;            /* cudaEvent_t on CUDA; the CPU backend takes none (NULL) */
+typedef struct mf_exchange *mf_exchange_t; /* one dispatch + combine in halves (section "Overlap") */
 
 /* ---------------------------------------------------------------------------------------------
  * Group and comm
@@ -220,6 +222,17 @@ MF_API mf_result_t mf_comm_get_size(mf_comm_t comm, int32_t *num_ranks);
  * (MF_SUCCESS if none); mf_last_error() then describes it. Blocking: synchronises the comm's last
  * stream. Not collective. */
 MF_API mf_result_t mf_comm_get_async_error(mf_comm_t comm);
+
+/* The SMs this rank's communication kernels may use (DeepEP's Buffer.set_num_sms): the grids of
+ * the gather and return moves (num_sms x 4 blocks) and the bound on a grid that may wait behind a
+ * peer-waiting kernel. `num_sms` = 0 restores the value the comm resolved at init (config num_sms,
+ * or the device's SMs shared by the ranks on it). Between calls; the next launches use it (a
+ * captured graph keeps the grids it captured). Not collective, non-blocking. Errors:
+ * INVALID_ARGUMENT (negative, more than the device has, or more than num_sms / ranks sharing the
+ * device when virtual ranks share a GPU: their waiting kernels must all be resident at once). The
+ * CPU backend stores the value and ignores it. */
+MF_API mf_result_t mf_comm_set_num_sms(mf_comm_t comm, int32_t num_sms);
+MF_API mf_result_t mf_comm_get_num_sms(mf_comm_t comm, int32_t *num_sms);
 
 /* ---------------------------------------------------------------------------------------------
  * One rank per process: a bootstrap, then mf_comm_init on every rank
@@ -335,7 +348,13 @@ typedef struct mf_moe_config {
                                      0 = off (mf_moe_prefetch). Needs placement LINEAR with R | E */
     int32_t placement;            /* mf_placement_t; 0 = MF_PLACEMENT_LINEAR (older, shorter configs
                                      read 0 here) */
+    int32_t max_in_flight;        /* exchanges of this layer in flight at once (mf_exchange_t, the
+                                     split halves), 1..MF_MAX_IN_FLIGHT; 0 = 1. The heap holds this
+                                     many copies of the layer's publication and combine regions
+                                     (mf_moe_heap_bytes grows with it); 2 = two micro-batches */
 } mf_moe_config_t;
+
+#define MF_MAX_IN_FLIGHT 4
 
 #define MF_MAX_SPARE_SLOTS 16
 
@@ -345,7 +364,7 @@ typedef struct mf_moe_config {
     {                                                                                            \
         sizeof(mf_moe_config_t), MF_MOE_CONFIG_MAGIC, MF_API_VERSION, 0, 0, 0, 0, 0,             \
             MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, 0, 0, 0, 0, 0, MF_DATAFLOW_AUTO, 0, 0,        \
-            MF_PLACEMENT_LINEAR                                                                  \
+            MF_PLACEMENT_LINEAR, 0                                                               \
     }
 
 /* What a layer resolved its defaults to, for sizing weights and dispatch outputs. */
@@ -622,6 +641,85 @@ MF_API mf_result_t mf_moe_experts(mf_moe_t moe, const mf_experts_in_t *in, const
                            mf_stream_t stream);
 
 /* ---------------------------------------------------------------------------------------------
+ * Overlap: dispatch and combine in halves (docs/API.md section 9)
+ *
+ * An exchange (mf_exchange_t) is one mf_dispatch + mf_combine of a layer cut into four calls: a
+ * *send* half quantises, publishes and signals, then returns without waiting on any peer (on CUDA
+ * it leaves no kernel waiting on the device); a *receive* half waits for every rank's send and
+ * lands the rows (dispatch) or sums them (combine). Up to config.max_in_flight exchanges of a layer
+ * (MF_MAX_IN_FLIGHT of a comm) are in flight at once, each in its own heap slot, so that two
+ * micro-batches overlap their communication with each other's compute (DeepEP's
+ * return_recv_hook, vLLM's prepare_async / finalize_async, SGLang's dispatch_a / dispatch_b).
+ * mf_dispatch and mf_combine are an exchange whose halves run in one call.
+ *
+ * Order: every rank makes the halves' calls in the same order (they are collective), and the
+ * receives of each phase come in the order of its sends (the oldest exchange sent at a phase is
+ * received first); a send needs a free heap slot of its layer. Faults: a send that fails (bad
+ * input, an exchange already in flight, no free slot) still takes part in its collective with the
+ * failure as status, so every rank fails that exchange (the failing rank at its send, the others at
+ * their receive) and nothing is written; a failed receive ends the exchange on every rank; a
+ * receive refused for misuse (no send before it, out of order) is local and changes nothing. Every
+ * wait is bounded by the comm timeout, a rank that dies between send and receive makes the
+ * survivors' next receive that needs it fail with MF_ERR_TIMEOUT (or MF_ERR_ABORTED), writing
+ * nothing. CUDA: the halves are graph-capturable, and the halves of one comm must run in stream
+ * order (one stream, or streams joined by events: the `events` below).
+ * ------------------------------------------------------------------------------------------- */
+
+/* Events around one half (DeepEP's previous_event / async_finish); either may be NULL, and the
+ * argument itself may be NULL. CPU backend: both must be NULL (each half completes before it
+ * returns). */
+typedef struct mf_exchange_events {
+    mf_event_t previous; /* the half's work on `stream` waits for it (cudaStreamWaitEvent) */
+    mf_event_t finished; /* recorded on `stream` after the half's work (cudaEventRecord) */
+} mf_exchange_events_t;
+
+/* A handle for exchanges of `moe` (reusable: one exchange after another). Not collective,
+ * non-blocking, host memory only. The caller owns *exchange (mf_exchange_destroy). */
+MF_API mf_result_t mf_exchange_create(mf_moe_t moe, mf_exchange_t *exchange);
+
+/* Frees the handle. INVALID_USAGE while its exchange is in flight (finish it, or destroy the
+ * layer's comm). NULL is a no-op. */
+MF_API mf_result_t mf_exchange_destroy(mf_exchange_t exchange);
+
+/* The send half of dispatch: validates `in` and `out` as mf_dispatch does, takes a heap slot,
+ * quantises and publishes this rank's tokens and routing there and signals the peers. Returns
+ * without waiting on a peer. `out` is where mf_dispatch_recv will land the rows: it must stay
+ * valid until then. Collective (every rank sends, in the same order), non-blocking,
+ * graph-capturable (CUDA). Errors (every rank then fails this exchange): as mf_dispatch's;
+ * INVALID_USAGE (the handle's exchange is already in flight; no free heap slot: more in flight
+ * than config.max_in_flight or MF_MAX_IN_FLIGHT of the comm, or than the heap regions allow
+ * across layers; an mf_moe_forward cannot run while exchanges are in flight either). */
+MF_API mf_result_t mf_dispatch_send(mf_exchange_t exchange, const mf_dispatch_in_t *in,
+                                    const mf_dispatch_out_t *out, const mf_exchange_events_t *events,
+                                    mf_stream_t stream);
+
+/* The receive half of dispatch: waits (bounded) for every rank's send of this exchange, plans and
+ * lands the rows in the `out` given to the send (mf_dispatch's layout and order). Blocking on CPU,
+ * asynchronous on CUDA, graph-capturable. Errors: INVALID_USAGE, local and changing nothing (no
+ * dispatch send in flight on the handle; an exchange sent before it at DISPATCH not yet received);
+ * a peer's failed send, a capacity overflow, MF_ERR_TIMEOUT, MF_ERR_ABORTED: the exchange ends
+ * on every rank and nothing is written. */
+MF_API mf_result_t mf_dispatch_recv(mf_exchange_t exchange, const mf_exchange_events_t *events,
+                                    mf_stream_t stream);
+
+/* The send half of combine: validates as mf_combine does (T of this exchange's dispatch), writes
+ * the expert output rows into their owners' combine slots of this exchange and signals. Returns
+ * without waiting. `out->y` must stay valid until mf_combine_recv. Collective, non-blocking,
+ * graph-capturable. Errors (every rank then fails the exchange): as mf_combine's; INVALID_USAGE
+ * (the exchange's dispatch was not received). */
+MF_API mf_result_t mf_combine_send(mf_exchange_t exchange, const mf_combine_in_t *in,
+                                   const mf_combine_out_t *out, const mf_exchange_events_t *events,
+                                   mf_stream_t stream);
+
+/* The receive half of combine: waits (bounded) for every rank's combine send of this exchange and
+ * sums this rank's tokens into y. The exchange then ends (its slot is free, the handle reusable).
+ * Blocking on CPU, asynchronous on CUDA, graph-capturable. Errors: INVALID_USAGE, local (no
+ * combine send in flight on the handle; out of order); a peer's failure, TIMEOUT, ABORTED: y is
+ * not written and the exchange ends. */
+MF_API mf_result_t mf_combine_recv(mf_exchange_t exchange, const mf_exchange_events_t *events,
+                                   mf_stream_t stream);
+
+/* ---------------------------------------------------------------------------------------------
  * Numerics helpers (host; the same conversions every backend uses)
  * ------------------------------------------------------------------------------------------- */
 /* float -> E4M3: round to nearest even, saturate to +-448 (inf too), NaN -> 0x7f | sign. */
@@ -661,7 +759,8 @@ typedef enum mf_struct {
     MF_STRUCT_MOE_BALANCE_STATS = 14,
     MF_STRUCT_EXPERTS_IN = 15,
     MF_STRUCT_EXPERTS_OUT = 16,
-    MF_NUM_STRUCTS = 17
+    MF_STRUCT_EXCHANGE_EVENTS = 17,
+    MF_NUM_STRUCTS = 18
 } mf_struct_t;
 
 /* sizeof the struct `which` in this library (0 for an unknown value). Not collective, non-blocking;

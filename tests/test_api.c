@@ -89,6 +89,7 @@ static int test_abi(void) {
         {MF_STRUCT_MOE_BALANCE_STATS, sizeof(mf_moe_balance_stats_t)},
         {MF_STRUCT_EXPERTS_IN, sizeof(mf_experts_in_t)},
         {MF_STRUCT_EXPERTS_OUT, sizeof(mf_experts_out_t)},
+        {MF_STRUCT_EXCHANGE_EVENTS, sizeof(mf_exchange_events_t)},
     };
     MFT_CHECK_EQ_INT(sizeof sizes / sizeof sizes[0], MF_NUM_STRUCTS);
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++)

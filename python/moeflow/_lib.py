@@ -79,7 +79,7 @@ class MoeConfig(Structure):
                 ("layout", c_int32), ("block_m", c_int32), ("expert_capacity", c_int32),
                 ("max_recv_rows", c_int32), ("ue8m0_scales", c_int32), ("profile", c_int32),
                 ("dataflow", c_int32), ("num_physical_experts", c_int32),
-                ("spare_slots", c_int32), ("placement", c_int32)]
+                ("spare_slots", c_int32), ("placement", c_int32), ("max_in_flight", c_int32)]
 
 
 class MoeInfo(Structure):
@@ -126,6 +126,14 @@ class ExpertsOut(Structure):
     _fields_ = [("expert_out", Tensor)]
 
 
+class ExchangeEvents(Structure):
+    """mf_exchange_events_t: cudaEvent_t handles around one half (previous, finished), or NULL."""
+    _fields_ = [("previous", c_void_p), ("finished", c_void_p)]
+
+
+MAX_IN_FLIGHT = 4  # MF_MAX_IN_FLIGHT
+
+
 class PhaseTimes(Structure):
     _fields_ = [("us", c_double * len(PHASES)), ("total_us", c_double)]
 
@@ -145,7 +153,7 @@ class BalanceStats(Structure):
 # mf_struct_t order: the index is the enum value.
 STRUCTS = (Tensor, GroupConfig, CommConfig, Bootstrap, MoeConfig, MoeInfo, MoeWeights, ForwardIn,
            ForwardOut, DispatchIn, DispatchOut, CombineIn, CombineOut, PhaseTimes, BalanceStats,
-           ExpertsIn, ExpertsOut)
+           ExpertsIn, ExpertsOut, ExchangeEvents)
 
 
 # ---- loading --------------------------------------------------------------------------------------
@@ -198,6 +206,14 @@ _FUNCTIONS = {
     "mf_moe_get_balance_stats": (c_int32, [_handle, _P(BalanceStats)]),
     "mf_dispatch": (c_int32, [_handle, _P(DispatchIn), _P(DispatchOut), c_void_p]),
     "mf_combine": (c_int32, [_handle, _P(CombineIn), _P(CombineOut), c_void_p]),
+    "mf_exchange_create": (c_int32, [_handle, _P(_handle)]),
+    "mf_exchange_destroy": (c_int32, [_handle]),
+    "mf_dispatch_send": (c_int32, [_handle, _P(DispatchIn), _P(DispatchOut), _P(ExchangeEvents), c_void_p]),
+    "mf_dispatch_recv": (c_int32, [_handle, _P(ExchangeEvents), c_void_p]),
+    "mf_combine_send": (c_int32, [_handle, _P(CombineIn), _P(CombineOut), _P(ExchangeEvents), c_void_p]),
+    "mf_combine_recv": (c_int32, [_handle, _P(ExchangeEvents), c_void_p]),
+    "mf_comm_set_num_sms": (c_int32, [_handle, c_int32]),
+    "mf_comm_get_num_sms": (c_int32, [_handle, _P(c_int32)]),
     "mf_moe_experts": (c_int32, [_handle, _P(ExpertsIn), _P(ExpertsOut), c_void_p]),
     "mf_fp8_e4m3_from_float": (c_uint8, [c_float]),
     "mf_fp8_e4m3_to_float": (c_float, [c_uint8]),

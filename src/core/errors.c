@@ -208,6 +208,7 @@ int64_t mf_get_struct_size(mf_struct_t which) {
     case MF_STRUCT_MOE_BALANCE_STATS: return (int64_t)sizeof(mf_moe_balance_stats_t);
     case MF_STRUCT_EXPERTS_IN: return (int64_t)sizeof(mf_experts_in_t);
     case MF_STRUCT_EXPERTS_OUT: return (int64_t)sizeof(mf_experts_out_t);
+    case MF_STRUCT_EXCHANGE_EVENTS: return (int64_t)sizeof(mf_exchange_events_t);
     case MF_NUM_STRUCTS: break;
     }
     return 0;

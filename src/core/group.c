@@ -266,6 +266,7 @@ static mf_result_t mf__comm_setup(const mf_comm_config_t *config, int32_t rank, 
     /* Per-rank state (CUDA: fault words, num_sms from ranks_on_device), then the signals and, if
      * declared, the heap: every step agreed, so all ranks stop at the same one. */
     MF_CHECK_GOTO(mf__agree(c, c->ops->comm_init(c), fn), xres, fail);
+    c->default_sms = c->num_sms;
     MF_CHECK_GOTO(c->tops->sym_alloc(c, MF__SIGNAL_BYTES, &c->signals), xres, fail);
     if (c->heap_declared) MF_CHECK_GOTO(c->tops->sym_alloc(c, c->heap_declared, &c->heap), xres, fail);
     *out = c;
@@ -355,6 +356,31 @@ mf_result_t mf_comm_get_transport(mf_comm_t comm, mf_transport_t *transport) {
     mf__clear_error();
     MF_REQUIRE(comm && transport, "mf_comm_get_transport: comm and transport must not be NULL");
     *transport = comm->transport;
+    return MF_SUCCESS;
+}
+
+mf_result_t mf_comm_set_num_sms(mf_comm_t comm, int32_t num_sms) {
+    const char *fn = "mf_comm_set_num_sms";
+    mf__clear_error();
+    MF_REQUIRE(comm, "%s: comm must not be NULL", fn);
+    MF_REQUIRE(num_sms >= 0, "%s: num_sms %d is negative", fn, num_sms);
+    if (num_sms == 0) num_sms = comm->default_sms;
+    MF_REQUIRE(!comm->device_sms || num_sms <= comm->device_sms, "%s: num_sms %d exceeds the device's %d SMs", fn,
+               num_sms, comm->device_sms);
+    /* Virtual ranks on one GPU: every rank's waiting kernels must be resident at once. */
+    const int32_t share = comm->device_sms / (comm->ranks_on_device > 0 ? comm->ranks_on_device : 1);
+    MF_REQUIRE(!comm->device_sms || comm->transport != MF_TRANSPORT_LOCAL || comm->ranks_on_device <= 1 ||
+                   num_sms <= share,
+               "%s: num_sms %d exceeds this rank's share of device %d (%d SMs / %d virtual ranks = %d)", fn, num_sms,
+               comm->device, comm->device_sms, comm->ranks_on_device, share);
+    comm->num_sms = num_sms;
+    return MF_SUCCESS;
+}
+
+mf_result_t mf_comm_get_num_sms(mf_comm_t comm, int32_t *num_sms) {
+    mf__clear_error();
+    MF_REQUIRE(comm && num_sms, "mf_comm_get_num_sms: comm and num_sms must not be NULL");
+    *num_sms = comm->num_sms;
     return MF_SUCCESS;
 }
 

@@ -133,13 +133,21 @@ const char *mf__phase_name(int phase);
  *   ids:      S x K x int32          published topk_ids (-1 = skip)
  *   weights:  S x K x fp32           published topk_weights
  *   combine:  S x K x H x bf16       slots the experts' ranks write partials into, at (token, k)
+ * and the whole repeats num_slots = config.max_in_flight times, one copy per exchange in flight
+ * (mf_exchange_t, the split halves; docs/API.md section 9): slot i at i x slot_bytes.
  */
 typedef struct mf__heap_layout {
     size_t meta, x, scales, ids, weights, combine;
-    size_t bytes; /* total */
+    size_t slot_bytes; /* the regions above, once: one exchange in flight */
+    int32_t num_slots; /* config.max_in_flight: the regions repeat this many times */
+    size_t bytes;      /* total: slot_bytes x num_slots */
 } mf__heap_layout_t;
 
+/* The layer's layout; its offsets are those of slot 0 (mf_moe_forward's, and the first exchange's). */
 void mf__heap_layout_init(mf__heap_layout_t *layout, const mf_moe_config_t *config);
+/* The same regions in slot `slot` (offsets + slot x slot_bytes): an exchange's publication and
+ * combine slots, while others of the comm are in flight in other slots. */
+mf__heap_layout_t mf__heap_layout_slot(const mf__heap_layout_t *layout, int32_t slot);
 
 /* ---- spare slots (balancing): one symmetric allocation per layer with B > 0 ------------------ */
 /* Four tensors of B slots each, shaped as the caller's weights (so that a GEMM takes the spare
@@ -191,7 +199,7 @@ uint32_t mf__map_hash(const int32_t *map, int32_t num_physical);
 
 /* ---- signals (every rank, one symmetric allocation; docs/DESIGN.md "Symmetric heap") ----------- */
 /* uint64 words:
- *   slots   [MF__NUM_PHASES][2][MF_MAX_RANKS]  peers write: slot [p][e % 2][q] = e << MF__EPOCH_SHIFT |
+ *   slots   [MF__NUM_PHASES][Q][MF_MAX_RANKS]  peers write: slot [p][e % Q][q] = e << MF__EPOCH_SHIFT |
  *                                              layer << MF__STATUS_BITS | status, e = rank q's e-th
  *                                              arrival at phase p, layer = the id of the layer it
  *                                              called (16 bits), status = its verdict (8 bits)
@@ -200,10 +208,16 @@ uint32_t mf__map_hash(const int32_t *map, int32_t num_physical);
  * Epochs only grow: nothing is re-zeroed between calls. A status is an mf_result_t (0 = fine): the
  * arrival of a rank whose call failed before its work (rejected input, a fault its device found)
  * carries the code, and every waiter fails that call with it, so all ranks fail together; so does
- * an arrival for another layer than the waiter's (ranks must call the same layers). Two
- * slots per phase, by epoch parity: a rank that failed a call at its first phase may arrive at that
- * phase again (its next call) before a peer has read its status for this one; it can never be two
- * arrivals ahead, since its next call's wait needs this peer. */
+ * an arrival for another layer than the waiter's (ranks must call the same layers). Q =
+ * MF__EPOCH_SLOTS slots per phase, by epoch modulo Q: with one call at a time, a rank that failed a
+ * call at its first phase may arrive at that phase again (its next call) before a peer has read its
+ * status for this one, but never two arrivals ahead, since its next call's wait needs this peer
+ * (2 would do). With the split halves, up to MF_MAX_IN_FLIGHT exchanges of a comm are in flight and
+ * each phase's receives follow its sends in order (core/moe.c, "exchanges"): a rank sends its n-th
+ * arrival at a phase only after it completed the exchange of arrival n - MF_MAX_IN_FLIGHT, which
+ * needed every peer's combine send of it, made after that peer received (read) arrival n -
+ * MF_MAX_IN_FLIGHT; one more for the failed-call case: Q = 2 x MF_MAX_IN_FLIGHT covers both. */
+#define MF__EPOCH_SLOTS (2 * MF_MAX_IN_FLIGHT)
 #define MF__STATUS_BITS 8
 #define MF__STATUS_MASK ((1ull << MF__STATUS_BITS) - 1)
 #define MF__LAYER_BITS 16
@@ -212,9 +226,10 @@ uint32_t mf__map_hash(const int32_t *map, int32_t num_physical);
 /* The layer id field of a slot value. */
 #define MF__SLOT_LAYER(v) (((v) >> MF__STATUS_BITS) & MF__LAYER_MASK)
 #define MF__SIGNAL_SLOTS 0
-#define MF__SIGNAL_SLOT(phase, epoch, from) \
-    (MF__SIGNAL_SLOTS + ((size_t)(phase) * 2 + ((epoch) & 1)) * MF_MAX_RANKS + (size_t)(from))
-#define MF__SIGNAL_EPOCHS ((size_t)MF__NUM_PHASES * 2 * MF_MAX_RANKS)
+#define MF__SIGNAL_SLOT(phase, epoch, from)                                                      \
+    (MF__SIGNAL_SLOTS + ((size_t)(phase) * MF__EPOCH_SLOTS + ((epoch) % MF__EPOCH_SLOTS)) * MF_MAX_RANKS + \
+     (size_t)(from))
+#define MF__SIGNAL_EPOCHS ((size_t)MF__NUM_PHASES * MF__EPOCH_SLOTS * MF_MAX_RANKS)
 #define MF__SIGNAL_ABORT (MF__SIGNAL_EPOCHS + MF__NUM_PHASES)
 #define MF__SIGNAL_WORDS (MF__SIGNAL_ABORT + MF_MAX_RANKS)
 #define MF__SIGNAL_BYTES (MF__SIGNAL_WORDS * sizeof(uint64_t))
@@ -265,8 +280,44 @@ struct mf_comm {
     uint32_t layers_made;               /* layers created so far: the next one's id (all ranks alike) */
     int32_t broken;                     /* 1 after a timeout: the group's protocol state is unknown */
     int32_t aborted;                    /* 1 after mf_comm_abort (read and written atomically) */
-    struct mf_moe *pending_dispatch;    /* layer whose dispatch awaits its combine, or NULL */
+    struct mf_moe *pending_dispatch;    /* layer whose mf_dispatch awaits its mf_combine, or NULL */
+    int32_t device_sms;                 /* the device's SMs (CUDA; 0 on the CPU): bounds num_sms */
+    int32_t default_sms;                /* num_sms as resolved at init (mf_comm_set_num_sms(0) restores it) */
+    /* Exchanges in flight (the split halves; core/moe.c "exchanges"), at most MF_MAX_IN_FLIGHT, and
+     * the arrivals this comm's sends made at DISPATCH and COMBINE (the same count on every rank). */
+    struct mf_exchange *in_flight[MF_MAX_IN_FLIGHT];
+    uint64_t sends[2];
     void *backend_state;
+};
+
+/* ---- exchanges: one dispatch + combine of a layer, in halves (docs/API.md section 9) ------------ */
+/* An exchange goes IDLE -> (mf_dispatch_send) DISPATCH_SENT -> (mf_dispatch_recv) RECEIVED ->
+ * (mf_combine_send) COMBINE_SENT -> (mf_combine_recv) IDLE; a failed half ends it (IDLE). From its
+ * dispatch send to its end it holds a heap slot of its layer and is in comm->in_flight. */
+typedef enum mf__xstate {
+    MF__X_IDLE = 0,
+    MF__X_DISPATCH_SENT = 1,
+    MF__X_RECEIVED = 2,
+    MF__X_COMBINE_SENT = 3
+} mf__xstate_t;
+
+/* The halves of one backend call (ops->dispatch / ops->combine): the one-call forms pass both. */
+#define MF__HALF_SEND 1u
+#define MF__HALF_RECV 2u
+#define MF__HALF_BOTH (MF__HALF_SEND | MF__HALF_RECV)
+
+struct mf_exchange {
+    struct mf_moe *moe;
+    int32_t state;                 /* mf__xstate_t */
+    int32_t slot;                  /* the layer's heap slot while in flight */
+    int32_t T;                     /* tokens of its dispatch */
+    int32_t pad;
+    uint64_t seq[2];               /* comm->sends at its DISPATCH and COMBINE sends: receives in this order */
+    uint64_t epoch;                /* CPU backend: the epoch its last send arrived at */
+    mf__heap_layout_t heap;        /* the slot's regions */
+    mf_dispatch_out_t dispatch_out; /* where its rows land (given to the send) */
+    mf_combine_in_t combine_in;    /* given to the combine send */
+    mf_combine_out_t combine_out;
 };
 
 struct mf_moe {
@@ -279,6 +330,7 @@ struct mf_moe {
     int32_t weights_set;
     mf_moe_weights_t weights; /* borrowed */
     int32_t dispatch_T;       /* T of the dispatch whose combine is pending */
+    struct mf_exchange own;   /* the exchange of mf_dispatch / mf_combine (both halves in one call) */
     uint32_t id;              /* the comm's layer number (the same on every rank): carried by syncs */
     /* Balanced EP (docs/DESIGN.md "Balanced EP"). */
     int32_t slots_per_rank;   /* Lp = P / R */
@@ -332,10 +384,15 @@ struct mf__backend_ops {
     mf_result_t (*set_weights)(mf_moe_t moe);
     mf_result_t (*forward)(mf_moe_t moe, const mf_moe_forward_in_t *in,
                            const mf_moe_forward_out_t *out, mf_stream_t stream);
-    mf_result_t (*dispatch)(mf_moe_t moe, const mf_dispatch_in_t *in, const mf_dispatch_out_t *out,
+    /* The halves (MF__HALF_*) of exchange x's dispatch: SEND quantises and publishes `in` into
+     * x->heap and arrives at DISPATCH (x->epoch), waiting on no peer; RECV waits for that arrival of
+     * every rank, plans into the layer's plan of x->slot and lands the rows in x->dispatch_out. Both
+     * at once: mf_dispatch (a backend may fuse the arrival and the wait). `in` is NULL without SEND. */
+    mf_result_t (*dispatch)(mf_moe_t moe, struct mf_exchange *x, const mf_dispatch_in_t *in, uint32_t halves,
                             mf_stream_t stream);
-    mf_result_t (*combine)(mf_moe_t moe, const mf_combine_in_t *in, const mf_combine_out_t *out,
-                           mf_stream_t stream);
+    /* The halves of x's combine: SEND returns x->combine_in's rows to their owners' combine slots
+     * (x->heap) and arrives at COMBINE; RECV waits and sums into x->combine_out. */
+    mf_result_t (*combine)(mf_moe_t moe, struct mf_exchange *x, uint32_t halves, mf_stream_t stream);
     /* mf_moe_experts (not collective): validated MASKED rows of the layer's num_local_slots. */
     mf_result_t (*experts)(mf_moe_t moe, const mf_experts_in_t *in, const mf_experts_out_t *out,
                            mf_stream_t stream);
@@ -361,6 +418,9 @@ struct mf__backend_ops {
     /* Optional: a stage of `map` [P] is about to start (blocking, every rank; nothing in flight
      * reads what it prepares, e.g. a device copy of the map that the last step installs). */
     mf_result_t (*stage_begin)(mf_moe_t moe, const int32_t *map);
+    /* Optional (NULL: the backend runs every call to completion and takes no events): the split
+     * halves' events, makes the stream wait for `event` (record = 0) or records it (record = 1). */
+    mf_result_t (*event)(mf_comm_t comm, mf_event_t event, int32_t record, mf_stream_t stream);
 };
 
 extern const mf__backend_ops_t mf__cpu_backend;

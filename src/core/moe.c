@@ -36,7 +36,16 @@ void mf__heap_layout_init(mf__heap_layout_t *h, const mf_moe_config_t *c) {
     MF__REGION(weights, S * K * sizeof(float));
     MF__REGION(combine, S * K * H * sizeof(uint16_t));
 #undef MF__REGION
-    h->bytes = off;
+    h->slot_bytes = off;
+    h->num_slots = c->max_in_flight > 0 ? c->max_in_flight : 1;
+    h->bytes = off * (size_t)h->num_slots;
+}
+
+mf__heap_layout_t mf__heap_layout_slot(const mf__heap_layout_t *h, int32_t slot) {
+    mf__heap_layout_t s = *h;
+    const size_t base = (size_t)slot * h->slot_bytes;
+    s.meta += base, s.x += base, s.scales += base, s.ids += base, s.weights += base, s.combine += base;
+    return s;
 }
 
 void mf__spare_layout_init(mf__spare_layout_t *l, const mf_moe_config_t *c) {
@@ -98,6 +107,9 @@ static mf_result_t mf__resolve_config(const mf_moe_config_t *in, int32_t R, mf_m
     MF_REQUIRE(c.profile == 0 || c.profile == 1, "%s: profile must be 0 or 1", fn);
     MF_REQUIRE(c.dataflow >= MF_DATAFLOW_AUTO && c.dataflow <= MF_DATAFLOW_UNFUSED,
                "%s: dataflow %d is not an mf_dataflow_t", fn, c.dataflow);
+    MF_REQUIRE(c.max_in_flight >= 0 && c.max_in_flight <= MF_MAX_IN_FLIGHT,
+               "%s: max_in_flight %d is outside [0, MF_MAX_IN_FLIGHT = %d]", fn, c.max_in_flight, MF_MAX_IN_FLIGHT);
+    if (!c.max_in_flight) c.max_in_flight = 1;
 
     MF_REQUIRE(c.spare_slots >= 0 && c.spare_slots <= MF_MAX_SPARE_SLOTS, "%s: spare_slots (B = %d) is outside [0, %d]",
                fn, c.spare_slots, MF_MAX_SPARE_SLOTS);
@@ -248,6 +260,7 @@ mf_result_t mf_moe_create(mf_comm_t comm, const mf_moe_config_t *config, mf_moe_
         m->info.max_recv_rows = c.max_recv_rows;
         m->info.heap_bytes = (int64_t)comm->heap.bytes;
         m->id = comm->layers_made & MF__LAYER_MASK;
+        m->own.moe = m;
         res = comm->ops->moe_init(m);
     }
     mf_result_t agreed = mf__agree(comm, res, fn);
@@ -275,6 +288,11 @@ mf_result_t mf_moe_destroy(mf_moe_t moe) {
     if (!moe) return MF_SUCCESS;
     mf_comm_t comm = moe->comm;
     if (comm->pending_dispatch == moe) comm->pending_dispatch = NULL;
+    for (int32_t i = 0; i < MF_MAX_IN_FLIGHT; i++) /* its exchanges end with it (their handles stay valid) */
+        if (comm->in_flight[i] && comm->in_flight[i]->moe == moe) {
+            comm->in_flight[i]->state = MF__X_IDLE;
+            comm->in_flight[i] = NULL;
+        }
     comm->ops->moe_fini(moe);
     mf_result_t res = MF_SUCCESS;
     if (moe->spare.local || moe->stage.local) {
@@ -630,6 +648,98 @@ static mf_result_t mf__check_map_ready(mf_moe_t moe, const char *fn) {
                      "(mf_moe_set_expert_map)", fn, moe->config.num_physical_experts, moe->config.num_experts);
 }
 
+/* ---- exchanges: the bookkeeping of the split halves ----------------------------------------- */
+/* Why the heap regions of an exchange may be reused without clearing (docs/DESIGN.md "Symmetric
+ * heap"): a rank publishes into a slot only after its combine receive of the slot's last exchange,
+ * which needed every peer's combine send of it, made after that peer's dispatch receive (its last
+ * read of the publication); a peer writes this rank's combine slots of an exchange only after its
+ * dispatch receive of it, which needs this rank's dispatch send, made after this rank summed the
+ * slot's last exchange. Layers of a comm share the heap, so a slot is free when its byte range
+ * meets no exchange in flight on the comm, of any layer. Every rank makes the same calls in the
+ * same order, so every rank picks the same slot. */
+
+static mf_result_t mf__check_none_in_flight(mf_comm_t comm, const char *fn) {
+    for (int32_t i = 0; i < MF_MAX_IN_FLIGHT; i++)
+        if (comm->in_flight[i] && comm->in_flight[i] != &comm->in_flight[i]->moe->own)
+            return mf__error(MF_ERR_INVALID_USAGE, "%s: an exchange of the split halves (mf_dispatch_send) is in flight "
+                             "on this comm; finish it (mf_combine_recv) first", fn);
+    return MF_SUCCESS;
+}
+
+/* The lowest slot of moe's heap regions that meets no exchange in flight on the comm, or -1. */
+static int32_t mf__free_slot(mf_moe_t moe) {
+    mf_comm_t comm = moe->comm;
+    int32_t busy = 0;
+    for (int32_t i = 0; i < MF_MAX_IN_FLIGHT; i++) busy += comm->in_flight[i] != NULL;
+    if (busy == MF_MAX_IN_FLIGHT) return -1;
+    for (int32_t slot = 0; slot < moe->heap.num_slots; slot++) {
+        const size_t lo = (size_t)slot * moe->heap.slot_bytes, hi = lo + moe->heap.slot_bytes;
+        int32_t free_ = 1;
+        for (int32_t i = 0; i < MF_MAX_IN_FLIGHT && free_; i++) {
+            const struct mf_exchange *x = comm->in_flight[i];
+            if (!x) continue;
+            const size_t xlo = (size_t)x->slot * x->moe->heap.slot_bytes, xhi = xlo + x->moe->heap.slot_bytes;
+            free_ = hi <= xlo || xhi <= lo;
+        }
+        if (free_) return slot;
+    }
+    return -1;
+}
+
+static mf_result_t mf__no_free_slot(mf_moe_t moe, const char *fn) {
+    int32_t busy = 0;
+    for (int32_t i = 0; i < MF_MAX_IN_FLIGHT; i++) busy += moe->comm->in_flight[i] != NULL;
+    return mf__error(MF_ERR_INVALID_USAGE, "%s: no free heap slot: %d exchanges are in flight on this comm and the layer "
+                     "holds max_in_flight = %d (at most MF_MAX_IN_FLIGHT = %d per comm); receive one first, or create "
+                     "the layer with a larger max_in_flight", fn, busy, moe->heap.num_slots, MF_MAX_IN_FLIGHT);
+}
+
+static void mf__exchange_begin(struct mf_exchange *x, int32_t slot) {
+    mf_comm_t comm = x->moe->comm;
+    x->slot = slot;
+    x->heap = mf__heap_layout_slot(&x->moe->heap, slot);
+    x->state = MF__X_DISPATCH_SENT;
+    x->seq[0] = comm->sends[0]++;
+    for (int32_t i = 0; i < MF_MAX_IN_FLIGHT; i++)
+        if (!comm->in_flight[i]) {
+            comm->in_flight[i] = x;
+            break;
+        }
+}
+
+static void mf__exchange_end(struct mf_exchange *x) {
+    mf_comm_t comm = x->moe->comm;
+    for (int32_t i = 0; i < MF_MAX_IN_FLIGHT; i++)
+        if (comm->in_flight[i] == x) comm->in_flight[i] = NULL;
+    x->state = MF__X_IDLE;
+}
+
+/* Receives at a phase come in the order of its sends: x, awaiting its receive in `state`
+ * (DISPATCH_SENT or COMBINE_SENT), must be the oldest exchange of the comm that does. */
+static mf_result_t mf__check_receive_order(const struct mf_exchange *x, int32_t state, const char *fn) {
+    const int32_t p = state == MF__X_DISPATCH_SENT ? 0 : 1;
+    mf_comm_t comm = x->moe->comm;
+    for (int32_t i = 0; i < MF_MAX_IN_FLIGHT; i++) {
+        const struct mf_exchange *y = comm->in_flight[i];
+        if (y && y != x && y->state == state && y->seq[p] < x->seq[p])
+            return mf__error(MF_ERR_INVALID_USAGE, "%s: an exchange sent before this one (layer %u) awaits its %s receive: "
+                             "receive in the order of the sends", fn, y->moe->id, p ? "combine" : "dispatch");
+    }
+    return MF_SUCCESS;
+}
+
+static mf_result_t mf__check_events(mf_comm_t comm, const mf_exchange_events_t *ev, const char *fn) {
+    if (!ev || (!ev->previous && !ev->finished) || comm->ops->event) return MF_SUCCESS;
+    return mf__error(MF_ERR_INVALID_ARGUMENT, "%s: the %s backend takes no events (each half completes before it "
+                     "returns): pass NULL events", fn, comm->ops->name);
+}
+
+/* Waits for ev->previous (record = 0) or records ev->finished (record = 1) on the stream. */
+static mf_result_t mf__apply_event(mf_comm_t comm, const mf_exchange_events_t *ev, int32_t record, mf_stream_t stream) {
+    mf_event_t e = !ev ? NULL : record ? ev->finished : ev->previous;
+    return e ? comm->ops->event(comm, e, record, stream) : MF_SUCCESS;
+}
+
 /* A rejected data-path call still takes part in its collective (ops->reject), with the failure as
  * its status, so that every rank fails it together and no peer waits for this one. Only calls
  * without a usable comm return at once. */
@@ -640,6 +750,7 @@ static mf_result_t mf__check_forward(mf_moe_t moe, const mf_moe_forward_in_t *in
         return mf__error(MF_ERR_INVALID_USAGE, "%s: weights are not set (call mf_moe_set_weights first)", fn);
     if (moe->comm->pending_dispatch)
         return mf__error(MF_ERR_INVALID_USAGE, "%s: an mf_dispatch on this comm awaits its mf_combine", fn);
+    MF_CHECK(mf__check_none_in_flight(moe->comm, fn));
     MF_CHECK(mf__check_map_ready(moe, fn));
     int64_t T = 0;
     MF_CHECK(mf__check_tokens(moe, &in->x, &in->topk_ids, fn, &T));
@@ -660,13 +771,14 @@ mf_result_t mf_moe_forward(mf_moe_t moe, const mf_moe_forward_in_t *in, const mf
     return moe->comm->ops->forward(moe, in, out, stream);
 }
 
+/* The inputs and outputs of a dispatch (mf_dispatch, mf_dispatch_send). */
+/* The name of a tensor in a message: "<fn> <field>". */
+#define MF__NAME(field) (snprintf(what, sizeof what, "%s " field, fn), what)
+
 static mf_result_t mf__check_dispatch(mf_moe_t moe, const mf_dispatch_in_t *in, const mf_dispatch_out_t *out,
-                                      int64_t *T_out) {
-    const char *fn = "mf_dispatch";
+                                      const char *fn, int64_t *T_out) {
     MF_REQUIRE(in && out, "%s: in and out must not be NULL", fn);
-    if (moe->comm->pending_dispatch)
-        return mf__error(MF_ERR_INVALID_USAGE,
-                         "%s: the previous mf_dispatch on this comm has not been combined yet", fn);
+    char what[96];
     if (moe->config.spare_slots > 0)
         return mf__error(MF_ERR_NOT_SUPPORTED,
                          "%s: a layer with spare slots (B = %d) runs mf_moe_forward only: rows routed to a spare slot "
@@ -680,61 +792,124 @@ static mf_result_t mf__check_dispatch(mf_moe_t moe, const mf_dispatch_in_t *in, 
     int fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
     if (c->layout == MF_LAYOUT_EXPERT_MAJOR) {
         int64_t rows = c->max_recv_rows;
-        MF_CHECK(mf__check_tensor(&out->recv_x, "mf_dispatch recv_x", c->dtype, 2, MF__DIMS(rows, H), 0));
+        MF_CHECK(mf__check_tensor(&out->recv_x, MF__NAME("recv_x"), c->dtype, 2, MF__DIMS(rows, H), 0));
         if (fp8)
-            MF_CHECK(mf__check_tensor(&out->recv_scales, "mf_dispatch recv_scales", MF_DTYPE_FP32, 2,
+            MF_CHECK(mf__check_tensor(&out->recv_scales, MF__NAME("recv_scales"), MF_DTYPE_FP32, 2,
                                       MF__DIMS(rows, H / B), 0));
-        MF_CHECK(mf__check_tensor(&out->recv_src, "mf_dispatch recv_src", MF_DTYPE_INT32, 2, MF__DIMS(rows, 3), 0));
-        MF_CHECK(mf__check_tensor(&out->expert_offsets, "mf_dispatch expert_offsets", MF_DTYPE_INT32, 1,
+        MF_CHECK(mf__check_tensor(&out->recv_src, MF__NAME("recv_src"), MF_DTYPE_INT32, 2, MF__DIMS(rows, 3), 0));
+        MF_CHECK(mf__check_tensor(&out->expert_offsets, MF__NAME("expert_offsets"), MF_DTYPE_INT32, 1,
                                   MF__DIMS(L + 1), 0));
     } else {
         int64_t C = c->expert_capacity;
-        MF_CHECK(mf__check_tensor(&out->recv_x, "mf_dispatch recv_x", c->dtype, 3, MF__DIMS(L, C, H), 0));
+        MF_CHECK(mf__check_tensor(&out->recv_x, MF__NAME("recv_x"), c->dtype, 3, MF__DIMS(L, C, H), 0));
         if (fp8)
-            MF_CHECK(mf__check_tensor(&out->recv_scales, "mf_dispatch recv_scales", MF_DTYPE_FP32, 3,
+            MF_CHECK(mf__check_tensor(&out->recv_scales, MF__NAME("recv_scales"), MF_DTYPE_FP32, 3,
                                       MF__DIMS(L, C, H / B), 0));
-        MF_CHECK(mf__check_tensor(&out->recv_src, "mf_dispatch recv_src", MF_DTYPE_INT32, 3, MF__DIMS(L, C, 3), 0));
+        MF_CHECK(mf__check_tensor(&out->recv_src, MF__NAME("recv_src"), MF_DTYPE_INT32, 3, MF__DIMS(L, C, 3), 0));
     }
-    MF_CHECK(mf__check_tensor(&out->expert_counts, "mf_dispatch expert_counts", MF_DTYPE_INT32, 1, MF__DIMS(L), 0));
-    MF_CHECK(mf__check_rows16(&out->recv_x, "mf_dispatch recv_x"));
+    MF_CHECK(mf__check_tensor(&out->expert_counts, MF__NAME("expert_counts"), MF_DTYPE_INT32, 1, MF__DIMS(L), 0));
+    MF_CHECK(mf__check_rows16(&out->recv_x, MF__NAME("recv_x")));
     *T_out = T;
     return MF_SUCCESS;
 }
 
-mf_result_t mf_dispatch(mf_moe_t moe, const mf_dispatch_in_t *in, const mf_dispatch_out_t *out,
-                        mf_stream_t stream) {
-    mf__clear_error();
-    MF_REQUIRE(moe, "mf_dispatch: moe must not be NULL");
-    MF_CHECK(mf__check_usable(moe, "mf_dispatch"));
+/* Validates a dispatch send, then runs `halves` of exchange x's dispatch (the send, or, for
+ * mf_dispatch, both). A rejected send takes part in the DISPATCH collective with its failure. */
+static mf_result_t mf__dispatch_run(struct mf_exchange *x, const mf_dispatch_in_t *in, const mf_dispatch_out_t *out,
+                                    uint32_t halves, const mf_exchange_events_t *ev, mf_stream_t stream,
+                                    const char *fn) {
+    mf_moe_t moe = x->moe;
+    mf_comm_t comm = moe->comm;
     int64_t T = 0;
-    mf_result_t res = mf__check_dispatch(moe, in, out, &T);
-    if (res != MF_SUCCESS) return moe->comm->ops->reject(moe, MF__CALL_DISPATCH, res, stream);
-    res = moe->comm->ops->dispatch(moe, in, out, stream);
-    if (res == MF_SUCCESS) {
-        moe->comm->pending_dispatch = moe;
-        moe->dispatch_T = (int32_t)T;
+    int32_t slot = -1;
+    mf_result_t res = mf__check_dispatch(moe, in, out, fn, &T);
+    if (res == MF_SUCCESS) res = mf__check_events(comm, ev, fn);
+    if (res == MF_SUCCESS && x->state != MF__X_IDLE)
+        res = mf__error(MF_ERR_INVALID_USAGE, "%s: this exchange is already in flight (a handle carries one exchange at a "
+                        "time: finish it with mf_combine_recv, or use another handle)", fn);
+    for (int32_t i = 0; i < MF_MAX_IN_FLIGHT && res == MF_SUCCESS && (halves & MF__HALF_RECV); i++)
+        if (comm->in_flight[i] && comm->in_flight[i]->state == MF__X_DISPATCH_SENT)
+            res = mf__error(MF_ERR_INVALID_USAGE, "%s: an exchange sent before this call awaits its dispatch receive "
+                            "(mf_dispatch_recv): receive in the order of the sends", fn);
+    if (res == MF_SUCCESS && (slot = mf__free_slot(moe)) < 0) res = mf__no_free_slot(moe, fn);
+    if (res == MF_SUCCESS) res = mf__apply_event(comm, ev, 0, stream);
+    if (res != MF_SUCCESS) return comm->ops->reject(moe, MF__CALL_DISPATCH, res, stream);
+    x->T = (int32_t)T;
+    x->dispatch_out = *out;
+    mf__exchange_begin(x, slot);
+    res = comm->ops->dispatch(moe, x, in, halves, stream);
+    if (res != MF_SUCCESS) {
+        mf__exchange_end(x);
+        return res;
     }
-    return res;
+    if (halves & MF__HALF_RECV) x->state = MF__X_RECEIVED;
+    return mf__apply_event(comm, ev, 1, stream);
 }
 
-static mf_result_t mf__check_combine(mf_moe_t moe, const mf_combine_in_t *in, const mf_combine_out_t *out) {
-    const char *fn = "mf_combine";
+mf_result_t mf_dispatch(mf_moe_t moe, const mf_dispatch_in_t *in, const mf_dispatch_out_t *out,
+                        mf_stream_t stream) {
+    const char *fn = "mf_dispatch";
+    mf__clear_error();
+    MF_REQUIRE(moe, "%s: moe must not be NULL", fn);
+    MF_CHECK(mf__check_usable(moe, fn));
+    if (moe->comm->pending_dispatch)
+        return moe->comm->ops->reject(moe, MF__CALL_DISPATCH, mf__error(MF_ERR_INVALID_USAGE, "%s: the previous "
+                                      "mf_dispatch on this comm has not been combined yet", fn), stream);
+    MF_CHECK(mf__dispatch_run(&moe->own, in, out, MF__HALF_BOTH, NULL, stream, fn));
+    moe->comm->pending_dispatch = moe;
+    moe->dispatch_T = moe->own.T;
+    return MF_SUCCESS;
+}
+
+/* The inputs and outputs of a combine of exchange x (mf_combine, mf_combine_send). */
+static mf_result_t mf__check_combine(const struct mf_exchange *x, const mf_combine_in_t *in, const mf_combine_out_t *out,
+                                     const char *fn) {
     MF_REQUIRE(in && out, "%s: in and out must not be NULL", fn);
-    if (moe->comm->pending_dispatch != moe)
-        return mf__error(MF_ERR_INVALID_USAGE, "%s: no mf_dispatch on this layer awaits a combine", fn);
+    if (x->state != MF__X_RECEIVED)
+        return mf__error(MF_ERR_INVALID_USAGE, "%s: no received dispatch of this exchange awaits a combine "
+                         "(mf_dispatch, or mf_dispatch_send + mf_dispatch_recv, first)", fn);
+    const mf_moe_t moe = x->moe;
+    char what[96];
     const mf_moe_config_t *c = &moe->config;
-    int64_t L = moe->info.num_local_slots, H = c->hidden, T = moe->dispatch_T;
+    int64_t L = moe->info.num_local_slots, H = c->hidden, T = x->T;
     if (c->layout == MF_LAYOUT_EXPERT_MAJOR)
-        MF_CHECK(mf__check_tensor(&in->expert_out, "mf_combine expert_out", MF_DTYPE_BF16, 2,
-                                  MF__DIMS(c->max_recv_rows, H), 0));
+        MF_CHECK(mf__check_tensor(&in->expert_out, MF__NAME("expert_out"), MF_DTYPE_BF16, 2, MF__DIMS(c->max_recv_rows, H), 0));
     else
-        MF_CHECK(mf__check_tensor(&in->expert_out, "mf_combine expert_out", MF_DTYPE_BF16, 3,
+        MF_CHECK(mf__check_tensor(&in->expert_out, MF__NAME("expert_out"), MF_DTYPE_BF16, 3,
                                   MF__DIMS(L, c->expert_capacity, H), 0));
-    MF_CHECK(mf__check_tensor(&in->topk_weights, "mf_combine topk_weights (T of the dispatch)", MF_DTYPE_FP32,
-                              2, MF__DIMS(T, c->num_topk), 0));
-    MF_CHECK(mf__check_tensor(&out->y, "mf_combine y (T of the dispatch)", MF_DTYPE_BF16, 2, MF__DIMS(T, H), 0));
-    MF_CHECK(mf__check_rows16(&in->expert_out, "mf_combine expert_out"));
-    return mf__check_rows16(&out->y, "mf_combine y");
+    MF_CHECK(mf__check_tensor(&in->topk_weights, MF__NAME("topk_weights (T of the dispatch)"), MF_DTYPE_FP32, 2,
+                              MF__DIMS(T, c->num_topk), 0));
+    MF_CHECK(mf__check_tensor(&out->y, MF__NAME("y (T of the dispatch)"), MF_DTYPE_BF16, 2, MF__DIMS(T, H), 0));
+    MF_CHECK(mf__check_rows16(&in->expert_out, MF__NAME("expert_out")));
+    return mf__check_rows16(&out->y, MF__NAME("y"));
+}
+#undef MF__NAME
+
+/* Validates a combine send, then runs `halves` of x's combine. A rejected send takes part in the
+ * COMBINE collective with its failure and ends the exchange (every rank fails it). */
+static mf_result_t mf__combine_run(struct mf_exchange *x, const mf_combine_in_t *in, const mf_combine_out_t *out,
+                                   uint32_t halves, const mf_exchange_events_t *ev, mf_stream_t stream, const char *fn) {
+    mf_moe_t moe = x->moe;
+    mf_comm_t comm = moe->comm;
+    mf_result_t res = mf__check_combine(x, in, out, fn);
+    if (res == MF_SUCCESS) res = mf__check_events(comm, ev, fn);
+    for (int32_t i = 0; i < MF_MAX_IN_FLIGHT && res == MF_SUCCESS && (halves & MF__HALF_RECV); i++)
+        if (comm->in_flight[i] && comm->in_flight[i]->state == MF__X_COMBINE_SENT)
+            res = mf__error(MF_ERR_INVALID_USAGE, "%s: an exchange sent before this call awaits its combine receive "
+                            "(mf_combine_recv): receive in the order of the sends", fn);
+    if (res == MF_SUCCESS) res = mf__apply_event(comm, ev, 0, stream);
+    if (res != MF_SUCCESS) {
+        if (x->state != MF__X_IDLE) mf__exchange_end(x);
+        return comm->ops->reject(moe, MF__CALL_COMBINE, res, stream);
+    }
+    x->combine_in = *in;
+    x->combine_out = *out;
+    x->state = MF__X_COMBINE_SENT;
+    x->seq[1] = comm->sends[1]++;
+    res = comm->ops->combine(moe, x, halves, stream);
+    if (res != MF_SUCCESS || (halves & MF__HALF_RECV)) mf__exchange_end(x);
+    if (res != MF_SUCCESS) return res;
+    return mf__apply_event(comm, ev, 1, stream);
 }
 
 mf_result_t mf_combine(mf_moe_t moe, const mf_combine_in_t *in, const mf_combine_out_t *out,
@@ -744,12 +919,87 @@ mf_result_t mf_combine(mf_moe_t moe, const mf_combine_in_t *in, const mf_combine
     MF_CHECK(mf__check_usable(moe, "mf_combine"));
     /* The dispatch's combine is consumed by a combine on its layer, also a rejected one (the peers
      * failed theirs with it); a combine on another layer leaves it pending. */
-    const int32_t consumes = moe->comm->pending_dispatch == moe;
-    mf_result_t res = mf__check_combine(moe, in, out);
-    if (res == MF_SUCCESS) res = moe->comm->ops->combine(moe, in, out, stream);
-    else res = moe->comm->ops->reject(moe, MF__CALL_COMBINE, res, stream);
-    if (consumes) moe->comm->pending_dispatch = NULL;
-    return res;
+    if (moe->comm->pending_dispatch == moe) moe->comm->pending_dispatch = NULL;
+    return mf__combine_run(&moe->own, in, out, MF__HALF_BOTH, NULL, stream, "mf_combine");
+}
+
+/* ---- the split halves (docs/API.md section 9) ---------------------------------------------- */
+
+mf_result_t mf_exchange_create(mf_moe_t moe, mf_exchange_t *exchange) {
+    mf__clear_error();
+    MF_REQUIRE(moe && exchange, "mf_exchange_create: moe and exchange must not be NULL");
+    struct mf_exchange *x = mf__calloc(1, sizeof *x);
+    if (!x) return mf__error(MF_ERR_OUT_OF_MEMORY, "mf_exchange_create: out of host memory");
+    x->moe = moe;
+    *exchange = x;
+    return MF_SUCCESS;
+}
+
+mf_result_t mf_exchange_destroy(mf_exchange_t exchange) {
+    mf__clear_error();
+    if (!exchange) return MF_SUCCESS;
+    if (exchange->state != MF__X_IDLE)
+        return mf__error(MF_ERR_INVALID_USAGE, "mf_exchange_destroy: the exchange is in flight; finish it "
+                         "(mf_combine_recv) first");
+    mf__free(exchange);
+    return MF_SUCCESS;
+}
+
+mf_result_t mf_dispatch_send(mf_exchange_t x, const mf_dispatch_in_t *in, const mf_dispatch_out_t *out,
+                             const mf_exchange_events_t *events, mf_stream_t stream) {
+    const char *fn = "mf_dispatch_send";
+    mf__clear_error();
+    MF_REQUIRE(x, "%s: exchange must not be NULL", fn);
+    MF_CHECK(mf__check_usable(x->moe, fn));
+    return mf__dispatch_run(x, in, out, MF__HALF_SEND, events, stream, fn);
+}
+
+/* The checks of a receive, local (a refused receive changes nothing and meets no peer). */
+static mf_result_t mf__check_receive(mf_exchange_t x, int32_t state, const mf_exchange_events_t *ev,
+                                     mf_stream_t stream, const char *fn) {
+    MF_REQUIRE(x, "%s: exchange must not be NULL", fn);
+    MF_CHECK(mf__check_usable(x->moe, fn));
+    if (x->state != state)
+        return mf__error(MF_ERR_INVALID_USAGE, "%s: no %s send of this exchange awaits its receive (%s first)", fn,
+                         state == MF__X_DISPATCH_SENT ? "dispatch" : "combine",
+                         state == MF__X_DISPATCH_SENT ? "mf_dispatch_send" : "mf_combine_send");
+    MF_CHECK(mf__check_receive_order(x, state, fn));
+    MF_CHECK(mf__check_events(x->moe->comm, ev, fn));
+    return mf__apply_event(x->moe->comm, ev, 0, stream);
+}
+
+mf_result_t mf_dispatch_recv(mf_exchange_t x, const mf_exchange_events_t *events, mf_stream_t stream) {
+    const char *fn = "mf_dispatch_recv";
+    mf__clear_error();
+    MF_CHECK(mf__check_receive(x, MF__X_DISPATCH_SENT, events, stream, fn));
+    mf_comm_t comm = x->moe->comm;
+    mf_result_t res = comm->ops->dispatch(x->moe, x, NULL, MF__HALF_RECV, stream);
+    if (res != MF_SUCCESS) {
+        mf__exchange_end(x);
+        return res;
+    }
+    x->state = MF__X_RECEIVED;
+    return mf__apply_event(comm, events, 1, stream);
+}
+
+mf_result_t mf_combine_send(mf_exchange_t x, const mf_combine_in_t *in, const mf_combine_out_t *out,
+                            const mf_exchange_events_t *events, mf_stream_t stream) {
+    const char *fn = "mf_combine_send";
+    mf__clear_error();
+    MF_REQUIRE(x, "%s: exchange must not be NULL", fn);
+    MF_CHECK(mf__check_usable(x->moe, fn));
+    return mf__combine_run(x, in, out, MF__HALF_SEND, events, stream, fn);
+}
+
+mf_result_t mf_combine_recv(mf_exchange_t x, const mf_exchange_events_t *events, mf_stream_t stream) {
+    const char *fn = "mf_combine_recv";
+    mf__clear_error();
+    MF_CHECK(mf__check_receive(x, MF__X_COMBINE_SENT, events, stream, fn));
+    mf_comm_t comm = x->moe->comm;
+    mf_result_t res = comm->ops->combine(x->moe, x, MF__HALF_RECV, stream);
+    mf__exchange_end(x);
+    if (res != MF_SUCCESS) return res;
+    return mf__apply_event(comm, events, 1, stream);
 }
 
 mf_result_t mf_moe_experts(mf_moe_t moe, const mf_experts_in_t *in, const mf_experts_out_t *out,

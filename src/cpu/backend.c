@@ -36,7 +36,9 @@
 #include "cpu/sync.h"
 
 typedef struct mf__cpu_moe {
-    mf__plan_t plan;
+    /* One plan per heap slot (config.max_in_flight): an exchange's plan lives from its dispatch
+     * receive to its combine send; mf_moe_forward uses slot 0's. */
+    mf__plan_t plans[MF_MAX_IN_FLIGHT];
     /* Receive buffer of mf_moe_forward, in the layer's layout: rows = max_recv_rows or L * C. */
     void *recv_x;       /* [rows, H] FP8 or BF16 */
     float *recv_scales; /* [rows, H/128] (FP8) */
@@ -112,7 +114,7 @@ static mf_result_t mf__cpu_get_async_error(mf_comm_t comm) {
 static void mf__cpu_moe_fini(mf_moe_t moe) {
     mf__cpu_moe_t *s = moe->backend_state;
     if (!s) return;
-    mf__plan_fini(&s->plan);
+    for (int32_t i = 0; i < MF_MAX_IN_FLIGHT; i++) mf__plan_fini(&s->plans[i]);
     mf__free(s->recv_x);
     mf__free(s->recv_scales);
     mf__free(s->a);
@@ -133,13 +135,15 @@ static mf_result_t mf__cpu_moe_init(mf_moe_t moe) {
     mf__cpu_moe_t *s = mf__calloc(1, sizeof *s);
     if (!s) return mf__error(MF_ERR_OUT_OF_MEMORY, "cpu backend: out of host memory");
     moe->backend_state = s;
-    mf_result_t res = mf__plan_init(&s->plan, c, moe->info.num_ranks, moe->info.rank);
-    if (res != MF_SUCCESS) {
-        mf__cpu_moe_fini(moe);
-        return res;
+    for (int32_t i = 0; i < moe->heap.num_slots; i++) {
+        mf_result_t res = mf__plan_init(&s->plans[i], c, moe->info.num_ranks, moe->info.rank);
+        if (res != MF_SUCCESS) {
+            mf__cpu_moe_fini(moe);
+            return res;
+        }
     }
     int64_t H = c->hidden, I = c->intermediate, KMAX = H > I ? H : I, NMAX = 2 * I > H ? 2 * I : H;
-    int64_t rows = c->layout == MF_LAYOUT_MASKED ? (int64_t)s->plan.num_local * c->expert_capacity
+    int64_t rows = c->layout == MF_LAYOUT_MASKED ? (int64_t)s->plans[0].num_local * c->expert_capacity
                                                  : c->max_recv_rows;
     int fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
     s->recv_x = mf__malloc((size_t)(rows * H) * (fp8 ? 1 : 2));
@@ -171,54 +175,57 @@ static mf_result_t mf__cpu_get_phase_times(mf_moe_t moe, mf_phase_times_t *times
 
 /* ---- prepare: publish this rank's tokens -------------------------------------------------- */
 
-static void mf__cpu_publish(mf_moe_t moe, const mf_tensor_t *x, const mf_tensor_t *ids, const float *weights) {
+/* Into the regions `regions` (the layer's slot 0, or an exchange's slot). */
+static void mf__cpu_publish(mf_moe_t moe, const mf__heap_layout_t *regions, const mf_tensor_t *x, const mf_tensor_t *ids,
+                            const float *weights) {
     const mf_moe_config_t *c = &moe->config;
     int32_t r = moe->comm->rank, T = (int32_t)x->dims[0], K = c->num_topk;
     int64_t H = c->hidden;
     mf__cpu_moe_t *st = moe->backend_state;
-    int32_t *meta = (int32_t *)mf__heap(moe, r, moe->heap.meta);
+    int32_t *meta = (int32_t *)mf__heap(moe, r, regions->meta);
     meta[0] = T;
     meta[1] = (int32_t)moe->map_hash;
     meta[2] = (int32_t)st->prefetches;
     meta[3] = (int32_t)moe->weights_count;
     const uint16_t *xs = (const uint16_t *)x->data;
     if (c->dtype == MF_DTYPE_FP8_E4M3) {
-        uint8_t *q = mf__heap(moe, r, moe->heap.x);
-        float *sc = (float *)mf__heap(moe, r, moe->heap.scales);
+        uint8_t *q = mf__heap(moe, r, regions->x);
+        float *sc = (float *)mf__heap(moe, r, regions->scales);
         mf__quant_1x128_bf16(xs, (int64_t)T * H, c->ue8m0_scales, q, sc);
     } else if (T) {
-        memcpy(mf__heap(moe, r, moe->heap.x), xs, (size_t)(T * H) * 2);
+        memcpy(mf__heap(moe, r, regions->x), xs, (size_t)(T * H) * 2);
     }
     if (T) {
-        memcpy(mf__heap(moe, r, moe->heap.ids), ids->data, (size_t)T * K * sizeof(int32_t));
-        if (weights) memcpy(mf__heap(moe, r, moe->heap.weights), weights, (size_t)T * K * sizeof(float));
+        memcpy(mf__heap(moe, r, regions->ids), ids->data, (size_t)T * K * sizeof(int32_t));
+        if (weights) memcpy(mf__heap(moe, r, regions->weights), weights, (size_t)T * K * sizeof(float));
     }
 }
 
 /* ---- dispatch: plan + gather -------------------------------------------------------------- */
 
-/* Waits for every rank's publication and builds the plan; on a capacity error, every rank waits
- * until all have stopped reading the publications before returning it. */
-static mf_result_t mf__cpu_exchange_and_plan(mf_moe_t moe) {
+/* Waits for every rank's DISPATCH arrival `epoch` (their publications in the regions `regions`) and builds
+ * `plan`; on a capacity error, every rank waits until all have stopped reading the publications
+ * before returning it. */
+static mf_result_t mf__cpu_exchange_and_plan(mf_moe_t moe, const mf__heap_layout_t *regions, mf__plan_t *plan,
+                                             uint64_t epoch) {
     mf__cpu_moe_t *s = moe->backend_state;
     mf_comm_t comm = moe->comm;
     int32_t R = comm->num_ranks;
-    MF_CHECK(mf__cpu_wait(comm, MF__PHASE_DISPATCH, mf__cpu_arrive(comm, MF__PHASE_DISPATCH, moe->id, MF_SUCCESS), moe->id,
-                          "dispatch"));
+    MF_CHECK(mf__cpu_wait(comm, MF__PHASE_DISPATCH, epoch, moe->id, "dispatch"));
     const int32_t *ids[MF_MAX_RANKS];
     int32_t T[MF_MAX_RANKS];
     for (int32_t r = 0; r < R; r++) {
-        T[r] = *(const int32_t *)mf__heap(moe, r, moe->heap.meta);
-        ids[r] = (const int32_t *)mf__heap(moe, r, moe->heap.ids);
+        T[r] = *(const int32_t *)mf__heap(moe, r, regions->meta);
+        ids[r] = (const int32_t *)mf__heap(moe, r, regions->ids);
     }
     /* Every rank must run the same map, have made the same prefetches and weight settings (the
      * spare table is a function of them); all read the same metas, so all reach one verdict. */
     mf_result_t res = MF_SUCCESS;
-    const int32_t *meta0 = (const int32_t *)mf__heap(moe, 0, moe->heap.meta);
+    const int32_t *meta0 = (const int32_t *)mf__heap(moe, 0, regions->meta);
     static const char *const what[MF__META_WORDS] = {"", "expert map (mf_moe_set_expert_map)",
                                                      "mf_moe_prefetch calls", "mf_moe_set_weights calls"};
     for (int32_t r = 1; r < R && res == MF_SUCCESS; r++) {
-        const int32_t *meta = (const int32_t *)mf__heap(moe, r, moe->heap.meta);
+        const int32_t *meta = (const int32_t *)mf__heap(moe, r, regions->meta);
         for (int32_t w = 1; w < MF__META_WORDS && res == MF_SUCCESS; w++)
             if (meta[w] != meta0[w] && (w != 3 || moe->config.spare_slots > 0))
                 res = mf__error(MF_ERR_INVALID_USAGE,
@@ -228,13 +235,13 @@ static mf_result_t mf__cpu_exchange_and_plan(mf_moe_t moe) {
     }
     if (res == MF_SUCCESS) {
         const int32_t *spare = moe->config.spare_slots && s->weights_seen == moe->weights_count ? s->resident : NULL;
-        res = mf__plan_build(&s->plan, moe->config.num_topk, ids, T, moe->expert_map, spare);
+        res = mf__plan_build(plan, moe->config.num_topk, ids, T, moe->expert_map, spare);
     }
     if (res == MF_SUCCESS) {
-        memcpy(s->prev_counts, s->plan.global_counts, (size_t)moe->config.num_experts * sizeof(int32_t));
+        memcpy(s->prev_counts, plan->global_counts, (size_t)moe->config.num_experts * sizeof(int32_t));
         s->have_prev = 1;
-        memcpy(s->recv_rows, s->plan.load, sizeof s->recv_rows);
-        memcpy(s->home_rows, s->plan.home_load, sizeof s->home_rows);
+        memcpy(s->recv_rows, plan->load, sizeof s->recv_rows);
+        memcpy(s->home_rows, plan->home_load, sizeof s->home_rows);
     }
     if (res != MF_SUCCESS) {
         char why[512];
@@ -248,8 +255,8 @@ static mf_result_t mf__cpu_exchange_and_plan(mf_moe_t moe) {
 }
 
 /* Copies every planned row from its owner's heap into recv_x (+ scales) and writes recv_src. */
-static void mf__cpu_gather(mf_moe_t moe, void *recv_x, float *recv_scales, int32_t *recv_src) {
-    const mf__plan_t *p = &((mf__cpu_moe_t *)moe->backend_state)->plan;
+static void mf__cpu_gather(mf_moe_t moe, const mf__heap_layout_t *regions, const mf__plan_t *p, void *recv_x,
+                           float *recv_scales, int32_t *recv_src) {
     const mf_moe_config_t *c = &moe->config;
     int fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
     size_t row_bytes = (size_t)c->hidden * (fp8 ? 1 : 2), nsc = (size_t)c->hidden / MF__QUANT_BLOCK;
@@ -259,11 +266,11 @@ static void mf__cpu_gather(mf_moe_t moe, void *recv_x, float *recv_scales, int32
             const int32_t *src = p->src + 3 * row;
             if (recv_src) memcpy(recv_src + 3 * row, src, 3 * sizeof(int32_t));
             if (src[0] < 0) continue; /* EXPERT_MAJOR padding: marked, payload not written */
-            memcpy((uint8_t *)recv_x + row * row_bytes, mf__heap(moe, src[0], moe->heap.x) + src[1] * row_bytes,
+            memcpy((uint8_t *)recv_x + row * row_bytes, mf__heap(moe, src[0], regions->x) + src[1] * row_bytes,
                    row_bytes);
             if (fp8)
                 memcpy(recv_scales + row * nsc,
-                       (const float *)mf__heap(moe, src[0], moe->heap.scales) + src[1] * nsc, nsc * sizeof(float));
+                       (const float *)mf__heap(moe, src[0], regions->scales) + src[1] * nsc, nsc * sizeof(float));
         }
     }
 }
@@ -271,23 +278,24 @@ static void mf__cpu_gather(mf_moe_t moe, void *recv_x, float *recv_scales, int32
 /* ---- combine: the owner's K-sum ----------------------------------------------------------- */
 
 /* Writes one BF16 partial row into its token owner's combine slot (token, k). */
-static void mf__cpu_return_row(mf_moe_t moe, const int32_t *src, const uint16_t *row) {
+static void mf__cpu_return_row(mf_moe_t moe, const mf__heap_layout_t *regions, const int32_t *src, const uint16_t *row) {
     const mf_moe_config_t *c = &moe->config;
-    uint16_t *slots = (uint16_t *)mf__heap(moe, src[0], moe->heap.combine);
+    uint16_t *slots = (uint16_t *)mf__heap(moe, src[0], regions->combine);
     memcpy(slots + ((int64_t)src[1] * c->num_topk + src[2]) * c->hidden, row, (size_t)c->hidden * 2);
 }
 
-/* Waits for every rank's partials, then y[t] = bf16(sum over k ascending of w[t,k] * slot[t,k]). */
-static mf_result_t mf__cpu_sum(mf_moe_t moe, int32_t T, const float *w, uint16_t *y) {
+/* Waits for every rank's COMBINE arrival `epoch` (their partials in this rank's combine slots of
+ * `regions`), then y[t] = bf16(sum over k ascending of w[t,k] * slot[t,k]). */
+static mf_result_t mf__cpu_sum(mf_moe_t moe, const mf__heap_layout_t *regions, uint64_t epoch, int32_t T, const float *w,
+                               uint16_t *y) {
     mf__cpu_moe_t *s = moe->backend_state;
     mf_comm_t comm = moe->comm;
-    MF_CHECK(mf__cpu_wait(comm, MF__PHASE_COMBINE, mf__cpu_arrive(comm, MF__PHASE_COMBINE, moe->id, MF_SUCCESS), moe->id,
-                          "combine"));
+    MF_CHECK(mf__cpu_wait(comm, MF__PHASE_COMBINE, epoch, moe->id, "combine"));
     const mf_moe_config_t *c = &moe->config;
     int32_t K = c->num_topk;
     int64_t H = c->hidden;
-    const int32_t *ids = (const int32_t *)mf__heap(moe, comm->rank, moe->heap.ids);
-    const uint16_t *slots = (const uint16_t *)mf__heap(moe, comm->rank, moe->heap.combine);
+    const int32_t *ids = (const int32_t *)mf__heap(moe, comm->rank, regions->ids);
+    const uint16_t *slots = (const uint16_t *)mf__heap(moe, comm->rank, regions->combine);
     for (int32_t t = 0; t < T; t++) {
         for (int64_t h = 0; h < H; h++) s->acc[h] = 0.0f;
         for (int32_t k = 0; k < K; k++) {
@@ -371,7 +379,7 @@ typedef struct mf__cpu_rows {
 static void mf__cpu_experts(mf_moe_t moe, const mf__cpu_rows_t *rows, double *t_w13, double *t_w2) {
     mf__cpu_moe_t *s = moe->backend_state;
     if (mf__debug_on()) mf__cpu_debug_gemm(moe);
-    const mf__plan_t *p = &s->plan;
+    const mf__plan_t *p = &s->plans[0]; /* mf_moe_forward's */
     const mf_moe_config_t *c = &moe->config;
     const mf_moe_weights_t *w = &moe->weights;
     int64_t H = c->hidden, I = c->intermediate;
@@ -410,7 +418,7 @@ static void mf__cpu_experts(mf_moe_t moe, const mf__cpu_rows_t *rows, double *t_
             for (int64_t i = 0; i < m; i++) {
                 uint16_t *part = rows->out ? rows->out + (row + i) * H : s->part;
                 for (int64_t h = 0; h < H; h++) part[h] = mf__bf16_from_float(s->c[i * H + h]);
-                if (!rows->out) mf__cpu_return_row(moe, p->src + 3 * (row + i), s->part);
+                if (!rows->out) mf__cpu_return_row(moe, &moe->heap, p->src + 3 * (row + i), s->part);
             }
             *t_w13 += t1 - t0;
             *t_w2 += mf__now_us() - t1;
@@ -426,15 +434,18 @@ static mf_result_t mf__cpu_forward(mf_moe_t moe, const mf_moe_forward_in_t *in, 
     mf__cpu_moe_t *s = moe->backend_state;
     mf_phase_times_t *pt = &s->times;
     double t0 = mf__now_us();
-    mf__cpu_publish(moe, &in->x, &in->topk_ids, (const float *)in->topk_weights.data);
+    mf_comm_t comm = moe->comm;
+    mf__plan_t *plan = &s->plans[0];
+    mf__cpu_publish(moe, &moe->heap, &in->x, &in->topk_ids, (const float *)in->topk_weights.data);
     double t1 = mf__now_us();
-    MF_CHECK(mf__cpu_exchange_and_plan(moe));
-    mf__cpu_gather(moe, s->recv_x, s->recv_scales, NULL);
+    MF_CHECK(mf__cpu_exchange_and_plan(moe, &moe->heap, plan, mf__cpu_arrive(comm, MF__PHASE_DISPATCH, moe->id, MF_SUCCESS)));
+    mf__cpu_gather(moe, &moe->heap, plan, s->recv_x, s->recv_scales, NULL);
     double t2 = mf__now_us(), w13 = 0, w2 = 0;
-    const mf__cpu_rows_t rows = {s->recv_x, s->recv_scales, s->plan.counts, s->plan.offsets, s->plan.num_local, NULL};
+    const mf__cpu_rows_t rows = {s->recv_x, s->recv_scales, plan->counts, plan->offsets, plan->num_local, NULL};
     mf__cpu_experts(moe, &rows, &w13, &w2);
     double t3 = mf__now_us();
-    MF_CHECK(mf__cpu_sum(moe, (int32_t)in->x.dims[0], (const float *)in->topk_weights.data, (uint16_t *)out->y.data));
+    MF_CHECK(mf__cpu_sum(moe, &moe->heap, mf__cpu_arrive(comm, MF__PHASE_COMBINE, moe->id, MF_SUCCESS),
+                         (int32_t)in->x.dims[0], (const float *)in->topk_weights.data, (uint16_t *)out->y.data));
     double t4 = mf__now_us();
     pt->us[MF_PHASE_PREPARE] = t1 - t0;
     pt->us[MF_PHASE_DISPATCH] = t2 - t1;
@@ -445,34 +456,48 @@ static mf_result_t mf__cpu_forward(mf_moe_t moe, const mf_moe_forward_in_t *in, 
     return MF_SUCCESS;
 }
 
-static mf_result_t mf__cpu_dispatch(mf_moe_t moe, const mf_dispatch_in_t *in, const mf_dispatch_out_t *out,
+/* Exchange x's dispatch halves: SEND publishes into its slot and arrives (no wait); RECV waits
+ * for that arrival of every rank, plans into the slot's plan and lands the rows. */
+static mf_result_t mf__cpu_dispatch(mf_moe_t moe, struct mf_exchange *x, const mf_dispatch_in_t *in, uint32_t halves,
                                     mf_stream_t stream) {
     (void)stream;
     mf__cpu_moe_t *s = moe->backend_state;
-    mf__cpu_publish(moe, &in->x, &in->topk_ids, NULL);
-    MF_CHECK(mf__cpu_exchange_and_plan(moe));
-    mf__cpu_gather(moe, out->recv_x.data, (float *)out->recv_scales.data, (int32_t *)out->recv_src.data);
+    if (halves & MF__HALF_SEND) {
+        mf__cpu_publish(moe, &x->heap, &in->x, &in->topk_ids, NULL);
+        x->epoch = mf__cpu_arrive(moe->comm, MF__PHASE_DISPATCH, moe->id, MF_SUCCESS);
+    }
+    if (!(halves & MF__HALF_RECV)) return MF_SUCCESS;
+    mf__plan_t *plan = &s->plans[x->slot];
+    const mf_dispatch_out_t *out = &x->dispatch_out;
+    MF_CHECK(mf__cpu_exchange_and_plan(moe, &x->heap, plan, x->epoch));
+    mf__cpu_gather(moe, &x->heap, plan, out->recv_x.data, (float *)out->recv_scales.data, (int32_t *)out->recv_src.data);
     /* The caller's segments are the rank's first num_local_slots slots: its static slots (B = 0 here),
      * less a placement's empty ones, which are the last and hold no rows (offsets[L] ends them all). */
     int32_t L = moe->info.num_local_slots;
-    memcpy(out->expert_counts.data, s->plan.counts, (size_t)L * sizeof(int32_t));
+    memcpy(out->expert_counts.data, plan->counts, (size_t)L * sizeof(int32_t));
     if (moe->config.layout == MF_LAYOUT_EXPERT_MAJOR)
-        memcpy(out->expert_offsets.data, s->plan.offsets, (size_t)(L + 1) * sizeof(int32_t));
+        memcpy(out->expert_offsets.data, plan->offsets, (size_t)(L + 1) * sizeof(int32_t));
     return MF_SUCCESS;
 }
 
-static mf_result_t mf__cpu_combine(mf_moe_t moe, const mf_combine_in_t *in, const mf_combine_out_t *out,
-                                   mf_stream_t stream) {
+/* Exchange x's combine halves: SEND returns every expert output row into its owner's combine slot
+ * (x's slot) and arrives; RECV waits for that arrival of every rank and sums. */
+static mf_result_t mf__cpu_combine(mf_moe_t moe, struct mf_exchange *x, uint32_t halves, mf_stream_t stream) {
     (void)stream;
-    const mf__plan_t *p = &((mf__cpu_moe_t *)moe->backend_state)->plan;
-    int64_t H = moe->config.hidden;
-    const uint16_t *eo = (const uint16_t *)in->expert_out.data;
-    for (int32_t e = 0; e < p->num_local; e++)
-        for (int32_t j = 0; j < p->counts[e]; j++) {
-            int64_t row = mf__plan_row(p, e, j);
-            mf__cpu_return_row(moe, p->src + 3 * row, eo + row * H);
-        }
-    return mf__cpu_sum(moe, moe->dispatch_T, (const float *)in->topk_weights.data, (uint16_t *)out->y.data);
+    if (halves & MF__HALF_SEND) {
+        const mf__plan_t *p = &((mf__cpu_moe_t *)moe->backend_state)->plans[x->slot];
+        int64_t H = moe->config.hidden;
+        const uint16_t *eo = (const uint16_t *)x->combine_in.expert_out.data;
+        for (int32_t e = 0; e < p->num_local; e++)
+            for (int32_t j = 0; j < p->counts[e]; j++) {
+                int64_t row = mf__plan_row(p, e, j);
+                mf__cpu_return_row(moe, &x->heap, p->src + 3 * row, eo + row * H);
+            }
+        x->epoch = mf__cpu_arrive(moe->comm, MF__PHASE_COMBINE, moe->id, MF_SUCCESS);
+    }
+    if (!(halves & MF__HALF_RECV)) return MF_SUCCESS;
+    return mf__cpu_sum(moe, &x->heap, x->epoch, x->T, (const float *)x->combine_in.topk_weights.data,
+                       (uint16_t *)x->combine_out.y.data);
 }
 
 static mf_result_t mf__cpu_moe_experts(mf_moe_t moe, const mf_experts_in_t *in, const mf_experts_out_t *out,
@@ -529,7 +554,7 @@ static void mf__cpu_push_expert(mf_moe_t moe, int32_t l, int32_t q, int32_t j) {
 static mf_result_t mf__cpu_prefetch(mf_moe_t moe, mf_stream_t stream) {
     (void)stream;
     mf__cpu_moe_t *s = moe->backend_state;
-    mf__plan_t *p = &s->plan;
+    mf__plan_t *p = &s->plans[0];
     const mf_moe_config_t *c = &moe->config;
     int32_t R = moe->info.num_ranks, B = c->spare_slots, E = c->num_experts, P = c->num_physical_experts;
     int32_t Lp = moe->slots_per_rank, me = moe->info.rank;

@@ -97,7 +97,10 @@ enum { kMfSchedW13 = 0, kMfSchedSpareW13, kMfSchedW2, kMfSchedSpareW2, kMfSchedP
 
 typedef struct mf__cuda_moe {
     int32_t *ids_all, *T_all, *global_counts; /* plan: [R, S, K], [R], [E] (zero between calls) */
-    int32_t *counts, *offsets, *src; /* plan: [L], [L + 1], [rows, 3] */
+    int32_t *counts, *offsets, *src; /* plan: [N][L], [N][L + 1], [N][rows, 3], one per heap slot (N =
+                                        max_in_flight: an exchange's plan lives from its dispatch
+                                        receive to its combine send); the forward uses slot 0 */
+    unsigned long long *epochs;      /* [N][2] device: the DISPATCH / COMBINE epochs of each slot's sends */
     int32_t *masked_offsets;         /* MASKED: [L + 1] e * C, the segments of mf_moe_experts */
     uint8_t *recv_x;                 /* [rows, H] of mf_moe_forward */
     float *recv_scales;              /* [rows, H/128] (FP8) */
@@ -190,6 +193,7 @@ static mf_result_t mf__cuda_comm_init(mf_comm_t comm) {
     MF_CUDA_CHECK(cudaSetDevice(comm->device));
     MF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, comm->device));
     /* Ranks that share a device must all be resident at once: each gets its share of the SMs. */
+    comm->device_sms = sms;
     if (!comm->num_sms) comm->num_sms = sms / comm->ranks_on_device > 0 ? sms / comm->ranks_on_device : 1;
     if (comm->num_sms > sms)
         return mf__error(MF_ERR_INVALID_ARGUMENT, "cuda backend: num_sms %d exceeds the device's %d SMs",
@@ -431,6 +435,7 @@ static void mf__cuda_moe_fini(mf_moe_t moe) {
     cudaFree(s->offsets);
     cudaFree(s->masked_offsets);
     cudaFree(s->src);
+    cudaFree(s->epochs);
     cudaFree(s->recv_x);
     cudaFree(s->recv_scales);
     cudaFree(s->h);
@@ -510,15 +515,16 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
      * largest T does (rows_hint grows with T, and decode is chosen below a bound). */
     int pull = c->dataflow != MF_DATAFLOW_DIRECT ||
                mf__cuda_gemm_choice(moe, c->max_tokens_per_rank).dataflow != MF_DATAFLOW_DIRECT;
-    const size_t R = (size_t)moe->comm->num_ranks;
+    const size_t R = (size_t)moe->comm->num_ranks, N = (size_t)moe->heap.num_slots;
     struct { void **p; size_t bytes; } allocs[] = {
         {(void **)&s->ids_all, R * (size_t)c->max_tokens_per_rank * (size_t)c->num_topk * 4},
         {(void **)&s->T_all, R * 4},
         {(void **)&s->global_counts, (size_t)c->num_experts * 4},
-        {(void **)&s->counts, (size_t)L * 4},
-        {(void **)&s->offsets, (size_t)(L + 1) * 4},
+        {(void **)&s->counts, N * (size_t)L * 4},
+        {(void **)&s->offsets, N * (size_t)(L + 1) * 4},
+        {(void **)&s->epochs, N * 2 * sizeof(unsigned long long)},
         {(void **)&s->masked_offsets, c->layout == MF_LAYOUT_MASKED ? (size_t)(L + 1) * 4 : 0},
-        {(void **)&s->src, (size_t)s->rows * 12},
+        {(void **)&s->src, N * (size_t)s->rows * 12},
         {(void **)&s->recv_x, pull ? (size_t)(s->rows * H) * esz : 0},
         {(void **)&s->recv_scales, pull && fp8 ? (size_t)(s->rows * (H / MF__QUANT_BLOCK)) * 4 : 0},
         {(void **)&s->h, (size_t)(s->rows * I) * esz},
@@ -606,17 +612,37 @@ static mf_result_t mf__cuda_get_phase_times(mf_moe_t moe, mf_phase_times_t *time
 
 /* ---- launch helpers ----------------------------------------------------------------------- */
 
-static mf__heap_view_t mf__view(mf_moe_t moe) {
+/* What a call's kernels move through: the heap regions and the plan of one heap slot (the
+ * forward's and the one-call forms' slot 0, or an exchange's), and the device words where the slot's
+ * send halves leave their epochs for the receive halves. */
+typedef struct mf__cuda_slot {
+    const mf__heap_layout_t *heap;
+    int32_t *counts, *offsets, *src; /* [L], [L + 1], [rows, 3] */
+    unsigned long long *epochs;      /* [2]: DISPATCH, COMBINE */
+} mf__cuda_slot_t;
+
+static mf__cuda_slot_t mf__cuda_slot(mf_moe_t moe, int32_t slot, const mf__heap_layout_t *heap) {
+    mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
+    const size_t i = (size_t)slot, L = (size_t)s->slots;
+    mf__cuda_slot_t v = {heap, s->counts + i * L, s->offsets + i * (L + 1), s->src + i * (size_t)s->rows * 3,
+                         s->epochs + 2 * i};
+    return v;
+}
+
+/* Slot 0 with the layer's own regions: mf_moe_forward's. */
+static mf__cuda_slot_t mf__cuda_slot0(mf_moe_t moe) { return mf__cuda_slot(moe, 0, &moe->heap); }
+
+static mf__heap_view_t mf__view(mf_moe_t moe, const mf__heap_layout_t *heap) {
     mf__heap_view_t v;
     mf_comm_t comm = moe->comm;
     memset(&v, 0, sizeof v);
     for (int32_t r = 0; r < comm->num_ranks; r++) v.heap[r] = (uint8_t *)comm->heap.peers[r];
-    v.meta = moe->heap.meta;
-    v.x = moe->heap.x;
-    v.scales = moe->heap.scales;
-    v.ids = moe->heap.ids;
-    v.weights = moe->heap.weights;
-    v.combine = moe->heap.combine;
+    v.meta = heap->meta;
+    v.x = heap->x;
+    v.scales = heap->scales;
+    v.ids = heap->ids;
+    v.weights = heap->weights;
+    v.combine = heap->combine;
     v.num_ranks = comm->num_ranks;
     v.rank = moe->comm->rank;
     return v;
@@ -644,17 +670,20 @@ static mf__sync_params_t mf__sync_params(mf_comm_t comm, uint32_t layer, int32_t
     return p;
 }
 
-/* One synchronisation of the call (sync.cuh); `reject`: the host rejected the call (its code). */
-static mf_result_t mf__cuda_sync(mf_comm_t comm, uint32_t layer, int32_t phase, mf_result_t reject, int32_t pdl,
-                                 cudaStream_t stream) {
-    const mf__sync_params_t p = mf__sync_params(comm, layer, phase, reject);
+/* One synchronisation of the call (sync.cuh), or one half of it (`mode` kMfSync*, `epoch` the
+ * slot's device word of the phase); `reject`: the host rejected the call (its code). */
+static mf_result_t mf__cuda_sync(mf_comm_t comm, uint32_t layer, int32_t phase, mf_result_t reject, int32_t mode,
+                                 unsigned long long *epoch, int32_t pdl, cudaStream_t stream) {
+    mf__sync_params_t p = mf__sync_params(comm, layer, phase, reject);
+    p.mode = mode;
+    p.epoch = epoch;
     MF_CUDA_CHECK(mf__cuda_launch(mf__sync_kernel, dim3(1), dim3(kMfWaitThreads), 0, stream, pdl, p));
-    __atomic_fetch_add(&mf__cc(comm)->launched[phase], 1, __ATOMIC_RELAXED);
+    if (mode != kMfSyncWait) __atomic_fetch_add(&mf__cc(comm)->launched[phase], 1, __ATOMIC_RELAXED);
     return MF_SUCCESS;
 }
 
-static mf_result_t mf__cuda_publish(mf_moe_t moe, const mf_tensor_t *x, const mf_tensor_t *ids, const float *weights,
-                                    cudaStream_t stream) {
+static mf_result_t mf__cuda_publish_at(mf_moe_t moe, const mf__heap_layout_t *heap, const mf_tensor_t *x,
+                                       const mf_tensor_t *ids, const float *weights, cudaStream_t stream) {
     const mf_moe_config_t *c = &moe->config;
     mf__publish_params_t p;
     memset(&p, 0, sizeof p);
@@ -671,11 +700,11 @@ static mf_result_t mf__cuda_publish(mf_moe_t moe, const mf_tensor_t *x, const mf
     p.meta_words[1] = (int32_t)((mf__cuda_moe_t *)moe->backend_state)->prefetches;
     p.meta_words[2] = (int32_t)moe->weights_count;
     p.heap = (uint8_t *)moe->comm->heap.local;
-    p.meta = moe->heap.meta;
-    p.x_off = moe->heap.x;
-    p.scales_off = moe->heap.scales;
-    p.ids_off = moe->heap.ids;
-    p.weights_off = moe->heap.weights;
+    p.meta = heap->meta;
+    p.x_off = heap->x;
+    p.scales_off = heap->scales;
+    p.ids_off = heap->ids;
+    p.weights_off = heap->weights;
     p.sink = mf__sink(moe->comm);
     /* A call's first kernel: no PDL attribute (it follows the caller's kernels) */
     const dim3 grid(p.T > 0 ? (unsigned)p.T : 1u, (unsigned)((p.H + kMfPublishCols - 1) / kMfPublishCols));
@@ -683,19 +712,27 @@ static mf_result_t mf__cuda_publish(mf_moe_t moe, const mf_tensor_t *x, const mf
     return MF_SUCCESS;
 }
 
-/* Waits for every rank's publication, then builds the plan into the layer's buffers (and, for
- * mf_dispatch, copies counts and offsets into the caller's tensors: no memcpy on the data path).
+static mf_result_t mf__cuda_publish(mf_moe_t moe, const mf_tensor_t *x, const mf_tensor_t *ids, const float *weights,
+                                    cudaStream_t stream) {
+    return mf__cuda_publish_at(moe, &moe->heap, x, ids, weights, stream);
+}
+
+/* Waits for every rank's publication in the slot's regions (`mode`: the whole DISPATCH sync, or the
+ * receive half's wait for the send's arrival), then builds the plan into the slot's buffers (and,
+ * for mf_dispatch, copies counts and offsets into the caller's tensors: no memcpy on the data
+ * path). A receive half's first kernel follows the caller's work: no PDL attribute.
  * The small plan is chosen by this rank's T (every rank's T assumed alike), never by the capacity
  * S: an engine sizes S for its largest batch and decodes far below it. Both plans give the same
  * bits and the same sync, so ranks may choose differently (a peer with more tokens only makes the
  * one block of the small plan slower). */
-static mf_result_t mf__cuda_plan(mf_moe_t moe, int32_t T, int32_t *counts_out, int32_t *offsets_out,
-                                 cudaStream_t stream) {
+static mf_result_t mf__cuda_plan_at(mf_moe_t moe, const mf__cuda_slot_t *slot, int32_t mode, int32_t T,
+                                    int32_t *counts_out, int32_t *offsets_out, cudaStream_t stream) {
     mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
     const mf_moe_config_t *c = &moe->config;
+    const int32_t first_pdl = mode == kMfSyncWait ? 0 : 1;
     mf__plan_params_t p;
     memset(&p, 0, sizeof p);
-    p.view = mf__view(moe);
+    p.view = mf__view(moe, slot->heap);
     p.K = c->num_topk;
     p.E = c->num_experts;
     p.S = c->max_tokens_per_rank;
@@ -708,9 +745,9 @@ static mf_result_t mf__cuda_plan(mf_moe_t moe, int32_t T, int32_t *counts_out, i
     p.ids_all = s->ids_all;
     p.T_all = s->T_all;
     p.global_counts = s->global_counts;
-    p.counts = s->counts;
-    p.offsets = s->offsets;
-    p.src = s->src;
+    p.counts = slot->counts;
+    p.offsets = slot->offsets;
+    p.src = slot->src;
     p.counts_out = counts_out;
     p.offsets_out = offsets_out;
     p.check_weights = s->B > 0;
@@ -733,14 +770,16 @@ static mf_result_t mf__cuda_plan(mf_moe_t moe, int32_t T, int32_t *counts_out, i
     p.out_slots = moe->info.num_local_slots;
     if (!s->balanced && mf__cuda_plan_small &&
         mf__plan_small_fits(moe->comm->num_ranks, T, p.K, p.E, p.L)) { /* the sync and the plan in one block */
-        const mf__sync_params_t sp = mf__sync_params(moe->comm, moe->id, MF__PHASE_DISPATCH, MF_SUCCESS);
+        mf__sync_params_t sp = mf__sync_params(moe->comm, moe->id, MF__PHASE_DISPATCH, MF_SUCCESS);
+        sp.mode = mode;
+        sp.epoch = slot->epochs;
         void *args[] = {(void *)&sp, (void *)&p};
         MF_CUDA_CHECK(mf__cuda_launch((const void *)mf__plan_small_kernel, dim3(1), dim3(kMfPlanSmallThreads), 0, stream,
-                                      1, args));
-        __atomic_fetch_add(&mf__cc(moe->comm)->launched[MF__PHASE_DISPATCH], 1, __ATOMIC_RELAXED);
+                                      first_pdl, args));
+        if (mode != kMfSyncWait) __atomic_fetch_add(&mf__cc(moe->comm)->launched[MF__PHASE_DISPATCH], 1, __ATOMIC_RELAXED);
         return MF_SUCCESS;
     }
-    MF_CHECK(mf__cuda_sync(moe->comm, moe->id, MF__PHASE_DISPATCH, MF_SUCCESS, 1, stream));
+    MF_CHECK(mf__cuda_sync(moe->comm, moe->id, MF__PHASE_DISPATCH, MF_SUCCESS, mode, slot->epochs, first_pdl, stream));
     const dim3 fetch(kMfPlanFetchBlocks, (unsigned)moe->comm->num_ranks);
     MF_CUDA_CHECK(mf__cuda_launch(mf__plan_fetch_kernel, fetch, dim3(kMfPlanThreads), 0, stream,
                                   mf__pdl_after_sync(moe->comm, (int64_t)fetch.x * fetch.y), p));
@@ -750,29 +789,40 @@ static mf_result_t mf__cuda_plan(mf_moe_t moe, int32_t T, int32_t *counts_out, i
     return MF_SUCCESS;
 }
 
-static mf__move_params_t mf__move_params(mf_moe_t moe) {
+static mf_result_t mf__cuda_plan(mf_moe_t moe, int32_t T, int32_t *counts_out, int32_t *offsets_out,
+                                 cudaStream_t stream) {
+    const mf__cuda_slot_t slot = mf__cuda_slot0(moe);
+    return mf__cuda_plan_at(moe, &slot, kMfSyncBoth, T, counts_out, offsets_out, stream);
+}
+
+static mf__move_params_t mf__move_params_at(mf_moe_t moe, const mf__cuda_slot_t *slot) {
     mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
     mf__move_params_t p;
     memset(&p, 0, sizeof p);
-    p.view = mf__view(moe);
+    p.view = mf__view(moe, slot->heap);
     p.K = moe->config.num_topk;
     p.L = s->slots;
     p.H = moe->config.hidden;
     p.fp8 = moe->config.dtype == MF_DTYPE_FP8_E4M3;
     p.layout = moe->config.layout;
     p.capacity = moe->config.expert_capacity;
-    p.counts = s->counts;
-    p.offsets = s->offsets;
-    p.src = s->src;
+    p.counts = slot->counts;
+    p.offsets = slot->offsets;
+    p.src = slot->src;
     p.sink = mf__sink(moe->comm);
     return p;
 }
 
+static mf__move_params_t mf__move_params(mf_moe_t moe) {
+    const mf__cuda_slot_t slot = mf__cuda_slot0(moe);
+    return mf__move_params_at(moe, &slot);
+}
+
 static int32_t mf__move_blocks(mf_moe_t moe) { return moe->comm->num_sms * kMfMoveBlocksPerSm; }
 
-static mf_result_t mf__cuda_gather(mf_moe_t moe, void *recv_x, float *recv_scales, int32_t *recv_src,
-                                   cudaStream_t stream) {
-    mf__move_params_t p = mf__move_params(moe);
+static mf_result_t mf__cuda_gather_at(mf_moe_t moe, const mf__cuda_slot_t *slot, void *recv_x, float *recv_scales,
+                                      int32_t *recv_src, cudaStream_t stream) {
+    mf__move_params_t p = mf__move_params_at(moe, slot);
     p.recv_x = (uint8_t *)recv_x;
     p.recv_scales = recv_scales;
     p.recv_src = recv_src;
@@ -781,15 +831,24 @@ static mf_result_t mf__cuda_gather(mf_moe_t moe, void *recv_x, float *recv_scale
     return MF_SUCCESS;
 }
 
-/* Waits for every rank's partials and sums this rank's tokens. */
-static mf_result_t mf__cuda_sum(mf_moe_t moe, int32_t T, const float *weights, uint16_t *y, cudaStream_t stream) {
-    MF_CHECK(mf__cuda_sync(moe->comm, moe->id, MF__PHASE_COMBINE, MF_SUCCESS, 1, stream));
+static mf_result_t mf__cuda_gather(mf_moe_t moe, void *recv_x, float *recv_scales, int32_t *recv_src,
+                                   cudaStream_t stream) {
+    const mf__cuda_slot_t slot = mf__cuda_slot0(moe);
+    return mf__cuda_gather_at(moe, &slot, recv_x, recv_scales, recv_src, stream);
+}
+
+/* Waits for every rank's partials in the slot's combine regions (`mode`: the whole COMBINE sync, or
+ * the receive half's wait, a call's first kernel) and sums this rank's tokens. */
+static mf_result_t mf__cuda_sum_at(mf_moe_t moe, const mf__cuda_slot_t *slot, int32_t mode, int32_t T,
+                                   const float *weights, uint16_t *y, cudaStream_t stream) {
+    MF_CHECK(mf__cuda_sync(moe->comm, moe->id, MF__PHASE_COMBINE, MF_SUCCESS, mode, slot->epochs + 1,
+                           mode == kMfSyncWait ? 0 : 1, stream));
     if (T == 0) return MF_SUCCESS;
     mf__sum_params_t p;
     memset(&p, 0, sizeof p);
     p.heap = (const uint8_t *)moe->comm->heap.local;
-    p.ids = moe->heap.ids;
-    p.combine = moe->heap.combine;
+    p.ids = slot->heap->ids;
+    p.combine = slot->heap->combine;
     p.weights = weights;
     p.y = y;
     p.T = T;
@@ -800,6 +859,11 @@ static mf_result_t mf__cuda_sum(mf_moe_t moe, int32_t T, const float *weights, u
     MF_CUDA_CHECK(mf__cuda_launch(mf__sum_kernel, grid, dim3(kMfSumThreads), 0, stream,
                                   mf__pdl_after_sync(moe->comm, (int64_t)grid.x * grid.y), p));
     return MF_SUCCESS;
+}
+
+static mf_result_t mf__cuda_sum(mf_moe_t moe, int32_t T, const float *weights, uint16_t *y, cudaStream_t stream) {
+    const mf__cuda_slot_t slot = mf__cuda_slot0(moe);
+    return mf__cuda_sum_at(moe, &slot, kMfSyncBoth, T, weights, y, stream);
 }
 
 /* ---- entry points ------------------------------------------------------------------------- */
@@ -932,39 +996,64 @@ static mf_result_t mf__cuda_forward(mf_moe_t moe, const mf_moe_forward_in_t *in,
     return mf__cuda_leave(moe->comm, mf__cuda_forward_launch(moe, in, out, stream), pending);
 }
 
-static mf_result_t mf__cuda_dispatch_launch(mf_moe_t moe, const mf_dispatch_in_t *in, const mf_dispatch_out_t *out,
-                                            cudaStream_t stream) {
-    MF_CHECK(mf__cuda_publish(moe, &in->x, &in->topk_ids, NULL, stream));
+/* The halves of exchange x's dispatch (core/internal.h, ops->dispatch), in the exchange's heap slot.
+ * SEND: publish, then (alone) the ARRIVE half of the DISPATCH sync, which stores its epoch in the
+ * slot's device word and returns: nothing is left waiting on the device. RECV (alone): the WAIT
+ * half, the plan, the gather into x->dispatch_out. Both (mf_dispatch): publish, the whole sync (in
+ * the small plan when it fits), plan and gather: the one-call form's kernels as before. */
+static mf_result_t mf__cuda_dispatch_launch(mf_moe_t moe, struct mf_exchange *x, const mf_dispatch_in_t *in,
+                                            uint32_t halves, cudaStream_t stream) {
+    const mf__cuda_slot_t slot = mf__cuda_slot(moe, x->slot, &x->heap);
+    if (halves & MF__HALF_SEND) MF_CHECK(mf__cuda_publish_at(moe, &x->heap, &in->x, &in->topk_ids, NULL, stream));
+    if (halves == MF__HALF_SEND)
+        return mf__cuda_sync(moe->comm, moe->id, MF__PHASE_DISPATCH, MF_SUCCESS, kMfSyncArrive, slot.epochs, 1, stream);
+    const mf_dispatch_out_t *out = &x->dispatch_out;
+    const int32_t mode = halves == MF__HALF_RECV ? kMfSyncWait : kMfSyncBoth;
     int32_t *offsets_out = moe->config.layout == MF_LAYOUT_EXPERT_MAJOR ? (int32_t *)out->expert_offsets.data : NULL;
-    MF_CHECK(mf__cuda_plan(moe, (int32_t)in->x.dims[0], (int32_t *)out->expert_counts.data, offsets_out, stream));
-    return mf__cuda_gather(moe, out->recv_x.data, (float *)out->recv_scales.data, (int32_t *)out->recv_src.data,
-                           stream);
+    MF_CHECK(mf__cuda_plan_at(moe, &slot, mode, x->T, (int32_t *)out->expert_counts.data, offsets_out, stream));
+    return mf__cuda_gather_at(moe, &slot, out->recv_x.data, (float *)out->recv_scales.data,
+                              (int32_t *)out->recv_src.data, stream);
 }
 
-static mf_result_t mf__cuda_dispatch(mf_moe_t moe, const mf_dispatch_in_t *in, const mf_dispatch_out_t *out,
+static mf_result_t mf__cuda_dispatch(mf_moe_t moe, struct mf_exchange *x, const mf_dispatch_in_t *in, uint32_t halves,
                                      mf_stream_t stream_) {
     cudaStream_t stream = (cudaStream_t)stream_;
     mf_result_t pending = MF_SUCCESS;
     MF_CHECK(mf__cuda_enter(moe->comm, stream, &pending));
-    return mf__cuda_leave(moe->comm, mf__cuda_dispatch_launch(moe, in, out, stream), pending);
+    return mf__cuda_leave(moe->comm, mf__cuda_dispatch_launch(moe, x, in, halves, stream), pending);
 }
 
-static mf_result_t mf__cuda_combine_launch(mf_moe_t moe, const mf_combine_in_t *in, const mf_combine_out_t *out,
-                                           cudaStream_t stream) {
-    mf__move_params_t p = mf__move_params(moe);
-    p.expert_out = (const uint16_t *)in->expert_out.data;
-    /* mf_combine's first kernel: no PDL attribute (it follows the caller's expert kernels) */
-    MF_CUDA_CHECK(mf__cuda_launch(mf__return_kernel, dim3((unsigned)mf__move_blocks(moe)), dim3(kMfMoveThreads), 0,
-                                  stream, 0, p));
-    return mf__cuda_sum(moe, moe->dispatch_T, (const float *)in->topk_weights.data, (uint16_t *)out->y.data, stream);
+/* The halves of x's combine. SEND: the return kernel (the call's first: no PDL attribute), then
+ * (alone) the ARRIVE half of the COMBINE sync. RECV (alone): the WAIT half and the sum. Both
+ * (mf_combine): return, the whole sync, sum. */
+static mf_result_t mf__cuda_combine_launch(mf_moe_t moe, struct mf_exchange *x, uint32_t halves, cudaStream_t stream) {
+    const mf__cuda_slot_t slot = mf__cuda_slot(moe, x->slot, &x->heap);
+    if (halves & MF__HALF_SEND) {
+        mf__move_params_t p = mf__move_params_at(moe, &slot);
+        p.expert_out = (const uint16_t *)x->combine_in.expert_out.data;
+        MF_CUDA_CHECK(mf__cuda_launch(mf__return_kernel, dim3((unsigned)mf__move_blocks(moe)), dim3(kMfMoveThreads), 0,
+                                      stream, 0, p));
+    }
+    if (halves == MF__HALF_SEND)
+        return mf__cuda_sync(moe->comm, moe->id, MF__PHASE_COMBINE, MF_SUCCESS, kMfSyncArrive, slot.epochs + 1, 1,
+                             stream);
+    return mf__cuda_sum_at(moe, &slot, halves == MF__HALF_RECV ? kMfSyncWait : kMfSyncBoth, x->T,
+                           (const float *)x->combine_in.topk_weights.data, (uint16_t *)x->combine_out.y.data, stream);
 }
 
-static mf_result_t mf__cuda_combine(mf_moe_t moe, const mf_combine_in_t *in, const mf_combine_out_t *out,
-                                    mf_stream_t stream_) {
+static mf_result_t mf__cuda_combine(mf_moe_t moe, struct mf_exchange *x, uint32_t halves, mf_stream_t stream_) {
     cudaStream_t stream = (cudaStream_t)stream_;
     mf_result_t pending = MF_SUCCESS;
     MF_CHECK(mf__cuda_enter(moe->comm, stream, &pending));
-    return mf__cuda_leave(moe->comm, mf__cuda_combine_launch(moe, in, out, stream), pending);
+    return mf__cuda_leave(moe->comm, mf__cuda_combine_launch(moe, x, halves, stream), pending);
+}
+
+/* An exchange half's events (DeepEP's previous_event / async_finish). */
+static mf_result_t mf__cuda_event(mf_comm_t comm, mf_event_t event, int32_t record, mf_stream_t stream) {
+    MF_CUDA_CHECK(cudaSetDevice(comm->device));
+    if (record) MF_CUDA_CHECK(cudaEventRecord((cudaEvent_t)event, (cudaStream_t)stream));
+    else MF_CUDA_CHECK(cudaStreamWaitEvent((cudaStream_t)stream, (cudaEvent_t)event, 0));
+    return MF_SUCCESS;
 }
 
 /* mf_moe_experts: W13 -> SwiGLU -> W2 over the caller's MASKED rows with the layer's weights and scratch,
@@ -1018,7 +1107,8 @@ static mf_result_t mf__cuda_reject(mf_moe_t moe, uint32_t phases, mf_result_t co
     if (mf__cuda_enter(comm, stream, NULL) != MF_SUCCESS) return mf__error(code, "%s", why);
     mf_result_t res = MF_SUCCESS;
     for (int32_t phase = 0; phase < MF__NUM_PHASES && res == MF_SUCCESS; phase++)
-        if (phases & (1u << phase)) res = mf__cuda_sync(comm, moe->id, phase, code, 0, stream); /* no PDL: error path */
+        if (phases & (1u << phase)) /* no PDL: error path */
+            res = mf__cuda_sync(comm, moe->id, phase, code, kMfSyncBoth, NULL, 0, stream);
     if ((res = mf__cuda_leave(comm, res, MF_SUCCESS)) != MF_SUCCESS) return res;
     if (!mf__cc(comm)->capturing && cudaStreamSynchronize(stream) == cudaSuccess) (void)mf__cuda_take_fault(comm, 1);
     (void)cudaGetLastError();
@@ -1238,4 +1328,5 @@ const mf__backend_ops_t mf__cuda_backend = {
     mf__cuda_get_balance_stats,
     mf__cuda_stage_step,
     mf__cuda_stage_begin,
+    mf__cuda_event,
 };

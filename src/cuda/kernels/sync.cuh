@@ -3,10 +3,14 @@
  *
  * Signals (core/internal.h "signals"): every rank owns MF__SIGNAL_WORDS uint64 in device memory,
  * reached by peers through the signal table. sync (one kernel): arrive, my_epoch[phase] += 1, a
- * release store of (epoch, status) into every peer's slot [phase][epoch % 2][me]; then wait until
- * every slot [phase][epoch % 2][q] holds that epoch, acquire; bounded by the comm timeout, ended early by an abort (this
+ * release store of (epoch, status) into every peer's slot [phase][epoch % Q][me]; then wait until
+ * every slot [phase][epoch % Q][q] holds that epoch, acquire; bounded by the comm timeout, ended early by an abort (this
  * rank's mapped abort word, or the abort word of the peer it waits for). Epochs live in device
  * memory, so a captured CUDA graph replays with fresh epochs and nothing is ever re-zeroed.
+ * The split halves (mf_dispatch_send / _recv, ...) cut a sync in two (mf__sync_params.mode): the
+ * send's ARRIVE stores the epoch it arrived at in a device word of the exchange's slot and returns
+ * at once (no kernel left waiting), the receive's WAIT reads that word and waits for it, then the
+ * verdict. A send's fresh fault travels in its arrival, so ARRIVE clears the claim there.
  *
  * Faults (one model for every rank; docs/API.md "Faults"):
  *  - A *fresh* fault is raised by a kernel of this rank before the call's first sync (publish: a
@@ -131,9 +135,14 @@ static_assert(MF__STATUS_BITS == 8, "status: 6 bits of code, reported, ack");
 #define kMfSlotLayer(v) MF__SLOT_LAYER(v)
 static_assert(MF_ERR_ABORTED <= (int)kMfStatusCode, "every mf_result_t fits the status");
 
+/* mf__sync_params.mode: the whole sync (a one-call collective), or one half of it. */
+enum { kMfSyncBoth = 0, kMfSyncArrive = 1, kMfSyncWait = 2 };
+
 typedef struct mf__sync_params {
     uint64_t *signals[MF_MAX_RANKS]; /* every rank's signal words (peer pointers) */
     int32_t num_ranks, rank, phase;
+    int32_t mode;                    /* kMfSync*: both halves, or the arrival / the wait alone */
+    unsigned long long *epoch;       /* ARRIVE writes the epoch it arrived at here, WAIT reads it */
     int32_t reject;                  /* the host rejected this call: its mf_result_t, else 0 */
     uint32_t layer;                  /* the id of the layer called (mf_moe.id) */
     unsigned long long acked_id;     /* the last fault id this rank's host reported */
@@ -146,7 +155,7 @@ __device__ void mf__sync_verdict(const mf__sync_params_t &p, uint64_t want, int3
     mf__device_state_t *s = p.sink.state;
     uint64_t *mine = p.signals[p.rank];
     const int32_t fault = s->fault;
-    s->claim = 0; /* this call's fresh fault, if any, travelled in the arrival */
+    if (p.mode == kMfSyncBoth) s->claim = 0; /* this call's fresh fault, if any, travelled in the arrival */
     if (stop || fault == MF_ERR_TIMEOUT || fault == MF_ERR_ABORTED) return;
     bool all_ack = true;
     int32_t failed = -1, other_layer = -1;
@@ -192,7 +201,10 @@ __device__ void mf__sync_block(const mf__sync_params_t &p) {
     __shared__ int32_t stop;
     mf__device_state_t *s = p.sink.state;
     uint64_t *mine = p.signals[p.rank];
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0 && p.mode == kMfSyncWait) { /* the receive half: the send's epoch */
+        want = *(volatile unsigned long long *)p.epoch;
+        stop = s->fault == MF_ERR_TIMEOUT || s->fault == MF_ERR_ABORTED;
+    } else if (threadIdx.x == 0) {
         const int32_t fault = s->fault;
         const bool ack = fault && p.acked_id == s->fault_id;
         uint64_t status;
@@ -208,7 +220,12 @@ __device__ void mf__sync_block(const mf__sync_params_t &p) {
                                epoch << MF__EPOCH_SHIFT | (uint64_t)(p.layer & MF__LAYER_MASK) << MF__STATUS_BITS | status);
         want = epoch;
         stop = fault == MF_ERR_TIMEOUT || fault == MF_ERR_ABORTED;
+        if (p.mode == kMfSyncArrive) {
+            *p.epoch = epoch;
+            s->claim = 0; /* this send's fresh fault, if any, travelled in the arrival */
+        }
     }
+    if (p.mode == kMfSyncArrive) return; /* the send half: no wait (mode is uniform over the block) */
     __syncthreads();
     const int32_t q = threadIdx.x;
     if (q < p.num_ranks && !stop) {
