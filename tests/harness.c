@@ -14,6 +14,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
 
 int mft_verbose_on = 0;
 
@@ -239,6 +244,47 @@ int mft_run_ranks(int32_t R, int (*fn)(int32_t rank, void *arg), void *arg) {
     }
     free(ts);
     return failed;
+}
+
+static double mft_now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+int mft_fork_ranks(int32_t R, int (*fn)(int32_t rank, void *arg), void *arg, double deadline_s) {
+    pid_t pids[MF_MAX_RANKS];
+    fflush(NULL);
+    for (int32_t r = 0; r < R; r++) {
+        pid_t pid = fork();
+        if (pid == 0) {
+            prctl(PR_SET_PDEATHSIG, SIGKILL);
+            int rc = fn(r, arg);
+            fflush(NULL);
+            _exit(rc ? 1 : 0);
+        }
+        pids[r] = pid;
+    }
+    int bad = 0;
+    double t0 = mft_now_s();
+    for (int32_t left = R; left > 0;) {
+        int status = 0;
+        pid_t pid = waitpid(-1, &status, WNOHANG);
+        if (pid > 0) {
+            left--;
+            if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) bad++;
+            continue;
+        }
+        if (mft_now_s() - t0 > deadline_s) {
+            for (int32_t r = 0; r < R; r++) kill(pids[r], SIGKILL);
+            mft_note("rank processes still running after %.0f s: killed", deadline_s);
+            while (waitpid(-1, NULL, 0) > 0) {}
+            return R;
+        }
+        struct timespec nap = {0, 1000000};
+        nanosleep(&nap, NULL);
+    }
+    return bad;
 }
 
 mf_group_t mft_cpu_group(int32_t R, int64_t timeout_ms) {

@@ -38,10 +38,12 @@ extern const mft_test_t mft_tests_random[]; /* tests/test_random.c (random layer
 extern const mft_test_t mft_tests_balance[]; /* tests/test_balance.c (balanced EP) */
 extern const mft_test_t mft_tests_placement[]; /* tests/test_placement.c (mf_placement_t) */
 extern const mft_test_t mft_tests_gemm_bounds[]; /* tests/test_gemm_bounds.c (bench gemm --check bounds) */
+extern const mft_test_t mft_tests_split[]; /* tests/test_split.c (the split halves, mf_exchange_t) */
 extern const mft_test_t mft_tests_cuda[]; /* tests/gpu/test_cuda.c (the CUDA suite) */
 extern const mft_test_t mft_tests_cuda_transport[]; /* tests/gpu/test_transport.c (ranks as processes) */
 extern const mft_test_t mft_tests_cuda_balance[]; /* tests/gpu/test_balance.c (balanced EP on the device) */
 extern const mft_test_t mft_tests_cuda_gemm_bounds[]; /* tests/gpu/test_gemm_bounds.c (GEMMs within their bounds) */
+extern const mft_test_t mft_tests_cuda_split[]; /* tests/gpu/test_split.c (the split halves on the device) */
 
 /* ---- failure reporting -------------------------------------------------------------------- */
 
@@ -170,6 +172,10 @@ void mft_quant_blocks(const uint16_t *in, int64_t nb, int64_t M, int64_t N, int 
 /* Runs fn(rank, arg) on R threads (one per virtual rank) and joins them all. Returns 0 when every
  * rank returned 0, else 1 (and each failing rank's messages have been printed). */
 int mft_run_ranks(int32_t R, int (*fn)(int32_t rank, void *arg), void *arg);
+
+/* Forks R rank processes running fn(rank, arg) (each killed if this process dies: PR_SET_PDEATHSIG)
+ * and reaps them all, killing them after deadline_s. Returns the number that did not exit 0. */
+int mft_fork_ranks(int32_t R, int (*fn)(int32_t rank, void *arg), void *arg, double deadline_s);
 
 /* A CPU group of R ranks with the given peer timeout (0 = default); NULL on failure (printed). */
 mf_group_t mft_cpu_group(int32_t R, int64_t timeout_ms);

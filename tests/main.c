@@ -35,6 +35,7 @@ static const mft_test_t *const mft_tables[] = {
     mft_tests_cuda_transport,
     mft_tests_cuda_balance,
     mft_tests_cuda_gemm_bounds,
+    mft_tests_cuda_split,
     NULL,
 };
 #else
@@ -51,6 +52,7 @@ static const mft_test_t *const mft_tables[] = {
     mft_tests_balance,
     mft_tests_placement,
     mft_tests_gemm_bounds,
+    mft_tests_split,
     NULL,
 };
 #endif

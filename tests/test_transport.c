@@ -197,41 +197,22 @@ typedef struct tr_shared {
 
 typedef int (*tr_rank_fn)(int32_t rank, int32_t R, tr_shared_t *sh, void *arg);
 
-/* Forks R rank processes running fn; waits for all (killing them after deadline_s). Returns the
- * number of ranks that did not exit 0. */
+/* Forks R rank processes running fn (mft_fork_ranks); returns the number that did not exit 0. */
+typedef struct tr_spawn {
+    tr_rank_fn fn;
+    int32_t R;
+    tr_shared_t *sh;
+    void *arg;
+} tr_spawn_t;
+
+static int tr_spawn_main(int32_t rank, void *arg) {
+    const tr_spawn_t *sp = arg;
+    return sp->fn(rank, sp->R, sp->sh, sp->arg);
+}
+
 static int spawn_ranks(int32_t R, tr_rank_fn fn, tr_shared_t *sh, void *arg, double deadline_s) {
-    pid_t pids[MF_MAX_RANKS];
-    fflush(NULL);
-    for (int32_t r = 0; r < R; r++) {
-        pid_t pid = fork();
-        if (pid == 0) {
-            prctl(PR_SET_PDEATHSIG, SIGKILL);
-            int rc = fn(r, R, sh, arg);
-            fflush(NULL);
-            _exit(rc ? 1 : 0);
-        }
-        pids[r] = pid;
-    }
-    int bad = 0;
-    double t0 = now_s();
-    for (int32_t left = R; left > 0;) {
-        int status = 0;
-        pid_t pid = waitpid(-1, &status, WNOHANG);
-        if (pid > 0) {
-            left--;
-            if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) bad++;
-            continue;
-        }
-        if (now_s() - t0 > deadline_s) {
-            for (int32_t r = 0; r < R; r++) kill(pids[r], SIGKILL);
-            mft_note("rank processes still running after %.0f s: killed", deadline_s);
-            while (waitpid(-1, NULL, 0) > 0) {}
-            return R;
-        }
-        struct timespec nap = {0, 1000000};
-        nanosleep(&nap, NULL);
-    }
-    return bad;
+    tr_spawn_t sp = {fn, R, sh, arg};
+    return mft_fork_ranks(R, tr_spawn_main, &sp, deadline_s);
 }
 
 static tr_shared_t *tr_shared_new(void) {

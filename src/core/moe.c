@@ -746,11 +746,11 @@ static mf_result_t mf__apply_event(mf_comm_t comm, const mf_exchange_events_t *e
 static mf_result_t mf__check_forward(mf_moe_t moe, const mf_moe_forward_in_t *in, const mf_moe_forward_out_t *out) {
     const char *fn = "mf_moe_forward";
     MF_REQUIRE(in && out, "%s: in and out must not be NULL", fn);
-    if (!moe->weights_set)
-        return mf__error(MF_ERR_INVALID_USAGE, "%s: weights are not set (call mf_moe_set_weights first)", fn);
     if (moe->comm->pending_dispatch)
         return mf__error(MF_ERR_INVALID_USAGE, "%s: an mf_dispatch on this comm awaits its mf_combine", fn);
     MF_CHECK(mf__check_none_in_flight(moe->comm, fn));
+    if (!moe->weights_set)
+        return mf__error(MF_ERR_INVALID_USAGE, "%s: weights are not set (call mf_moe_set_weights first)", fn);
     MF_CHECK(mf__check_map_ready(moe, fn));
     int64_t T = 0;
     MF_CHECK(mf__check_tokens(moe, &in->x, &in->topk_ids, fn, &T));

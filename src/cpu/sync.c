@@ -58,6 +58,9 @@ mf_result_t mf__cpu_wait(mf_comm_t comm, int32_t phase, uint64_t epoch, uint32_t
             return mf__error(MF_ERR_ABORTED, "rank %d: %s: the comm was aborted while waiting in phase '%s'",
                              comm->rank, what, mf__phase_name(phase));
         if (__atomic_load_n(mf__word(comm, comm->rank, MF__SIGNAL_ABORT + next), __ATOMIC_ACQUIRE)) {
+            /* A peer that arrived and then aborted (a send half, then mf_comm_abort) did arrive: its
+             * arrival was stored before its abort flag, so it shows now. */
+            if (mf__slot_load(comm, phase, epoch, next) >> MF__EPOCH_SHIFT >= epoch) continue;
             aborted_peer = next;
             break;
         }

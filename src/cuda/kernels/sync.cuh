@@ -235,6 +235,8 @@ __device__ void mf__sync_block(const mf__sync_params_t &p) {
         for (uint32_t spin = 0; (seen = mf__ld_acquire_sys(slot)) >> MF__EPOCH_SHIFT < want; spin++) {
             if ((spin & 63) == 63) {
                 if (p.sink.record->abort || mf__ld_acquire_sys(peer_abort)) {
+                    /* A peer that arrived before it aborted (a send half, then mf_comm_abort) did arrive. */
+                    if (!p.sink.record->abort && mf__ld_acquire_sys(slot) >> MF__EPOCH_SHIFT >= want) break;
                     mf__set_fault(p.sink, MF_ERR_ABORTED, kMfFaultAborted, p.rank, p.phase, q, 0, 0, 0, 0);
                     break;
                 }
