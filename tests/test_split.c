@@ -387,15 +387,19 @@ static int test_split_misuse(void) {
  * still lands its rows (the rank had sent them), their combine receive then waits for it and fails
  * with MF_ERR_TIMEOUT (or MF_ERR_ABORTED after an abort) within the timeout, y untouched. */
 static int sp_dying_rank(int32_t rank, mf_comm_t comm, mf_moe_t moe, const sp_cfg_t *c, int32_t die_rank,
-                         int32_t die_abort, mf_result_t *result, int32_t *untouched, double *seconds) {
+                         int32_t die_abort, mf_exchange_t *handle, mf_result_t *result, int32_t *untouched,
+                         double *seconds) {
     mf_exchange_t x;
     sp_batch_t mb;
     MFT_CHECK_OK(mf_exchange_create(moe, &x));
+    *handle = x;
     sp_batch_make(&mb, moe, c, c->S, mft_hash4(5, rank, 0, 0));
     MFT_CHECK_OK(mf_dispatch_send(x, &mb.din, &mb.dout, NULL, NULL));
     if (rank == die_rank) {
         if (die_abort) MFT_CHECK_OK(mf_comm_abort(comm));
-        return 0; /* dies: no more calls (its handle is left in flight) */
+        sp_batch_free(&mb);
+        *result = MF_SUCCESS;
+        return 0; /* dies: no more calls on the comm (its exchange stays in flight until its layer goes) */
     }
     MFT_CHECK_OK(mf_dispatch_recv(x, NULL, NULL));
     sp_experts(&mb, c);
@@ -407,9 +411,8 @@ static int sp_dying_rank(int32_t rank, mf_comm_t comm, mf_moe_t moe, const sp_cf
     mft_verbose("  rank %d: mf_combine_recv -> %s after %.2f s: %s\n", rank, mft_result_name(*result), *seconds,
                 mf_last_error());
     *untouched = mft_first_unpoisoned(mb.y, (size_t)mb.T * c->H * 2) < 0;
-    MFT_CHECK_OK(mf_exchange_destroy(x)); /* the failed receive ended the exchange */
     sp_batch_free(&mb);
-    return 0;
+    return 0; /* the failed receive ended the exchange */
 }
 
 static int sp_rank_dies(int32_t rank, void *arg) {
@@ -419,9 +422,11 @@ static int sp_rank_dies(int32_t rank, void *arg) {
     MFT_CHECK_OK(mf_group_get_comm(run->group, rank, &comm));
     mf_moe_config_t cfg = sp_layer_config(&run->c);
     MFT_CHECK_OK(mf_moe_create(comm, &cfg, &moe));
-    int rc = sp_dying_rank(rank, comm, moe, &run->c, run->die_rank, run->die_abort, &run->result[rank],
+    mf_exchange_t x = NULL;
+    int rc = sp_dying_rank(rank, comm, moe, &run->c, run->die_rank, run->die_abort, &x, &run->result[rank],
                            &run->untouched[rank], &run->seconds[rank]);
-    if (rank != run->die_rank) mf_moe_destroy(moe); /* the dead rank's layer goes with the group */
+    mf_moe_destroy(moe); /* also ends the dead rank's exchange, whose handle can then go */
+    MFT_CHECK_OK(mf_exchange_destroy(x));
     return rc;
 }
 
@@ -487,10 +492,12 @@ static int sp_rank_process(int32_t rank, void *arg) {
     MFT_CHECK_OK(mf_moe_create(comm, &cfg, &moe));
     if (sp_rounds(moe, c, rank)) return 1;
     const int32_t die = c->R - 1;
-    if (sp_dying_rank(rank, comm, moe, c, die, 0, &pr->sh->result[rank], &pr->sh->untouched[rank],
+    mf_exchange_t x = NULL;
+    if (sp_dying_rank(rank, comm, moe, c, die, 0, &x, &pr->sh->result[rank], &pr->sh->untouched[rank],
                       &pr->sh->seconds[rank]))
         return 1;
     if (rank == die) _exit(0); /* dies holding its comm: nothing is torn down */
+    MFT_CHECK_OK(mf_exchange_destroy(x));
     mf_moe_destroy(moe);
     mf_comm_destroy(comm); /* broken by the timeout: no peer is waited for */
     return 0;
