@@ -120,6 +120,18 @@ class Comm:
         """mf_comm_get_async_error: raises the first device fault since the last report."""
         check(_lib.mf_comm_get_async_error(self.live("async_error")))
 
+    @property
+    def num_sms(self):
+        """The SMs this rank's communication kernels may use (mf_comm_get_num_sms)."""
+        n = ctypes.c_int32()
+        check(_lib.mf_comm_get_num_sms(self.live("num_sms"), ctypes.byref(n)))
+        return n.value
+
+    def set_num_sms(self, num_sms):
+        """mf_comm_set_num_sms (DeepEP's Buffer.set_num_sms): the SMs of the gather / return moves
+        from the next call on; 0 restores the comm's default. Not collective."""
+        check(_lib.mf_comm_set_num_sms(self.live("set_num_sms"), int(num_sms)))
+
     def _check_no_layers(self, what):
         if self._layers:
             raise RuntimeError(f"moeflow: {what}: rank {self.rank} still has {len(self._layers)} "
@@ -214,7 +226,7 @@ class Layer:
     def __init__(self, comm, num_experts, topk, hidden, intermediate, max_tokens, dtype="fp8",
                  layout="expert_major", block_m=0, expert_capacity=0, max_recv_rows=0,
                  dataflow="auto", ue8m0=False, profile=False, num_physical_experts=0,
-                 spare_slots=0, placement="linear"):
+                 spare_slots=0, placement="linear", max_in_flight=0):
         if dtype not in ("fp8", "bf16"):
             raise ValueError(f"moeflow: dtype must be 'fp8' or 'bf16', not {dtype!r}")
         self.comm = comm
@@ -229,10 +241,12 @@ class Layer:
                           ue8m0_scales=int(ue8m0), profile=int(profile),
                           dataflow=_enum(_lib.DATAFLOW, "dataflow", dataflow),
                           num_physical_experts=num_physical_experts, spare_slots=spare_slots,
-                          placement=_enum(_lib.PLACEMENT, "placement", placement))
+                          placement=_enum(_lib.PLACEMENT, "placement", placement),
+                          max_in_flight=max_in_flight)
         handle = ctypes.c_void_p()
         check(_lib.mf_moe_create(comm.live("Layer"), ctypes.byref(cfg), ctypes.byref(handle)))
         self.handle = handle.value
+        self._exchanges = []  # Exchange handles made for this layer (freed after it)
         comm._layers.add(self)
         raw = _lib.MoeInfo()
         check(_lib.mf_moe_get_info(self.handle, ctypes.byref(raw)))
@@ -311,17 +325,70 @@ class Layer:
         return self.handle
 
     def close(self):
-        """mf_moe_destroy (not collective; no call on the layer may be in flight). Idempotent."""
+        """mf_moe_destroy (not collective; no call on the layer may be in flight; its exchanges in
+        flight end), then its exchange handles. Idempotent."""
         if self.handle:
             handle, self.handle = self.handle, None
             self.comm._layers.discard(self)
             check(_lib.mf_moe_destroy(handle))
+            for x in self._exchanges:
+                x._free()
+            self._exchanges = []
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+class Exchange:
+    """One dispatch + combine of a layer in halves (mf_exchange_t; docs/API.md section 9): a send
+    that returns without waiting on a peer, a receive that waits and lands the rows. Reusable: one
+    exchange after another. Up to the layer's max_in_flight exchanges are in flight at once; the
+    receives of each phase come in the order of its sends. `events` is (previous, finished), raw
+    cudaEvent_t pointers or None (CUDA only)."""
+
+    def __init__(self, layer):
+        handle = ctypes.c_void_p()
+        check(_lib.mf_exchange_create(layer._live(), ctypes.byref(handle)))
+        self.handle, self.layer = handle.value, layer
+        layer._exchanges.append(self)
+
+    @staticmethod
+    def _events(events):
+        if events is None:
+            return None
+        return ctypes.byref(_lib.ExchangeEvents(*events))
+
+    def _live(self):
+        self.layer._live()
+        return self.handle
+
+    def dispatch_send(self, x, topk_ids, recv_x, recv_scales, recv_src, expert_counts,
+                      expert_offsets, events=None, stream=None):
+        """mf_dispatch_send: the outputs are where dispatch_recv lands the rows (collective)."""
+        out = _lib.DispatchOut(recv_x, recv_scales, recv_src, expert_counts, expert_offsets)
+        check(_lib.mf_dispatch_send(self._live(), ctypes.byref(_lib.DispatchIn(x, topk_ids)),
+                                    ctypes.byref(out), self._events(events), stream))
+
+    def dispatch_recv(self, events=None, stream=None):
+        """mf_dispatch_recv: waits (bounded) and lands the rows."""
+        check(_lib.mf_dispatch_recv(self._live(), self._events(events), stream))
+
+    def combine_send(self, expert_out, topk_weights, y, events=None, stream=None):
+        """mf_combine_send: returns the rows to their owners; y is written by combine_recv."""
+        check(_lib.mf_combine_send(self._live(), ctypes.byref(_lib.CombineIn(expert_out, topk_weights)),
+                                   ctypes.byref(_lib.CombineOut(y)), self._events(events), stream))
+
+    def combine_recv(self, events=None, stream=None):
+        """mf_combine_recv: waits (bounded) and sums into y; the exchange ends."""
+        check(_lib.mf_combine_recv(self._live(), self._events(events), stream))
+
+    def _free(self):
+        if self.handle:
+            handle, self.handle = self.handle, None
+            check(_lib.mf_exchange_destroy(handle))
 
 
 def run_ranks(fn, num_ranks):

@@ -11,6 +11,20 @@ first argument is the layer's int handle (a key of a registry in this module); t
 torch.cuda.current_stream() (CUDA backend) or synchronously on host memory (CPU backend), so CUDA
 graph capture and torch.compile see them as opaque ops with fake (meta) implementations.
 
+Overlap (docs/API.md section 9): the halves are ops too, dispatch_send / dispatch_recv /
+combine_send / combine_recv, whose second argument is an exchange's int handle; DeepEP's hooks sit
+on them:
+
+    d, hook = layer.dispatch(x, ids, return_recv_hook=True)   # sends, returns at once
+    ...                                                        # other work (the other micro-batch)
+    hook()                                                     # waits; d's tensors now hold the rows
+    y, hook = layer.combine(expert_out, w, d, return_recv_hook=True)
+    hook()                                                     # y now holds the sum
+
+A layer made with max_in_flight = 2 holds two such exchanges at once (two micro-batches). On CUDA
+the halves of one comm are chained by events, so a hook may run on another stream than its send
+(vLLM's dual-batch overlap runs one micro-batch's receive on the other's stream).
+
 Every tensor is checked before the C call (dtype -> TypeError; device, shape, contiguity,
 alignment -> ValueError, naming the argument); the library's own failures raise MoeflowError.
 topk_ids may be int64 (torch.topk's dtype): MoELayer converts them to int32, one small copy.
@@ -227,6 +241,140 @@ def _(handle, recv_x, recv_scales, expert_counts, out):
     return None
 
 
+# ---- the halves: exchanges, their registry and their ops ------------------------------------------
+_exchanges = {}
+_next_exchange = itertools.count(1)
+
+
+def _exchange(key):
+    try:
+        return _exchanges[key]
+    except KeyError:
+        raise ValueError(f"moeflow: no open exchange has handle {key}") from None
+
+
+class _Chain:
+    """CUDA: orders every half of a comm on the device whatever stream runs it: each half waits
+    for the event recorded after the one before (the halves' stream-order contract)."""
+
+    def __init__(self):
+        self.tail = None
+
+    def enter(self, layer):
+        if layer.device.type == "cuda" and self.tail is not None:
+            torch.cuda.current_stream(layer.device).wait_event(self.tail)
+
+    def leave(self, layer):
+        if layer.device.type == "cuda":
+            self.tail = torch.cuda.Event()
+            self.tail.record(torch.cuda.current_stream(layer.device))
+            return self.tail
+        return None
+
+
+def _chain(layer):
+    comm = layer.comm
+    if not hasattr(comm, "_moeflow_chain"):
+        comm._moeflow_chain = _Chain()
+    return comm._moeflow_chain
+
+
+def _half(layer, call):
+    """Runs one half between the comm's chain events; returns the event after it (CUDA)."""
+    ch = _chain(layer)
+    ch.enter(layer)
+    call()
+    return ch.leave(layer)
+
+
+@torch.library.custom_op("moeflow::dispatch_send", mutates_args=())
+def _dispatch_send_op(handle: int, exchange: int, x: torch.Tensor, topk_ids: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    layer = _layer(handle)
+    layer._check_tokens(x, topk_ids)
+    out = layer._dispatch_outputs(torch.empty)
+    used = layer._dispatch_used()
+    descs = [_desc(t) if u else _UNUSED for t, u in zip(out, used)]
+    _half(layer, lambda: _exchange(exchange).dispatch_send(_desc(x), _desc(topk_ids), *descs,
+                                                           stream=layer._stream()))
+    return out
+
+
+@_dispatch_send_op.register_fake
+def _(handle, exchange, x, topk_ids):
+    layer = _layer(handle)
+    layer._check_tokens(x, topk_ids)
+    return layer._dispatch_outputs(torch.empty)
+
+
+@torch.library.custom_op("moeflow::dispatch_recv",
+                         mutates_args=("recv_x", "recv_scales", "recv_src", "expert_counts",
+                                       "expert_offsets"))
+def _dispatch_recv_op(handle: int, exchange: int, recv_x: torch.Tensor, recv_scales: torch.Tensor,
+                      recv_src: torch.Tensor, expert_counts: torch.Tensor,
+                      expert_offsets: torch.Tensor) -> None:
+    # The outputs were given to the send (its C call keeps their pointers); they are arguments
+    # here so that graph transforms order their readers after the receive.
+    layer = _layer(handle)
+    _half(layer, lambda: _exchange(exchange).dispatch_recv(stream=layer._stream()))
+
+
+@_dispatch_recv_op.register_fake
+def _(handle, exchange, recv_x, recv_scales, recv_src, expert_counts, expert_offsets):
+    return None
+
+
+@torch.library.custom_op("moeflow::combine_send", mutates_args=())
+def _combine_send_op(handle: int, exchange: int, expert_out: torch.Tensor, topk_weights: torch.Tensor,
+                     recv_src: torch.Tensor) -> torch.Tensor:
+    layer = _layer(handle)
+    layer._check_combine(expert_out, topk_weights, recv_src)
+    y = layer._new((topk_weights.shape[0], layer.hidden), torch.bfloat16)
+    _half(layer, lambda: _exchange(exchange).combine_send(_desc(expert_out), _desc(topk_weights),
+                                                          _desc(y), stream=layer._stream()))
+    return y
+
+
+@_combine_send_op.register_fake
+def _(handle, exchange, expert_out, topk_weights, recv_src):
+    layer = _layer(handle)
+    layer._check_combine(expert_out, topk_weights, recv_src)
+    return layer._new((topk_weights.shape[0], layer.hidden), torch.bfloat16)
+
+
+@torch.library.custom_op("moeflow::combine_recv", mutates_args=("y",))
+def _combine_recv_op(handle: int, exchange: int, y: torch.Tensor) -> None:
+    layer = _layer(handle)
+    _half(layer, lambda: _exchange(exchange).combine_recv(stream=layer._stream()))
+
+
+@_combine_recv_op.register_fake
+def _(handle, exchange, y):
+    return None
+
+
+class _RecvHook:
+    """DeepEP's receive hook: calling it runs the receive half (once) on the current stream. With
+    async_finish it returns a torch.cuda.Event recorded after the receive (None on the CPU)."""
+
+    def __init__(self, run, async_finish):
+        self._run, self._async_finish, self.done = run, async_finish, None
+
+    def __call__(self):
+        if self._run is None:
+            raise RuntimeError("moeflow: this receive hook was already called")
+        run, self._run = self._run, None
+        self.done = run()
+        return self.done if self._async_finish else None
+
+    def wait(self):
+        """Makes the current stream wait for the receive (CUDA; the hook must have run)."""
+        if self._run is not None:
+            raise RuntimeError("moeflow: the receive hook has not been called")
+        if self.done is not None:
+            torch.cuda.current_stream().wait_event(self.done)
+
+
 @dataclass
 class DispatchResult:
     """mf_dispatch's outputs (docs/LAYOUTS.md). EXPERT_MAJOR: recv_x [rows, H], recv_scales
@@ -238,6 +386,8 @@ class DispatchResult:
     recv_src: torch.Tensor
     expert_counts: torch.Tensor
     expert_offsets: Optional[torch.Tensor]
+    exchange: int = 0   # the exchange of return_recv_hook=True (its combine uses it), else 0
+    event: Optional[object] = None  # async_finish: a torch.cuda.Event after the send
 
 
 class MoELayer(torch.nn.Module):
@@ -250,7 +400,7 @@ class MoELayer(torch.nn.Module):
     def __init__(self, comm, num_experts, topk, hidden, intermediate, max_tokens,
                  dtype=torch.float8_e4m3fn, layout="expert_major", block_m=0, expert_capacity=0,
                  max_recv_rows=0, dataflow="auto", ue8m0=False, num_physical_experts=0,
-                 spare_slots=0, placement="linear"):
+                 spare_slots=0, placement="linear", max_in_flight=0):
         super().__init__()
         if dtype not in _LAYER_DTYPE:
             raise TypeError(f"moeflow: dtype must be torch.float8_e4m3fn or torch.bfloat16, "
@@ -260,7 +410,9 @@ class MoELayer(torch.nn.Module):
                            expert_capacity=expert_capacity, max_recv_rows=max_recv_rows,
                            dataflow=dataflow, ue8m0=ue8m0,
                            num_physical_experts=num_physical_experts, spare_slots=spare_slots,
-                           placement=placement)
+                           placement=placement, max_in_flight=max_in_flight)
+        self.max_in_flight = max(1, max_in_flight)
+        self._idle = []  # exchange keys not in flight (return_recv_hook)
         self.comm, self.dtype, self.layout, self.placement = comm, dtype, layout, placement
         self.num_experts, self.topk, self.hidden = num_experts, topk, hidden
         self.intermediate, self.max_tokens = intermediate, max_tokens
@@ -312,19 +464,78 @@ class MoELayer(torch.nn.Module):
         # eager: the op's body without the dispatcher (~5 us a call); the same checks and call
         return _forward(self, x, _ids(topk_ids), topk_weights, out)
 
-    def dispatch(self, x, topk_ids):
+    def dispatch(self, x, topk_ids, return_recv_hook=False, previous_event=None,
+                 async_finish=False):
         """Sends every (token, k) to its expert's rank: a DispatchResult in the layer's layout.
-        Collective; a combine on this layer must follow."""
-        _tensors(x=x, topk_ids=topk_ids)
-        out = torch.ops.moeflow.dispatch(self.handle, x, _ids(topk_ids))
-        used = self._dispatch_used()
-        return DispatchResult(*(t if u else None for t, u in zip(out, used)))
+        Collective; a combine on this layer must follow.
 
-    def combine(self, expert_out, topk_weights, dispatch_result, out=None):
+        return_recv_hook=True (DeepEP's low-latency form): only the send half runs now, which
+        returns without waiting on any peer; returns (DispatchResult, hook), and the result's
+        tensors hold the rows once hook() has run (the receive half, on the stream current
+        then). Up to max_in_flight dispatches of the layer may be in flight; receive them in the
+        order they were sent. previous_event (a torch.cuda.Event): the send waits for it;
+        async_finish: result.event is an event after the send, and hook() returns one after
+        the receive (CUDA)."""
+        _tensors(x=x, topk_ids=topk_ids)
+        if not (return_recv_hook or previous_event is not None or async_finish):
+            out = torch.ops.moeflow.dispatch(self.handle, x, _ids(topk_ids))
+            used = self._dispatch_used()
+            return DispatchResult(*(t if u else None for t, u in zip(out, used)))
+        self._check_events(previous_event)
+        key = self._take_exchange()
+        try:
+            out = torch.ops.moeflow.dispatch_send(self.handle, key, x, _ids(topk_ids))
+        except Exception:
+            self._idle.append(key)  # a failed send leaves its exchange idle
+            raise
+        used = self._dispatch_used()
+        d = DispatchResult(*(t if u else None for t, u in zip(out, used)), exchange=key,
+                           event=_chain(self).tail if async_finish else None)
+
+        def receive():
+            try:
+                return self._recv(torch.ops.moeflow.dispatch_recv, key, *out)
+            except Exception:
+                self._idle.append(key)  # a failed receive ends the exchange
+                raise
+
+        hook = _RecvHook(receive, async_finish)
+        if return_recv_hook:
+            return d, hook
+        hook()
+        return d
+
+    def combine(self, expert_out, topk_weights, dispatch_result, out=None, return_recv_hook=False,
+                previous_event=None, async_finish=False):
         """y [T, H] bf16: the weighted K-sum of expert_out (bf16, recv_x's layout and rows) over
         this rank's tokens of the preceding dispatch (`dispatch_result`); written into `out`
-        ([T, H] bf16, contiguous) when given. Collective."""
+        ([T, H] bf16, contiguous) when given. Collective. return_recv_hook=True (the dispatch
+        must have been made with it too): returns (y, hook) after the send half; y holds the
+        sum once hook() has run. previous_event / async_finish as dispatch's."""
         _tensors(expert_out=expert_out, topk_weights=topk_weights)
+        key = getattr(dispatch_result, "exchange", 0)
+        if key:
+            self._check_events(previous_event)
+            y = torch.ops.moeflow.combine_send(self.handle, key, expert_out, topk_weights,
+                                               dispatch_result.recv_src)
+
+            def receive():
+                try:
+                    done = self._recv(torch.ops.moeflow.combine_recv, key, y)
+                finally:
+                    self._idle.append(key)  # the exchange ended, received or failed
+                if out is not None:
+                    out.copy_(y)
+                return done
+
+            hook = _RecvHook(receive, async_finish)
+            if return_recv_hook:
+                return (y if out is None else out), hook
+            hook()
+            return y if out is None else out
+        if return_recv_hook or previous_event is not None or async_finish:
+            raise ValueError("moeflow: combine with return_recv_hook / events needs a dispatch made "
+                             "with return_recv_hook=True (or events)")
         if torch.compiler.is_compiling():
             y = torch.ops.moeflow.combine(self.handle, expert_out, topk_weights,
                                           dispatch_result.recv_src)
@@ -380,9 +591,11 @@ class MoELayer(torch.nn.Module):
         return self._core.balance_stats()
 
     def close(self):
-        """Destroys the C layer (not collective) and drops the weights' references."""
+        """Destroys the C layer (not collective), its exchanges, and drops the weights' references."""
         with _registry_lock:
             _layers.pop(self.handle, None)
+            for key in [k for k, x in _exchanges.items() if x.layer is self._core]:
+                del _exchanges[key]
         self._core.close()
         self._weights = None
 
@@ -392,6 +605,29 @@ class MoELayer(torch.nn.Module):
                 f"dtype={self.dtype}, layout={self.layout!r}")
 
     # -- internals (also used by the ops) -----------------------------------------------------------
+    def _take_exchange(self):
+        """An idle exchange of this layer (made on demand: the library refuses more in flight
+        than the heap holds, on every rank alike)."""
+        if self._idle:
+            return self._idle.pop()
+        from .core import Exchange
+        key = next(_next_exchange)
+        with _registry_lock:
+            _exchanges[key] = Exchange(self._core)
+        return key
+
+    def _recv(self, op, key, *tensors):
+        op(self.handle, key, *tensors)
+        return _chain(self).tail
+
+    def _check_events(self, previous_event):
+        if previous_event is None:
+            return
+        if self.device.type != "cuda":
+            raise ValueError("moeflow: events are CUDA's: the CPU backend runs each half to "
+                             "completion (pass previous_event=None)")
+        torch.cuda.current_stream(self.device).wait_event(previous_event)
+
     def _stream(self):
         if self.device.type == "cuda":
             return torch.cuda.current_stream(self.device).cuda_stream
