@@ -360,6 +360,10 @@ class _RecvHook:
     def __init__(self, run, async_finish):
         self._run, self._async_finish, self.done = run, async_finish, None
 
+    @property
+    def called(self):
+        return self._run is None
+
     def __call__(self):
         if self._run is None:
             raise RuntimeError("moeflow: this receive hook was already called")

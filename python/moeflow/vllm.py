@@ -31,6 +31,7 @@ What moeflow accepts from vLLM (and refuses, with a clear error at construction 
     `expert_map` vLLM passes must be the one that placement gives.
 Importing this module needs vLLM 0.33 (`pip install ./python[vllm]`).
 """
+import collections
 import warnings
 
 import torch
@@ -203,7 +204,9 @@ class MoeflowPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         if quant_config is not None:
             _check_quant_matches(layer, quant_config, "MoeflowPrepareAndFinalize")
         self.layer = layer
-        self._pending = None  # (DispatchResult, T, router weights on input)
+        # (DispatchResult, T, router weights on input) of each prepare awaiting its finalize, in
+        # order: two under vLLM's dual-batch overlap (a layer made with max_in_flight = 2)
+        self._pending = collections.deque()
         self._placement = _PlacementCheck(layer)
         self._host_counts = layer.device.type == "cpu"
 
@@ -225,13 +228,52 @@ class MoeflowPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         return True
 
     def supports_async(self):
-        return False
+        """prepare_async / finalize_async: moeflow's split halves (vLLM's dual-batch overlap needs
+        a layer made with max_in_flight = 2)."""
+        return True
 
     # -- the calls ---------------------------------------------------------------------------------
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,
                 apply_router_weight_on_input, quant_config, defer_input_quant=False):
-        if self._pending is not None:
+        if self._pending:
             raise RuntimeError("MoeflowPrepareAndFinalize.prepare() called again before finalize()")
+        a1, on_input = self._input(a1, topk_weights, topk_ids, num_experts, expert_map,
+                                   apply_router_weight_on_input, quant_config, defer_input_quant)
+        d = self.layer.dispatch(a1, topk_ids.contiguous())
+        self._pending.append((d, a1.shape[0], on_input))
+        return self._prepared(d)
+
+    def prepare_async(self, a1, topk_weights, topk_ids, num_experts, expert_map,
+                      apply_router_weight_on_input, quant_config, defer_input_quant=False):
+        """The send half now (quantise, publish, signal; no wait on a peer); returns (hook,
+        receiver): hook() runs the receive half (waits and lands the rows; on the stream current
+        then, which under DBO is the other micro-batch's), receiver() returns prepare's tuple."""
+        if len(self._pending) >= self.layer.max_in_flight:
+            raise RuntimeError(f"MoeflowPrepareAndFinalize: {len(self._pending)} prepares await their "
+                               f"finalize and the layer holds max_in_flight = {self.layer.max_in_flight}")
+        a1, on_input = self._input(a1, topk_weights, topk_ids, num_experts, expert_map,
+                                   apply_router_weight_on_input, quant_config, defer_input_quant)
+        d, hook = self.layer.dispatch(a1, topk_ids.contiguous(), return_recv_hook=True)
+        self._pending.append((d, a1.shape[0], on_input))
+
+        def receiver():
+            if not hook.called:
+                hook()
+            hook.wait()  # the rows landed on the hook's stream (CUDA)
+            return self._prepared(d)
+
+        return hook, receiver
+
+    def _prepared(self, d):
+        counts = d.expert_counts
+        meta = mk.ExpertTokensMetadata(expert_num_tokens=counts,
+                                       expert_num_tokens_cpu=counts if self._host_counts else None)
+        return d.recv_x, d.recv_scales, meta, None, None
+
+    def _input(self, a1, topk_weights, topk_ids, num_experts, expert_map,
+               apply_router_weight_on_input, quant_config, defer_input_quant):
+        """prepare's checks; the bf16 input to dispatch (scaled by the router weights when they
+        apply on the input) and whether they did."""
         if defer_input_quant:
             raise NotImplementedError("moeflow quantises in dispatch: pair it with experts that "
                                       "take quantised input (defer_input_quant=False)")
@@ -247,27 +289,43 @@ class MoeflowPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             if topk_ids.shape[1] != 1:
                 raise ValueError("apply_router_weight_on_input needs top-1 routing")
             a1 = (a1.float() * topk_weights.float()).to(torch.bfloat16)
-        d = self.layer.dispatch(a1.contiguous(), topk_ids.contiguous())
-        self._pending = (d, a1.shape[0], on_input)
-        counts = d.expert_counts
-        meta = mk.ExpertTokensMetadata(expert_num_tokens=counts,
-                                       expert_num_tokens_cpu=counts if self._host_counts else None)
-        return d.recv_x, d.recv_scales, meta, None, None
+        return a1.contiguous(), on_input
 
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
                  apply_router_weight_on_input, weight_and_reduce_impl):
-        if self._pending is None:
+        d, T, weights = self._finalize_input(topk_weights, weight_and_reduce_impl)
+        self.layer.combine(fused_expert_output.contiguous(), weights, d, out=output[:T])
+
+    def finalize_async(self, output, fused_expert_output, topk_weights, topk_ids,
+                       apply_router_weight_on_input, weight_and_reduce_impl):
+        """The combine's send half now (the rows go to their owners; no wait); returns (hook,
+        receiver): hook() runs the receive half (waits, sums), receiver() leaves `output`
+        valid (on the current stream)."""
+        d, T, weights = self._finalize_input(topk_weights, weight_and_reduce_impl)
+        y, hook = self.layer.combine(fused_expert_output.contiguous(), weights, d,
+                                     return_recv_hook=True)
+
+        def receiver():
+            if not hook.called:
+                hook()
+            hook.wait()
+            output[:T].copy_(y)
+
+        return hook, receiver
+
+    def _finalize_input(self, topk_weights, weight_and_reduce_impl):
+        """The oldest prepare's dispatch, its T, and the combine weights (1 when the router
+        weights applied on the input)."""
+        if not self._pending:
             raise RuntimeError("MoeflowPrepareAndFinalize.finalize() without a prepare()")
         if not isinstance(weight_and_reduce_impl, (TopKWeightAndReduceDelegate,
                                                    TopKWeightAndReduceNoOP)):
             raise TypeError("moeflow's combine weights and reduces: the experts must return "
                             "TopKWeightAndReduceDelegate or TopKWeightAndReduceNoOP, not "
                             f"{type(weight_and_reduce_impl).__name__}")
-        d, T, on_input = self._pending
-        self._pending = None
+        d, T, on_input = self._pending.popleft()
         weights = torch.ones_like(topk_weights, dtype=torch.float32) if on_input else topk_weights
-        self.layer.combine(fused_expert_output.contiguous(), weights.float().contiguous(), d,
-                           out=output[:T])
+        return d, T, weights.float().contiguous()
 
 
 class _MoeflowSupport:
@@ -465,6 +523,18 @@ def comm_from_ep_group(ep_group=None, backend="auto", transport="auto", num_sms=
                                    num_sms=num_sms, heap_bytes=heap_bytes, timeout_ms=timeout_ms)
 
 
+def _num_ubatches():
+    """The micro-batches vLLM's current config runs at once (2 under dual-batch overlap; 1
+    without a config): the exchanges a dispatch-mode layer holds in flight."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    pc = getattr(config, "parallel_config", None)
+    if pc is None or not pc.use_ubatching:
+        return 1
+    return min(max(int(pc.num_ubatches), 1), _lib.MAX_IN_FLIGHT)
+
+
 def make_kernel(moe_config: FusedMoEConfig, quant_config, comm, mode="layer",
                 placement="linear", experts=None, **layer_kwargs):
     """A vLLM FusedMoEKernel on moeflow for one MoE layer (its moeflow MoELayer is made here:
@@ -481,6 +551,8 @@ def make_kernel(moe_config: FusedMoEConfig, quant_config, comm, mode="layer",
     if mode not in ("layer", "dispatch"):
         raise ValueError(f"moeflow: mode must be 'layer' or 'dispatch', not {mode!r}")
     layout = "masked" if mode == "dispatch" else layer_kwargs.pop("layout", "expert_major")
+    if mode == "dispatch":  # vLLM's micro-batches (dual-batch overlap) in flight at once
+        layer_kwargs.setdefault("max_in_flight", _num_ubatches())
     layer = make_layer(moe_config, quant_config, comm, placement=placement, layout=layout,
                        **layer_kwargs)
     try:

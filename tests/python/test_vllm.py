@@ -370,6 +370,124 @@ def test_refusals_are_clear_and_leave_the_comm_usable():
         comms[0].group.close()
 
 
+# ---- overlap: prepare_async / finalize_async (vLLM's dual-batch overlap) ----------------------------
+def test_vllms_kernel_runs_the_async_halves():
+    """supports_async: vLLM's FusedMoEKernel.apply takes prepare_async / finalize_async (hook, then
+    receiver), and gives the synchronous prepare/finalize's y bit for bit."""
+    E, R, tokens = 8, 2, [5, 3]
+    sd, p, want = layer_problem(BF16, E, R, tokens, seed=60)
+    calls = []
+    orig_p, orig_f = mv.MoeflowPrepareAndFinalize.prepare_async, mv.MoeflowPrepareAndFinalize.finalize_async
+
+    def spy_p(self, *a, **k):
+        calls.append("prepare_async")
+        return orig_p(self, *a, **k)
+
+    def spy_f(self, *a, **k):
+        calls.append("finalize_async")
+        return orig_f(self, *a, **k)
+
+    mv.MoeflowPrepareAndFinalize.prepare_async, mv.MoeflowPrepareAndFinalize.finalize_async = spy_p, spy_f
+    try:
+        got = run_kernel(BF16, E, R, tokens, p, sd, "dispatch")
+    finally:
+        mv.MoeflowPrepareAndFinalize.prepare_async, mv.MoeflowPrepareAndFinalize.finalize_async = orig_p, orig_f
+    assert calls.count("prepare_async") == 2 * R and calls.count("finalize_async") == 2 * R
+    sync = mv.MoeflowPrepareAndFinalize.supports_async
+    mv.MoeflowPrepareAndFinalize.supports_async = lambda self: False
+    try:
+        base = run_kernel(BF16, E, R, tokens, p, sd, "dispatch")
+    finally:
+        mv.MoeflowPrepareAndFinalize.supports_async = sync
+    for r in range(R):
+        assert torch.equal(got[r][0], base[r][0]) and torch.equal(got[r][1], base[r][1])
+        ref.assert_close(got[r][0], want[r], BF16, oracle=True)
+
+
+def test_dual_batch_overlap_schedule():
+    """Two micro-batches the way vLLM's DBO drives one prepare/finalize object: A's prepare_async,
+    its hook registered on B and run by B before B's own send, B's hook run by A, A's receiver,
+    A's finalize_async, ... y of each micro-batch equals prepare/finalize's, bit for bit."""
+    E, R, dtype = 8, 2, BF16
+    pa = ref.make_problem(R, E, K, H, I, [6, 2], dtype=dtype, seed=70, drop=0.1)
+    pb = ref.make_problem(R, E, K, H, I, [3, 6], dtype=dtype, seed=71, drop=0.1)
+
+    def experts(a):  # a stand-in for the batched experts: bf16 rows, recv_x's layout
+        return (a.float() * 0.25).to(BF16)
+
+    def rank(r, comm, ready):
+        kernel = mv.make_kernel(moe_config(E, R, r, 6), None, comm, mode="dispatch", max_in_flight=2,
+                                experts=None)
+        pf = kernel.prepare_finalize
+        nored = kernel.fused_experts.finalize_weight_and_reduce_impl()
+        qc, emap = FusedMoEQuantConfig.make(), mv.placement_expert_map("linear", E, R, r)
+        mbs = [(pa.x[r], pa.topk_ids[r], pa.topk_weights[r]), (pb.x[r], pb.topk_ids[r], pb.topk_weights[r])]
+        ready()
+        try:
+            want = []
+            for x, ids, wts in mbs:
+                a = pf.prepare(x, wts, ids, E, emap, False, qc)
+                out = torch.empty_like(x)
+                pf.finalize(out, experts(a[0]), wts, ids, False, nored)
+                want.append(out)
+            outs = [torch.empty_like(x) for x, _, _ in mbs]
+            (xa, ia, wa), (xb, ib, wb) = mbs
+            hook_a, recv_a = pf.prepare_async(xa, wa, ia, E, emap, False, qc)
+            hook_a()                                   # run by B (dbo_maybe_run_recv_hook)
+            hook_b, recv_b = pf.prepare_async(xb, wb, ib, E, emap, False, qc)
+            a_out = recv_a()
+            fhook_a, frecv_a = pf.finalize_async(outs[0], experts(a_out[0]), wa, ia, False, nored)
+            hook_b()                                   # run by A at its yield
+            b_out = recv_b()
+            fhook_b, frecv_b = pf.finalize_async(outs[1], experts(b_out[0]), wb, ib, False, nored)
+            fhook_a()
+            frecv_a()
+            fhook_b()
+            frecv_b()
+            return [torch.equal(w_, o) for w_, o in zip(want, outs)]
+        finally:
+            kernel.moeflow_layer.close()
+
+    for r, same in enumerate(run(R, rank)):
+        assert all(same), f"rank {r}: the overlapped micro-batches differ from prepare/finalize: {same}"
+
+
+def test_dual_batch_overlap_takes_its_micro_batches_from_vllms_config():
+    """A dispatch-mode kernel holds as many exchanges in flight as vLLM's config runs
+    micro-batches (2 with enable_dbo), and refuses a third prepare_async clearly."""
+    from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
+
+    E, R = 8, 1
+    p = ref.make_problem(R, E, K, H, I, [4], dtype=BF16, seed=80)
+
+    def rank(r, comm, ready):
+        config = VllmConfig(parallel_config=ParallelConfig())
+        config.parallel_config.enable_dbo = True  # (vLLM's CPU platform turns it off at validation)
+        with set_current_vllm_config(config):
+            kernel = mv.make_kernel(moe_config(E, R, r, 4), None, comm, mode="dispatch")
+        pf, qc = kernel.prepare_finalize, FusedMoEQuantConfig.make()
+        ready()
+        try:
+            assert kernel.moeflow_layer.max_in_flight == 2
+            x, ids, wts = p.x[r], p.topk_ids[r], p.topk_weights[r]
+            rets = [pf.prepare_async(x, wts, ids, E, None, False, qc) for _ in range(2)]
+            with pytest.raises(RuntimeError, match="max_in_flight = 2"):
+                pf.prepare_async(x, wts, ids, E, None, False, qc)
+            nored = kernel.fused_experts.finalize_weight_and_reduce_impl()
+            for hook, recv in rets:
+                hook()
+                a = recv()
+                out = torch.empty_like(x)
+                fhook, frecv = pf.finalize_async(out, torch.zeros_like(a[0]), wts, ids, False, nored)
+                fhook()
+                frecv()
+            return True
+        finally:
+            kernel.moeflow_layer.close()
+
+    assert all(run(R, rank))
+
+
 # ---- one rank per process: vLLM's own layer and EP group over gloo ----------------------------------
 EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples",
                        "vllm_layer.py")
