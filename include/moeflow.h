@@ -703,8 +703,10 @@ MF_API mf_result_t mf_dispatch_recv(mf_exchange_t exchange, const mf_exchange_ev
                                     mf_stream_t stream);
 
 /* The send half of combine: validates as mf_combine does (T of this exchange's dispatch), writes
- * the expert output rows into their owners' combine slots of this exchange and signals. Returns
- * without waiting. `out->y` must stay valid until mf_combine_recv. Collective, non-blocking,
+ * the expert output rows into their owners' combine slots of this exchange, keeps a copy of
+ * topk_weights in the exchange's heap slot, and signals. Returns without waiting. `in` may be
+ * reused once the send returned (CPU) or ran on its stream (CUDA); `out->y` must stay valid
+ * until mf_combine_recv. Collective, non-blocking,
  * graph-capturable. Errors (every rank then fails the exchange): as mf_combine's; INVALID_USAGE
  * (the exchange's dispatch was not received). */
 MF_API mf_result_t mf_combine_send(mf_exchange_t exchange, const mf_combine_in_t *in,

@@ -167,6 +167,7 @@ static int sp_overlapped(mf_exchange_t *x, sp_batch_t *mb, const sp_cfg_t *c) {
     MFT_CHECK_OK(mf_dispatch_recv(x[0], NULL, NULL));
     sp_experts(&mb[0], c);
     MFT_CHECK_OK(mf_combine_send(x[0], &mb[0].cin, &mb[0].cout, NULL, NULL));
+    mft_poison(mb[0].w, (size_t)mb[0].T * c->K * 4); /* the send kept its weights: reusable now */
     MFT_CHECK_OK(mf_dispatch_recv(x[1], &none, NULL));
     sp_experts(&mb[1], c);
     MFT_CHECK_OK(mf_combine_send(x[1], &mb[1].cin, &mb[1].cout, NULL, NULL));

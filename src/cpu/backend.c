@@ -481,9 +481,13 @@ static mf_result_t mf__cpu_dispatch(mf_moe_t moe, struct mf_exchange *x, const m
 }
 
 /* Exchange x's combine halves: SEND returns every expert output row into its owner's combine slot
- * (x's slot) and arrives; RECV waits for that arrival of every rank and sums. */
+ * (x's slot) and arrives; RECV waits for that arrival of every rank and sums. A send alone keeps
+ * its topk_weights in the slot's weights region (the caller's tensor need not outlive the send). */
 static mf_result_t mf__cpu_combine(mf_moe_t moe, struct mf_exchange *x, uint32_t halves, mf_stream_t stream) {
     (void)stream;
+    float *kept = (float *)mf__heap(moe, moe->comm->rank, x->heap.weights);
+    if (halves == MF__HALF_SEND && x->T)
+        memcpy(kept, x->combine_in.topk_weights.data, (size_t)x->T * moe->config.num_topk * sizeof(float));
     if (halves & MF__HALF_SEND) {
         const mf__plan_t *p = &((mf__cpu_moe_t *)moe->backend_state)->plans[x->slot];
         int64_t H = moe->config.hidden;
@@ -496,8 +500,8 @@ static mf_result_t mf__cpu_combine(mf_moe_t moe, struct mf_exchange *x, uint32_t
         x->epoch = mf__cpu_arrive(moe->comm, MF__PHASE_COMBINE, moe->id, MF_SUCCESS);
     }
     if (!(halves & MF__HALF_RECV)) return MF_SUCCESS;
-    return mf__cpu_sum(moe, &x->heap, x->epoch, x->T, (const float *)x->combine_in.topk_weights.data,
-                       (uint16_t *)x->combine_out.y.data);
+    const float *w = halves == MF__HALF_RECV ? kept : (const float *)x->combine_in.topk_weights.data;
+    return mf__cpu_sum(moe, &x->heap, x->epoch, x->T, w, (uint16_t *)x->combine_out.y.data);
 }
 
 static mf_result_t mf__cpu_moe_experts(mf_moe_t moe, const mf_experts_in_t *in, const mf_experts_out_t *out,

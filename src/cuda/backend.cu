@@ -1024,10 +1024,16 @@ static mf_result_t mf__cuda_dispatch(mf_moe_t moe, struct mf_exchange *x, const 
 }
 
 /* The halves of x's combine. SEND: the return kernel (the call's first: no PDL attribute), then
- * (alone) the ARRIVE half of the COMBINE sync. RECV (alone): the WAIT half and the sum. Both
- * (mf_combine): return, the whole sync, sum. */
+ * (alone) the ARRIVE half of the COMBINE sync; a send alone first copies its topk_weights into the
+ * slot's weights region, which its receive sums with (the caller's tensor need not outlive the
+ * send). RECV (alone): the WAIT half and the sum. Both (mf_combine): return, the whole sync, sum. */
 static mf_result_t mf__cuda_combine_launch(mf_moe_t moe, struct mf_exchange *x, uint32_t halves, cudaStream_t stream) {
     const mf__cuda_slot_t slot = mf__cuda_slot(moe, x->slot, &x->heap);
+    float *kept = (float *)((uint8_t *)moe->comm->heap.local + x->heap.weights);
+    if (halves == MF__HALF_SEND && x->T)
+        MF_CUDA_CHECK(cudaMemcpyAsync(kept, x->combine_in.topk_weights.data,
+                                      (size_t)x->T * moe->config.num_topk * sizeof(float), cudaMemcpyDeviceToDevice,
+                                      stream));
     if (halves & MF__HALF_SEND) {
         mf__move_params_t p = mf__move_params_at(moe, &slot);
         p.expert_out = (const uint16_t *)x->combine_in.expert_out.data;
@@ -1037,8 +1043,9 @@ static mf_result_t mf__cuda_combine_launch(mf_moe_t moe, struct mf_exchange *x, 
     if (halves == MF__HALF_SEND)
         return mf__cuda_sync(moe->comm, moe->id, MF__PHASE_COMBINE, MF_SUCCESS, kMfSyncArrive, slot.epochs + 1, 1,
                              stream);
-    return mf__cuda_sum_at(moe, &slot, halves == MF__HALF_RECV ? kMfSyncWait : kMfSyncBoth, x->T,
-                           (const float *)x->combine_in.topk_weights.data, (uint16_t *)x->combine_out.y.data, stream);
+    const float *w = halves == MF__HALF_RECV ? kept : (const float *)x->combine_in.topk_weights.data;
+    return mf__cuda_sum_at(moe, &slot, halves == MF__HALF_RECV ? kMfSyncWait : kMfSyncBoth, x->T, w,
+                           (uint16_t *)x->combine_out.y.data, stream);
 }
 
 static mf_result_t mf__cuda_combine(mf_moe_t moe, struct mf_exchange *x, uint32_t halves, mf_stream_t stream_) {

@@ -225,6 +225,8 @@ static int sg_bitwise_rank(int32_t rank, void *arg) {
         MFT_CHECK_OK(mf_dispatch_recv(x[0], &prev0, st));
         if (sg_experts(&gt[0], run->layout, st)) return 1;
         MFT_CHECK_OK(mf_combine_send(x[0], &gt[0].cin, &gt[0].cout, &fin0, st));
+        /* the send kept its weights: the caller's tensor is reusable at once (stream order) */
+        CUDA_OK(cudaMemsetAsync(gt[0].w, MFT_POISON_BYTE, (size_t)gt[0].T * kK * 4, st));
         MFT_CHECK_OK(mf_dispatch_recv(x[1], &prev1, st));
         if (sg_experts(&gt[1], run->layout, st)) return 1;
         MFT_CHECK_OK(mf_combine_send(x[1], &gt[1].cin, &gt[1].cout, &fin1, st));
