@@ -641,7 +641,7 @@ MF_API mf_result_t mf_moe_experts(mf_moe_t moe, const mf_experts_in_t *in, const
                            mf_stream_t stream);
 
 /* ---------------------------------------------------------------------------------------------
- * Overlap: dispatch and combine in halves (docs/API.md section 9)
+ * Overlap: dispatch and combine in halves (docs/API.md section 16)
  *
  * An exchange (mf_exchange_t) is one mf_dispatch + mf_combine of a layer cut into four calls: a
  * *send* half quantises, publishes and signals, then returns without waiting on any peer (on CUDA

@@ -343,7 +343,7 @@ class Layer:
 
 
 class Exchange:
-    """One dispatch + combine of a layer in halves (mf_exchange_t; docs/API.md section 9): a send
+    """One dispatch + combine of a layer in halves (mf_exchange_t; docs/API.md section 16): a send
     that returns without waiting on a peer, a receive that waits and lands the rows. Reusable: one
     exchange after another. Up to the layer's max_in_flight exchanges are in flight at once; the
     receives of each phase come in the order of its sends. `events` is (previous, finished), raw

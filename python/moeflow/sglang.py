@@ -21,7 +21,7 @@ One dispatcher holds one exchange at a time (SGLang's stage order: dispatch_a, d
 combine_a, combine_b); two micro-batches use two dispatchers on one layer made with
 max_in_flight = 2, and every rank runs the stages in the same order (receives in the order of
 their sends). Importing this module needs SGLang (it is imported only when SGLang is installed);
-tested against SGLang 0.5.23's own classes (docs/API.md section 9).
+tested against SGLang 0.5.23's own classes (docs/API.md section 16).
 """
 try:
     from sglang.srt.layers.moe.token_dispatcher.base import BaseDispatcher

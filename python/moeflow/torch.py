@@ -11,7 +11,7 @@ first argument is the layer's int handle (a key of a registry in this module); t
 torch.cuda.current_stream() (CUDA backend) or synchronously on host memory (CPU backend), so CUDA
 graph capture and torch.compile see them as opaque ops with fake (meta) implementations.
 
-Overlap (docs/API.md section 9): the halves are ops too, dispatch_send / dispatch_recv /
+Overlap (docs/API.md section 16): the halves are ops too, dispatch_send / dispatch_recv /
 combine_send / combine_recv, whose second argument is an exchange's int handle; DeepEP's hooks sit
 on them:
 

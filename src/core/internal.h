@@ -134,7 +134,7 @@ const char *mf__phase_name(int phase);
  *   weights:  S x K x fp32           published topk_weights
  *   combine:  S x K x H x bf16       slots the experts' ranks write partials into, at (token, k)
  * and the whole repeats num_slots = config.max_in_flight times, one copy per exchange in flight
- * (mf_exchange_t, the split halves; docs/API.md section 9): slot i at i x slot_bytes.
+ * (mf_exchange_t, the split halves; docs/API.md section 16): slot i at i x slot_bytes.
  */
 typedef struct mf__heap_layout {
     size_t meta, x, scales, ids, weights, combine;
@@ -290,7 +290,7 @@ struct mf_comm {
     void *backend_state;
 };
 
-/* ---- exchanges: one dispatch + combine of a layer, in halves (docs/API.md section 9) ------------ */
+/* ---- exchanges: one dispatch + combine of a layer, in halves (docs/API.md section 16) ------------ */
 /* An exchange goes IDLE -> (mf_dispatch_send) DISPATCH_SENT -> (mf_dispatch_recv) RECEIVED ->
  * (mf_combine_send) COMBINE_SENT -> (mf_combine_recv) IDLE; a failed half ends it (IDLE). From its
  * dispatch send to its end it holds a heap slot of its layer and is in comm->in_flight. */

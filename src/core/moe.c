@@ -923,7 +923,7 @@ mf_result_t mf_combine(mf_moe_t moe, const mf_combine_in_t *in, const mf_combine
     return mf__combine_run(&moe->own, in, out, MF__HALF_BOTH, NULL, stream, "mf_combine");
 }
 
-/* ---- the split halves (docs/API.md section 9) ---------------------------------------------- */
+/* ---- the split halves (docs/API.md section 16) ---------------------------------------------- */
 
 mf_result_t mf_exchange_create(mf_moe_t moe, mf_exchange_t *exchange) {
     mf__clear_error();

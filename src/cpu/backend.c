@@ -13,7 +13,10 @@
  * Buffer reuse without clearing: a rank publishes call n+1 only after the COMBINE wait of call n,
  * which every peer reaches only after it finished reading the publications of call n; a peer
  * writes my combine slots for call n+1 only after the DISPATCH wait of n+1, which I reach only
- * after summing call n. mf_dispatch / mf_combine follow the same two phases.
+ * after summing call n. mf_dispatch / mf_combine follow the same two phases. The split halves
+ * (mf_dispatch_send / _recv, mf_combine_send / _recv) cut each phase at its arrival: the send
+ * publishes (or returns rows) and arrives, the receive waits and plans / sums, in the exchange's
+ * heap slot and with the plan of that slot (core/moe.c "exchanges" carries the argument over).
  *
  * Balanced EP (docs/DESIGN.md "Balanced EP"): the plan's units are slots (Lp static, B spare); a
  * static slot's weights are the caller's, a spare slot's are in the layer's spare allocation. A

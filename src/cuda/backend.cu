@@ -20,6 +20,12 @@
  * Buffer reuse follows the CPU backend's argument (src/cpu/backend.c): two phases per call order
  * every reuse, so nothing is cleared between calls.
  *
+ * The split halves (docs/API.md section 16) run in an exchange's heap slot with that slot's plan
+ * buffers (mf__cuda_slot_t): a send is publish (or return) + the ARRIVE half of the sync kernel,
+ * which leaves its epoch in a device word of the slot and exits; a receive is the WAIT half (a
+ * call's first kernel, no PDL attribute) + plan + gather, or + sum. The one-call forms and the
+ * forward use slot 0 and the whole sync, as before.
+ *
  * Programmatic dependent launch (cuda/pdl.cuh; MF_PDL=0 turns it off): every kernel above waits
  * for its predecessor (mf__pdl_wait) before touching global memory and only then lets its
  * successor start (mf__pdl_trigger), so a kernel launched with the attribute has its launch and

@@ -1,4 +1,4 @@
-"""Overlap in Python (docs/API.md section 9): the split halves as custom ops, DeepEP-style receive
+"""Overlap in Python (docs/API.md section 16): the split halves as custom ops, DeepEP-style receive
 hooks on MoELayer.dispatch / combine, two micro-batches of one layer in flight, the vLLM classes'
 prepare_async / finalize_async through vLLM's own modular kernel, against the one-call forms bit
 for bit. Virtual ranks (threads); CPU everywhere, CUDA where present."""
