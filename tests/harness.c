@@ -246,7 +246,7 @@ int mft_run_ranks(int32_t R, int (*fn)(int32_t rank, void *arg), void *arg) {
     return failed;
 }
 
-static double mft_now_s(void) {
+double mft_now_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
@@ -285,6 +285,10 @@ int mft_fork_ranks(int32_t R, int (*fn)(int32_t rank, void *arg), void *arg, dou
         nanosleep(&nap, NULL);
     }
     return bad;
+}
+
+uint16_t mft_route_value(const int32_t *src, int64_t h) {
+    return mf_bf16_from_float((float)((src[0] * 131 + src[1] * 7 + src[2] * 3 + h) % 61) / 8.0f - 3.0f);
 }
 
 mf_group_t mft_cpu_group(int32_t R, int64_t timeout_ms) {

@@ -173,6 +173,13 @@ void mft_quant_blocks(const uint16_t *in, int64_t nb, int64_t M, int64_t N, int 
  * rank returned 0, else 1 (and each failing rank's messages have been printed). */
 int mft_run_ranks(int32_t R, int (*fn)(int32_t rank, void *arg), void *arg);
 
+/* CLOCK_MONOTONIC in seconds. */
+double mft_now_s(void);
+
+/* A bf16 value that is a function of a received row's source (rank, token, k) `src` and column h:
+ * the stand-in experts of the split-halves tests write it, so y checks the routing too. */
+uint16_t mft_route_value(const int32_t *src, int64_t h);
+
 /* Forks R rank processes running fn(rank, arg) (each killed if this process dies: PR_SET_PDEATHSIG)
  * and reaps them all, killing them after deadline_s. Returns the number that did not exit 0. */
 int mft_fork_ranks(int32_t R, int (*fn)(int32_t rank, void *arg), void *arg, double deadline_s);

@@ -20,7 +20,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "harness.h"
@@ -30,12 +29,6 @@
 #define SP_ROUNDS 3
 #define SP_TIMEOUT_MS 20000  /* peer waits where nothing should time out */
 #define SP_SHORT_MS 300      /* peer waits that are meant to expire */
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 typedef struct sp_cfg {
     int32_t R, E, K, H, I, S, dtype, layout, max_in_flight;
@@ -142,8 +135,7 @@ static void sp_experts(sp_batch_t *b, const sp_cfg_t *c) {
         const int32_t *s = src + 3 * r;
         const int valid = C ? r % C < counts[r / C] : s[0] >= 0; /* MASKED: rows past a count are unwritten */
         for (int64_t h = 0; h < c->H; h++)
-            b->eo[r * c->H + h] = valid ? mf_bf16_from_float((float)((s[0] * 131 + s[1] * 7 + s[2] * 3 + h) % 61) / 8.0f - 3.0f)
-                                        : 0;
+            b->eo[r * c->H + h] = valid ? mft_route_value(s, h) : 0;
     }
 }
 
@@ -222,13 +214,19 @@ typedef struct sp_run {
     double seconds[SP_MAX_R];
 } sp_run_t;
 
+/* Rank `rank`'s comm of the run's group and its layer (collective). */
+static int sp_open(sp_run_t *run, int32_t rank, mf_comm_t *comm, mf_moe_t *moe) {
+    MFT_CHECK_OK(mf_group_get_comm(run->group, rank, comm));
+    mf_moe_config_t cfg = sp_layer_config(&run->c);
+    MFT_CHECK_OK(mf_moe_create(*comm, &cfg, moe));
+    return 0;
+}
+
 static int sp_rank_rounds(int32_t rank, void *arg) {
     sp_run_t *run = arg;
     mf_comm_t comm;
     mf_moe_t moe;
-    MFT_CHECK_OK(mf_group_get_comm(run->group, rank, &comm));
-    mf_moe_config_t cfg = sp_layer_config(&run->c);
-    MFT_CHECK_OK(mf_moe_create(comm, &cfg, &moe));
+    if (sp_open(run, rank, &comm, &moe)) return 1;
     int rc = sp_rounds(moe, &run->c, rank);
     mf_moe_destroy(moe);
     return rc;
@@ -286,9 +284,8 @@ static int sp_rank_misuse(int32_t rank, void *arg) {
     const sp_cfg_t *c = &run->c;
     mf_comm_t comm;
     mf_moe_t moe, one;
-    MFT_CHECK_OK(mf_group_get_comm(run->group, rank, &comm));
+    if (sp_open(run, rank, &comm, &moe)) return 1;
     mf_moe_config_t cfg = sp_layer_config(c);
-    MFT_CHECK_OK(mf_moe_create(comm, &cfg, &moe));
     cfg.max_in_flight = 1;
     MFT_CHECK_OK(mf_moe_create(comm, &cfg, &one));
     mf_exchange_t a, b;
@@ -406,9 +403,9 @@ static int sp_dying_rank(int32_t rank, mf_comm_t comm, mf_moe_t moe, const sp_cf
     sp_experts(&mb, c);
     mft_poison(mb.y, (size_t)mb.T * c->H * 2);
     MFT_CHECK_OK(mf_combine_send(x, &mb.cin, &mb.cout, NULL, NULL));
-    double t0 = now_s();
+    double t0 = mft_now_s();
     *result = mf_combine_recv(x, NULL, NULL);
-    *seconds = now_s() - t0;
+    *seconds = mft_now_s() - t0;
     mft_verbose("  rank %d: mf_combine_recv -> %s after %.2f s: %s\n", rank, mft_result_name(*result), *seconds,
                 mf_last_error());
     *untouched = mft_first_unpoisoned(mb.y, (size_t)mb.T * c->H * 2) < 0;
@@ -420,9 +417,7 @@ static int sp_rank_dies(int32_t rank, void *arg) {
     sp_run_t *run = arg;
     mf_comm_t comm;
     mf_moe_t moe;
-    MFT_CHECK_OK(mf_group_get_comm(run->group, rank, &comm));
-    mf_moe_config_t cfg = sp_layer_config(&run->c);
-    MFT_CHECK_OK(mf_moe_create(comm, &cfg, &moe));
+    if (sp_open(run, rank, &comm, &moe)) return 1;
     mf_exchange_t x = NULL;
     int rc = sp_dying_rank(rank, comm, moe, &run->c, run->die_rank, run->die_abort, &x, &run->result[rank],
                            &run->untouched[rank], &run->seconds[rank]);

@@ -22,7 +22,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "../harness.h"
 
@@ -38,12 +37,6 @@
         cudaError_t e_ = (call);                                                                      \
         if (e_ != cudaSuccess) MFT_FAIL("%s failed: %s", #call, cudaGetErrorString(e_));             \
     } while (0)
-
-static double sg_now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 typedef struct sg_run {
     int32_t dtype, layout;
@@ -139,6 +132,9 @@ static int sg_poison(sg_batch_t *b, cudaStream_t stream) {
     return 0;
 }
 
+/* The stand-in experts: fill b's expert_out from its received rows, on `stream`. */
+typedef int (*sg_experts_fn)(sg_batch_t *b, int32_t layout, cudaStream_t stream);
+
 /* The host "experts": every received row becomes a function of its (rank, token, k). */
 static int sg_experts(sg_batch_t *b, int32_t layout, cudaStream_t stream) {
     CUDA_OK(cudaStreamSynchronize(stream));
@@ -152,7 +148,7 @@ static int sg_experts(sg_batch_t *b, int32_t layout, cudaStream_t stream) {
         const int32_t *s = src + 3 * r;
         const int valid = layout == MF_LAYOUT_MASKED ? r % b->C < counts[r / b->C] : s[0] >= 0 && s[0] < SG_R;
         for (int64_t h = 0; h < kH; h++)
-            eo[r * kH + h] = valid ? mf_bf16_from_float((float)((s[0] * 131 + s[1] * 7 + s[2] * 3 + h) % 61) / 8.0f - 3.0f) : 0;
+            eo[r * kH + h] = valid ? mft_route_value(s, h) : 0;
     }
     CUDA_OK(cudaMemcpyAsync(b->eo, eo, (size_t)b->rows * kH * 2, cudaMemcpyHostToDevice, stream));
     CUDA_OK(cudaStreamSynchronize(stream));
@@ -170,7 +166,8 @@ static uint8_t *sg_download(const sg_batch_t *b, cudaStream_t stream) {
     return h;
 }
 
-static int sg_open(sg_run_t *run, int32_t rank, int32_t max_in_flight, mf_moe_t *moe, cudaStream_t *stream) {
+static int sg_open(sg_run_t *run, int32_t rank, int32_t max_in_flight, mf_moe_t *moe, cudaStream_t *stream,
+                   mf_exchange_t *x, int32_t num_x) {
     mf_comm_t comm;
     CUDA_OK(cudaSetDevice(0));
     CUDA_OK(cudaStreamCreateWithFlags(stream, cudaStreamNonBlocking));
@@ -179,6 +176,58 @@ static int sg_open(sg_run_t *run, int32_t rank, int32_t max_in_flight, mf_moe_t 
     cfg.num_experts = kE, cfg.num_topk = kK, cfg.hidden = kH, cfg.intermediate = kI, cfg.max_tokens_per_rank = kS;
     cfg.dtype = run->dtype, cfg.layout = run->layout, cfg.max_in_flight = max_in_flight;
     MFT_CHECK_OK(mf_moe_create(comm, &cfg, moe));
+    for (int32_t i = 0; i < num_x; i++) MFT_CHECK_OK(mf_exchange_create(*moe, &x[i]));
+    return 0;
+}
+
+/* The end of a healthy rank: no device fault, then every rank meets before anything is freed
+ * (a free synchronises the device, which must not wait behind a peer's waiting kernel). */
+static int sg_finish(sg_run_t *run, int32_t rank) {
+    mf_comm_t comm;
+    MFT_CHECK_OK(mf_group_get_comm(run->group, rank, &comm));
+    MFT_CHECK_OK(mf_comm_get_async_error(comm));
+    pthread_barrier_wait(&run->ready);
+    return 0;
+}
+
+static int sg_close(mf_moe_t moe, cudaStream_t st, mf_exchange_t *x, int32_t num_x) {
+    for (int32_t i = 0; i < num_x; i++) MFT_CHECK_OK(mf_exchange_destroy(x[i]));
+    mf_moe_destroy(moe);
+    cudaStreamDestroy(st);
+    return 0;
+}
+
+/* Micro-batches one after the other through mf_dispatch / experts / mf_combine: the reference. */
+static int sg_one_call(mf_moe_t moe, sg_batch_t *b, sg_experts_fn experts, int32_t layout, cudaStream_t st) {
+    for (int i = 0; i < SG_MB; i++) {
+        MFT_CHECK_OK(mf_dispatch(moe, &b[i].din, &b[i].dout, st));
+        if (experts(&b[i], layout, st)) return 1;
+        MFT_CHECK_OK(mf_combine(moe, &b[i].cin, &b[i].cout, st));
+    }
+    return 0;
+}
+
+/* Two micro-batches overlapped through the halves. With events (ev[i], or NULL for none), each
+ * send records ev[i] (async_finish) and the receives wait for it (previous_event); with `poison`,
+ * the weights of micro-batch 0 are poisoned right after its combine send (the send kept them). */
+static int sg_overlapped(mf_exchange_t *x, sg_batch_t *b, sg_experts_fn experts, int32_t layout,
+                         const cudaEvent_t *ev, int poison, cudaStream_t st) {
+    mf_exchange_events_t fin[SG_MB], prev[SG_MB];
+    for (int i = 0; i < SG_MB; i++) {
+        fin[i].previous = NULL, fin[i].finished = ev ? (mf_event_t)ev[i] : NULL;
+        prev[i].previous = ev ? (mf_event_t)ev[i] : NULL, prev[i].finished = NULL;
+    }
+    MFT_CHECK_OK(mf_dispatch_send(x[0], &b[0].din, &b[0].dout, &fin[0], st));
+    MFT_CHECK_OK(mf_dispatch_send(x[1], &b[1].din, &b[1].dout, &fin[1], st));
+    MFT_CHECK_OK(mf_dispatch_recv(x[0], &prev[0], st));
+    if (experts(&b[0], layout, st)) return 1;
+    MFT_CHECK_OK(mf_combine_send(x[0], &b[0].cin, &b[0].cout, &fin[0], st));
+    if (poison) CUDA_OK(cudaMemsetAsync(b[0].w, MFT_POISON_BYTE, (size_t)b[0].T * kK * 4, st));
+    MFT_CHECK_OK(mf_dispatch_recv(x[1], &prev[1], st));
+    if (experts(&b[1], layout, st)) return 1;
+    MFT_CHECK_OK(mf_combine_send(x[1], &b[1].cin, &b[1].cout, &fin[1], st));
+    MFT_CHECK_OK(mf_combine_recv(x[0], &prev[0], st));
+    MFT_CHECK_OK(mf_combine_recv(x[1], &prev[1], st));
     return 0;
 }
 
@@ -188,13 +237,10 @@ static int sg_bitwise_rank(int32_t rank, void *arg) {
     sg_run_t *run = arg;
     mf_moe_t moe;
     cudaStream_t st;
-    if (sg_open(run, rank, 2, &moe, &st)) return 1;
     mf_exchange_t x[SG_MB];
+    if (sg_open(run, rank, 2, &moe, &st, x, SG_MB)) return 1;
     cudaEvent_t ev[SG_MB];
-    for (int i = 0; i < SG_MB; i++) {
-        MFT_CHECK_OK(mf_exchange_create(moe, &x[i]));
-        CUDA_OK(cudaEventCreateWithFlags(&ev[i], cudaEventDisableTiming));
-    }
+    for (int i = 0; i < SG_MB; i++) CUDA_OK(cudaEventCreateWithFlags(&ev[i], cudaEventDisableTiming));
     /* Every round's buffers first: an allocation (or a free) may wait for the device, and so for a
      * peer's kernel that waits for this rank (tests/gpu/test_cuda.c, setup_done). */
     sg_batch_t all_ref[SG_ROUNDS][SG_MB], all_got[SG_ROUNDS][SG_MB];
@@ -212,26 +258,8 @@ static int sg_bitwise_rank(int32_t rank, void *arg) {
     pthread_barrier_wait(&run->ready);
     for (int round = 0; round < SG_ROUNDS; round++) {
         sg_batch_t *rf = ref[round], *gt = got[round];
-        for (int i = 0; i < SG_MB; i++) {
-            MFT_CHECK_OK(mf_dispatch(moe, &rf[i].din, &rf[i].dout, st));
-            if (sg_experts(&rf[i], run->layout, st)) return 1;
-            MFT_CHECK_OK(mf_combine(moe, &rf[i].cin, &rf[i].cout, st));
-        }
-        /* The sends record events (async_finish) that the receives wait for (previous_event). */
-        const mf_exchange_events_t fin0 = {NULL, ev[0]}, fin1 = {NULL, ev[1]};
-        const mf_exchange_events_t prev0 = {ev[0], NULL}, prev1 = {ev[1], NULL};
-        MFT_CHECK_OK(mf_dispatch_send(x[0], &gt[0].din, &gt[0].dout, &fin0, st));
-        MFT_CHECK_OK(mf_dispatch_send(x[1], &gt[1].din, &gt[1].dout, &fin1, st));
-        MFT_CHECK_OK(mf_dispatch_recv(x[0], &prev0, st));
-        if (sg_experts(&gt[0], run->layout, st)) return 1;
-        MFT_CHECK_OK(mf_combine_send(x[0], &gt[0].cin, &gt[0].cout, &fin0, st));
-        /* the send kept its weights: the caller's tensor is reusable at once (stream order) */
-        CUDA_OK(cudaMemsetAsync(gt[0].w, MFT_POISON_BYTE, (size_t)gt[0].T * kK * 4, st));
-        MFT_CHECK_OK(mf_dispatch_recv(x[1], &prev1, st));
-        if (sg_experts(&gt[1], run->layout, st)) return 1;
-        MFT_CHECK_OK(mf_combine_send(x[1], &gt[1].cin, &gt[1].cout, &fin1, st));
-        MFT_CHECK_OK(mf_combine_recv(x[0], &prev0, st));
-        MFT_CHECK_OK(mf_combine_recv(x[1], &prev1, st));
+        if (sg_one_call(moe, rf, sg_experts, run->layout, st) || sg_overlapped(x, gt, sg_experts, run->layout, ev, 1, st))
+            return 1;
         for (int i = 0; i < SG_MB; i++) {
             uint8_t *a = sg_download(&rf[i], st), *b = sg_download(&gt[i], st);
             MFT_CHECK(a && b);
@@ -242,19 +270,11 @@ static int sg_bitwise_rank(int32_t rank, void *arg) {
             free(a), free(b);
         }
     }
-    mf_comm_t comm;
-    MFT_CHECK_OK(mf_group_get_comm(run->group, rank, &comm));
-    MFT_CHECK_OK(mf_comm_get_async_error(comm));
-    pthread_barrier_wait(&run->ready); /* frees synchronise the device: only once no peer waits */
+    if (sg_finish(run, rank)) return 1;
     for (int r = 0; r < SG_ROUNDS; r++)
         for (int i = 0; i < SG_MB; i++) sg_batch_free(&ref[r][i]), sg_batch_free(&got[r][i]);
-    for (int i = 0; i < SG_MB; i++) {
-        MFT_CHECK_OK(mf_exchange_destroy(x[i]));
-        cudaEventDestroy(ev[i]);
-    }
-    mf_moe_destroy(moe);
-    cudaStreamDestroy(st);
-    return 0;
+    for (int i = 0; i < SG_MB; i++) cudaEventDestroy(ev[i]);
+    return sg_close(moe, st, x, SG_MB);
 }
 
 static int sg_run(sg_run_t *run, int (*fn)(int32_t, void *)) {
@@ -287,24 +307,23 @@ static int sg_send_rank(int32_t rank, void *arg) {
     sg_run_t *run = arg;
     mf_moe_t moe;
     cudaStream_t st;
-    if (sg_open(run, rank, 2, &moe, &st)) return 1;
     mf_exchange_t x;
     sg_batch_t b;
-    MFT_CHECK_OK(mf_exchange_create(moe, &x));
+    if (sg_open(run, rank, 2, &moe, &st, &x, 1)) return 1;
     if (sg_batch_make(&b, moe, run->dtype, run->layout, kS, mft_hash4(rank, 1, 2, 3))) return 1;
     CUDA_OK(cudaStreamSynchronize(st));
     pthread_barrier_wait(&run->ready);
     if (rank == 0) {
         double best = 1e9;
         for (int i = 0; i < 2; i++) { /* the first launches load nothing new (kernels are preloaded) */
-            const double t0 = sg_now_s();
+            const double t0 = mft_now_s();
             MFT_CHECK_OK(mf_dispatch_send(x, &b.din, &b.dout, NULL, st));
-            best = best < sg_now_s() - t0 ? best : sg_now_s() - t0;
+            best = best < mft_now_s() - t0 ? best : mft_now_s() - t0;
             /* Drains while rank 1 has sent nothing: no kernel of the send waits for a peer. */
-            const double t1 = sg_now_s();
+            const double t1 = mft_now_s();
             CUDA_OK(cudaStreamSynchronize(st));
-            MFT_CHECK_MSG(sg_now_s() - t1 < 0.5 * run->timeout_ms / 1000.0, "the send's stream took %.2f s to drain",
-                          sg_now_s() - t1);
+            MFT_CHECK_MSG(mft_now_s() - t1 < 0.5 * run->timeout_ms / 1000.0, "the send's stream took %.2f s to drain",
+                          mft_now_s() - t1);
             if (i == 0) {
                 __atomic_store_n(&run->sent, 1, __ATOMIC_RELEASE);
                 MFT_CHECK_OK(mf_dispatch_recv(x, NULL, st));
@@ -335,15 +354,9 @@ static int sg_send_rank(int32_t rank, void *arg) {
     MFT_CHECK_OK(mf_combine_send(x, &b.cin, &b.cout, NULL, st));
     MFT_CHECK_OK(mf_combine_recv(x, NULL, st));
     CUDA_OK(cudaStreamSynchronize(st));
-    mf_comm_t comm;
-    MFT_CHECK_OK(mf_group_get_comm(run->group, rank, &comm));
-    MFT_CHECK_OK(mf_comm_get_async_error(comm));
-    pthread_barrier_wait(&run->ready);
+    if (sg_finish(run, rank)) return 1;
     sg_batch_free(&b);
-    MFT_CHECK_OK(mf_exchange_destroy(x));
-    mf_moe_destroy(moe);
-    cudaStreamDestroy(st);
-    return 0;
+    return sg_close(moe, st, &x, 1);
 }
 
 static int cuda_split_send_returns(void) {
@@ -356,7 +369,8 @@ static int cuda_split_send_returns(void) {
 /* ---- graph capture ------------------------------------------------------------------------ */
 
 /* BF16: the experts are the identity, a device copy of recv_x into expert_out (same layout). */
-static int sg_copy_experts(sg_batch_t *b, cudaStream_t st) {
+static int sg_copy_experts(sg_batch_t *b, int32_t layout, cudaStream_t st) {
+    (void)layout;
     CUDA_OK(cudaMemcpyAsync(b->eo, b->recv, b->x_bytes, cudaMemcpyDeviceToDevice, st));
     return 0;
 }
@@ -365,11 +379,10 @@ static int sg_graph_rank(int32_t rank, void *arg) {
     sg_run_t *run = arg;
     mf_moe_t moe;
     cudaStream_t st;
-    if (sg_open(run, rank, 2, &moe, &st)) return 1;
     mf_exchange_t x[SG_MB];
     sg_batch_t ref[SG_MB], got[SG_MB];
+    if (sg_open(run, rank, 2, &moe, &st, x, SG_MB)) return 1;
     for (int i = 0; i < SG_MB; i++) {
-        MFT_CHECK_OK(mf_exchange_create(moe, &x[i]));
         const uint64_t seed = mft_hash4(7, i, rank, 0);
         if (sg_batch_make(&ref[i], moe, run->dtype, run->layout, kS - 3 * i, seed) ||
             sg_batch_make(&got[i], moe, run->dtype, run->layout, kS - 3 * i, seed))
@@ -377,26 +390,13 @@ static int sg_graph_rank(int32_t rank, void *arg) {
     }
     CUDA_OK(cudaStreamSynchronize(st));
     pthread_barrier_wait(&run->ready);
-    for (int i = 0; i < SG_MB; i++) { /* the eager reference */
-        MFT_CHECK_OK(mf_dispatch(moe, &ref[i].din, &ref[i].dout, st));
-        if (sg_copy_experts(&ref[i], st)) return 1;
-        MFT_CHECK_OK(mf_combine(moe, &ref[i].cin, &ref[i].cout, st));
-    }
+    if (sg_one_call(moe, ref, sg_copy_experts, run->layout, st)) return 1; /* the eager reference */
     CUDA_OK(cudaStreamSynchronize(st));
     pthread_barrier_wait(&run->ready); /* captures run while no peer launches */
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     CUDA_OK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-    MFT_CHECK_OK(mf_dispatch_send(x[0], &got[0].din, &got[0].dout, NULL, st));
-    MFT_CHECK_OK(mf_dispatch_send(x[1], &got[1].din, &got[1].dout, NULL, st));
-    MFT_CHECK_OK(mf_dispatch_recv(x[0], NULL, st));
-    if (sg_copy_experts(&got[0], st)) return 1;
-    MFT_CHECK_OK(mf_combine_send(x[0], &got[0].cin, &got[0].cout, NULL, st));
-    MFT_CHECK_OK(mf_dispatch_recv(x[1], NULL, st));
-    if (sg_copy_experts(&got[1], st)) return 1;
-    MFT_CHECK_OK(mf_combine_send(x[1], &got[1].cin, &got[1].cout, NULL, st));
-    MFT_CHECK_OK(mf_combine_recv(x[0], NULL, st));
-    MFT_CHECK_OK(mf_combine_recv(x[1], NULL, st));
+    if (sg_overlapped(x, got, sg_copy_experts, run->layout, NULL, 0, st)) return 1; /* replays reuse w */
     CUDA_OK(cudaStreamEndCapture(st, &graph));
     CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
     pthread_barrier_wait(&run->ready);
@@ -412,16 +412,11 @@ static int sg_graph_rank(int32_t rank, void *arg) {
             free(a), free(b);
         }
     }
-    mf_comm_t comm;
-    MFT_CHECK_OK(mf_group_get_comm(run->group, rank, &comm));
-    MFT_CHECK_OK(mf_comm_get_async_error(comm));
-    pthread_barrier_wait(&run->ready);
+    if (sg_finish(run, rank)) return 1;
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
-    for (int i = 0; i < SG_MB; i++) sg_batch_free(&ref[i]), sg_batch_free(&got[i]), mf_exchange_destroy(x[i]);
-    mf_moe_destroy(moe);
-    cudaStreamDestroy(st);
-    return 0;
+    for (int i = 0; i < SG_MB; i++) sg_batch_free(&ref[i]), sg_batch_free(&got[i]);
+    return sg_close(moe, st, x, SG_MB);
 }
 
 static int cuda_split_graph(void) {
@@ -437,10 +432,9 @@ static int sg_dies_rank(int32_t rank, void *arg) {
     sg_run_t *run = arg;
     mf_moe_t moe;
     cudaStream_t st;
-    if (sg_open(run, rank, 2, &moe, &st)) return 1;
     mf_exchange_t x;
     sg_batch_t b;
-    MFT_CHECK_OK(mf_exchange_create(moe, &x));
+    if (sg_open(run, rank, 2, &moe, &st, &x, 1)) return 1;
     if (sg_batch_make(&b, moe, run->dtype, run->layout, kS, mft_hash4(rank, 9, 9, 9)) || sg_poison(&b, st)) return 1;
     CUDA_OK(cudaStreamSynchronize(st));
     pthread_barrier_wait(&run->ready);
@@ -456,12 +450,12 @@ static int sg_dies_rank(int32_t rank, void *arg) {
     if (sg_experts(&b, run->layout, st)) return 1;
     CUDA_OK(cudaMemsetAsync(b.y, MFT_POISON_BYTE, (size_t)b.T * kH * 2, st));
     MFT_CHECK_OK(mf_combine_send(x, &b.cin, &b.cout, NULL, st));
-    const double t0 = sg_now_s();
+    const double t0 = mft_now_s();
     mf_result_t r = mf_combine_recv(x, NULL, st);
     if (r == MF_SUCCESS) r = mf_comm_get_async_error(comm); /* the device wait's verdict */
     run->result[rank] = r;
-    mft_verbose("  rank %d: %s after %.2f s: %s\n", rank, mft_result_name(r), sg_now_s() - t0, mf_last_error());
-    MFT_CHECK(sg_now_s() - t0 < 4.0 * run->timeout_ms / 1000.0 + 5.0);
+    mft_verbose("  rank %d: %s after %.2f s: %s\n", rank, mft_result_name(r), mft_now_s() - t0, mf_last_error());
+    MFT_CHECK(mft_now_s() - t0 < 4.0 * run->timeout_ms / 1000.0 + 5.0);
     uint8_t *h = mft_alloc((size_t)b.T * kH * 2);
     CUDA_OK(cudaMemcpyAsync(h, b.y, (size_t)b.T * kH * 2, cudaMemcpyDeviceToHost, st));
     CUDA_OK(cudaStreamSynchronize(st));

@@ -57,3 +57,14 @@ def run_layer_ranks(comms, fn):
             return out
 
     return moeflow.run_ranks(main, len(comms))
+
+
+def run_virtual(num_ranks, backend, fn):
+    """run_layer_ranks(comms, fn) on a new group of `num_ranks` virtual ranks, closed after."""
+    from moeflow.torch import virtual_comms
+
+    comms = virtual_comms(num_ranks, backend)
+    try:
+        return run_layer_ranks(comms, fn)
+    finally:
+        comms[0].group.close()

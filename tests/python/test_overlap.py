@@ -5,7 +5,7 @@ for bit. Virtual ranks (threads); CPU everywhere, CUDA where present."""
 import pytest
 import torch
 
-from conftest import device_of, run_layer_ranks
+from conftest import device_of, run_virtual
 from moeflow import MoeflowError
 from moeflow import reference as ref
 from moeflow.torch import MoELayer, virtual_comms
@@ -30,7 +30,6 @@ def test_two_micro_batches_with_hooks_match_one_call(backend, dtype, layout):
     R = 2
     pa = ref.make_problem(R, E, K, H, I, [9, 4], dtype=dtype, seed=1, drop=0.1)
     pb = ref.make_problem(R, E, K, H, I, [5, 0], dtype=dtype, seed=2, drop=0.1)
-    comms = virtual_comms(R, backend)
     dev = device_of(backend)
 
     def rank(r, comm, ready):
@@ -67,10 +66,7 @@ def test_two_micro_batches_with_hooks_match_one_call(backend, dtype, layout):
         finally:
             layer.close()
 
-    try:
-        results = run_layer_ranks(comms, rank)
-    finally:
-        comms[0].group.close()
+    results = run_virtual(R, backend, rank)
     for r, per_mb in enumerate(results):
         for mb, (counts, y, src) in enumerate(per_mb):
             assert counts and src, f"rank {r} micro-batch {mb}: dispatch differs from the one-call form"
@@ -80,7 +76,6 @@ def test_two_micro_batches_with_hooks_match_one_call(backend, dtype, layout):
 def test_more_in_flight_than_the_heap_holds_is_refused():
     R = 2
     p = ref.make_problem(R, E, K, H, I, 4, dtype=torch.bfloat16, seed=3)
-    comms = virtual_comms(R, "cpu")
 
     def rank(r, comm, ready):
         layer = MoELayer(comm, E, K, H, I, 4, dtype=torch.bfloat16, layout="masked")  # max_in_flight 1
@@ -103,10 +98,7 @@ def test_more_in_flight_than_the_heap_holds_is_refused():
         finally:
             layer.close()
 
-    try:
-        assert all(run_layer_ranks(comms, rank))
-    finally:
-        comms[0].group.close()
+    assert all(run_virtual(R, "cpu", rank))
 
 
 def test_split_ops_are_registered():

@@ -14,7 +14,7 @@ from sglang.srt.layers.moe.token_dispatcher.base import BaseDispatcher, Dispatch
 from sglang.srt.layers.moe.token_dispatcher.deepep import DeepEPLLDispatchOutput  # noqa: E402
 from sglang.srt.layers.moe.topk import StandardTopKOutput  # noqa: E402
 
-from conftest import device_of, run_layer_ranks  # noqa: E402
+from conftest import device_of, run_virtual  # noqa: E402
 from moeflow import reference as ref  # noqa: E402
 from moeflow.sglang import MoeflowDispatcher  # noqa: E402
 from moeflow.torch import MoELayer, virtual_comms  # noqa: E402
@@ -31,7 +31,6 @@ def test_two_batch_overlap_matches_one_call(backend, dtype):
     R = 2
     pa = ref.make_problem(R, E, K, H, I, [7, 3], dtype=dtype, seed=11, drop=0.1)
     pb = ref.make_problem(R, E, K, H, I, [2, 7], dtype=dtype, seed=12, drop=0.1)
-    comms = virtual_comms(R, backend)
     dev = device_of(backend)
 
     def rank(r, comm, ready):
@@ -75,10 +74,7 @@ def test_two_batch_overlap_matches_one_call(backend, dtype):
         finally:
             layer.close()
 
-    try:
-        results = run_layer_ranks(comms, rank)
-    finally:
-        comms[0].group.close()
+    results = run_virtual(R, backend, rank)
     for r, checks in enumerate(results):
         assert all(checks), f"rank {r}: {checks}"
 
