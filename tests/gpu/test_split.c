@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "../harness.h"
+#include "cuda_test.h"
 
 #define SG_R 2
 #define SG_MB 2
@@ -31,12 +32,6 @@
 #define SG_TIMEOUT_MS 20000
 #define SG_SHORT_MS 500
 #define SG_REPLAYS 10
-
-#define CUDA_OK(call)                                                                                 \
-    do {                                                                                              \
-        cudaError_t e_ = (call);                                                                      \
-        if (e_ != cudaSuccess) MFT_FAIL("%s failed: %s", #call, cudaGetErrorString(e_));             \
-    } while (0)
 
 typedef struct sg_run {
     int32_t dtype, layout;
@@ -64,11 +59,6 @@ typedef struct sg_batch {
     mf_combine_out_t cout;
 } sg_batch_t;
 
-static void *sg_dev(size_t bytes) {
-    void *d = NULL;
-    return cudaMalloc(&d, bytes ? bytes : 16) == cudaSuccess ? d : NULL;
-}
-
 static int sg_batch_make(sg_batch_t *b, mf_moe_t moe, int32_t dtype, int32_t layout, int32_t T, uint64_t seed) {
     mf_moe_info_t info;
     MFT_CHECK_OK(mf_moe_get_info(moe, &info));
@@ -90,12 +80,10 @@ static int sg_batch_make(sg_batch_t *b, mf_moe_t moe, int32_t dtype, int32_t lay
             ids[t * kK + k] = (t * 5 + k * 3 + (int32_t)(seed % 7)) % kE; /* distinct: k * 3 mod 8 differ */
             w[t * kK + k] = (float)mft_rng_uniform(&rng);
         }
-    b->x = sg_dev((size_t)T * kH * 2), b->ids = sg_dev((size_t)T * kK * 4), b->w = sg_dev((size_t)T * kK * 4);
-    b->recv = sg_dev(b->recv_bytes), b->eo = sg_dev((size_t)b->rows * kH * 2), b->y = sg_dev((size_t)T * kH * 2);
+    b->x = mft_to_dev(x, (size_t)T * kH * 2), b->ids = mft_to_dev(ids, (size_t)T * kK * 4);
+    b->w = mft_to_dev(w, (size_t)T * kK * 4), b->recv = mft_to_dev(NULL, b->recv_bytes);
+    b->eo = mft_to_dev(NULL, (size_t)b->rows * kH * 2), b->y = mft_to_dev(NULL, (size_t)T * kH * 2);
     MFT_CHECK(b->x && b->ids && b->w && b->recv && b->eo && b->y);
-    CUDA_OK(cudaMemcpy(b->x, x, (size_t)T * kH * 2, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(b->ids, ids, (size_t)T * kK * 4, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(b->w, w, (size_t)T * kK * 4, cudaMemcpyHostToDevice));
     free(x), free(ids), free(w);
     uint8_t *p = b->recv;
     const mf_tensor_t none = mft_none();
