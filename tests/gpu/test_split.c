@@ -18,7 +18,7 @@
  * (rank, token, k) per row), as tests/test_split.c's do.
  *
  * Held back (2026-12-04): on the H200 cuda_split_graph failed every run from the second replay on
- * (micro-batch 0's y differs; MF_PDL=0 the same) and cuda_split_bitwise once in nine runs, so the
+ * (micro-batch 0's y differs; MF_PDL=0 the same) and cuda_split_bitwise twice in ten runs, so the
  * library refuses exchanges on CUDA (core/moe.c mf_exchange_create) unless MF_CUDA_HALVES=1. By
  * default each test here checks that refusal (sg_held_back); with MF_CUDA_HALVES=1 they run the
  * halves, e.g. `MF_CUDA_HALVES=1 ./build/moeflow_gpu_tests -v cuda_split`, to debug them.
