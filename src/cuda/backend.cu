@@ -216,6 +216,7 @@ static mf_result_t mf__cuda_comm_init(mf_comm_t comm) {
                              (const void *)mf__plan_offsets_kernel, (const void *)mf__plan_fill_kernel,
                              (const void *)mf__gather_kernel, (const void *)mf__return_kernel,
                              (const void *)mf__sum_kernel, (const void *)mf__sync_kernel,
+                             (const void *)mf__keep_weights_kernel,
                              (const void *)mf__plan_small_kernel};
     for (size_t i = 0; i < sizeof kernels / sizeof kernels[0]; i++) {
         cudaFuncAttributes attr;
@@ -1029,17 +1030,22 @@ static mf_result_t mf__cuda_dispatch(mf_moe_t moe, struct mf_exchange *x, const 
     return mf__cuda_leave(moe->comm, mf__cuda_dispatch_launch(moe, x, in, halves, stream), pending);
 }
 
-/* The halves of x's combine. SEND: the return kernel (the call's first: no PDL attribute), then
- * (alone) the ARRIVE half of the COMBINE sync; a send alone first copies its topk_weights into the
- * slot's weights region, which its receive sums with (the caller's tensor need not outlive the
- * send). RECV (alone): the WAIT half and the sum. Both (mf_combine): return, the whole sync, sum. */
+/* The halves of x's combine. SEND: the return kernel (no PDL attribute), then (alone) the ARRIVE
+ * half of the COMBINE sync; a send alone first copies its topk_weights into the slot's weights
+ * region with a kernel (mf__keep_weights_kernel: the data path launches kernels only), which its
+ * receive sums with (the caller's tensor need not outlive the send). RECV (alone): the WAIT half
+ * and the sum. Both (mf_combine): return, the whole sync, sum. */
 static mf_result_t mf__cuda_combine_launch(mf_moe_t moe, struct mf_exchange *x, uint32_t halves, cudaStream_t stream) {
     const mf__cuda_slot_t slot = mf__cuda_slot(moe, x->slot, &x->heap);
     float *kept = (float *)((uint8_t *)moe->comm->heap.local + x->heap.weights);
-    if (halves == MF__HALF_SEND && x->T)
-        MF_CUDA_CHECK(cudaMemcpyAsync(kept, x->combine_in.topk_weights.data,
-                                      (size_t)x->T * moe->config.num_topk * sizeof(float), cudaMemcpyDeviceToDevice,
-                                      stream));
+    if (halves == MF__HALF_SEND && x->T) {
+        const float *src = (const float *)x->combine_in.topk_weights.data;
+        const int64_t n = (int64_t)x->T * moe->config.num_topk;
+        void *args[] = {(void *)&src, (void *)&kept, (void *)&n};
+        const unsigned blocks = (unsigned)((n + kMfMoveThreads - 1) / kMfMoveThreads);
+        MF_CUDA_CHECK(mf__cuda_launch((const void *)mf__keep_weights_kernel, dim3(blocks), dim3(kMfMoveThreads), 0,
+                                      stream, 0, args));
+    }
     if (halves & MF__HALF_SEND) {
         mf__move_params_t p = mf__move_params_at(moe, &slot);
         p.expert_out = (const uint16_t *)x->combine_in.expert_out.data;

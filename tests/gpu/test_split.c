@@ -439,8 +439,16 @@ static int sg_graph_rank(int32_t rank, void *arg) {
         for (int i = 0; i < SG_MB; i++) {
             uint8_t *a = sg_download(&ref[i], st), *b = sg_download(&got[i], st);
             MFT_CHECK(a && b);
-            MFT_CHECK_MSG(memcmp(a + ref[i].recv_bytes, b + ref[i].recv_bytes, (size_t)ref[i].T * kH * 2) == 0,
-                          "rank %d replay %d mb %d: y differs from the eager one-call forms'", rank, rep, i);
+            const size_t yb = (size_t)ref[i].T * kH * 2;
+            if (memcmp(a + ref[i].recv_bytes, b + ref[i].recv_bytes, yb) != 0) {
+                /* written but wrong, or never written (a device fault: the comm's async error) */
+                mf_comm_t comm;
+                MFT_CHECK_OK(mf_group_get_comm(run->group, rank, &comm));
+                const mf_result_t fault = mf_comm_get_async_error(comm);
+                MFT_FAIL("rank %d replay %d mb %d: y differs from the eager one-call forms' (y %s; async error %s: %s)",
+                         rank, rep, i, mft_first_unpoisoned(b + ref[i].recv_bytes, yb) < 0 ? "never written" : "written",
+                         mft_result_name(fault), fault ? mf_last_error() : "");
+            }
             free(a), free(b);
         }
     }

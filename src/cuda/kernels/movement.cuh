@@ -666,6 +666,16 @@ __global__ void __launch_bounds__(kMfMoveThreads) mf__return_kernel(mf__move_par
     }
 }
 
+/* A combine send's copy of its topk_weights into its heap slot (the receive sums with the copy):
+ * a kernel, not a cudaMemcpyAsync, as everything on the data path (docs/DECISIONS.md: a copy can
+ * wait behind a peer's spinning kernel on a shared GPU). Grid-stride over n floats. */
+__global__ void __launch_bounds__(kMfMoveThreads) mf__keep_weights_kernel(const float *src, float *dst, int64_t n) {
+    mf__pdl_wait(); /* launched without the attribute (a call's first kernel): returns at once */
+    mf__pdl_trigger();
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        dst[i] = src[i];
+}
+
 /* ---- the owner's K-sum -------------------------------------------------------------------- */
 
 typedef struct mf__sum_params {
