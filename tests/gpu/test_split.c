@@ -150,9 +150,13 @@ static int sg_experts(sg_batch_t *b, int32_t layout, cudaStream_t stream) {
     return 0;
 }
 
-/* Downloads recv and y of b (the whole buffers). */
+/* Downloads recv and y of b (the whole buffers). The stream drains first: a copy into pageable
+ * host memory may hold the driver's staging buffer until its stream reaches it, and a peer rank's
+ * thread (virtual ranks share one process) then blocks in its own pageable copy before it launches
+ * what this stream waits for (seen on the H200: a replay stalled until the 20 s timeout). */
 static uint8_t *sg_download(const sg_batch_t *b, cudaStream_t stream) {
     size_t yb = (size_t)b->T * kH * 2;
+    if (cudaStreamSynchronize(stream) != cudaSuccess) return NULL;
     uint8_t *h = mft_alloc(b->recv_bytes + yb + 1);
     if (cudaMemcpyAsync(h, b->recv, b->recv_bytes, cudaMemcpyDeviceToHost, stream) != cudaSuccess) return NULL;
     if (yb && cudaMemcpyAsync(h + b->recv_bytes, b->y, yb, cudaMemcpyDeviceToHost, stream) != cudaSuccess) return NULL;

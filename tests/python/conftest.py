@@ -33,6 +33,22 @@ def device_of(backend):
     return torch.device("cuda", torch.cuda.current_device()) if backend == "cuda" else "cpu"
 
 
+def drain(device):
+    """Virtual ranks on one GPU: waits for this rank's current stream, before the host reads a
+    tensor (t.cpu(), .item(), .tolist()). A copy into pageable memory can hold the driver's staging
+    buffer until its stream reaches it; a peer rank's thread then blocks in a copy of its own before
+    it launches what this stream waits for, and the group stalls until the timeout (docs/API.md
+    section 10). A stream synchronisation holds nothing."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def to_host(t):
+    """t.cpu() after drain(t.device)."""
+    drain(t.device)
+    return t.cpu()
+
+
 def run_layer_ranks(comms, fn):
     """[fn(rank, comm, ready) on one thread per virtual rank]. fn calls ready() after its setup
     (layer, weights, inputs, warm-up allocations) and before its first data-path collective: a

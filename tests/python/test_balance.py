@@ -4,7 +4,7 @@ raise MoeflowError before anything changes."""
 import pytest
 import torch
 
-from conftest import device_of, run_layer_ranks
+from conftest import device_of, drain, run_layer_ranks, to_host
 from moeflow import reference as ref
 from moeflow._lib import MoeflowError
 from moeflow.torch import MoELayer, virtual_comms
@@ -47,7 +47,7 @@ def run(p, comms, dtype, expert_map=None, spare_slots=0, calls=1):
             ready()
             ys = []
             for _ in range(calls):
-                ys.append(layer(x, ids, wts).cpu())
+                ys.append(to_host(layer(x, ids, wts)))
                 if spare_slots:
                     layer.prefetch()
             return ys, layer.balance_stats()
@@ -127,7 +127,8 @@ def test_staged_map_moves_weights_without_a_stall(backend, dtype):
                     if c > 0:
                         layer.prefetch()
                     left.append(layer.balance_stats()["stage_steps_left"])
-                    ys.append(layer(x, ids, wts).cpu())
+                    ys.append(to_host(layer(x, ids, wts)))
+                drain(dev)
                 return ys, left, [w if w is None else w.cpu() for w in nxt], layer.balance_stats()
             finally:
                 layer.close()

@@ -230,9 +230,17 @@ def test_vllm_graph_usage_errors(tmp_path):
     assert p.returncode == 2 and "T >= 1" in p.stderr
 
 
+def require_real_vllm():
+    """Skips unless the real vLLM imports: where it is missing (the H200), test_vllm_cuda.py
+    registered the test double as `vllm` when pytest collected it."""
+    vllm = pytest.importorskip("vllm")
+    if vllm.__version__.endswith("(moeflow test double)"):
+        pytest.skip("vLLM is not installed here (`vllm` is the test double)")
+
+
 def test_vllm_graph_smoke_with_vllm(tmp_path):
     """The same path through vLLM 0.33's own FusedMoEKernel, in this process (where CI has it)."""
-    pytest.importorskip("vllm")
+    require_real_vllm()
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         import vllm_graph
@@ -246,7 +254,7 @@ def test_vllm_graph_smoke_with_vllm(tmp_path):
 
 def test_vllm_graph_check_catches_a_wrong_layer(tmp_path, monkeypatch):
     """--check is a real check: against a reference with halved router weights the run fails."""
-    pytest.importorskip("vllm")
+    require_real_vllm()
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         import vllm_graph

@@ -5,7 +5,7 @@ for bit. Virtual ranks (threads); CPU everywhere, CUDA where present."""
 import pytest
 import torch
 
-from conftest import device_of, run_virtual
+from conftest import device_of, drain, run_virtual
 from moeflow import MoeflowError
 from moeflow import reference as ref
 from moeflow.core import halves_enabled
@@ -57,6 +57,7 @@ def test_two_micro_batches_with_hooks_match_one_call(backend, dtype, layout):
             with pytest.raises(RuntimeError, match="already called"):
                 chook_b()
             got = [(da, ya), (db, yb)]
+            drain(dev)
             out = []
             for (dw, yw), (dg, yg) in zip(want, got):
                 counts = dw.expert_counts.cpu()

@@ -14,7 +14,7 @@ from sglang.srt.layers.moe.token_dispatcher.base import BaseDispatcher, Dispatch
 from sglang.srt.layers.moe.token_dispatcher.deepep import DeepEPLLDispatchOutput  # noqa: E402
 from sglang.srt.layers.moe.topk import StandardTopKOutput  # noqa: E402
 
-from conftest import device_of, run_virtual  # noqa: E402
+from conftest import device_of, drain, run_virtual  # noqa: E402
 from moeflow import reference as ref  # noqa: E402
 from moeflow.sglang import MoeflowDispatcher  # noqa: E402
 from moeflow.torch import MoELayer, virtual_comms  # noqa: E402
@@ -63,6 +63,7 @@ def test_two_batch_overlap_matches_one_call(backend, dtype):
             y2 = d0.combine(DeepEPLLCombineInput(_experts(o2), o2.topk_ids, o2.topk_weights))
             with pytest.raises(RuntimeError, match="stage"):
                 d0.dispatch_b()
+            drain(dev)
             checks = [isinstance(o0, DeepEPLLDispatchOutput), o0.format == DispatchOutputFormat.DEEPEP_LL,
                       seen == [DispatchOutputFormat.DEEPEP_LL],  # SGLang hooks wrap dispatch(), not the halves
                       (o0.hidden_states_scale is not None) == (dtype == torch.float8_e4m3fn),

@@ -3,7 +3,7 @@ bit for bit, int64 ids, the custom ops' registration (opcheck) and torch.compile
 import pytest
 import torch
 
-from conftest import device_of, run_layer_ranks
+from conftest import device_of, drain, run_layer_ranks, to_host
 from moeflow import reference as ref
 from moeflow.torch import MoELayer, virtual_comms
 
@@ -28,7 +28,7 @@ def run_forward(problem, comms, dtype, layout="expert_major", max_tokens=None):
         torch.empty_like(x)  # warms the allocator for the op's output, before the collective
         ready()
         try:
-            return layer(x, ids, wts).cpu()
+            return to_host(layer(x, ids, wts))
         finally:
             layer.close()
 
@@ -93,6 +93,7 @@ def test_dispatch_combine(backend, dtype, layout):
         ready()
         try:
             d = layer.dispatch(x, ids)
+            drain(dev)
             counts = d.expert_counts.cpu().tolist()
             rows = []  # (local expert, row index of recv_x)
             for l in range(L):
@@ -103,6 +104,7 @@ def test_dispatch_combine(backend, dtype, layout):
                 sc = d.recv_scales[at] if d.recv_scales is not None else None
                 out[at] = expert_of(d.recv_x[at], sc, l, dtype)
             y = layer.combine(out, wts, d)
+            drain(dev)
             recv = [(l, d.recv_x[at].cpu(), None if d.recv_scales is None else
                      d.recv_scales[at].cpu(), d.recv_src[at].tolist()) for l, at in rows]
             return y.cpu(), recv

@@ -13,8 +13,8 @@ import torch
 
 if os.environ.get("MOEFLOW_REQUIRE_VLLM") == "1":
     import vllm  # noqa: F401  (CI: the conformance tests must run)
-else:
-    pytest.importorskip("vllm")
+elif pytest.importorskip("vllm").__version__.endswith("(moeflow test double)"):
+    pytest.skip("vLLM is not installed here (`vllm` is test_vllm_cuda.py's test double)", allow_module_level=True)
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import torch.nn.functional as F  # noqa: E402

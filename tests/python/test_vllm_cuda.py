@@ -7,7 +7,7 @@ against the real vLLM (test_vllm.py::test_double_matches_vllm)."""
 import pytest
 import torch
 
-from conftest import requires_cuda, run_layer_ranks
+from conftest import requires_cuda, run_layer_ranks, to_host
 import vllm_double
 
 pytestmark = requires_cuda
@@ -71,8 +71,8 @@ def test_kernel_on_cuda_matches_reference(mode, dtype, R, tokens):
         del warm
         ready()
         try:
-            return [kernel.apply(x, w["w13"], w["w2"], wts, ids, MoEActivation.SILU, E,
-                                 expert_map(R, r), False).cpu() for _ in range(2)]
+            return [to_host(kernel.apply(x, w["w13"], w["w2"], wts, ids, MoEActivation.SILU, E,
+                                         expert_map(R, r), False)) for _ in range(2)]
         finally:
             torch.cuda.synchronize()
             kernel.moeflow_layer.close()

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import device_of, run_layer_ranks
+from conftest import device_of, run_layer_ranks, to_host
 from moeflow import reference as ref
 from moeflow import weights as W
 from moeflow.torch import MoELayer, virtual_comms
@@ -185,7 +185,7 @@ def test_loaded_checkpoint_through_the_layer(backend, dtype):
         x, ids, wts = p.x[r].to(dev), p.topk_ids[r].to(dev), p.topk_weights[r].to(dev)
         ready()
         try:
-            return layer(x, ids, wts).cpu()
+            return to_host(layer(x, ids, wts))
         finally:
             layer.close()
 
