@@ -405,7 +405,8 @@ MF_API mf_result_t mf_moe_get_info(mf_moe_t moe, mf_moe_info_t *info);
 /* Destroys the layer; no call on it may be in flight. NULL is a no-op. Not collective, except for
  * a layer with spare_slots > 0 or one that staged a map (mf_moe_stage_expert_map): every rank
  * destroys it, meeting at a barrier over the bootstrap so that no peer still writes its spare or
- * staging slots (skipped on a broken or aborted comm). */
+ * staging slots (skipped on a broken or aborted comm, whose peers may still write them: virtual
+ * ranks of an mf_group_t then keep that memory until mf_group_destroy). */
 MF_API mf_result_t mf_moe_destroy(mf_moe_t moe);
 
 /* This rank's expert weights, one per weight slot of the rank: Ls = info.num_local_slots slots,

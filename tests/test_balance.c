@@ -8,6 +8,7 @@
  * lowers the busiest rank's rows; a bad map is rejected with a clear error and changes nothing;
  * ranks that disagree about the map or the prefetches all fail the call together.
  */
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -464,6 +465,8 @@ typedef struct change_ctx {
     uint16_t *yref[2][MF_MAX_RANKS];
     int32_t maps[3][64];
     int32_t P, B;
+    pthread_barrier_t met;       /* the ranks meet (tests that order ranks' steps) */
+    int64_t pushed;              /* bytes pushed (atomic) */
 } change_ctx_t;
 
 /* This rank's weights laid out from `map` (slot l holds logical map[rank * Lp + l]). */
@@ -585,7 +588,9 @@ static int run_change_ranks(uint64_t seed, int32_t B, uint64_t map_seed, int (*r
     }
     c.group = mft_cpu_group(s.R, BAL_TIMEOUT_MS);
     MFT_CHECK(c.group);
+    pthread_barrier_init(&c.met, NULL, (unsigned)s.R);
     int rc = mft_run_ranks(s.R, rank_fn, &c);
+    pthread_barrier_destroy(&c.met);
     MFT_CHECK_OK(mf_group_destroy(c.group));
     for (int i = 0; i < 2; i++)
         for (int32_t r = 0; r < s.R; r++) free(c.yref[i][r]);
@@ -594,6 +599,50 @@ static int run_change_ranks(uint64_t seed, int32_t B, uint64_t map_seed, int (*r
 }
 
 static int test_map_changes(void) { return run_change_ranks(61, 2, 70, change_rank); }
+
+/* A rank whose comm is aborted destroys its layer without the barrier (it waits for no peer), while
+ * its peers, which have not looked at the abort, still push experts into its spare slots from their
+ * hosts: the pushes must land in memory that is still there. Virtual ranks share one address space;
+ * the local transport keeps a broken comm's symmetric memory until the group is destroyed (without
+ * that, ASan reports a use after free here; on CUDA the copy read freed device memory as host
+ * memory: the segfault seen on the H200). */
+static int aborted_destroy_rank(int32_t rank, void *arg) {
+    change_ctx_t *c = arg;
+    const mfp_problem_t *p = c->p[0];
+    const int32_t Lp = c->P / p->spec.R, victim = p->spec.R - 1;
+    const int64_t H = p->spec.H, I = p->spec.I;
+    mf_comm_t comm;
+    mf_moe_t moe;
+    MFT_CHECK_OK(mf_group_get_comm(c->group, rank, &comm));
+    MFT_CHECK(change_moe(rank, c, &moe) == 0);
+    uint8_t *w13 = mft_alloc((size_t)Lp * 2 * I * H * 2), *w2 = mft_alloc((size_t)Lp * H * I * 2);
+    uint16_t *y = mft_alloc((size_t)p->spec.S * H * 2 + 2);
+    mf_moe_weights_t w = {mft_t3(w13, MF_DTYPE_BF16, Lp, 2 * I, H), mft_none(), mft_t3(w2, MF_DTYPE_BF16, Lp, H, I),
+                          mft_none()};
+    MFT_CHECK_OK(mf_moe_set_expert_map(moe, c->maps[0], c->P));
+    layout_weights(p, c->maps[0], c->P, rank, w13, w2);
+    MFT_CHECK_OK(mf_moe_set_weights(moe, &w));
+    MFT_CHECK(forward_check(moe, c, 0, rank, y, MF_SUCCESS) == 0); /* hot routing: every spare slot wanted */
+    if (rank == victim) {
+        MFT_CHECK_OK(mf_comm_abort(comm));
+        MFT_CHECK_OK(mf_moe_destroy(moe)); /* no barrier on an aborted comm */
+    }
+    pthread_barrier_wait(&c->met);
+    if (rank != victim) {
+        MFT_CHECK_OK(mf_moe_prefetch(moe, NULL));
+        mf_moe_balance_stats_t st = {.size = sizeof st};
+        MFT_CHECK_OK(mf_moe_get_balance_stats(moe, &st));
+        __atomic_fetch_add(&c->pushed, st.prefetch_bytes, __ATOMIC_RELAXED);
+        MFT_CHECK_OK(mf_comm_abort(comm)); /* the victim is gone: no destroy barrier */
+        MFT_CHECK_OK(mf_moe_destroy(moe));
+    }
+    pthread_barrier_wait(&c->met);
+    MFT_CHECK_MSG(__atomic_load_n(&c->pushed, __ATOMIC_RELAXED) > 0, "no rank pushed an expert: the test tests nothing");
+    free(w13), free(w2), free(y);
+    return 0;
+}
+
+static int test_aborted_destroy(void) { return run_change_ranks(67, 2, 71, aborted_destroy_rank); }
 
 /* ---- misuse --------------------------------------------------------------------------------- */
 
@@ -895,6 +944,7 @@ const mft_test_t mft_tests_balance[] = {
     {"balance_ipc", test_ipc, 0},
     {"balance_random", test_random_cases, 0},
     {"balance_map_changes", test_map_changes, 0},
+    {"balance_aborted_destroy", test_aborted_destroy, 0},
     {"balance_bad_maps", test_bad_maps, 0},
     {NULL, NULL, 0},
 };

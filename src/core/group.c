@@ -198,6 +198,12 @@ static void mf__comm_free(mf_comm_t c) {
         c->tops->sym_free(c, &c->heap);
         c->tops->sym_free(c, &c->signals);
     }
+    while (c->deferred) { /* transport/local.c: what a broken comm's layers freed */
+        mf__deferred_free_t *d = c->deferred;
+        c->deferred = d->next;
+        c->ops->mem_free(c, d->ptr);
+        mf__free(d);
+    }
     if (c->bootstrap.destroy) c->bootstrap.destroy(c->bootstrap.ctx);
     mf__free(c);
 }

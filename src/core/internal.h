@@ -247,6 +247,12 @@ typedef struct mf__sym {
     size_t bytes;               /* the same on every rank */
 } mf__sym_t;
 
+/* A symmetric allocation whose free waits for its comm's end (a list: mf_comm.deferred). */
+typedef struct mf__deferred_free {
+    void *ptr;
+    struct mf__deferred_free *next;
+} mf__deferred_free_t;
+
 /* R virtual ranks of one process (mf_group_create): their comms, made on R threads through
  * mf_comm_init's path with an in-process allgather. */
 struct mf_group {
@@ -281,6 +287,8 @@ struct mf_comm {
     uint32_t layers_made;               /* layers created so far: the next one's id (all ranks alike) */
     int32_t broken;                     /* 1 after a timeout: the group's protocol state is unknown */
     int32_t aborted;                    /* 1 after mf_comm_abort (read and written atomically) */
+    mf__deferred_free_t *deferred;      /* local transport: a broken comm's symmetric memory, freed
+                                         * with the comm (transport/local.c) */
     struct mf_moe *pending_dispatch;    /* layer whose mf_dispatch awaits its mf_combine, or NULL */
     int32_t device_sms;                 /* the device's SMs (CUDA; 0 on the CPU): bounds num_sms */
     int32_t default_sms;                /* num_sms as resolved at init (mf_comm_set_num_sms(0) restores it) */

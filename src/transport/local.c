@@ -18,8 +18,23 @@ typedef struct mf__local_handle {
     int32_t status;
 } mf__local_handle_t;
 
+/* The ranks share one address space, so a rank's free unmaps its memory for every peer at once.
+ * On a broken or aborted comm no barrier told this rank that its peers stopped: a peer that has not
+ * seen the fault yet may still copy into this memory from its host (a staged map's step, a
+ * prefetch), and a copy into freed device memory is a host memory access (cudaMemcpyDefault reads
+ * an unmapped address as pageable memory: a segfault). The memory then stays until the comm is
+ * destroyed, which for virtual ranks is mf_group_destroy, after every rank's thread is done. */
 static void mf__local_sym_free(mf_comm_t comm, mf__sym_t *sym) {
-    if (sym->local) comm->ops->mem_free(comm, sym->local);
+    mf__deferred_free_t *later = NULL;
+    if (sym->local && (comm->broken || __atomic_load_n(&comm->aborted, __ATOMIC_ACQUIRE)))
+        later = mf__malloc(sizeof *later);
+    if (later) {
+        later->ptr = sym->local;
+        later->next = comm->deferred;
+        comm->deferred = later;
+    } else if (sym->local) {
+        comm->ops->mem_free(comm, sym->local);
+    }
     memset(sym, 0, sizeof *sym);
 }
 
