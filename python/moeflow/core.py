@@ -10,7 +10,6 @@ tensors); this module does no shape checking of its own: the library checks and 
 what was wrong.
 """
 import ctypes
-import os
 import threading
 from dataclasses import dataclass
 
@@ -343,16 +342,6 @@ class Layer:
         self.close()
 
 
-def halves_enabled(backend):
-    """Whether the split halves (Exchange) run on `backend` ("cpu" or "cuda"): always on the CPU;
-    on CUDA only with MF_CUDA_HALVES=1 in the environment, where the library holds them back until
-    a failure seen on the H200 is found (docs/API.md section 16)."""
-    if backend != "cuda":
-        return True
-    try:
-        return int(os.environ.get("MF_CUDA_HALVES", "0")) != 0
-    except ValueError:
-        return False
 
 
 class Exchange:

@@ -29,20 +29,7 @@ try:
 except ImportError as e:  # SGLang absent, or a release without 0.5.23's names
     raise ImportError("moeflow.sglang needs SGLang (tested with 0.5.23): pip install sglang==0.5.23") from e
 
-from .core import halves_enabled
 from .torch import MoELayer
-
-
-class _Done:
-    """The receive of a call its send made whole (the halves held back on CUDA,
-    moeflow.core.halves_enabled): nothing is left to run or wait for."""
-
-    def __call__(self):
-        pass
-
-    def wait(self):
-        pass
-
 
 
 class MoeflowDispatcher(BaseDispatcher):
@@ -74,11 +61,7 @@ class MoeflowDispatcher(BaseDispatcher):
         self._advance("initial", "after_dispatch_a")
         topk_ids, topk_weights = topk_output.topk_ids, topk_output.topk_weights
         try:
-            if halves_enabled(self.layer.comm.backend):
-                d, hook = self.layer.dispatch(hidden_states.contiguous(), topk_ids.contiguous(),
-                                              return_recv_hook=True)
-            else:  # the halves held back (CUDA): the whole dispatch now, nothing left for dispatch_b
-                d, hook = self.layer.dispatch(hidden_states.contiguous(), topk_ids.contiguous()), _Done()
+            d, hook = self.layer.dispatch(hidden_states.contiguous(), topk_ids.contiguous(), return_recv_hook=True)
         except BaseException:
             self._stage = "initial"
             raise
@@ -113,11 +96,8 @@ class MoeflowDispatcher(BaseDispatcher):
         hidden_states, _topk_ids, topk_weights = combine_input
         d = self._pending[0]
         try:
-            if halves_enabled(self.layer.comm.backend):
-                y, hook = self.layer.combine(hidden_states.contiguous(), topk_weights.float().contiguous(), d,
-                                             return_recv_hook=True)
-            else:
-                y, hook = self.layer.combine(hidden_states.contiguous(), topk_weights.float().contiguous(), d), _Done()
+            y, hook = self.layer.combine(hidden_states.contiguous(), topk_weights.float().contiguous(), d,
+                                         return_recv_hook=True)
         except BaseException:
             self._stage, self._pending = "initial", None
             raise

@@ -57,7 +57,6 @@ except ImportError as e:  # vLLM absent, or a release without 0.33's class names
     raise ImportError(f"moeflow.vllm needs vLLM 0.33 (pip install './python[vllm]'): {e}") from e
 
 from . import _lib
-from .core import halves_enabled
 from .torch import MoELayer, comm_from_process_group
 from .weights import local_expert_ids
 
@@ -230,9 +229,8 @@ class MoeflowPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
 
     def supports_async(self):
         """prepare_async / finalize_async: moeflow's split halves (vLLM's dual-batch overlap needs
-        a layer made with max_in_flight = 2). False on CUDA while the library holds the halves
-        back there (moeflow.core.halves_enabled): vLLM then runs prepare / finalize."""
-        return halves_enabled(self.layer.comm.backend)
+        a layer made with max_in_flight = 2)."""
+        return True
 
     # -- the calls ---------------------------------------------------------------------------------
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map,

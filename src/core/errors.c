@@ -93,8 +93,6 @@ int64_t mf__param_timeout_ms(void) { return mf__env_int("MF_TIMEOUT_MS", 30000, 
 
 int32_t mf__param_pdl(void) { return mf__env_int("MF_PDL", 1, 0) != 0; }
 
-int32_t mf__param_cuda_halves(void) { return mf__env_int("MF_CUDA_HALVES", 0, 0) != 0; }
-
 /* ---- MF_DEBUG: decision reports (internal.h) ---------------------------------------------- */
 #define MF__DEBUG_KEYS 4096 /* distinct decisions remembered; past this, no more reports */
 

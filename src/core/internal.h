@@ -75,7 +75,6 @@ void mf__test_fail_alloc_after(int64_t n);
 
 int64_t mf__param_timeout_ms(void); /* MF_TIMEOUT_MS, default 30000 */
 int32_t mf__param_pdl(void);        /* MF_PDL: 0 when it is 0, else 1 (read by each CUDA comm's init) */
-int32_t mf__param_cuda_halves(void); /* MF_CUDA_HALVES: 1 lets mf_exchange_create run on CUDA (experimental) */
 /* Resolves a config's timeout: 0 = mf__param_timeout_ms(). */
 static inline int64_t mf__timeout_or_default(int64_t ms) { return ms ? ms : mf__param_timeout_ms(); }
 

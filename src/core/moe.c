@@ -928,14 +928,6 @@ mf_result_t mf_combine(mf_moe_t moe, const mf_combine_in_t *in, const mf_combine
 mf_result_t mf_exchange_create(mf_moe_t moe, mf_exchange_t *exchange) {
     mf__clear_error();
     MF_REQUIRE(moe && exchange, "mf_exchange_create: moe and exchange must not be NULL");
-    /* The CUDA halves are held back: on the H200 (2026-12-04) their graph-captured replays gave a y
-     * that differs from the one-call forms' from the second replay on (tests/gpu/test_split.c,
-     * cuda_split_graph), cause not found yet. MF_CUDA_HALVES=1 runs them anyway, to debug them. */
-    if (moe->comm->backend == MF_BACKEND_CUDA && !mf__param_cuda_halves())
-        return mf__error(MF_ERR_NOT_SUPPORTED, "mf_exchange_create: the split halves are not enabled on the CUDA "
-                         "backend yet (a captured replay of them fails its bitwise test on the H200; docs/API.md "
-                         "section 16); use mf_dispatch / mf_combine, or set MF_CUDA_HALVES=1 to run them "
-                         "(experimental)");
     struct mf_exchange *x = mf__calloc(1, sizeof *x);
     if (!x) return mf__error(MF_ERR_OUT_OF_MEMORY, "mf_exchange_create: out of host memory");
     x->moe = moe;

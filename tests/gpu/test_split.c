@@ -17,11 +17,11 @@
  * The "experts" of the bitwise case run on the host from the downloaded recv_src (a function of
  * (rank, token, k) per row), as tests/test_split.c's do.
  *
- * Held back (2026-12-04): on the H200 cuda_split_graph failed every run from the second replay on
- * (micro-batch 0's y differs; MF_PDL=0 the same) and cuda_split_bitwise twice in ten runs, so the
- * library refuses exchanges on CUDA (core/moe.c mf_exchange_create) unless MF_CUDA_HALVES=1. By
- * default each test here checks that refusal (sg_held_back); with MF_CUDA_HALVES=1 they run the
- * halves, e.g. `MF_CUDA_HALVES=1 ./build/moeflow_gpu_tests -v cuda_split`, to debug them.
+ * Host reads: a rank's thread drains its stream before it copies to pageable host memory
+ * (sg_download, sg_experts): a pageable copy can hold the driver's staging buffer until its stream
+ * reaches it, and a peer's thread blocked behind it never launches what that stream waits for
+ * (docs/API.md section 10). Before that rule every run of cuda_split_graph stalled until the
+ * timeout on the H200 (2026-12-04), which held the halves back for a session.
  */
 #include <cuda_runtime_api.h>
 #include <pthread.h>
@@ -275,40 +275,6 @@ static int sg_bitwise_rank(int32_t rank, void *arg) {
     return sg_close(moe, st, x, SG_MB);
 }
 
-/* The CUDA halves are held back by default (core/moe.c mf_exchange_create): without MF_CUDA_HALVES=1
- * in the environment, a test of them checks that an exchange is refused on CUDA and on nothing
- * else (the CPU backend makes one), then stops: *held = 1. With it, the tests run the halves. */
-static int sg_held_back(int *held) {
-    *held = 0;
-    const char *env = getenv("MF_CUDA_HALVES");
-    if (env && atoi(env) != 0) return 0;
-    *held = 1;
-    mft_verbose("  the CUDA halves are held back (MF_CUDA_HALVES unset): checking the refusal only\n");
-    for (int cuda = 0; cuda < 2; cuda++) {
-        mf_group_config_t cfg = MF_GROUP_CONFIG_INIT;
-        cfg.backend = cuda ? MF_BACKEND_CUDA : MF_BACKEND_CPU;
-        cfg.num_ranks = 1;
-        mf_group_t group;
-        mf_comm_t comm;
-        mf_moe_t moe;
-        mf_exchange_t x = NULL;
-        MFT_CHECK_OK(mf_group_create(&cfg, &group));
-        MFT_CHECK_OK(mf_group_get_comm(group, 0, &comm));
-        mf_moe_config_t mc = MF_MOE_CONFIG_INIT;
-        mc.num_experts = kE, mc.num_topk = kK, mc.hidden = kH, mc.intermediate = kI, mc.max_tokens_per_rank = kS;
-        mc.dtype = MF_DTYPE_BF16;
-        MFT_CHECK_OK(mf_moe_create(comm, &mc, &moe));
-        const mf_result_t r = mf_exchange_create(moe, &x);
-        MFT_CHECK_MSG(r == (cuda ? MF_ERR_NOT_SUPPORTED : MF_SUCCESS), "%s: mf_exchange_create -> %s",
-                      cuda ? "cuda" : "cpu", mft_result_name(r));
-        MFT_CHECK(cuda ? x == NULL : x != NULL);
-        if (x) MFT_CHECK_OK(mf_exchange_destroy(x));
-        mf_moe_destroy(moe);
-        mf_group_destroy(group);
-    }
-    return 0;
-}
-
 static int sg_run(sg_run_t *run, int (*fn)(int32_t, void *)) {
     mf_group_config_t cfg = MF_GROUP_CONFIG_INIT;
     cfg.backend = MF_BACKEND_CUDA;
@@ -323,8 +289,6 @@ static int sg_run(sg_run_t *run, int (*fn)(int32_t, void *)) {
 }
 
 static int cuda_split_bitwise(void) {
-    int held;
-    if (sg_held_back(&held) || held) return held ? 0 : 1;
     static const int32_t kinds[][2] = {{MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR}, {MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED}};
     for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++) {
         sg_run_t run;
@@ -394,8 +358,6 @@ static int sg_send_rank(int32_t rank, void *arg) {
 }
 
 static int cuda_split_send_returns(void) {
-    int held;
-    if (sg_held_back(&held) || held) return held ? 0 : 1;
     sg_run_t run;
     memset(&run, 0, sizeof run);
     run.dtype = MF_DTYPE_FP8_E4M3, run.layout = MF_LAYOUT_MASKED, run.timeout_ms = SG_TIMEOUT_MS;
@@ -464,8 +426,6 @@ static int sg_graph_rank(int32_t rank, void *arg) {
 }
 
 static int cuda_split_graph(void) {
-    int held;
-    if (sg_held_back(&held) || held) return held ? 0 : 1;
     sg_run_t run;
     memset(&run, 0, sizeof run);
     run.dtype = MF_DTYPE_BF16, run.layout = MF_LAYOUT_EXPERT_MAJOR, run.timeout_ms = SG_TIMEOUT_MS;
@@ -511,8 +471,6 @@ static int sg_dies_rank(int32_t rank, void *arg) {
 }
 
 static int cuda_split_rank_dies(void) {
-    int held;
-    if (sg_held_back(&held) || held) return held ? 0 : 1;
     sg_run_t run;
     memset(&run, 0, sizeof run);
     run.dtype = MF_DTYPE_BF16, run.layout = MF_LAYOUT_MASKED, run.timeout_ms = SG_SHORT_MS;

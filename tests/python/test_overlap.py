@@ -8,7 +8,6 @@ import torch
 from conftest import device_of, drain, run_virtual
 from moeflow import MoeflowError
 from moeflow import reference as ref
-from moeflow.core import halves_enabled
 from moeflow.torch import MoELayer, virtual_comms
 
 E, K, H, I = 8, 3, 256, 128
@@ -28,9 +27,6 @@ def _inputs(p, r, dev):
 @pytest.mark.parametrize("dtype,layout", [(torch.bfloat16, "expert_major"),
                                           (torch.float8_e4m3fn, "masked")], ids=["bf16", "fp8"])
 def test_two_micro_batches_with_hooks_match_one_call(backend, dtype, layout):
-    if not halves_enabled(backend):
-        pytest.skip("the split halves are held back on CUDA (MF_CUDA_HALVES=1 runs them; "
-                    "tests/gpu/test_split.c checks the refusal)")
     R = 2
     pa = ref.make_problem(R, E, K, H, I, [9, 4], dtype=dtype, seed=1, drop=0.1)
     pb = ref.make_problem(R, E, K, H, I, [5, 0], dtype=dtype, seed=2, drop=0.1)
@@ -104,15 +100,6 @@ def test_more_in_flight_than_the_heap_holds_is_refused():
             layer.close()
 
     assert all(run_virtual(R, "cpu", rank))
-
-
-def test_halves_enabled_by_backend(monkeypatch):
-    monkeypatch.delenv("MF_CUDA_HALVES", raising=False)
-    assert halves_enabled("cpu") and not halves_enabled("cuda")
-    monkeypatch.setenv("MF_CUDA_HALVES", "1")
-    assert halves_enabled("cuda")
-    monkeypatch.setenv("MF_CUDA_HALVES", "no")
-    assert not halves_enabled("cuda")
 
 
 def test_split_ops_are_registered():
