@@ -225,6 +225,11 @@ class _Platform:
 current_platform = _Platform()
 
 
+def get_current_vllm_config_or_none():
+    """No vLLM config is current outside vLLM's engine (moeflow.vllm then holds one exchange)."""
+    return None
+
+
 # ---- the modules moeflow.vllm imports ----------------------------------------------------------
 _FM = "vllm.model_executor.layers.fused_moe"
 MODULES = {
@@ -251,6 +256,7 @@ MODULES = {
     "vllm.model_executor.layers.quantization.utils.quant_utils": dict(
         kFp8Static128BlockSym=kFp8Static128BlockSym, kFp8Dynamic128Sym=kFp8Dynamic128Sym),
     "vllm.platforms": dict(current_platform=current_platform),
+    "vllm.config": dict(get_current_vllm_config_or_none=get_current_vllm_config_or_none),
 }
 
 
