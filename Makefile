@@ -82,11 +82,12 @@ $(STATIC): $(LIB_OBJ)
 $(SHARED): $(LIB_OBJ) src/moeflow.map
 	$(CC) -shared $(LDFLAGS) -Wl,--version-script=src/moeflow.map -o $@ $(LIB_OBJ) $(LDLIBS)
 
-# The CLI; with CUDA it also holds `moeflow bench gemm` (tools/bench_gemm.c, cuBLASLt as the peer).
+# The CLI; with CUDA it also holds `moeflow bench gemm` (tools/bench_gemm.c, cuBLASLt as the peer)
+# and `moeflow bench overlap` (tools/bench_overlap.c).
 CLI_OBJ  := $(BUILD)/tools/moeflow.o $(BUILD)/tools/bench_json.o $(WORKLOAD_OBJ)
 CLI_LIBS :=
 ifeq ($(CUDA),1)
-CLI_OBJ  += $(BUILD)/tools/bench_gemm.o
+CLI_OBJ  += $(BUILD)/tools/bench_gemm.o $(BUILD)/tools/bench_overlap.o
 CLI_LIBS := -lcublasLt
 endif
 

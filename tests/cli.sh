@@ -134,12 +134,18 @@ else
     skipped=$((skipped + 1))
 fi
 
+# bench overlap's flags (a build without CUDA refuses before it reads them)
+expect bench_overlap_R 2 'R must divide E = 256|needs a CUDA GPU' -- bench overlap -R 3
+expect bench_overlap_T 2 '-T: a list of T >= 1|needs a CUDA GPU' -- bench overlap -T 0
+expect bench_overlap_flag 2 "unknown option '--nope'|needs a CUDA GPU" -- bench overlap --nope 1
+
 # ---- 2: what this machine cannot serve: a CUDA GPU ----------------------------------------------
 if command -v nvidia-smi > /dev/null 2>&1 && nvidia-smi -L 2> /dev/null | grep -q '^GPU '; then
-    echo "cli: SKIP bench_gemm_no_gpu, backend_cuda_no_gpu (a GPU is present)"
-    skipped=$((skipped + 2))
+    echo "cli: SKIP bench_gemm_no_gpu, bench_overlap_no_gpu, backend_cuda_no_gpu (a GPU is present)"
+    skipped=$((skipped + 3))
 else
     expect bench_gemm_no_gpu 2 '^moeflow bench gemm: needs a CUDA GPU' -- bench gemm
+    expect bench_overlap_no_gpu 2 '^moeflow bench overlap: needs a CUDA GPU' -- bench overlap -T 4 --preset tiny
     expect backend_cuda_no_gpu 2 '^moeflow: --backend cuda: ' -- run "${tiny[@]}" --backend cuda
 fi
 

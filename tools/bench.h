@@ -37,6 +37,10 @@ int cli_json_check_writable(const char *path);
  * from argv[3]. Returns the exit status (above). */
 int cli_bench_gemm_main(int argc, char **argv);
 
+/* `moeflow bench overlap [options]` (tools/bench_overlap.c, CUDA builds only): two micro-batches
+ * through the split halves beside the same pair back to back. As cli_bench_gemm_main. */
+int cli_bench_overlap_main(int argc, char **argv);
+
 /* tools/bench_json.c: a JSON string (", \ and control characters escaped), a number (null when not
  * finite), and the record's start: {"meta": {card, date, commit, command = argv, backend[, env]},
  * "rows": [ (card: "cpu" for the CPU backend, else MF_CARD or "h200"; commit: MF_COMMIT, else git;

@@ -132,12 +132,15 @@ static void usage(FILE *f) {
     fprintf(f,
             "usage: moeflow [run|bench [layer]] [options]\n"
             "       moeflow bench gemm [options]\n"
+            "       moeflow bench overlap [options]\n"
             "\n"
             "  run         run the EP MoE layer once per dtype and check it against the fp64 reference\n"
             "  bench       (or bench layer) time --iters forwards after --warmup per size, dtype and\n"
             "              dataflow (-T and --dataflow take lists)\n"
             "  bench gemm  the grouped expert GEMMs alone beside their floor and cuBLAS dense (CUDA\n"
             "              builds; options: moeflow bench gemm --help)\n"
+            "  bench overlap  two micro-batches through the split halves, GEMMs overlapping the other's\n"
+            "              communication, beside the pair back to back (CUDA builds; --help)\n"
             "\n"
             "shape                                                                      [default]\n"
             "  -R, --ranks N          ranks (threads of one process, or processes: --transport) [%d]\n"
@@ -1395,12 +1398,12 @@ static void print_rebalance(const opts_t *o, const row_t *rows, int nrows) {
 
 int main(int argc, char **argv) {
     mfp_cuda_env();
-    if (argc > 2 && !strcmp(argv[1], "bench") && !strcmp(argv[2], "gemm")) {
+    if (argc > 2 && !strcmp(argv[1], "bench") && (!strcmp(argv[2], "gemm") || !strcmp(argv[2], "overlap"))) {
 #if MF_WITH_CUDA
-        return cli_bench_gemm_main(argc, argv);
+        return !strcmp(argv[2], "gemm") ? cli_bench_gemm_main(argc, argv) : cli_bench_overlap_main(argc, argv);
 #else
-        cli_die(EXIT_USAGE, "moeflow bench gemm", "needs a CUDA GPU (sm_90): this build has no CUDA "
-                "(nvcc not found or CUDA=0)");
+        cli_die(EXIT_USAGE, argv[2][0] == 'g' ? "moeflow bench gemm" : "moeflow bench overlap",
+                "needs a CUDA GPU (sm_90): this build has no CUDA (nvcc not found or CUDA=0)");
 #endif
     }
     opts_t o;
