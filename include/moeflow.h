@@ -635,7 +635,9 @@ typedef struct mf_experts_out {
  * -> mf_moe_experts -> mf_combine gives mf_moe_forward's y (bit for bit on the CPU backend). The
  * layer's layout must be MASKED. Not collective, asynchronous on `stream` (CUDA; the counts are
  * read on the device, at most C rows a slot: a larger count is clamped to C), graph-capturable;
- * it uses the layer's scratch, so no other call on the layer may run concurrently. Errors:
+ * it uses the layer's GEMM scratch, so no other mf_moe_experts or mf_moe_forward of the layer may run
+ * concurrently; the halves of the layer's exchanges may (a micro-batch's experts beside another's
+ * receive: docs/API.md section 16, `moeflow bench overlap`). Errors:
  * INVALID_ARGUMENT (shapes, dtypes, NULL data; on the CPU a count outside [0, C]), INVALID_USAGE
  * (weights not set), NOT_SUPPORTED (EXPERT_MAJOR layout, a layer with spare slots). */
 MF_API mf_result_t mf_moe_experts(mf_moe_t moe, const mf_experts_in_t *in, const mf_experts_out_t *out,
