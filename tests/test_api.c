@@ -18,7 +18,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "core/internal.h" /* mf__test_fail_alloc_after: the allocator's failure switch */
+#include "core/alloc.h" /* mf__test_fail_alloc_after: the allocator's failure switch */
 #include "harness.h"
 
 #define API_TIMEOUT_MS 15000
@@ -1108,7 +1108,7 @@ static int test_timeout(void) {
 
 /* ---- host allocation failures --------------------------------------------------------------- */
 
-/* The library's allocator can be told to fail its n-th allocation (src/core/internal.h). For
+/* The library's allocator can be told to fail its n-th allocation (src/core/alloc.h). For
  * n = 1, 2, ... the whole life of a small layer (group, comms, layer, weights, forward, teardown)
  * runs with that allocation failing: every call either succeeds or fails with OUT_OF_MEMORY and a
  * message, out-pointers stay untouched, every rank of a collective reaches the same verdict, and

@@ -17,7 +17,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "core/internal.h" /* mf__debug_reset: MF_DEBUG is read once per process */
+#include "core/debug.h" /* mf__debug_reset: MF_DEBUG is read once per process */
 #include "harness.h"
 #include "problem.h"
 #include "ref.h"

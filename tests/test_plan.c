@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/alloc.h" /* mf__test_fail_alloc_after: the allocator's failure switch */
 #include "harness.h"
 #include "plan/plan.h"
 

@@ -36,7 +36,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "core/internal.h" /* mf__test_fail_alloc_after: the allocator's failure switch */
+#include "core/alloc.h" /* mf__test_fail_alloc_after: the allocator's failure switch */
 #include "harness.h"
 
 #define RDV_TIMEOUT_MS 5000       /* a healthy group's bootstrap timeout */

@@ -37,7 +37,7 @@
 #include <vector>
 
 extern "C" {
-#include "core/internal.h"
+#include "core/layout.h"
 #include "core/quant.h"
 #include "cpu/gemm.h"
 }

@@ -62,7 +62,8 @@
 #include <vector>
 
 extern "C" {
-#include "core/internal.h"
+#include "core/errors.h"
+#include "core/layout.h"
 #include "core/quant.h"
 #include "cpu/gemm.h"
 }

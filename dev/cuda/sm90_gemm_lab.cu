@@ -72,9 +72,6 @@
 #include <thread>
 #include <vector>
 
-extern "C" {
-#include "core/internal.h"
-}
 #include "core/numerics.h"
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels/sm90_ptx.cuh"

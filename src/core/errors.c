@@ -7,13 +7,20 @@
  * reports the expert-GEMM decisions on stderr (mf__debug, below).
  */
 #include <pthread.h>
+#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
-#include "core/internal.h"
+#include "core/alloc.h"
+#include "core/config.h"
+#include "core/debug.h"
+#include "core/errors.h"
+#include "core/layout.h"
+#include "core/params.h"
+#include "core/tensor.h"
 
 #define MF__ERROR_LEN 512
 
@@ -93,7 +100,7 @@ int64_t mf__param_timeout_ms(void) { return mf__env_int("MF_TIMEOUT_MS", 30000, 
 
 int32_t mf__param_pdl(void) { return mf__env_int("MF_PDL", 1, 0) != 0; }
 
-/* ---- MF_DEBUG: decision reports (internal.h) ---------------------------------------------- */
+/* ---- MF_DEBUG: decision reports (core/debug.h) ---------------------------------------------- */
 #define MF__DEBUG_KEYS 4096 /* distinct decisions remembered; past this, no more reports */
 
 static _Atomic int mf__debug_state = -1; /* -1 not read yet, else 0 / 1 */

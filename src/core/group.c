@@ -15,7 +15,13 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "core/internal.h"
+#include "core/alloc.h"
+#include "core/backend.h"
+#include "core/config.h"
+#include "core/errors.h"
+#include "core/handles.h"
+#include "core/layout.h"
+#include "core/params.h"
 #include "transport/transport.h"
 
 /* ---- host barrier ------------------------------------------------------------------------- */
@@ -27,7 +33,7 @@ struct mf__host_barrier {
     uint64_t generation;
 };
 
-mf_result_t mf__host_barrier_create(struct mf__host_barrier **barrier, int32_t count) {
+static mf_result_t mf__host_barrier_create(struct mf__host_barrier **barrier, int32_t count) {
     struct mf__host_barrier *b = mf__calloc(1, sizeof *b);
     if (!b) return mf__error(MF_ERR_OUT_OF_MEMORY, "host barrier: out of memory");
     pthread_condattr_t attr;
@@ -47,15 +53,16 @@ mf_result_t mf__host_barrier_create(struct mf__host_barrier **barrier, int32_t c
     return MF_SUCCESS;
 }
 
-void mf__host_barrier_destroy(struct mf__host_barrier *barrier) {
+static void mf__host_barrier_destroy(struct mf__host_barrier *barrier) {
     if (!barrier) return;
     pthread_cond_destroy(&barrier->cond);
     pthread_mutex_destroy(&barrier->mutex);
     mf__free(barrier);
 }
 
-mf_result_t mf__host_barrier_wait(struct mf__host_barrier *b, int64_t timeout_ms, int32_t rank,
-                                  const char *what) {
+/* Waits until `count` threads arrived or `timeout_ms` passed (MF_ERR_TIMEOUT naming `what`). */
+static mf_result_t mf__host_barrier_wait(struct mf__host_barrier *b, int64_t timeout_ms, int32_t rank,
+                                         const char *what) {
     struct timespec deadline;
     clock_gettime(CLOCK_MONOTONIC, &deadline);
     deadline.tv_sec += timeout_ms / 1000;

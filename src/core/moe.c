@@ -11,9 +11,14 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "core/internal.h"
-#include "core/tensor.h"
+#include "core/alloc.h"
+#include "core/backend.h"
+#include "core/config.h"
+#include "core/errors.h"
+#include "core/handles.h"
+#include "core/layout.h"
 #include "core/numerics.h"
+#include "core/tensor.h"
 #include "plan/placement.h"
 #include "plan/stage.h"
 #include "transport/transport.h"

@@ -6,7 +6,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "core/internal.h"
+#include "core/errors.h"
 #include "core/numerics.h"
 #include "core/quant.h"
 #include "core/tensor.h"

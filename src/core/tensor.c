@@ -6,6 +6,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "core/errors.h"
+#include "core/layout.h"
 #include "core/tensor.h"
 
 static void mf__format_dims(char *buf, size_t len, int32_t ndim, const int64_t *dims) {

@@ -1,10 +1,18 @@
 /*
- * tensor.h — checks of public tensor descriptors (see tensor.c).
+ * tensor.h — checks of public tensor descriptors, and the dtypes' sizes and names (see tensor.c;
+ * the dtype helpers are in errors.c).
  */
 #ifndef MF_CORE_TENSOR_H
 #define MF_CORE_TENSOR_H
 
-#include "core/internal.h"
+#include <stddef.h>
+#include <stdint.h>
+
+#include "moeflow.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
 
 /* Checks dtype, ndim, dims (a negative entry in `dims` matches any size), that data is aligned to
  * its elements and, unless `data_optional`, non-NULL when the tensor has elements. */
@@ -15,5 +23,12 @@ int64_t mf__tensor_numel(const mf_tensor_t *t);
 mf_result_t mf__check_rows16(const mf_tensor_t *t, const char *name);
 
 #define MF__DIMS(...) ((const int64_t[]){__VA_ARGS__})
+
+size_t mf__dtype_size(int32_t dtype);
+const char *mf__dtype_name(int32_t dtype);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif /* MF_CORE_TENSOR_H */

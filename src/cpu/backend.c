@@ -30,8 +30,15 @@
 #include <string.h>
 #include <time.h>
 
+#include "core/alloc.h"
+#include "core/backend.h"
+#include "core/debug.h"
+#include "core/errors.h"
+#include "core/handles.h"
+#include "core/layout.h"
 #include "core/numerics.h"
 #include "core/quant.h"
+#include "core/tensor.h"
 #include "cpu/gemm.h"
 #include "plan/balance.h"
 #include "plan/plan.h"

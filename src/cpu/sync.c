@@ -8,6 +8,9 @@
 #include <stdio.h>
 #include <time.h>
 
+#include "core/errors.h"
+#include "core/handles.h"
+#include "core/layout.h"
 #include "cpu/sync.h"
 
 static uint64_t *mf__word(mf_comm_t comm, int32_t owner, size_t index) {

@@ -1,6 +1,6 @@
 /*
  * sync.h — the CPU backend's synchronisation between ranks: epoch signals in every rank's
- * symmetric signal array (core/internal.h "signals"), reached through comm->signals.peers. The
+ * symmetric signal array (core/layout.h "signals"), reached through comm->signals.peers. The
  * arrays are plain host memory on the local transport and POSIX shared memory on ipc: the same
  * atomics work for threads and processes. The CUDA backend keeps the same layout in device memory
  * and waits in its kernels (src/cuda/kernels/sync.cuh).
@@ -8,7 +8,7 @@
 #ifndef MF_CPU_SYNC_H
 #define MF_CPU_SYNC_H
 
-#include "core/internal.h"
+#include "moeflow.h"
 
 /* Announces this rank's arrival at `phase` for the next epoch with `status` (0, or the
  * mf_result_t of a call this rank rejected), release: every write before this call is visible to

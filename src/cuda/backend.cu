@@ -66,7 +66,12 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "core/internal.h"
+#include "core/alloc.h"
+#include "core/backend.h"
+#include "core/errors.h"
+#include "core/handles.h"
+#include "core/layout.h"
+#include "core/params.h"
 #include "cuda/balance.h"
 #include "plan/stage.h"
 #include "cuda/configs.cuh"
@@ -1003,7 +1008,7 @@ static mf_result_t mf__cuda_forward(mf_moe_t moe, const mf_moe_forward_in_t *in,
     return mf__cuda_leave(moe->comm, mf__cuda_forward_launch(moe, in, out, stream), pending);
 }
 
-/* The halves of exchange x's dispatch (core/internal.h, ops->dispatch), in the exchange's heap slot.
+/* The halves of exchange x's dispatch (core/backend.h, ops->dispatch), in the exchange's heap slot.
  * SEND: publish, then (alone) the ARRIVE half of the DISPATCH sync, which stores its epoch in the
  * slot's device word and returns: nothing is left waiting on the device. RECV (alone): the WAIT
  * half, the plan, the gather into x->dispatch_out. Both (mf_dispatch): publish, the whole sync (in

@@ -10,6 +10,7 @@
  */
 #include <cuda_runtime.h>
 
+#include "core/errors.h"
 #include "cuda/balance.h"
 #include "plan/balance.h"
 

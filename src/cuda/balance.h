@@ -11,7 +11,7 @@
 
 #include <stdint.h>
 
-#include "core/internal.h"
+#include "moeflow.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -7,12 +7,12 @@
  * stage and K-block sizes, expert-table sizes, the mbarrier-wait bounds kWaitTimeoutNs = 20 s and
  * MF__SM90_WAIT_TIMEOUT_NS = 4 s, launcher device tables and pointer alignments, the benchmark
  * filler's launch shape). Kernel files include this or gemm_configs.cuh. Limits shared with the
- * host (default block_m, heap and row alignments, BF16 vector width) are in core/internal.h.
+ * host (default block_m, heap and row alignments, BF16 vector width) are in core/layout.h.
  */
 #ifndef MF_CUDA_CONFIGS_CUH
 #define MF_CUDA_CONFIGS_CUH
 
-#include "core/internal.h"
+#include "core/layout.h"
 #include "cuda/gemm_configs.cuh"
 
 #define kMfWarp 32

@@ -8,7 +8,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "core/internal.h" /* C linkage through its own guards */
+#include "core/errors.h" /* C linkage through its own guards */
 #include "core/numerics.h"
 #include "cuda/gemm_bench.h"
 #include "cuda/gemm_configs.cuh" /* kMfFill*: the filler's launch shape */

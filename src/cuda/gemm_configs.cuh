@@ -10,7 +10,7 @@
  * shared-memory maps derived from these sizes (kOff*, kSmemBytes: their layout is the kernel's),
  * named-barrier and fault-tag ids, and the static_asserts that tie a kernel to these numbers.
  * Host-shared limits (block_m, heap and row alignments, the BF16 vector width, the FP8 scale block
- * MF__QUANT_BLOCK) are in core/internal.h and core/numerics.h; kMfDecodeMaxRows, the rows_hint
+ * MF__QUANT_BLOCK) are in core/layout.h and core/numerics.h; kMfDecodeMaxRows, the rows_hint
  * bound below which mf__gemm_choose (grouped_gemm.cu) picks the decode family and with it the
  * DIRECT dataflow, is in cuda/configs.cuh.
  *

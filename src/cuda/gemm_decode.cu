@@ -29,7 +29,7 @@
 #include <string.h>
 
 
-#include "core/internal.h"
+#include "core/errors.h"
 #include "cuda/gemm_family.cuh"
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels/sm90_decode_gemm.cuh"

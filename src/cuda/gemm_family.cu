@@ -4,6 +4,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 
+#include "core/debug.h"
 #include "cuda/gemm_family.cuh"
 
 namespace {

@@ -25,7 +25,7 @@
 
 #include <atomic>
 
-#include "core/internal.h"
+#include "core/errors.h"
 #include "cuda/gemm_configs.cuh" /* kMfGemmMaxDevices, kMfGemmMaxVariants, the alignments */
 #include "cuda/grouped_gemm.h"
 

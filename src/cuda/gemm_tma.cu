@@ -29,7 +29,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "core/internal.h"
+#include "core/errors.h"
 #include "cuda/gemm_family.cuh"
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels/sm90_tma_gemm.cuh"

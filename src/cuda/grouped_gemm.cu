@@ -25,7 +25,10 @@
 
 #include <atomic>
 
-#include "core/internal.h" /* C linkage through its own guards */
+#include "core/debug.h" /* the core headers: C linkage through their own guards */
+#include "core/errors.h"
+#include "core/layout.h"
+#include "core/tensor.h"
 #include "cuda/configs.cuh"
 #include "cuda/gemm_family.cuh" /* MF__GEMM_CUDA */
 #include "cuda/grouped_gemm.h"

@@ -32,7 +32,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "core/internal.h"
+#include "moeflow.h"
 
 typedef struct mf__gemm_segments {
     const int32_t *counts;       /* [L] device: rows of each expert */
@@ -128,7 +128,7 @@ mf_result_t mf__sm90_tma_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__g
                             cudaStream_t stream, int32_t pdl);
 mf_result_t mf__sm90_tma_preload(void);
 
-/* MF_DEBUG (core/internal.h): the layer id the calling thread's next dispatcher calls report under
+/* MF_DEBUG (core/debug.h): the layer id the calling thread's next dispatcher calls report under
  * (a thread-local label; nothing else reads it). */
 void mf__cuda_gemm_debug_layer(uint32_t layer);
 

@@ -4,6 +4,8 @@
  */
 #include <string.h>
 
+#include "core/alloc.h"
+#include "core/errors.h"
 #include "plan/balance.h"
 #include "plan/placement.h"
 #include "plan/plan.h"

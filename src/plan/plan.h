@@ -18,7 +18,7 @@
 
 #include <stdint.h>
 
-#include "core/internal.h"
+#include "moeflow.h"
 
 typedef struct mf__plan {
     int32_t num_ranks, rank, num_experts, num_local, first_expert; /* num_local: slots Lp + B */

@@ -21,6 +21,10 @@
 #include <cuda_runtime.h>
 #endif
 
+#include "core/backend.h"
+#include "core/errors.h"
+#include "core/handles.h"
+#include "core/layout.h"
 #include "transport/transport.h"
 
 #define MF__IPC_HANDLE_BYTES 64

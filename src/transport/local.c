@@ -10,6 +10,11 @@
 #include <cuda_runtime.h>
 #endif
 
+#include "core/alloc.h"
+#include "core/backend.h"
+#include "core/errors.h"
+#include "core/handles.h"
+#include "core/layout.h"
 #include "transport/transport.h"
 
 typedef struct mf__local_handle {

@@ -11,6 +11,10 @@
  * "Transports" for NCCL symmetric windows (LSA pointers), which need every peer NVLink-reachable.
  */
 #define _GNU_SOURCE
+#include "core/alloc.h"
+#include "core/errors.h"
+#include "core/handles.h"
+#include "core/layout.h"
 #include "transport/transport.h"
 
 #if MF_WITH_CUDA

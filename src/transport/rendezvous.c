@@ -47,6 +47,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <poll.h>
+#include <stdarg.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -57,6 +58,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "core/alloc.h"
+#include "core/errors.h"
+#include "core/handles.h"
+#include "core/params.h"
 #include "transport/transport.h"
 
 #define MF__RDV_PREFIX "unix:"

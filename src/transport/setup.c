@@ -6,6 +6,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "core/errors.h"
+#include "core/handles.h"
 #include "transport/transport.h"
 
 mf_result_t mf__allgather(mf_comm_t comm, const void *mine, void *all, size_t bytes, const char *what) {

@@ -19,13 +19,14 @@
 #ifndef MF_TRANSPORT_TRANSPORT_H
 #define MF_TRANSPORT_TRANSPORT_H
 
-#include "core/internal.h"
+#include "core/handles.h"
+#include "core/layout.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-/* mf__sym_t, one symmetric allocation as this process sees it, is in core/internal.h. */
+/* mf__sym_t, one symmetric allocation as this process sees it, is in core/layout.h. */
 
 struct mf__transport_ops {
     const char *name;

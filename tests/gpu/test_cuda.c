@@ -24,7 +24,7 @@
 
 #include "../harness.h"
 #include "cuda_test.h"
-#include "core/internal.h" /* mf__debug_reset: MF_DEBUG is read once per process */
+#include "core/debug.h" /* mf__debug_reset: MF_DEBUG is read once per process */
 #include "problem.h"
 #include "ref.h"
 

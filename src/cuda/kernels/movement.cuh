@@ -16,6 +16,7 @@
 
 #include <stdint.h>
 
+#include "core/layout.h"
 #include "core/numerics.h"
 #include "cuda/kernels/sync.cuh"
 #include "plan/balance.h"

@@ -1,7 +1,7 @@
 /*
  * sync.cuh — device-side synchronisation between ranks, and the fault model of the CUDA backend.
  *
- * Signals (core/internal.h "signals"): every rank owns MF__SIGNAL_WORDS uint64 in device memory,
+ * Signals (core/layout.h "signals"): every rank owns MF__SIGNAL_WORDS uint64 in device memory,
  * reached by peers through the signal table. sync (one kernel): arrive, my_epoch[phase] += 1, a
  * release store of (epoch, status) into every peer's slot [phase][epoch % Q][me]; then wait until
  * every slot [phase][epoch % Q][q] holds that epoch, acquire; bounded by the comm timeout, ended early by an abort (this
@@ -37,6 +37,7 @@
 
 #include <stdint.h>
 
+#include "core/layout.h"
 #include "cuda/configs.cuh"
 #include "cuda/pdl.cuh"
 
