@@ -1,5 +1,5 @@
 /*
- * alloc.h — host allocation: one place, with a failure switch for tests (errors.c), so that every
+ * alloc.h — host allocation: one place, with a failure switch for tests (alloc.c), so that every
  * error path of the library can be walked (SQLite's habit). Device memory is the backends'.
  */
 #ifndef MF_CORE_ALLOC_H

@@ -1,6 +1,6 @@
 /*
  * config.h — the reader of the public config structs (size, magic, version and an INIT macro:
- * NCCL's habit), so that a caller built against an older header still works (errors.c).
+ * NCCL's habit), so that a caller built against an older header still works (config.c).
  */
 #ifndef MF_CORE_CONFIG_H
 #define MF_CORE_CONFIG_H

@@ -1,5 +1,5 @@
 /*
- * debug.h — MF_DEBUG: the one place the library prints (opt-in, stderr; errors.c).
+ * debug.h — MF_DEBUG: the one place the library prints (opt-in, stderr; debug.c).
  */
 #ifndef MF_CORE_DEBUG_H
 #define MF_CORE_DEBUG_H

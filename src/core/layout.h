@@ -1,7 +1,7 @@
 /*
  * layout.h — the symmetric memory every rank lays out alike: the alignments, the collective
  * phases, the heap (a layer's publications and combine slots), the spare slots of balancing, the
- * signal words, and mf__sym_t, one symmetric allocation as this process sees it (core/moe.c;
+ * signal words, and mf__sym_t, one symmetric allocation as this process sees it (layout.c;
  * src/transport/ maps them). Kernels see the same offsets (src/cuda/configs.cuh includes this).
  *
  * Dimension legend: T tokens on this rank in this call, S capacity, H hidden, I intermediate,

@@ -54,3 +54,25 @@ mf_result_t mf__check_rows16(const mf_tensor_t *t, const char *name) {
                          name, t->data, MF__ROW_ALIGN);
     return MF_SUCCESS;
 }
+
+/* ---- dtypes ------------------------------------------------------------------------------- */
+
+size_t mf__dtype_size(int32_t dtype) {
+    switch (dtype) {
+    case MF_DTYPE_BF16: return 2;
+    case MF_DTYPE_FP8_E4M3: return 1;
+    case MF_DTYPE_FP32: return 4;
+    case MF_DTYPE_INT32: return 4;
+    default: return 0;
+    }
+}
+
+const char *mf__dtype_name(int32_t dtype) {
+    switch (dtype) {
+    case MF_DTYPE_BF16: return "bf16";
+    case MF_DTYPE_FP8_E4M3: return "fp8_e4m3";
+    case MF_DTYPE_FP32: return "fp32";
+    case MF_DTYPE_INT32: return "int32";
+    default: return "unknown dtype";
+    }
+}

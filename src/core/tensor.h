@@ -1,6 +1,5 @@
 /*
- * tensor.h — checks of public tensor descriptors, and the dtypes' sizes and names (see tensor.c;
- * the dtype helpers are in errors.c).
+ * tensor.h — checks of public tensor descriptors, and the dtypes' sizes and names (see tensor.c).
  */
 #ifndef MF_CORE_TENSOR_H
 #define MF_CORE_TENSOR_H

@@ -1,0 +1,27 @@
+/*
+ * params.c — the environment variables (core/params.h): their one table, and the only reads of
+ * them in the library.
+ */
+#include <stdlib.h>
+
+#include "core/params.h"
+
+/* MF_TIMEOUT_MS   bound on every wait for a peer, in milliseconds (default 30000)
+ * MF_DEBUG        1: report each distinct expert-GEMM decision once on stderr (default 0; debug.c)
+ * MF_PDL          0: the CUDA backend launches its kernels without programmatic dependent launch
+ *                 (default 1; cuda/pdl.cuh), for A/B measurements */
+
+/* The integer value of `name`, or `fallback` when it is unset, not an integer, or below `min`. */
+static int64_t mf__env_int(const char *name, int64_t fallback, int64_t min) {
+    const char *s = getenv(name);
+    if (!s || !*s) return fallback;
+    char *end = NULL;
+    long long v = strtoll(s, &end, 10);
+    return (end && *end == '\0' && v >= min) ? (int64_t)v : fallback;
+}
+
+int64_t mf__param_timeout_ms(void) { return mf__env_int("MF_TIMEOUT_MS", 30000, 1); }
+
+int32_t mf__param_pdl(void) { return mf__env_int("MF_PDL", 1, 0) != 0; }
+
+int32_t mf__param_debug(void) { return mf__env_int("MF_DEBUG", 0, 1) > 0; }
