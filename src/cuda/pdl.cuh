@@ -47,7 +47,7 @@ __device__ __forceinline__ void mf__pdl_trigger(void) {
 }
 
 /* The switch (default 1): 0 launches every kernel without the attribute. A comm's init clears it
- * when the environment has MF_PDL=0 (mf__param_pdl, core/errors.c); it is never set back, so one
+ * when the environment has MF_PDL=0 (mf__param_pdl, core/params.c); it is never set back, so one
  * process compares both by running twice. Tests and tools may write it; read and written with
  * relaxed atomics. */
 extern "C" int32_t mf__cuda_pdl;
