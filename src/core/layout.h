@@ -52,9 +52,9 @@ const char *mf__phase_name(int phase);
 
 /* ---- symmetric heap layout (identical on every rank; docs/DESIGN.md "Symmetric heap") -------------- */
 /* Every region is aligned to MF__HEAP_ALIGN:
- *   meta:     4 x int32              T of this rank's current call; with balancing (P != E or B > 0)
- *                                    also the expert map's hash, the layer's prefetch count and
- *                                    weights count, which every rank checks are the same on all
+ *   meta:     4 x int32              T of this rank's current call, the expert map's hash, the
+ *                                    layer's prefetch count and weights count, which every rank
+ *                                    checks are the same on all (equal everywhere without balancing)
  *   x:        S x H x (1 or 2) bytes published activations, FP8 (1 byte) or BF16 (2 bytes)
  *   scales:   S x H/128 x fp32       FP8 only: 1x128 activation scales
  *   ids:      S x K x int32          published topk_ids (-1 = skip)

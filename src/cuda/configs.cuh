@@ -17,7 +17,7 @@
 
 #define kMfWarp 32
 #define kMfPublishThreads 256  /* publish: one block per token, warps over 128-wide blocks */
-#define kMfPlanThreads 256     /* plan count / fill: one block per local expert */
+#define kMfPlanThreads 256     /* plan fetch (grid 8 x R), offsets (one block), fill (one block per local expert) */
 #define kMfPlanPerThread 4     /* plan fill: consecutive routing entries per thread per pass */
 #define kMfPlanFetchBlocks 8   /* plan fetch: blocks per rank copying its routing */
 #define kMfPlanSmemExperts 8192 /* plan fetch: experts counted in shared memory (more: global atomics) */

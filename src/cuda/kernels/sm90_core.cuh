@@ -238,8 +238,8 @@ __device__ __forceinline__ int32_t clamp_row(const tile_t &t, int j) {
  * parity (it / kStages) & 1. full[s]: the producer's arrive.expect_tx of the stage's TMA bytes (+ one
  * cp.async arrival per producer lane when lanes copy into the stage); empty[s]: one arrival per
  * consumer warp once it is done with the stage. The producer waits empty with the opposite parity
- * (a fresh barrier's "previous phase" counts as done). Every wait is bounded (kWaitTimeoutNs) and
- * traps into the fault record with its tag. */
+ * (a fresh barrier's "previous phase" counts as done). Every wait is bounded (kWaitTimeoutNs): an
+ * expired one records its tag in the fault record and returns (mf__mbar_wait_bounded). */
 template <int kStages>
 struct ring {
     static __device__ __forceinline__ uint32_t slot(uint32_t it) { return it % kStages; }

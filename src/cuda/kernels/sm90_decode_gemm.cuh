@@ -70,11 +70,10 @@
  * parity = (it / kStages) & 1 (the producer waits empty with the opposite parity; a fresh
  * barrier's "previous phase" counts as done).
  *
- * Bounded waits. Every mbarrier wait gives up after kWaitTimeoutNs (20 s) of %globaltimer and
- * traps (recording itself in the fault record when one is registered, see sm90_ptx.cuh). In the
- * library a trap kills the CUDA context of every (virtual) rank of the process, so the bound is far
- * above any healthy wait, a slow but live peer included (gathered rows are peer reads): it exists
- * only so that a broken pipeline can never hang the GPU.
+ * Bounded waits. Every mbarrier wait gives up after kWaitTimeoutNs (20 s) of %globaltimer, records
+ * itself in the fault record and returns (mf__mbar_wait_bounded, sm90_ptx.cuh; the labs trap
+ * instead). The bound is far above any healthy wait, a slow but live peer included (gathered rows
+ * are peer reads): it exists only so that a broken pipeline can never hang the GPU.
  *
  * FP8 (docs/DESIGN.md "Numerics"): for each 128-wide K block the four k32 wgmmas go into a temporary
  * fragment (scale-d = 0 on the first), then acc += tmp * (a_scale[column][kb] * w_scale[n/128][kb]):

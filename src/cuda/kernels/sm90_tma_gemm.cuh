@@ -91,11 +91,10 @@
  * the same register of the two boxes' fragments; FP8: amax of a row over its 128 h columns across
  * the 4 lanes of a quad, then mf__fp8_block_scale and q = e4m3(h * inv_scale), as the CPU does it.
  *
- * Bounded waits. Every mbarrier wait gives up after kWaitTimeoutNs (20 s, >= 10 s) of %globaltimer
- * and traps (recording itself in the fault record when one is registered, see sm90_ptx.cuh). In the
- * library a trap kills the CUDA context of every (virtual) rank of the process, so the bound is far
- * above any healthy wait (time-sliced or preempted GPUs included); it exists only so that a broken
- * pipeline can never hang the GPU.
+ * Bounded waits. Every mbarrier wait gives up after kWaitTimeoutNs (20 s, >= 10 s) of %globaltimer,
+ * records itself in the fault record and returns (mf__mbar_wait_bounded, sm90_ptx.cuh; the labs
+ * trap instead). The bound is far above any healthy wait (time-sliced or preempted GPUs included);
+ * it exists only so that a broken pipeline can never hang the GPU.
  *
  * Limits (the launchers decline anything else): plain N a multiple of 256, swiglu N = 2I with I a
  * multiple of 128; K * element bytes a multiple of 16 (FP8: K a multiple of 128; BF16 K tails past
