@@ -26,7 +26,7 @@ over the whole T sweep (median round, min / max, spread; 5 % flagged), no L2 flu
 outside the events). On the CPU there are no graphs: eager calls, wall clock (the smoke path).
 Weights: moeflow.bench.make_weights on the device (random E4M3 codes, no fp32 temporary: deepseek-v3's
 11.3 GB in well under a second on an H200); inputs: make_tokens (uniform distinct top-K, seed 1000 + T,
-the same draw as moeflow.bench). S = the largest T (the C bench's default). Each T is checked
+the same draw as moeflow.bench; with --c-record the C row's routing where its record carries it). S = the largest T (the C bench's default). Each T is checked
 before it is timed: the first replay equals an eager apply bit for bit, and with --check (--smoke's
 default; small shapes only) y meets moeflow.reference's fp64 layer.
 
@@ -113,7 +113,7 @@ def capture(step, args):
     return graph, y
 
 
-def bench_preset(name, tokens, device, mode, is_double, timer, rounds, check, ceil, log):
+def bench_preset(name, tokens, device, mode, is_double, timer, rounds, check, ceil, log, c_rows=()):
     """Rows (moeflow.bench's record rows, op "layer") of one preset at R = 1: the kernel built
     once (S = max T), per T a graph captured (CUDA) and checked, then `rounds` rounds over the
     sweep (moeflow.bench.schedule) of timer.samples(replay) (eager apply on the CPU)."""
@@ -135,7 +135,8 @@ def bench_preset(name, tokens, device, mode, is_double, timer, rounds, check, ce
 
         cases = {}
         for T in tokens:  # capture and check every T before any is timed
-            x, ids, wts = bench.make_tokens(1, T, E, K, H, device, seed=1000 + T)[0]
+            routing = bench.c_routing(c_rows, 1, E, K, H, I, T)  # the C row's experts where it has them
+            x, ids, wts = bench.make_tokens(1, T, E, K, H, device, seed=1000 + T, routing=routing)[0]
             args = (x, ids, wts)
             if cuda:
                 graph, y = capture(step, args)
@@ -155,7 +156,7 @@ def bench_preset(name, tokens, device, mode, is_double, timer, rounds, check, ce
                                          None if s13 is None else s13.cpu(), w2.cpu(),
                                          None if s2 is None else s2.cpu())
                 ref.assert_close(y, want, bench.FP8 if fp8 else torch.bfloat16, oracle=False)
-            cases[T] = (graph, run, args, y, same)
+            cases[T] = (graph, run, args, y, same, routing is not None)
         per_t = {T: [] for T in tokens}
         for _, T in bench.schedule(tokens, rounds):
             per_t[T].append(statistics.median(timer.samples(cases[T][1])))
@@ -171,6 +172,7 @@ def bench_preset(name, tokens, device, mode, is_double, timer, rounds, check, ce
                              ceil if cuda else None, timer.iters, timer.warmup)
             row["layout"] = "masked" if mode == "dispatch" else "expert_major"
             row.update(bench.round_fields(agg))
+            row["routing"] = "c_record" if cases[T][5] else "own"
             row.update({"launch": "graph" if cuda else "eager", "gated": int(timer.hold),
                         "l2_flush": timer.flush is not None,
                         "interface": f"vllm_kernel_{mode}", "replay_equals_eager": cases[T][4],
@@ -247,7 +249,7 @@ def main(argv=None):
     rows = []
     for name in presets:
         pr = bench_preset(name, tokens, device, a.mode, is_double, timer, a.rounds, a.check,
-                          bench.ceilings(), log)
+                          bench.ceilings(), log, c_rows)
         bench.attach_c(pr, c_rows)
         print_rows(pr)
         rows.extend(pr)

@@ -680,7 +680,13 @@ typedef struct row {
     double diff, max_abs;
     int64_t wrong, first_wrong;
     int pass;
+    /* The row's routing, rank after rank (T x K ids each), for the JSON record when it has at most
+     * ROUTING_IN_RECORD ids in all (a Python bench then replays the same routing: --c-record). */
+    int32_t *ids;
+    int64_t nids;
 } row_t;
+
+#define ROUTING_IN_RECORD 65536
 
 enum { ROW_LAYER = 0, ROW_DISPATCH = 1, ROW_COMBINE = 2 };
 static const char *const k_row_ops[] = {"layer", "dispatch", "combine"};
@@ -706,6 +712,18 @@ static const char *routing_name(const opts_t *o, char *buf, size_t n) {
 }
 
 /* Load of the current inputs: max / mean received rows per rank and per expert. */
+/* A copy of the row's routing for its JSON record (every rank's T x K ids, all ranks with the same
+ * T), when it has at most ROUTING_IN_RECORD ids; layer rows only. */
+static void keep_routing(const mfp_problem_t *p, row_t *row) {
+    const int64_t per = (int64_t)row->T * p->spec.K, n = per * p->spec.R;
+    if (row->op != ROW_LAYER || n > ROUTING_IN_RECORD) return;
+    for (int32_t q = 0; q < p->spec.R; q++)
+        if (p->T[q] != row->T) return;
+    if (!(row->ids = malloc((size_t)(n > 0 ? n : 1) * sizeof *row->ids))) die_io("out of host memory");
+    for (int32_t q = 0; q < p->spec.R; q++) memcpy(row->ids + q * per, p->topk_ids[q], (size_t)per * sizeof *row->ids);
+    row->nids = n;
+}
+
 static void load_stats(const mfp_problem_t *p, row_t *row, int32_t *empty) {
     const int32_t R = p->spec.R, E = p->spec.E;
     int64_t *pr = calloc((size_t)R, sizeof *pr), *pe = calloc((size_t)E, sizeof *pe);
@@ -975,6 +993,16 @@ static int write_json(const opts_t *o, const row_t *rows, int nrows, int argc, c
                    "\"L\": %d, \"M\": %lld, \"S\": %d}, ",
                 o->R, o->E, o->K, o->H, o->I, r->T, o->E / o->R, (long long)r->rows, r->S);
         if (r->op == ROW_LAYER) fprintf(f, "\"phase_events\": %d, ", r->events);
+        if (r->ids) { /* [R][T * K]: the routing, so that another bench can time the same one */
+            fprintf(f, "\"topk_ids\": [");
+            const int64_t per = r->nids / o->R;
+            for (int32_t q = 0; q < o->R; q++) {
+                fprintf(f, "%s[", q ? ", " : "");
+                for (int64_t j = 0; j < per; j++) fprintf(f, "%s%d", j ? ", " : "", (int)r->ids[q * per + j]);
+                fprintf(f, "]");
+            }
+            fprintf(f, "], ");
+        }
         fprintf(f, "\"time_us\": ");
         cli_json_number(f, r->time_us);
         /* the rounds (docs/DESIGN.md "Benchmark records"): time_us is their median */
@@ -1489,7 +1517,10 @@ int main(int argc, char **argv) {
                 if (row->code != MF_SUCCESS) continue; /* failed in an earlier round */
                 int32_t empty;
                 if (mfp_set_tokens(&p, row->T, o.seed) != 0) die_io("out of host memory");
-                if (rnd == 0) load_stats(&p, row, &empty);
+                if (rnd == 0) {
+                    load_stats(&p, row, &empty);
+                    keep_routing(&p, row);
+                }
                 run_row(&o, &p, row, rnd, y, yref);
                 if (o.comm_op) { /* the same runs' combine */
                     row_t *c = &rows[i + 1];
@@ -1546,7 +1577,7 @@ int main(int argc, char **argv) {
     }
     free(y);
     free(yref);
-    for (int i = 0; i < per_dtype * o.ndtypes; i++) free(rows[i].round_us), free(rows[i].round_timing);
+    for (int i = 0; i < per_dtype * o.ndtypes; i++) free(rows[i].round_us), free(rows[i].round_timing), free(rows[i].ids);
     free(rows);
     return rc;
 }

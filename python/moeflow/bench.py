@@ -35,12 +35,15 @@ decode) are inside the events. The default "auto" is graph on CUDA with R = 1, b
 an engine runs the small batches this bench is about: vLLM and SGLang capture their decode steps
 (batch sizes up to a few hundred tokens) into CUDA graphs and replay them, so an engine never pays
 the Python or launch gaps there, and `moeflow bench --gated` (the C numbers) measures the same
-device time without host gaps. Eager stays the default for R > 1 virtual ranks (one thread per rank,
+device time without host gaps (measured on the H200: a replay can still be a few us faster).
+Eager stays the default for R > 1 virtual ranks (one thread per rank,
 each capturing while its peers wait in the collective is not supported here) and on the CPU (no
 graphs). Rows carry "launch": "graph" | "eager" (the w13 / w2 rows and the torch peer, timed eagerly
 by their nature: "eager") and "l2_flush". --c-record adds, per layer row, the C row of the same
-shape from `moeflow bench --json` records ("c": its time, diff_us, within_tol = |diff| <= 2 us)
-and a "vs C" table.
+shape from `moeflow bench --json` records ("c": its time, diff_us, within_tol = |diff| <= 2 us,
+same_routing) and a "vs C" table; where the C record carries the row's routing ("topk_ids", small
+problems) the Python rows replay that routing ("routing": "c_record"), so both sides stream the
+same experts and the 2 us check compares like with like (other routings give other floors).
 Rounds (--rounds N, default 3; issue 25): the whole T sweep runs N times, one round after the other
 (round 1 over every T, then round 2, ...), for moeflow and for the torch peer alike; each row's
 time_us is the median round, with the rounds' min / max and the spread (max - min) / median in the
@@ -194,13 +197,16 @@ def make_weights(E, H, I, fp8, device, seed=1):
     return w13.mul_(math.sqrt(3.0 / H)), None, w2.mul_(math.sqrt(3.0 / I)), None
 
 
-def make_tokens(R, T, E, K, H, device, seed):
-    """Per rank: x [T, H] bf16, uniform distinct top-K ids [T, K] int32, weights summing to 1."""
+def make_tokens(R, T, E, K, H, device, seed, routing=None):
+    """Per rank: x [T, H] bf16, uniform distinct top-K ids [T, K] int32 (or rank r's ids from
+    `routing`, a list of R int32 [T, K] tensors: c_routing), weights summing to 1."""
     g = torch.Generator().manual_seed(seed)
     out = []
-    for _ in range(R):
+    for r in range(R):
         x = torch.randn(T, H, generator=g).to(torch.bfloat16)
         ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K].to(torch.int32)
+        if routing is not None:
+            ids = routing[r]
         w = torch.rand(T, K, generator=g) + 0.05
         out.append((x.to(device), ids.contiguous().to(device), (w / w.sum(1, keepdim=True)).to(device)))
     return out
@@ -493,7 +499,7 @@ class TorchPeer:
 
 # ---- one preset ----------------------------------------------------------------------------------
 def bench_preset(name, spec, tokens, R, backend, device, iters, warmup, peers, ceil, log,
-                 dataflows=("auto",), rounds=1, launch="eager", flush=True):
+                 dataflows=("auto",), rounds=1, launch="eager", flush=True, c_rows=()):
     E, K, H, I, fp8 = spec
     if E % R:
         raise ValueError(f"{name}: E = {E} does not divide over {R} ranks")
@@ -501,7 +507,9 @@ def bench_preset(name, spec, tokens, R, backend, device, iters, warmup, peers, c
     cuda = device.type == "cuda"
     log(f"# {name}: E {E} K {K} H {H} I {I} {'fp8' if fp8 else 'bf16'} R {R}: weights ...")
     weights = make_weights(E, H, I, fp8, device)
-    tokens_by_t = {T: make_tokens(R, T, E, K, H, device, seed=1000 + T) for T in tokens}
+    # the C record's routing where it carries one for this shape (the same experts, so the same floor)
+    routing = {T: c_routing(c_rows, R, E, K, H, I, T) for T in tokens}
+    tokens_by_t = {T: make_tokens(R, T, E, K, H, device, seed=1000 + T, routing=routing[T]) for T in tokens}
     comms = virtual_comms(R, backend)
     try:
         timed = {df: time_moeflow(comms, spec, weights, tokens_by_t, iters, warmup, df, rounds, launch=launch,
@@ -560,6 +568,7 @@ def bench_preset(name, spec, tokens, R, backend, device, iters, warmup, peers, c
                 row["launch"] = launch if op in ("layer", "layer_unfused") else "eager"
                 row["gated"] = int(row["launch"] == "graph")  # held replays (HOLD_CYCLES), as the CLI's
                 row["l2_flush"] = cuda and flush
+                row["routing"] = "c_record" if routing[T] is not None else "own"
                 if op in ("layer", "layer_unfused"):
                     row.update(round_fields(agg))  # the rounds (module docstring)
                     row["phases_us"] = {k: round(v, 3) for k, v in phases.items()}
@@ -656,6 +665,17 @@ def load_c_rows(paths):
             if row.get("op") in ("layer", "layer_unfused") and row.get("time_us") is not None]
 
 
+def c_routing(c_rows, R, E, K, H, I, T):
+    """The routing of a C layer row of shape (R, E, K, H, I, T) that carries one ("topk_ids",
+    `moeflow bench --json` writes it for small problems): a list of R int32 [T, K] tensors, or None."""
+    want = {"R": R, "E": E, "K": K, "H": H, "I": I, "T": T}
+    for _, c in c_rows:
+        ids = c.get("topk_ids")
+        if ids is not None and all(c.get("shape", {}).get(k) == v for k, v in want.items()):
+            return [torch.tensor(r, dtype=torch.int32).reshape(T, K) for r in ids]
+    return None
+
+
 def match_c_row(c_rows, row):
     """The (path, row) of `c_rows` that times what `row` (a Python record's row) times: the same
     op, dtype, dataflow, layout and shape R, E, K, H, I, T; among several, the one nearest a graph
@@ -681,7 +701,7 @@ def c_entry(row, match, tol=C_TOLERANCE_US):
     return {"record": os.path.basename(path), "time_us": c["time_us"], "gated": c.get("gated"),
             "phase_events": c.get("phase_events"), "S": c.get("shape", {}).get("S"),
             "spread": c.get("spread"), "diff_us": round(diff, 3), "within_tol": abs(diff) <= tol,
-            "tol_us": tol}
+            "tol_us": tol, "same_routing": row.get("routing") == "c_record" and c.get("topk_ids") is not None}
 
 
 def attach_c(rows, c_rows, tol=C_TOLERANCE_US):
@@ -710,7 +730,7 @@ def print_c_table(rows, out=None):
     print(f"#\n# vs C     time_us - the C row's (gated, phase events off preferred); ok: within "
           f"{C_TOLERANCE_US:g} us", file=out)
     print(f"#{'preset':<16} {'op':>13} {'launch':>6} {'T':>6} {'python':>9} {'C':>9} {'diff':>8} {'ok':>4} "
-          f"{'C S':>6} {'C ev':>4}", file=out)
+          f"{'C S':>6} {'C ev':>4} {'routing':>8}", file=out)
     for r in rows:
         if r.get("op") not in ("layer", "layer_unfused"):
             continue
@@ -718,7 +738,8 @@ def print_c_table(rows, out=None):
         cu, d, ok = c_cells(r)
         print(f" {r.get('preset') or preset_of(r['shape']):<16} {r['op']:>13} {r.get('launch', '-'):>6} "
               f"{r['shape']['T']:>6} {r['time_us']:9.1f} {cu} {d} {ok} {str(c.get('S', '-')):>6} "
-              f"{str(c.get('phase_events', '-')):>4}", file=out)
+              f"{str(c.get('phase_events', '-')):>4} "
+              f"{'-' if not c else 'same' if c.get('same_routing') else 'differs':>8}", file=out)
 
 
 # ---- plots ---------------------------------------------------------------------------------------
@@ -1043,7 +1064,7 @@ def main(argv=None):
         E, K, H, I, dt = PRESETS[name]
         dt = dt if a.dtype == "preset" else a.dtype
         rows = bench_preset(name, (E, K, H, I, dt == "fp8"), tokens, a.ranks, backend, device, iters, warmup,
-                            not a.no_peers, ceil, log, dataflows, a.rounds, launch, flush)
+                            not a.no_peers, ceil, log, dataflows, a.rounds, launch, flush, c_rows)
         attach_c(rows, c_rows)
         all_rows.extend(rows)
         rec = {"meta": {"card": card, "date": date, "commit": commit,

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from moeflow import bench
 
@@ -149,6 +150,16 @@ def test_cpu_bench_with_c_record(tmp_path, capsys):
     c_rows = [r for _, r in bench.load_c_rows([cpath])]
     assert {(r["shape"]["T"], r["phase_events"]) for r in c_rows if r["op"] == "layer"} == \
         {(1, 0), (1, 1), (3, 0), (3, 1)}
+    for c in c_rows:  # the C rows carry their routing: R lists of T x K ids in [0, E)
+        T = c["shape"]["T"]
+        assert len(c["topk_ids"]) == 1 and len(c["topk_ids"][0]) == T * 2
+        assert all(0 <= e < 8 for e in c["topk_ids"][0])
+    # c_routing: that routing as tensors for the same shape, None for another
+    got = bench.c_routing([(cpath, c) for c in c_rows], 1, 8, 2, 256, 128, 3)
+    want = next(c for c in c_rows if c["shape"]["T"] == 3)["topk_ids"][0]
+    assert got[0].dtype == torch.int32 and got[0].shape == (3, 2) and got[0].reshape(-1).tolist() == want
+    assert bench.c_routing([(cpath, c) for c in c_rows], 1, 8, 2, 256, 128, 5) is None
+    assert bench.c_routing([(cpath, c) for c in c_rows], 1, 16, 2, 256, 128, 3) is None
     out = str(tmp_path / "py")
     assert bench.main(["--smoke", "--backend", "cpu", "--tokens", "1,3", "--rounds", "1", "--no-plots",
                        "--no-peers", "--flush", "off", "--c-record", cpath, "--out", out]) == 0
@@ -164,6 +175,8 @@ def test_cpu_bench_with_c_record(tmp_path, capsys):
         assert r["c"]["diff_us"] == pytest.approx(r["time_us"] - want["time_us"], abs=1e-3)
         assert r["c"]["within_tol"] == (abs(r["c"]["diff_us"]) <= 2.0)
         assert r["c"]["record"] == "c_tiny.json"
+        assert r["routing"] == "c_record" and r["c"]["same_routing"] is True  # the C row's experts
+        assert r["shape"]["M"] == want["shape"]["M"]
     text = capsys.readouterr().out
     assert "# launch   eager" in text
     table = text[text.index("# vs C"):].splitlines()
@@ -173,7 +186,7 @@ def test_cpu_bench_with_c_record(tmp_path, capsys):
         assert float(d[4]) == pytest.approx(r["time_us"], abs=0.051)
         assert float(d[5]) == pytest.approx(r["c"]["time_us"], abs=0.051)
         assert float(d[6]) == pytest.approx(r["c"]["diff_us"], abs=0.051)
-        assert d[7] == ("yes" if r["c"]["within_tol"] else "NO") and d[9] == "0"
+        assert d[7] == ("yes" if r["c"]["within_tol"] else "NO") and d[9] == "0" and d[10] == "same"
 
 
 # ---- bench/vllm_graph.py --------------------------------------------------------------------------------
@@ -200,6 +213,9 @@ def check_script_record(out, want_double, cpath=None):
         if cpath:
             assert r["c"]["phase_events"] == 0
             assert r["c"]["diff_us"] == pytest.approx(r["time_us"] - r["c"]["time_us"], abs=1e-3)
+            assert r["routing"] == "c_record" and r["c"]["same_routing"] is True
+        else:
+            assert r["routing"] == "own"
     return rows
 
 
