@@ -30,7 +30,7 @@ CFLAGS   += -O1 -fsanitize=address,undefined -fno-omit-frame-pointer -fno-saniti
 LDFLAGS  += -fsanitize=address,undefined
 endif
 
-LIB_C_SRC := $(wildcard src/core/*.c src/plan/*.c src/transport/*.c src/cpu/*.c)
+LIB_C_SRC := $(wildcard src/core/*.c src/plan/*.c src/balance/*.c src/transport/*.c src/cpu/*.c)
 LIB_OBJ   := $(LIB_C_SRC:%.c=$(BUILD)/%.o)
 
 ifeq ($(CUDA),1)
@@ -38,7 +38,7 @@ CUDA_HOME  ?= $(patsubst %/bin/nvcc,%,$(realpath $(NVCC_FOUND)))
 NVCCFLAGS  := -std=c++17 -O3 -g -lineinfo -Xcompiler -fPIC -Xcompiler -Wall -Xcompiler -fvisibility=hidden \
               -gencode arch=compute_90a,code=sm_90a -Werror all-warnings \
               -Iinclude -Isrc -DMF_WITH_CUDA=1
-LIB_CU_SRC := $(wildcard src/cuda/*.cu)
+LIB_CU_SRC := $(wildcard src/cuda/*.cu src/balance/*.cu)
 LIB_OBJ    += $(LIB_CU_SRC:%.cu=$(BUILD)/%.o)
 LDLIBS     += -L$(CUDA_HOME)/lib64 -lcudart -lcuda -ldl -lrt -lstdc++
 CPPFLAGS   += -I$(CUDA_HOME)/include

@@ -1,5 +1,5 @@
 /*
- * balance_planner.c — the balancing planner alone (src/plan/balance.h) on the CLI's routing: rows
+ * balance_planner.c — the balancing planner alone (src/balance/planner.h) on the CLI's routing: rows
  * per rank max / mean before (every expert on its home rank e / L) and after mf__balance_pick's
  * spare table, for E = 256, R = 8, K = 8, B = 2, over seeds 1..N. The per-step plan uses the
  * previous call's counts; here those are the call's own (a steady routing), as in `moeflow bench`.
@@ -12,7 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include "plan/balance.h"
+#include "balance/planner.h"
 #include "problem.h"
 int main(int argc, char **argv) {
     int T = atoi(argv[1]); double zs = atof(argv[2]); int seeds = atoi(argv[3]);

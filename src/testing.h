@@ -16,7 +16,7 @@
  *   the exact numerics: mf__bf16_*, mf__fp8_*,  core/numerics.h    the --check reference rounds where the
  *     mf__fp8_block_scale, MF__FP8_MAX,                          kernels round (the FP8 block scale has no
  *     MF__FP8_AMAX_MIN, MF__QUANT_BLOCK                          public form; inline, per element)
- *   the staged-map schedule: mf__stage_*        plan/stage.h       `moeflow bench --rebalance` prints the
+ *   the staged-map schedule: mf__stage_*        balance/stage.h    `moeflow bench --rebalance` prints the
  *                                                                steps and bytes a stage takes
  *
  * Plain C, no CUDA types: streams are void * (cudaStream_t).
@@ -27,6 +27,6 @@
 #include "moeflow.h"
 #include "core/numerics.h"
 #include "cuda/gemm_bench.h"
-#include "plan/stage.h"
+#include "balance/stage.h"
 
 #endif /* MF_TESTING_H */

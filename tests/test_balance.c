@@ -1,6 +1,6 @@
 /*
  * test_balance.c — balanced EP on the CPU backend (docs/DESIGN.md "Balanced EP"): the planner of
- * src/plan/balance.h on its own, then whole layers through the public API.
+ * src/balance/planner.h on its own, then whole layers through the public API.
  *
  * The contract under test: whatever the expert map (replicas, permutations) and whatever the spare
  * slots hold, y is bit-identical to the same layer without replicas (the per-row expert
@@ -13,10 +13,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "balance/planner.h"
+#include "balance/stage.h"
 #include "harness.h"
-#include "plan/balance.h"
 #include "plan/placement.h"
-#include "plan/stage.h"
 #include "problem.h"
 
 #define BAL_TIMEOUT_MS 20000

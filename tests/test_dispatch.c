@@ -16,7 +16,7 @@
  * (uneven LINEAR, ROUND_ROBIN: segment l is the placement's local expert l, all of its rows) and
  * expert maps (replicas, permutations: segment l is slot map[rank * Lp + l], which takes the rows
  * [begin, begin + share) of its expert's rank-major order that the balancing split gives it,
- * computed here with src/plan/balance.h's serial functions).
+ * computed here with src/balance/planner.h's serial functions).
  */
 #include <math.h>
 #include <stdio.h>
@@ -24,7 +24,7 @@
 #include <string.h>
 
 #include "harness.h"
-#include "plan/balance.h"
+#include "balance/planner.h"
 
 #define DMAX_R 8
 #define DROUNDS 4

@@ -64,7 +64,7 @@ struct mf__backend_ops {
     mf_result_t (*prefetch)(mf_moe_t moe, mf_stream_t stream);
     mf_result_t (*get_balance_stats)(mf_moe_t moe, mf_moe_balance_stats_t *stats);
     /* Rebalancing; NULL where the backend cannot move weights (core answers NOT_SUPPORTED). One
-     * step of the staged map's moves (moe->stage_step of them done before it, src/plan/stage.h),
+     * step of the staged map's moves (moe->stage_step of them done before it, src/balance/stage.h),
      * in mf_moe_prefetch before the spare-slot step. The last one (stage_step + 1 == stage_steps)
      * also switches the backend's own copy of the map to moe->staged_map and its weights to
      * moe->staged_weights (ordered on the stream, no host wait); core then switches its state. */

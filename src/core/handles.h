@@ -130,7 +130,7 @@ struct mf_moe {
     int32_t stage_steps;      /* prefetches the stage takes (the last one switches) */
     int32_t stage_step;       /* prefetches of it done so far */
     uint32_t map_switches;    /* staged maps switched to */
-    struct mf__stage_slot *stage_plan; /* [P] the schedule (src/plan/stage.h), or NULL */
+    struct mf__stage_slot *stage_plan; /* [P] the schedule (src/balance/stage.h), or NULL */
     mf__sym_t stage;          /* the staging slots of every rank: [2n] experts (mf__spare_layout_t) */
     int64_t stage_bytes, stage_bytes_all, stage_local_bytes; /* moved by the last prefetch */
     mf__spare_layout_t stage_layout;

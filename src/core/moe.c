@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "balance/stage.h"
 #include "core/alloc.h"
 #include "core/backend.h"
 #include "core/config.h"
@@ -20,7 +21,6 @@
 #include "core/numerics.h"
 #include "core/tensor.h"
 #include "plan/placement.h"
-#include "plan/stage.h"
 #include "transport/transport.h"
 
 /* ---- creation ----------------------------------------------------------------------------- */

@@ -30,6 +30,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "balance/planner.h"
+#include "balance/stage.h"
 #include "core/alloc.h"
 #include "core/backend.h"
 #include "core/debug.h"
@@ -40,10 +42,8 @@
 #include "core/quant.h"
 #include "core/tensor.h"
 #include "cpu/gemm.h"
-#include "plan/balance.h"
-#include "plan/plan.h"
-#include "plan/stage.h"
 #include "cpu/sync.h"
+#include "plan/plan.h"
 
 typedef struct mf__cpu_moe {
     /* One plan per heap slot (config.max_in_flight): an exchange's plan lives from its dispatch
@@ -610,7 +610,7 @@ static void mf__cpu_copy_expert(mf__expert_ptrs_t dst, mf__expert_ptrs_t src, co
     }
 }
 
-/* Step `moe->stage_step` of the schedule (src/plan/stage.h) on this rank: in step 0 the local
+/* Step `moe->stage_step` of the schedule (src/balance/stage.h) on this rank: in step 0 the local
  * copies; the arrivals of the previous step from this rank's staging slots into next_weights; the
  * pushes of this step from the old weights into the peers' staging slots (the other half). No
  * synchronisation: a peer pushed step i - 1 before its DISPATCH arrival of the forward between,

@@ -52,7 +52,7 @@
  * L = E / R of them without balancing); the GEMMs run once over the static slots with the caller's
  * weights and once over the spare slots with moeflow's spare allocation as the [B, N, K] operand
  * (the same kernel family: rows_hint stays on logical E). mf_moe_prefetch (pick, push, commit,
- * balance.cu) is ordered after this rank's previous forward and before its next one by two
+ * balance/prefetch.cu) is ordered after this rank's previous forward and before its next one by two
  * internal events (skipped where one call is captured and the other is not: the caller orders them
  * then); this rank's COMBINE wait of that forward already saw every peer's arrival, so every peer
  * has finished reading its spare slots before a push, and reads them again only after its next
@@ -66,14 +66,14 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "balance/prefetch.h"
+#include "balance/stage.h"
 #include "core/alloc.h"
 #include "core/backend.h"
 #include "core/errors.h"
 #include "core/handles.h"
 #include "core/layout.h"
 #include "core/params.h"
-#include "cuda/balance.h"
-#include "plan/stage.h"
 #include "cuda/configs.cuh"
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels/movement.cuh"
@@ -144,8 +144,8 @@ typedef struct mf__cuda_moe {
 
 static mf__cuda_comm_t *mf__cc(mf_comm_t comm) { return (mf__cuda_comm_t *)comm->backend_state; }
 
-extern "C" int32_t mf__cuda_plan_serial = 0; /* cuda/balance.h */
-extern "C" int32_t mf__cuda_plan_small = 1;  /* cuda/balance.h */
+extern "C" int32_t mf__cuda_plan_serial = 0; /* balance/prefetch.h */
+extern "C" int32_t mf__cuda_plan_small = 1;  /* balance/prefetch.h */
 
 /* ---- comm and memory ---------------------------------------------------------------------- */
 
@@ -1175,7 +1175,7 @@ static mf_result_t mf__cuda_prefetch_enter(mf_moe_t moe, cudaStream_t stream, un
     return MF_SUCCESS;
 }
 
-/* mf_moe_prefetch: pick, push, commit on `stream` (balance.cu), after this rank's last forward. */
+/* mf_moe_prefetch: pick, push, commit on `stream` (balance/prefetch.cu), after this rank's last forward. */
 static mf_result_t mf__cuda_prefetch_op(mf_moe_t moe, mf_stream_t stream_) {
     cudaStream_t stream = (cudaStream_t)stream_;
     mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
@@ -1222,7 +1222,7 @@ static mf_result_t mf__cuda_prefetch_op(mf_moe_t moe, mf_stream_t stream_) {
     return MF_SUCCESS;
 }
 
-/* ---- rebalancing without a stall: a staged map's steps (src/plan/stage.h) ------------------- */
+/* ---- rebalancing without a stall: a staged map's steps (src/balance/stage.h) ---------------- */
 
 /* The staged map's device copy, installed by the last step (blocking: this rank's last forward
  * reads the map, a previous stage's last step may still read the buffer on its stream). */

@@ -4,9 +4,9 @@
  */
 #include <string.h>
 
+#include "balance/planner.h"
 #include "core/alloc.h"
 #include "core/errors.h"
-#include "plan/balance.h"
 #include "plan/placement.h"
 #include "plan/plan.h"
 

@@ -9,7 +9,7 @@
  *
  * Balanced EP (docs/DESIGN.md "Balanced EP"): the plan's units are this rank's *slots*, its Lp = P / R
  * static slots and its B spare slots (slot Lp + j), not logical experts. Every (token, k) goes to
- * one replica of its logical expert, split by src/plan/balance.h from the global counts; with the
+ * one replica of its logical expert, split by src/balance/planner.h from the global counts; with the
  * identity map and B = 0 the slots are the L local experts and the plan is the unbalanced one. A
  * mapped placement (src/plan/placement.h) is such a map, with -1 in empty slots (no rows).
  */
@@ -30,7 +30,7 @@ typedef struct mf__plan {
     int32_t *offsets;       /* [Lp + B + 1] first row of each slot (MASKED: s * C) */
     int32_t *cursor;        /* [Lp + B] scratch: fill position per slot */
     int32_t *slot_expert;   /* [Lp + B] logical expert of each slot (-1: an empty spare slot) */
-    /* Replicas (balance.h): N = P + R * B entries at most. */
+    /* Replicas (balance/planner.h): N = P + R * B entries at most. */
     int32_t *rep_off, *rep_rank, *rep_slot, *share, *rep_begin; /* [E + 1], [N] x 4 */
     int32_t *scratch;       /* [E + R * B] */
     int32_t *seen;          /* [E] scratch: rows of each expert met so far */

@@ -1,6 +1,6 @@
 /*
  * test_balance.c (gpu) — balanced EP on the CUDA backend (docs/DESIGN.md "Balanced EP"):
- *   cuda_balance_pick      the planner of src/plan/balance.h in a CUDA kernel gives the host's
+ *   cuda_balance_pick      the planner of src/balance/planner.h in a CUDA kernel gives the host's
  *                          spare table bit for bit (random counts, maps with replicas, residents);
  *   cuda_balance_bitwise   tests/test_balance.c's layer cases on CUDA (virtual ranks R = 1, 2, 4, 8,
  *                          both dtypes and layouts, DIRECT / PULL / UNFUSED pinned): any map and any
@@ -40,11 +40,11 @@
 #include <string.h>
 
 #include "../harness.h"
+#include "balance/planner.h"
+#include "balance/prefetch.h"
+#include "balance/stage.h"
 #include "cuda_test.h"
-#include "cuda/balance.h"
-#include "plan/balance.h"
 #include "plan/placement.h"
-#include "plan/stage.h"
 #include "problem.h"
 #include "ref.h"
 

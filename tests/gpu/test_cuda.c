@@ -732,7 +732,7 @@ static int cuda_dataflow_bitwise(void) {
 
 /* The switch of cuda/pdl.cuh (C++ only there); a comm's init clears it when MF_PDL=0. */
 extern int32_t mf__cuda_pdl;
-extern int32_t mf__cuda_plan_small; /* cuda/balance.h */
+extern int32_t mf__cuda_plan_small; /* balance/prefetch.h */
 
 typedef struct pdl_case {
     layer_case_t layer;

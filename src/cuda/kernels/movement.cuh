@@ -19,7 +19,7 @@
 #include "core/layout.h"
 #include "core/numerics.h"
 #include "cuda/kernels/sync.cuh"
-#include "plan/balance.h"
+#include "balance/planner.h"
 
 /* Offsets of the symmetric-heap regions (mf__heap_layout_t) and the peer table. */
 typedef struct mf__heap_view {
@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(kMfPublishThreads) mf__publish_kernel(mf__publ
  *   fill     each local expert's source rows in rank-major, token, k order, from the local copy.
  *
  * Balanced EP (p.balanced; docs/DESIGN.md "Balanced EP"): the units are this rank's slots (L = Lp + B),
- * not logical experts. offsets runs src/plan/balance.h on one thread over shared memory (the
+ * not logical experts. offsets runs src/balance/planner.h on one thread over shared memory (the
  * replica lists from the map and the resident spare table, the split of the global counts), which
  * is the CPU oracle's code (src/plan/plan.c mf__plan_build) line for line; the capacity verdict
  * runs over replicas; each slot gets its expert and the first row of its share in the expert's
@@ -242,7 +242,7 @@ __device__ void mf__plan_offsets_balanced(const mf__plan_params_t &p) {
     __syncthreads();
     bool faulted = mf__faulted(p.sink); /* the same on every thread: set only in stream order, or by the meta check */
     if (!faulted && !p.serial) {
-        /* Every thread: lists, split, capacity per rank, this rank's slots (src/plan/balance.h). */
+        /* Every thread: lists, split, capacity per rank, this rank's slots (src/balance/planner.h). */
         const mf__balance_ws_t ws = {cs, cp, rep_off, rep_rank, rep_slot, share, order, small, over, load, home, rows_q};
         mf__balance_plan_par(E, R, P, B, p.placement, me, masked, p.block_m, p.capacity, p.max_rows, map, spare, counts,
                              &ws, p.counts, p.slot_begin, p.slot_expert);

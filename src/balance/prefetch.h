@@ -1,13 +1,14 @@
 /*
- * balance.h (cuda) — the balancing planner of src/plan/balance.h run on the device: the first
- * piece of the CUDA side of balanced EP (docs/DECISIONS.md "Balanced EP", phase 2). C linkage and
+ * prefetch.h — balanced EP on the device (CUDA): the planner of planner.h in CUDA kernels, the
+ * prefetch's kernel chain (pick, push, commit) and the plan's test hooks (docs/DECISIONS.md
+ * "Balanced EP", phase 2). C linkage and
  * no CUDA types, so that the C test suite can call it; the stream is a cudaStream_t as void *.
  *
  * Dimension legend: E logical experts, R ranks, P physical slots, B spare slots per rank,
  * N = P + R * B replica entries.
  */
-#ifndef MF_CUDA_BALANCE_H
-#define MF_CUDA_BALANCE_H
+#ifndef MF_BALANCE_PREFETCH_H
+#define MF_BALANCE_PREFETCH_H
 
 #include <stdint.h>
 
@@ -91,4 +92,4 @@ mf_result_t mf__cuda_prefetch(const mf__prefetch_params_t *params, size_t smem_b
 }
 #endif
 
-#endif /* MF_CUDA_BALANCE_H */
+#endif /* MF_BALANCE_PREFETCH_H */

@@ -1,5 +1,5 @@
 /*
- * balance.h — the balancing planner (docs/DESIGN.md "Balanced EP"): plain C, header-only, the same
+ * planner.h — the balancing planner (docs/DESIGN.md "Balanced EP"): plain C, header-only, the same
  * code on the host (CPU backend, the CLI's model, the CUDA backend's oracle) and on the device (one
  * thread of the CUDA plan kernel, compiled by nvcc through MF_HD). No allocation, no libc: every
  * array is the caller's, sized as each function says.
@@ -31,8 +31,8 @@
  * Dimension legend: E logical experts, R ranks, P physical slots (P % R == 0), Lp = P / R, B spare
  * slots per rank, N = P + R * B replica entries at most.
  */
-#ifndef MF_PLAN_BALANCE_H
-#define MF_PLAN_BALANCE_H
+#ifndef MF_BALANCE_PLANNER_H
+#define MF_BALANCE_PLANNER_H
 
 #include <stdint.h>
 
@@ -383,4 +383,4 @@ MF_HD void mf__balance_plan_par(int32_t E, int32_t R, int32_t P, int32_t B, int3
     MF__PAR_SYNC();
 }
 
-#endif /* MF_PLAN_BALANCE_H */
+#endif /* MF_BALANCE_PLANNER_H */

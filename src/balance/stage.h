@@ -18,8 +18,8 @@
  *
  * Dimension legend: E logical experts, R ranks, P physical slots, Lp = P / R, n experts per step.
  */
-#ifndef MF_PLAN_STAGE_H
-#define MF_PLAN_STAGE_H
+#ifndef MF_BALANCE_STAGE_H
+#define MF_BALANCE_STAGE_H
 
 #include <stdint.h>
 
@@ -75,4 +75,4 @@ static inline int32_t mf__stage_schedule(const int32_t *prev, const int32_t *nex
     return most == 0 ? 1 : (most + n - 1) / n + 1;
 }
 
-#endif /* MF_PLAN_STAGE_H */
+#endif /* MF_BALANCE_STAGE_H */

@@ -1,5 +1,5 @@
 /*
- * balance.cu — the balancing planner on the device (see balance.h here and src/plan/balance.h):
+ * prefetch.cu — the balancing planner on the device (see prefetch.h and planner.h here):
  * the same MF_HD code the CPU backend runs, so the device table is the host table bit for bit
  * (tests/gpu/test_balance.c). One thread for now: R * B simulated splits of E experts each, a few
  * hundred microseconds for E = 256 on one SM, off the forward's path (it runs in mf_moe_prefetch,
@@ -10,9 +10,9 @@
  */
 #include <cuda_runtime.h>
 
+#include "balance/planner.h"
+#include "balance/prefetch.h"
 #include "core/errors.h"
-#include "cuda/balance.h"
-#include "plan/balance.h"
 
 /* Scratch layout in int32 words: rep_off [E + 1], rep_rank [N], rep_slot [N], share [N],
  * iscratch [E + R * B], then load [R] int64 at an 8-byte boundary. */
