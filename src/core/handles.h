@@ -144,6 +144,12 @@ static inline int32_t mf__moe_balanced(const struct mf_moe *m) {
            m->placed;
 }
 
+/* Checks that every layer call shares (moe.c; balance/maps.c's calls use them too): the comm can
+ * still take part in a collective; a rank's weights have the layer's shapes (`name` prefixes the
+ * messages). MF_SUCCESS, or the error (the last error set). */
+mf_result_t mf__check_comm_usable(mf_comm_t comm, const char *fn);
+mf_result_t mf__check_weights(mf_moe_t moe, const mf_moe_weights_t *w, const char *name);
+
 #ifdef __cplusplus
 }
 #endif
