@@ -74,7 +74,8 @@ static int test_planner(void) {
 }
 
 /* The pick before mf__balance_trial (every candidate rebuilt the lists and split in full): the
- * reference the incremental trials must match bit for bit. */
+ * reference the incremental trials must match bit for bit. Deliberately a copy of the old body of
+ * mf__balance_pick (src/balance/planner.h), whose first ~40 lines it shares. */
 static void ref_balance_pick(int32_t E, int32_t R, int32_t P, int32_t B, const int32_t *counts,
                                    const int32_t *map, const int32_t *resident, int32_t *spare, int32_t *rep_off,
                                    int32_t *rep_rank, int32_t *rep_slot, int32_t *share, int64_t *load,
