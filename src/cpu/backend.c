@@ -1,7 +1,8 @@
 /*
  * backend.c — the CPU backend: the oracle every other backend is judged against. Plain C11; each
- * virtual rank runs on the caller's thread; ranks meet only through the symmetric heaps and the
- * epoch signals of the local transport (no lock around whole operations).
+ * rank runs on its caller's thread (a thread of one process over the local transport, or a process
+ * over ipc's shared memory); ranks meet only through the symmetric heaps and the epoch signals (no
+ * lock around whole operations).
  *
  * One forward on rank r, docs/DESIGN.md's unfused dataflow:
  *   prepare   publish T, x (FP8 1x128 + scales, or BF16), topk ids and weights in r's heap

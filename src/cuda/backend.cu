@@ -1,7 +1,8 @@
 /*
- * backend.cu — the CUDA backend (sm_90a) with the `local` transport: R virtual ranks on one GPU,
- * each driven by its own host thread on its own stream, each with one device allocation for its
- * symmetric heap and one for its signals, reached by peers through the peer table.
+ * backend.cu — the CUDA backend (sm_90a). Each rank (a thread of one process over the local
+ * transport, or a process over ipc / nccl: src/transport/) drives its own stream and has one
+ * device allocation for its symmetric heap and one for its signals, reached by peers through the
+ * peer table the transport filled.
  *
  * One forward on rank r is a sequence of launches on the caller's stream, with no host
  * synchronisation and nothing that breaks CUDA-graph capture:
