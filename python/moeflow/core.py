@@ -342,8 +342,6 @@ class Layer:
         self.close()
 
 
-
-
 class Exchange:
     """One dispatch + combine of a layer in halves (mf_exchange_t; docs/API.md section 16): a send
     that returns without waiting on a peer, a receive that waits and lands the rows. Reusable: one
