@@ -190,13 +190,13 @@ typedef struct ov_run {
 } ov_run_t;
 
 typedef struct ov_mb { /* one micro-batch of one rank: its inputs, dispatch outputs and ys */
-    void *x, *ids, *wts, *recv, *scales, *src, *counts, *eo, *y[2];
+    void *x, *ids, *wts, *recv, *scales, *src, *counts, *eo, *y[3];
     mf_dispatch_in_t din;
     mf_dispatch_out_t dout;
     mf_experts_in_t ein;
     mf_experts_out_t eout;
     mf_combine_in_t cin;
-    mf_combine_out_t cout[2]; /* [0] the serial schedule's y, [1] the overlap's */
+    mf_combine_out_t cout[3]; /* [0] the serial schedule's y, [1] the overlap's, [2] comm's (unchecked) */
 } ov_mb_t;
 
 typedef struct ov_rank {
@@ -229,7 +229,7 @@ static int mb_alloc(ov_mb_t *m, const ov_shape_t *s, const mf_moe_info_t *info, 
     CU(cudaMalloc(&m->src, (size_t)(L * C * 3) * 4));
     CU(cudaMalloc(&m->counts, (size_t)L * 4));
     CU(cudaMalloc(&m->eo, (size_t)(L * C * H) * 2));
-    for (int i = 0; i < 2; i++) CU(cudaMalloc(&m->y[i], (size_t)T * H * 2 + 2));
+    for (int i = 0; i < 3; i++) CU(cudaMalloc(&m->y[i], (size_t)T * H * 2 + 2));
     /* inputs, drawn on the host (setup, before any collective) */
     uint16_t *x = malloc((size_t)T * H * 2);
     int32_t *ids = malloc((size_t)T * K * 4);
@@ -269,12 +269,12 @@ static int mb_alloc(ov_mb_t *m, const ov_shape_t *s, const mf_moe_info_t *info, 
     m->eout.expert_out = tensor(m->eo, MF_DTYPE_BF16, 3, L, C, H);
     m->cin.expert_out = m->eout.expert_out;
     m->cin.topk_weights = tensor(m->wts, MF_DTYPE_FP32, 2, T, K, 0);
-    for (int i = 0; i < 2; i++) m->cout[i].y = tensor(m->y[i], MF_DTYPE_BF16, 2, T, H, 0);
+    for (int i = 0; i < 3; i++) m->cout[i].y = tensor(m->y[i], MF_DTYPE_BF16, 2, T, H, 0);
     return 0;
 }
 
 static void mb_free(ov_mb_t *m) {
-    void *p[] = {m->x, m->ids, m->wts, m->recv, m->scales, m->src, m->counts, m->eo, m->y[0], m->y[1]};
+    void *p[] = {m->x, m->ids, m->wts, m->recv, m->scales, m->src, m->counts, m->eo, m->y[0], m->y[1], m->y[2]};
     for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) cudaFree(p[i]);
 }
 
@@ -286,7 +286,7 @@ static int enqueue(ov_rank_t *k, int mode, double *send_us, int *nsend, char *er
         for (int i = 0; i < 2; i++) {
             MF(mf_dispatch(k->moe, &m[i].din, &m[i].dout, k->sc));
             if (mode == SERIAL) MF(mf_moe_experts(k->moe, &m[i].ein, &m[i].eout, k->sc));
-            MF(mf_combine(k->moe, &m[i].cin, &m[i].cout[0], k->sc));
+            MF(mf_combine(k->moe, &m[i].cin, &m[i].cout[mode == SERIAL ? 0 : 2], k->sc));
         }
     } else if (mode == EXPERTS) {
         for (int i = 0; i < 2; i++) MF(mf_moe_experts(k->moe, &m[i].ein, &m[i].eout, k->sc));
