@@ -2,7 +2,7 @@
 # bench/h200.sh — the benchmark set behind docs/PERFORMANCE.md, for one H200 (run from the repo root
 # after `make -j16 all lab`). Writes JSON records and logs into DIR and prints a short summary.
 #
-#   MF_COMMIT=<hash> bash bench/h200.sh DIR [gemm|layer|transport|balance|rebalance|capacity|all]
+#   MF_COMMIT=<hash> bash bench/h200.sh DIR [gemm|layer|transport|balance|rebalance|capacity|smallbatch|overlap|all]
 #
 # Everything lands in DIR and in one archive DIR.tgz (the device tool returns a limited number of
 # files: take the archive).
@@ -11,7 +11,7 @@
 #        zipf counts on deepseek-v3, each merged with bench/peers.py (torch) on the same cases
 # layer: moeflow bench layer for deepseek-v3, qwen3-235b-a22b and kimi-k2 at R = 8 (virtual ranks)
 #        and R = 1, T 1..4096 per rank, the fused dataflow beside the unfused path in one process;
-#        gated (device time without host launch gaps, as under CUDA graph replay) unless
+#        gated (device time without host launch gaps; a graph replay can still be a few us faster) unless
 #        MF_LAUNCH=eager; every bench here runs 3 rounds (moeflow bench's default since issue 25:
 #        ~3x the device time of the single-round records before it)
 # transport: the R = 1 layer (deepseek-v3, T 1..4096) over the local transport and over ipc (one
@@ -34,8 +34,15 @@
 #        C  A's T = 512 rows under MF_PDL=0 (no programmatic dependent launch: events change nothing).
 #        Prints one table: preset, T, S, events, PDL, min / median / max us over the rounds, spread.
 #        Not in `all`.
+# smallbatch: issue 25's table in one call (~6 min): for deepseek-v3, kimi-k2 and qwen3-235b-a22b at
+#        R = 1, FP8, T = 1..512: moeflow bench layer --gated --phases off (C, records carry their
+#        routing), python -m moeflow.bench --launch graph against those records (the same routing:
+#        moeflow as an engine runs it), then vLLM's Triton path (the layer peer, from
+#        ${MF_PEERS:-../shared/peers}; never copied into the repository). Not in `all`.
+# overlap: moeflow bench overlap (issue 28: two micro-batches through the split halves beside the
+#        pair back to back; deepseek-v3, T = 64, 128, R = 1, 8). Not in `all`.
 set -u
-dir=${1:?usage: bench/h200.sh DIR [gemm|layer|transport|balance|rebalance|capacity|all]}
+dir=${1:?usage: bench/h200.sh DIR [gemm|layer|transport|balance|rebalance|capacity|smallbatch|overlap|all]}
 what=${2:-all}
 mkdir -p "$dir"
 : "${MF_COMMIT:=unknown}"
@@ -152,6 +159,27 @@ if [ "$what" = capacity ]; then
         --json "$dir/capacity_C_pdl0.json" > "$dir/capacity_C_pdl0.log" 2>&1 || rc=1
     python3 bench/summarize.py capacity "$dir/capacity_A.json" "$dir/capacity_B.json" "$dir/capacity_C_pdl0.json" \
         | tee "$dir/capacity_summary.txt" || rc=1
+fi
+if [ "$what" = smallbatch ]; then
+    tokens=1,2,4,8,16,32,64,128,256,512
+    presets=(deepseek-v3 kimi-k2 qwen3-235b-a22b)
+    crec=()
+    for P in "${presets[@]}"; do
+        timeout 200 ./build/moeflow bench layer --preset "$P" -R 1 -T $tokens --dtype fp8 --gated --phases off \
+            --no-check --json "$dir/c_$P.json" > "$dir/c_$P.log" 2>&1 || rc=1
+        crec+=("$dir/c_$P.json")
+    done
+    PYTHONPATH=python MOEFLOW_LIB=build/libmoeflow.so timeout 240 python3 -m moeflow.bench \
+        --presets "$(IFS=,; echo "${presets[*]}")" --tokens $tokens --launch graph --flush off --no-peers \
+        --no-plots --c-record "${crec[@]}" --out "$dir" > "$dir/pybench_graph.log" 2>&1 || rc=1
+    OUT="$dir/peer" timeout 300 bash "${MF_PEERS:-../shared/peers}/run_layer_peers.sh" \
+        --presets "$(IFS=,; echo "${presets[*]}")" --tokens $tokens --budget-s 240 > "$dir/peer.log" 2>&1 || rc=1
+    sed -n '/^# vs C/,$p' "$dir/pybench_graph.log"
+    tail -30 "$dir/peer.log"
+fi
+if [ "$what" = overlap ]; then
+    timeout 240 ./build/moeflow bench overlap --json "$dir/overlap.json" > "$dir/overlap.log" 2>&1 || rc=1
+    cat "$dir/overlap.log"
 fi
 tar czf "$dir.tgz" -C "$(dirname "$dir")" "$(basename "$dir")"
 exit $rc
