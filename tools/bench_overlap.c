@@ -44,6 +44,7 @@
 #include <time.h>
 
 #include "moeflow.h"
+#include "problem.h" /* mfp_barrier_t */
 #include "bench.h"
 
 #define DEF_ITERS 20
@@ -53,6 +54,7 @@
 #define TILE_BYTES ((size_t)16 << 20)
 #define SPREAD_FLAG 0.05
 #define PEER_FAILED -2 /* a rank stopped because another failed (rank_body) */
+#define MEET_TIMEOUT_MS 600000 /* a meeting of the rank threads: far above a schedule's rounds */
 
 enum { SERIAL, OVERLAP, COMM, EXPERTS, NMODES };
 static const char *const k_modes[NMODES] = {"serial", "overlap", "comm", "experts"};
@@ -144,41 +146,12 @@ typedef struct ov_weights { /* every expert's, on the device; rank r borrows its
     float *s13, *s2;
 } ov_weights_t;
 
-/* A barrier of the rank threads that a failing rank can break (meet_abort): nobody waits forever
- * for a rank that stopped. */
-typedef struct ov_meet {
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    int32_t n, count, gen, aborted;
-} ov_meet_t;
-
-/* 0 once all n threads met; -1 (at once or while waiting) after meet_abort. */
-static int meet(ov_meet_t *m) {
-    pthread_mutex_lock(&m->mu);
-    const int32_t gen = m->gen;
-    if (!m->aborted && ++m->count == m->n) {
-        m->count = 0, m->gen++;
-        pthread_cond_broadcast(&m->cv);
-    }
-    while (!m->aborted && gen == m->gen) pthread_cond_wait(&m->cv, &m->mu);
-    const int rc = m->aborted ? -1 : 0;
-    pthread_mutex_unlock(&m->mu);
-    return rc;
-}
-
-static void meet_abort(ov_meet_t *m) {
-    pthread_mutex_lock(&m->mu);
-    m->aborted = 1;
-    pthread_cond_broadcast(&m->cv);
-    pthread_mutex_unlock(&m->mu);
-}
-
 typedef struct ov_run {
     const ov_opts_t *o;
     int32_t R, T;
     mf_group_t group;
     const ov_weights_t *w;
-    ov_meet_t met;
+    mfp_barrier_t met;     /* the rank threads meet; a failing rank breaks it */
     int32_t first_failed; /* the rank that failed first (its error is the run's), -1 while none */
     /* rank 0's results */
     double round_us[NMODES][MAX_LIST];
@@ -399,7 +372,7 @@ static int rank_body(ov_run_t *run, int32_t rank, ov_rank_t *k, char *err, size_
     CU(cudaMemsetAsync(k->mb[0].y[0], 0, 2, k->sc));
     CU(cudaMemsetAsync(k->mb[0].y[1], 0, 2, k->sg));
     CU(cudaDeviceSynchronize());
-    if (meet(&run->met)) return PEER_FAILED;
+    if (mfp_barrier_wait(&run->met)) return PEER_FAILED;
 
     int nsend = 0;
     double *send_us = malloc((size_t)(o->rounds * (o->iters + o->warmup) * 2 + 2) * sizeof *send_us);
@@ -415,7 +388,7 @@ static int rank_body(ov_run_t *run, int32_t rank, ov_rank_t *k, char *err, size_
             rc = timed(k, mode, o->warmup, &unused, NULL, &none, err, err_len) ||
                  timed(k, mode, o->iters, &med, mode == OVERLAP ? send_us : NULL, &nsend, err, err_len);
             if (!rc && rank == 0) run->round_us[mode][round] = med;
-            if (!rc && meet(&run->met)) rc = PEER_FAILED; /* the ranks start each schedule together */
+            if (!rc && mfp_barrier_wait(&run->met)) rc = PEER_FAILED; /* the ranks start each schedule together */
         }
     if (rank == 0) run->send_host_us = median(send_us, nsend);
     free(send_us);
@@ -464,7 +437,7 @@ static void *rank_main(void *arg) {
         int32_t none = -1;
         if (rc != PEER_FAILED) /* the first real failure is the run's error */
             __atomic_compare_exchange_n(&run->first_failed, &none, t->rank, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
-        meet_abort(&run->met); /* no rank waits for this one at a meeting */
+        mfp_barrier_break(&run->met); /* no rank waits for this one at a meeting */
         mf_comm_t comm;
         if (mf_group_get_comm(run->group, t->rank, &comm) == MF_SUCCESS) mf_comm_abort(comm); /* nor in a collective */
     }
@@ -535,9 +508,8 @@ static int run_one(ov_run_t *run, char *err, size_t err_len) {
     mf_group_config_t g = MF_GROUP_CONFIG_INIT;
     g.backend = MF_BACKEND_CUDA, g.num_ranks = run->R;
     MF(mf_group_create(&g, &run->group));
-    pthread_mutex_init(&run->met.mu, NULL);
-    pthread_cond_init(&run->met.cv, NULL);
-    run->met.n = run->R, run->first_failed = -1;
+    mfp_barrier_init(&run->met, run->R, MEET_TIMEOUT_MS);
+    run->first_failed = -1;
     ov_thread_t *t = calloc((size_t)run->R, sizeof *t);
     pthread_t *tid = calloc((size_t)run->R, sizeof *tid);
     int rc = t && tid ? 0 : -1;
@@ -545,13 +517,12 @@ static int run_one(ov_run_t *run, char *err, size_t err_len) {
         t[r].run = run, t[r].rank = r;
         rc = pthread_create(&tid[r], NULL, rank_main, &t[r]) ? -1 : 0;
     }
-    if (rc) meet_abort(&run->met); /* the threads started do not wait for the others */
+    if (rc) mfp_barrier_break(&run->met); /* the threads started do not wait for the others */
     for (int32_t r = 0; r < run->R && tid; r++)
         if (tid[r]) pthread_join(tid[r], NULL);
     for (int32_t r = 0; r < run->R && t; r++) rank_free(&t[r].k);
     free(t), free(tid);
-    pthread_cond_destroy(&run->met.cv);
-    pthread_mutex_destroy(&run->met.mu);
+    mfp_barrier_fini(&run->met);
     mf_group_destroy(run->group);
     if (rc) {
         snprintf(err, err_len, "out of host memory or threads");

@@ -515,18 +515,9 @@ int mfp_gather_ranks(const mfp_problem_t *p, mfp_problem_t *one) {
 
 /* ---- running -------------------------------------------------------------------------------- */
 
-/* A barrier that fails everyone once one rank gives up, instead of leaving them waiting; in shared
- * memory with process-shared primitives, so rank processes use it as threads do. A wait is bounded
- * (a rank process that died never arrives). */
-typedef struct run_barrier {
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    int32_t count, arrived, failed;
-    uint64_t generation;
-    int64_t timeout_ms;
-} run_barrier_t;
-
-static void barrier_init(run_barrier_t *b, int32_t count, int64_t timeout_ms) {
+/* The barrier (problem.h): process-shared primitives, so that rank processes use it in shared
+ * memory as threads do; a wait is bounded (a rank process that died never arrives). */
+void mfp_barrier_init(mfp_barrier_t *b, int32_t count, int64_t timeout_ms) {
     pthread_mutexattr_t ma;
     pthread_condattr_t ca;
     pthread_mutexattr_init(&ma);
@@ -542,13 +533,12 @@ static void barrier_init(run_barrier_t *b, int32_t count, int64_t timeout_ms) {
     b->timeout_ms = timeout_ms;
 }
 
-static void barrier_fini(run_barrier_t *b) {
+void mfp_barrier_fini(mfp_barrier_t *b) {
     pthread_cond_destroy(&b->cv);
     pthread_mutex_destroy(&b->mu);
 }
 
-/* 0 when all arrived, -1 when the barrier is broken or its wait expired (which breaks it). */
-static int barrier_wait(run_barrier_t *b) {
+int mfp_barrier_wait(mfp_barrier_t *b) {
     struct timespec deadline;
     clock_gettime(CLOCK_MONOTONIC, &deadline);
     deadline.tv_sec += (time_t)(b->timeout_ms / 1000);
@@ -571,7 +561,7 @@ static int barrier_wait(run_barrier_t *b) {
     return rc;
 }
 
-static void barrier_break(run_barrier_t *b) {
+void mfp_barrier_break(mfp_barrier_t *b) {
     pthread_mutex_lock(&b->mu);
     b->failed = 1;
     pthread_cond_broadcast(&b->cv);
@@ -586,7 +576,7 @@ typedef struct run_state {
     char address[MF_ADDRESS_BYTES]; /* IPC: the rendezvous */
     uint8_t nccl_id[MFP_NCCL_ID_BYTES]; /* NCCL: rank 0's ncclUniqueId, handed to the others */
     uint16_t *y[MF_MAX_RANKS]; /* where rank r writes its output (shared memory for IPC / NCCL) */
-    run_barrier_t barrier;
+    mfp_barrier_t barrier;
     pthread_mutex_t mu; /* guards code, err and rank_code (process-shared) */
     mf_result_t code;
     char err[MFP_ERRLEN];
@@ -631,7 +621,7 @@ static void fail(run_state_t *run, int32_t rank, mf_result_t code, const char *w
     }
     if (rank >= 0 && rank < MF_MAX_RANKS && run->rank_code[rank] == MF_SUCCESS) run->rank_code[rank] = code;
     pthread_mutex_unlock(&run->mu);
-    barrier_break(&run->barrier);
+    mfp_barrier_break(&run->barrier);
 }
 
 /* ---- digests and the identity expert (DISPATCH_COMBINE) ------------------------------------- */
@@ -1014,7 +1004,7 @@ static int rank_nccl_comm(rank_ctx_t *c) {
         return -1;
     }
     if (r == 0) memcpy(run->nccl_id, id.internal, sizeof id.internal);
-    if (barrier_wait(&run->barrier) != 0) return -1;
+    if (mfp_barrier_wait(&run->barrier) != 0) return -1;
     memcpy(id.internal, run->nccl_id, sizeof id.internal);
     if ((nr = c->nccl.comm_init_rank(&c->nccl_comm, c->s->R, id, r)) != 0) {
         c->nccl_comm = NULL;
@@ -1427,7 +1417,7 @@ static int rank_iteration(rank_ctx_t *c, int32_t it) {
     const mfp_run_opts_t *o = c->o;
     const int32_t r = c->r, T = c->T;
     mf_result_t res;
-    if (barrier_wait(&run->barrier) != 0) return -1; /* another rank failed */
+    if (mfp_barrier_wait(&run->barrier) != 0) return -1; /* another rank failed */
     if (rank_redraw_inputs(c, it) != 0) return -1;
     if (r == o->die_rank && it == o->die_at && c->procs && !o->die_mid) raise(SIGKILL); /* fault injection */
     if (rank_stage_and_prefetch(c, it) != 0) return -1;
@@ -1801,7 +1791,7 @@ static void run_processes(run_state_t *run) {
             pthread_mutex_lock(&run->mu);
             if (r < started) run->rank_code[r] = MF_ERR_SYSTEM;
             pthread_mutex_unlock(&run->mu);
-            barrier_break(&run->barrier);
+            mfp_barrier_break(&run->barrier);
         }
     }
     if (died >= 0) {
@@ -1862,7 +1852,7 @@ mf_result_t mfp_run(const mfp_problem_t *p, const mfp_run_opts_t *opts, uint16_t
     }
     /* A barrier wait outlasts any peer wait of the library (a rank in a forward gives up first). */
     const int64_t timeout = opts->timeout_ms ? opts->timeout_ms : 30000;
-    barrier_init(&run->barrier, R, 2 * timeout + 10000);
+    mfp_barrier_init(&run->barrier, R, 2 * timeout + 10000);
     pthread_mutexattr_t ma;
     pthread_mutexattr_init(&ma);
     pthread_mutexattr_setpshared(&ma, PTHREAD_PROCESS_SHARED);
@@ -1956,7 +1946,7 @@ out:;
 #endif
     free(args);
     free(th);
-    barrier_fini(&run->barrier);
+    mfp_barrier_fini(&run->barrier);
     pthread_mutex_destroy(&run->mu);
     munmap(block, block_bytes);
     return code;

@@ -10,6 +10,7 @@
 #ifndef MF_WORKLOAD_PROBLEM_H
 #define MF_WORKLOAD_PROBLEM_H
 
+#include <pthread.h>
 #include <stdint.h>
 
 #include "moeflow.h"
@@ -224,6 +225,23 @@ int32_t mfp_probe_device_count(void);
  * the NCCL comms of the nccl transport (NCCL_NVLS_ENABLE=0, always). The test runner and the CLI
  * call it first thing. */
 void mfp_cuda_env(void);
+
+/* A barrier of rank threads, or of rank processes when it lives in shared memory (process-shared),
+ * that a failing rank breaks (mfp_barrier_break) so that nobody waits for it; a wait longer than
+ * timeout_ms breaks it too. */
+typedef struct mfp_barrier {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int32_t count, arrived, failed;
+    uint64_t generation;
+    int64_t timeout_ms;
+} mfp_barrier_t;
+
+void mfp_barrier_init(mfp_barrier_t *b, int32_t count, int64_t timeout_ms);
+void mfp_barrier_fini(mfp_barrier_t *b);
+/* 0 when all arrived, -1 when the barrier is broken or its wait expired (which breaks it). */
+int mfp_barrier_wait(mfp_barrier_t *b);
+void mfp_barrier_break(mfp_barrier_t *b);
 
 /* The backend that `backend` means here (AUTO resolved, as mf_group_create would). */
 mf_backend_t mfp_resolve_backend(mf_backend_t backend);
