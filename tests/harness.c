@@ -62,6 +62,13 @@ const char *mft_result_name(mf_result_t r) {
     return "MF_?(out of range)";
 }
 
+int mft_queue_stall(const char *err) {
+    const char *at = err ? strstr(err, ", expected ") : NULL;
+    long long expected, counter, launched;
+    return at && sscanf(at, ", expected %lld (its own epoch counter: %lld; its host has launched %lld", &expected,
+                        &counter, &launched) == 3 && counter < expected && launched >= expected;
+}
+
 int mft_contains_ci(const char *haystack, const char *needle) {
     if (!haystack || !needle) return 0;
     size_t n = strlen(needle);

@@ -121,6 +121,12 @@ const char *mft_result_name(mf_result_t r);
 /* Case-insensitive substring test. */
 int mft_contains_ci(const char *haystack, const char *needle);
 
+/* 1 when `err` is the CUDA backend's timeout whose waited-for peer had its arrival launched by its
+ * host but not run by the device ("... expected E (its own epoch counter: C; its host has launched
+ * N ..." with C < E <= N): the virtual-rank queue stall of docs/API.md section 10, the platform's,
+ * which the GPU tests retry (at most twice, saying RETRY) instead of failing a healthy case. */
+int mft_queue_stall(const char *err);
+
 /* ---- tensors ------------------------------------------------------------------------------ */
 
 mf_tensor_t mft_t1(void *data, mf_dtype_t dtype, int64_t d0);

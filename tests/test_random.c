@@ -293,6 +293,12 @@ static int rnd_split_matches(const mfp_problem_t *p, mf_backend_t backend, int64
     mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
     o.backend = backend, o.timeout_ms = timeout_ms, o.op = MFP_OP_SPLIT;
     mf_result_t res = mfp_run(p, &o, y, NULL, err, (int)sizeof err);
+    /* the platform's virtual-rank stall (mft_queue_stall) is retried, as the GPU layer cases do */
+    for (int retry = 0; retry < 2 && backend == MF_BACKEND_CUDA && p->spec.R > 1 && res == MF_ERR_TIMEOUT; retry++) {
+        if (!mft_queue_stall(err)) break;
+        mft_note("  RETRY split run: virtual-rank queue stall (%s)\n", err);
+        res = mfp_run(p, &o, y, NULL, err, (int)sizeof err);
+    }
     int rc = res != MF_SUCCESS ? mft_fail(__FILE__, __LINE__, "split run -> %s: %s", mft_result_name(res), err) : 0;
     for (int32_t r = 0; r < p->spec.R && !rc; r++)
         for (int64_t i = 0; i < (int64_t)p->T[r] * p->spec.H && !rc; i++)
