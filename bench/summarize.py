@@ -5,6 +5,7 @@
                                    [--model NAME ...] [--dtype bf16|fp8] [--M 8,64,...]
   python3 bench/summarize.py layer RECORD.json [RECORD.json ...] [--no-phases]
   python3 bench/summarize.py capacity RECORD.json [RECORD.json ...]
+  python3 bench/summarize.py smallbatch DIR
 
 Every figure is printed beside the peers of the same record (one run, one machine state), and the
 comparison columns compare only like with like:
@@ -30,6 +31,13 @@ layer: `moeflow bench layer --json` records: the fused dataflow (auto) beside un
        preset cell. Older records (one measurement per row, no S in the shape) read as before.
 capacity: one line per layer row of each record: preset, T, S, phase events, PDL (the record's
        meta.env MF_PDL), rounds, min / median / max us and the spread (bench/h200.sh DIR capacity).
+smallbatch: the directory of `bench/h200.sh DIR smallbatch` (issue 25's table, one device call):
+       per preset and T, moeflow under a CUDA graph (`python -m moeflow.bench --launch graph` on the
+       routing of the C record) and `moeflow bench layer --gated` (C), each as time / its own floor,
+       beside vLLM's Triton path (peer/vllm_layer_peer.json: the best of its layer with torch glue,
+       with one-kernel glue and its small-batch path, on its own routing, over its own floor by
+       moeflow's formula). `mf / peer` compares the two ratios: <= 1 where moeflow is at least as
+       fast; the verdict column says which side wins.
 """
 import argparse
 import json
@@ -179,6 +187,38 @@ def capacity(a):
                   f"{fmt(r.get('max_us', r['time_us'])):>9} {sp_s:>7}")
 
 
+def smallbatch(a):
+    import glob
+    import os
+    peers = {}
+    with open(os.path.join(a.dir, "peer", "vllm_layer_peer.json")) as f:
+        for r in json.load(f)["rows"]:
+            cands = [("torch glue", r.get("time_us")), ("1-kernel glue", r.get("time_triton_glue_us")),
+                     ("small-batch", (r.get("naive") or {}).get("time_us"))]
+            name, best = min(((n, t) for n, t in cands if t), key=lambda x: x[1])
+            peers[(r["preset"], r["T"])] = (best, r["floor_us"], name)
+    print("| preset | T | floor (us) | moeflow graph (us) | x floor | moeflow C gated (us) | x floor "
+          "| vLLM Triton best (us) | x its floor | its variant | mf / peer | verdict |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for path in sorted(glob.glob(os.path.join(a.dir, "*pybench_*.json"))):
+        with open(path) as f:
+            rows = [r for r in json.load(f)["rows"] if r["op"] == "layer" and r.get("launch") == "graph"]
+        for r in rows:
+            T, P = r["shape"]["T"], r["preset"]
+            mf = r.get("median_us", r["time_us"])
+            c = (r.get("c") or {}).get("time_us")
+            pk = peers.get((P, T))
+            x = mf / r["floor_us"]
+            cells = [P, str(T), fmt(r["floor_us"]), fmt(mf), fmt(x, ".3f"), fmt(c) if c else "-",
+                     fmt(c / r["floor_us"], ".3f") if c else "-"]
+            if pk:
+                px = pk[0] / pk[1]
+                cells += [fmt(pk[0]), fmt(px, ".3f"), pk[2], fmt(x / px, ".3f"), "moeflow" if x <= px else "**vLLM**"]
+            else:
+                cells += ["-", "-", "-", "-", "no peer row"]
+            print("| " + " | ".join(cells) + " |")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
@@ -199,6 +239,9 @@ def main():
     c = sub.add_parser("capacity")
     c.add_argument("records", nargs="+")
     c.set_defaults(fn=capacity)
+    sb = sub.add_parser("smallbatch")
+    sb.add_argument("dir")
+    sb.set_defaults(fn=smallbatch)
     a = p.parse_args()
     a.fn(a)
 
