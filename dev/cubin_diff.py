@@ -18,6 +18,9 @@ demangled name of every kernel of the first cubin (plain text substitution, OLD 
 looked up among the later cubins' demangled names, and the line says `renamed` after the verdict.
 E.g. --rename ', true, false, 0>=>' compares sm90_tma_kernel<true, 1, true, false, 0> with
 sm90_tma_kernel<true, 1> (the issue 27 move of the lab's parameters out of the TMA kernel).
+
+A kernel in an anonymous namespace (gemm_bench.cu's) is mangled with a hash that differs between two
+builds of the same source; it is matched by its demangled name, "(anonymous namespace)::...".
 """
 import struct
 import subprocess
@@ -37,11 +40,29 @@ def sections(path):
     return out
 
 
-def demangle(name):
+def demangle(names):
+    """Mangled name -> demangled name with its parameter list (c++filt, one call for all; the name
+    itself where c++filt is missing). Kernels in an anonymous namespace are mangled with a hash of
+    the translation unit (_GLOBAL__N__<hash>_...), which differs between two builds of the same
+    source: their demangled names, "(anonymous namespace)::...", are what matches them."""
+    names = list(names)
     try:
-        return subprocess.run(['c++filt', name], capture_output=True, text=True).stdout.strip().split('(')[0]
+        out = subprocess.run(['c++filt'], input='\n'.join(names), capture_output=True, text=True).stdout.split('\n')
     except OSError:
+        out = names
+    return {n: (d.strip() or n) for n, d in zip(names, out)}
+
+
+def short(name):
+    """A demangled name without its parameter list (the trailing balanced parentheses)."""
+    if not name.endswith(')'):
         return name
+    depth = 0
+    for i in range(len(name) - 1, -1, -1):
+        depth += {')': 1, '(': -1}.get(name[i], 0)
+        if depth == 0:
+            return name[:i]
+    return name
 
 
 def main():
@@ -52,27 +73,29 @@ def main():
     if len(args) < 2 or any(len(r) != 2 for r in renames):
         sys.exit(__doc__)
     first, rest = sections(args[0]), [(p, sections(p)) for p in args[1:]]
-    # demangled name -> .text section, per later cubin (only needed with --rename)
-    by_name = [(p, {demangle(n[6:]): n for n in s if n.startswith('.text.')} if renames else {}) for p, s in rest]
+    texts = {n for s in [first] + [s for _, s in rest] for n in s if n.startswith('.text.')}
+    dm = demangle(sorted(n[6:] for n in texts))
+    # demangled name -> .text section, per later cubin: the lookup when the mangled name is not found
+    by_name = [(p, {dm[n[6:]]: n for n in s if n.startswith('.text.')}) for p, s in rest]
     bad = 0
     for n in sorted(first):
         if not n.startswith('.text.'):
             continue
-        name, tag = demangle(n[6:]), ''
+        name, tag = dm[n[6:]], ''
         hit = next(((p, s[n]) for p, s in rest if n in s), None)
-        if hit is None and renames:
+        if hit is None:  # renamed, or an anonymous namespace's hash
             new = name
             for old, to in renames:
                 new = new.replace(old, to)
             hit = next(((p, s[m[new]]) for (p, s), (_, m) in zip(rest, by_name) if new in m), None)
-            tag = ' renamed ' + new if hit else ''
+            tag = ' renamed ' + short(new) if hit and new != name else ''
         if hit is None:
-            print('MISSING', name)
+            print('MISSING', short(name))
             bad = 1
             continue
         same = hit[1] == first[n]
         bad |= not same
-        print('same' if same else 'DIFF', hit[0], name, len(first[n]), 'bytes' + tag)
+        print('same' if same else 'DIFF', hit[0], short(name), len(first[n]), 'bytes' + tag)
     sys.exit(bad)
 
 
