@@ -1142,20 +1142,28 @@ static mf_result_t mf__cuda_reject(mf_moe_t moe, uint32_t phases, mf_result_t co
 
 /* ---- balanced EP -------------------------------------------------------------------------- */
 
-/* The map's device copy (setup: waits for this rank's last forward and prefetch, which read it). */
-static mf_result_t mf__cuda_set_expert_map(mf_moe_t moe) {
+/* Copies the host map `map` [P] to the device buffer `dst` on the setup stream, blocking: it first
+ * waits for this rank's last forward and its last eager prefetch, which read the maps. `fn` names the
+ * public call (mf_moe_set_expert_map, mf_moe_stage_expert_map) in the planner's limit error. */
+static mf_result_t mf__cuda_upload_map(mf_moe_t moe, int32_t *dst, const int32_t *map, const char *fn) {
     mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
     mf__cuda_comm_t *c = mf__cc(moe->comm);
     if (s->plan_smem > kMfPrefetchMaxSmem)
-        return mf__error(MF_ERR_NOT_SUPPORTED, "mf_moe_set_expert_map: the cuda backend's balancing planner keeps its "
-                         "arrays in shared memory (at most %d bytes); this layer needs %zu", kMfPrefetchMaxSmem,
-                         s->plan_smem);
+        return mf__error(MF_ERR_NOT_SUPPORTED, "%s: the cuda backend's balancing planner keeps its arrays in shared "
+                         "memory (at most %d bytes); this layer needs %zu", fn, kMfPrefetchMaxSmem, s->plan_smem);
     MF_CUDA_CHECK(cudaSetDevice(moe->comm->device));
     MF_CUDA_CHECK(cudaEventSynchronize(c->done));
     if (s->pf_done && s->pf_pending && !s->pf_capture) MF_CUDA_CHECK(cudaEventSynchronize(s->pf_done));
-    MF_CUDA_CHECK(cudaMemcpyAsync(s->map, moe->expert_map, (size_t)moe->config.num_physical_experts * 4,
-                                  cudaMemcpyHostToDevice, c->setup));
+    MF_CUDA_CHECK(cudaMemcpyAsync(dst, map, (size_t)moe->config.num_physical_experts * 4, cudaMemcpyHostToDevice,
+                                  c->setup));
     MF_CUDA_CHECK(cudaStreamSynchronize(c->setup));
+    return MF_SUCCESS;
+}
+
+/* The map's device copy (setup: waits for this rank's last forward and prefetch, which read it). */
+static mf_result_t mf__cuda_set_expert_map(mf_moe_t moe) {
+    mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
+    MF_CHECK(mf__cuda_upload_map(moe, s->map, moe->expert_map, "mf_moe_set_expert_map"));
     s->balanced = 1;
     return MF_SUCCESS;
 }
@@ -1226,23 +1234,12 @@ static mf_result_t mf__cuda_prefetch_op(mf_moe_t moe, mf_stream_t stream_) {
 /* ---- rebalancing without a stall: a staged map's steps (src/balance/stage.h) ---------------- */
 
 /* The staged map's device copy, installed by the last step (blocking: this rank's last forward
- * reads the map, a previous stage's last step may still read the buffer on its stream). */
+ * reads the map, a previous stage's last step may still read the buffer on its stream). The last
+ * step rewrites the map: a one-step stage has no staged forward before it that recorded fwd_done,
+ * so the last call is waited for here (as mf_moe_set_expert_map does). */
 static mf_result_t mf__cuda_stage_begin(mf_moe_t moe, const int32_t *map) {
     mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
-    mf__cuda_comm_t *c = mf__cc(moe->comm);
-    if (s->plan_smem > kMfPrefetchMaxSmem)
-        return mf__error(MF_ERR_NOT_SUPPORTED, "mf_moe_stage_expert_map: the cuda backend's balancing planner keeps "
-                         "its arrays in shared memory (at most %d bytes); this layer needs %zu", kMfPrefetchMaxSmem,
-                         s->plan_smem);
-    MF_CUDA_CHECK(cudaSetDevice(moe->comm->device));
-    /* The last step rewrites the map: a one-step stage has no staged forward before it that
-     * recorded fwd_done, so the last call is waited for here (as mf_moe_set_expert_map does). */
-    MF_CUDA_CHECK(cudaEventSynchronize(c->done));
-    if (s->pf_pending && !s->pf_capture) MF_CUDA_CHECK(cudaEventSynchronize(s->pf_done));
-    MF_CUDA_CHECK(cudaMemcpyAsync(s->staged_map, map, (size_t)moe->config.num_physical_experts * 4,
-                                  cudaMemcpyHostToDevice, c->setup));
-    MF_CUDA_CHECK(cudaStreamSynchronize(c->setup));
-    return MF_SUCCESS;
+    return mf__cuda_upload_map(moe, s->staged_map, map, "mf_moe_stage_expert_map");
 }
 
 /* Copies one expert (weights + FP8 scales) from src to dst (caller tensors [Lp, ...] or a [2n, ...]
