@@ -69,6 +69,24 @@ mf_result_t persistent_grid(void (*kernel)(Params), int which, const char *who, 
     return MF_SUCCESS;
 }
 
+/* The fallback's one launch: `kernel` (slot `which` of the occupancy table) on a persistent grid of
+ * at most one block per tile. Under MF_DEBUG (`ran` not NULL) it says what ran into ran[ran_size]:
+ * `what` (dtype and epilogue) and the tile's `block_n` columns. */
+template <typename Params>
+mf_result_t launch_fallback(void (*kernel)(Params), int which, int64_t tiles, const Params &p, cudaStream_t stream,
+                            int32_t pdl, const char *who, const char *what, int block_n, char *ran, size_t ran_size) {
+    int blocks = 0;
+    MF_CHECK(persistent_grid(kernel, which, who, &blocks));
+    if (tiles < blocks) blocks = (int)tiles;
+    MF__GEMM_CUDA(mf__cuda_launch(kernel, dim3((unsigned)blocks), dim3(mf__gemm::kThreads), mf__gemm::kSmemBytes, stream,
+                                   pdl, p),
+                   who);
+    if (ran)
+        snprintf(ran, ran_size, "v1 %s: the mma.sync fallback (%dx%d tiles, %d stages, grid %d)", what,
+                 mf__gemm::kBlockM, block_n, mf__gemm::kStages, blocks);
+    return MF_SUCCESS;
+}
+
 bool aligned(const void *p, uintptr_t a) { return ((uintptr_t)p % a) == 0; }
 
 /* Checks shared by both GEMMs. */
@@ -306,18 +324,10 @@ mf_result_t mf__cuda_w13_swiglu(const mf__gemm_choice_t *choice, const mf__gemm_
 
     void (*kernel)(mf__gemm::w13_params) =
         fp8 ? mf__gemm::sm90_w13_swiglu_kernel<true> : mf__gemm::sm90_w13_swiglu_kernel<false>;
-    int blocks = 0;
-    MF_CHECK(persistent_grid(kernel, fp8 ? kKernelW13Fp8 : kKernelW13Bf16, who, &blocks));
-    if (tiles < blocks) blocks = (int)tiles;
-    MF__GEMM_CUDA(mf__cuda_launch(kernel, dim3((unsigned)blocks), dim3(mf__gemm::kThreads), mf__gemm::kSmemBytes, stream,
-                                   pdl, p),
-                   who);
-    if (dbg) {
-        char ran[160];
-        snprintf(ran, sizeof ran, "v1 %s swiglu: the mma.sync fallback (%dx%d tiles, %d stages, grid %d)",
-                 fp8 ? "fp8" : "bf16", mf__gemm::kBlockM, mf__gemm::kW13BlockN, mf__gemm::kStages, blocks);
-        debug_report("w13", seg, dtype, H, I, a.gather != NULL, 0, ran, &d);
-    }
+    char ran[160];
+    MF_CHECK(launch_fallback(kernel, fp8 ? kKernelW13Fp8 : kKernelW13Bf16, tiles, p, stream, pdl, who,
+                             fp8 ? "fp8 swiglu" : "bf16 swiglu", mf__gemm::kW13BlockN, dbg ? ran : NULL, sizeof ran));
+    if (dbg) debug_report("w13", seg, dtype, H, I, a.gather != NULL, 0, ran, &d);
     return MF_SUCCESS;
 }
 
@@ -382,17 +392,9 @@ mf_result_t mf__cuda_w2(const mf__gemm_choice_t *choice, const mf__gemm_segments
     p.I = I;
 
     void (*kernel)(mf__gemm::w2_params) = fp8 ? mf__gemm::sm90_w2_kernel<true> : mf__gemm::sm90_w2_kernel<false>;
-    int blocks = 0;
-    MF_CHECK(persistent_grid(kernel, fp8 ? kKernelW2Fp8 : kKernelW2Bf16, who, &blocks));
-    if (tiles < blocks) blocks = (int)tiles;
-    MF__GEMM_CUDA(mf__cuda_launch(kernel, dim3((unsigned)blocks), dim3(mf__gemm::kThreads), mf__gemm::kSmemBytes, stream,
-                                   pdl, p),
-                   who);
-    if (dbg) {
-        char ran[160];
-        snprintf(ran, sizeof ran, "v1 %s plain: the mma.sync fallback (%dx%d tiles, %d stages, grid %d)",
-                 fp8 ? "fp8" : "bf16", mf__gemm::kBlockM, mf__gemm::kW2BlockN, mf__gemm::kStages, blocks);
-        debug_report("w2", seg, dtype, H, I, 0, ret != NULL, ran, &d);
-    }
+    char ran[160];
+    MF_CHECK(launch_fallback(kernel, fp8 ? kKernelW2Fp8 : kKernelW2Bf16, tiles, p, stream, pdl, who,
+                             fp8 ? "fp8 plain" : "bf16 plain", mf__gemm::kW2BlockN, dbg ? ran : NULL, sizeof ran));
+    if (dbg) debug_report("w2", seg, dtype, H, I, 0, ret != NULL, ran, &d);
     return MF_SUCCESS;
 }
