@@ -110,15 +110,22 @@ typedef struct mf__gemm_choice {
  * pass PULL). Pure host arithmetic: never fails, never launches. */
 mf__gemm_choice_t mf__gemm_choose(int32_t rows_hint, int32_t max_rows_per_expert, int32_t dataflow);
 
-/* The families' launchers: every variant takes the arguments of its dispatcher (decode also the
- * choice, for its tokens per tile) and honours the same contract. decode and tma configure, decline
- * and report through one skeleton (cuda/gemm_family.cuh). */
-mf_result_t mf__sm90_decode_w13_swiglu(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t dtype,
-                                       int32_t ue8m0, mf__gemm_operand_t a, mf__gemm_operand_t w13, int32_t H, int32_t I,
-                                       void *h, float *h_scales, cudaStream_t stream, int32_t pdl);
-mf_result_t mf__sm90_decode_w2(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t dtype,
-                               mf__gemm_operand_t h, mf__gemm_operand_t w2, int32_t H, int32_t I, uint16_t *out,
-                               const mf__gemm_return_t *ret, cudaStream_t stream, int32_t pdl);
+/* The types of a W13 and of a W2 launcher: the dispatchers' (below) and the decode family's, so
+ * that their arguments are written once. */
+typedef mf_result_t mf__gemm_w13_swiglu_fn(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg,
+                                           int32_t dtype, int32_t ue8m0, mf__gemm_operand_t a, mf__gemm_operand_t w13,
+                                           int32_t H, int32_t I, void *h, float *h_scales, cudaStream_t stream,
+                                           int32_t pdl);
+typedef mf_result_t mf__gemm_w2_fn(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t dtype,
+                                   mf__gemm_operand_t h, mf__gemm_operand_t w2, int32_t H, int32_t I, uint16_t *out,
+                                   const mf__gemm_return_t *ret, cudaStream_t stream, int32_t pdl);
+
+/* The families' launchers: every variant takes the arguments of its dispatcher and honours the same
+ * contract; decode's have the dispatchers' types (the choice gives its tokens per tile), tma's drop
+ * the choice (one tile). decode and tma configure, decline and report through one skeleton
+ * (cuda/gemm_family.cuh). */
+mf__gemm_w13_swiglu_fn mf__sm90_decode_w13_swiglu;
+mf__gemm_w2_fn mf__sm90_decode_w2;
 mf_result_t mf__sm90_decode_preload(void);
 mf_result_t mf__sm90_tma_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, int32_t ue8m0,
                                     mf__gemm_operand_t a, mf__gemm_operand_t w13, int32_t H, int32_t I, void *h,
@@ -136,14 +143,10 @@ void mf__cuda_gemm_debug_layer(uint32_t layer);
  * family declines the shape. a.gather (W13) only with choice->dataflow DIRECT. */
 
 /* h[rows, I] (+ h_scales [rows, I/128] for FP8) = swiglu(a[rows, H] . w13[e]^T) per expert. */
-mf_result_t mf__cuda_w13_swiglu(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t dtype,
-                                int32_t ue8m0, mf__gemm_operand_t a, mf__gemm_operand_t w13, int32_t H, int32_t I,
-                                void *h, float *h_scales, cudaStream_t stream, int32_t pdl);
+mf__gemm_w13_swiglu_fn mf__cuda_w13_swiglu;
 
 /* out = bf16(h[rows, I] . w2[e]^T) per expert: into out[rows, H] when `ret` is NULL, else into
  * the owners' combine slots. */
-mf_result_t mf__cuda_w2(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t dtype,
-                        mf__gemm_operand_t h, mf__gemm_operand_t w2, int32_t H, int32_t I, uint16_t *out,
-                        const mf__gemm_return_t *ret, cudaStream_t stream, int32_t pdl);
+mf__gemm_w2_fn mf__cuda_w2;
 
 #endif /* MF_CUDA_GROUPED_GEMM_H */
