@@ -513,6 +513,8 @@ mf_result_t mf_group_get_comm(mf_group_t group, int32_t rank, mf_comm_t *comm) {
     return MF_SUCCESS;
 }
 
+/* The getters are alike on purpose (as mf_moe_get_info, core/moe.c): each is one public function that
+ * checks its handles, names itself in its error and copies one field; a shared helper would save nothing. */
 mf_result_t mf_group_get_backend(mf_group_t group, mf_backend_t *backend) {
     mf__clear_error();
     MF_REQUIRE(group && backend, "mf_group_get_backend: group and backend must not be NULL");

@@ -228,6 +228,7 @@ mf_result_t mf_moe_create(mf_comm_t comm, const mf_moe_config_t *config, mf_moe_
     return MF_SUCCESS;
 }
 
+/* Alike on purpose, as the getters of core/group.c (mf_group_get_backend, mf_comm_get_rank, ...). */
 mf_result_t mf_moe_get_info(mf_moe_t moe, mf_moe_info_t *info) {
     mf__clear_error();
     MF_REQUIRE(moe && info, "mf_moe_get_info: moe and info must not be NULL");
@@ -652,20 +653,26 @@ mf_result_t mf_exchange_destroy(mf_exchange_t exchange) {
     return MF_SUCCESS;
 }
 
+/* The check every half of an exchange starts with: a handle, of a layer whose comm is usable. */
+static mf_result_t mf__check_exchange(mf_exchange_t x, const char *fn) {
+    MF_REQUIRE(x, "%s: exchange must not be NULL", fn);
+    return mf__check_usable(x->moe, fn);
+}
+
+/* The two send halves (this and mf_combine_send) are alike on purpose: one public entry per half,
+ * their checks in mf__check_exchange, their work in mf__dispatch_run / mf__combine_run. */
 mf_result_t mf_dispatch_send(mf_exchange_t x, const mf_dispatch_in_t *in, const mf_dispatch_out_t *out,
                              const mf_exchange_events_t *events, mf_stream_t stream) {
     const char *fn = "mf_dispatch_send";
     mf__clear_error();
-    MF_REQUIRE(x, "%s: exchange must not be NULL", fn);
-    MF_CHECK(mf__check_usable(x->moe, fn));
+    MF_CHECK(mf__check_exchange(x, fn));
     return mf__dispatch_run(x, in, out, MF__HALF_SEND, events, stream, fn);
 }
 
 /* The checks of a receive, local (a refused receive changes nothing and meets no peer). */
 static mf_result_t mf__check_receive(mf_exchange_t x, int32_t state, const mf_exchange_events_t *ev,
                                      mf_stream_t stream, const char *fn) {
-    MF_REQUIRE(x, "%s: exchange must not be NULL", fn);
-    MF_CHECK(mf__check_usable(x->moe, fn));
+    MF_CHECK(mf__check_exchange(x, fn));
     if (x->state != state)
         return mf__error(MF_ERR_INVALID_USAGE, "%s: no %s send of this exchange awaits its receive (%s first)", fn,
                          state == MF__X_DISPATCH_SENT ? "dispatch" : "combine",
@@ -689,12 +696,12 @@ mf_result_t mf_dispatch_recv(mf_exchange_t x, const mf_exchange_events_t *events
     return mf__apply_event(comm, events, 1, stream);
 }
 
+/* Alike on purpose, as mf_dispatch_send (there). */
 mf_result_t mf_combine_send(mf_exchange_t x, const mf_combine_in_t *in, const mf_combine_out_t *out,
                             const mf_exchange_events_t *events, mf_stream_t stream) {
     const char *fn = "mf_combine_send";
     mf__clear_error();
-    MF_REQUIRE(x, "%s: exchange must not be NULL", fn);
-    MF_CHECK(mf__check_usable(x->moe, fn));
+    MF_CHECK(mf__check_exchange(x, fn));
     return mf__combine_run(x, in, out, MF__HALF_SEND, events, stream, fn);
 }
 
