@@ -599,6 +599,25 @@ static mf_result_t mf__rdv_fail(mf__rdv_t *c, mf_result_t code, uint64_t notify,
     return mf__error(code, "%s", c->error);
 }
 
+/* Rank 0: polls the connections of the ranks in `waiting` (rank 0 never is) for `events`, at most
+ * `left` ms, and sets *ready to the ranks whose connection is ready (0 when a signal interrupted the
+ * poll). Returns 0, or -1 with errno when poll failed. */
+static int mf__rdv_poll_ranks(const mf__rdv_t *c, uint64_t waiting, short events, int left, uint64_t *ready) {
+    struct pollfd pfd[MF_MAX_RANKS];
+    int32_t who[MF_MAX_RANKS];
+    nfds_t n = 0;
+    *ready = 0;
+    for (int32_t r = 1; r < c->num_ranks; r++)
+        if (waiting & ((uint64_t)1 << r)) {
+            pfd[n] = (struct pollfd){c->fd[r], events, 0};
+            who[n++] = r;
+        }
+    if (poll(pfd, n, left) < 0) return errno == EINTR ? 0 : -1;
+    for (nfds_t i = 0; i < n; i++)
+        if (pfd[i].revents) *ready |= (uint64_t)1 << who[i];
+    return 0;
+}
+
 /* Rank 0: gathers every rank's block into recv, then writes the result to every rank. */
 static mf_result_t mf__rdv_gather_root(mf__rdv_t *c, const void *send, char *recv, size_t bytes,
                                        int64_t deadline) {
@@ -606,8 +625,6 @@ static mf_result_t mf__rdv_gather_root(mf__rdv_t *c, const void *send, char *rec
     const uint64_t peers = (R == 64 ? ~(uint64_t)0 : ((uint64_t)1 << R) - 1) & ~(uint64_t)1;
     mf__rdv_msg_t in[MF_MAX_RANKS], out;
     mf__rdv_xfer_t x[MF_MAX_RANKS];
-    struct pollfd pfd[MF_MAX_RANKS];
-    int32_t who[MF_MAX_RANKS];
     char list[160];
 
     if (bytes) memmove(recv, send, bytes); /* rank 0's own block; send may be recv itself */
@@ -623,19 +640,11 @@ static mf_result_t mf__rdv_gather_root(mf__rdv_t *c, const void *send, char *rec
                                 "%lld ms", mf__rdv_plural(waiting), list,
                                 (waiting & (waiting - 1)) ? "their" : "its", (long long)c->timeout_ms);
         }
-        nfds_t n = 0;
-        for (int32_t r = 1; r < R; r++)
-            if (waiting & ((uint64_t)1 << r)) {
-                pfd[n] = (struct pollfd){c->fd[r], POLLIN, 0};
-                who[n++] = r;
-            }
-        if (poll(pfd, n, left) < 0) {
-            if (errno == EINTR) continue;
+        uint64_t ready = 0;
+        if (mf__rdv_poll_ranks(c, waiting, POLLIN, left, &ready) < 0)
             return mf__rdv_fail(c, MF_ERR_SYSTEM, peers, "poll: %s", strerror(errno));
-        }
-        for (nfds_t i = 0; i < n; i++) {
-            if (!pfd[i].revents) continue;
-            const int32_t r = who[i];
+        for (int32_t r = 1; r < R; r++) {
+            if (!(ready & ((uint64_t)1 << r))) continue;
             for (;;) {
                 int st = mf__rdv_xfer_step(c->fd[r], &x[r], 0);
                 if (st == MF__IO_AGAIN) break;
@@ -687,19 +696,11 @@ static mf_result_t mf__rdv_gather_root(mf__rdv_t *c, const void *send, char *rec
                                 "within %lld ms", mf__rdv_plural(waiting), list,
                                 (long long)c->timeout_ms);
         }
-        nfds_t n = 0;
-        for (int32_t r = 1; r < R; r++)
-            if (waiting & ((uint64_t)1 << r)) {
-                pfd[n] = (struct pollfd){c->fd[r], POLLOUT, 0};
-                who[n++] = r;
-            }
-        if (poll(pfd, n, left) < 0) {
-            if (errno == EINTR) continue;
+        uint64_t ready = 0;
+        if (mf__rdv_poll_ranks(c, waiting, POLLOUT, left, &ready) < 0)
             return mf__rdv_fail(c, MF_ERR_SYSTEM, untouched, "poll: %s", strerror(errno));
-        }
-        for (nfds_t i = 0; i < n; i++) {
-            if (!pfd[i].revents) continue;
-            const int32_t r = who[i];
+        for (int32_t r = 1; r < R; r++) {
+            if (!(ready & ((uint64_t)1 << r))) continue;
             int st = mf__rdv_xfer_step(c->fd[r], &x[r], 1);
             if (st == MF__IO_CLOSED)
                 return mf__rdv_fail(c, MF_ERR_SYSTEM, untouched & ~((uint64_t)1 << r), "rank %d "
