@@ -471,6 +471,26 @@ __device__ __forceinline__ void mainloop(const operands &op, const coords &c, ui
     __syncthreads();
 }
 
+/* The first kTiles n-tiles of the fp32 fragments, rounded to BF16, into the staging tile `epi` (rows
+ * kRowBytes apart): tile ni < kNTilesHalf is weight half 0, ni >= kNTilesHalf half 1. W13 stages its
+ * h columns (half 0), W2 its whole [kBlockM][256] output tile. */
+template <int kTiles, int kRowBytes>
+__device__ __forceinline__ void stage_bf16(const float (&acc)[kMTiles][kNTiles][4], const coords &c, uint8_t *epi) {
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; mi++)
+#pragma unroll
+        for (int rr = 0; rr < 2; rr++) {
+            const int row = c.warp_m * kWarpRows + mi * kMmaM + rr * 8 + c.group;
+#pragma unroll
+            for (int ni = 0; ni < kTiles; ni++) {
+                const int col = (ni / kNTilesHalf) * kHalfN + c.warp_n * kWarpHalfN + (ni % kNTilesHalf) * kMmaN + 2 * c.quad;
+                uint32_t lo = mf__bf16_from_float(acc[mi][ni][rr * 2]);
+                uint32_t hi = mf__bf16_from_float(acc[mi][ni][rr * 2 + 1]);
+                *(uint32_t *)(epi + row * kRowBytes + col * 2) = lo | (hi << 16);
+            }
+        }
+}
+
 /* ---- W13 + SwiGLU (+ FP8 1x128 requantisation) ---------------------------------------------------- */
 
 template <bool kFp8>
@@ -575,19 +595,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_w13_swiglu_kernel(const __gr
                         p.h_scales[(t.row0 + row) * h_blocks + n0 / MF__QUANT_BLOCK] = scale;
                 }
         } else {
-#pragma unroll
-            for (int mi = 0; mi < kMTiles; mi++)
-#pragma unroll
-                for (int rr = 0; rr < 2; rr++) {
-                    const int row = c.warp_m * kWarpRows + mi * kMmaM + rr * 8 + c.group;
-#pragma unroll
-                    for (int ni = 0; ni < kNTilesHalf; ni++) {
-                        const int col = c.warp_n * kWarpHalfN + ni * kMmaN + 2 * c.quad;
-                        uint32_t lo = mf__bf16_from_float(acc[mi][ni][rr * 2]);
-                        uint32_t hi = mf__bf16_from_float(acc[mi][ni][rr * 2 + 1]);
-                        *(uint32_t *)(epi + row * kRowBytes + col * 2) = lo | (hi << 16);
-                    }
-                }
+            stage_bf16<kNTilesHalf, kRowBytes>(acc, c, epi);
         }
         __syncthreads();
 
@@ -645,20 +653,8 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_w2_kernel(const __grid_const
         float acc[kMTiles][kNTiles][4];
         mainloop<kFp8>(op, c, smem, acc);
 
-        /* BF16 tile [kBlockM][256] in shared memory; tile ni < 4 is half 0, ni >= 4 half 1. */
-#pragma unroll
-        for (int mi = 0; mi < kMTiles; mi++)
-#pragma unroll
-            for (int rr = 0; rr < 2; rr++) {
-                const int row = c.warp_m * kWarpRows + mi * kMmaM + rr * 8 + c.group;
-#pragma unroll
-                for (int ni = 0; ni < kNTiles; ni++) {
-                    const int col = (ni / kNTilesHalf) * kHalfN + c.warp_n * kWarpHalfN + (ni % kNTilesHalf) * kMmaN + 2 * c.quad;
-                    uint32_t lo = mf__bf16_from_float(acc[mi][ni][rr * 2]);
-                    uint32_t hi = mf__bf16_from_float(acc[mi][ni][rr * 2 + 1]);
-                    *(uint32_t *)(epi + row * kEpiRowBytesW2 + col * 2) = lo | (hi << 16);
-                }
-            }
+        /* BF16 tile [kBlockM][256] in shared memory. */
+        stage_bf16<kNTiles, kEpiRowBytesW2>(acc, c, epi);
         __syncthreads();
 
         /* One warp per row per pass: 32 chunks of 8 columns = the tile's 256 columns. */
