@@ -262,6 +262,8 @@ __device__ void mf__plan_offsets_static(const mf__plan_params_t &p, const int32_
     int64_t mine = 0;
     for (int32_t e = e0; e < e1 && !masked && !faulted; e++)
         mine += ((int64_t)gc[p.first_expert + e] + p.block_m - 1) / p.block_m * p.block_m;
+    /* This block scan and mf__plan_fill_kernel's are alike on purpose: one shared helper changed the
+     * fill kernel's SASS (its loop tests rescheduled; dev/cubin_diff.py), so each stays written out. */
     int64_t incl = mine; /* inclusive scan over the lanes, then over the warps */
 #pragma unroll
     for (int off = 1; off < kMfWarp; off <<= 1) {
@@ -336,6 +338,7 @@ __global__ void __launch_bounds__(kMfPlanThreads) mf__plan_fill_kernel(mf__plan_
                 hit[q] = i0 + q < entries && ids[i0 + q] == target;
                 n += hit[q];
             }
+            /* Alike on purpose, as mf__plan_offsets_static's block scan (there). */
             int32_t incl = n; /* inclusive scan over the warp's lanes */
 #pragma unroll
             for (int off = 1; off < kMfWarp; off <<= 1) {
