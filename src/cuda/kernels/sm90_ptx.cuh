@@ -306,177 +306,144 @@ __device__ __forceinline__ void mf__cp_async_mbar_arrive_noinc(uint64_t *bar) {
 /* ---- wgmma specialisations: exactly the N the kernels use ------------------------------------------
  * decode (kernels/sm90_decode_gemm.cuh): N = tokens per tile kBlockT in {8, 16, 32, 64}, both dtypes;
  * TMA (kernels/sm90_tma_gemm.cuh): FP8 N = kBoxRows = 128 (one weight box), BF16 N = kTileN = 256.
- * A new tile size adds its N here, in the same regular form (the other 14 of wgmma's N were
- * written once and never used: deleted, issue 27). */
+ * A new tile size adds its N here, in the same regular form, and its operand lists below (the
+ * other 14 of wgmma's N were written once and never used: deleted, issue 27). */
+
+/* The accumulator operands of an m64nN wgmma, N/2 fp32 registers per thread (d[0] .. d[N/2 - 1]):
+ * as PTX operands (MF__WGMMA_REGS_N<N>: "%0, .., %(N/2 - 1)") and as the asm's in/out constraints
+ * (MF__WGMMA_ACC_N<N>); the descriptors and scale-d follow as operands N/2, N/2 + 1, N/2 + 2.
+ * Written once for both dtypes (each list extends the one of N/2). */
+#define MF__WGMMA_REGS_N8 "%0, %1, %2, %3"
+#define MF__WGMMA_ACC_N8 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+#define MF__WGMMA_REGS_N16 MF__WGMMA_REGS_N8 ", %4, %5, %6, %7"
+#define MF__WGMMA_ACC_N16 MF__WGMMA_ACC_N8, "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+#define MF__WGMMA_REGS_N32 MF__WGMMA_REGS_N16 \
+    ",\n%8, %9, %10, %11, %12, %13, %14, %15"
+#define MF__WGMMA_ACC_N32 MF__WGMMA_ACC_N16, \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+#define MF__WGMMA_REGS_N64 MF__WGMMA_REGS_N32 \
+    ",\n%16, %17, %18, %19, %20, %21, %22, %23" \
+    ",\n%24, %25, %26, %27, %28, %29, %30, %31"
+#define MF__WGMMA_ACC_N64 MF__WGMMA_ACC_N32, \
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define MF__WGMMA_REGS_N128 MF__WGMMA_REGS_N64 \
+    ",\n%32, %33, %34, %35, %36, %37, %38, %39" \
+    ",\n%40, %41, %42, %43, %44, %45, %46, %47" \
+    ",\n%48, %49, %50, %51, %52, %53, %54, %55" \
+    ",\n%56, %57, %58, %59, %60, %61, %62, %63"
+#define MF__WGMMA_ACC_N128 MF__WGMMA_ACC_N64, \
+    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define MF__WGMMA_REGS_N256 MF__WGMMA_REGS_N128 \
+    ",\n%64, %65, %66, %67, %68, %69, %70, %71" \
+    ",\n%72, %73, %74, %75, %76, %77, %78, %79" \
+    ",\n%80, %81, %82, %83, %84, %85, %86, %87" \
+    ",\n%88, %89, %90, %91, %92, %93, %94, %95" \
+    ",\n%96, %97, %98, %99, %100, %101, %102, %103" \
+    ",\n%104, %105, %106, %107, %108, %109, %110, %111" \
+    ",\n%112, %113, %114, %115, %116, %117, %118, %119" \
+    ",\n%120, %121, %122, %123, %124, %125, %126, %127"
+#define MF__WGMMA_ACC_N256 MF__WGMMA_ACC_N128, \
+    "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+    "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+    "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
+    "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), \
+    "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), \
+    "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
+    "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
+    "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
 
 template <>
 __device__ __forceinline__ void mf__wgmma_e4m3<8>(float *d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3\n"
-        "{%0, %1, %2, %3},\n"
-        " %4, %5, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3\n"
+                 "{" MF__WGMMA_REGS_N8 "},\n %4, %5, p, 1, 1;\n}\n"
+                 : MF__WGMMA_ACC_N8
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
 template <>
 __device__ __forceinline__ void mf__wgmma_e4m3<16>(float *d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3\n"
-        "{%0, %1, %2, %3, %4, %5, %6, %7},\n"
-        " %8, %9, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3\n"
+                 "{" MF__WGMMA_REGS_N16 "},\n %8, %9, p, 1, 1;\n}\n"
+                 : MF__WGMMA_ACC_N16
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
 template <>
 __device__ __forceinline__ void mf__wgmma_e4m3<32>(float *d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3\n"
-        "{%0, %1, %2, %3, %4, %5, %6, %7,\n"
-        "%8, %9, %10, %11, %12, %13, %14, %15},\n"
-        " %16, %17, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3\n"
+                 "{" MF__WGMMA_REGS_N32 "},\n %16, %17, p, 1, 1;\n}\n"
+                 : MF__WGMMA_ACC_N32
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
 template <>
 __device__ __forceinline__ void mf__wgmma_e4m3<64>(float *d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3\n"
-        "{%0, %1, %2, %3, %4, %5, %6, %7,\n"
-        "%8, %9, %10, %11, %12, %13, %14, %15,\n"
-        "%16, %17, %18, %19, %20, %21, %22, %23,\n"
-        "%24, %25, %26, %27, %28, %29, %30, %31},\n"
-        " %32, %33, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3\n"
+                 "{" MF__WGMMA_REGS_N64 "},\n %32, %33, p, 1, 1;\n}\n"
+                 : MF__WGMMA_ACC_N64
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
 template <>
 __device__ __forceinline__ void mf__wgmma_e4m3<128>(float *d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3\n"
-        "{%0, %1, %2, %3, %4, %5, %6, %7,\n"
-        "%8, %9, %10, %11, %12, %13, %14, %15,\n"
-        "%16, %17, %18, %19, %20, %21, %22, %23,\n"
-        "%24, %25, %26, %27, %28, %29, %30, %31,\n"
-        "%32, %33, %34, %35, %36, %37, %38, %39,\n"
-        "%40, %41, %42, %43, %44, %45, %46, %47,\n"
-        "%48, %49, %50, %51, %52, %53, %54, %55,\n"
-        "%56, %57, %58, %59, %60, %61, %62, %63},\n"
-        " %64, %65, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3\n"
+                 "{" MF__WGMMA_REGS_N128 "},\n %64, %65, p, 1, 1;\n}\n"
+                 : MF__WGMMA_ACC_N128
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
 template <>
 __device__ __forceinline__ void mf__wgmma_bf16<8>(float *d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16\n"
-        "{%0, %1, %2, %3},\n"
-        " %4, %5, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16\n"
+                 "{" MF__WGMMA_REGS_N8 "},\n %4, %5, p, 1, 1, 0, 0;\n}\n"
+                 : MF__WGMMA_ACC_N8
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
 template <>
 __device__ __forceinline__ void mf__wgmma_bf16<16>(float *d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16\n"
-        "{%0, %1, %2, %3, %4, %5, %6, %7},\n"
-        " %8, %9, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16\n"
+                 "{" MF__WGMMA_REGS_N16 "},\n %8, %9, p, 1, 1, 0, 0;\n}\n"
+                 : MF__WGMMA_ACC_N16
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
 template <>
 __device__ __forceinline__ void mf__wgmma_bf16<32>(float *d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16\n"
-        "{%0, %1, %2, %3, %4, %5, %6, %7,\n"
-        "%8, %9, %10, %11, %12, %13, %14, %15},\n"
-        " %16, %17, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16\n"
+                 "{" MF__WGMMA_REGS_N32 "},\n %16, %17, p, 1, 1, 0, 0;\n}\n"
+                 : MF__WGMMA_ACC_N32
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
 template <>
 __device__ __forceinline__ void mf__wgmma_bf16<64>(float *d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16\n"
-        "{%0, %1, %2, %3, %4, %5, %6, %7,\n"
-        "%8, %9, %10, %11, %12, %13, %14, %15,\n"
-        "%16, %17, %18, %19, %20, %21, %22, %23,\n"
-        "%24, %25, %26, %27, %28, %29, %30, %31},\n"
-        " %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16\n"
+                 "{" MF__WGMMA_REGS_N64 "},\n %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : MF__WGMMA_ACC_N64
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
 template <>
 __device__ __forceinline__ void mf__wgmma_bf16<256>(float *d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16\n"
-        "{%0, %1, %2, %3, %4, %5, %6, %7,\n"
-        "%8, %9, %10, %11, %12, %13, %14, %15,\n"
-        "%16, %17, %18, %19, %20, %21, %22, %23,\n"
-        "%24, %25, %26, %27, %28, %29, %30, %31,\n"
-        "%32, %33, %34, %35, %36, %37, %38, %39,\n"
-        "%40, %41, %42, %43, %44, %45, %46, %47,\n"
-        "%48, %49, %50, %51, %52, %53, %54, %55,\n"
-        "%56, %57, %58, %59, %60, %61, %62, %63,\n"
-        "%64, %65, %66, %67, %68, %69, %70, %71,\n"
-        "%72, %73, %74, %75, %76, %77, %78, %79,\n"
-        "%80, %81, %82, %83, %84, %85, %86, %87,\n"
-        "%88, %89, %90, %91, %92, %93, %94, %95,\n"
-        "%96, %97, %98, %99, %100, %101, %102, %103,\n"
-        "%104, %105, %106, %107, %108, %109, %110, %111,\n"
-        "%112, %113, %114, %115, %116, %117, %118, %119,\n"
-        "%120, %121, %122, %123, %124, %125, %126, %127},\n"
-        " %128, %129, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16\n"
+                 "{" MF__WGMMA_REGS_N256 "},\n %128, %129, p, 1, 1, 0, 0;\n}\n"
+                 : MF__WGMMA_ACC_N256
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
 
