@@ -155,6 +155,19 @@ typedef struct mf__sm90_fault {
 static constexpr uint32_t kMfSm90FaultMagic = 0x54494157u; /* "WAIT" */
 static __device__ mf__sm90_fault_t *mf__sm90_fault_record;
 
+/* Writes the fault record `f` of the wait on `bar` that expired: its site, then its magic (the host
+ * reads the fields once the magic is there). */
+__device__ __forceinline__ void mf__sm90_write_fault(mf__sm90_fault_t *f, uint64_t *bar, uint32_t parity, uint32_t tag) {
+    f->block = blockIdx.x;
+    f->thread = threadIdx.x;
+    f->smem = mf__smem_addr(bar);
+    f->parity = parity;
+    f->tag = tag;
+    __threadfence_system();
+    f->magic = kMfSm90FaultMagic;
+    __threadfence_system();
+}
+
 /* Waits until the phase of parity `parity` has completed (the usual ring idiom: a consumer of slot s
  * waits full[s] with parity (round & 1), a producer waits empty[s] with parity ((round & 1) ^ 1)).
  * Bounded by kMfSm90WaitTimeoutNs; `tag` names the wait site in the fault record. */
@@ -164,16 +177,7 @@ __device__ __forceinline__ void mf__mbar_wait_tag(uint64_t *bar, uint32_t parity
     while (!mf__mbar_try_wait(bar, parity)) {
         if (mf__globaltimer() - t0 > kMfSm90WaitTimeoutNs) {
             mf__sm90_fault_t *f = mf__sm90_fault_record;
-            if (f) {
-                f->block = blockIdx.x;
-                f->thread = threadIdx.x;
-                f->smem = mf__smem_addr(bar);
-                f->parity = parity;
-                f->tag = tag;
-                __threadfence_system();
-                f->magic = kMfSm90FaultMagic;
-                __threadfence_system();
-            }
+            if (f) mf__sm90_write_fault(f, bar, parity, tag);
             asm volatile("trap;");
         }
     }
@@ -534,16 +538,7 @@ __device__ __forceinline__ void mf__mbar_wait_bounded(uint64_t *bar, uint32_t pa
         if (mf__sm90_expired) return;
         if (mf__globaltimer() - t0 > timeout_ns) {
             mf__sm90_fault_t *f = mf__sm90_fault_record;
-            if (f && !f->magic) {
-                f->block = blockIdx.x;
-                f->thread = threadIdx.x;
-                f->smem = mf__smem_addr(bar);
-                f->parity = parity;
-                f->tag = tag;
-                __threadfence_system();
-                f->magic = kMfSm90FaultMagic;
-                __threadfence_system();
-            }
+            if (f && !f->magic) mf__sm90_write_fault(f, bar, parity, tag);
             mf__sm90_expired = 1;
             __threadfence();
             return;
