@@ -493,6 +493,9 @@ __device__ __forceinline__ void stage_bf16(const float (&acc)[kMTiles][kNTiles][
 
 /* ---- W13 + SwiGLU (+ FP8 1x128 requantisation) ---------------------------------------------------- */
 
+/* Both kernels open and walk their tiles alike on purpose (the prologue of every kernel here:
+ * coordinates once at the top, PDL, the persistent tile walk); what differs is the operands'
+ * set-up and the epilogue, so each kernel keeps its own. */
 template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) sm90_w13_swiglu_kernel(const __grid_constant__ w13_params p) {
     extern __shared__ __align__(128) uint8_t smem[];
@@ -615,6 +618,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_w13_swiglu_kernel(const __gr
 
 /* ---- W2 (BF16 rows to out or to the token owners' combine slots) ---------------------------------- */
 
+/* Opens and walks its tiles like sm90_w13_swiglu_kernel, on purpose (there). */
 template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) sm90_w2_kernel(const __grid_constant__ w2_params p) {
     extern __shared__ __align__(128) uint8_t smem[];

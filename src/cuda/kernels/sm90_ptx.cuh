@@ -311,7 +311,9 @@ __device__ __forceinline__ void mf__cp_async_mbar_arrive_noinc(uint64_t *bar) {
  * decode (kernels/sm90_decode_gemm.cuh): N = tokens per tile kBlockT in {8, 16, 32, 64}, both dtypes;
  * TMA (kernels/sm90_tma_gemm.cuh): FP8 N = kBoxRows = 128 (one weight box), BF16 N = kTileN = 256.
  * A new tile size adds its N here, in the same regular form, and its operand lists below (the
- * other 14 of wgmma's N were written once and never used: deleted, issue 27). */
+ * other 14 of wgmma's N were written once and never used: deleted, issue 27). The specialisations
+ * are alike on purpose: each is one instruction, whose PTX text (shape, dtype, operand numbers)
+ * has to be a literal. */
 
 /* The accumulator operands of an m64nN wgmma, N/2 fp32 registers per thread (d[0] .. d[N/2 - 1]):
  * as PTX operands (MF__WGMMA_REGS_N<N>: "%0, .., %(N/2 - 1)") and as the asm's in/out constraints

@@ -90,7 +90,9 @@ __device__ __forceinline__ bool mf__faulted(const mf__fault_sink_t &sink) {
     return *(volatile const int32_t *)&sink.state->fault != 0;
 }
 
-/* A fresh fault, before the call's first sync (any thread; the first raiser's details win). */
+/* A fresh fault, before the call's first sync (any thread; the first raiser's details win). Its
+ * field-by-field copy is like mf__set_fault's on purpose: two records (this rank's claim in device
+ * memory, the host's mapped copy with its own fences and field order), not one struct to share. */
 __device__ __forceinline__ void mf__raise(const mf__fault_sink_t &sink, int32_t code, int32_t kind, int32_t phase,
                                           int32_t peer, long long a, long long b, long long c) {
     mf__device_state_t *s = sink.state;
@@ -105,7 +107,8 @@ __device__ __forceinline__ void mf__raise(const mf__fault_sink_t &sink, int32_t 
     __threadfence();
 }
 
-/* Makes the comm faulted (sticky) unless it already is; any thread, the first one wins. */
+/* Makes the comm faulted (sticky) unless it already is; any thread, the first one wins. Its copy is
+ * like mf__raise's on purpose (there). */
 __device__ __forceinline__ void mf__set_fault(const mf__fault_sink_t &sink, int32_t code, int32_t kind, int32_t rank,
                                               int32_t phase, int32_t peer, int32_t reported, long long a, long long b,
                                               long long c) {
