@@ -12,6 +12,8 @@
  *                                   A, `ret`, the dispatcher, declines (meant to stay well under
  *                                   60 s on an H200; most of it is the CPU oracle)
  *   sm90_decode_lab --bench [--json FILE] [--no-peers] [--quick]
+ *   sm90_decode_lab --timeline      per-CTA %globaltimer stamps of the T = 1 shapes (where a launch's
+ *                                   time goes: launch, prologue, first data, stream, tail)
  *
  * Dimension legend: L local experts, N weight rows per expert (2I for W13, H for W2), K the
  * reduction dim (H for W13, I for W2), M rows per expert, T tokens per tile, C masked capacity,
@@ -1312,11 +1314,115 @@ static void run_bench(const char *json_path, bool peers, bool quick, const std::
 }
 
 /* ================================================================================================
+ * --timeline: where a decode launch's time goes, per CTA (%globaltimer stamps of the kernel,
+ * mf__sm90_decode_set_timeline), for the one-row-per-expert shapes of T = 1 (issue 25)
+ * ============================================================================================== */
+
+static double pct(std::vector<double> v, double q) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[(size_t)std::min((double)v.size() - 1, q * (double)(v.size() - 1) + 0.5)];
+}
+
+static void run_timeline(void) {
+    struct tcase { const char *name; int H, I, L, gemm; };
+    const tcase cases[] = {{"deepseek-v3", 7168, 2048, 8, 13}, {"deepseek-v3", 7168, 2048, 8, 2}, {"deepseek-v3", 7168, 2048, 32, 13},
+                           {"deepseek-v3", 7168, 2048, 32, 2},  {"qwen3-235b", 4096, 1536, 8, 13}, {"qwen3-235b", 4096, 1536, 8, 2}};
+    const size_t w_bytes = (size_t)32 * 4096 * 7168, a_rows = 64, k_max = 7168;
+    uint8_t *w, *a, *out, *flush;
+    float *ws, *as, *os;
+    int32_t *counts, *offsets;
+    uint64_t *stamps;
+    g_case = "timeline allocation";
+    CUDA_OK(cudaMalloc((void **)&w, w_bytes));
+    CUDA_OK(cudaMalloc((void **)&ws, w_bytes / (128 * 128) * 4));
+    CUDA_OK(cudaMalloc((void **)&a, a_rows * k_max));
+    CUDA_OK(cudaMalloc((void **)&as, a_rows * (k_max / 128) * 4));
+    CUDA_OK(cudaMalloc((void **)&out, a_rows * k_max * 2));
+    CUDA_OK(cudaMalloc((void **)&os, a_rows * (k_max / 128) * 4));
+    CUDA_OK(cudaMalloc((void **)&flush, kFlushBytes));
+    CUDA_OK(cudaMalloc((void **)&counts, 64 * 4));
+    CUDA_OK(cudaMalloc((void **)&offsets, 65 * 4));
+    CUDA_OK(cudaMalloc((void **)&stamps, 4 * 1024 * 8));
+    init_data(1, w, w_bytes, ws, w_bytes / (128 * 128), 11, 0.02f);
+    init_data(1, a, a_rows * k_max, as, a_rows * (k_max / 128), 13, 1.0f);
+    cudaStream_t st;
+    cudaEvent_t ev0, ev1;
+    CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    CUDA_OK(cudaEventCreate(&ev0));
+    CUDA_OK(cudaEventCreate(&ev1));
+    int sms = 0;
+    CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    printf("\n# --timeline: FP8, one row per expert (T = 1 at R = 1), L2 flushed before each launch; per CTA, from its\n"
+           "# %%globaltimer stamps: entry, prologue done (tables), first stage full, last store. Times in us; 'launch'\n"
+           "# = event time - (last store - first entry); rate = the CTA's weight bytes / (last store - first data)\n");
+    printf("%-12s %-4s %3s %5s %4s | %7s %7s %6s | %6s %8s %8s | %6s %6s %6s | %6s | %5s %5s %5s\n", "# model", "gemm", "L", "tiles",
+           "grid", "event", "span", "launch", "start", "prologue", "1st data", "stream", "min", "max", "end", "GB/s", "min", "max");
+    for (const tcase &tc : cases) {
+        const int epi = tc.gemm == 13 ? kEpiSwiglu : kEpiPlain;
+        const int N = tc.gemm == 13 ? 2 * tc.I : tc.H, K = tc.gemm == 13 ? tc.H : tc.I;
+        std::vector<int32_t> hc((size_t)tc.L, 1), ho((size_t)tc.L + 1);
+        for (int e = 0; e <= tc.L; e++) ho[(size_t)e] = e;
+        CUDA_OK(cudaMemcpy(counts, hc.data(), (size_t)tc.L * 4, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(offsets, ho.data(), ((size_t)tc.L + 1) * 4, cudaMemcpyHostToDevice));
+        call_t c;
+        memset(&c, 0, sizeof c);
+        c.fp8 = 1, c.epi = epi, c.L = tc.L, c.N = N, c.K = K, c.a = a, c.a_scales = as, c.w = w, c.w_scales = ws;
+        c.counts = counts, c.offsets = offsets, c.max_rows = 1, c.rows_hint = 1, c.out = out, c.out_scales = os;
+        const int tiles = tc.L * (tc.gemm == 13 ? N / 256 : N / 128), grid = std::min(tiles, sms);
+        const double tile_bytes = (double)(tc.gemm == 13 ? 256 : 128) * K;
+        for (int run = 0; run < 6; run++) {
+            const bool on = run >= 3; /* three warm-up launches without stamps, then three stamped */
+            CUDA_OK(mf__sm90_decode_set_timeline(on ? stamps : NULL));
+            CUDA_OK(cudaMemsetAsync(stamps, 0, 4 * 1024 * 8, st));
+            CUDA_OK(cudaMemsetAsync(flush, run, kFlushBytes, st));
+            CUDA_OK(cudaEventRecord(ev0, st));
+            if (!launched(run_call(c, st), "timeline")) return;
+            CUDA_OK(cudaEventRecord(ev1, st));
+            CUDA_OK(cudaEventSynchronize(ev1));
+            if (!on) continue;
+            float ms = 0;
+            CUDA_OK(cudaEventElapsedTime(&ms, ev0, ev1));
+            std::vector<uint64_t> s((size_t)grid * 4);
+            CUDA_OK(cudaMemcpy(s.data(), stamps, s.size() * 8, cudaMemcpyDeviceToHost));
+            uint64_t t0 = UINT64_MAX, tend = 0, tfirst_end = UINT64_MAX;
+            for (int b = 0; b < grid; b++) {
+                t0 = std::min(t0, s[4 * b]);
+                tend = std::max(tend, s[4 * b + 3]);
+                tfirst_end = std::min(tfirst_end, s[4 * b + 3]);
+            }
+            std::vector<double> start, pro, first, stream, rate;
+            for (int b = 0; b < grid; b++) {
+                const uint64_t *x = &s[4 * b];
+                const int mine = (tiles - b + grid - 1) / grid;
+                start.push_back((x[0] - t0) * 1e-3);
+                pro.push_back((x[1] - x[0]) * 1e-3);
+                first.push_back((x[2] - x[1]) * 1e-3);
+                stream.push_back((x[3] - x[2]) * 1e-3);
+                rate.push_back(mine * tile_bytes / ((x[3] - x[2]) * 1e-9) / 1e9);
+            }
+            const double span = (tend - t0) * 1e-3;
+            printf("%-12s w%-3d %3d %5d %4d | %7.1f %7.1f %6.1f | %6.1f %8.1f %8.1f | %6.1f %6.1f %6.1f | %6.1f | %5.0f %5.0f %5.0f\n",
+                   tc.name, tc.gemm, tc.L, tiles, grid, ms * 1e3, span, ms * 1e3 - span, pct(start, 1.0), pct(pro, 0.5),
+                   pct(first, 0.5), pct(stream, 0.5), pct(stream, 0.0), pct(stream, 1.0), (tend - tfirst_end) * 1e-3,
+                   pct(rate, 0.5), pct(rate, 0.0), pct(rate, 1.0));
+        }
+    }
+    CUDA_OK(mf__sm90_decode_set_timeline(NULL));
+    printf("# columns: start = the last CTA's entry after the first's; prologue, 1st data: medians over CTAs; stream: median,\n"
+           "# min, max over CTAs; end = last CTA's last store - first CTA's last store; GB/s: median, min, max per CTA\n");
+    cudaFree(w), cudaFree(ws), cudaFree(a), cudaFree(as), cudaFree(out), cudaFree(os), cudaFree(flush), cudaFree(counts);
+    cudaFree(offsets), cudaFree(stamps);
+    cudaStreamDestroy(st);
+    cudaEventDestroy(ev0);
+    cudaEventDestroy(ev1);
+}
+
+/* ================================================================================================
  * main
  * ============================================================================================== */
 
 int main(int argc, char **argv) {
-    bool selftest = false, validate = false, bench = false, peers = true, quick = false;
+    bool selftest = false, validate = false, bench = false, peers = true, quick = false, timeline = false;
     g_on_fatal = report_fault;
     const char *json = NULL;
     std::string command;
@@ -1327,13 +1433,15 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--bench")) bench = true;
         else if (!strcmp(argv[i], "--no-peers")) peers = false;
         else if (!strcmp(argv[i], "--quick")) quick = true;
+        else if (!strcmp(argv[i], "--timeline")) timeline = true;
         else if (!strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
         else {
-            fprintf(stderr, "usage: %s [--selftest] [--validate] [--bench [--json FILE] [--no-peers] [--quick]]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--selftest] [--validate] [--bench [--json FILE] [--no-peers] [--quick]] [--timeline]\n",
+                    argv[0]);
             return 2;
         }
     }
-    if (!selftest && !validate && !bench) selftest = validate = bench = true;
+    if (!selftest && !validate && !bench && !timeline) selftest = validate = bench = true;
     cudaDeviceProp prop;
     CUDA_OK(cudaGetDeviceProperties(&prop, 0));
     printf("# device: %s, sm_%d%d, %d SMs, %.0f MB L2, %zu KB smem/block opt-in\n", prop.name, prop.major, prop.minor,
@@ -1353,6 +1461,7 @@ int main(int argc, char **argv) {
     if (selftest) run_selftest();
     if (validate) run_validate();
     if (bench) run_bench(json, peers, quick, command);
+    if (timeline) run_timeline();
     printf("%s: %d failure%s\n", g_failures ? "FAIL" : "PASS", g_failures, g_failures == 1 ? "" : "s");
     return g_failures ? 1 : 0;
 }

@@ -23,6 +23,7 @@
  * exactly kLaunchRegs registers (setmaxnreg's assumption: with fewer, the consumers' setmaxnreg.inc
  * would wait forever) is never launched: its calls decline.
  */
+#include <atomic>
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -102,6 +103,9 @@ int variant_smem(int i) {
     return variants(&n)[i].smem;
 }
 
+/* The decode lab's --timeline stamps per device (mf__sm90_decode_set_timeline), NULL in the library. */
+std::atomic<uint64_t *> g_timeline[kMfGemmMaxDevices];
+
 /* The family's per-device state and reports (cuda/gemm_family.cuh). */
 mf__gemm_family_t g_family = {kMfGemmFamilyDecode, kLaunchRegs, variant_count, variant_fn, variant_smem};
 
@@ -149,6 +153,7 @@ mf_result_t launch(const char *who, const mf__gemm_choice_t *choice, const mf__g
     }
     const int grid = grid_of(seg, p->N, swiglu, block_t, sms);
     if (grid <= 0) return MF_SUCCESS;
+    p->timeline = g_timeline[dev].load();
     void *args[] = {(void *)p};
     MF__GEMM_CUDA(mf__cuda_launch(v.fn, dim3((unsigned)grid), dim3(kThreads), (size_t)v.smem, stream, pdl, args), who);
     mf__gemm_report_launch(&g_family, "decode %s %s T %d, A %s (%d stages, %d B smem, grid %d)", fp8 ? "fp8" : "bf16",
@@ -241,3 +246,12 @@ const char *mf__sm90_decode_last_decline(void) { return mf__gemm_last_decline(&g
 const char *mf__sm90_decode_last_launch(void) { return mf__gemm_last_launch(&g_family); }
 
 cudaError_t mf__sm90_decode_set_fault_record(mf__sm90_fault_t *record) { return mf__sm90_set_fault_record(record); }
+
+cudaError_t mf__sm90_decode_set_timeline(uint64_t *stamps) {
+    int dev = 0;
+    const cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess) return e;
+    if (dev < 0 || dev >= kMfGemmMaxDevices) return cudaErrorInvalidDevice;
+    g_timeline[dev].store(stamps);
+    return cudaSuccess;
+}
