@@ -17,6 +17,7 @@
  * masked in the kernels. Every data pointer must be 16-byte aligned, every scale pointer 4-byte.
  */
 #include <cuda_runtime.h>
+#include <math.h>
 #include <mutex>
 #include <stdarg.h>
 #include <stdio.h>
@@ -188,8 +189,13 @@ mf__gemm_choice_t mf__gemm_choose(int32_t rows_hint, int32_t max_rows_per_expert
     mf__gemm_choice_t c;
     if (rows_hint <= kMfDecodeMaxRows) {
         /* decode: tokens per tile, the smallest of the variants' 8, 16, 32, 64 (gemm_decode.cu) that
-         * holds the expected rows (0 = unknown: the bound), never more than the bound needs */
-        int32_t m = rows_hint > 0 ? rows_hint : max_rows_per_expert;
+         * holds what most experts get (0 = unknown: the bound), never more than the bound needs.
+         * rows_hint is the MEAN; an expert's count spreads about it (Poisson-like under uniform
+         * routing: sd ~ sqrt(mean)), and an expert past the tile takes a second tile that streams its
+         * weights again: deepseek-v3 at T = 512 (mean 16) read 2935 us with 16-token tiles, T = 513
+         * (mean 17: 32-token tiles) 2700 us (bench/NOTES.md, issue 25 third session). So the tile
+         * holds the mean + 2 sd. */
+        int32_t m = rows_hint > 0 ? rows_hint + (int32_t)ceil(2.0 * sqrt((double)rows_hint)) : max_rows_per_expert;
         if (max_rows_per_expert > 0 && max_rows_per_expert < m) m = max_rows_per_expert;
         c.family = kMfGemmFamilyDecode;
         c.block_rows = m <= 8 ? 8 : m <= 16 ? 16 : m <= 32 ? 32 : 64;
