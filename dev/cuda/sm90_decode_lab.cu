@@ -71,6 +71,7 @@ extern "C" {
 }
 #include "core/numerics.h"
 #include "cuda/configs.cuh"
+#include "cuda/gemm_family.cuh" /* mf__gemm_variant_info_t */
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels/sm90_decode_gemm.cuh"
 #include "common.h" /* the labs' CUDA_OK, random data, device vectors */
@@ -92,10 +93,10 @@ static void report_fault(void) {
                 : g_fault->tag == mf__decode::kTagConsumerFull ? "consumer waiting for a full stage" : "?");
 }
 
-static std::vector<mf__decode_variant_info_t> g_variants;
+static std::vector<mf__gemm_variant_info_t> g_variants;
 
-static const mf__decode_variant_info_t *variant_info(int fp8, int swiglu, int block_t, int gather) {
-    for (const mf__decode_variant_info_t &v : g_variants)
+static const mf__gemm_variant_info_t *variant_info(int fp8, int swiglu, int block_t, int gather) {
+    for (const mf__gemm_variant_info_t &v : g_variants)
         if (v.fp8 == fp8 && v.swiglu == swiglu && v.block_t == block_t && v.gather == gather) return &v;
     return NULL;
 }
@@ -117,7 +118,7 @@ static void list_variants(void) {
     printf("%-6s %-4s %-7s %3s %-6s %7s %6s %4s %6s %s\n", "# gemm", "dt", "A", "T", "epi", "smem", "stages", "regs",
            "local", "");
     int bad = 0;
-    for (const mf__decode_variant_info_t &v : g_variants) {
+    for (const mf__gemm_variant_info_t &v : g_variants) {
         const bool ok = v.usable && v.num_regs == mf__decode::kLaunchRegs && v.local_bytes == 0;
         bad += !ok;
         printf("%-6s %-4s %-7s %3d %-6s %7d %6d %4d %6d %s\n", v.swiglu ? "w13" : "w2", v.fp8 ? "fp8" : "bf16",
@@ -184,7 +185,7 @@ static mf_result_t run_call(const call_t &c, cudaStream_t stream, int dispatcher
 static bool launched(mf_result_t r, const char *name) {
     if (r == MF_SUCCESS) return true;
     if (r == MF_ERR_NOT_SUPPORTED)
-        printf("FAIL %-52s declined: %s%s\n", name, mf__sm90_decode_last_decline(), mf_last_error());
+        printf("FAIL %-52s declined: %s%s\n", name, mf__gemm_last_decline(kMfGemmFamilyDecode), mf_last_error());
     else
         printf("FAIL %-52s %s: %s\n", name, mf_result_string(r), mf_last_error());
     g_failures++;
@@ -728,7 +729,7 @@ static void run_vcase(const vcase &vc, int max_print) {
     const int rows_hint = vc.block_t ? vc.block_t : pb.lo.max_count;
     call_t c = call_of(pb, d, rows_hint);
     const int block_t = choice_of(c, 0).block_rows;
-    const mf__decode_variant_info_t *vi = variant_info(pb.fp8, pb.epi == kEpiSwiglu, block_t, 0);
+    const mf__gemm_variant_info_t *vi = variant_info(pb.fp8, pb.epi == kEpiSwiglu, block_t, 0);
     snprintf(name, sizeof name, "%s [T%d st%d]", vc.name.c_str(), block_t, vi ? vi->stages : 0);
     if (!launched(run_call(c, 0), name)) {
         d.release();
@@ -869,7 +870,7 @@ static void run_declines(void) {
         for (uint8_t b : out) untouched = untouched && b == kPoison;
         const bool ok = r == MF_ERR_NOT_SUPPORTED && untouched && mf_last_error()[0] == '\0';
         printf("%s decline: %-52s %s%s%s (%s)\n", ok ? "PASS" : "FAIL", x.what, mf_result_string(r), untouched ? "" : ", output written",
-               mf_last_error()[0] ? ", library error set" : "", mf__sm90_decode_last_decline());
+               mf_last_error()[0] ? ", library error set" : "", mf__gemm_last_decline(kMfGemmFamilyDecode));
         if (!ok) g_failures++;
         d.release();
     }
@@ -1165,7 +1166,7 @@ static void bench_case(bench_ctx &bc, const bmodel &m, int gemm, int fp8, int ma
     mf_result_t r = run_call(c, bc.stream);
     if (!launched(r, name)) return;
     const int block_t = choice_of(c, 0).block_rows;
-    const mf__decode_variant_info_t *vi = variant_info(fp8, epi == kEpiSwiglu, block_t, gather);
+    const mf__gemm_variant_info_t *vi = variant_info(fp8, epi == kEpiSwiglu, block_t, gather);
     const double us = time_median(bc, [&] { r = run_call(c, bc.stream); });
     if (!launched(r, name)) return;
     double alt_us = 0;

@@ -73,6 +73,7 @@
 #include <vector>
 
 #include "core/numerics.h"
+#include "cuda/gemm_family.cuh" /* mf__gemm_variant_info_t */
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels/sm90_ptx.cuh"
 #include "cuda/kernels/sm90_tma_gemm.cuh"
@@ -174,7 +175,7 @@ static mf_result_t run_call(const gemm_call &c, cudaStream_t st, int dispatcher 
 static bool launched(mf_result_t r) {
     if (r == MF_SUCCESS) return true;
     printf("FAIL %-60s launcher returned %d: %s\n", g_case, (int)r,
-           r == MF_ERR_NOT_SUPPORTED ? mf__sm90_tma_last_decline() : mf_last_error());
+           r == MF_ERR_NOT_SUPPORTED ? mf__gemm_last_decline(kMfGemmFamilyTma) : mf_last_error());
     g_failures++;
     return false;
 }
@@ -184,7 +185,7 @@ static bool launched(mf_result_t r) {
  * ==================================================================================================== */
 
 static void list_variants(void) {
-    mf__tma_variant_info_t v[16];
+    mf__gemm_variant_info_t v[16];
     const int n = mf__sm90_tma_variants(v, 16);
     if (n < 0) {
         fprintf(stderr, "FATAL: mf__sm90_tma_variants failed: %s\n", mf_last_error());
@@ -851,7 +852,8 @@ static void run_declines(void) {
         CUDA_OK(cudaDeviceSynchronize());
         const bool ok = r == MF_ERR_NOT_SUPPORTED;
         if (!ok) g_failures++;
-        printf("%s %-60s returned %d (%s)\n", ok ? "PASS" : "FAIL", d.name, (int)r, mf__sm90_tma_last_decline());
+        printf("%s %-60s returned %d (%s)\n", ok ? "PASS" : "FAIL", d.name, (int)r,
+               mf__gemm_last_decline(kMfGemmFamilyTma));
     }
     /* no rows at all: success, nothing written */
     {

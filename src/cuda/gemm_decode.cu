@@ -9,7 +9,7 @@
  *
  * Declining: a shape or argument the kernel does not take returns MF_ERR_NOT_SUPPORTED without
  * launching and without recording a library error (the dispatcher then runs the mma.sync fallback);
- * the reason is kept per thread for the lab (mf__sm90_decode_last_decline). Configuring, declining
+ * the reason is kept per thread for the lab (mf__gemm_last_decline). Configuring, declining
  * and the MF_DEBUG report go through the families' one skeleton, cuda/gemm_family.cuh. The kernel
  * takes: BF16 or FP8 E4M3, N a multiple of 128 (W2: H) or 256 (W13: 2I), K * element bytes a
  * multiple of 128 (W13: H, W2: I), L <= kMaxExperts, L * N < 2^31, 16-byte aligned data, 4-byte
@@ -27,7 +27,6 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
-#include <string.h>
 
 
 #include "core/errors.h"
@@ -98,16 +97,18 @@ const void *variant_fn(int i) {
     int n = 0;
     return variants(&n)[i].fn;
 }
-int variant_smem(int i) {
+mf__gemm_variant_info_t variant_info(int i) {
     int n = 0;
-    return variants(&n)[i].smem;
+    const variant_t &v = variants(&n)[i];
+    const mf__gemm_variant_info_t o = {v.fp8, v.swiglu, v.block_t, v.gather, v.smem, v.stages, 0, 0, 0};
+    return o;
 }
 
 /* The decode lab's --timeline stamps per device (mf__sm90_decode_set_timeline), NULL in the library. */
 std::atomic<uint64_t *> g_timeline[kMfGemmMaxDevices];
 
 /* The family's per-device state and reports (cuda/gemm_family.cuh). */
-mf__gemm_family_t g_family = {kMfGemmFamilyDecode, kLaunchRegs, variant_count, variant_fn, variant_smem};
+mf__gemm_family_t g_family = {kMfGemmFamilyDecode, kLaunchRegs, variant_count, variant_fn, variant_info};
 
 /* The checks shared by both GEMMs; `N` weight rows per expert, `K` reduction elements. */
 mf_result_t check_shape(const mf__gemm_segments_t *seg, int32_t dtype, int swiglu, int64_t N, int64_t K) {
@@ -131,6 +132,7 @@ int grid_of(const mf__gemm_segments_t *seg, int64_t N, int swiglu, int block_t, 
 /* Takes the choice's variant, encodes the weight map (and the contiguous activation map) and launches. */
 mf_result_t launch(const char *who, const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int fp8,
                    int swiglu, int gather, const void *w, const void *a, gemm_params *p, cudaStream_t stream, int32_t pdl) {
+    if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) return MF_SUCCESS; /* no rows: nothing to launch */
     const int block_t = choice->block_rows;
     const int vi = find_variant(fp8, swiglu, block_t, gather);
     if (vi < 0)
@@ -166,7 +168,6 @@ mf_result_t launch(const char *who, const mf__gemm_choice_t *choice, const mf__g
 mf_result_t mf__sm90_decode_w13_swiglu(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t dtype,
                                        int32_t ue8m0, mf__gemm_operand_t a, mf__gemm_operand_t w13, int32_t H, int32_t I,
                                        void *h, float *h_scales, cudaStream_t stream, int32_t pdl) {
-    static const char *who = "mf__sm90_decode_w13_swiglu";
     const int64_t N = 2 * (int64_t)I, K = H;
     const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
     MF_CHECK(check_shape(seg, dtype, 1, N, K));
@@ -188,62 +189,26 @@ mf_result_t mf__sm90_decode_w13_swiglu(const mf__gemm_choice_t *choice, const mf
         if (fp8 && (!a.scales || !mf__gemm_aligned(a.scales, kMfGemmScaleAlign)))
             return mf__gemm_decline(&g_family, "FP8 a.scales missing or misaligned");
     }
-    if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) return MF_SUCCESS;
-
     gemm_params p = w13_params(seg, ue8m0, a, w13, H, I, h, h_scales);
-    return launch(who, choice, seg, fp8, 1, a.gather ? 1 : 0, w13.data, a.data, &p, stream, pdl);
+    return launch(__func__, choice, seg, fp8, 1, a.gather ? 1 : 0, w13.data, a.data, &p, stream, pdl);
 }
 
 mf_result_t mf__sm90_decode_w2(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t dtype,
                                mf__gemm_operand_t h, mf__gemm_operand_t w2, int32_t H, int32_t I, uint16_t *out,
                                const mf__gemm_return_t *ret, cudaStream_t stream, int32_t pdl) {
-    static const char *who = "mf__sm90_decode_w2";
     const int64_t N = H, K = I;
     const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
     MF_CHECK(check_shape(seg, dtype, 0, N, K));
     MF_CHECK(mf__gemm_check_w2_args(&g_family, fp8, h, w2, out, ret));
-    if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) return MF_SUCCESS;
-
     gemm_params p = w2_params(seg, h, w2, H, I, out, ret);
-    return launch(who, choice, seg, fp8, 0, 0, w2.data, h.data, &p, stream, pdl);
+    return launch(__func__, choice, seg, fp8, 0, 0, w2.data, h.data, &p, stream, pdl);
 }
 
-mf_result_t mf__sm90_decode_preload(void) {
-    int dev = 0, sms = 0;
-    mf_result_t r = mf__gemm_configure(&g_family, "mf__sm90_decode_preload", &dev, &sms);
-    return r == MF_ERR_NOT_SUPPORTED ? MF_SUCCESS : r; /* a device beyond the table: its calls decline */
+mf_result_t mf__sm90_decode_preload(void) { return mf__gemm_preload(&g_family, __func__); }
+
+int mf__sm90_decode_variants(mf__gemm_variant_info_t *out, int max) {
+    return mf__gemm_variants(&g_family, __func__, out, max);
 }
-
-int mf__sm90_decode_variants(mf__decode_variant_info_t *out, int max) {
-    int dev = 0, sms = 0;
-    if (mf__gemm_configure(&g_family, "mf__sm90_decode_variants", &dev, &sms) == MF_ERR_CUDA) return -1;
-    const int64_t usable = mf__gemm_usable(&g_family, dev);
-    int n = 0;
-    const variant_t *v = variants(&n);
-    for (int i = 0; i < n && out && i < max; i++) {
-        cudaFuncAttributes fa;
-        memset(&fa, 0, sizeof fa);
-        if (cudaFuncGetAttributes(&fa, v[i].fn) != cudaSuccess) {
-            (void)cudaGetLastError();
-            return -1;
-        }
-        mf__decode_variant_info_t &o = out[i];
-        o.fp8 = v[i].fp8;
-        o.swiglu = v[i].swiglu;
-        o.block_t = v[i].block_t;
-        o.gather = v[i].gather;
-        o.smem_bytes = v[i].smem;
-        o.stages = v[i].stages;
-        o.num_regs = fa.numRegs;
-        o.local_bytes = (int32_t)fa.localSizeBytes;
-        o.usable = (usable >> i) & 1;
-    }
-    return n;
-}
-
-const char *mf__sm90_decode_last_decline(void) { return mf__gemm_last_decline(&g_family); }
-
-const char *mf__sm90_decode_last_launch(void) { return mf__gemm_last_launch(&g_family); }
 
 cudaError_t mf__sm90_decode_set_fault_record(mf__sm90_fault_t *record) { return mf__sm90_set_fault_record(record); }
 

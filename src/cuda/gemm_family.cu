@@ -3,6 +3,7 @@
  */
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "core/debug.h"
 #include "cuda/gemm_family.cuh"
@@ -29,9 +30,9 @@ void mf__gemm_report_launch(const mf__gemm_family_t *f, const char *fmt, ...) {
     va_end(ap);
 }
 
-const char *mf__gemm_last_decline(const mf__gemm_family_t *f) { return g_decline[f->id]; }
+const char *mf__gemm_last_decline(int family) { return g_decline[family]; }
 
-const char *mf__gemm_last_launch(const mf__gemm_family_t *f) { return g_ran[f->id]; }
+const char *mf__gemm_last_launch(int family) { return g_ran[family]; }
 
 mf_result_t mf__gemm_configure(mf__gemm_family_t *f, const char *who, int *dev_out, int *sms_out) {
     int dev = 0;
@@ -52,9 +53,10 @@ mf_result_t mf__gemm_configure(mf__gemm_family_t *f, const char *who, int *dev_o
         const int n = f->count();
         for (int i = 0; i < n && i < kMfGemmMaxVariants; i++) {
             const void *fn = f->fn(i);
+            const int smem = f->info(i).smem_bytes;
             cudaFuncAttributes fa;
             MF__GEMM_CUDA(cudaFuncGetAttributes(&fa, fn), who);
-            MF__GEMM_CUDA(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, f->smem(i)), who);
+            MF__GEMM_CUDA(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), who);
             if (fa.numRegs == f->launch_regs) usable |= (int64_t)1 << i;
         }
     }
@@ -63,6 +65,12 @@ mf_result_t mf__gemm_configure(mf__gemm_family_t *f, const char *who, int *dev_o
     f->usable[dev].store(usable);
     *sms_out = sms;
     return MF_SUCCESS;
+}
+
+mf_result_t mf__gemm_preload(mf__gemm_family_t *f, const char *who) {
+    int dev = 0, sms = 0;
+    mf_result_t r = mf__gemm_configure(f, who, &dev, &sms);
+    return r == MF_ERR_NOT_SUPPORTED ? MF_SUCCESS : r; /* a device beyond the table: its calls decline */
 }
 
 mf_result_t mf__gemm_require(const mf__gemm_family_t *f, int dev, int vi) {
@@ -74,6 +82,27 @@ mf_result_t mf__gemm_require(const mf__gemm_family_t *f, int dev, int vi) {
 
 int64_t mf__gemm_usable(const mf__gemm_family_t *f, int dev) {
     return dev >= 0 && dev < kMfGemmMaxDevices ? f->usable[dev].load() : 0;
+}
+
+int mf__gemm_variants(mf__gemm_family_t *f, const char *who, mf__gemm_variant_info_t *out, int max) {
+    int dev = 0, sms = 0;
+    if (mf__gemm_configure(f, who, &dev, &sms) == MF_ERR_CUDA) return -1;
+    const int64_t usable = mf__gemm_usable(f, dev);
+    const int n = f->count();
+    for (int i = 0; i < n && out && i < max; i++) {
+        cudaFuncAttributes fa;
+        memset(&fa, 0, sizeof fa);
+        if (cudaFuncGetAttributes(&fa, f->fn(i)) != cudaSuccess) {
+            (void)cudaGetLastError();
+            return -1;
+        }
+        mf__gemm_variant_info_t &o = out[i];
+        o = f->info(i);
+        o.num_regs = fa.numRegs;
+        o.local_bytes = (int32_t)fa.localSizeBytes;
+        o.usable = (usable >> i) & 1;
+    }
+    return n;
 }
 
 mf_result_t mf__gemm_check_segments(const mf__gemm_family_t *f, const mf__gemm_segments_t *seg, int32_t dtype, int64_t N,

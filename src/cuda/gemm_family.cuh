@@ -14,6 +14,8 @@
  *              launching and without a library error (the dispatcher then tries the next family);
  *              the reason is kept per thread and family (the dispatcher's MF_DEBUG report, the labs).
  *   report     under MF_DEBUG, what the last launch of this thread ran.
+ *   list       each variant's template parameters, shared-memory map and registers, for the labs
+ *              and diagnostics (mf__gemm_variants).
  *
  * C++ (CUDA) linkage, included by .cu files only.
  */
@@ -33,12 +35,20 @@ enum { kMfGemmFamilies = 2 }; /* the families on this skeleton: decode and tma (
 static_assert(kMfGemmMaxVariants < 63, "one usable bit per variant, below kMfGemmConfigured");
 constexpr int64_t kMfGemmConfigured = (int64_t)1 << 62; /* usable[dev]: the device was examined */
 
+/* What a family ships, for the labs and for diagnostics: one entry per kernel variant. */
+typedef struct mf__gemm_variant_info {
+    int32_t fp8, swiglu, block_t, gather; /* the template parameters (TMA: block_t and gather 0) */
+    int32_t smem_bytes, stages;           /* the shared-memory map */
+    int32_t num_regs, local_bytes;        /* cudaFuncGetAttributes on the current device */
+    int32_t usable;                       /* num_regs == launch_regs (setmaxnreg's assumption) */
+} mf__gemm_variant_info_t;
+
 typedef struct mf__gemm_family {
     int id;                           /* kMfGemmFamily*: the per-thread report buffers */
     int launch_regs;                  /* registers every usable variant was compiled to */
     int (*count)(void);               /* variants, at most kMfGemmMaxVariants */
     const void *(*fn)(int variant);   /* its kernel */
-    int (*smem)(int variant);         /* its dynamic shared memory, bytes */
+    mf__gemm_variant_info_t (*info)(int variant); /* its parameters and smem_bytes (dynamic), stages */
     std::atomic<int64_t> usable[kMfGemmMaxDevices]; /* kMfGemmConfigured | a bit per usable variant; 0: not yet */
     std::atomic<int> sms[kMfGemmMaxDevices];
     std::atomic<int> cc[kMfGemmMaxDevices]; /* 10 * major + minor */
@@ -62,12 +72,21 @@ mf_result_t mf__gemm_decline(const mf__gemm_family_t *f, const char *fmt, ...) _
 /* Under MF_DEBUG (mf__debug_on): records what this thread's launch ran; otherwise nothing. */
 void mf__gemm_report_launch(const mf__gemm_family_t *f, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
-const char *mf__gemm_last_decline(const mf__gemm_family_t *f); /* "" before any */
-const char *mf__gemm_last_launch(const mf__gemm_family_t *f);  /* "" before any or without MF_DEBUG */
+/* Why the calling thread's last call of family `family` (kMfGemmFamily*) declined
+ * (MF_ERR_NOT_SUPPORTED is returned without a library error, so that the dispatcher's fallback
+ * stays quiet); "" before any. */
+const char *mf__gemm_last_decline(int family);
+/* Under MF_DEBUG: what the calling thread's last launch of family `family` ran (variant, stages,
+ * grid); "" before any. Not written when MF_DEBUG is off. */
+const char *mf__gemm_last_launch(int family);
 
 /* The current device (dev) and its SM count (sms), the device examined first if it was not yet
  * (see the file comment). A device beyond the tables declines; CUDA errors are MF_ERR_CUDA. */
 mf_result_t mf__gemm_configure(mf__gemm_family_t *f, const char *who, int *dev, int *sms);
+
+/* Configures the current device as mf__gemm_configure does, before any rank can spin (group
+ * init); a device beyond the tables is not an error here (its calls decline). */
+mf_result_t mf__gemm_preload(mf__gemm_family_t *f, const char *who);
 
 /* MF_SUCCESS when variant `vi` can launch on configured device `dev`; else declines saying why
  * (not an sm_90 device, or the wrong register count). */
@@ -75,6 +94,10 @@ mf_result_t mf__gemm_require(const mf__gemm_family_t *f, int dev, int vi);
 
 /* The usable mask of device `dev` (0 beyond the tables or before configure). */
 int64_t mf__gemm_usable(const mf__gemm_family_t *f, int dev);
+
+/* Fills up to `max` entries (NULL: none) for the current device (configuring it: loads the kernels)
+ * and returns the number of variants, or -1 on a CUDA error. */
+int mf__gemm_variants(mf__gemm_family_t *f, const char *who, mf__gemm_variant_info_t *out, int max);
 
 /* The segments and dtype, as both families take them: BF16 or FP8 E4M3, L in [0, max_experts],
  * L * N weight rows within int32 TMA coordinates, max_rows_per_expert >= 0, counts and offsets

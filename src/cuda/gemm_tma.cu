@@ -9,7 +9,7 @@
  *
  * Declining: a shape or argument the kernel does not take returns MF_ERR_NOT_SUPPORTED without
  * launching and without recording a library error (the dispatcher then runs the mma.sync fallback);
- * the reason is kept per thread for the lab (mf__sm90_tma_last_decline). Configuring, declining and
+ * the reason is kept per thread for the lab (mf__gemm_last_decline). Configuring, declining and
  * the MF_DEBUG report go through the families' one skeleton, cuda/gemm_family.cuh. The kernel
  * takes: BF16 or FP8 E4M3; W13: contiguous A (a.gather declines: TMA cannot gather rows), I a
  * multiple of 128; W2: H a multiple of 256; K * element bytes a multiple of 16 (FP8: K a multiple
@@ -27,7 +27,6 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "core/errors.h"
 #include "cuda/gemm_family.cuh"
@@ -55,10 +54,13 @@ const variant_t kVariants[kNumVariants] = {
 
 const void *variant_fn(int i) { return kVariants[i].fn; }
 int variant_count(void) { return kNumVariants; }
-int variant_smem(int) { return kSmemBytes; }
+mf__gemm_variant_info_t variant_info(int i) {
+    const mf__gemm_variant_info_t o = {kVariants[i].fp8, kVariants[i].swiglu, 0, 0, kSmemBytes, kStages, 0, 0, 0};
+    return o;
+}
 
 /* The family's per-device state and reports (cuda/gemm_family.cuh). */
-mf__gemm_family_t g_family = {kMfGemmFamilyTma, kLaunchRegs, variant_count, variant_fn, variant_smem};
+mf__gemm_family_t g_family = {kMfGemmFamilyTma, kLaunchRegs, variant_count, variant_fn, variant_info};
 
 /* The checks shared by both GEMMs; `N` weight rows per expert, `K` reduction elements. */
 mf_result_t check_shape(const mf__gemm_segments_t *seg, int32_t dtype, int swiglu, int64_t N, int64_t K) {
@@ -81,6 +83,7 @@ mf_result_t check_shape(const mf__gemm_segments_t *seg, int32_t dtype, int swigl
 /* Encodes the tensor maps and launches variant (fp8, swiglu) on a persistent grid. */
 mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int swiglu, const void *a, const void *w,
                    gemm_params *p, cudaStream_t stream, int32_t pdl) {
+    if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) return MF_SUCCESS; /* no rows: nothing to launch */
     int dev = 0, sms = 0;
     MF_CHECK(mf__gemm_configure(&g_family, who, &dev, &sms));
     const int vi = 2 * fp8 + swiglu;
@@ -105,7 +108,6 @@ mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int
 mf_result_t mf__sm90_tma_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, int32_t ue8m0, mf__gemm_operand_t a,
                                     mf__gemm_operand_t w13, int32_t H, int32_t I, void *h, float *h_scales,
                                     cudaStream_t stream, int32_t pdl) {
-    static const char *who = "mf__sm90_tma_w13_swiglu";
     if (a.gather)
         return mf__gemm_decline(&g_family, "a.gather: TMA cannot gather rows (mf__gemm_choose never asks it to)");
     const int64_t N = 2 * (int64_t)I, K = H;
@@ -117,57 +119,25 @@ mf_result_t mf__sm90_tma_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtyp
     if (fp8 && (!a.scales || !w13.scales || !h_scales || !mf__gemm_aligned(a.scales, kMfGemmScaleAlign) ||
                 !mf__gemm_aligned(w13.scales, kMfGemmScaleAlign) || !mf__gemm_aligned(h_scales, kMfGemmScaleAlign)))
         return mf__gemm_decline(&g_family, "FP8 scales missing or misaligned");
-    if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) return MF_SUCCESS;
-
     gemm_params p = w13_params(seg, ue8m0, a, w13, H, I, h, h_scales);
-    return launch(who, seg, fp8, 1, a.data, w13.data, &p, stream, pdl);
+    return launch(__func__, seg, fp8, 1, a.data, w13.data, &p, stream, pdl);
 }
 
 mf_result_t mf__sm90_tma_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__gemm_operand_t h, mf__gemm_operand_t w2,
                             int32_t H, int32_t I, uint16_t *out, const mf__gemm_return_t *ret, cudaStream_t stream,
                             int32_t pdl) {
-    static const char *who = "mf__sm90_tma_w2";
     const int64_t N = H, K = I;
     const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
     MF_CHECK(check_shape(seg, dtype, 0, N, K));
     MF_CHECK(mf__gemm_check_w2_args(&g_family, fp8, h, w2, out, ret));
-    if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) return MF_SUCCESS;
-
     gemm_params p = w2_params(seg, h, w2, H, I, out, ret);
-    return launch(who, seg, fp8, 0, h.data, w2.data, &p, stream, pdl);
+    return launch(__func__, seg, fp8, 0, h.data, w2.data, &p, stream, pdl);
 }
 
-mf_result_t mf__sm90_tma_preload(void) {
-    int dev = 0, sms = 0;
-    mf_result_t r = mf__gemm_configure(&g_family, "mf__sm90_tma_preload", &dev, &sms);
-    return r == MF_ERR_NOT_SUPPORTED ? MF_SUCCESS : r; /* a device beyond the table: its calls decline */
+mf_result_t mf__sm90_tma_preload(void) { return mf__gemm_preload(&g_family, __func__); }
+
+int mf__sm90_tma_variants(mf__gemm_variant_info_t *out, int max) {
+    return mf__gemm_variants(&g_family, __func__, out, max);
 }
-
-int mf__sm90_tma_variants(mf__tma_variant_info_t *out, int max) {
-    int dev = 0, sms = 0;
-    if (mf__gemm_configure(&g_family, "mf__sm90_tma_variants", &dev, &sms) == MF_ERR_CUDA) return -1;
-    const int64_t usable = mf__gemm_usable(&g_family, dev);
-    for (int i = 0; i < kNumVariants && out && i < max; i++) {
-        cudaFuncAttributes fa;
-        memset(&fa, 0, sizeof fa);
-        if (cudaFuncGetAttributes(&fa, variant_fn(i)) != cudaSuccess) {
-            (void)cudaGetLastError();
-            return -1;
-        }
-        mf__tma_variant_info_t &o = out[i];
-        o.fp8 = kVariants[i].fp8;
-        o.swiglu = kVariants[i].swiglu;
-        o.smem_bytes = kSmemBytes;
-        o.stages = kStages;
-        o.num_regs = fa.numRegs;
-        o.local_bytes = (int32_t)fa.localSizeBytes;
-        o.usable = (usable >> i) & 1;
-    }
-    return kNumVariants;
-}
-
-const char *mf__sm90_tma_last_decline(void) { return mf__gemm_last_decline(&g_family); }
-
-const char *mf__sm90_tma_last_launch(void) { return mf__gemm_last_launch(&g_family); }
 
 cudaError_t mf__sm90_tma_set_fault_record(mf__sm90_fault_t *record) { return mf__sm90_set_fault_record(record); }

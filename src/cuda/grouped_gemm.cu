@@ -131,16 +131,6 @@ int64_t max_tiles(const mf__gemm_segments_t *seg, int32_t col_tiles) {
 
 /* ---- MF_DEBUG: the report of one dispatcher decision ------------------------------------------ */
 
-} /* namespace */
-
-/* gemm_decode.cu and gemm_tma.cu (declared in their kernel headers, not included here). */
-const char *mf__sm90_decode_last_decline(void);
-const char *mf__sm90_decode_last_launch(void);
-const char *mf__sm90_tma_last_decline(void);
-const char *mf__sm90_tma_last_launch(void);
-
-namespace {
-
 /* The layer whose GEMMs this thread dispatches (mf__cuda_gemm_debug_layer). */
 thread_local uint32_t g_debug_layer;
 
@@ -213,18 +203,18 @@ mf__gemm_choice_t mf__gemm_choose(int32_t rows_hint, int32_t max_rows_per_expert
 static void note_declines(decision_t *d, const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg,
                           mf_result_t r) {
     if (choice->family == kMfGemmFamilyDecode) {
-        if (r == MF_ERR_NOT_SUPPORTED) declined(d, "decode: %s", mf__sm90_decode_last_decline());
+        if (r == MF_ERR_NOT_SUPPORTED) declined(d, "decode: %s", mf__gemm_last_decline(kMfGemmFamilyDecode));
         declined(d, "tma: not tried (rows_hint %d <= kMfDecodeMaxRows %d)", seg->rows_hint, kMfDecodeMaxRows);
     } else {
         declined(d, "decode: rows_hint %d > kMfDecodeMaxRows %d", seg->rows_hint, kMfDecodeMaxRows);
-        if (r == MF_ERR_NOT_SUPPORTED) declined(d, "tma: %s", mf__sm90_tma_last_decline());
+        if (r == MF_ERR_NOT_SUPPORTED) declined(d, "tma: %s", mf__gemm_last_decline(kMfGemmFamilyTma));
     }
 }
 
 /* MF_DEBUG: what ran, when the chosen family launched (or found nothing to do). */
 static const char *chosen_ran(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg) {
     if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) return "nothing (no rows)";
-    return choice->family == kMfGemmFamilyDecode ? mf__sm90_decode_last_launch() : mf__sm90_tma_last_launch();
+    return mf__gemm_last_launch(choice->family);
 }
 
 /* ---- expired pipeline waits (sm90_ptx.cuh mf__mbar_wait_bounded) ------------------------------ */

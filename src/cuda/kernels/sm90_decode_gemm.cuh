@@ -464,24 +464,11 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_decode_kernel(const __grid_c
 
 } /* namespace mf__decode */
 
-/* What gemm_decode.cu ships, for the lab and for diagnostics: one entry per kernel variant. */
-typedef struct mf__decode_variant_info {
-    int32_t fp8, swiglu, block_t, gather; /* the template parameters */
-    int32_t smem_bytes, stages;           /* the shared-memory map */
-    int32_t num_regs, local_bytes;        /* cudaFuncGetAttributes on the current device */
-    int32_t usable;                       /* num_regs == kLaunchRegs (setmaxnreg's assumption) */
-} mf__decode_variant_info_t;
-
-/* Fills up to `max` entries (NULL: none) for the current device (loads the kernels) and returns the
- * number of variants, or -1 on a CUDA error. */
-int mf__sm90_decode_variants(mf__decode_variant_info_t *out, int max);
-
-/* Why the calling thread's last decode launcher call declined (MF_ERR_NOT_SUPPORTED is returned
- * without a library error, so that the dispatcher's fallback stays quiet); "" before any. */
-const char *mf__sm90_decode_last_decline(void);
-/* Under MF_DEBUG: what the calling thread's last decode launch ran (variant, stages, grid); "" before
- * any. Not written when MF_DEBUG is off. */
-const char *mf__sm90_decode_last_launch(void);
+/* What gemm_decode.cu ships, for the lab and for diagnostics: fills up to `max` entries (NULL: none) of
+ * mf__gemm_variant_info_t (cuda/gemm_family.cuh) for the current device (loads the kernels) and
+ * returns the number of variants, or -1 on a CUDA error. */
+typedef struct mf__gemm_variant_info mf__gemm_variant_info_t;
+int mf__sm90_decode_variants(mf__gemm_variant_info_t *out, int max);
 
 /* Registers a fault record (see sm90_ptx.cuh; NULL turns reporting off) for the decode kernels of
  * gemm_decode.cu, whose translation unit holds its own copy of the record pointer. */
