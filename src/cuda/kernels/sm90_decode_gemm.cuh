@@ -306,6 +306,8 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
             for (int b = 0; b < C::kBoxes; b++) da[b] = mf__wgmma_desc_advance(dslot, b * kBoxBytes + wg * kWgOperandBytes);
             const uint64_t db = mf__wgmma_desc_advance(dslot, C::kWeightBytes);
             if constexpr (kFp8) {
+                /* issued like the BF16 branch below, on purpose: one helper templated on the dtype
+                 * changed the SASS of the two W2 T = 64 kernels (dev/cubin_diff.py) */
 #pragma unroll
                 for (int b = 0; b < C::kBoxes; b++) mf__fence_fragment<kBlockT>(tmp[b]); /* last promotion's reads first */
                 mf__wgmma_fence();
@@ -337,6 +339,7 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
                     }
                 }
             } else {
+                /* issued like the FP8 branch above, on purpose (there) */
 #pragma unroll
                 for (int b = 0; b < C::kBoxes; b++) mf__fence_fragment<kBlockT>(acc[b]); /* zeroing first */
                 mf__wgmma_fence();
