@@ -13,7 +13,7 @@
  *                                   60 s on an H200; most of it is the CPU oracle)
  *   sm90_decode_lab --bench [--json FILE] [--no-peers] [--quick]
  *   sm90_decode_lab --timeline      per-CTA %globaltimer stamps of the T = 1 shapes (where a launch's
- *                                   time goes: launch, prologue, first data, stream, tail)
+ *                                   time goes: launch, prologue, work, tail)
  *
  * Dimension legend: L local experts, N weight rows per expert (2I for W13, H for W2), K the
  * reduction dim (H for W13, I for W2), M rows per expert, T tokens per tile, C masked capacity,
@@ -1343,7 +1343,7 @@ static void run_timeline(void) {
     CUDA_OK(cudaMalloc((void **)&flush, kFlushBytes));
     CUDA_OK(cudaMalloc((void **)&counts, 64 * 4));
     CUDA_OK(cudaMalloc((void **)&offsets, 65 * 4));
-    CUDA_OK(cudaMalloc((void **)&stamps, 4 * 1024 * 8));
+    CUDA_OK(cudaMalloc((void **)&stamps, mf__decode::kTimelineStamps * 1024 * 8));
     init_data(1, w, w_bytes, ws, w_bytes / (128 * 128), 11, 0.02f);
     init_data(1, a, a_rows * k_max, as, a_rows * (k_max / 128), 13, 1.0f);
     cudaStream_t st;
@@ -1354,10 +1354,10 @@ static void run_timeline(void) {
     int sms = 0;
     CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     printf("\n# --timeline: FP8, one row per expert (T = 1 at R = 1), L2 flushed before each launch; per CTA, from its\n"
-           "# %%globaltimer stamps: entry, prologue done (tables), first stage full, last store. Times in us; 'launch'\n"
-           "# = event time - (last store - first entry); rate = the CTA's weight bytes / (last store - first data)\n");
-    printf("%-12s %-4s %3s %5s %4s | %7s %7s %6s | %6s %8s %8s | %6s %6s %6s | %6s | %5s %5s %5s\n", "# model", "gemm", "L", "tiles",
-           "grid", "event", "span", "launch", "start", "prologue", "1st data", "stream", "min", "max", "end", "GB/s", "min", "max");
+           "# %%globaltimer stamps: entry, prologue done (tables), last store. Times in us; 'launch' = event time -\n"
+           "# (last store - first entry); work = last store - prologue; rate = the CTA's weight bytes / work\n");
+    printf("%-12s %-4s %3s %5s %4s | %7s %7s %6s | %6s %8s | %6s %6s %6s | %6s | %5s %5s %5s\n", "# model", "gemm", "L", "tiles",
+           "grid", "event", "span", "launch", "start", "prologue", "work", "min", "max", "end", "GB/s", "min", "max");
     for (const tcase &tc : cases) {
         const int epi = tc.gemm == 13 ? kEpiSwiglu : kEpiPlain;
         const int N = tc.gemm == 13 ? 2 * tc.I : tc.H, K = tc.gemm == 13 ? tc.H : tc.I;
@@ -1374,7 +1374,7 @@ static void run_timeline(void) {
         for (int run = 0; run < 6; run++) {
             const bool on = run >= 3; /* three warm-up launches without stamps, then three stamped */
             CUDA_OK(mf__sm90_decode_set_timeline(on ? stamps : NULL));
-            CUDA_OK(cudaMemsetAsync(stamps, 0, 4 * 1024 * 8, st));
+            CUDA_OK(cudaMemsetAsync(stamps, 0, mf__decode::kTimelineStamps * 1024 * 8, st));
             CUDA_OK(cudaMemsetAsync(flush, run, kFlushBytes, st));
             CUDA_OK(cudaEventRecord(ev0, st));
             if (!launched(run_call(c, st), "timeline")) return;
@@ -1383,34 +1383,33 @@ static void run_timeline(void) {
             if (!on) continue;
             float ms = 0;
             CUDA_OK(cudaEventElapsedTime(&ms, ev0, ev1));
-            std::vector<uint64_t> s((size_t)grid * 4);
+            std::vector<uint64_t> s((size_t)grid * mf__decode::kTimelineStamps);
             CUDA_OK(cudaMemcpy(s.data(), stamps, s.size() * 8, cudaMemcpyDeviceToHost));
             uint64_t t0 = UINT64_MAX, tend = 0, tfirst_end = UINT64_MAX;
             for (int b = 0; b < grid; b++) {
-                t0 = std::min(t0, s[4 * b]);
-                tend = std::max(tend, s[4 * b + 3]);
-                tfirst_end = std::min(tfirst_end, s[4 * b + 3]);
+                t0 = std::min(t0, s[mf__decode::kTimelineStamps * b]);
+                tend = std::max(tend, s[mf__decode::kTimelineStamps * b + 2]);
+                tfirst_end = std::min(tfirst_end, s[mf__decode::kTimelineStamps * b + 2]);
             }
-            std::vector<double> start, pro, first, stream, rate;
+            std::vector<double> start, pro, work, rate;
             for (int b = 0; b < grid; b++) {
-                const uint64_t *x = &s[4 * b];
-                const int mine = (tiles - b + grid - 1) / grid;
+                const uint64_t *x = &s[mf__decode::kTimelineStamps * b];
+                const int mine = (tiles - b + grid - 1) / grid; /* the static walk's tiles */
                 start.push_back((x[0] - t0) * 1e-3);
                 pro.push_back((x[1] - x[0]) * 1e-3);
-                first.push_back((x[2] - x[1]) * 1e-3);
-                stream.push_back((x[3] - x[2]) * 1e-3);
-                rate.push_back(mine * tile_bytes / ((x[3] - x[2]) * 1e-9) / 1e9);
+                work.push_back((x[2] - x[1]) * 1e-3);
+                rate.push_back(mine * tile_bytes / ((x[2] - x[1]) * 1e-9) / 1e9);
             }
             const double span = (tend - t0) * 1e-3;
-            printf("%-12s w%-3d %3d %5d %4d | %7.1f %7.1f %6.1f | %6.1f %8.1f %8.1f | %6.1f %6.1f %6.1f | %6.1f | %5.0f %5.0f %5.0f\n",
+            printf("%-12s w%-3d %3d %5d %4d | %7.1f %7.1f %6.1f | %6.1f %8.1f | %6.1f %6.1f %6.1f | %6.1f | %5.0f %5.0f %5.0f\n",
                    tc.name, tc.gemm, tc.L, tiles, grid, ms * 1e3, span, ms * 1e3 - span, pct(start, 1.0), pct(pro, 0.5),
-                   pct(first, 0.5), pct(stream, 0.5), pct(stream, 0.0), pct(stream, 1.0), (tend - tfirst_end) * 1e-3,
-                   pct(rate, 0.5), pct(rate, 0.0), pct(rate, 1.0));
+                   pct(work, 0.5), pct(work, 0.0), pct(work, 1.0), (tend - tfirst_end) * 1e-3, pct(rate, 0.5), pct(rate, 0.0),
+                   pct(rate, 1.0));
         }
     }
     CUDA_OK(mf__sm90_decode_set_timeline(NULL));
-    printf("# columns: start = the last CTA's entry after the first's; prologue, 1st data: medians over CTAs; stream: median,\n"
-           "# min, max over CTAs; end = last CTA's last store - first CTA's last store; GB/s: median, min, max per CTA\n");
+    printf("# columns: start = the last CTA's entry after the first's; prologue: median over CTAs; work: median, min, max\n"
+           "# over CTAs; end = last CTA's last store - first CTA's last store; GB/s: median, min, max per CTA\n");
     cudaFree(w), cudaFree(ws), cudaFree(a), cudaFree(as), cudaFree(out), cudaFree(os), cudaFree(flush), cudaFree(counts);
     cudaFree(offsets), cudaFree(stamps);
     cudaStreamDestroy(st);

@@ -67,8 +67,8 @@ struct gemm_params {
     int32_t N, K;              /* weight rows per expert, reduction elements */
     int32_t ue8m0;             /* swiglu FP8: power-of-two h scales */
     int32_t *sched;            /* TMA family: the dynamic schedule's (ticket, finished CTAs), or NULL */
-    uint64_t *timeline;        /* decode family, the lab's --timeline only: 4 %globaltimer stamps per CTA
-                                  (entry, prologue done, first stage full, last store), or NULL */
+    uint64_t *timeline;        /* decode family, the lab's --timeline only: kTimelineStamps %globaltimer
+                                  stamps per CTA (entry, prologue done, last store), or NULL */
 };
 
 /* W13 + SwiGLU: N = 2I weight rows, K = H (the tensor maps are the launcher's). */

@@ -444,7 +444,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_decode_kernel(const __grid_c
     const int32_t nblocks = kEpi == kEpiSwiglu ? p.N / (2 * kTileCols) : p.N / kTileCols; /* n-blocks per expert */
     /* the decode lab's --timeline (gemm_params.timeline; NULL in the library) */
     const bool timed = p.timeline != NULL;
-    uint64_t *const stamps = p.timeline + 4 * (int64_t)blockIdx.x;
+    uint64_t *const stamps = p.timeline + kTimelineStamps * (int64_t)blockIdx.x;
     if (timed && threadIdx.x == 0) stamps[0] = mf__globaltimer();
     /* first[e]: the tiles of the experts < e (the producer prefetches the tensor maps) */
     prologue<C::kStages, false>(p, full, empty, kFullArrivals, tb, [nblocks](int32_t rows) {
@@ -455,13 +455,8 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_decode_kernel(const __grid_c
     if (producer_role()) {
         if (mf__warp_id() == 0) producer<kFp8, kEpi, kBlockT, kGather>(p, tb, stages, scales, full, empty);
     } else {
-        const bool stamper = timed && threadIdx.x == kMfWarpgroupThreads;
-        if (stamper && (int32_t)blockIdx.x < tb.first[p.num_experts]) {
-            ring<C::kStages>::wait_full(full, 0); /* the first stage's data (the consumer waits again) */
-            stamps[2] = mf__globaltimer();
-        }
         consumer<kFp8, kEpi, kBlockT, kGather>(p, tb, stages, scales, epi, red, full, empty);
-        if (stamper) stamps[3] = mf__globaltimer();
+        if (timed && threadIdx.x == kMfWarpgroupThreads) stamps[2] = mf__globaltimer();
     }
 }
 
@@ -477,7 +472,7 @@ int mf__sm90_decode_variants(mf__gemm_variant_info_t *out, int max);
  * gemm_decode.cu, whose translation unit holds its own copy of the record pointer. */
 cudaError_t mf__sm90_decode_set_fault_record(mf__sm90_fault_t *record);
 
-/* The decode lab's timeline: `stamps` (device, 4 uint64 per CTA of the largest grid) or NULL (off,
+/* The decode lab's timeline: `stamps` (device, kTimelineStamps uint64 per CTA of the largest grid) or NULL (off,
  * the library's state) for the decode launches on the current device that follow (gemm_params.timeline).
  * Not for concurrent use: set it between launches, from the thread that launches. */
 cudaError_t mf__sm90_decode_set_timeline(uint64_t *stamps);
