@@ -425,6 +425,11 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
     }
 }
 
+/* The lab's --timeline: this CTA's stamp i (0 entry, 1 prologue done, 2 last store) = %globaltimer. */
+__device__ __forceinline__ void stamp(const gemm_params &p, int i) {
+    p.timeline[kTimelineStamps * (int64_t)blockIdx.x + i] = mf__globaltimer();
+}
+
 template <bool kFp8, int kEpi, int kBlockT, bool kGather>
 __global__ void __launch_bounds__(kThreads, 1) sm90_decode_kernel(const __grid_constant__ gemm_params p) {
     using C = cfg<kFp8, kEpi, kBlockT>;
@@ -444,19 +449,18 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_decode_kernel(const __grid_c
     const int32_t nblocks = kEpi == kEpiSwiglu ? p.N / (2 * kTileCols) : p.N / kTileCols; /* n-blocks per expert */
     /* the decode lab's --timeline (gemm_params.timeline; NULL in the library) */
     const bool timed = p.timeline != NULL;
-    uint64_t *const stamps = p.timeline + kTimelineStamps * (int64_t)blockIdx.x;
-    if (timed && threadIdx.x == 0) stamps[0] = mf__globaltimer();
+    if (timed && threadIdx.x == 0) stamp(p, 0);
     /* first[e]: the tiles of the experts < e (the producer prefetches the tensor maps) */
     prologue<C::kStages, false>(p, full, empty, kFullArrivals, tb, [nblocks](int32_t rows) {
         return rows > 0 ? nblocks * ((rows + kBlockT - 1) / kBlockT) : 0;
     });
-    if (timed && threadIdx.x == 0) stamps[1] = mf__globaltimer();
+    if (timed && threadIdx.x == 0) stamp(p, 1);
 
     if (producer_role()) {
         if (mf__warp_id() == 0) producer<kFp8, kEpi, kBlockT, kGather>(p, tb, stages, scales, full, empty);
     } else {
         consumer<kFp8, kEpi, kBlockT, kGather>(p, tb, stages, scales, epi, red, full, empty);
-        if (timed && threadIdx.x == kMfWarpgroupThreads) stamps[2] = mf__globaltimer();
+        if (timed && threadIdx.x == kMfWarpgroupThreads) stamp(p, 2);
     }
 }
 
