@@ -16,7 +16,7 @@
  *   gather            PULL / UNFUSED: pull the routed rows from the peers' heaps into the receive
  *                     tensor; DIRECT: none, W13 reads each row at its owner through the plan
  *   w13, w2           grouped GEMMs (grouped_gemm.cu); W2 writes BF16 partials into the owners'
- *                     combine slots through the peer table (UNFUSED: into a local tensor, then
+ *                     combine slots through the heap view (UNFUSED: into a local tensor, then
  *                     the return kernel copies them there, as mf_combine does)
  *   sync              phase COMBINE
  *   sum               y[t] = bf16(sum over k ascending of w[t,k] * slot[t,k])
@@ -876,7 +876,6 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
     const mf_moe_config_t *c = &moe->config;
     const mf_moe_weights_t *w = &moe->weights;
-    mf_comm_t comm = moe->comm;
     int32_t fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
 
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -921,12 +920,7 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     seg.rows_hint = mf__cuda_rows_hint(moe, T);
     seg.sched = s->sched + 2 * kMfSchedW13;
     const mf__heap_view_t *view = mf__cuda_slot0(moe).view; /* the forward's heap slot */
-    mf__gemm_gather_t gather;
-    memset(&gather, 0, sizeof gather);
-    for (int32_t r = 0; r < comm->num_ranks; r++) gather.heap[r] = (const uint8_t *)comm->heap.peers[r];
-    gather.x = moe->heap.x;
-    gather.scales = moe->heap.scales;
-    gather.src = s->src;
+    const mf__gemm_gather_t gather = {view, s->src};
     mf__gemm_operand_t a = {s->recv_x, s->recv_scales, flow == MF_DATAFLOW_DIRECT ? &gather : NULL};
     mf__gemm_operand_t w13 = {w->w13.data, fp8 ? (const float *)w->w13_scales.data : NULL, NULL};
     MF_CHECK(mf__cuda_w13_swiglu(&choice, &seg, c->dtype, c->ue8m0_scales, a, w13, c->hidden, c->intermediate, s->h,
@@ -949,12 +943,7 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     /* W2 starts (PDL) while W13 may still run: its own schedule pairs */
     seg.sched = s->sched + 2 * kMfSchedW2;
     spare_seg.sched = s->sched + 2 * kMfSchedSpareW2;
-    mf__gemm_return_t ret;
-    memset(&ret, 0, sizeof ret);
-    for (int32_t r = 0; r < comm->num_ranks; r++)
-        ret.slots[r] = (uint16_t *)((uint8_t *)comm->heap.peers[r] + moe->heap.combine);
-    ret.src = s->src;
-    ret.num_topk = c->num_topk;
+    const mf__gemm_return_t ret = {view, s->src, c->num_topk};
     mf__gemm_operand_t h = {s->h, s->h_scales, NULL};
     mf__gemm_operand_t w2 = {w->w2.data, fp8 ? (const float *)w->w2_scales.data : NULL, NULL};
     mf__gemm_operand_t sw2 = {s->B ? spare + sl->w2 : NULL, fp8 && s->B ? (const float *)(spare + sl->w2_scales) : NULL,

@@ -177,8 +177,8 @@ mf_result_t mf__sm90_decode_w13_swiglu(const mf__gemm_choice_t *choice, const mf
                 !mf__gemm_aligned(h_scales, kMfGemmScaleAlign)))
         return mf__gemm_decline(&g_family, "FP8 scales missing or misaligned");
     if (a.gather) {
-        const mf__gemm_gather_t *g = a.gather;
-        if (!g->src || g->x % kMfGemmDataAlign || (fp8 && g->scales % kMfGemmScaleAlign))
+        const mf__heap_view_t *g = a.gather->view;
+        if (!g || !a.gather->src || g->x % kMfGemmDataAlign || (fp8 && g->scales % kMfGemmScaleAlign))
             return mf__gemm_decline(&g_family, "gather offsets misaligned");
         for (int r = 0; r < MF_MAX_RANKS; r++)
             if (!mf__gemm_aligned(g->heap[r], kMfGemmDataAlign))

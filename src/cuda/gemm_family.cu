@@ -127,9 +127,11 @@ mf_result_t mf__gemm_check_w2_args(const mf__gemm_family_t *f, int fp8, mf__gemm
     if (fp8 && (!h.scales || !w2.scales || !mf__gemm_aligned(h.scales, scale) || !mf__gemm_aligned(w2.scales, scale)))
         return mf__gemm_decline(f, "FP8 scales missing or misaligned");
     if (ret) {
-        if (!ret->src || ret->num_topk <= 0) return mf__gemm_decline(f, "ret without src or num_topk");
+        if (!ret->view || !ret->src || ret->num_topk <= 0)
+            return mf__gemm_decline(f, "ret without view, src or num_topk");
         for (int r = 0; r < MF_MAX_RANKS; r++)
-            if (!mf__gemm_aligned(ret->slots[r], data)) return mf__gemm_decline(f, "ret slots %d not 16-byte aligned", r);
+            if (ret->view->heap[r] && !mf__gemm_aligned(ret->view->heap[r] + ret->view->combine, data))
+                return mf__gemm_decline(f, "ret slots %d not 16-byte aligned", r);
     } else if (!out || !mf__gemm_aligned(out, data)) {
         return mf__gemm_decline(f, "out missing or not 16-byte aligned");
     }
