@@ -98,6 +98,7 @@ mf_result_t check_common(const char *who, const mf__gemm_segments_t *seg, int32_
                seg->max_rows_per_expert);
     MF_REQUIRE(seg->num_experts == 0 || (seg->counts && seg->offsets), "%s: counts and offsets must not be NULL", who);
     MF_REQUIRE(H > 0 && I > 0, "%s: H (%d) and I (%d) must be positive", who, H, I);
+    MF_REQUIRE(aligned(seg->sched, sizeof(int32_t)), "%s: seg->sched (%p) must be 4-byte aligned", who, (void *)seg->sched);
     if (dtype == MF_DTYPE_FP8_E4M3) {
         if (H % MF__QUANT_BLOCK || I % MF__QUANT_BLOCK)
             return mf__error(MF_ERR_NOT_SUPPORTED, "%s: FP8 needs H (%d) and I (%d) to be multiples of %d", who, H, I,
@@ -269,8 +270,15 @@ mf_result_t mf__cuda_w13_swiglu(const mf__gemm_choice_t *choice, const mf__gemm_
     MF_CHECK(check_common(who, seg, dtype, H, I));
     const bool fp8 = dtype == MF_DTYPE_FP8_E4M3;
     if (a.gather) {
-        MF_REQUIRE(a.gather->view, "%s: a.gather->view must not be NULL", who);
+        const mf__heap_view_t *v = a.gather->view;
+        MF_REQUIRE(v, "%s: a.gather->view must not be NULL", who);
         MF_CHECK(check_data(who, "a.gather->src", a.gather->src));
+        MF_REQUIRE(v->x % kMfGemmDataAlign == 0 && (!fp8 || v->scales % kMfGemmScaleAlign == 0),
+                   "%s: the view's row offset (%llu) must be %d-byte and its scale offset (%llu) %d-byte aligned", who,
+                   (unsigned long long)v->x, kMfGemmDataAlign, (unsigned long long)v->scales, kMfGemmScaleAlign);
+        for (int r = 0; r < MF_MAX_RANKS; r++)
+            MF_REQUIRE(aligned(v->heap[r], kMfGemmDataAlign), "%s: the view's heap %d (%p) must be %d-byte aligned", who,
+                       r, (void *)v->heap[r], kMfGemmDataAlign);
     } else {
         MF_CHECK(check_data(who, "a.data", a.data));
     }
