@@ -603,7 +603,7 @@ static size_t align_size(size_t x, size_t a) { return (x + a - 1) / a * a; }
 struct heaps_t {
     std::vector<uint8_t *> dev;
     int32_t *src = NULL;
-    mf__gemm_gather_t g;
+    mf__heap_view_t view; /* the R heaps, x and scales offsets */
     void release() {
         for (uint8_t *p : dev) cudaFree(p);
         cudaFree(src);
@@ -639,15 +639,14 @@ static heaps_t make_heaps(const problem &pb, int R) {
         src[(size_t)(3 * r + 1)] = (int32_t)t;
         src[(size_t)(3 * r + 2)] = (int32_t)(rnd_u64() % 8);
     }
-    memset(&hp.g, 0, sizeof hp.g);
+    memset(&hp.view, 0, sizeof hp.view);
     for (int q = 0; q < R; q++) {
         hp.dev.push_back(to_device(host[(size_t)q]));
-        hp.g.heap[q] = hp.dev.back();
+        hp.view.heap[q] = hp.dev.back();
     }
     hp.src = to_device(src);
-    hp.g.x = x_off;
-    hp.g.scales = sc_off;
-    hp.g.src = hp.src;
+    hp.view.x = x_off;
+    hp.view.scales = sc_off;
     return hp;
 }
 
@@ -659,7 +658,7 @@ struct slots_t {
     std::vector<int32_t> host_src;
     int64_t S = 0;
     int K = 0;
-    mf__gemm_return_t ret;
+    mf__heap_view_t view; /* the R ranks' slots, combine offset 0 */
     void release() {
         for (uint16_t *p : dev) cudaFree(p);
         cudaFree(src);
@@ -684,17 +683,15 @@ static slots_t make_slots(const problem &pb, int R, int K) {
         sl.host_src[(size_t)(3 * r + 1)] = (int32_t)(s / K % sl.S);
         sl.host_src[(size_t)(3 * r + 2)] = (int32_t)(s % K);
     }
-    memset(&sl.ret, 0, sizeof sl.ret);
+    memset(&sl.view, 0, sizeof sl.view);
     for (int q = 0; q < R; q++) {
         uint16_t *p = NULL;
         CUDA_OK(cudaMalloc((void **)&p, (size_t)(sl.S * K * H) * 2));
         CUDA_OK(cudaMemset(p, kPoison, (size_t)(sl.S * K * H) * 2));
         sl.dev.push_back(p);
-        sl.ret.slots[q] = p;
+        sl.view.heap[q] = (uint8_t *)p;
     }
     sl.src = to_device(sl.host_src);
-    sl.ret.src = sl.src;
-    sl.ret.num_topk = K;
     return sl;
 }
 
@@ -773,7 +770,8 @@ static void run_vcase(const vcase &vc, int max_print) {
         call_t cg = c;
         cg.a = NULL;
         cg.a_scales = NULL;
-        cg.gather = &hp.g;
+        const mf__gemm_gather_t g = {&hp.view, hp.src};
+        cg.gather = &g;
         vi = variant_info(pb.fp8, 1, block_t, 1);
         char gname[192];
         snprintf(gname, sizeof gname, "%s gathered A, %d heaps [st%d]", vc.name.c_str(), vc.gather_heaps, vi ? vi->stages : 0);
@@ -792,7 +790,8 @@ static void run_vcase(const vcase &vc, int max_print) {
         slots_t sl = make_slots(pb, vc.ret_ranks, K);
         call_t cr = c;
         cr.out = NULL;
-        cr.ret = &sl.ret;
+        const mf__gemm_return_t ret = {&sl.view, sl.src, K};
+        cr.ret = &ret;
         char rname[192];
         snprintf(rname, sizeof rname, "%s ret, %d ranks K=%d", vc.name.c_str(), vc.ret_ranks, K);
         if (launched(run_call(cr, 0), rname)) {
@@ -1135,8 +1134,10 @@ static void bench_case(bench_ctx &bc, const bmodel &m, int gemm, int fp8, int ma
     c.rows_hint = t64 ? 64 : M;
     c.out = bc.out;
     c.out_scales = bc.out_scales;
+    mf__heap_view_t owner; /* rank 0: the gathered rows' heap, or the combine slots (out itself) */
     mf__gemm_gather_t g;
     mf__gemm_return_t rt;
+    memset(&owner, 0, sizeof owner);
     memset(&g, 0, sizeof g);
     memset(&rt, 0, sizeof rt);
     if (gather || ret) {
@@ -1150,13 +1151,15 @@ static void bench_case(bench_ctx &bc, const bmodel &m, int gemm, int fp8, int ma
             const size_t sc_off = align_size(kHeapAlign + need_a, kHeapAlign);
             CUDA_OK(cudaMemcpy(bc.heap + kHeapAlign, bc.a, need_a, cudaMemcpyDeviceToDevice));
             if (fp8) CUDA_OK(cudaMemcpy(bc.heap + sc_off, bc.as, (size_t)lo.rows * (K / 128) * 4, cudaMemcpyDeviceToDevice));
-            g.heap[0] = bc.heap;
-            g.x = kHeapAlign;
-            g.scales = sc_off;
+            owner.heap[0] = bc.heap;
+            owner.x = kHeapAlign;
+            owner.scales = sc_off;
+            g.view = &owner;
             g.src = bc.src;
             c.gather = &g;
         } else {
-            rt.slots[0] = (uint16_t *)bc.out;
+            owner.heap[0] = (uint8_t *)bc.out;
+            rt.view = &owner;
             rt.src = bc.src;
             rt.num_topk = 1;
             c.ret = &rt;

@@ -637,9 +637,12 @@ static void run_case(const vcase &c) {
     uint8_t *d_out = dev_alloc<uint8_t>(out_bytes);
     float *d_osc = dev_alloc<float>(sc_n);
     int32_t *d_src = to_device(src);
+    mf__heap_view_t owners; /* rank r's combine slots at heap[r] (combine offset 0) */
+    memset(&owners, 0, sizeof owners);
+    for (int r = 0; r < kRetRanks; r++) owners.heap[r] = d_out + (size_t)r * slot_rows * c.n * 2;
     mf__gemm_return_t ret;
     memset(&ret, 0, sizeof ret);
-    for (int r = 0; r < kRetRanks; r++) ret.slots[r] = (uint16_t *)(d_out + (size_t)r * slot_rows * c.n * 2);
+    ret.view = &owners;
     ret.src = d_src;
     ret.num_topk = kRetTopk;
 
@@ -826,8 +829,11 @@ static void run_declines(void) {
     int32_t *cnt = dev_alloc<int32_t>(mf__tma::kMaxExperts + 2);
     CUDA_OK(cudaMemset(cnt, 0, (mf__tma::kMaxExperts + 2) * 4));
     CUDA_OK(cudaMemset(buf, kPoison, bytes));
+    mf__heap_view_t owners;
+    memset(&owners, 0, sizeof owners);
     mf__gemm_gather_t gather;
     memset(&gather, 0, sizeof gather);
+    gather.view = &owners;
     gather.src = cnt;
     for (const decline_case &d : cases) {
         g_case = d.name;
@@ -1042,9 +1048,12 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
         }
         CUDA_OK(cudaMemcpy(d_src, src.data(), src.size() * 4, cudaMemcpyHostToDevice));
     }
+    mf__heap_view_t owners; /* rank 0's combine slots: out itself */
+    memset(&owners, 0, sizeof owners);
+    owners.heap[0] = d_out;
     mf__gemm_return_t ret;
     memset(&ret, 0, sizeof ret);
-    ret.slots[0] = (uint16_t *)d_out;
+    ret.view = &owners;
     ret.src = d_src;
     ret.num_topk = 1;
     cudaEvent_t ev0, ev1;

@@ -2,7 +2,9 @@
  * backend.cu — the CUDA backend (sm_90a). Each rank (a thread of one process over the local
  * transport, or a process over ipc / nccl: src/transport/) drives its own stream and has one
  * device allocation for its symmetric heap and one for its signals, reached by peers through the
- * peer table the transport filled.
+ * peer table the transport filled. Kernels see the heap as one heap view per heap slot
+ * (cuda/heap_view.h: the peer table and the slot's region offsets), built when the layer is created
+ * (mf__cuda_moe_t.views) and embedded in every launch's parameters.
  *
  * One forward on rank r is a sequence of launches on the caller's stream, with no host
  * synchronisation and nothing that breaks CUDA-graph capture:
@@ -14,7 +16,7 @@
  *   gather            PULL / UNFUSED: pull the routed rows from the peers' heaps into the receive
  *                     tensor; DIRECT: none, W13 reads each row at its owner through the plan
  *   w13, w2           grouped GEMMs (grouped_gemm.cu); W2 writes BF16 partials into the owners'
- *                     combine slots through the peer table (UNFUSED: into a local tensor, then
+ *                     combine slots through the heap view (UNFUSED: into a local tensor, then
  *                     the return kernel copies them there, as mf_combine does)
  *   sync              phase COMBINE
  *   sum               y[t] = bf16(sum over k ascending of w[t,k] * slot[t,k])
@@ -113,6 +115,8 @@ typedef struct mf__cuda_moe {
                                         max_in_flight: an exchange's plan lives from its dispatch
                                         receive to its combine send); the forward uses slot 0 */
     unsigned long long *epochs;      /* [N][2] device: the DISPATCH / COMBINE epochs of each slot's sends */
+    mf__heap_view_t views[MF_MAX_IN_FLIGHT]; /* [N] the heap view of each heap slot (cuda/heap_view.h), built
+                                                once at init: every launch embeds its slot's */
     int32_t *masked_offsets;         /* MASKED: [L + 1] e * C, the segments of mf_moe_experts */
     uint8_t *recv_x;                 /* [rows, H] of mf_moe_forward */
     float *recv_scales;              /* [rows, H/128] (FP8) */
@@ -520,6 +524,10 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
     s->held = moe->info.num_local_slots;
     s->plan_smem = plan_smem;
     s->pick_smem = pick_smem;
+    for (int32_t i = 0; i < moe->heap.num_slots; i++) { /* the heap was sized before the layer and never moves */
+        const mf__heap_layout_t slot = mf__heap_layout_slot(&moe->heap, i);
+        mf__heap_view_init(&s->views[i], &moe->comm->heap, R_, moe->comm->rank, &slot);
+    }
     int64_t L = s->slots, H = c->hidden, I = c->intermediate;
     int fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
     s->rows = c->layout == MF_LAYOUT_MASKED ? L * c->expert_capacity : c->max_recv_rows;
@@ -625,40 +633,29 @@ static mf_result_t mf__cuda_get_phase_times(mf_moe_t moe, mf_phase_times_t *time
 
 /* ---- launch helpers ----------------------------------------------------------------------- */
 
-/* What a call's kernels move through: the heap regions and the plan of one heap slot (the
- * forward's and the one-call forms' slot 0, or an exchange's), and the device words where the slot's
+/* What a call's kernels move through: the heap view and the plan of one heap slot (the forward's
+ * and the one-call forms' slot 0, or an exchange's, x->slot), and the device words where the slot's
  * send halves leave their epochs for the receive halves. */
 typedef struct mf__cuda_slot {
-    const mf__heap_layout_t *heap;
+    const mf__heap_view_t *view;     /* every rank's heap and the slot's regions (the layer's views[slot]) */
     int32_t *counts, *offsets, *src; /* [L], [L + 1], [rows, 3] */
     unsigned long long *epochs;      /* [2]: DISPATCH, COMBINE */
 } mf__cuda_slot_t;
 
-static mf__cuda_slot_t mf__cuda_slot(mf_moe_t moe, int32_t slot, const mf__heap_layout_t *heap) {
+static mf__cuda_slot_t mf__cuda_slot(mf_moe_t moe, int32_t slot) {
     mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
     const size_t i = (size_t)slot, L = (size_t)s->slots;
-    mf__cuda_slot_t v = {heap, s->counts + i * L, s->offsets + i * (L + 1), s->src + i * (size_t)s->rows * 3,
+    mf__cuda_slot_t v = {&s->views[i], s->counts + i * L, s->offsets + i * (L + 1), s->src + i * (size_t)s->rows * 3,
                          s->epochs + 2 * i};
     return v;
 }
 
-/* Slot 0 with the layer's own regions: mf_moe_forward's. */
-static mf__cuda_slot_t mf__cuda_slot0(mf_moe_t moe) { return mf__cuda_slot(moe, 0, &moe->heap); }
+/* Slot 0: mf_moe_forward's. */
+static mf__cuda_slot_t mf__cuda_slot0(mf_moe_t moe) { return mf__cuda_slot(moe, 0); }
 
-static mf__heap_view_t mf__view(mf_moe_t moe, const mf__heap_layout_t *heap) {
-    mf__heap_view_t v;
-    mf_comm_t comm = moe->comm;
-    memset(&v, 0, sizeof v);
-    for (int32_t r = 0; r < comm->num_ranks; r++) v.heap[r] = (uint8_t *)comm->heap.peers[r];
-    v.meta = heap->meta;
-    v.x = heap->x;
-    v.scales = heap->scales;
-    v.ids = heap->ids;
-    v.weights = heap->weights;
-    v.combine = heap->combine;
-    v.num_ranks = comm->num_ranks;
-    v.rank = moe->comm->rank;
-    return v;
+/* This rank's own copy of region `off` of a heap view. */
+static uint8_t *mf__view_mine(const mf__heap_view_t *view, unsigned long long off) {
+    return view->heap[view->rank] + off;
 }
 
 /* Whether a kernel that follows a sync kernel may be launched with the PDL attribute: its CTAs may
@@ -695,7 +692,7 @@ static mf_result_t mf__cuda_sync(mf_comm_t comm, uint32_t layer, int32_t phase, 
     return MF_SUCCESS;
 }
 
-static mf_result_t mf__cuda_publish_at(mf_moe_t moe, const mf__heap_layout_t *heap, const mf_tensor_t *x,
+static mf_result_t mf__cuda_publish_at(mf_moe_t moe, const mf__heap_view_t *view, const mf_tensor_t *x,
                                        const mf_tensor_t *ids, const float *weights, cudaStream_t stream) {
     const mf_moe_config_t *c = &moe->config;
     mf__publish_params_t p;
@@ -712,12 +709,7 @@ static mf_result_t mf__cuda_publish_at(mf_moe_t moe, const mf__heap_layout_t *he
     p.meta_words[0] = (int32_t)moe->map_hash;
     p.meta_words[1] = (int32_t)((mf__cuda_moe_t *)moe->backend_state)->prefetches;
     p.meta_words[2] = (int32_t)moe->weights_count;
-    p.heap = (uint8_t *)moe->comm->heap.local;
-    p.meta = heap->meta;
-    p.x_off = heap->x;
-    p.scales_off = heap->scales;
-    p.ids_off = heap->ids;
-    p.weights_off = heap->weights;
+    p.view = *view;
     p.sink = mf__sink(moe->comm);
     /* A call's first kernel: no PDL attribute (it follows the caller's kernels) */
     const dim3 grid(p.T > 0 ? (unsigned)p.T : 1u, (unsigned)((p.H + kMfPublishCols - 1) / kMfPublishCols));
@@ -727,7 +719,7 @@ static mf_result_t mf__cuda_publish_at(mf_moe_t moe, const mf__heap_layout_t *he
 
 static mf_result_t mf__cuda_publish(mf_moe_t moe, const mf_tensor_t *x, const mf_tensor_t *ids, const float *weights,
                                     cudaStream_t stream) {
-    return mf__cuda_publish_at(moe, &moe->heap, x, ids, weights, stream);
+    return mf__cuda_publish_at(moe, mf__cuda_slot0(moe).view, x, ids, weights, stream);
 }
 
 /* Waits for every rank's publication in the slot's regions (`mode`: the whole DISPATCH sync, or the
@@ -745,7 +737,7 @@ static mf_result_t mf__cuda_plan_at(mf_moe_t moe, const mf__cuda_slot_t *slot, i
     const int32_t first_pdl = mode == kMfSyncWait ? 0 : 1;
     mf__plan_params_t p;
     memset(&p, 0, sizeof p);
-    p.view = mf__view(moe, slot->heap);
+    p.view = *slot->view;
     p.K = c->num_topk;
     p.E = c->num_experts;
     p.S = c->max_tokens_per_rank;
@@ -812,7 +804,7 @@ static mf__move_params_t mf__move_params_at(mf_moe_t moe, const mf__cuda_slot_t 
     mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
     mf__move_params_t p;
     memset(&p, 0, sizeof p);
-    p.view = mf__view(moe, slot->heap);
+    p.view = *slot->view;
     p.K = moe->config.num_topk;
     p.L = s->slots;
     p.H = moe->config.hidden;
@@ -859,9 +851,7 @@ static mf_result_t mf__cuda_sum_at(mf_moe_t moe, const mf__cuda_slot_t *slot, in
     if (T == 0) return MF_SUCCESS;
     mf__sum_params_t p;
     memset(&p, 0, sizeof p);
-    p.heap = (const uint8_t *)moe->comm->heap.local;
-    p.ids = slot->heap->ids;
-    p.combine = slot->heap->combine;
+    p.view = *slot->view;
     p.weights = weights;
     p.y = y;
     p.T = T;
@@ -886,7 +876,6 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
     const mf_moe_config_t *c = &moe->config;
     const mf_moe_weights_t *w = &moe->weights;
-    mf_comm_t comm = moe->comm;
     int32_t fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
 
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -930,12 +919,8 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     seg.max_rows_per_expert = mf__cuda_rows_bound(moe);
     seg.rows_hint = mf__cuda_rows_hint(moe, T);
     seg.sched = s->sched + 2 * kMfSchedW13;
-    mf__gemm_gather_t gather;
-    memset(&gather, 0, sizeof gather);
-    for (int32_t r = 0; r < comm->num_ranks; r++) gather.heap[r] = (const uint8_t *)comm->heap.peers[r];
-    gather.x = moe->heap.x;
-    gather.scales = moe->heap.scales;
-    gather.src = s->src;
+    const mf__heap_view_t *view = mf__cuda_slot0(moe).view; /* the forward's heap slot */
+    const mf__gemm_gather_t gather = {view, s->src};
     mf__gemm_operand_t a = {s->recv_x, s->recv_scales, flow == MF_DATAFLOW_DIRECT ? &gather : NULL};
     mf__gemm_operand_t w13 = {w->w13.data, fp8 ? (const float *)w->w13_scales.data : NULL, NULL};
     MF_CHECK(mf__cuda_w13_swiglu(&choice, &seg, c->dtype, c->ue8m0_scales, a, w13, c->hidden, c->intermediate, s->h,
@@ -958,12 +943,7 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     /* W2 starts (PDL) while W13 may still run: its own schedule pairs */
     seg.sched = s->sched + 2 * kMfSchedW2;
     spare_seg.sched = s->sched + 2 * kMfSchedSpareW2;
-    mf__gemm_return_t ret;
-    memset(&ret, 0, sizeof ret);
-    for (int32_t r = 0; r < comm->num_ranks; r++)
-        ret.slots[r] = (uint16_t *)((uint8_t *)comm->heap.peers[r] + moe->heap.combine);
-    ret.src = s->src;
-    ret.num_topk = c->num_topk;
+    const mf__gemm_return_t ret = {view, s->src, c->num_topk};
     mf__gemm_operand_t h = {s->h, s->h_scales, NULL};
     mf__gemm_operand_t w2 = {w->w2.data, fp8 ? (const float *)w->w2_scales.data : NULL, NULL};
     mf__gemm_operand_t sw2 = {s->B ? spare + sl->w2 : NULL, fp8 && s->B ? (const float *)(spare + sl->w2_scales) : NULL,
@@ -988,7 +968,7 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     }
 
     /* The owner sums with the weights it published (a copy, valid until its next publish). */
-    const float *weights = (const float *)((uint8_t *)comm->heap.local + moe->heap.weights);
+    const float *weights = (const float *)mf__view_mine(view, view->weights);
     MF_CHECK(mf__cuda_sum(moe, T, weights, (uint16_t *)out->y.data, stream));
     MF__MARK(MF_NUM_PHASES);
     if (ordered) { /* the next prefetch follows this forward */
@@ -1016,8 +996,8 @@ static mf_result_t mf__cuda_forward(mf_moe_t moe, const mf_moe_forward_in_t *in,
  * the small plan when it fits), plan and gather: the one-call form's kernels as before. */
 static mf_result_t mf__cuda_dispatch_launch(mf_moe_t moe, struct mf_exchange *x, const mf_dispatch_in_t *in,
                                             uint32_t halves, cudaStream_t stream) {
-    const mf__cuda_slot_t slot = mf__cuda_slot(moe, x->slot, &x->heap);
-    if (halves & MF__HALF_SEND) MF_CHECK(mf__cuda_publish_at(moe, &x->heap, &in->x, &in->topk_ids, NULL, stream));
+    const mf__cuda_slot_t slot = mf__cuda_slot(moe, x->slot);
+    if (halves & MF__HALF_SEND) MF_CHECK(mf__cuda_publish_at(moe, slot.view, &in->x, &in->topk_ids, NULL, stream));
     if (halves == MF__HALF_SEND)
         return mf__cuda_sync(moe->comm, moe->id, MF__PHASE_DISPATCH, MF_SUCCESS, kMfSyncArrive, slot.epochs, 1, stream);
     const mf_dispatch_out_t *out = &x->dispatch_out;
@@ -1042,8 +1022,8 @@ static mf_result_t mf__cuda_dispatch(mf_moe_t moe, struct mf_exchange *x, const 
  * receive sums with (the caller's tensor need not outlive the send). RECV (alone): the WAIT half
  * and the sum. Both (mf_combine): return, the whole sync, sum. */
 static mf_result_t mf__cuda_combine_launch(mf_moe_t moe, struct mf_exchange *x, uint32_t halves, cudaStream_t stream) {
-    const mf__cuda_slot_t slot = mf__cuda_slot(moe, x->slot, &x->heap);
-    float *kept = (float *)((uint8_t *)moe->comm->heap.local + x->heap.weights);
+    const mf__cuda_slot_t slot = mf__cuda_slot(moe, x->slot);
+    float *kept = (float *)mf__view_mine(slot.view, slot.view->weights);
     if (halves == MF__HALF_SEND && x->T) {
         const float *src = (const float *)x->combine_in.topk_weights.data;
         const int64_t n = (int64_t)x->T * moe->config.num_topk;

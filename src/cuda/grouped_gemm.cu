@@ -98,6 +98,7 @@ mf_result_t check_common(const char *who, const mf__gemm_segments_t *seg, int32_
                seg->max_rows_per_expert);
     MF_REQUIRE(seg->num_experts == 0 || (seg->counts && seg->offsets), "%s: counts and offsets must not be NULL", who);
     MF_REQUIRE(H > 0 && I > 0, "%s: H (%d) and I (%d) must be positive", who, H, I);
+    MF_REQUIRE(aligned(seg->sched, sizeof(int32_t)), "%s: seg->sched (%p) must be 4-byte aligned", who, (void *)seg->sched);
     if (dtype == MF_DTYPE_FP8_E4M3) {
         if (H % MF__QUANT_BLOCK || I % MF__QUANT_BLOCK)
             return mf__error(MF_ERR_NOT_SUPPORTED, "%s: FP8 needs H (%d) and I (%d) to be multiples of %d", who, H, I,
@@ -268,8 +269,19 @@ mf_result_t mf__cuda_w13_swiglu(const mf__gemm_choice_t *choice, const mf__gemm_
     MF_REQUIRE(choice, "%s: choice must not be NULL", who);
     MF_CHECK(check_common(who, seg, dtype, H, I));
     const bool fp8 = dtype == MF_DTYPE_FP8_E4M3;
-    if (a.gather) MF_CHECK(check_data(who, "a.gather->src", a.gather->src));
-    else MF_CHECK(check_data(who, "a.data", a.data));
+    if (a.gather) {
+        const mf__heap_view_t *v = a.gather->view;
+        MF_REQUIRE(v, "%s: a.gather->view must not be NULL", who);
+        MF_CHECK(check_data(who, "a.gather->src", a.gather->src));
+        MF_REQUIRE(v->x % kMfGemmDataAlign == 0 && (!fp8 || v->scales % kMfGemmScaleAlign == 0),
+                   "%s: the view's row offset (%llu) must be %d-byte and its scale offset (%llu) %d-byte aligned", who,
+                   (unsigned long long)v->x, kMfGemmDataAlign, (unsigned long long)v->scales, kMfGemmScaleAlign);
+        for (int r = 0; r < MF_MAX_RANKS; r++)
+            MF_REQUIRE(aligned(v->heap[r], kMfGemmDataAlign), "%s: the view's heap %d (%p) must be %d-byte aligned", who,
+                       r, (void *)v->heap[r], kMfGemmDataAlign);
+    } else {
+        MF_CHECK(check_data(who, "a.data", a.data));
+    }
     MF_CHECK(check_data(who, "w13.data", w13.data));
     MF_CHECK(check_data(who, "h", h));
     if (fp8) {
@@ -305,7 +317,8 @@ mf_result_t mf__cuda_w13_swiglu(const mf__gemm_choice_t *choice, const mf__gemm_
     memset(&p, 0, sizeof p);
     p.seg = *seg;
     if (a.gather) {
-        p.gather = *a.gather;
+        p.view = *a.gather->view;
+        p.src = a.gather->src;
         p.use_gather = 1;
     }
     p.a = (const uint8_t *)a.data;
@@ -341,11 +354,14 @@ mf_result_t mf__cuda_w2(const mf__gemm_choice_t *choice, const mf__gemm_segments
         MF_CHECK(check_scales(who, "w2.scales", w2.scales));
     }
     if (ret) {
-        MF_REQUIRE(ret->src, "%s: ret->src must not be NULL", who);
+        MF_REQUIRE(ret->view && ret->src, "%s: ret->view and ret->src must not be NULL", who);
         MF_REQUIRE(ret->num_topk > 0, "%s: ret->num_topk (%d) must be positive", who, ret->num_topk);
-        for (int r = 0; r < MF_MAX_RANKS; r++)
-            MF_REQUIRE(aligned(ret->slots[r], kMfGemmDataAlign), "%s: ret->slots[%d] (%p) must be %d-byte aligned", who,
-                       r, (void *)ret->slots[r], kMfGemmDataAlign);
+        for (int r = 0; r < MF_MAX_RANKS; r++) {
+            const uint8_t *heap = ret->view->heap[r];
+            MF_REQUIRE(!heap || aligned(heap + ret->view->combine, kMfGemmDataAlign),
+                       "%s: rank %d's combine slots (%p) must be %d-byte aligned", who, r,
+                       (const void *)(heap + ret->view->combine), kMfGemmDataAlign);
+        }
     } else {
         MF_CHECK(check_data(who, "out", out));
     }
@@ -378,10 +394,14 @@ mf_result_t mf__cuda_w2(const mf__gemm_choice_t *choice, const mf__gemm_segments
     p.w_scales = w2.scales;
     p.out = out;
     if (ret) {
-        p.ret = *ret;
+        p.view = *ret->view;
+        p.src = ret->src;
+        p.num_topk = ret->num_topk;
         p.use_ret = 1;
     } else {
-        memset(&p.ret, 0, sizeof p.ret);
+        memset(&p.view, 0, sizeof p.view);
+        p.src = NULL;
+        p.num_topk = 0;
         p.use_ret = 0;
     }
     p.H = H;

@@ -15,7 +15,8 @@
  * h = silu(gate) * up in fp32; FP8: h requantised 1x128 along I with mf__fp8_block_scale and
  * mf__fp8_from_float (numerics.h), BF16: h rounded with mf__bf16_from_float. W2: out = h . W2^T,
  * rounded to BF16 and written either to out[row] or, when `ret` is given, to the token owner's
- * combine slot ret->slots[rank] + (token * K + k) * H with (rank, token, k) = ret->src[row].
+ * combine slot (token * K + k) * H BF16 into ret->view->heap[rank] + ret->view->combine, with
+ * (rank, token, k) = ret->src[row].
  *
  * The choice (mf__gemm_choose, below): the kernel family, its tile and the dataflow of one layer call
  * are decided once, from host facts only, and carried in a mf__gemm_choice_t to both GEMMs of the
@@ -32,6 +33,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "cuda/heap_view.h"
 #include "moeflow.h"
 
 typedef struct mf__gemm_segments {
@@ -49,13 +51,13 @@ typedef struct mf__gemm_segments {
                                     included) needs its own pair. NULL: the static walk */
 } mf__gemm_segments_t;
 
-/* Activation rows read in place at their owners (the direct dataflow): receive row i is token
- * src[i] = (rank, token, k) of `rank`, at heap[rank] + x + token * row_bytes, its FP8 scales at
- * heap[rank] + scales + token * H/128 floats. */
+/* Activation rows read in place at their owners (the direct dataflow), through the heap view of
+ * the call's heap slot (cuda/heap_view.h): receive row i is token src[i] = (rank, token, k) of
+ * `rank`, at view->heap[rank] + view->x + token * row_bytes, its FP8 scales at view->heap[rank] +
+ * view->scales + token * H/128 floats. The launcher copies the view into the kernel's parameters. */
 typedef struct mf__gemm_gather {
-    const uint8_t *heap[MF_MAX_RANKS]; /* every rank's symmetric heap (peer pointers) */
-    size_t x, scales;                  /* byte offsets of the published rows and scales */
-    const int32_t *src;                /* [rows, 3] device: the plan's source rows */
+    const mf__heap_view_t *view; /* host memory: every rank's heap and the slot's region offsets */
+    const int32_t *src;          /* [rows, 3] device: the plan's source rows */
 } mf__gemm_gather_t;
 
 typedef struct mf__gemm_operand {
@@ -65,11 +67,13 @@ typedef struct mf__gemm_operand {
                                         scales are unused */
 } mf__gemm_operand_t;
 
-/* Where W2 sends its BF16 rows when not to a local `out`. */
+/* Where W2 sends its BF16 rows when not to a local `out`: the combine slots [S, K, H] of every rank,
+ * at view->heap[rank] + view->combine (the heap view of the call's heap slot; a NULL heap entry
+ * takes no rows). The launcher copies the view into the kernel's parameters. */
 typedef struct mf__gemm_return {
-    uint16_t *slots[MF_MAX_RANKS]; /* combine slots [S, K, H] of every rank (peer pointers) */
-    const int32_t *src;            /* [rows, 3] device: (rank, token, k) of each receive row */
-    int32_t num_topk;              /* K */
+    const mf__heap_view_t *view; /* host memory: every rank's heap and the slot's region offsets */
+    const int32_t *src;          /* [rows, 3] device: (rank, token, k) of each receive row */
+    int32_t num_topk;            /* K */
 } mf__gemm_return_t;
 
 /* Loads every GEMM kernel and sets its shared-memory limit on the current device. Call before any

@@ -5,11 +5,13 @@
  *
  * Dimension legend: T tokens on this rank, S capacity, H hidden, E experts, R ranks, L local
  * experts (with balancing: this rank's slots Lp + B), K top-k, C masked expert capacity, P physical
- * slots, Lp = P / R, B spare slots per rank, N = P + R * B replica entries. Every kernel reads peers only through the peer table
- * (`heap[R]`), so it runs unchanged on every transport. All of them match the CPU backend bit for
- * bit: same per-element functions (numerics.h), same row order, same fixed-order K-sum with
- * separate fp32 multiply and add (no contraction into FMA). Each kernel calls mf__pdl_wait() before
- * its first global access and mf__pdl_trigger() right after it (cuda/pdl.cuh).
+ * slots, Lp = P / R, B spare slots per rank, N = P + R * B replica entries. Every kernel reaches the
+ * heap only through the heap view in its parameters (cuda/heap_view.h: the peer table `heap[R]`
+ * and the slot's region offsets; this rank's own heap is heap[rank]), so it runs unchanged on every
+ * transport. All of them match the CPU backend bit for bit: same per-element functions
+ * (numerics.h), same row order, same fixed-order K-sum with separate fp32 multiply and add (no
+ * contraction into FMA). Each kernel calls mf__pdl_wait() before its first global access and
+ * mf__pdl_trigger() right after it (cuda/pdl.cuh).
  */
 #ifndef MF_CUDA_MOVEMENT_CUH
 #define MF_CUDA_MOVEMENT_CUH
@@ -18,14 +20,8 @@
 
 #include "core/layout.h"
 #include "core/numerics.h"
+#include "cuda/heap_view.h"
 #include "cuda/kernels/sync.cuh"
-
-/* Offsets of the symmetric-heap regions (mf__heap_layout_t) and the peer table. */
-typedef struct mf__heap_view {
-    uint8_t *heap[MF_MAX_RANKS];
-    unsigned long long meta, x, scales, ids, weights, combine;
-    int32_t num_ranks, rank;
-} mf__heap_view_t;
 
 /* ---- publish ------------------------------------------------------------------------------ */
 
@@ -35,8 +31,7 @@ typedef struct mf__publish_params {
     const float *weights;  /* [T, K] or NULL */
     int32_t T, H, K, E, fp8, ue8m0;
     int32_t meta_words[MF__META_WORDS - 1]; /* map hash, prefetch count, weights count (all ranks check) */
-    uint8_t *heap;         /* my heap */
-    unsigned long long meta, x_off, scales_off, ids_off, weights_off;
+    mf__heap_view_t view;  /* the slot's: writes my heap, view.heap[view.rank] */
     mf__fault_sink_t sink;
 } mf__publish_params_t;
 
@@ -49,10 +44,11 @@ typedef struct mf__publish_params {
  * T = 1); blocks (t, 0) also validate and copy the routing, block (0, 0) writes T. */
 __global__ void __launch_bounds__(kMfPublishThreads) mf__publish_kernel(mf__publish_params_t p) {
     const int32_t t = blockIdx.x, tid = threadIdx.x, lane = tid % kMfWarp, warp = tid / kMfWarp;
+    uint8_t *const heap = p.view.heap[p.view.rank]; /* my heap */
     mf__pdl_wait(); /* a call's first kernel is launched without the attribute: returns at once */
     mf__pdl_trigger();
     if (t == 0 && blockIdx.y == 0 && tid < MF__META_WORDS)
-        ((int32_t *)(p.heap + p.meta))[tid] = tid ? p.meta_words[tid - 1] : p.T;
+        ((int32_t *)(heap + p.view.meta))[tid] = tid ? p.meta_words[tid - 1] : p.T;
     if (t >= p.T) return;
 
     /* Routing: validate, then copy; a bad or repeated id becomes -1 and raises a fault. */
@@ -68,21 +64,21 @@ __global__ void __launch_bounds__(kMfPublishThreads) mf__publish_kernel(mf__publ
                 mf__raise(p.sink, MF_ERR_INVALID_ARGUMENT, kMfFaultDupId, MF__PHASE_DISPATCH, -1, t, tid, id);
                 id = -1;
             }
-        ((int32_t *)(p.heap + p.ids_off))[(size_t)t * p.K + tid] = id;
-        if (p.weights) ((float *)(p.heap + p.weights_off))[(size_t)t * p.K + tid] = p.weights[(size_t)t * p.K + tid];
+        ((int32_t *)(heap + p.view.ids))[(size_t)t * p.K + tid] = id;
+        if (p.weights) ((float *)(heap + p.view.weights))[(size_t)t * p.K + tid] = p.weights[(size_t)t * p.K + tid];
     }
 
     const uint16_t *xr = p.x + (size_t)t * p.H;
     const int32_t c0 = (int32_t)blockIdx.y * kMfPublishCols, c1 = min(c0 + kMfPublishCols, p.H);
     if (!p.fp8) {
         const uint4 *src = (const uint4 *)xr;
-        uint4 *dst = (uint4 *)(p.heap + p.x_off + (size_t)t * p.H * 2);
+        uint4 *dst = (uint4 *)(heap + p.view.x + (size_t)t * p.H * 2);
         for (int32_t i = c0 / 8 + tid; i < c1 / 8; i += blockDim.x) dst[i] = src[i];
         return;
     }
     /* FP8 1x128: one warp per 128-wide block, 4 values per lane. */
-    uint8_t *q = p.heap + p.x_off + (size_t)t * p.H;
-    float *scales = (float *)(p.heap + p.scales_off) + (size_t)t * (p.H / MF__QUANT_BLOCK);
+    uint8_t *q = heap + p.view.x + (size_t)t * p.H;
+    float *scales = (float *)(heap + p.view.scales) + (size_t)t * (p.H / MF__QUANT_BLOCK);
     for (int32_t b = c0 / MF__QUANT_BLOCK + warp; b < c1 / MF__QUANT_BLOCK; b += blockDim.x / kMfWarp) {
         uint2 raw = *(const uint2 *)(xr + b * MF__QUANT_BLOCK + lane * 4);
         float v[4] = {mf__bf16_to_float((uint16_t)(raw.x & 0xffff)), mf__bf16_to_float((uint16_t)(raw.x >> 16)),
@@ -582,8 +578,7 @@ __global__ void __launch_bounds__(kMfMoveThreads) mf__keep_weights_kernel(const 
 /* ---- the owner's K-sum -------------------------------------------------------------------- */
 
 typedef struct mf__sum_params {
-    const uint8_t *heap;  /* my heap: ids and combine slots */
-    unsigned long long ids, combine;
+    mf__heap_view_t view; /* the slot's: reads my heap's ids and combine slots, view.heap[view.rank] */
     const float *weights; /* [T, K] */
     uint16_t *y;          /* [T, H] */
     int32_t T, H, K;
@@ -599,8 +594,9 @@ __global__ void __launch_bounds__(kMfSumThreads) mf__sum_kernel(mf__sum_params_t
     mf__pdl_wait();
     mf__pdl_trigger();
     if (c >= p.H / 8 || mf__faulted(p.sink)) return;
-    const int32_t *ids = (const int32_t *)(p.heap + p.ids) + (size_t)t * p.K;
-    const uint16_t *slots = (const uint16_t *)(p.heap + p.combine) + (size_t)t * p.K * p.H;
+    const uint8_t *heap = p.view.heap[p.view.rank]; /* my heap */
+    const int32_t *ids = (const int32_t *)(heap + p.view.ids) + (size_t)t * p.K;
+    const uint16_t *slots = (const uint16_t *)(heap + p.view.combine) + (size_t)t * p.K * p.H;
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int32_t k0 = 0; k0 < p.K; k0 += kMfSumBatch) {
         bool use[kMfSumBatch];

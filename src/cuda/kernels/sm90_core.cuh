@@ -59,8 +59,11 @@ struct gemm_params {
     const float *w_scales;     /* FP8: [L, N/128, K/128] */
     uint8_t *out;              /* plain: [rows, N] BF16 (unless use_ret); swiglu: [rows, N/2] BF16 or FP8 */
     float *out_scales;         /* swiglu FP8: [rows, N/256] */
-    mf__gemm_gather_t gather;  /* decode W13 with gathered rows: rows and FP8 scales read at their owners */
-    mf__gemm_return_t ret;     /* plain with use_ret: rows to the owners' combine slots */
+    mf__heap_view_t view;      /* rows at their owners (cuda/heap_view.h): decode W13 with gathered rows
+                                  reads them and their FP8 scales there (x, scales), plain with use_ret
+                                  sends them to the combine slots (combine) */
+    const int32_t *src;        /* [rows, 3] (rank, token, k) of each gathered or returned receive row */
+    int32_t num_topk;          /* K, with use_ret */
     int32_t use_ret;
     int32_t num_experts;       /* L */
     int32_t max_rows;          /* counts are clamped to [0, max_rows] */
@@ -83,7 +86,10 @@ static inline gemm_params w13_params(const mf__gemm_segments_t *seg, int32_t ue8
     p.w_scales = w13.scales;
     p.out = (uint8_t *)h;
     p.out_scales = h_scales;
-    if (a.gather) p.gather = *a.gather;
+    if (a.gather) {
+        p.view = *a.gather->view;
+        p.src = a.gather->src;
+    }
     p.num_experts = seg->num_experts;
     p.max_rows = seg->max_rows_per_expert;
     p.N = 2 * I;
@@ -104,7 +110,9 @@ static inline gemm_params w2_params(const mf__gemm_segments_t *seg, mf__gemm_ope
     p.w_scales = w2.scales;
     p.out = (uint8_t *)out;
     if (ret) {
-        p.ret = *ret;
+        p.view = *ret->view;
+        p.src = ret->src;
+        p.num_topk = ret->num_topk;
         p.use_ret = 1;
     }
     p.num_experts = seg->num_experts;
@@ -308,17 +316,17 @@ __device__ __forceinline__ bool producer_role(void) {
 
 /* ---- epilogue targets ------------------------------------------------------------------------ */
 
-/* W2 with `ret`: where receive row `row` goes, its owner's combine slot *dst = ret.slots[rank] +
- * (token K + k) n BF16, n = N (the caller adds its columns), (rank, token, k) = ret.src[3 row];
- * false when that entry is invalid (the row is not stored). Without `ret` rows go to out + row * N
- * BF16, which each epilogue computes itself. */
+/* W2 with `ret`: where receive row `row` goes, its owner's combine slot *dst = view.heap[rank] +
+ * view.combine + (token K + k) n BF16, n = N (the caller adds its columns), (rank, token, k) =
+ * src[3 row]; false when that entry is invalid or its heap is NULL (the row is not stored).
+ * Without `ret` rows go to out + row * N BF16, which each epilogue computes itself. */
 __device__ __forceinline__ bool ret_row(const gemm_params &p, int64_t row, int64_t n, uint8_t *&dst) {
-    const int32_t *src = p.ret.src + 3 * row;
+    const int32_t *src = p.src + 3 * row;
     const int32_t rank = src[0], token = src[1], k = src[2];
-    if ((uint32_t)rank >= (uint32_t)MF_MAX_RANKS || token < 0 || k < 0 || k >= p.ret.num_topk) return false;
-    uint16_t *slots = p.ret.slots[rank];
-    if (!slots) return false;
-    dst = (uint8_t *)(slots + ((int64_t)token * p.ret.num_topk + k) * n);
+    if ((uint32_t)rank >= (uint32_t)MF_MAX_RANKS || token < 0 || k < 0 || k >= p.num_topk) return false;
+    uint8_t *heap = p.view.heap[rank];
+    if (!heap) return false;
+    dst = (uint8_t *)((uint16_t *)(heap + p.view.combine) + ((int64_t)token * p.num_topk + k) * n);
     return true;
 }
 

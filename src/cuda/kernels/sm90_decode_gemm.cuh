@@ -11,7 +11,8 @@
  * tokens (receive rows of one expert) per tile, C masked capacity.
  *
  *   plain (W2):      out[rows, N] = bf16(a[rows, K] . W[e]^T)      W[e] = [N, K]; rows go to out[row]
- *                    or, with `ret`, to the owner's combine slot ret.slots[rank] + (token K + k) H
+ *                    or, with `ret`, to the owner's combine slot (token K + k) H at view.heap[rank] +
+ *                    view.combine
  *   swiglu (W13):    h[rows, I] = silu(a . Wg^T) * (a . Wu^T)      W[e] = [Wg; Wu] = [2I, K]
  *                    BF16: h rounded to BF16; FP8: h requantised 1x128 (h_fp8 + h_scales [rows, I/128])
  *
@@ -31,8 +32,8 @@
  *
  * Activation sources (kGather, W13 only):
  *   contiguous: one TMA box [kBlockT rows x 128 B] per K block at (k, row0), 128B swizzle.
- *   gathered:   a.gather (the direct dataflow): column j's row lives at its owner, heap[rank] + x +
- *               token * K bytes (src[3 row] = (rank, token, k)); the producer warp copies it with
+ *   gathered:   a.gather (the direct dataflow): column j's row lives at its owner, view.heap[rank] +
+ *               view.x + token * K bytes (src[3 row] = (rank, token, k)); the producer warp copies it with
  *               16-byte cp.asyncs into the layout TMA would produce (chunk c of row j at chunk
  *               c ^ (j & 7) of the row's 128 B, rows 128 B apart, tile 1024-B aligned) and arrives
  *               on the full barrier with cp.async.mbarrier.arrive.noinc. Columns below lo are not
@@ -186,11 +187,11 @@ __device__ __forceinline__ void producer(const gemm_params &p, const tables_t &t
             arow[i] = NULL;
             srow[i] = p.a_scales;
             if constexpr (kGather) {
-                const int32_t *src = p.gather.src + 3 * (int64_t)row;
+                const int32_t *src = p.src + 3 * (int64_t)row;
                 const int32_t rank = src[0], token = src[1];
-                const uint8_t *heap = (uint32_t)rank < (uint32_t)MF_MAX_RANKS ? p.gather.heap[rank] : NULL;
-                if (heap && j >= t.lo && j < kBlockT) arow[i] = heap + p.gather.x + (int64_t)token * kbytes;
-                if (heap) srow[i] = (const float *)(heap + p.gather.scales) + (int64_t)token * kblocks;
+                const uint8_t *heap = (uint32_t)rank < (uint32_t)MF_MAX_RANKS ? p.view.heap[rank] : NULL;
+                if (heap && j >= t.lo && j < kBlockT) arow[i] = heap + p.view.x + (int64_t)token * kbytes;
+                if (heap) srow[i] = (const float *)(heap + p.view.scales) + (int64_t)token * kblocks;
             } else if constexpr (kFp8) {
                 srow[i] = p.a_scales + (int64_t)row * kblocks;
             }

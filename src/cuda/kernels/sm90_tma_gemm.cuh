@@ -10,8 +10,8 @@
  * capacity, rows = receive rows (all experts).
  *
  *   plain (W2):   out[rows, N] = bf16(a[rows, K] . W[e]^T)        W[e] = [N, K], rows of expert e only;
- *                 a row goes to out[row] or, with `ret`, to its owner's combine slot
- *                 ret.slots[rank] + (token K + k) H, (rank, token, k) = ret.src[3 row]
+ *                 a row goes to out[row] or, with `ret`, to its owner's combine slot (token K + k) H
+ *                 at view.heap[rank] + view.combine, (rank, token, k) = src[3 row]
  *   swiglu (W13): h[rows, I] = silu(a . Wg^T) * (a . Wu^T)       W[e] = [Wg; Wu] = [2I, K]
  *                 BF16: h rounded to BF16; FP8: h requantised 1x128 (h_fp8 + h_scales [rows, I/128])
  *
@@ -349,7 +349,7 @@ __device__ __forceinline__ uint8_t *row_target(const gemm_params &p, const consu
 
 /* The targets of the 4 rows lane `c.lane` copies out of the staging buffer (rows 4 i + lane / 8,
  * its 16-byte chunk lane % 8 of each), at column byte `col_bytes`: NULL where the row is not stored.
- * Computed once per tile (row_target reads `ret.src` for `ret`); every pass adds its column offset. */
+ * Computed once per tile (row_target reads `src` for `ret`); every pass adds its column offset. */
 template <int kEpi>
 __device__ __forceinline__ void row_targets(const gemm_params &p, const consumer_t &c, const tile_t &t, int64_t row_bytes,
                                             int64_t col_bytes, uint8_t *(&dst)[4]) {
