@@ -145,6 +145,10 @@ struct call_t {
     const mf__gemm_return_t *ret;      /* plain: rows to the owners' slots instead of out */
 };
 
+/* The schedule pair every call passes (mf__gemm_segments_t.sched), as the layer does: tiles by
+ * ticket where a launch has more tiles than CTAs (zeroed once; every launch leaves it zero). */
+static int32_t *g_sched = NULL;
+
 static mf__gemm_segments_t seg_of(const call_t &c) {
     mf__gemm_segments_t s;
     s.counts = c.counts;
@@ -152,7 +156,7 @@ static mf__gemm_segments_t seg_of(const call_t &c) {
     s.num_experts = c.L;
     s.max_rows_per_expert = c.max_rows;
     s.rows_hint = c.rows_hint;
-    s.sched = NULL;
+    s.sched = g_sched;
     return s;
 }
 
@@ -1359,9 +1363,13 @@ static void run_timeline(void) {
     printf("\n# --timeline: FP8, one row per expert (T = 1 at R = 1), L2 flushed before each launch; per CTA, from its\n"
            "# %%globaltimer stamps: entry, prologue done (tables), last store. Times in us; 'launch' = event time -\n"
            "# (last store - first entry); work = last store - prologue; rate = the CTA's weight bytes / work\n");
-    printf("%-12s %-4s %3s %5s %4s | %7s %7s %6s | %6s %8s | %6s %6s %6s | %6s | %5s %5s %5s\n", "# model", "gemm", "L", "tiles",
-           "grid", "event", "span", "launch", "start", "prologue", "work", "min", "max", "end", "GB/s", "min", "max");
-    for (const tcase &tc : cases) {
+    printf("%-12s %-4s %3s %5s %4s %-6s | %7s %7s %6s | %6s %8s | %6s %6s %6s | %6s | %5s %5s %5s\n", "# model", "gemm", "L",
+           "tiles", "grid", "sched", "event", "span", "launch", "start", "prologue", "work", "min", "max", "end", "GB/s", "min", "max");
+    int32_t *const sched = g_sched;
+    for (int i = 0; i < (int)(sizeof cases / sizeof cases[0]) * 2; i++) {
+        const tcase &tc = cases[i / 2];
+        const int dynamic = i % 2;
+        g_sched = dynamic ? sched : NULL; /* the static walk, then the layer's (tickets where tiles > CTAs) */
         const int epi = tc.gemm == 13 ? kEpiSwiglu : kEpiPlain;
         const int N = tc.gemm == 13 ? 2 * tc.I : tc.H, K = tc.gemm == 13 ? tc.H : tc.I;
         std::vector<int32_t> hc((size_t)tc.L, 1), ho((size_t)tc.L + 1);
@@ -1380,7 +1388,7 @@ static void run_timeline(void) {
             CUDA_OK(cudaMemsetAsync(stamps, 0, mf__decode::kTimelineStamps * 1024 * 8, st));
             CUDA_OK(cudaMemsetAsync(flush, run, kFlushBytes, st));
             CUDA_OK(cudaEventRecord(ev0, st));
-            if (!launched(run_call(c, st), "timeline")) return;
+            if (!launched(run_call(c, st), "timeline")) break;
             CUDA_OK(cudaEventRecord(ev1, st));
             CUDA_OK(cudaEventSynchronize(ev1));
             if (!on) continue;
@@ -1404,12 +1412,14 @@ static void run_timeline(void) {
                 rate.push_back(mine * tile_bytes / ((x[2] - x[1]) * 1e-9) / 1e9);
             }
             const double span = (tend - t0) * 1e-3;
-            printf("%-12s w%-3d %3d %5d %4d | %7.1f %7.1f %6.1f | %6.1f %8.1f | %6.1f %6.1f %6.1f | %6.1f | %5.0f %5.0f %5.0f\n",
-                   tc.name, tc.gemm, tc.L, tiles, grid, ms * 1e3, span, ms * 1e3 - span, pct(start, 1.0), pct(pro, 0.5),
-                   pct(work, 0.5), pct(work, 0.0), pct(work, 1.0), (tend - tfirst_end) * 1e-3, pct(rate, 0.5), pct(rate, 0.0),
-                   pct(rate, 1.0));
+            printf("%-12s w%-3d %3d %5d %4d %-6s | %7.1f %7.1f %6.1f | %6.1f %8.1f | %6.1f %6.1f %6.1f | %6.1f | ", tc.name,
+                   tc.gemm, tc.L, tiles, grid, dynamic ? "layer" : "static", ms * 1e3, span, ms * 1e3 - span, pct(start, 1.0),
+                   pct(pro, 0.5), pct(work, 0.5), pct(work, 0.0), pct(work, 1.0), (tend - tfirst_end) * 1e-3);
+            if (dynamic && tiles > grid) printf("%5s %5s %5s\n", "-", "-", "-"); /* tiles per CTA unknown */
+            else printf("%5.0f %5.0f %5.0f\n", pct(rate, 0.5), pct(rate, 0.0), pct(rate, 1.0));
         }
     }
+    g_sched = sched;
     CUDA_OK(mf__sm90_decode_set_timeline(NULL));
     printf("# columns: start = the last CTA's entry after the first's; prologue: median over CTAs; work: median, min, max\n"
            "# over CTAs; end = last CTA's last store - first CTA's last store; GB/s: median, min, max per CTA\n");
@@ -1460,9 +1470,18 @@ int main(int argc, char **argv) {
         return 3;
     }
     CUDA_OK(mf__sm90_decode_set_fault_record(g_fault));
+    CUDA_OK(cudaMalloc((void **)&g_sched, 2 * sizeof(int32_t)));
+    CUDA_OK(cudaMemset(g_sched, 0, 2 * sizeof(int32_t)));
     list_variants();
     if (selftest) run_selftest();
-    if (validate) run_validate();
+    if (validate) {
+        run_validate();
+        int32_t pair[2] = {-1, -1};
+        CUDA_OK(cudaMemcpy(pair, g_sched, sizeof pair, cudaMemcpyDeviceToHost));
+        const bool zero = pair[0] == 0 && pair[1] == 0;
+        printf("%s schedule pair zero after validate (ticket %d, finished %d)\n", zero ? "PASS" : "FAIL", pair[0], pair[1]);
+        g_failures += zero ? 0 : 1;
+    }
     if (bench) run_bench(json, peers, quick, command);
     if (timeline) run_timeline();
     printf("%s: %d failure%s\n", g_failures ? "FAIL" : "PASS", g_failures, g_failures == 1 ? "" : "s");

@@ -45,8 +45,8 @@ typedef struct mf__gemm_segments {
                                     call's mf__gemm_choose read; MF_DEBUG reports it, no launcher
                                     reads it */
     int32_t *sched;              /* device, NULL or two zeroed int32 (tile ticket, finished CTAs):
-                                    the TMA kernel hands out tiles from it in order (dynamic
-                                    schedule) and zeroes it again when it ends; a launch that can
+                                    the decode and TMA kernels hand out tiles from it in order
+                                    (dynamic schedule) and zero it again when they end; a launch that can
                                     run while another still does (programmatic dependent launch
                                     included) needs its own pair. NULL: the static walk */
 } mf__gemm_segments_t;

@@ -69,7 +69,7 @@ struct gemm_params {
     int32_t max_rows;          /* counts are clamped to [0, max_rows] */
     int32_t N, K;              /* weight rows per expert, reduction elements */
     int32_t ue8m0;             /* swiglu FP8: power-of-two h scales */
-    int32_t *sched;            /* TMA family: the dynamic schedule's (ticket, finished CTAs), or NULL */
+    int32_t *sched;            /* the dynamic schedule's (ticket, finished CTAs), or NULL: the static walk */
     uint64_t *timeline;        /* decode family, the lab's --timeline only: kTimelineStamps %globaltimer
                                   stamps per CTA (entry, prologue done, last store), or NULL */
 };
@@ -240,6 +240,35 @@ __device__ __forceinline__ bool next_tile(const tables_t &tb, int32_t L, int32_t
 template <int kRows>
 __device__ __forceinline__ int32_t clamp_row(const tile_t &t, int j) {
     return t.row0 + (j < t.lo ? t.lo : (j < kRows ? j : kRows - 1));
+}
+
+/* ---- the schedule: static or dynamic (both families' producers) ------------------------------- */
+
+/* The producer's next tile after `idx`: static (sched NULL), idx + grid; dynamic (a schedule pair),
+ * grid + the next ticket (lane 0 takes it, the warp shares it), so a CTA whose SM streams faster
+ * takes more tiles. Tickets only grow, so every CTA's tiles ascend (the walk's cursor relies on
+ * it); the first tile of every CTA is blockIdx.x in both. The producer publishes each stage's tile
+ * (tile_of[slot], before the stage's arrival) and ends with a stage of tile -1: the consumers follow
+ * it instead of walking on their own. */
+__device__ __forceinline__ int32_t next_idx(int32_t *sched, int32_t idx, int lane) {
+    if (!sched) return idx + (int32_t)gridDim.x;
+    int32_t ticket = 0;
+    if (lane == 0) ticket = atomicAdd(sched, 1);
+    return (int32_t)gridDim.x + __shfl_sync(0xffffffffu, ticket, 0);
+}
+
+/* Dynamic schedule, the producer warp after its last tile: the last CTA to finish takes its
+ * past-the-end ticket back to zero; every CTA counts itself only after its last ticket, so nothing
+ * takes a ticket after the reset. The next launch on this pair starts after this grid completes
+ * (stream order; under PDL it takes tickets only after its griddepcontrol.wait). */
+__device__ __forceinline__ void end_schedule(int32_t *sched, int lane) {
+    if (sched && lane == 0) {
+        __threadfence();
+        if (atomicAdd(sched + 1, 1) == (int32_t)gridDim.x - 1) {
+            atomicExch(sched, 0);
+            atomicExch(sched + 1, 0);
+        }
+    }
 }
 
 /* ---- the stage ring -------------------------------------------------------------------------- */

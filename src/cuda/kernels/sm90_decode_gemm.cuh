@@ -49,7 +49,11 @@
  * the same layout and a token's 128 h columns (one FP8 scale block) are all in the tile. Token
  * blocks (more than kBlockT rows in one expert) are the innermost tile index: their CTAs run at the
  * same time and read the same weights, the second one from L2. The grid is persistent (one CTA per
- * SM, tiles b, b + grid, ...); experts without rows have no tiles, so they cost nothing. The
+ * SM): CTA b's first tile is b; then, with a schedule pair (seg->sched) and more tiles than CTAs,
+ * the producer takes the next tile by ticket (sm90_core.cuh next_idx: an SM that streams faster
+ * takes more tiles; CTAs' rates differ by up to 1.5x at T = 1, `sm90_decode_lab --timeline`),
+ * otherwise b + grid, ...; it puts each stage's tile into tile_of[slot] and ends with a stage of
+ * tile -1, which the consumers follow. Experts without rows have no tiles, so they cost nothing. The
  * counts and offsets are read on the device (CUDA-graph capturable) into shared-memory tables
  * at kernel start (a warp scan gives each expert's first tile); counts are clamped to
  * [0, max_rows]. Before that read the kernel waits for the previous kernel (mf__pdl_wait,
@@ -133,7 +137,9 @@ struct cfg {
     static constexpr int kEpiBytes = align_up(kBlockT * kEpiRowBytes, 128);
     static constexpr int kRedBytes = kConsumerWarps * kBlockT * 4;
     static constexpr int kTableBytes = align_up((3 * kMaxExperts + 1) * 4, 16);
-    static constexpr int kFixedBytes = kMfSwizzleAtomBytes /* base alignment slack */ + kEpiBytes + kRedBytes + kTableBytes;
+    static constexpr int kTileOfBytes = align_up(kMaxStages * 4, 16);  /* tile_of[kStages] */
+    static constexpr int kFixedBytes =
+        kMfSwizzleAtomBytes /* base alignment slack */ + kEpiBytes + kRedBytes + kTableBytes + kTileOfBytes;
     static constexpr int kPerStageBytes = kStageBytes + kScaleBytes + 2 * 8;
     static constexpr int kStages = min_int(kMaxStages, (kSmemLimit - kFixedBytes - 16) / kPerStageBytes);
 
@@ -142,7 +148,8 @@ struct cfg {
     static constexpr int kOffScales = kOffEpi + kEpiBytes;
     static constexpr int kOffRed = kOffScales + align_up(kStages * kScaleBytes, 16);
     static constexpr int kOffTables = kOffRed + kRedBytes;
-    static constexpr int kOffBars = align_up(kOffTables + kTableBytes, 8);
+    static constexpr int kOffTileOf = kOffTables + kTableBytes;
+    static constexpr int kOffBars = align_up(kOffTileOf + kTileOfBytes, 8);
     static constexpr int kSmemBytes = kOffBars + kStages * 2 * 8 + kMfSwizzleAtomBytes;
 
     static_assert(kBlockT == 8 || kBlockT == 16 || kBlockT == 32 || kBlockT == 64, "wgmma N (tokens per tile)");
@@ -157,7 +164,7 @@ struct cfg {
 
 template <bool kFp8, int kEpi, int kBlockT, bool kGather>
 __device__ __forceinline__ void producer(const gemm_params &p, const tables_t &tb, uint8_t *stages, float *scales,
-                                         uint64_t *full, uint64_t *empty) {
+                                         int32_t *tile_of, uint64_t *full, uint64_t *empty) {
     using C = cfg<kFp8, kEpi, kBlockT>;
     constexpr bool kCpAsync = kFp8 || kGather;                  /* lanes arrive on full[] */
     const int lane = (int)(threadIdx.x & 31);
@@ -171,8 +178,12 @@ __device__ __forceinline__ void producer(const gemm_params &p, const tables_t &t
     uint32_t it = 0;
     int32_t cursor = 0;
     tile_t t;
+    /* tiles by ticket only when there are more tiles than CTAs: with one tile per CTA (T = 1's W13)
+     * a ticket buys nothing and its end (a fence, two atomics) holds the SM (every CTA decides
+     * alike, from the same tables) */
+    int32_t *const sched = tb.first[p.num_experts] > (int32_t)gridDim.x ? p.sched : NULL;
     for (int32_t idx = (int32_t)blockIdx.x; next_tile<kBlockT, kRowsInner>(tb, p.num_experts, 0, idx, cursor, t);
-         idx += (int32_t)gridDim.x) {
+         idx = next_idx(sched, idx, lane)) {
         /* weight rows of box b (gate, up) and its scale row */
         const int32_t wrow0 = t.e * p.N + t.nb * kBoxRows;
         const int32_t srow0 = t.e * scale_rows + t.nb;
@@ -229,6 +240,7 @@ __device__ __forceinline__ void producer(const gemm_params &p, const tables_t &t
             if constexpr (kCpAsync) mf__cp_async_mbar_arrive_noinc(&full[slot]); /* one of full's 1 + 32 */
             __syncwarp();
             if (lane == 0) {
+                tile_of[slot] = idx; /* published by the arrive below */
                 mf__mbar_arrive_expect_tx(&full[slot], (uint32_t)(kGather ? C::kWeightBytes : C::kStageBytes));
                 const int32_t kc = kb * (kKBlock / C::kEsz); /* K coordinate, elements */
 #pragma unroll
@@ -238,6 +250,15 @@ __device__ __forceinline__ void producer(const gemm_params &p, const tables_t &t
             }
         }
     }
+    /* The end: one more stage, tile -1 and no data, full by plain arrivals (with lanes' copies: 32 + 1
+     * in place of the 32 cp.async arrivals and the expect_tx): the consumers' "no next tile". */
+    const uint32_t slot = ring<C::kStages>::slot(it);
+    ring<C::kStages>::wait_empty(empty, it);
+    if (lane == 0) tile_of[slot] = -1;
+    __syncwarp();
+    if constexpr (kCpAsync) mf__mbar_arrive(&full[slot]);
+    if (lane == 0) mf__mbar_arrive(&full[slot]);
+    end_schedule(sched, lane);
     if constexpr (kCpAsync) mf__cp_async_wait_all();
 }
 
@@ -267,7 +288,8 @@ __device__ __forceinline__ void store_tile(const gemm_params &p, const uint8_t *
 
 template <bool kFp8, int kEpi, int kBlockT, bool kGather>
 __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &tb, uint8_t *stages, const float *scales,
-                                         uint8_t *epi, float *red, uint64_t *full, uint64_t *empty) {
+                                         const int32_t *tile_of, uint8_t *epi, float *red, uint64_t *full,
+                                         uint64_t *empty) {
     using C = cfg<kFp8, kEpi, kBlockT>;
     constexpr int kFrag = kBlockT / 2;          /* accumulators per thread per 64-row block */
     const int ctid = (int)threadIdx.x - kMfWarpgroupThreads; /* 0..255 */
@@ -289,8 +311,11 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
     uint32_t it = 0;
     int32_t cursor = 0;
     tile_t t;
-    for (int32_t idx = (int32_t)blockIdx.x; next_tile<kBlockT, kRowsInner>(tb, p.num_experts, 0, idx, cursor, t);
-         idx += (int32_t)gridDim.x) {
+    /* The next tile is the one the producer put into the next stage (tile_of; -1: the end) */
+    for (;;) {
+        ring<C::kStages>::wait_full(full, it);
+        const int32_t idx = tile_of[ring<C::kStages>::slot(it)];
+        if (idx < 0 || !next_tile<kBlockT, kRowsInner>(tb, p.num_experts, 0, idx, cursor, t)) break;
         float acc[C::kBoxes][kFrag];
 #pragma unroll
         for (int b = 0; b < C::kBoxes; b++)
@@ -445,6 +470,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_decode_kernel(const __grid_c
     float *red = (float *)(smem + C::kOffRed);
     tables_t tb;
     tables_at<kMaxExperts>(tb, smem + C::kOffTables);
+    int32_t *tile_of = (int32_t *)(smem + C::kOffTileOf);
     uint64_t *full = (uint64_t *)(smem + C::kOffBars);
     uint64_t *empty = full + C::kStages;
     const int32_t nblocks = kEpi == kEpiSwiglu ? p.N / (2 * kTileCols) : p.N / kTileCols; /* n-blocks per expert */
@@ -458,9 +484,9 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_decode_kernel(const __grid_c
     if (timed && threadIdx.x == 0) stamp(p, 1);
 
     if (producer_role()) {
-        if (mf__warp_id() == 0) producer<kFp8, kEpi, kBlockT, kGather>(p, tb, stages, scales, full, empty);
+        if (mf__warp_id() == 0) producer<kFp8, kEpi, kBlockT, kGather>(p, tb, stages, scales, tile_of, full, empty);
     } else {
-        consumer<kFp8, kEpi, kBlockT, kGather>(p, tb, stages, scales, epi, red, full, empty);
+        consumer<kFp8, kEpi, kBlockT, kGather>(p, tb, stages, scales, tile_of, epi, red, full, empty);
         if (timed && threadIdx.x == kMfWarpgroupThreads) stamp(p, 2);
     }
 }

@@ -155,16 +155,6 @@ __device__ __forceinline__ int32_t weight_row(const gemm_params &p, const tile_t
 
 /* ---- producer: warp 0; lane 0 issues the TMA, FP8: all lanes copy the scales ---------------- */
 
-/* The producer's next tile after `idx`: static, idx + grid; dynamic, grid + the next ticket (lane 0
- * takes it, the warp shares it). Tickets only grow, so every CTA's tiles ascend (the walk's cursor
- * relies on it); the first tile of every CTA is blockIdx.x in both. */
-__device__ __forceinline__ int32_t next_idx(const gemm_params &p, int32_t idx, int lane) {
-    if (!p.sched) return idx + (int32_t)gridDim.x;
-    int32_t ticket = 0;
-    if (lane == 0) ticket = atomicAdd(p.sched, 1);
-    return (int32_t)gridDim.x + __shfl_sync(0xffffffffu, ticket, 0);
-}
-
 template <bool kFp8, int kEpi>
 __device__ __forceinline__ void producer(const gemm_params &p, const tables_t &tb, int32_t nblocks, uint8_t *stages,
                                          float *a_sc, float *w_sc, int32_t *tile_of, uint64_t *full, uint64_t *empty) {
@@ -174,7 +164,7 @@ __device__ __forceinline__ void producer(const gemm_params &p, const tables_t &t
     int32_t cursor = 0;
     tile_t t;
     for (int32_t idx = (int32_t)blockIdx.x; next_tile<kBlockM, kNInner>(tb, p.num_experts, nblocks, idx, cursor, t);
-         idx = next_idx(p, idx, lane)) {
+         idx = next_idx(p.sched, idx, lane)) {
         int32_t wrow[kBoxes];
 #pragma unroll
         for (int b = 0; b < kBoxes; b++) wrow[b] = weight_row<kEpi>(p, t, b);
@@ -219,17 +209,7 @@ __device__ __forceinline__ void producer(const gemm_params &p, const tables_t &t
     __syncwarp();
     if (kFp8) mf__mbar_arrive(&full[slot]);
     if (lane == 0) mf__mbar_arrive(&full[slot]);
-    /* Dynamic schedule: the last CTA to finish takes its past-the-end ticket back to zero; every
-     * CTA counts itself only after its last ticket, so nothing takes a ticket after the reset. The
-     * next launch on this pair starts after this grid completes (stream order; under PDL it takes
-     * tickets only after its griddepcontrol.wait). */
-    if (p.sched && lane == 0) {
-        __threadfence();
-        if (atomicAdd(p.sched + 1, 1) == (int32_t)gridDim.x - 1) {
-            atomicExch(p.sched, 0);
-            atomicExch(p.sched + 1, 0);
-        }
-    }
+    end_schedule(p.sched, lane);
     /* a thread must not exit with copies still writing its CTA's shared memory */
     if constexpr (kFp8) mf__cp_async_wait_all();
 }
