@@ -38,7 +38,8 @@
 #        R = 1, FP8, T = 1..512: moeflow bench layer --gated --phases off (C, records carry their
 #        routing), python -m moeflow.bench --launch graph against those records (the same routing:
 #        moeflow as an engine runs it), then vLLM's Triton path (the layer peer, from
-#        ${MF_PEERS:-../shared/peers}; never copied into the repository). Not in `all`.
+#        ${MF_PEERS:-../shared/peers}; never copied into the repository); table.md: the comparison
+#        (bench/summarize.py smallbatch). Not in `all`.
 # overlap: moeflow bench overlap (issue 28: two micro-batches through the split halves beside the
 #        pair back to back; deepseek-v3, T = 64, 128, R = 1, 8). Not in `all`.
 set -u
@@ -176,6 +177,8 @@ if [ "$what" = smallbatch ]; then
         --presets "$(IFS=,; echo "${presets[*]}")" --tokens $tokens --budget-s 240 > "$dir/peer.log" 2>&1 || rc=1
     sed -n '/^# vs C/,$p' "$dir/pybench_graph.log"
     tail -30 "$dir/peer.log"
+    python3 bench/summarize.py smallbatch "$dir" > "$dir/table.md" 2>&1 || rc=1
+    cat "$dir/table.md"
 fi
 if [ "$what" = overlap ]; then
     timeout 240 ./build/moeflow bench overlap --json "$dir/overlap.json" > "$dir/overlap.log" 2>&1 || rc=1

@@ -238,7 +238,38 @@ static int test_swiglu_h(void) {
     return 0;
 }
 
+/* The GEMM choice's decode tile (docs/DESIGN.md step 5): the hint is the MEAN rows per expert; the
+ * tile holds mean + 2 sqrt(mean) (an expert past its tile streams its weights twice), capped by the
+ * bound; above 64 expected rows the TMA family with 128-row tiles, and DIRECT only with decode. A
+ * host function of a CUDA build (no GPU needed); a build without CUDA has no GEMM choice and does
+ * not list this test. */
+#if MF_WITH_CUDA
+static int test_choice(void) {
+    static const int32_t hint_tile[][2] = {{1, 8}, {4, 8}, {5, 16}, {8, 16}, {9, 16}, {10, 32},
+                                           {16, 32}, {22, 32}, {23, 64}, {32, 64}, {64, 64}};
+    for (size_t i = 0; i < sizeof hint_tile / sizeof hint_tile[0]; i++) {
+        int32_t family = -1, block = -1, flow = -1;
+        mf__gemm_bench_choose(hint_tile[i][0], 4096, MF_DATAFLOW_AUTO, &family, &block, &flow);
+        MFT_CHECK_MSG(family == 0 && block == hint_tile[i][1] && flow == MF_DATAFLOW_DIRECT,
+                      "hint %d: family %d, %d tokens per tile, dataflow %d", hint_tile[i][0], family, block, flow);
+    }
+    int32_t family = -1, block = -1, flow = -1;
+    mf__gemm_bench_choose(16, 16, MF_DATAFLOW_AUTO, &family, &block, &flow); /* the bound caps the tile */
+    MFT_CHECK(family == 0 && block == 16);
+    mf__gemm_bench_choose(0, 40, MF_DATAFLOW_PULL, &family, &block, &flow); /* unknown hint: the bound */
+    MFT_CHECK(family == 0 && block == 64 && flow == MF_DATAFLOW_PULL);
+    mf__gemm_bench_choose(65, 4096, MF_DATAFLOW_AUTO, &family, &block, &flow);
+    MFT_CHECK(family == 1 && block == 128 && flow == MF_DATAFLOW_PULL);
+    mf__gemm_bench_choose(65, 4096, MF_DATAFLOW_UNFUSED, &family, &block, &flow);
+    MFT_CHECK(family == 1 && flow == MF_DATAFLOW_UNFUSED);
+    return 0;
+}
+#endif
+
 const mft_test_t mft_tests_gemm_bounds[] = {
+#if MF_WITH_CUDA
+    {"gemm_choice_decode_tiles", test_choice, 10},
+#endif
     {"gemm_bounds_fp8_model", test_fp8_model, 60},
     {"gemm_bounds_bf16_model", test_bf16_model, 60},
     {"gemm_bounds_cancellation", test_cancellation, 30},

@@ -55,6 +55,14 @@ __global__ void bench_fill_kernel(fill_params p) {
 
 } /* namespace */
 
+void mf__gemm_bench_choose(int32_t rows_hint, int32_t max_rows_per_expert, int32_t dataflow, int32_t *family,
+                           int32_t *block_rows, int32_t *dataflow_out) {
+    const mf__gemm_choice_t c = mf__gemm_choose(rows_hint, max_rows_per_expert, dataflow);
+    *family = c.family;
+    *block_rows = c.block_rows;
+    *dataflow_out = c.dataflow;
+}
+
 int32_t mf__gemm_bench_supported(int32_t op, int32_t dtype) {
     const int dtype_ok = dtype == MF_DTYPE_BF16 || dtype == MF_DTYPE_FP8_E4M3;
     return dtype_ok && (op == MF__GEMM_OP_W13_SWIGLU || op == MF__GEMM_OP_W2);

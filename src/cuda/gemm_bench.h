@@ -54,6 +54,12 @@ typedef struct mf__gemm_bench_args {
     float *out_scales;           /* W13_SWIGLU FP8: [rows, I/128] */
 } mf__gemm_bench_args_t;
 
+/* The library's GEMM choice for these host facts (cuda/grouped_gemm.h mf__gemm_choose): *family 0
+ * decode or 1 TMA, *block_rows the tokens (decode) or rows (TMA) per tile, *dataflow_out the
+ * dataflow it runs (MF_DATAFLOW_*). Pure host arithmetic, no GPU needed. */
+void mf__gemm_bench_choose(int32_t rows_hint, int32_t max_rows_per_expert, int32_t dataflow, int32_t *family,
+                           int32_t *block_rows, int32_t *dataflow_out);
+
 /* 1 when the library has `op` for `dtype`, else 0. */
 int32_t mf__gemm_bench_supported(int32_t op, int32_t dtype);
 
