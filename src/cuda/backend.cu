@@ -138,6 +138,8 @@ typedef struct mf__cuda_moe {
     int32_t *words;                  /* [2]: have_prev, weights_seen */
     int32_t *sched;                  /* [4][2] zeroed: the TMA GEMMs' schedule pairs (W13, spare W13, W2,
                                         spare W2: each launch that can overlap another has its own) */
+    int32_t *small_sync;             /* [2 + slots] zeroed: the small-batch kernel's ticket, finished CTAs
+                                        and per-expert W13 counters (it zeroes them again at its end) */
     int32_t *pick_scratch;           /* [mf__balance_scratch_words] */
     int64_t *stats;                  /* [2 * MF_MAX_RANKS + 3]: plan loads, home loads, prefetch stats */
     size_t plan_smem, pick_smem;     /* dynamic shared memory of the balanced plan / the pick */
@@ -151,6 +153,9 @@ static mf__cuda_comm_t *mf__cc(mf_comm_t comm) { return (mf__cuda_comm_t *)comm-
 
 extern "C" int32_t mf__cuda_plan_serial = 0; /* balance/prefetch.h */
 extern "C" int32_t mf__cuda_plan_small = 1;  /* balance/prefetch.h */
+/* The small-batch kernel's switch (grouped_gemm.h choice->fused): cleared for the rest of the process
+ * by a comm init that reads MF_SMALL=0 (core/params.c); the GPU tests clear and set it directly. */
+extern "C" int32_t mf__cuda_small = 1;
 
 /* ---- comm and memory ---------------------------------------------------------------------- */
 
@@ -235,6 +240,7 @@ static mf_result_t mf__cuda_comm_init(mf_comm_t comm) {
     MF_CHECK(mf__cuda_gemm_preload());
     MF_CHECK(mf__cuda_gemm_watch());
     if (!mf__param_pdl()) __atomic_store_n(&mf__cuda_pdl, 0, __ATOMIC_RELAXED); /* MF_PDL=0 (cuda/pdl.cuh) */
+    if (!mf__param_small()) __atomic_store_n(&mf__cuda_small, 0, __ATOMIC_RELAXED); /* MF_SMALL=0 */
 
     mf__cuda_comm_t *c = (mf__cuda_comm_t *)mf__calloc(1, sizeof *c);
     if (!c) return mf__error(MF_ERR_OUT_OF_MEMORY, "cuda backend: out of host memory");
@@ -464,7 +470,8 @@ static void mf__cuda_moe_fini(mf_moe_t moe) {
     }
     if (s->fwd_done) cudaEventDestroy(s->fwd_done);
     int32_t *balance_bufs[] = {s->map,  s->staged_map,   s->slot_expert, s->slot_begin, s->resident,
-                               s->next, s->prev_counts, s->words,       s->pick_scratch, s->sched};
+                               s->next, s->prev_counts, s->words,       s->pick_scratch, s->sched,
+                               s->small_sync};
     for (size_t i = 0; i < sizeof balance_bufs / sizeof balance_bufs[0]; i++) cudaFree(balance_bufs[i]);
     cudaFree(s->stats);
     for (int i = 0; i <= MF_NUM_PHASES; i++)
@@ -498,7 +505,11 @@ static int32_t mf__cuda_rows_bound(mf_moe_t moe) {
  * can). Made once per forward and carried to every GEMM of it. The choice is local (peers only
  * publish). */
 static mf__gemm_choice_t mf__cuda_gemm_choice(mf_moe_t moe, int32_t T) {
-    return mf__gemm_choose(mf__cuda_rows_hint(moe, T), mf__cuda_rows_bound(moe), moe->config.dataflow);
+    mf__gemm_choice_t c = mf__gemm_choose(mf__cuda_rows_hint(moe, T), mf__cuda_rows_bound(moe), moe->config.dataflow);
+    /* the small-batch kernel has no spare-slot launch: a layer with spare slots runs the two GEMMs */
+    const mf__cuda_moe_t *s = (const mf__cuda_moe_t *)moe->backend_state;
+    if ((s && s->B) || !__atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED)) c.fused = 0;
+    return c;
 }
 
 static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
@@ -560,6 +571,7 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
         {(void **)&s->prev_counts, (size_t)c->num_experts * 4},
         {(void **)&s->words, 2 * 4},
         {(void **)&s->sched, kMfSchedPairs * 2 * 4},
+        {(void **)&s->small_sync, (size_t)(2 + L) * 4},
         {(void **)&s->pick_scratch, B ? (size_t)mf__balance_scratch_words(c->num_experts, R_, P, B) * 4 : 0},
         {(void **)&s->stats, (2 * MF_MAX_RANKS + 3) * 8},
     };
@@ -582,6 +594,7 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
     if (e == cudaSuccess) e = cudaMemsetAsync(s->next, 0xff, (size_t)(R * B + 1) * 4, setup);
     if (e == cudaSuccess) e = cudaMemsetAsync(s->words, 0, 2 * 4, setup);
     if (e == cudaSuccess) e = cudaMemsetAsync(s->sched, 0, kMfSchedPairs * 2 * 4, setup);
+    if (e == cudaSuccess) e = cudaMemsetAsync(s->small_sync, 0, (size_t)(2 + L) * 4, setup);
     if (e == cudaSuccess) e = cudaMemsetAsync(s->stats, 0, (2 * MF_MAX_RANKS + 3) * 8, setup);
     int32_t *masked = NULL; /* host copy of e * C, until the setup stream has read it */
     if (e == cudaSuccess && s->masked_offsets) {
@@ -923,48 +936,56 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     const mf__gemm_gather_t gather = {view, s->src};
     mf__gemm_operand_t a = {s->recv_x, s->recv_scales, flow == MF_DATAFLOW_DIRECT ? &gather : NULL};
     mf__gemm_operand_t w13 = {w->w13.data, fp8 ? (const float *)w->w13_scales.data : NULL, NULL};
-    MF_CHECK(mf__cuda_w13_swiglu(&choice, &seg, c->dtype, c->ue8m0_scales, a, w13, c->hidden, c->intermediate, s->h,
-                                 s->h_scales, stream, 1));
-    /* Spare slots: segments [Lp, Lp + B) over moeflow's [B, 2I, H] copies (rows stay absolute). */
-    mf__gemm_segments_t spare_seg = seg;
-    spare_seg.counts = s->counts + s->Lp;
-    spare_seg.offsets = s->offsets + s->Lp;
-    spare_seg.num_experts = s->B;
-    spare_seg.sched = s->sched + 2 * kMfSchedSpareW13;
-    const mf__spare_layout_t *sl = &moe->spare_layout;
-    const uint8_t *spare = (const uint8_t *)moe->spare.local;
-    if (s->B) {
-        mf__gemm_operand_t sw13 = {spare + sl->w13, fp8 ? (const float *)(spare + sl->w13_scales) : NULL, NULL};
-        MF_CHECK(mf__cuda_w13_swiglu(&choice, &spare_seg, c->dtype, c->ue8m0_scales, a, sw13, c->hidden, c->intermediate,
-                                     s->h, s->h_scales, stream, 1));
-    }
-    MF__MARK(MF_PHASE_W2);
-
-    /* W2 starts (PDL) while W13 may still run: its own schedule pairs */
-    seg.sched = s->sched + 2 * kMfSchedW2;
-    spare_seg.sched = s->sched + 2 * kMfSchedSpareW2;
     const mf__gemm_return_t ret = {view, s->src, c->num_topk};
     mf__gemm_operand_t h = {s->h, s->h_scales, NULL};
     mf__gemm_operand_t w2 = {w->w2.data, fp8 ? (const float *)w->w2_scales.data : NULL, NULL};
-    mf__gemm_operand_t sw2 = {s->B ? spare + sl->w2 : NULL, fp8 && s->B ? (const float *)(spare + sl->w2_scales) : NULL,
-                              NULL};
-    if (flow == MF_DATAFLOW_UNFUSED) {
-        MF_CHECK(mf__cuda_w2(&choice, &seg, c->dtype, h, w2, c->hidden, c->intermediate, s->expert_out, NULL, stream,
-                             1));
-        if (s->B)
-            MF_CHECK(mf__cuda_w2(&choice, &spare_seg, c->dtype, h, sw2, c->hidden, c->intermediate, s->expert_out, NULL,
-                                 stream, 1));
+    if (choice.fused) {
+        /* the small-batch kernel: both GEMMs in one launch (W13's phase holds both, W2's is empty) */
+        MF_CHECK(mf__cuda_w13_w2(&choice, &seg, s->sched + 2 * kMfSchedW2, c->dtype, c->ue8m0_scales, a, w13, w2,
+                                 c->hidden, c->intermediate, s->h, s->h_scales, &ret, s->small_sync, stream, 1));
+        MF__MARK(MF_PHASE_W2);
         MF__MARK(MF_PHASE_COMBINE);
-        mf__move_params_t p = mf__move_params(moe);
-        p.expert_out = s->expert_out;
-        MF_CUDA_CHECK(mf__cuda_launch(mf__return_kernel, dim3((unsigned)mf__move_blocks(moe)), dim3(kMfMoveThreads), 0,
-                                      stream, 1, p));
     } else {
-        MF_CHECK(mf__cuda_w2(&choice, &seg, c->dtype, h, w2, c->hidden, c->intermediate, NULL, &ret, stream, 1));
-        if (s->B)
-            MF_CHECK(mf__cuda_w2(&choice, &spare_seg, c->dtype, h, sw2, c->hidden, c->intermediate, NULL, &ret, stream,
+        MF_CHECK(mf__cuda_w13_swiglu(&choice, &seg, c->dtype, c->ue8m0_scales, a, w13, c->hidden, c->intermediate, s->h,
+                                     s->h_scales, stream, 1));
+        /* Spare slots: segments [Lp, Lp + B) over moeflow's [B, 2I, H] copies (rows stay absolute). */
+        mf__gemm_segments_t spare_seg = seg;
+        spare_seg.counts = s->counts + s->Lp;
+        spare_seg.offsets = s->offsets + s->Lp;
+        spare_seg.num_experts = s->B;
+        spare_seg.sched = s->sched + 2 * kMfSchedSpareW13;
+        const mf__spare_layout_t *sl = &moe->spare_layout;
+        const uint8_t *spare = (const uint8_t *)moe->spare.local;
+        if (s->B) {
+            mf__gemm_operand_t sw13 = {spare + sl->w13, fp8 ? (const float *)(spare + sl->w13_scales) : NULL, NULL};
+            MF_CHECK(mf__cuda_w13_swiglu(&choice, &spare_seg, c->dtype, c->ue8m0_scales, a, sw13, c->hidden, c->intermediate,
+                                         s->h, s->h_scales, stream, 1));
+        }
+        MF__MARK(MF_PHASE_W2);
+
+        /* W2 starts (PDL) while W13 may still run: its own schedule pairs */
+        seg.sched = s->sched + 2 * kMfSchedW2;
+        spare_seg.sched = s->sched + 2 * kMfSchedSpareW2;
+        mf__gemm_operand_t sw2 = {s->B ? spare + sl->w2 : NULL, fp8 && s->B ? (const float *)(spare + sl->w2_scales) : NULL,
+                                  NULL};
+        if (flow == MF_DATAFLOW_UNFUSED) {
+            MF_CHECK(mf__cuda_w2(&choice, &seg, c->dtype, h, w2, c->hidden, c->intermediate, s->expert_out, NULL, stream,
                                  1));
-        MF__MARK(MF_PHASE_COMBINE);
+            if (s->B)
+                MF_CHECK(mf__cuda_w2(&choice, &spare_seg, c->dtype, h, sw2, c->hidden, c->intermediate, s->expert_out, NULL,
+                                     stream, 1));
+            MF__MARK(MF_PHASE_COMBINE);
+            mf__move_params_t p = mf__move_params(moe);
+            p.expert_out = s->expert_out;
+            MF_CUDA_CHECK(mf__cuda_launch(mf__return_kernel, dim3((unsigned)mf__move_blocks(moe)), dim3(kMfMoveThreads), 0,
+                                          stream, 1, p));
+        } else {
+            MF_CHECK(mf__cuda_w2(&choice, &seg, c->dtype, h, w2, c->hidden, c->intermediate, NULL, &ret, stream, 1));
+            if (s->B)
+                MF_CHECK(mf__cuda_w2(&choice, &spare_seg, c->dtype, h, sw2, c->hidden, c->intermediate, NULL, &ret, stream,
+                                     1));
+            MF__MARK(MF_PHASE_COMBINE);
+        }
     }
 
     /* The owner sums with the weights it published (a copy, valid until its next publish). */

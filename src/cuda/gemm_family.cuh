@@ -31,7 +31,7 @@
 #include "cuda/gemm_configs.cuh" /* kMfGemmMaxDevices, kMfGemmMaxVariants, the alignments */
 #include "cuda/grouped_gemm.h"
 
-enum { kMfGemmFamilies = 2 }; /* the families on this skeleton: decode and tma (grouped_gemm.h) */
+enum { kMfGemmFamilies = 3 }; /* the families on this skeleton: decode, tma and small (grouped_gemm.h) */
 static_assert(kMfGemmMaxVariants < 63, "one usable bit per variant, below kMfGemmConfigured");
 constexpr int64_t kMfGemmConfigured = (int64_t)1 << 62; /* usable[dev]: the device was examined */
 

@@ -97,13 +97,20 @@ int32_t mf__cuda_gemm_expired(char *what, size_t bytes);
  *            run for any shape the chosen family declines (MF_ERR_NOT_SUPPORTED without launching);
  *            it takes gathered rows too, so DIRECT stays correct after a decode decline
  * The family never depends on the dataflow, so DIRECT and PULL run the same arithmetic and give the
- * same bits; the dataflow depends on the family (TMA cannot gather rows). */
-enum { kMfGemmFamilyDecode = 0, kMfGemmFamilyTma = 1, kMfGemmFamilyMmaSync = 2 };
+ * same bits; the dataflow depends on the family (TMA cannot gather rows).
+ *   small    (decode with 8-token tiles and DIRECT: `fused`): kernels/sm90_small_gemm.cuh,
+ *            gemm_small.cu — the decode family's W13 and W2 tiles in ONE launch, W2's weights
+ *            streamed while W13 drains (a per-expert dependency instead of the kernel boundary); the
+ *            same arithmetic as the two decode kernels, so the same bits */
+enum { kMfGemmFamilyDecode = 0, kMfGemmFamilyTma = 1, kMfGemmFamilySmall = 2, kMfGemmFamilyMmaSync = 3 };
 
 typedef struct mf__gemm_choice {
     int32_t family;     /* kMfGemmFamilyDecode or kMfGemmFamilyTma */
     int32_t block_rows; /* receive rows per tile: decode 8, 16, 32 or 64 tokens; TMA 128 */
     int32_t dataflow;   /* MF_DATAFLOW_*: DIRECT only with the decode family */
+    int32_t fused;      /* 1: W13 and W2 in one launch, the small-batch kernel (kernels/sm90_small_gemm.cuh):
+                           decode with 8-token tiles and DIRECT (mf__cuda_w13_w2; a layer with spare
+                           slots, or MF_SMALL=0, clears it: cuda/backend.cu) */
 } mf__gemm_choice_t;
 
 /* The choice for one layer call (a forward, an mf_moe_experts call, a benchmark launch), from host
@@ -113,6 +120,10 @@ typedef struct mf__gemm_choice {
  * do: DIRECT with decode, else PULL; PULL and UNFUSED are kept; rows that are already contiguous
  * pass PULL). Pure host arithmetic: never fails, never launches. */
 mf__gemm_choice_t mf__gemm_choose(int32_t rows_hint, int32_t max_rows_per_expert, int32_t dataflow);
+
+/* The small-batch kernel's switch (defined in cuda/backend.cu): 0 clears choice->fused in every
+ * forward; a comm init that reads MF_SMALL=0 (core/params.c) clears it for the rest of the process. */
+extern "C" int32_t mf__cuda_small;
 
 /* The types of a W13 and of a W2 launcher: the dispatchers' (below) and the decode family's, so
  * that their arguments are written once. */
@@ -138,6 +149,16 @@ mf_result_t mf__sm90_tma_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__g
                             mf__gemm_operand_t w2, int32_t H, int32_t I, uint16_t *out, const mf__gemm_return_t *ret,
                             cudaStream_t stream, int32_t pdl);
 mf_result_t mf__sm90_tma_preload(void);
+/* The small-batch kernel (choice->fused): W13 + SwiGLU into h (+ h_scales), then W2 of h returned to
+ * the owners' combine slots (`ret`), in one launch; rows gathered at their owners (a.gather).
+ * `sync`: device, 2 + L zeroed int32 of this launch alone (the kernel zeroes them again at its end).
+ * Declines (MF_ERR_NOT_SUPPORTED) what it does not take: tiles other than 8 tokens, rows not
+ * gathered or not returned, shapes the decode kernels decline. */
+mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t dtype,
+                                   int32_t ue8m0, mf__gemm_operand_t a, mf__gemm_operand_t w13, mf__gemm_operand_t w2,
+                                   int32_t H, int32_t I, void *h, float *h_scales, const mf__gemm_return_t *ret,
+                                   int32_t *sync, cudaStream_t stream, int32_t pdl);
+mf_result_t mf__sm90_small_preload(void);
 
 /* MF_DEBUG (core/debug.h): the layer id the calling thread's next dispatcher calls report under
  * (a thread-local label; nothing else reads it). */
@@ -152,5 +173,14 @@ mf__gemm_w13_swiglu_fn mf__cuda_w13_swiglu;
 /* out = bf16(h[rows, I] . w2[e]^T) per expert: into out[rows, H] when `ret` is NULL, else into
  * the owners' combine slots. */
 mf__gemm_w2_fn mf__cuda_w2;
+
+/* Both GEMMs of a DIRECT forward, rows returned to the owners: with choice->fused the small-batch
+ * kernel (one launch, `sync` its 2 + L zeroed int32), where it declines (or without `fused`)
+ * mf__cuda_w13_swiglu then mf__cuda_w2 (seg->sched W13's schedule pair, w2_sched W2's). The same bits
+ * either way. */
+mf_result_t mf__cuda_w13_w2(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t *w2_sched,
+                            int32_t dtype, int32_t ue8m0, mf__gemm_operand_t a, mf__gemm_operand_t w13,
+                            mf__gemm_operand_t w2, int32_t H, int32_t I, void *h, float *h_scales,
+                            const mf__gemm_return_t *ret, int32_t *sync, cudaStream_t stream, int32_t pdl);
 
 #endif /* MF_CUDA_GROUPED_GEMM_H */

@@ -154,8 +154,8 @@ __device__ __forceinline__ void tables_at(tables_t &tb, uint8_t *at) {
 /* Reads the counts (clamped to [0, max_rows]) and offsets into the tables and scans units(rows),
  * an expert's work units, into first[] (each lane of warp 0 sums a run of experts, then a warp
  * scan). Every thread of the CTA calls it; it ends with the tables visible to all. */
-template <int kThreads, class Units>
-__device__ __forceinline__ void build_tables(const gemm_params &p, const tables_t &tb, Units units) {
+template <int kThreads, class Params, class Units>
+__device__ __forceinline__ void build_tables(const Params &p, const tables_t &tb, Units units) {
     const int L = p.num_experts;
     for (int e = (int)threadIdx.x; e < L; e += kThreads) {
         int32_t n = p.counts[e];
@@ -319,12 +319,12 @@ __device__ __forceinline__ void prefetch_maps(const gemm_params &p) {
  * the tensor maps, which depend on no earlier kernel, so under PDL they run while it drains; then
  * the wait for the previous kernel (counts, offsets and the activations are its results:
  * cuda/pdl.cuh), the trigger that lets the next one start, and the expert tables. */
-template <int kStages, bool kPrefetch, class Units>
-__device__ __forceinline__ void prologue(const gemm_params &p, uint64_t *full, uint64_t *empty, uint32_t full_arrivals,
+template <int kStages, bool kPrefetch, class Params, class Units>
+__device__ __forceinline__ void prologue(const Params &p, uint64_t *full, uint64_t *empty, uint32_t full_arrivals,
                                          const tables_t &tb, Units units) {
     if (threadIdx.x == 0) {
         ring<kStages>::init(full, empty, full_arrivals);
-        if (kPrefetch) prefetch_maps<true>(p);
+        if constexpr (kPrefetch) prefetch_maps<true>(p);
     }
     mf__pdl_wait();
     mf__pdl_trigger();
@@ -349,7 +349,8 @@ __device__ __forceinline__ bool producer_role(void) {
  * view.combine + (token K + k) n BF16, n = N (the caller adds its columns), (rank, token, k) =
  * src[3 row]; false when that entry is invalid or its heap is NULL (the row is not stored).
  * Without `ret` rows go to out + row * N BF16, which each epilogue computes itself. */
-__device__ __forceinline__ bool ret_row(const gemm_params &p, int64_t row, int64_t n, uint8_t *&dst) {
+template <class Params>
+__device__ __forceinline__ bool ret_row(const Params &p, int64_t row, int64_t n, uint8_t *&dst) {
     const int32_t *src = p.src + 3 * row;
     const int32_t rank = src[0], token = src[1], k = src[2];
     if ((uint32_t)rank >= (uint32_t)MF_MAX_RANKS || token < 0 || k < 0 || k >= p.num_topk) return false;

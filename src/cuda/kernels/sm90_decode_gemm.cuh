@@ -265,10 +265,11 @@ __device__ __forceinline__ void producer(const gemm_params &p, const tables_t &t
 /* ---- consumers: two warpgroups, 64 weight rows each per box ----------------------------------- */
 
 /* Staging tile -> output rows of columns [lo, kBlockT), columns [nb 128, nb 128 + 128) of the row,
- * 16 bytes per store: out[row0 + token], or (plain with ret) the owner's combine slot. */
-template <int kEpi, int kBlockT, int kOutEsz, int kEpiRowBytes>
-__device__ __forceinline__ void store_tile(const gemm_params &p, const uint8_t *epi, int64_t out_ld, const tile_t &t,
-                                           int ctid) {
+ * 16 bytes per store: out[row0 + token], or (plain with use_ret) the owner's combine slot (ret_row:
+ * p's view, src and num_topk). Shared with the small-batch kernel (kernels/sm90_small_gemm.cuh). */
+template <int kEpi, int kBlockT, int kOutEsz, int kEpiRowBytes, class Params>
+__device__ __forceinline__ void store_tile(const Params &p, uint8_t *out, bool use_ret, const uint8_t *epi,
+                                           int64_t out_ld, const tile_t &t, int ctid) {
     constexpr int kChunksPerRow = kTileCols * kOutEsz / kChunk;
     const int64_t col_bytes = (int64_t)t.nb * kTileCols * kOutEsz;
 #pragma unroll
@@ -277,13 +278,149 @@ __device__ __forceinline__ void store_tile(const gemm_params &p, const uint8_t *
         if (token < t.lo) continue;
         const int64_t row = (int64_t)t.row0 + token;
         uint8_t *dst;
-        if (kEpi == kEpiPlain && p.use_ret) {
+        if (kEpi == kEpiPlain && use_ret) {
             if (!ret_row(p, row, out_ld, dst)) continue;
         } else {
-            dst = p.out + row * out_ld * kOutEsz;
+            dst = out + row * out_ld * kOutEsz;
         }
         *(uint4 *)(dst + col_bytes + ch * kChunk) = *(const uint4 *)(epi + token * kEpiRowBytes + ch * kChunk);
     }
+}
+
+/* One K block of a tile into acc (the consumer warpgroup's kBoxes weight boxes at descriptors da[b],
+ * the activation tile at db). FP8: the four k32 wgmmas of each box into tmp (scale-d = 0 on the
+ * first), then the promotion acc += tmp * (as[column] * *ws[b]) with as = the K block's a_scale per
+ * tile column and ws[b] its box's w_scale; BF16: straight into acc. Shared with the small-batch
+ * kernel (kernels/sm90_small_gemm.cuh), whose boxes of one K block sit in separate ring slots. */
+template <bool kFp8, int kBoxes, int kBlockT>
+__device__ __forceinline__ void mma_kblock(float (&acc)[kBoxes][kBlockT / 2], float (&tmp)[kBoxes][kBlockT / 2],
+                                           const uint64_t (&da)[kBoxes], uint64_t db, const float *as,
+                                           const float *const *ws, int quad) {
+    if constexpr (kFp8) {
+        /* issued like the BF16 branch below, on purpose: one helper templated on the dtype
+         * changed the SASS of the two W2 T = 64 kernels (dev/cubin_diff.py) */
+#pragma unroll
+        for (int b = 0; b < kBoxes; b++) mf__fence_fragment<kBlockT>(tmp[b]); /* last promotion's reads first */
+        mf__wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < kKSteps; k++)
+#pragma unroll
+            for (int b = 0; b < kBoxes; b++)
+                mf__wgmma_e4m3<kBlockT>(tmp[b], mf__wgmma_desc_advance(da[b], k * kKStepBytes),
+                                        mf__wgmma_desc_advance(db, k * kKStepBytes), k > 0 ? 1 : 0);
+        mf__wgmma_commit();
+        mf__wgmma_wait<0>();
+#pragma unroll
+        for (int b = 0; b < kBoxes; b++) mf__fence_fragment<kBlockT>(tmp[b]);
+        /* promotion of this K block: acc += tmp * (a_scale[column] * w_scale[box]) */
+        float w[kBoxes];
+#pragma unroll
+        for (int b = 0; b < kBoxes; b++) w[b] = *ws[b];
+#pragma unroll
+        for (int j = 0; j < kBlockT / 8; j++) {
+            const float2 a = *(const float2 *)(as + 8 * j + 2 * quad);
+#pragma unroll
+            for (int b = 0; b < kBoxes; b++) {
+                const float s0 = a.x * w[b], s1 = a.y * w[b];
+                acc[b][4 * j + 0] += tmp[b][4 * j + 0] * s0;
+                acc[b][4 * j + 1] += tmp[b][4 * j + 1] * s1;
+                acc[b][4 * j + 2] += tmp[b][4 * j + 2] * s0;
+                acc[b][4 * j + 3] += tmp[b][4 * j + 3] * s1;
+            }
+        }
+    } else {
+        /* issued like the FP8 branch above, on purpose (there) */
+#pragma unroll
+        for (int b = 0; b < kBoxes; b++) mf__fence_fragment<kBlockT>(acc[b]); /* zeroing first */
+        mf__wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < kKSteps; k++)
+#pragma unroll
+            for (int b = 0; b < kBoxes; b++)
+                mf__wgmma_bf16<kBlockT>(acc[b], mf__wgmma_desc_advance(da[b], k * kKStepBytes),
+                                        mf__wgmma_desc_advance(db, k * kKStepBytes), 1);
+        mf__wgmma_commit();
+        mf__wgmma_wait<0>();
+#pragma unroll
+        for (int b = 0; b < kBoxes; b++) mf__fence_fragment<kBlockT>(acc[b]);
+    }
+}
+
+/* A finished tile's accumulators -> the staging tile `epi` (BF16, or FP8 with its scales written to
+ * out_scales[(row0 + token) h_blocks + nb] for the tile's tokens), between the 256 consumer threads'
+ * named barriers: the first waits for the previous tile's stores, the last leaves the staging tile
+ * complete for store_tile. swiglu: h = silu(acc[0]) * acc[1] first (acc[0] is overwritten). */
+template <bool kFp8, int kEpi, int kBlockT, int kOutEsz, int kEpiRowBytes, int kBoxes>
+__device__ __forceinline__ void stage_tile(float (&acc)[kBoxes][kBlockT / 2], uint8_t *epi, float *red, int32_t ue8m0,
+                                           float *out_scales, int32_t h_blocks, const tile_t &t, int ctid) {
+    constexpr int kFrag = kBlockT / 2;
+    const int wg = ctid / kMfWarpgroupThreads;
+    const int warp = (ctid / 32) % 4, lane = ctid & 31;
+    const int quad = lane & 3, group = lane >> 2;
+    /* fragment (j, h, b) = acc[4j + 2h + b] sits at D[row 16 warp + group + 8h][column 8j + 2 quad + b] */
+    const int col_base = wg * kWgRows + warp * 16 + group; /* tile column (weight row) of h = 0 */
+    if constexpr (kEpi == kEpiSwiglu) {
+#pragma unroll
+        for (int i = 0; i < kFrag; i++) acc[0][i] = mf__silu(acc[0][i]) * acc[1][i];
+    }
+    mf__named_barrier_sync(kBarEpilogue, kConsumerThreads); /* the previous tile's stores are done */
+    if constexpr (kOutEsz == 2) {
+#pragma unroll
+        for (int j = 0; j < kBlockT / 8; j++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int b = 0; b < 2; b++) {
+                    const int token = 8 * j + 2 * quad + b, col = col_base + 8 * h;
+                    *(uint16_t *)(epi + token * kEpiRowBytes + col * 2) = mf__bf16_from_float(acc[0][4 * j + 2 * h + b]);
+                }
+    } else {
+        /* FP8 h: amax of each token over the tile's 128 h columns */
+        float m[kBlockT / 8][2];
+#pragma unroll
+        for (int j = 0; j < kBlockT / 8; j++)
+#pragma unroll
+            for (int b = 0; b < 2; b++) {
+                float v = 0.0f;
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const float a = fabsf(acc[0][4 * j + 2 * h + b]);
+                    v = a > v ? a : v; /* NaN never wins, as in the host quantiser */
+                }
+#pragma unroll
+                for (int off = 4; off < 32; off <<= 1) {
+                    const float o = __shfl_xor_sync(0xffffffffu, v, off);
+                    v = o > v ? o : v;
+                }
+                m[j][b] = v;
+            }
+        if (group == 0)
+#pragma unroll
+            for (int j = 0; j < kBlockT / 8; j++)
+#pragma unroll
+                for (int b = 0; b < 2; b++) red[(wg * 4 + warp) * kBlockT + 8 * j + 2 * quad + b] = m[j][b];
+        mf__named_barrier_sync(kBarEpilogue, kConsumerThreads);
+#pragma unroll
+        for (int j = 0; j < kBlockT / 8; j++)
+#pragma unroll
+            for (int b = 0; b < 2; b++) {
+                const int token = 8 * j + 2 * quad + b;
+                float amax = 0.0f;
+#pragma unroll
+                for (int w = 0; w < kConsumerWarps; w++) {
+                    const float o = red[w * kBlockT + token];
+                    amax = o > amax ? o : amax;
+                }
+                float scale, inv;
+                mf__fp8_block_scale(amax, ue8m0, &scale, &inv);
+#pragma unroll
+                for (int h = 0; h < 2; h++)
+                    epi[token * kEpiRowBytes + col_base + 8 * h] = mf__fp8_from_float(acc[0][4 * j + 2 * h + b] * inv);
+                if (wg == 0 && warp == 0 && group == 0 && token >= t.lo)
+                    out_scales[(int64_t)(t.row0 + token) * h_blocks + t.nb] = scale;
+            }
+    }
+    mf__named_barrier_sync(kBarEpilogue, kConsumerThreads); /* the staging tile is complete */
 }
 
 template <bool kFp8, int kEpi, int kBlockT, bool kGather>
@@ -294,13 +431,11 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
     constexpr int kFrag = kBlockT / 2;          /* accumulators per thread per 64-row block */
     const int ctid = (int)threadIdx.x - kMfWarpgroupThreads; /* 0..255 */
     const int wg = ctid / kMfWarpgroupThreads;  /* consumer warpgroup: weight rows [64 wg, 64 wg + 64) */
-    const int warp = (ctid / 32) % 4, lane = ctid & 31;
-    const int quad = lane & 3, group = lane >> 2;
+    const int lane = ctid & 31;
+    const int quad = lane & 3;
     const int32_t kblocks = p.K * C::kEsz / kKBlock;
     const int64_t out_ld = kEpi == kEpiSwiglu ? p.N / 2 : p.N;
     const uint64_t desc_stages = mf__wgmma_desc_sw128(stages);
-    /* fragment (j, h, b) = acc[4j + 2h + b] sits at D[row 16 warp + group + 8h][column 8j + 2 quad + b] */
-    const int col_base = wg * kWgRows + warp * 16 + group; /* tile column (weight row) of h = 0 */
 
     float tmp[C::kBoxes][kFrag];
 #pragma unroll
@@ -331,123 +466,18 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
 #pragma unroll
             for (int b = 0; b < C::kBoxes; b++) da[b] = mf__wgmma_desc_advance(dslot, b * kBoxBytes + wg * kWgOperandBytes);
             const uint64_t db = mf__wgmma_desc_advance(dslot, C::kWeightBytes);
-            if constexpr (kFp8) {
-                /* issued like the BF16 branch below, on purpose: one helper templated on the dtype
-                 * changed the SASS of the two W2 T = 64 kernels (dev/cubin_diff.py) */
+            const float *sc_slot = scales + slot * C::kScaleStride; /* FP8: this K block's scales */
+            const float *wsp[C::kBoxes];
 #pragma unroll
-                for (int b = 0; b < C::kBoxes; b++) mf__fence_fragment<kBlockT>(tmp[b]); /* last promotion's reads first */
-                mf__wgmma_fence();
-#pragma unroll
-                for (int k = 0; k < kKSteps; k++)
-#pragma unroll
-                    for (int b = 0; b < C::kBoxes; b++)
-                        mf__wgmma_e4m3<kBlockT>(tmp[b], mf__wgmma_desc_advance(da[b], k * kKStepBytes),
-                                                mf__wgmma_desc_advance(db, k * kKStepBytes), k > 0 ? 1 : 0);
-                mf__wgmma_commit();
-                mf__wgmma_wait<0>();
-#pragma unroll
-                for (int b = 0; b < C::kBoxes; b++) mf__fence_fragment<kBlockT>(tmp[b]);
-                /* promotion of this K block: acc += tmp * (a_scale[column] * w_scale[box]) */
-                const float *sc = scales + slot * C::kScaleStride;
-                float ws[C::kBoxes];
-#pragma unroll
-                for (int b = 0; b < C::kBoxes; b++) ws[b] = sc[kBlockT + b];
-#pragma unroll
-                for (int j = 0; j < kBlockT / 8; j++) {
-                    const float2 as = *(const float2 *)(sc + 8 * j + 2 * quad);
-#pragma unroll
-                    for (int b = 0; b < C::kBoxes; b++) {
-                        const float s0 = as.x * ws[b], s1 = as.y * ws[b];
-                        acc[b][4 * j + 0] += tmp[b][4 * j + 0] * s0;
-                        acc[b][4 * j + 1] += tmp[b][4 * j + 1] * s1;
-                        acc[b][4 * j + 2] += tmp[b][4 * j + 2] * s0;
-                        acc[b][4 * j + 3] += tmp[b][4 * j + 3] * s1;
-                    }
-                }
-            } else {
-                /* issued like the FP8 branch above, on purpose (there) */
-#pragma unroll
-                for (int b = 0; b < C::kBoxes; b++) mf__fence_fragment<kBlockT>(acc[b]); /* zeroing first */
-                mf__wgmma_fence();
-#pragma unroll
-                for (int k = 0; k < kKSteps; k++)
-#pragma unroll
-                    for (int b = 0; b < C::kBoxes; b++)
-                        mf__wgmma_bf16<kBlockT>(acc[b], mf__wgmma_desc_advance(da[b], k * kKStepBytes),
-                                                mf__wgmma_desc_advance(db, k * kKStepBytes), 1);
-                mf__wgmma_commit();
-                mf__wgmma_wait<0>();
-#pragma unroll
-                for (int b = 0; b < C::kBoxes; b++) mf__fence_fragment<kBlockT>(acc[b]);
-            }
+            for (int b = 0; b < C::kBoxes; b++) wsp[b] = sc_slot + kBlockT + b;
+            mma_kblock<kFp8, C::kBoxes, kBlockT>(acc, tmp, da, db, sc_slot, wsp, quad);
             release_stage(empty, slot, lane); /* this warp is done with the stage */
         }
 
         /* ---- epilogue ---- */
-        if constexpr (kEpi == kEpiSwiglu) {
-#pragma unroll
-            for (int i = 0; i < kFrag; i++) acc[0][i] = mf__silu(acc[0][i]) * acc[1][i];
-        }
-        mf__named_barrier_sync(kBarEpilogue, kConsumerThreads); /* the previous tile's stores are done */
-        if constexpr (C::kOutEsz == 2) {
-#pragma unroll
-            for (int j = 0; j < kBlockT / 8; j++)
-#pragma unroll
-                for (int h = 0; h < 2; h++)
-#pragma unroll
-                    for (int b = 0; b < 2; b++) {
-                        const int token = 8 * j + 2 * quad + b, col = col_base + 8 * h;
-                        *(uint16_t *)(epi + token * C::kEpiRowBytes + col * 2) = mf__bf16_from_float(acc[0][4 * j + 2 * h + b]);
-                    }
-        } else {
-            /* FP8 h: amax of each token over the tile's 128 h columns */
-            float m[kBlockT / 8][2];
-#pragma unroll
-            for (int j = 0; j < kBlockT / 8; j++)
-#pragma unroll
-                for (int b = 0; b < 2; b++) {
-                    float v = 0.0f;
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        const float a = fabsf(acc[0][4 * j + 2 * h + b]);
-                        v = a > v ? a : v; /* NaN never wins, as in the host quantiser */
-                    }
-#pragma unroll
-                    for (int off = 4; off < 32; off <<= 1) {
-                        const float o = __shfl_xor_sync(0xffffffffu, v, off);
-                        v = o > v ? o : v;
-                    }
-                    m[j][b] = v;
-                }
-            if (group == 0)
-#pragma unroll
-                for (int j = 0; j < kBlockT / 8; j++)
-#pragma unroll
-                    for (int b = 0; b < 2; b++) red[(wg * 4 + warp) * kBlockT + 8 * j + 2 * quad + b] = m[j][b];
-            mf__named_barrier_sync(kBarEpilogue, kConsumerThreads);
-            const int32_t h_blocks = (int32_t)(out_ld / MF__QUANT_BLOCK);
-#pragma unroll
-            for (int j = 0; j < kBlockT / 8; j++)
-#pragma unroll
-                for (int b = 0; b < 2; b++) {
-                    const int token = 8 * j + 2 * quad + b;
-                    float amax = 0.0f;
-#pragma unroll
-                    for (int w = 0; w < kConsumerWarps; w++) {
-                        const float o = red[w * kBlockT + token];
-                        amax = o > amax ? o : amax;
-                    }
-                    float scale, inv;
-                    mf__fp8_block_scale(amax, p.ue8m0, &scale, &inv);
-#pragma unroll
-                    for (int h = 0; h < 2; h++)
-                        epi[token * C::kEpiRowBytes + col_base + 8 * h] = mf__fp8_from_float(acc[0][4 * j + 2 * h + b] * inv);
-                    if (wg == 0 && warp == 0 && group == 0 && token >= t.lo)
-                        p.out_scales[(int64_t)(t.row0 + token) * h_blocks + t.nb] = scale;
-                }
-        }
-        mf__named_barrier_sync(kBarEpilogue, kConsumerThreads); /* the staging tile is complete */
-        store_tile<kEpi, kBlockT, C::kOutEsz, C::kEpiRowBytes>(p, epi, out_ld, t, ctid);
+        stage_tile<kFp8, kEpi, kBlockT, C::kOutEsz, C::kEpiRowBytes>(acc, epi, red, p.ue8m0, p.out_scales,
+                                                                      (int32_t)(out_ld / MF__QUANT_BLOCK), t, ctid);
+        store_tile<kEpi, kBlockT, C::kOutEsz, C::kEpiRowBytes>(p, p.out, p.use_ret != 0, epi, out_ld, t, ctid);
     }
 }
 

@@ -1,0 +1,134 @@
+/*
+ * gemm_small.cu — the launcher of the small-batch expert kernel (cuda/grouped_gemm.h
+ * mf__sm90_small_experts; the kernel and its design: kernels/sm90_small_gemm.cuh): W13 + SwiGLU and
+ * W2 + return of one decode forward in one launch, with the rows gathered at their owners (DIRECT)
+ * and returned to their combine slots. Like the decode launchers it checks the shape, encodes both
+ * weight tensor maps into the kernel's __grid_constant__ parameter and launches once: no
+ * synchronisation, no allocation, CUDA-graph capturable; a shape it does not take declines
+ * (MF_ERR_NOT_SUPPORTED, no launch, no library error: the dispatcher runs the two GEMMs instead).
+ * Configuring, declining and the MF_DEBUG report go through the families' skeleton
+ * (cuda/gemm_family.cuh).
+ *
+ * Variants (2): FP8 and BF16, 8 tokens per tile (the choice takes the kernel only with 8-token
+ * decode tiles).
+ */
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "core/errors.h"
+#include "cuda/gemm_family.cuh"
+#include "cuda/grouped_gemm.h"
+#include "cuda/kernels/sm90_small_gemm.cuh"
+#include "cuda/pdl.cuh"
+
+using namespace mf__small;
+
+namespace {
+
+static_assert(mf__small::kMaxVariants <= kMfGemmMaxVariants, "one usable bit per variant");
+
+struct variant_t {
+    const void *fn;
+    int fp8, smem, slots;
+};
+
+template <bool kFp8>
+variant_t variant_of() {
+    using C = mf__small::cfg<kFp8, kTokens>;
+    variant_t v = {(const void *)sm90_small_kernel<kFp8, kTokens>, kFp8 ? 1 : 0, C::kSmemBytes, C::kSlots};
+    return v;
+}
+
+const variant_t *variants(int *count) {
+    static const variant_t table[mf__small::kMaxVariants] = {variant_of<true>(), variant_of<false>()};
+    *count = mf__small::kMaxVariants;
+    return table;
+}
+
+int variant_count(void) { return mf__small::kMaxVariants; }
+const void *variant_fn(int i) {
+    int n = 0;
+    return variants(&n)[i].fn;
+}
+mf__gemm_variant_info_t variant_info(int i) {
+    int n = 0;
+    const variant_t &v = variants(&n)[i];
+    const mf__gemm_variant_info_t o = {v.fp8, 1, kTokens, 1, v.smem, v.slots, 0, 0, 0};
+    return o;
+}
+
+mf__gemm_family_t g_family = {kMfGemmFamilySmall, kLaunchRegs, variant_count, variant_fn, variant_info};
+
+} /* namespace */
+
+mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t dtype,
+                                   int32_t ue8m0, mf__gemm_operand_t a, mf__gemm_operand_t w13, mf__gemm_operand_t w2,
+                                   int32_t H, int32_t I, void *h, float *h_scales, const mf__gemm_return_t *ret,
+                                   int32_t *sync, cudaStream_t stream, int32_t pdl) {
+    const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
+    const int esz = fp8 ? 1 : 2;
+    if (choice->block_rows != kTokens)
+        return mf__gemm_decline(&g_family, "tiles of %d tokens (the kernel has %d)", choice->block_rows, kTokens);
+    if (!a.gather || !ret || !sync) return mf__gemm_decline(&g_family, "rows not gathered and returned at their owners");
+    MF_CHECK(mf__gemm_check_segments(&g_family, seg, 2 * (int64_t)I, kMaxExperts));
+    MF_CHECK(mf__gemm_check_segments(&g_family, seg, H, kMaxExperts));
+    if (I <= 0 || H <= 0 || I % kTileCols || H % kTileCols)
+        return mf__gemm_decline(&g_family, "H = %d, I = %d: not positive multiples of %d", H, I, kTileCols);
+    if (((int64_t)H * esz) % kKBlock || ((int64_t)I * esz) % kKBlock)
+        return mf__gemm_decline(&g_family, "H = %d, I = %d: row bytes not multiples of %d", H, I, kKBlock);
+    if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) return MF_SUCCESS; /* no rows: nothing to launch */
+    const int vi = fp8 ? 0 : 1;
+    int dev = 0, sms = 0;
+    MF_CHECK(mf__gemm_configure(&g_family, __func__, &dev, &sms));
+    MF_CHECK(mf__gemm_require(&g_family, dev, vi));
+    int n = 0;
+    const variant_t &v = variants(&n)[vi];
+
+    small_params p;
+    memset(&p, 0, sizeof p);
+    const CUtensorMapDataType dt = fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+    const uint64_t L = (uint64_t)seg->num_experts;
+    CUresult r = mf__tma_encode_2d(&p.tmap_w13, dt, w13.data, (uint64_t)H, L * 2 * (uint64_t)I, (uint64_t)H * esz,
+                                   (uint32_t)(kKBlock / esz), (uint32_t)kBoxRows, CU_TENSOR_MAP_SWIZZLE_128B);
+    if (r != CUDA_SUCCESS) return mf__gemm_decline(&g_family, "W13 tensor map: CUresult %d", (int)r);
+    r = mf__tma_encode_2d(&p.tmap_w2, dt, w2.data, (uint64_t)I, L * (uint64_t)H, (uint64_t)I * esz,
+                          (uint32_t)(kKBlock / esz), (uint32_t)kBoxRows, CU_TENSOR_MAP_SWIZZLE_128B);
+    if (r != CUDA_SUCCESS) return mf__gemm_decline(&g_family, "W2 tensor map: CUresult %d", (int)r);
+    p.counts = seg->counts;
+    p.offsets = seg->offsets;
+    p.w13_scales = w13.scales;
+    p.w2_scales = w2.scales;
+    p.h = (uint8_t *)h;
+    p.h_scales = h_scales;
+    p.view = *a.gather->view;
+    p.view.combine = ret->view->combine; /* one slot: the gather's and the return's views are the same */
+    p.src = a.gather->src;
+    p.num_topk = ret->num_topk;
+    p.num_experts = seg->num_experts;
+    p.max_rows = seg->max_rows_per_expert;
+    p.H = H;
+    p.I = I;
+    p.ue8m0 = ue8m0 ? 1 : 0;
+    p.sync = sync;
+
+    /* one CTA per SM, never more than the units of the largest possible problem */
+    const int64_t blocks = (int64_t)seg->num_experts * ((seg->max_rows_per_expert + kTokens - 1) / kTokens);
+    const int64_t units = blocks * (I / kTileCols + H / kTileCols);
+    const int grid = (int)(units < sms ? units : sms);
+    void *args[] = {(void *)&p};
+    MF__GEMM_CUDA(mf__cuda_launch(v.fn, dim3((unsigned)grid), dim3(kThreads), (size_t)v.smem, stream, pdl, args),
+                  __func__);
+    mf__gemm_report_launch(&g_family, "small %s W13 + W2, T %d, %d slots, %d B smem, grid %d", fp8 ? "fp8" : "bf16",
+                           kTokens, v.slots, v.smem, grid);
+    return MF_SUCCESS;
+}
+
+mf_result_t mf__sm90_small_preload(void) { return mf__gemm_preload(&g_family, __func__); }
+
+int mf__sm90_small_variants(mf__gemm_variant_info_t *out, int max) {
+    return mf__gemm_variants(&g_family, __func__, out, max);
+}
+
+cudaError_t mf__sm90_small_set_fault_record(mf__sm90_fault_t *record) { return mf__sm90_set_fault_record(record); }

@@ -1,0 +1,450 @@
+/*
+ * sm90_small_gemm.cuh — the small-batch expert kernel (issue 25): W13 + SwiGLU and W2 + return of one
+ * decode forward in ONE persistent launch, with a per-expert dependency in place of the kernel
+ * boundary between the two GEMMs. Launched by src/cuda/gemm_small.cu (mf__sm90_small_experts); the
+ * forward takes it where the GEMM choice says `fused` (cuda/grouped_gemm.h). Same arithmetic as the
+ * two decode kernels (kernels/sm90_decode_gemm.cuh: its K-block math and epilogue staging are called
+ * from here, mma_kblock and stage_tile), so y is the same bits.
+ *
+ * Why (bench/NOTES.md "Issue 25 item 1"): at T = 1 token per rank the two decode GEMMs of deepseek-v3
+ * stream 83 us of weights, but each kernel boundary drains every SM (the last CTA of W13 ends 6-16 us
+ * after the first) and refills it (W2's first stage lands 4-8 us after its start). Here an SM that
+ * finishes its W13 tile goes straight on to W2 tiles, whose weights do not depend on h: their TMA
+ * loads are issued at once and only the h rows wait for the expert's W13 tiles.
+ *
+ * Work units, in one order: first every W13 tile (expert with rows, h n-block of 128 columns, token
+ * block of kBlockT rows: the decode kernel's swiglu tiles, rows inner), then every W2 tile (expert,
+ * output n-block of 128 columns, token block). Every unit, a CTA's first included, is taken by ticket
+ * (sched[0]), so units are handed out in order to CTAs that are running: a W2 unit waits only on W13
+ * units, all earlier, already taken by running CTAs that never wait on anything but their own ring.
+ * Hence no deadlock whether or not every CTA of the grid is resident (another stream's kernels may
+ * hold SMs). A W13 unit's consumers, after its h (and FP8 h scales) are stored, raise the expert's
+ * counter done[e] (bar.sync of the consumers, fence, atomic add); a W2 unit of expert e needs done[e]
+ * = (h n-blocks) x (token blocks of e).
+ *
+ * The ring: kSlots slots, each one 16 KB weight box [128 rows x 128 B] + the activation tile of one K
+ * block [kBlockT rows x 128 B] + its FP8 scales (a_scale per tile column, the box's w_scale). A W13
+ * K block takes two consecutive positions (it: gate box, activation and scales; it + 1: up box and
+ * its w_scale), a W2 K block one, so W2 keeps twice the K blocks in flight that W13 does at the same
+ * bytes. Every position's full barrier expects the producer lane 0's arrive.expect_tx (16 KB) and one
+ * cp.async arrival per producer lane (1 + 32; a lane with nothing to copy arrives at once).
+ *
+ * The producer (warp 0 of warpgroup 0), per unit:
+ *   W13: the rows gathered at their owners (view.x, src) by cp.async, as the decode kernel's DIRECT
+ *        variant does, the gate and up boxes by TMA;
+ *   W2:  the weight boxes of its first min(K blocks, kSlots) positions by TMA at once; then (all
+ *        lanes) an acquire poll of done[e], bounded like every pipeline wait; then the h rows
+ *        (contiguous in h, written by other CTAs: generic stores read by generic cp.async after the
+ *        acquire) and scales into those positions, and the rest of the unit as usual.
+ * Each position carries its unit in tile_of[slot]; the consumers follow it and stop at -1.
+ *
+ * The consumers (warpgroups 1 and 2): W13 as the decode swiglu kernel (two boxes), W2 as the decode
+ * plain kernel with `ret` (one box): rows go to the owners' combine slots. After a W13 unit's stores:
+ * one more named barrier, then one thread publishes.
+ *
+ * The end: every CTA, once its consumers are done, counts itself in sched[1]; the last one zeroes the
+ * ticket, the count and done[0 .. L): the next launch starts from zeros (stream order; under PDL the
+ * next launch on this buffer is several kernels later).
+ *
+ * Limits (the launcher declines anything else): H and I multiples of 128 (FP8) or 64 (BF16) with
+ * 2I and H multiples of 128... precisely: I a multiple of kTileCols (h n-blocks) and H a multiple of
+ * kTileCols (W2 n-blocks); H and I element bytes multiples of kKBlock; L <= kMaxExperts; L 2I and L H
+ * within int32 TMA coordinates. Rows are always gathered (DIRECT) and always returned (`ret`).
+ */
+#ifndef MF_CUDA_KERNELS_SM90_SMALL_GEMM_CUH
+#define MF_CUDA_KERNELS_SM90_SMALL_GEMM_CUH
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "core/numerics.h"
+#include "cuda/gemm_configs.cuh"
+#include "cuda/grouped_gemm.h"
+#include "cuda/kernels/sm90_core.cuh"
+#include "cuda/kernels/sm90_decode_gemm.cuh"
+#include "cuda/kernels/sm90_ptx.cuh"
+
+namespace mf__small {
+
+using namespace mf__decode; /* tile columns, scale pad, epilogue barrier; mma_kblock, stage_tile */
+
+/* One struct per launch (__grid_constant__). */
+struct small_params {
+    CUtensorMap tmap_w13;      /* [L 2I, H] box [128 rows, 128 B], 128B swizzle */
+    CUtensorMap tmap_w2;       /* [L H, I] */
+    const int32_t *counts;     /* [L] device: rows of each expert */
+    const int32_t *offsets;    /* [L] device: first receive row of each expert */
+    const float *w13_scales;   /* FP8: [L, 2I/128, H/128] */
+    const float *w2_scales;    /* FP8: [L, H/128, I/128] */
+    uint8_t *h;                /* [rows, I] FP8 or BF16: W13's output, W2's input */
+    float *h_scales;           /* FP8: [rows, I/128] */
+    mf__heap_view_t view;      /* W13 rows and FP8 scales at their owners (x, scales); W2 rows to the
+                                  owners' combine slots (combine) */
+    const int32_t *src;        /* [rows, 3] (rank, token, k) of each receive row */
+    int32_t num_topk;          /* K */
+    int32_t num_experts;       /* L */
+    int32_t max_rows;          /* counts are clamped to [0, max_rows] */
+    int32_t H, I;
+    int32_t ue8m0;             /* FP8: power-of-two h scales */
+    int32_t *sync;             /* [2 + L] zeroed: ticket, finished CTAs, done[L] (W13 tiles stored) */
+};
+
+template <bool kFp8, int kBlockT>
+struct cfg {
+    static constexpr int kEsz = kFp8 ? 1 : 2;
+    static constexpr int kActBytes = kBlockT * kKBlock;
+    static constexpr int kSlotBytes = kBoxBytes + kActBytes;            /* box, then the activation tile */
+    static constexpr int kScaleStride = kBlockT + kScalePad;            /* floats per slot: a_scales, w_scale */
+    static constexpr int kScaleBytes = kFp8 ? kScaleStride * 4 : 0;
+    static constexpr int kOutEsz13 = kFp8 ? 1 : 2;                      /* h */
+    static constexpr int kEpiRowBytes13 = kTileCols * kOutEsz13 + kEpiPadBytes;
+    static constexpr int kEpiRowBytes2 = kTileCols * 2 + kEpiPadBytes; /* BF16 rows to the owners */
+    static constexpr int kEpiBytes = align_up(kBlockT * kEpiRowBytes2, 128);
+    static constexpr int kRedBytes = kConsumerWarps * kBlockT * 4;
+    static constexpr int kTableBytes = align_up((3 * kMaxExperts + 1) * 4, 16);
+    static constexpr int kTileOfBytes = align_up(kMaxSlots * 4, 16);
+    static constexpr int kFixedBytes =
+        kMfSwizzleAtomBytes /* base alignment slack */ + kEpiBytes + kRedBytes + kTableBytes + kTileOfBytes + 16;
+    static constexpr int kPerSlotBytes = kSlotBytes + kScaleBytes + 2 * 8;
+    static constexpr int kSlots = min_int(kMaxSlots, (kSmemLimit - kFixedBytes - 16) / kPerSlotBytes);
+
+    static constexpr int kOffSlots = 0;
+    static constexpr int kOffEpi = kSlots * kSlotBytes;
+    static constexpr int kOffScales = kOffEpi + kEpiBytes;
+    static constexpr int kOffRed = kOffScales + align_up(kSlots * kScaleBytes, 16);
+    static constexpr int kOffTables = kOffRed + kRedBytes;
+    static constexpr int kOffTileOf = kOffTables + kTableBytes;
+    static constexpr int kOffFlag = kOffTileOf + kTileOfBytes;          /* the count-out's "last CTA" */
+    static constexpr int kOffBars = align_up(kOffFlag + 16, 8);
+    static constexpr int kSmemBytes = kOffBars + kSlots * 2 * 8 + kMfSwizzleAtomBytes;
+
+    static_assert(kBlockT == 8, "the small kernel is built for 8-token tiles (the choice takes it below them)");
+    static_assert(kSlots >= 4, "a W13 K block takes two positions: the ring needs four");
+    static_assert(kSmemBytes <= kSmemLimit, "shared memory map exceeds 227 KB");
+    static_assert(kSlotBytes % kMfSwizzleAtomBytes == 0 && kBoxBytes % kMfSwizzleAtomBytes == 0,
+                  "every box and activation tile must start on a 1024-byte swizzle atom");
+};
+
+/* ---- the unit walk ----------------------------------------------------------------------------- */
+
+/* Unit `idx` (tables' first[] counts token blocks): false past the last unit; else w2 (false: W13)
+ * and the tile (expert, n-block, rows), with the phase's cursor (one per phase: each role's units
+ * ascend, so each cursor only moves forward). */
+template <int kBlockT>
+__device__ __forceinline__ bool locate(const tables_t &tb, int32_t L, int32_t nb13, int32_t nb2, int32_t idx,
+                                       int32_t &cur13, int32_t &cur2, bool &w2, tile_t &t) {
+    const int32_t blocks_all = tb.first[L];
+    w2 = idx >= nb13 * blocks_all;
+    const int32_t nb = w2 ? nb2 : nb13;
+    if (w2) idx -= nb13 * blocks_all;
+    if (idx >= nb * blocks_all) return false;
+    int32_t e = w2 ? cur2 : cur13;
+    while (nb * tb.first[e + 1] <= idx) e++;
+    if (w2) cur2 = e;
+    else cur13 = e;
+    const int32_t blocks = tb.first[e + 1] - tb.first[e], local = idx - nb * tb.first[e];
+    place_block<kBlockT>(tb, e, local % blocks, t);
+    t.nb = local / blocks;
+    return true;
+}
+
+/* The next unit of this CTA (every unit by ticket: see the file comment); lane 0 takes it. */
+__device__ __forceinline__ int32_t take(int32_t *ticket, int lane) {
+    int32_t v = 0;
+    if (lane == 0) v = atomicAdd(ticket, 1);
+    return __shfl_sync(0xffffffffu, v, 0);
+}
+
+__device__ __forceinline__ int32_t ld_acquire(const int32_t *p) {
+    int32_t v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+enum { kTagDepends = 3 }; /* fault-record tag: a W2 unit's wait for its expert's W13 tiles */
+
+/* Every lane: until done >= target (acquire), bounded as the ring's waits are (an expired wait
+ * records itself, raises mf__sm90_expired and returns: the kernel drains, the comm breaks). */
+__device__ __forceinline__ void wait_done(const int32_t *done, int32_t target, uint64_t *marker) {
+    if (ld_acquire(done) >= target) return;
+    const uint64_t t0 = mf__globaltimer();
+    while (ld_acquire(done) < target) {
+        if (mf__sm90_expired) return;
+        if (mf__globaltimer() - t0 > kWaitTimeoutNs) {
+            mf__sm90_fault_t *f = mf__sm90_fault_record;
+            if (f && !f->magic) mf__sm90_write_fault(f, marker, (uint32_t)target, kTagDepends);
+            mf__sm90_expired = 1;
+            __threadfence();
+            return;
+        }
+        __nanosleep(64);
+    }
+}
+
+/* ---- producer ---------------------------------------------------------------------------------- */
+
+template <bool kFp8, int kBlockT>
+__device__ __forceinline__ void producer(const small_params &p, const tables_t &tb, uint8_t *slots, float *scales,
+                                         int32_t *tile_of, uint64_t *full, uint64_t *empty) {
+    using C = cfg<kFp8, kBlockT>;
+    using R = ring<C::kSlots>;
+    const int lane = (int)(threadIdx.x & 31);
+    const int32_t L = p.num_experts;
+    const int32_t nb13 = p.I / kTileCols, nb2 = p.H / kTileCols;
+    const int32_t kbytes13 = p.H * C::kEsz, kbytes2 = p.I * C::kEsz;
+    const int32_t kb13 = kbytes13 / kKBlock, kb2 = kbytes2 / kKBlock; /* = H/128, I/128 scale columns (FP8) */
+    const int32_t srows13 = 2 * p.I / kBoxRows, srows2 = p.H / kBoxRows; /* weight scale rows per expert */
+    const uint64_t pol_w = mf__l2_policy(kMfL2EvictFirst); /* weights: read once */
+    int32_t *const done = p.sync + 2;
+    if (lane == 0) {
+        mf__prefetch_tensormap(&p.tmap_w13);
+        mf__prefetch_tensormap(&p.tmap_w2);
+    }
+    uint32_t it = 0;
+    int32_t cur13 = 0, cur2 = 0;
+    bool w2;
+    tile_t t;
+    for (int32_t idx = take(p.sync, lane); locate<kBlockT>(tb, L, nb13, nb2, idx, cur13, cur2, w2, t);
+         idx = take(p.sync, lane)) {
+        /* this lane's column j = lane (kBlockT <= 32): its row's data and FP8 scales; columns below
+         * lo read row lo's scales and copy no data (their D columns are never stored) */
+        const int j = lane;
+        const int32_t row = clamp_row<kBlockT>(t, j);
+        const bool copy = j >= t.lo && j < kBlockT;
+        const uint8_t *arow = NULL;
+        const float *srow = NULL;
+        if (!w2) {
+            const int32_t *src = p.src + 3 * (int64_t)row;
+            const int32_t rank = src[0], token = src[1];
+            const uint8_t *heap = (uint32_t)rank < (uint32_t)MF_MAX_RANKS ? p.view.heap[rank] : NULL;
+            if (heap && copy) arow = heap + p.view.x + (int64_t)token * kbytes13;
+            if (heap) srow = (const float *)(heap + p.view.scales) + (int64_t)token * kb13;
+            const int32_t wrow = t.e * 2 * p.I + t.nb * kBoxRows; /* gate; up at + I */
+            const int64_t ws = ((int64_t)t.e * srows13 + t.nb) * kb13; /* FP8: the gate box's w_scales */
+            const int64_t ws_up = ws + (int64_t)(p.I / kBoxRows) * kb13;
+            for (int32_t kb = 0; kb < kb13; kb++, it += 2) {
+                const uint32_t sg = R::slot(it), su = R::slot(it + 1);
+                R::wait_empty(empty, it);
+                R::wait_empty(empty, it + 1);
+                uint8_t *act = slots + sg * C::kSlotBytes + kBoxBytes;
+                if constexpr (kFp8) {
+                    float *scg = scales + sg * C::kScaleStride, *scu = scales + su * C::kScaleStride;
+                    if (j < kBlockT && srow) mf__cp_async_4(scg + j, srow + kb);
+                    if (lane == 0) mf__cp_async_4(scg + kBlockT, p.w13_scales + ws + kb);
+                    if (lane == 1) mf__cp_async_4(scu + kBlockT, p.w13_scales + ws_up + kb);
+                }
+                if (arow) {
+                    const uint8_t *g = arow + (int64_t)kb * kKBlock;
+#pragma unroll
+                    for (int c = 0; c < kChunksPerKBlock; c++)
+                        mf__cp_async_16(act + j * kKBlock + ((c ^ (j & 7)) * kChunk), g + c * kChunk);
+                }
+                mf__cp_async_mbar_arrive_noinc(&full[sg]);
+                mf__cp_async_mbar_arrive_noinc(&full[su]);
+                __syncwarp();
+                if (lane == 0) {
+                    tile_of[sg] = idx; /* published by the arrivals below */
+                    tile_of[su] = idx;
+                    const int32_t kc = kb * (kKBlock / C::kEsz);
+                    mf__mbar_arrive_expect_tx(&full[sg], (uint32_t)kBoxBytes);
+                    mf__tma_load_2d_hint(slots + sg * C::kSlotBytes, &p.tmap_w13, &full[sg], kc, wrow, pol_w);
+                    mf__mbar_arrive_expect_tx(&full[su], (uint32_t)kBoxBytes);
+                    mf__tma_load_2d_hint(slots + su * C::kSlotBytes, &p.tmap_w13, &full[su], kc, wrow + p.I, pol_w);
+                }
+            }
+        } else {
+            if (copy) arow = p.h + (int64_t)row * kbytes2;
+            if constexpr (kFp8) srow = p.h_scales + (int64_t)row * kb2;
+            const int32_t wrow = t.e * p.H + t.nb * kBoxRows;
+            const int64_t ws = ((int64_t)t.e * srows2 + t.nb) * kb2; /* FP8: the box's w_scales */
+            /* the weights of the first positions first: they do not depend on h */
+            const int32_t pre = kb2 < C::kSlots ? kb2 : C::kSlots;
+            for (int32_t kb = 0; kb < pre; kb++) {
+                const uint32_t s = R::slot(it + kb);
+                R::wait_empty(empty, it + kb);
+                if (lane == 0) {
+                    tile_of[s] = idx;
+                    mf__mbar_arrive_expect_tx(&full[s], (uint32_t)kBoxBytes);
+                    mf__tma_load_2d_hint(slots + s * C::kSlotBytes, &p.tmap_w2, &full[s], kb * (kKBlock / C::kEsz), wrow,
+                                         pol_w);
+                }
+            }
+            /* h of this expert: every W13 tile of it stored */
+            const int32_t blocks = tb.first[t.e + 1] - tb.first[t.e];
+            wait_done(done + t.e, nb13 * blocks, full);
+            for (int32_t kb = 0; kb < kb2; kb++, it++) {
+                const uint32_t s = R::slot(it);
+                if (kb >= pre) R::wait_empty(empty, it);
+                uint8_t *act = slots + s * C::kSlotBytes + kBoxBytes;
+                if constexpr (kFp8) {
+                    float *sc = scales + s * C::kScaleStride;
+                    if (j < kBlockT) mf__cp_async_4(sc + j, srow + kb);
+                    if (lane == 0) mf__cp_async_4(sc + kBlockT, p.w2_scales + ws + kb);
+                }
+                if (arow) {
+                    const uint8_t *g = arow + (int64_t)kb * kKBlock;
+#pragma unroll
+                    for (int c = 0; c < kChunksPerKBlock; c++)
+                        mf__cp_async_16(act + j * kKBlock + ((c ^ (j & 7)) * kChunk), g + c * kChunk);
+                }
+                mf__cp_async_mbar_arrive_noinc(&full[s]);
+                __syncwarp();
+                if (kb >= pre && lane == 0) {
+                    tile_of[s] = idx;
+                    mf__mbar_arrive_expect_tx(&full[s], (uint32_t)kBoxBytes);
+                    mf__tma_load_2d_hint(slots + s * C::kSlotBytes, &p.tmap_w2, &full[s], kb * (kKBlock / C::kEsz), wrow,
+                                         pol_w);
+                }
+            }
+        }
+    }
+    /* The end: one more position, unit -1 and no data, full by plain arrivals (32 + 1) */
+    const uint32_t s = R::slot(it);
+    R::wait_empty(empty, it);
+    if (lane == 0) tile_of[s] = -1;
+    __syncwarp();
+    mf__mbar_arrive(&full[s]);
+    if (lane == 0) mf__mbar_arrive(&full[s]);
+    mf__cp_async_wait_all();
+}
+
+/* ---- consumers --------------------------------------------------------------------------------- */
+
+template <bool kFp8, int kBlockT>
+__device__ __forceinline__ void consumer(const small_params &p, const tables_t &tb, uint8_t *slots, const float *scales,
+                                         const int32_t *tile_of, uint8_t *epi, float *red, uint64_t *full,
+                                         uint64_t *empty) {
+    using C = cfg<kFp8, kBlockT>;
+    using R = ring<C::kSlots>;
+    constexpr int kFrag = kBlockT / 2;
+    const int ctid = (int)threadIdx.x - kMfWarpgroupThreads; /* 0..255 */
+    const int wg = ctid / kMfWarpgroupThreads;              /* weight rows [64 wg, 64 wg + 64) of each box */
+    const int lane = ctid & 31, quad = lane & 3;
+    const int32_t L = p.num_experts;
+    const int32_t nb13 = p.I / kTileCols, nb2 = p.H / kTileCols;
+    const int32_t kb13 = p.H * C::kEsz / kKBlock, kb2 = p.I * C::kEsz / kKBlock;
+    const uint64_t desc_slots = mf__wgmma_desc_sw128(slots);
+    int32_t *const done = p.sync + 2;
+
+    float tmp[2][kFrag];
+#pragma unroll
+    for (int b = 0; b < 2; b++)
+#pragma unroll
+        for (int i = 0; i < kFrag; i++) tmp[b][i] = 0.0f;
+    float tmp2[1][kFrag];
+#pragma unroll
+    for (int i = 0; i < kFrag; i++) tmp2[0][i] = 0.0f;
+
+    uint32_t it = 0;
+    int32_t cur13 = 0, cur2 = 0;
+    bool w2;
+    tile_t t;
+    for (;;) {
+        R::wait_full(full, it);
+        const int32_t idx = tile_of[R::slot(it)];
+        if (idx < 0 || !locate<kBlockT>(tb, L, nb13, nb2, idx, cur13, cur2, w2, t)) break;
+        if (!w2) {
+            float acc[2][kFrag];
+#pragma unroll
+            for (int b = 0; b < 2; b++)
+#pragma unroll
+                for (int i = 0; i < kFrag; i++) acc[b][i] = 0.0f;
+            for (int32_t kb = 0; kb < kb13; kb++, it += 2) {
+                const uint32_t sg = R::slot(it), su = R::slot(it + 1);
+                R::wait_full(full, it);
+                R::wait_full(full, it + 1);
+                mf__fence_proxy_async_smem(); /* cp.async (generic) -> wgmma (async) */
+                const uint64_t da[2] = {
+                    mf__wgmma_desc_advance(desc_slots, sg * C::kSlotBytes + wg * kWgOperandBytes),
+                    mf__wgmma_desc_advance(desc_slots, su * C::kSlotBytes + wg * kWgOperandBytes)};
+                const uint64_t db = mf__wgmma_desc_advance(desc_slots, sg * C::kSlotBytes + kBoxBytes);
+                const float *scg = scales + sg * C::kScaleStride;
+                const float *const ws[2] = {scg + kBlockT, scales + su * C::kScaleStride + kBlockT};
+                mma_kblock<kFp8, 2, kBlockT>(acc, tmp, da, db, scg, ws, quad);
+                release_stage(empty, sg, lane);
+                release_stage(empty, su, lane);
+            }
+            stage_tile<kFp8, kEpiSwiglu, kBlockT, C::kOutEsz13, C::kEpiRowBytes13>(acc, epi, red, p.ue8m0, p.h_scales,
+                                                                                 p.I / MF__QUANT_BLOCK, t, ctid);
+            store_tile<kEpiSwiglu, kBlockT, C::kOutEsz13, C::kEpiRowBytes13>(p, p.h, false, epi, p.I, t, ctid);
+            /* h of this tile stored by all 256 threads: publish it */
+            mf__named_barrier_sync(kBarEpilogue, kConsumerThreads);
+            if (ctid == 0) {
+                __threadfence();
+                atomicAdd(done + t.e, 1);
+            }
+        } else {
+            float acc[1][kFrag];
+#pragma unroll
+            for (int i = 0; i < kFrag; i++) acc[0][i] = 0.0f;
+            for (int32_t kb = 0; kb < kb2; kb++, it++) {
+                const uint32_t s = R::slot(it);
+                R::wait_full(full, it);
+                mf__fence_proxy_async_smem();
+                const uint64_t da[1] = {mf__wgmma_desc_advance(desc_slots, s * C::kSlotBytes + wg * kWgOperandBytes)};
+                const uint64_t db = mf__wgmma_desc_advance(desc_slots, s * C::kSlotBytes + kBoxBytes);
+                const float *sc = scales + s * C::kScaleStride;
+                const float *const ws[1] = {sc + kBlockT};
+                mma_kblock<kFp8, 1, kBlockT>(acc, tmp2, da, db, sc, ws, quad);
+                release_stage(empty, s, lane);
+            }
+            stage_tile<kFp8, kEpiPlain, kBlockT, 2, C::kEpiRowBytes2>(acc, epi, red, p.ue8m0, NULL, 0, t, ctid);
+            store_tile<kEpiPlain, kBlockT, 2, C::kEpiRowBytes2>(p, NULL, true, epi, p.H, t, ctid);
+        }
+    }
+}
+
+/* ---- the kernel -------------------------------------------------------------------------------- */
+
+template <bool kFp8, int kBlockT>
+__global__ void __launch_bounds__(kThreads, 1) sm90_small_kernel(const __grid_constant__ small_params p) {
+    using C = cfg<kFp8, kBlockT>;
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t *smem = smem_raw + align_pad(smem_raw);
+    uint8_t *slots = smem + C::kOffSlots;
+    uint8_t *epi = smem + C::kOffEpi;
+    float *scales = (float *)(smem + C::kOffScales);
+    float *red = (float *)(smem + C::kOffRed);
+    tables_t tb;
+    tables_at<kMaxExperts>(tb, smem + C::kOffTables);
+    int32_t *tile_of = (int32_t *)(smem + C::kOffTileOf);
+    int32_t *last = (int32_t *)(smem + C::kOffFlag);
+    uint64_t *full = (uint64_t *)(smem + C::kOffBars);
+    uint64_t *empty = full + C::kSlots;
+    /* first[e]: the token blocks of the experts < e (units = blocks x n-blocks of each phase) */
+    prologue<C::kSlots, false>(p, full, empty, 1 + 32, tb,
+                               [](int32_t rows) { return (rows + kBlockT - 1) / kBlockT; });
+
+    if (producer_role()) {
+        if (mf__warp_id() == 0) producer<kFp8, kBlockT>(p, tb, slots, scales, tile_of, full, empty);
+        return;
+    }
+    consumer<kFp8, kBlockT>(p, tb, slots, scales, tile_of, epi, red, full, empty);
+
+    /* The count-out (consumers only: their W13 counters are raised; no unit is taken after a CTA's
+     * producer saw the end): the last CTA zeroes the ticket, the count and the counters. */
+    const int ctid = (int)threadIdx.x - kMfWarpgroupThreads;
+    mf__named_barrier_sync(kBarEpilogue, kConsumerThreads);
+    if (ctid == 0) {
+        __threadfence();
+        *last = atomicAdd(p.sync + 1, 1) == (int32_t)gridDim.x - 1;
+    }
+    mf__named_barrier_sync(kBarEpilogue, kConsumerThreads);
+    if (*last) {
+        __threadfence();
+        for (int32_t i = ctid; i < 2 + p.num_experts; i += kConsumerThreads) p.sync[i] = 0;
+    }
+}
+
+} /* namespace mf__small */
+
+/* What gemm_small.cu ships (cuda/gemm_family.cuh's variant info), for the lab and diagnostics. */
+typedef struct mf__gemm_variant_info mf__gemm_variant_info_t;
+int mf__sm90_small_variants(mf__gemm_variant_info_t *out, int max);
+
+/* The fault record (sm90_ptx.cuh) for the small kernels of gemm_small.cu (its own copy of the
+ * record pointer). */
+cudaError_t mf__sm90_small_set_fault_record(mf__sm90_fault_t *record);
+
+#endif /* MF_CUDA_KERNELS_SM90_SMALL_GEMM_CUH */
