@@ -56,11 +56,12 @@ __global__ void bench_fill_kernel(fill_params p) {
 } /* namespace */
 
 void mf__gemm_bench_choose(int32_t rows_hint, int32_t max_rows_per_expert, int32_t dataflow, int32_t *family,
-                           int32_t *block_rows, int32_t *dataflow_out) {
+                           int32_t *block_rows, int32_t *dataflow_out, int32_t *fused) {
     const mf__gemm_choice_t c = mf__gemm_choose(rows_hint, max_rows_per_expert, dataflow);
     *family = c.family;
     *block_rows = c.block_rows;
     *dataflow_out = c.dataflow;
+    *fused = c.fused;
 }
 
 int32_t mf__gemm_bench_supported(int32_t op, int32_t dtype) {

@@ -12,12 +12,14 @@
  * Variants (2): FP8 and BF16, 8 tokens per tile (the choice takes the kernel only with 8-token
  * decode tiles).
  */
+#include <atomic>
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "core/errors.h"
+#include "cuda/gemm_bench.h" /* mf__gemm_small_launches */
 #include "cuda/gemm_family.cuh"
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels/sm90_small_gemm.cuh"
@@ -60,6 +62,8 @@ mf__gemm_variant_info_t variant_info(int i) {
 }
 
 mf__gemm_family_t g_family = {kMfGemmFamilySmall, kLaunchRegs, variant_count, variant_fn, variant_info};
+
+std::atomic<uint64_t> g_launches; /* mf__gemm_small_launches (testing.h) */
 
 } /* namespace */
 
@@ -120,10 +124,13 @@ mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__ge
     void *args[] = {(void *)&p};
     MF__GEMM_CUDA(mf__cuda_launch(v.fn, dim3((unsigned)grid), dim3(kThreads), (size_t)v.smem, stream, pdl, args),
                   __func__);
+    g_launches.fetch_add(1, std::memory_order_relaxed);
     mf__gemm_report_launch(&g_family, "small %s W13 + W2, T %d, %d slots, %d B smem, grid %d", fp8 ? "fp8" : "bf16",
                            kTokens, v.slots, v.smem, grid);
     return MF_SUCCESS;
 }
+
+extern "C" uint64_t mf__gemm_small_launches(void) { return g_launches.load(std::memory_order_relaxed); }
 
 mf_result_t mf__sm90_small_preload(void) { return mf__gemm_preload(&g_family, __func__); }
 

@@ -742,6 +742,79 @@ static mf_result_t pdl_run(const pdl_case_t *c, const mfp_problem_t *p, uint16_t
     return mfp_run(p, &o, y, NULL, err, errlen);
 }
 
+/* ---- the small-batch kernel: W13 + W2 in one launch, the same y as the two GEMMs ---------------- */
+
+extern int32_t mf__cuda_small; /* cuda/grouped_gemm.h: 0 clears choice.fused */
+uint64_t mf__gemm_small_launches(void); /* testing.h (cuda/gemm_bench.h) */
+
+/* Every case twice, with the small kernel (the switch set: the forward's choice has 8-token tiles and
+ * DIRECT) and without (the two decode GEMMs): y equal bit for bit, the small run within the
+ * contract's bounds of the CPU backend, and the launch counter says which ran. Cases: one and
+ * several ranks, idle ranks, both dtypes and layouts, a hot expert with more rows than a tile
+ * (several token blocks, several W13 tiles per W2 dependency), W13 K blocks past the ring (two
+ * positions each) and W2 K blocks past it (the weights issued before the wait, then the rest), a
+ * captured graph replayed, and PDL (the forward's default). */
+static int cuda_small_bitwise(void) {
+    const int32_t idle[4] = {2, 0, 5, 1};
+    const pdl_case_t cases[] = {
+        {{1, 16, 4, 256, 256, 1, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 3, 0, NULL, 41},
+         MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 0, 0},
+        {{1, 8, 2, 256, 256, 8, 0, MF_DTYPE_BF16, MF_LAYOUT_MASKED, MFP_ROUTING_UNIFORM, 0, 3, 0, NULL, 42},
+         MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 0, 0},
+        /* the hot expert takes 16 rows: two token blocks */
+        {{2, 16, 4, 256, 256, 8, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED, MFP_ROUTING_HOT, 3, 3, 0, NULL, 43},
+         MF_DATAFLOW_DIRECT, MFP_OP_FORWARD, 0, 0},
+        {{4, 32, 8, 256, 256, 0, 4, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_ZIPF, 0, 3, 0.1, idle, 44},
+         MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 0, 0},
+        /* W13: 8 K blocks = 16 ring positions; W2: 16 K blocks (FP8), 32 (BF16), past the ring */
+        {{1, 32, 8, 1024, 2048, 8, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 3, 0, NULL, 45},
+         MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 0, 0},
+        {{2, 32, 8, 1024, 2048, 4, 0, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_ZIPF, 0, 3, 0, NULL, 46},
+         MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 0, 0},
+        /* captured once, replayed */
+        {{2, 16, 4, 256, 256, 4, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED, MFP_ROUTING_UNIFORM, 0, 3, 0, NULL, 47},
+         MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 1, 0},
+    };
+    enum { kCases = sizeof cases / sizeof cases[0] };
+    for (int i = 0; i < kCases; i++) {
+        const layer_case_t *c = &cases[i].layer;
+        mfp_problem_t p;
+        MFT_CHECK(generate_case(c, &p) == 0);
+        uint16_t *y[2][MF_MAX_RANKS], *y_cpu[MF_MAX_RANKS];
+        char err[512] = "";
+        for (int small = 0; small < 2; small++) {
+            for (int32_t r = 0; r < c->R; r++) {
+                y[small][r] = mft_alloc((size_t)p.T[r] * c->H * 2 + 2);
+                mft_poison(y[small][r], (size_t)p.T[r] * c->H * 2);
+            }
+            __atomic_store_n(&mf__cuda_small, small, __ATOMIC_RELAXED);
+            const uint64_t before = mf__gemm_small_launches();
+            mf_result_t res = pdl_run(&cases[i], &p, y[small], err, sizeof err);
+            const uint64_t launched = mf__gemm_small_launches() - before;
+            __atomic_store_n(&mf__cuda_small, 1, __ATOMIC_RELAXED);
+            MFT_CHECK_MSG(res == MF_SUCCESS, "case %d, small kernel %d: %s", i, small, err);
+            MFT_CHECK_MSG(small ? launched > 0 : launched == 0, "case %d: switch %d, %llu small launches", i, small,
+                          (unsigned long long)launched);
+        }
+        for (int32_t r = 0; r < c->R; r++)
+            MFT_CHECK_MSG(memcmp(y[0][r], y[1][r], (size_t)p.T[r] * c->H * 2) == 0,
+                          "case %d rank %d: y of the small kernel differs from the two GEMMs'", i, r);
+        for (int32_t r = 0; r < c->R; r++) y_cpu[r] = mft_alloc((size_t)p.T[r] * c->H * 2 + 2);
+        mf_result_t res = mfp_run_forward(&p, MF_BACKEND_CPU, 1, 0, y_cpu, NULL, err, sizeof err);
+        MFT_CHECK_MSG(res == MF_SUCCESS, "cpu run failed: %s", err);
+        char label[32];
+        snprintf(label, sizeof label, "small case %d", i);
+        if (check_layer_y(label, "cpu", c->dtype, c->R, p.T, c->H, y[1], y_cpu, NULL)) return 1;
+        for (int32_t r = 0; r < c->R; r++) {
+            free(y[0][r]);
+            free(y[1][r]);
+            free(y_cpu[r]);
+        }
+        mfp_free(&p);
+    }
+    return 0;
+}
+
 /* The small plan (the DISPATCH sync and the plan in one block; mf__cuda_plan_small) against the
  * sync kernel + fetch / offsets / fill, on cases it takes (R T K <= 4096 for this rank's T, whatever
  * S): mf_dispatch's outputs (counts, offsets, every row's source, payload and scales: the digests)
@@ -1251,6 +1324,13 @@ static int cuda_debug_report(void) {
     layer_case_t dec = {1, 8, 2, 256, 256, 4, 4, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 3, 0,
                         NULL, 11};
     if (debug_case(&dec, text, sizeof text)) return 1;
+    const char *ds[] = {"moeflow DEBUG", "gemm layer 0 w13 + w2 fp8_e4m3 H 256 I 256 L 8 rows_hint 1", "A gathered",
+                        "to combine slots", "ran small fp8 W13 + W2, T 8", NULL};
+    MFT_CHECK_MSG(debug_lines(text, ds) == 1, "decode shape (the small-batch kernel), stderr:\n%s", text);
+    __atomic_store_n(&mf__cuda_small, 0, __ATOMIC_RELAXED); /* the two GEMMs' reports */
+    const int failed = debug_case(&dec, text, sizeof text);
+    __atomic_store_n(&mf__cuda_small, 1, __ATOMIC_RELAXED);
+    if (failed) return 1;
     const char *d13[] = {"moeflow DEBUG", "gemm layer 0 w13 fp8_e4m3 H 256 I 256 L 8 rows_hint 1", "A gathered",
                          "ran decode fp8 swiglu T 8, A gathered in place", "tma: not tried (rows_hint 1 <= kMfDecodeMaxRows 64)",
                          NULL};
@@ -1279,6 +1359,7 @@ const mft_test_t mft_tests_cuda[] = {
     {"cuda_dataflow_bitwise", cuda_dataflow_bitwise, 300},
     {"cuda_pdl_bitwise", cuda_pdl_bitwise, 300},
     {"cuda_plan_small_bitwise", cuda_plan_small_bitwise, 300},
+    {"cuda_small_bitwise", cuda_small_bitwise, 300},
     {"cuda_layers_share_workspace", cuda_layers_share_workspace, 300},
     {"cuda_timeout", cuda_timeout, 60},
     {"cuda_bad_ids", cuda_bad_ids, 60},
