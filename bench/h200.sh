@@ -2,7 +2,7 @@
 # bench/h200.sh — the benchmark set behind docs/PERFORMANCE.md, for one H200 (run from the repo root
 # after `make -j16 all lab`). Writes JSON records and logs into DIR and prints a short summary.
 #
-#   MF_COMMIT=<hash> bash bench/h200.sh DIR [gemm|layer|transport|balance|rebalance|capacity|smallbatch|overlap|all]
+#   MF_COMMIT=<hash> bash bench/h200.sh DIR [gemm|layer|transport|balance|rebalance|capacity|smallbatch|small|overlap|all]
 #
 # Everything lands in DIR and in one archive DIR.tgz (the device tool returns a limited number of
 # files: take the archive).
@@ -40,10 +40,15 @@
 #        moeflow as an engine runs it), then vLLM's Triton path (the layer peer, from
 #        ${MF_PEERS:-../shared/peers}; never copied into the repository); table.md: the comparison
 #        (bench/summarize.py smallbatch). Not in `all`.
+# small: the small-batch kernel's A/B (issue 25 item 1, ~4 min): deepseek-v3, kimi-k2, qwen3-235b-a22b at
+#        R = 1, FP8, gated, no phase events, T = 1..128, 3 rounds per process; each preset once with
+#        MF_SMALL=0 (the two decode GEMMs) and once without (the small kernel where the choice takes
+#        it), the order alternating per preset; small_ab.md: bench/summarize.py ab MF_SMALL. Not in
+#        `all`.
 # overlap: moeflow bench overlap (issue 28: two micro-batches through the split halves beside the
 #        pair back to back; deepseek-v3, T = 64, 128, R = 1, 8). Not in `all`.
 set -u
-dir=${1:?usage: bench/h200.sh DIR [gemm|layer|transport|balance|rebalance|capacity|smallbatch|overlap|all]}
+dir=${1:?usage: bench/h200.sh DIR [gemm|layer|transport|balance|rebalance|capacity|smallbatch|small|overlap|all]}
 what=${2:-all}
 mkdir -p "$dir"
 : "${MF_COMMIT:=unknown}"
@@ -150,6 +155,26 @@ if [ "$what" = rebalance ]; then
     grep -E "^ +fp8 +auto +128 +[0-9]+ +[0-9]+ +[0-9]+ +[0-9]+\.[0-9]" "$dir/$name.log" | sed "s/^/rebalance /"
     tail -1 "$dir/$name.log"
 fi
+if [ "$what" = small ]; then
+    common=(-R 1 --dtype fp8 --gated --phases off --no-check --rounds 3 -T 1,2,4,8,16,32,64,128)
+    n=0
+    for preset in deepseek-v3 kimi-k2 qwen3-235b-a22b; do
+        order="0 1"
+        [ $((n % 2)) = 1 ] && order="1 0"
+        for v in $order; do
+            if [ "$v" = 0 ]; then
+                MF_SMALL=0 timeout 150 ./build/moeflow bench layer --preset $preset "${common[@]}" \
+                    --json "$dir/small_${preset}_off.json" > "$dir/small_${preset}_off.log" 2>&1 || rc=1
+            else
+                timeout 150 ./build/moeflow bench layer --preset $preset "${common[@]}" \
+                    --json "$dir/small_${preset}_on.json" > "$dir/small_${preset}_on.log" 2>&1 || rc=1
+            fi
+        done
+        n=$((n + 1))
+    done
+    python3 bench/summarize.py ab MF_SMALL "$dir"/small_*_off.json "$dir"/small_*_on.json | tee "$dir/small_ab.md" || rc=1
+fi
+
 if [ "$what" = capacity ]; then
     common=(--preset deepseek-v3 -R 1 --dtype fp8 --gated --no-check --rounds 3 --iters 10 --warmup 3 --phases on,off)
     timeout 110 ./build/moeflow bench layer "${common[@]}" -T 512,513 -S T,4096 \
