@@ -76,6 +76,8 @@ mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__ge
     if (choice->block_rows != kTokens)
         return mf__gemm_decline(&g_family, "tiles of %d tokens (the kernel has %d)", choice->block_rows, kTokens);
     if (!a.gather || !ret || !sync) return mf__gemm_decline(&g_family, "rows not gathered and returned at their owners");
+    if (a.gather->view != ret->view || a.gather->src != ret->src)
+        return mf__gemm_decline(&g_family, "rows gathered and returned through different views or plans");
     MF_CHECK(mf__gemm_check_segments(&g_family, seg, 2 * (int64_t)I, kMaxExperts));
     MF_CHECK(mf__gemm_check_segments(&g_family, seg, H, kMaxExperts));
     if (I <= 0 || H <= 0 || I % kTileCols || H % kTileCols)
@@ -106,8 +108,7 @@ mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__ge
     p.w2_scales = w2.scales;
     p.h = (uint8_t *)h;
     p.h_scales = h_scales;
-    p.view = *a.gather->view;
-    p.view.combine = ret->view->combine; /* one slot: the gather's and the return's views are the same */
+    p.view = *a.gather->view; /* = *ret->view: one slot's regions (x, scales, combine) */
     p.src = a.gather->src;
     p.num_topk = ret->num_topk;
     p.num_experts = seg->num_experts;

@@ -177,7 +177,8 @@ mf__gemm_w2_fn mf__cuda_w2;
 /* Both GEMMs of a DIRECT forward, rows returned to the owners: with choice->fused the small-batch
  * kernel (one launch, `sync` its 2 + L zeroed int32), where it declines (or without `fused`)
  * mf__cuda_w13_swiglu then mf__cuda_w2 (seg->sched W13's schedule pair, w2_sched W2's). The same bits
- * either way. */
+ * either way. The small kernel takes the rows through one heap view and plan: a.gather and ret with
+ * the same view and src (else it declines). */
 mf_result_t mf__cuda_w13_w2(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t *w2_sched,
                             int32_t dtype, int32_t ue8m0, mf__gemm_operand_t a, mf__gemm_operand_t w13,
                             mf__gemm_operand_t w2, int32_t H, int32_t I, void *h, float *h_scales,

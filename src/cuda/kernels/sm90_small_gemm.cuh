@@ -15,7 +15,7 @@
  * Work units, in one order: first every W13 tile (expert with rows, h n-block of 128 columns, token
  * block of kBlockT rows: the decode kernel's swiglu tiles, rows inner), then every W2 tile (expert,
  * output n-block of 128 columns, token block). Every unit, a CTA's first included, is taken by ticket
- * (sched[0]), so units are handed out in order to CTAs that are running: a W2 unit waits only on W13
+ * (sync[0]), so units are handed out in order to CTAs that are running: a W2 unit waits only on W13
  * units, all earlier, already taken by running CTAs that never wait on anything but their own ring.
  * Hence no deadlock whether or not every CTA of the grid is resident (another stream's kernels may
  * hold SMs). A W13 unit's consumers, after its h (and FP8 h scales) are stored, raise the expert's
@@ -32,24 +32,24 @@
  * The producer (warp 0 of warpgroup 0), per unit:
  *   W13: the rows gathered at their owners (view.x, src) by cp.async, as the decode kernel's DIRECT
  *        variant does, the gate and up boxes by TMA;
- *   W2:  the weight boxes of its first min(K blocks, kSlots) positions by TMA at once; then (all
- *        lanes) an acquire poll of done[e], bounded like every pipeline wait; then the h rows
- *        (contiguous in h, written by other CTAs: generic stores read by generic cp.async after the
- *        acquire) and scales into those positions, and the rest of the unit as usual.
+ *   W2:  every position's weight box by TMA at once; its h rows (contiguous in h, written by other
+ *        CTAs: generic stores read by generic cp.async after each lane's ld.acquire, which on sm_90
+ *        also invalidates L1 for the 4-byte scale copies, CCTL.IVALL) and scales as soon as done[e]
+ *        is complete: polled once per position, blocking (bounded like every pipeline wait) only
+ *        when the ring would otherwise wait on this unit's own positions.
  * Each position carries its unit in tile_of[slot]; the consumers follow it and stop at -1.
  *
  * The consumers (warpgroups 1 and 2): W13 as the decode swiglu kernel (two boxes), W2 as the decode
  * plain kernel with `ret` (one box): rows go to the owners' combine slots. After a W13 unit's stores:
  * one more named barrier, then one thread publishes.
  *
- * The end: every CTA, once its consumers are done, counts itself in sched[1]; the last one zeroes the
+ * The end: every CTA, once its consumers are done, counts itself in sync[1]; the last one zeroes the
  * ticket, the count and done[0 .. L): the next launch starts from zeros (stream order; under PDL the
  * next launch on this buffer is several kernels later).
  *
- * Limits (the launcher declines anything else): H and I multiples of 128 (FP8) or 64 (BF16) with
- * 2I and H multiples of 128... precisely: I a multiple of kTileCols (h n-blocks) and H a multiple of
- * kTileCols (W2 n-blocks); H and I element bytes multiples of kKBlock; L <= kMaxExperts; L 2I and L H
- * within int32 TMA coordinates. Rows are always gathered (DIRECT) and always returned (`ret`).
+ * Limits (the launcher declines anything else): H and I multiples of kTileCols (128: the W2 and h
+ * n-blocks), their rows' bytes multiples of kKBlock, L <= kMaxExperts, L 2I and L H within int32 TMA
+ * coordinates. Rows are always gathered (DIRECT) and returned (`ret`) through one heap view and src.
  */
 #ifndef MF_CUDA_KERNELS_SM90_SMALL_GEMM_CUH
 #define MF_CUDA_KERNELS_SM90_SMALL_GEMM_CUH
@@ -258,45 +258,57 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
             if constexpr (kFp8) srow = p.h_scales + (int64_t)row * kb2;
             const int32_t wrow = t.e * p.H + t.nb * kBoxRows;
             const int64_t ws = ((int64_t)t.e * srows2 + t.nb) * kb2; /* FP8: the box's w_scales */
-            /* the weights of the first positions first: they do not depend on h */
-            const int32_t pre = kb2 < C::kSlots ? kb2 : C::kSlots;
-            for (int32_t kb = 0; kb < pre; kb++) {
+            /* The weights do not depend on h: each position's TMA goes out at once. h does: until the
+             * expert's W13 tiles are all stored (done[e], polled once per position) the positions
+             * wait for their h rows, which then follow for every position issued so far; the poll
+             * blocks only when the ring holds nothing but this unit's weights (kb >= kSlots) or at
+             * the unit's end. Once ready (the usual case after the W13 phase) h goes with the weights. */
+            const int32_t blocks = tb.first[t.e + 1] - tb.first[t.e];
+            const int32_t *const dep = done + t.e;
+            const int32_t target = nb13 * blocks;
+            bool ready = false;
+            int32_t h_next = 0; /* the first K block whose h rows are not issued */
+            auto issue_h = [&](int32_t upto) { /* h rows and scales of K blocks [h_next, upto) */
+                for (; h_next < upto; h_next++) {
+                    const uint32_t s = R::slot(it + h_next);
+                    uint8_t *act = slots + s * C::kSlotBytes + kBoxBytes;
+                    if constexpr (kFp8) {
+                        float *sc = scales + s * C::kScaleStride;
+                        if (j < kBlockT) mf__cp_async_4(sc + j, srow + h_next);
+                        if (lane == 0) mf__cp_async_4(sc + kBlockT, p.w2_scales + ws + h_next);
+                    }
+                    if (arow) {
+                        const uint8_t *g = arow + (int64_t)h_next * kKBlock;
+#pragma unroll
+                        for (int c = 0; c < kChunksPerKBlock; c++)
+                            mf__cp_async_16(act + j * kKBlock + ((c ^ (j & 7)) * kChunk), g + c * kChunk);
+                    }
+                    mf__cp_async_mbar_arrive_noinc(&full[s]);
+                }
+            };
+            for (int32_t kb = 0; kb < kb2; kb++) {
+                if (!ready && kb >= C::kSlots) { /* the next position's last use is this unit's: h first */
+                    wait_done(dep, target, full);
+                    ready = true;
+                    issue_h(kb);
+                }
                 const uint32_t s = R::slot(it + kb);
                 R::wait_empty(empty, it + kb);
                 if (lane == 0) {
-                    tile_of[s] = idx;
+                    tile_of[s] = idx; /* published by the arrivals */
                     mf__mbar_arrive_expect_tx(&full[s], (uint32_t)kBoxBytes);
                     mf__tma_load_2d_hint(slots + s * C::kSlotBytes, &p.tmap_w2, &full[s], kb * (kKBlock / C::kEsz), wrow,
                                          pol_w);
                 }
+                /* every lane's own acquire (its copies follow it), one verdict for the warp */
+                if (!ready) ready = __all_sync(0xffffffffu, ld_acquire(dep) >= target);
+                if (ready) issue_h(kb + 1);
             }
-            /* h of this expert: every W13 tile of it stored */
-            const int32_t blocks = tb.first[t.e + 1] - tb.first[t.e];
-            wait_done(done + t.e, nb13 * blocks, full);
-            for (int32_t kb = 0; kb < kb2; kb++, it++) {
-                const uint32_t s = R::slot(it);
-                if (kb >= pre) R::wait_empty(empty, it);
-                uint8_t *act = slots + s * C::kSlotBytes + kBoxBytes;
-                if constexpr (kFp8) {
-                    float *sc = scales + s * C::kScaleStride;
-                    if (j < kBlockT) mf__cp_async_4(sc + j, srow + kb);
-                    if (lane == 0) mf__cp_async_4(sc + kBlockT, p.w2_scales + ws + kb);
-                }
-                if (arow) {
-                    const uint8_t *g = arow + (int64_t)kb * kKBlock;
-#pragma unroll
-                    for (int c = 0; c < kChunksPerKBlock; c++)
-                        mf__cp_async_16(act + j * kKBlock + ((c ^ (j & 7)) * kChunk), g + c * kChunk);
-                }
-                mf__cp_async_mbar_arrive_noinc(&full[s]);
-                __syncwarp();
-                if (kb >= pre && lane == 0) {
-                    tile_of[s] = idx;
-                    mf__mbar_arrive_expect_tx(&full[s], (uint32_t)kBoxBytes);
-                    mf__tma_load_2d_hint(slots + s * C::kSlotBytes, &p.tmap_w2, &full[s], kb * (kKBlock / C::kEsz), wrow,
-                                         pol_w);
-                }
+            if (!ready) {
+                wait_done(dep, target, full);
+                issue_h(kb2);
             }
+            it += kb2;
         }
     }
     /* The end: one more position, unit -1 and no data, full by plain arrivals (32 + 1) */
