@@ -14,6 +14,9 @@
  *   sm90_decode_lab --bench [--json FILE] [--no-peers] [--quick]
  *   sm90_decode_lab --timeline      per-CTA %globaltimer stamps of the T = 1 shapes (where a launch's
  *                                   time goes: launch, prologue, work, tail)
+ *   sm90_decode_lab --small         the small-batch kernel (kernels/sm90_small_gemm.cuh: W13 + W2 in
+ *                                   one launch) timed against the two decode kernels it fuses, at the
+ *                                   layer's R = 1 decode shapes (T = 1..8 tokens, three models)
  *
  * Dimension legend: L local experts, N weight rows per expert (2I for W13, H for W2), K the
  * reduction dim (H for W13, I for W2), M rows per expert, T tokens per tile, C masked capacity,
@@ -48,6 +51,10 @@
  *               the same bits (they run this kernel)
  *   declines    shapes the kernel does not take return MF_ERR_NOT_SUPPORTED, launch nothing and leave
  *               no library error
+ *   small       (also in --validate) the small-batch kernel, W13 gathered through R fake heaps and W2
+ *               returned into their combine regions: h, h scales and every combine slot bitwise equal to
+ *               the two decode kernels' (first mismatches printed), again on a second run or graph
+ *               replays, and its sync words zero after
  * At start the lab lists every shipped variant with its registers (must be 168, no local memory).
  */
 #include <cuda.h>
@@ -74,6 +81,7 @@ extern "C" {
 #include "cuda/gemm_family.cuh" /* mf__gemm_variant_info_t */
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels/sm90_decode_gemm.cuh"
+#include "cuda/kernels/sm90_small_gemm.cuh" /* mf__sm90_small_set_fault_record */
 #include "common.h" /* the labs' CUDA_OK, random data, device vectors */
 
 using mf__decode::kEpiPlain;
@@ -601,20 +609,24 @@ static const size_t kHeapAlign = MF__HEAP_ALIGN;
 
 static size_t align_size(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
-/* R heaps, each [x: S rows of K bytes][scales: S x K/128 floats]; every owned receive row is copied
- * to a distinct random (rank, token) with token >= 1; token 0 of rank 0 (NaN garbage) is what the
- * rows no expert owns point at, and every unused heap row is garbage too. */
+/* R heaps, each [x: S rows of K bytes][scales: S x K/128 floats] (+ with topk > 0 [combine: S x topk x
+ * hidden BF16], poisoned: a layer's heap slot, whose one view and src the small kernel gathers and
+ * returns through); every owned receive row is copied to a distinct random (rank, token) with token
+ * >= 1 and a random k < topk (8 without); token 0 of rank 0 (NaN garbage) is what the rows no expert
+ * owns point at, and every unused heap row is garbage too. */
 struct heaps_t {
     std::vector<uint8_t *> dev;
     int32_t *src = NULL;
-    mf__heap_view_t view; /* the R heaps, x and scales offsets */
+    mf__heap_view_t view; /* the R heaps, x and scales (and combine) offsets */
+    int64_t S = 0;
+    size_t bytes = 0;     /* of each heap */
     void release() {
         for (uint8_t *p : dev) cudaFree(p);
         cudaFree(src);
     }
 };
 
-static heaps_t make_heaps(const problem &pb, int R) {
+static heaps_t make_heaps(const problem &pb, int R, int topk = 0, int64_t hidden = 0) {
     heaps_t hp;
     const int64_t rows = pb.lo.rows, row_bytes = (int64_t)pb.K * pb.esz(), kb = pb.K / 128;
     std::vector<int64_t> owned;
@@ -626,8 +638,9 @@ static heaps_t make_heaps(const problem &pb, int R) {
         for (int64_t t = 1; t < S; t++) slots.push_back({q, t});
     shuffle(slots);
     const size_t x_off = kHeapAlign, sc_off = align_size(x_off + (size_t)(S * row_bytes), kHeapAlign);
-    const size_t bytes = sc_off + (size_t)(S * kb) * 4;
-    std::vector<std::vector<uint8_t>> host((size_t)R, std::vector<uint8_t>(bytes));
+    const size_t cb_off = align_size(sc_off + (size_t)(S * kb) * 4, kHeapAlign);
+    const size_t bytes = topk ? cb_off + (size_t)(S * topk * hidden) * 2 : sc_off + (size_t)(S * kb) * 4;
+    std::vector<std::vector<uint8_t>> host((size_t)R, std::vector<uint8_t>(bytes, kPoison));
     for (int q = 0; q < R; q++) {
         garble(host[(size_t)q].data(), (int64_t)sc_off);
         garble_scales((float *)(host[(size_t)q].data() + sc_off), S * kb);
@@ -641,7 +654,7 @@ static heaps_t make_heaps(const problem &pb, int R) {
         if (pb.fp8) memcpy(host[(size_t)q].data() + sc_off + t * kb * 4, pb.as.data() + r * kb, (size_t)kb * 4);
         src[(size_t)(3 * r)] = q;
         src[(size_t)(3 * r + 1)] = (int32_t)t;
-        src[(size_t)(3 * r + 2)] = (int32_t)(rnd_u64() % 8);
+        src[(size_t)(3 * r + 2)] = (int32_t)(rnd_u64() % (uint64_t)(topk ? topk : 8));
     }
     memset(&hp.view, 0, sizeof hp.view);
     for (int q = 0; q < R; q++) {
@@ -651,6 +664,9 @@ static heaps_t make_heaps(const problem &pb, int R) {
     hp.src = to_device(src);
     hp.view.x = x_off;
     hp.view.scales = sc_off;
+    hp.view.combine = topk ? cb_off : 0;
+    hp.S = S;
+    hp.bytes = bytes;
     return hp;
 }
 
@@ -1434,8 +1450,237 @@ static void run_timeline(void) {
  * main
  * ============================================================================================== */
 
+/* ================================================================================================
+ * the small-batch kernel (kernels/sm90_small_gemm.cuh, mf__sm90_small_experts): W13 + W2 in one
+ * launch against the two decode kernels it fuses (part of --validate), then both timed (--small)
+ * ============================================================================================== */
+
+static int32_t *g_small_sync = NULL; /* [2 + kMaxExperts] zeroed: the small kernel's ticket, count, counters */
+
+/* Both GEMMs of one problem: W13 (p13: N = 2I, K = H; rows gathered through hp) then W2 (w2 [L, H, I]
+ * of p2) with the rows returned through the same heaps; small = 0: the two decode kernels, 1: the
+ * small kernel. h / h_scales are d13's outputs. */
+static mf_result_t run_pair(int small, const problem &p13, const device_problem &d13, const device_problem &d2,
+                            const heaps_t &hp, int topk, cudaStream_t stream) {
+    mf__gemm_segments_t seg;
+    seg.counts = d13.counts;
+    seg.offsets = d13.offsets;
+    seg.num_experts = p13.L;
+    seg.max_rows_per_expert = p13.lo.max_rows;
+    seg.rows_hint = 1;
+    seg.sched = g_sched;
+    mf__gemm_choice_t choice = mf__gemm_choose(1, p13.lo.max_rows, MF_DATAFLOW_AUTO); /* 8-token tiles, fused */
+    const int32_t dtype = p13.fp8 ? MF_DTYPE_FP8_E4M3 : MF_DTYPE_BF16;
+    const int H = p13.K, I = p13.N / 2;
+    const mf__gemm_gather_t g = {&hp.view, hp.src};
+    const mf__gemm_return_t ret = {&hp.view, hp.src, topk};
+    const mf__gemm_operand_t a = {NULL, NULL, &g}, w13 = {d13.w, d13.ws, NULL}, w2 = {d2.w, d2.ws, NULL};
+    const mf__gemm_operand_t h = {d13.out, d13.out_scales, NULL};
+    if (small)
+        return mf__sm90_small_experts(&choice, &seg, dtype, p13.ue8m0, a, w13, w2, H, I, d13.out, d13.out_scales, &ret,
+                                      g_small_sync, stream, 0);
+    const mf_result_t r =
+        mf__sm90_decode_w13_swiglu(&choice, &seg, dtype, p13.ue8m0, a, w13, H, I, d13.out, d13.out_scales, stream, 0);
+    if (r != MF_SUCCESS) return r;
+    return mf__sm90_decode_w2(&choice, &seg, dtype, h, w2, H, I, NULL, &ret, stream, 1);
+}
+
+/* Every heap's combine region and h / h_scales after one run of run_pair (the first mismatch printed
+ * by compare_small). */
+struct small_out {
+    std::vector<uint8_t> h;
+    std::vector<float> hs;
+    std::vector<std::vector<uint8_t>> combine;
+};
+
+static small_out read_small(const device_problem &d13, const heaps_t &hp) {
+    small_out o;
+    o.h = to_host(d13.out, d13.out_bytes);
+    o.hs = to_host(d13.out_scales, d13.out_scale_count);
+    for (uint8_t *p : hp.dev) {
+        std::vector<uint8_t> all = to_host(p, hp.bytes);
+        o.combine.push_back(std::vector<uint8_t>(all.begin() + (long)hp.view.combine, all.end()));
+    }
+    return o;
+}
+
+static void poison_small(const device_problem &d13, const heaps_t &hp) {
+    d13.poison();
+    for (uint8_t *p : hp.dev) CUDA_OK(cudaMemset(p + hp.view.combine, kPoison, hp.bytes - hp.view.combine));
+}
+
+static bool compare_small(const char *name, const problem &p13, const small_out &want, const small_out &got, int topk,
+                          int64_t H) {
+    const int64_t I = p13.N / 2, h_row = I * p13.out_esz();
+    int64_t bad = 0;
+    for (size_t b = 0; b < want.h.size(); b++)
+        if (want.h[b] != got.h[b] && bad++ < 3)
+            printf("    %s: h row %lld (expert %d) column %lld: %02x, the two kernels %02x\n", name, (long long)(b / h_row),
+                   p13.lo.owner[b / (size_t)h_row], (long long)(b % h_row / p13.out_esz()), got.h[b], want.h[b]);
+    if (memcmp(want.hs.data(), got.hs.data(), want.hs.size() * 4) && bad++ < 3) printf("    %s: h scales differ\n", name);
+    for (size_t q = 0; q < want.combine.size(); q++)
+        for (size_t b = 0; b < want.combine[q].size(); b += 2)
+            if ((want.combine[q][b] != got.combine[q][b] || want.combine[q][b + 1] != got.combine[q][b + 1]) && bad++ < 3) {
+                const int64_t e = (int64_t)b / 2, slot = e / H;
+                printf("    %s: rank %zu slot (token %lld, k %lld) column %lld differs\n", name, q, (long long)(slot / topk),
+                       (long long)(slot % topk), (long long)(e % H));
+            }
+    return bad == 0;
+}
+
+/* One case: the two decode kernels, then the small kernel twice (the second a graph replay when
+ * `graph`): h, h scales and every combine slot bit for bit, the sync words zero after. */
+static void small_case(const char *what, int fp8, int H, int I, const std::vector<int> &counts, int C, int R, int topk,
+                       int ue8m0, bool graph) {
+    char name[192];
+    snprintf(name, sizeof name, "small %s %s H=%d I=%d R=%d", fp8 ? "fp8" : "bf16", what, H, I, R);
+    g_case = name;
+    problem p13 = make_problem(fp8, kEpiSwiglu, 2 * I, H, counts, C, ue8m0);
+    problem p2 = make_problem(fp8, kEpiPlain, H, I, counts, C, 0); /* its weights only */
+    device_problem d13 = upload(p13), d2 = upload(p2);
+    heaps_t hp = make_heaps(p13, R, topk, H);
+    bool ok = launched(run_pair(0, p13, d13, d2, hp, topk, 0), name);
+    if (ok) {
+        CUDA_OK(cudaDeviceSynchronize());
+        const small_out want = read_small(d13, hp);
+        poison_small(d13, hp);
+        ok = launched(run_pair(1, p13, d13, d2, hp, topk, 0), name);
+        if (ok) {
+            CUDA_OK(cudaDeviceSynchronize());
+            const small_out got = read_small(d13, hp);
+            const bool same = compare_small(name, p13, want, got, topk, H);
+            printf("%s %-52s h, h scales, combine slots bitwise = the two decode kernels\n", same ? "PASS" : "FAIL", name);
+            g_failures += same ? 0 : 1;
+            poison_small(d13, hp);
+            if (graph) {
+                cudaStream_t st;
+                cudaGraph_t gr;
+                cudaGraphExec_t ge;
+                CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+                CUDA_OK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+                const mf_result_t r = run_pair(1, p13, d13, d2, hp, topk, st);
+                CUDA_OK(cudaStreamEndCapture(st, &gr));
+                if (launched(r, name)) {
+                    CUDA_OK(cudaGraphInstantiate(&ge, gr, 0));
+                    CUDA_OK(cudaGraphLaunch(ge, st));
+                    CUDA_OK(cudaGraphLaunch(ge, st)); /* twice: the sync words were zeroed by the first */
+                    CUDA_OK(cudaStreamSynchronize(st));
+                    CUDA_OK(cudaGraphExecDestroy(ge));
+                }
+                CUDA_OK(cudaGraphDestroy(gr));
+                CUDA_OK(cudaStreamDestroy(st));
+            } else if (launched(run_pair(1, p13, d13, d2, hp, topk, 0), name)) {
+                CUDA_OK(cudaDeviceSynchronize());
+            }
+            const bool again = compare_small(name, p13, want, read_small(d13, hp), topk, H);
+            printf("%s %-52s %s bitwise equal\n", again ? "PASS" : "FAIL", name, graph ? "graph replays" : "second run");
+            g_failures += again ? 0 : 1;
+            int32_t words[2 + 64];
+            const int n = 2 + std::min(p13.L, 64);
+            CUDA_OK(cudaMemcpy(words, g_small_sync, (size_t)n * 4, cudaMemcpyDeviceToHost));
+            bool zero = true;
+            for (int i = 0; i < n; i++) zero = zero && words[i] == 0;
+            printf("%s %-52s ticket, count and counters zero after\n", zero ? "PASS" : "FAIL", name);
+            g_failures += zero ? 0 : 1;
+        }
+    }
+    hp.release();
+    d13.release();
+    d2.release();
+}
+
+static void run_small_validate(void) {
+    printf("# the small-batch kernel (mf__sm90_small_experts) against the two decode kernels it fuses\n");
+    std::vector<int> sparse(64, 0);
+    for (int e = 0; e < 64; e += 5) sparse[(size_t)e] = 1 + e % 7;
+    for (int fp8 = 1; fp8 >= 0; fp8--) {
+        small_case("{1,0,3,8} expert-major", fp8, 512, 384, {1, 0, 3, 8}, 0, 1, 4, 0, false);
+        small_case("{2,13,0,5,1} masked C=16", fp8, 512, 384, {2, 13, 0, 5, 1}, 16, 3, 4, 0, true);
+        small_case("{8,8,8,8} expert-major (rings wrap)", fp8, 1024, 2048, {8, 8, 8, 8}, 0, 2, 8, 0, false);
+        small_case("L=64 sparse expert-major", fp8, 256, 256, sparse, 0, 4, 8, 0, false);
+    }
+    small_case("{3,9,1} ue8m0 masked C=12", 1, 512, 384, {3, 9, 1}, 12, 2, 4, 1, false);
+    small_case("deepseek {1,1,1,1}", 1, 7168, 2048, {1, 1, 1, 1}, 0, 1, 8, 0, false);
+}
+
+/* --small: the small kernel against the two decode kernels (the second with PDL, as in the layer),
+ * the layer's shapes at R = 1 and T = 1..8 tokens (uniform routing, K distinct experts per token),
+ * weights read once per active expert; L2 flushed before every run. */
+static void run_small_bench(void) {
+    const struct {
+        const char *name;
+        int H, I, L, K;
+    } models[] = {{"deepseek-v3", 7168, 2048, 256, 8}, {"kimi-k2", 7168, 2048, 384, 8}, {"qwen3-235b", 4096, 1536, 128, 8}};
+    bench_ctx bc;
+    CUDA_OK(cudaStreamCreateWithFlags(&bc.stream, cudaStreamNonBlocking));
+    CUDA_OK(cudaEventCreate(&bc.ev0));
+    CUDA_OK(cudaEventCreate(&bc.ev1));
+    CUDA_OK(cudaMalloc((void **)&bc.flush, kFlushBytes));
+    printf("# --small: FP8, R = 1; us = median of %d runs, L2 flushed; floor = active experts' weights / 4.24 TB/s\n",
+           kTimedRuns);
+    printf("%-12s %3s %4s %9s %9s %9s %7s\n", "model", "T", "rows", "floor", "2 kernels", "small", "change");
+    for (const auto &m : models) {
+        const int64_t w13_bytes = (int64_t)m.L * 2 * m.I * m.H, w2_bytes = (int64_t)m.L * m.H * m.I;
+        device_problem d13, d2; /* weights, scales and h only; counts and offsets per T */
+        CUDA_OK(cudaMalloc((void **)&d13.w, (size_t)w13_bytes));
+        CUDA_OK(cudaMalloc((void **)&d2.w, (size_t)w2_bytes));
+        CUDA_OK(cudaMalloc((void **)&d13.ws, (size_t)(w13_bytes / (128 * 128)) * 4));
+        CUDA_OK(cudaMalloc((void **)&d2.ws, (size_t)(w2_bytes / (128 * 128)) * 4));
+        init_data(1, d13.w, (size_t)w13_bytes, d13.ws, (size_t)(w13_bytes / (128 * 128)), 11, 1.0f);
+        init_data(1, d2.w, (size_t)w2_bytes, d2.ws, (size_t)(w2_bytes / (128 * 128)), 12, 1.0f);
+        for (int T : {1, 2, 4, 8}) {
+            char name[96];
+            snprintf(name, sizeof name, "small bench %s T=%d", m.name, T);
+            g_case = name;
+            std::vector<int> counts((size_t)m.L, 0);
+            for (int t = 0; t < T; t++) {
+                std::vector<int> pick;
+                while ((int)pick.size() < m.K) {
+                    const int e = (int)(rnd_u64() % (uint64_t)m.L);
+                    if (std::find(pick.begin(), pick.end(), e) == pick.end()) pick.push_back(e);
+                }
+                for (int e : pick) counts[(size_t)e]++;
+            }
+            /* a host problem of the shape (rows and the receive layout) without its weights */
+            problem p13;
+            p13.fp8 = 1, p13.epi = kEpiSwiglu, p13.L = m.L, p13.N = 2 * m.I, p13.K = m.H, p13.ue8m0 = 0;
+            p13.lo = make_layout(counts, 0);
+            p13.lo.max_rows = T;
+            p13.a.assign((size_t)(p13.lo.rows * m.H), 0x38); /* 1.0 in E4M3 */
+            p13.as.assign((size_t)(p13.lo.rows * (m.H / 128)), 0.01f);
+            d13.counts = to_device(p13.lo.counts);
+            d13.offsets = to_device(p13.lo.offsets);
+            d13.out_bytes = (size_t)(p13.lo.rows * m.I);
+            d13.out_scale_count = (size_t)(p13.lo.rows * (m.I / 128));
+            CUDA_OK(cudaMalloc((void **)&d13.out, d13.out_bytes));
+            CUDA_OK(cudaMalloc((void **)&d13.out_scales, d13.out_scale_count * 4));
+            heaps_t hp = make_heaps(p13, 1, m.K, m.H);
+            double us[2] = {0, 0};
+            for (int small = 0; small < 2; small++) {
+                mf_result_t r = MF_SUCCESS;
+                us[small] = time_median(bc, [&] {
+                    const mf_result_t x = run_pair(small, p13, d13, d2, hp, m.K, bc.stream);
+                    if (x != MF_SUCCESS) r = x;
+                });
+                if (!launched(r, name)) us[small] = 0;
+            }
+            int active = 0;
+            for (int c : counts) active += c > 0;
+            const double floor_us = (double)active * 3 * m.I * m.H / 4.24e12 * 1e6;
+            printf("%-12s %3d %4lld %9.1f %9.1f %9.1f %6.1f%%\n", m.name, T, (long long)p13.lo.rows, floor_us, us[0], us[1],
+                   us[0] > 0 ? 100.0 * (us[1] / us[0] - 1) : 0.0);
+            hp.release();
+            cudaFree(d13.counts), cudaFree(d13.offsets), cudaFree(d13.out), cudaFree(d13.out_scales);
+            d13.counts = d13.offsets = NULL, d13.out = NULL, d13.out_scales = NULL;
+        }
+        d13.release();
+        d2.release();
+    }
+    g_case = NULL;
+}
+
 int main(int argc, char **argv) {
-    bool selftest = false, validate = false, bench = false, peers = true, quick = false, timeline = false;
+    bool selftest = false, validate = false, bench = false, peers = true, quick = false, timeline = false, small = false;
     g_on_fatal = report_fault;
     const char *json = NULL;
     std::string command;
@@ -1447,14 +1692,15 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--no-peers")) peers = false;
         else if (!strcmp(argv[i], "--quick")) quick = true;
         else if (!strcmp(argv[i], "--timeline")) timeline = true;
+        else if (!strcmp(argv[i], "--small")) small = true;
         else if (!strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
         else {
-            fprintf(stderr, "usage: %s [--selftest] [--validate] [--bench [--json FILE] [--no-peers] [--quick]] [--timeline]\n",
+            fprintf(stderr, "usage: %s [--selftest] [--validate] [--bench [--json FILE] [--no-peers] [--quick]] [--timeline] [--small]\n",
                     argv[0]);
             return 2;
         }
     }
-    if (!selftest && !validate && !bench && !timeline) selftest = validate = bench = true;
+    if (!selftest && !validate && !bench && !timeline && !small) selftest = validate = bench = true;
     cudaDeviceProp prop;
     CUDA_OK(cudaGetDeviceProperties(&prop, 0));
     printf("# device: %s, sm_%d%d, %d SMs, %.0f MB L2, %zu KB smem/block opt-in\n", prop.name, prop.major, prop.minor,
@@ -1470,12 +1716,20 @@ int main(int argc, char **argv) {
         return 3;
     }
     CUDA_OK(mf__sm90_decode_set_fault_record(g_fault));
+    if (mf__sm90_small_preload() != MF_SUCCESS) {
+        fprintf(stderr, "FATAL: mf__sm90_small_preload: %s\n", mf_last_error());
+        return 3;
+    }
+    CUDA_OK(mf__sm90_small_set_fault_record(g_fault));
     CUDA_OK(cudaMalloc((void **)&g_sched, 2 * sizeof(int32_t)));
     CUDA_OK(cudaMemset(g_sched, 0, 2 * sizeof(int32_t)));
+    CUDA_OK(cudaMalloc((void **)&g_small_sync, (2 + mf__decode::kMaxExperts) * sizeof(int32_t)));
+    CUDA_OK(cudaMemset(g_small_sync, 0, (2 + mf__decode::kMaxExperts) * sizeof(int32_t)));
     list_variants();
     if (selftest) run_selftest();
     if (validate) {
         run_validate();
+        run_small_validate();
         int32_t pair[2] = {-1, -1};
         CUDA_OK(cudaMemcpy(pair, g_sched, sizeof pair, cudaMemcpyDeviceToHost));
         const bool zero = pair[0] == 0 && pair[1] == 0;
@@ -1484,6 +1738,7 @@ int main(int argc, char **argv) {
     }
     if (bench) run_bench(json, peers, quick, command);
     if (timeline) run_timeline();
+    if (small) run_small_bench();
     printf("%s: %d failure%s\n", g_failures ? "FAIL" : "PASS", g_failures, g_failures == 1 ? "" : "s");
     return g_failures ? 1 : 0;
 }
