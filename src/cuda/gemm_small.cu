@@ -29,37 +29,21 @@ using namespace mf__small;
 
 namespace {
 
-static_assert(mf__small::kMaxVariants <= kMfGemmMaxVariants, "one usable bit per variant");
+static_assert(mf__small::kMaxVariants == 2 && mf__small::kMaxVariants <= kMfGemmMaxVariants, "FP8 and BF16: one usable bit each");
 
-struct variant_t {
-    const void *fn;
-    int fp8, smem, slots;
-};
-
+/* Variant 0: FP8, 1: BF16 (8-token tiles both). */
 template <bool kFp8>
-variant_t variant_of() {
+mf__gemm_variant_info_t info_of() {
     using C = mf__small::cfg<kFp8, kTokens>;
-    variant_t v = {(const void *)sm90_small_kernel<kFp8, kTokens>, kFp8 ? 1 : 0, C::kSmemBytes, C::kSlots};
-    return v;
-}
-
-const variant_t *variants(int *count) {
-    static const variant_t table[mf__small::kMaxVariants] = {variant_of<true>(), variant_of<false>()};
-    *count = mf__small::kMaxVariants;
-    return table;
+    const mf__gemm_variant_info_t o = {kFp8 ? 1 : 0, 1, kTokens, 1, C::kSmemBytes, C::kSlots, 0, 0, 0};
+    return o;
 }
 
 int variant_count(void) { return mf__small::kMaxVariants; }
 const void *variant_fn(int i) {
-    int n = 0;
-    return variants(&n)[i].fn;
+    return i == 0 ? (const void *)sm90_small_kernel<true, kTokens> : (const void *)sm90_small_kernel<false, kTokens>;
 }
-mf__gemm_variant_info_t variant_info(int i) {
-    int n = 0;
-    const variant_t &v = variants(&n)[i];
-    const mf__gemm_variant_info_t o = {v.fp8, 1, kTokens, 1, v.smem, v.slots, 0, 0, 0};
-    return o;
-}
+mf__gemm_variant_info_t variant_info(int i) { return i == 0 ? info_of<true>() : info_of<false>(); }
 
 mf__gemm_family_t g_family = {kMfGemmFamilySmall, kLaunchRegs, variant_count, variant_fn, variant_info};
 
@@ -89,8 +73,7 @@ mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__ge
     int dev = 0, sms = 0;
     MF_CHECK(mf__gemm_configure(&g_family, __func__, &dev, &sms));
     MF_CHECK(mf__gemm_require(&g_family, dev, vi));
-    int n = 0;
-    const variant_t &v = variants(&n)[vi];
+    const mf__gemm_variant_info_t v = variant_info(vi);
 
     small_params p;
     memset(&p, 0, sizeof p);
@@ -123,11 +106,12 @@ mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__ge
     const int64_t units = blocks * (I / kTileCols + H / kTileCols);
     const int grid = (int)(units < sms ? units : sms);
     void *args[] = {(void *)&p};
-    MF__GEMM_CUDA(mf__cuda_launch(v.fn, dim3((unsigned)grid), dim3(kThreads), (size_t)v.smem, stream, pdl, args),
+    MF__GEMM_CUDA(mf__cuda_launch(variant_fn(vi), dim3((unsigned)grid), dim3(kThreads), (size_t)v.smem_bytes, stream, pdl,
+                                  args),
                   __func__);
     g_launches.fetch_add(1, std::memory_order_relaxed);
     mf__gemm_report_launch(&g_family, "small %s W13 + W2, T %d, %d slots, %d B smem, grid %d", fp8 ? "fp8" : "bf16",
-                           kTokens, v.slots, v.smem, grid);
+                           kTokens, v.stages, v.smem_bytes, grid);
     return MF_SUCCESS;
 }
 

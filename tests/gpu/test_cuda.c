@@ -734,12 +734,31 @@ typedef struct pdl_case {
     int32_t dataflow, op, graph, spare_slots;
 } pdl_case_t;
 
-static mf_result_t pdl_run(const pdl_case_t *c, const mfp_problem_t *p, uint16_t **y, char *err, int errlen) {
+static mf_result_t pdl_run_digests(const pdl_case_t *c, const mfp_problem_t *p, uint16_t **y, uint64_t *digests,
+                                   char *err, int errlen) {
     mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
     o.backend = MF_BACKEND_CUDA, o.iters = 3, o.timeout_ms = peer_timeout_ms(), o.dataflow = c->dataflow;
-    o.op = c->op, o.graph = c->graph;
+    o.op = c->op, o.graph = c->graph, o.digests = digests;
     if (c->spare_slots) o.spare_slots = c->spare_slots, o.prefetch = 1;
     return mfp_run(p, &o, y, NULL, err, errlen);
+}
+
+static mf_result_t pdl_run(const pdl_case_t *c, const mfp_problem_t *p, uint16_t **y, char *err, int errlen) {
+    return pdl_run_digests(c, p, y, NULL, err, errlen);
+}
+
+/* A case with a library switch (`sw`: mf__cuda_plan_small, mf__cuda_small) set to `on`, then back to
+ * 1: y[r] allocated and poisoned first; digests (mf_dispatch's outputs) where not NULL. */
+static mf_result_t switch_run(const pdl_case_t *c, const mfp_problem_t *p, int32_t *sw, int on, uint16_t **y,
+                              uint64_t *digests, char *err, int errlen) {
+    for (int32_t r = 0; r < c->layer.R; r++) {
+        y[r] = mft_alloc((size_t)p->T[r] * c->layer.H * 2 + 2);
+        mft_poison(y[r], (size_t)p->T[r] * c->layer.H * 2);
+    }
+    __atomic_store_n(sw, on, __ATOMIC_RELAXED);
+    const mf_result_t res = pdl_run_digests(c, p, y, digests, err, errlen);
+    __atomic_store_n(sw, 1, __ATOMIC_RELAXED);
+    return res;
 }
 
 /* ---- the small-batch kernel: W13 + W2 in one launch, the same y as the two GEMMs ---------------- */
@@ -783,15 +802,9 @@ static int cuda_small_bitwise(void) {
         uint16_t *y[2][MF_MAX_RANKS], *y_cpu[MF_MAX_RANKS];
         char err[512] = "";
         for (int small = 0; small < 2; small++) {
-            for (int32_t r = 0; r < c->R; r++) {
-                y[small][r] = mft_alloc((size_t)p.T[r] * c->H * 2 + 2);
-                mft_poison(y[small][r], (size_t)p.T[r] * c->H * 2);
-            }
-            __atomic_store_n(&mf__cuda_small, small, __ATOMIC_RELAXED);
             const uint64_t before = mf__gemm_small_launches();
-            mf_result_t res = pdl_run(&cases[i], &p, y[small], err, sizeof err);
+            mf_result_t res = switch_run(&cases[i], &p, &mf__cuda_small, small, y[small], NULL, err, sizeof err);
             const uint64_t launched = mf__gemm_small_launches() - before;
-            __atomic_store_n(&mf__cuda_small, 1, __ATOMIC_RELAXED);
             MFT_CHECK_MSG(res == MF_SUCCESS, "case %d, small kernel %d: %s", i, small, err);
             MFT_CHECK_MSG(small ? launched > 0 : launched == 0, "case %d: switch %d, %llu small launches", i, small,
                           (unsigned long long)launched);
@@ -856,17 +869,8 @@ static int cuda_plan_small_bitwise(void) {
         uint16_t *y[2][MF_MAX_RANKS];
         char err[512] = "";
         for (int small = 0; small < 2; small++) {
-            for (int32_t r = 0; r < c->R; r++) {
-                y[small][r] = mft_alloc((size_t)p.T[r] * c->H * 2 + 2);
-                mft_poison(y[small][r], (size_t)p.T[r] * c->H * 2);
-            }
-            __atomic_store_n(&mf__cuda_plan_small, small, __ATOMIC_RELAXED);
-            mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
-            o.backend = MF_BACKEND_CUDA, o.iters = 3, o.timeout_ms = peer_timeout_ms(), o.dataflow = cases[i].dataflow;
-            o.op = cases[i].op, o.graph = cases[i].graph;
-            if (cases[i].op == MFP_OP_DISPATCH_COMBINE) o.digests = dig[small];
-            mf_result_t res = mfp_run(&p, &o, y[small], NULL, err, sizeof err);
-            __atomic_store_n(&mf__cuda_plan_small, 1, __ATOMIC_RELAXED);
+            uint64_t *digests = cases[i].op == MFP_OP_DISPATCH_COMBINE ? dig[small] : NULL;
+            mf_result_t res = switch_run(&cases[i], &p, &mf__cuda_plan_small, small, y[small], digests, err, sizeof err);
             MFT_CHECK_MSG(res == MF_SUCCESS, "case %d, small plan %d: %s", i, small, err);
         }
         if (cases[i].op == MFP_OP_DISPATCH_COMBINE)

@@ -412,6 +412,8 @@ __device__ __forceinline__ void consumer(const small_params &p, const tables_t &
 template <bool kFp8, int kBlockT>
 __global__ void __launch_bounds__(kThreads, 1) sm90_small_kernel(const __grid_constant__ small_params p) {
     using C = cfg<kFp8, kBlockT>;
+    /* the shared-memory map, spelled as the decode kernel spells its own (deliberate: a helper that
+     * returned these pointers moved the tile walk off the uniform datapath, sm90_core.cuh align_pad) */
     extern __shared__ uint8_t smem_raw[];
     uint8_t *smem = smem_raw + align_pad(smem_raw);
     uint8_t *slots = smem + C::kOffSlots;
