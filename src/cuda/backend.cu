@@ -859,8 +859,13 @@ static mf_result_t mf__cuda_gather(mf_moe_t moe, void *recv_x, float *recv_scale
  * the receive half's wait, a call's first kernel) and sums this rank's tokens. */
 static mf_result_t mf__cuda_sum_at(mf_moe_t moe, const mf__cuda_slot_t *slot, int32_t mode, int32_t T,
                                    const float *weights, uint16_t *y, cudaStream_t stream) {
-    MF_CHECK(mf__cuda_sync(moe->comm, moe->id, MF__PHASE_COMBINE, MF_SUCCESS, mode, slot->epochs + 1,
-                           mode == kMfSyncWait ? 0 : 1, stream));
+    /* One rank, one call (not a half): the sync would wait only for this rank's own arrival, and its
+     * verdict cannot change the fault state (a fresh fault became sticky at the DISPATCH sync, which
+     * cleared the claim; no peer, no other layer): the sum follows the GEMMs without it. The halves
+     * keep it (their epochs pair a send with its receive). */
+    if (moe->comm->num_ranks > 1 || mode != kMfSyncBoth)
+        MF_CHECK(mf__cuda_sync(moe->comm, moe->id, MF__PHASE_COMBINE, MF_SUCCESS, mode, slot->epochs + 1,
+                               mode == kMfSyncWait ? 0 : 1, stream));
     if (T == 0) return MF_SUCCESS;
     mf__sum_params_t p;
     memset(&p, 0, sizeof p);
@@ -958,32 +963,32 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
         const uint8_t *spare = (const uint8_t *)moe->spare.local;
         if (s->B) {
             mf__gemm_operand_t sw13 = {spare + sl->w13, fp8 ? (const float *)(spare + sl->w13_scales) : NULL, NULL};
-            MF_CHECK(mf__cuda_w13_swiglu(&choice, &spare_seg, c->dtype, c->ue8m0_scales, a, sw13, c->hidden, c->intermediate,
-                                         s->h, s->h_scales, stream, 1));
+            MF_CHECK(mf__cuda_w13_swiglu(&choice, &spare_seg, c->dtype, c->ue8m0_scales, a, sw13, c->hidden,
+                                         c->intermediate, s->h, s->h_scales, stream, 1));
         }
         MF__MARK(MF_PHASE_W2);
 
         /* W2 starts (PDL) while W13 may still run: its own schedule pairs */
         seg.sched = s->sched + 2 * kMfSchedW2;
         spare_seg.sched = s->sched + 2 * kMfSchedSpareW2;
-        mf__gemm_operand_t sw2 = {s->B ? spare + sl->w2 : NULL, fp8 && s->B ? (const float *)(spare + sl->w2_scales) : NULL,
-                                  NULL};
+        mf__gemm_operand_t sw2 = {s->B ? spare + sl->w2 : NULL,
+                                  fp8 && s->B ? (const float *)(spare + sl->w2_scales) : NULL, NULL};
         if (flow == MF_DATAFLOW_UNFUSED) {
-            MF_CHECK(mf__cuda_w2(&choice, &seg, c->dtype, h, w2, c->hidden, c->intermediate, s->expert_out, NULL, stream,
-                                 1));
+            MF_CHECK(mf__cuda_w2(&choice, &seg, c->dtype, h, w2, c->hidden, c->intermediate, s->expert_out, NULL,
+                                 stream, 1));
             if (s->B)
-                MF_CHECK(mf__cuda_w2(&choice, &spare_seg, c->dtype, h, sw2, c->hidden, c->intermediate, s->expert_out, NULL,
-                                     stream, 1));
+                MF_CHECK(mf__cuda_w2(&choice, &spare_seg, c->dtype, h, sw2, c->hidden, c->intermediate,
+                                     s->expert_out, NULL, stream, 1));
             MF__MARK(MF_PHASE_COMBINE);
             mf__move_params_t p = mf__move_params(moe);
             p.expert_out = s->expert_out;
-            MF_CUDA_CHECK(mf__cuda_launch(mf__return_kernel, dim3((unsigned)mf__move_blocks(moe)), dim3(kMfMoveThreads), 0,
-                                          stream, 1, p));
+            MF_CUDA_CHECK(mf__cuda_launch(mf__return_kernel, dim3((unsigned)mf__move_blocks(moe)),
+                                          dim3(kMfMoveThreads), 0, stream, 1, p));
         } else {
             MF_CHECK(mf__cuda_w2(&choice, &seg, c->dtype, h, w2, c->hidden, c->intermediate, NULL, &ret, stream, 1));
             if (s->B)
-                MF_CHECK(mf__cuda_w2(&choice, &spare_seg, c->dtype, h, sw2, c->hidden, c->intermediate, NULL, &ret, stream,
-                                     1));
+                MF_CHECK(mf__cuda_w2(&choice, &spare_seg, c->dtype, h, sw2, c->hidden, c->intermediate, NULL, &ret,
+                                     stream, 1));
             MF__MARK(MF_PHASE_COMBINE);
         }
     }

@@ -29,7 +29,8 @@ using namespace mf__small;
 
 namespace {
 
-static_assert(mf__small::kMaxVariants == 2 && mf__small::kMaxVariants <= kMfGemmMaxVariants, "FP8 and BF16: one usable bit each");
+static_assert(mf__small::kMaxVariants == 2 && mf__small::kMaxVariants <= kMfGemmMaxVariants,
+              "FP8 and BF16: one usable bit each");
 
 /* Variant 0: FP8, 1: BF16 (8-token tiles both). */
 template <bool kFp8>
@@ -59,7 +60,8 @@ mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__ge
     const int esz = fp8 ? 1 : 2;
     if (choice->block_rows != kTokens)
         return mf__gemm_decline(&g_family, "tiles of %d tokens (the kernel has %d)", choice->block_rows, kTokens);
-    if (!a.gather || !ret || !sync) return mf__gemm_decline(&g_family, "rows not gathered and returned at their owners");
+    if (!a.gather || !ret || !sync)
+        return mf__gemm_decline(&g_family, "rows not gathered and returned at their owners");
     if (a.gather->view != ret->view || a.gather->src != ret->src)
         return mf__gemm_decline(&g_family, "rows gathered and returned through different views or plans");
     MF_CHECK(mf__gemm_check_segments(&g_family, seg, 2 * (int64_t)I, kMaxExperts));
@@ -106,8 +108,8 @@ mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__ge
     const int64_t units = blocks * (I / kTileCols + H / kTileCols);
     const int grid = (int)(units < sms ? units : sms);
     void *args[] = {(void *)&p};
-    MF__GEMM_CUDA(mf__cuda_launch(variant_fn(vi), dim3((unsigned)grid), dim3(kThreads), (size_t)v.smem_bytes, stream, pdl,
-                                  args),
+    MF__GEMM_CUDA(mf__cuda_launch(variant_fn(vi), dim3((unsigned)grid), dim3(kThreads), (size_t)v.smem_bytes, stream,
+                                  pdl, args),
                   __func__);
     g_launches.fetch_add(1, std::memory_order_relaxed);
     mf__gemm_report_launch(&g_family, "small %s W13 + W2, T %d, %d slots, %d B smem, grid %d", fp8 ? "fp8" : "bf16",

@@ -297,8 +297,8 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
                 if (lane == 0) {
                     tile_of[s] = idx; /* published by the arrivals */
                     mf__mbar_arrive_expect_tx(&full[s], (uint32_t)kBoxBytes);
-                    mf__tma_load_2d_hint(slots + s * C::kSlotBytes, &p.tmap_w2, &full[s], kb * (kKBlock / C::kEsz), wrow,
-                                         pol_w);
+                    mf__tma_load_2d_hint(slots + s * C::kSlotBytes, &p.tmap_w2, &full[s], kb * (kKBlock / C::kEsz),
+                                         wrow, pol_w);
                 }
                 /* every lane's own acquire (its copies follow it), one verdict for the warp */
                 if (!ready) ready = __all_sync(0xffffffffu, ld_acquire(dep) >= target);
