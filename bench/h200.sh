@@ -40,11 +40,11 @@
 #        moeflow as an engine runs it), then vLLM's Triton path (the layer peer, from
 #        ${MF_PEERS:-../shared/peers}; never copied into the repository); table.md: the comparison
 #        (bench/summarize.py smallbatch). Not in `all`.
-# small: the small-batch kernel's A/B (issue 25 item 1, ~4 min): deepseek-v3, kimi-k2, qwen3-235b-a22b at
-#        R = 1, FP8, gated, no phase events, T = 1..128, 3 rounds per process; each preset once with
-#        MF_SMALL=0 (the two decode GEMMs) and once without (the small kernel where the choice takes
-#        it), the order alternating per preset; small_ab.md: bench/summarize.py ab MF_SMALL. Not in
-#        `all`.
+# small: the small-batch kernel's A/B (issue 25 item 1, ~6 min): deepseek-v3, kimi-k2, qwen3-235b-a22b at
+#        R = 1, FP8, gated, no phase events, T = 1..128, 3 rounds per process; each preset with
+#        MF_SMALL=0 (the two decode GEMMs and the sum kernel), MF_SMALL=1 (the small kernel, then the sum
+#        kernel) and MF_SMALL=2, the default (the small kernel summing itself), the order rotating;
+#        small_ab.md: bench/summarize.py ab MF_SMALL. Not in `all`.
 # overlap: moeflow bench overlap (issue 28: two micro-batches through the split halves beside the
 #        pair back to back; deepseek-v3, T = 64, 128, R = 1, 8). Not in `all`.
 set -u
@@ -157,22 +157,17 @@ if [ "$what" = rebalance ]; then
 fi
 if [ "$what" = small ]; then
     common=(-R 1 --dtype fp8 --gated --phases off --no-check --rounds 3 -T 1,2,4,8,16,32,64,128)
+    orders=("0 1 2" "1 2 0" "2 0 1")
     n=0
     for preset in deepseek-v3 kimi-k2 qwen3-235b-a22b; do
-        order="0 1"
-        [ $((n % 2)) = 1 ] && order="1 0"
-        for v in $order; do
-            if [ "$v" = 0 ]; then
-                MF_SMALL=0 timeout 150 ./build/moeflow bench layer --preset $preset "${common[@]}" \
-                    --json "$dir/small_${preset}_off.json" > "$dir/small_${preset}_off.log" 2>&1 || rc=1
-            else
-                timeout 150 ./build/moeflow bench layer --preset $preset "${common[@]}" \
-                    --json "$dir/small_${preset}_on.json" > "$dir/small_${preset}_on.log" 2>&1 || rc=1
-            fi
+        for v in ${orders[$n]}; do
+            MF_SMALL=$v timeout 150 ./build/moeflow bench layer --preset $preset "${common[@]}" \
+                --json "$dir/small_${preset}_$v.json" > "$dir/small_${preset}_$v.log" 2>&1 || rc=1
         done
         n=$((n + 1))
     done
-    python3 bench/summarize.py ab MF_SMALL "$dir"/small_*_off.json "$dir"/small_*_on.json | tee "$dir/small_ab.md" || rc=1
+    python3 bench/summarize.py ab MF_SMALL "$dir"/small_*_0.json "$dir"/small_*_1.json "$dir"/small_*_2.json \
+        | tee "$dir/small_ab.md" || rc=1
 fi
 
 if [ "$what" = capacity ]; then

@@ -41,8 +41,8 @@ smallbatch: the directory of `bench/h200.sh DIR smallbatch` (issue 25's table, o
        fast; the verdict column says which side wins.
 ab:    an A/B over one environment switch KEY (e.g. MF_SMALL, bench/h200.sh DIR small): the layer rows
        of every record grouped by preset and T, one column per value of KEY in the records' meta.env
-       (unset reads as the library's default, "1"), each `median (min-max)` over its rounds, and the
-       change of each value against the first (KEY=0 when present: the switch off).
+       (unset reads "default"), each `median (min-max)` over its rounds, and the change of each value
+       against the first (KEY=0 when present: the switch off).
 """
 import argparse
 import json
@@ -231,7 +231,7 @@ def ab(a):
         rec = json.load(open(path))
         m = rec["meta"]
         env = m.get("env", {}) if isinstance(m.get("env"), dict) else {}
-        v = env.get(a.key, "1")
+        v = env.get(a.key, "default")
         if v not in values:
             values.append(v)
         cmd = m.get("command", "")

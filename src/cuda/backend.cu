@@ -138,8 +138,9 @@ typedef struct mf__cuda_moe {
     int32_t *words;                  /* [2]: have_prev, weights_seen */
     int32_t *sched;                  /* [4][2] zeroed: the TMA GEMMs' schedule pairs (W13, spare W13, W2,
                                         spare W2: each launch that can overlap another has its own) */
-    int32_t *small_sync;             /* [2 + slots] zeroed: the small-batch kernel's ticket, finished CTAs
-                                        and per-expert W13 counters (it zeroes them again at its end) */
+    int32_t *small_sync;             /* [2 + slots + S H/128] zeroed: the small-batch kernel's ticket, finished
+                                        CTAs, per-expert W13 counters and (R = 1) per (token, 128 columns)
+                                        W2 arrivals (it zeroes them again at its end) */
     int32_t *pick_scratch;           /* [mf__balance_scratch_words] */
     int64_t *stats;                  /* [2 * MF_MAX_RANKS + 3]: plan loads, home loads, prefetch stats */
     size_t plan_smem, pick_smem;     /* dynamic shared memory of the balanced plan / the pick */
@@ -153,9 +154,10 @@ static mf__cuda_comm_t *mf__cc(mf_comm_t comm) { return (mf__cuda_comm_t *)comm-
 
 extern "C" int32_t mf__cuda_plan_serial = 0; /* balance/prefetch.h */
 extern "C" int32_t mf__cuda_plan_small = 1;  /* balance/prefetch.h */
-/* The small-batch kernel's switch (grouped_gemm.h choice->fused): cleared for the rest of the process
- * by a comm init that reads MF_SMALL=0 (core/params.c); the GPU tests clear and set it directly. */
-extern "C" int32_t mf__cuda_small = 1;
+/* The small-batch kernel's switch (grouped_gemm.h): 2 with its own sum at R = 1, 1 without, 0 off;
+ * lowered for the rest of the process by a comm init that reads MF_SMALL (core/params.c); the GPU
+ * tests set it directly. */
+extern "C" int32_t mf__cuda_small = 2;
 
 /* ---- comm and memory ---------------------------------------------------------------------- */
 
@@ -240,7 +242,8 @@ static mf_result_t mf__cuda_comm_init(mf_comm_t comm) {
     MF_CHECK(mf__cuda_gemm_preload());
     MF_CHECK(mf__cuda_gemm_watch());
     if (!mf__param_pdl()) __atomic_store_n(&mf__cuda_pdl, 0, __ATOMIC_RELAXED); /* MF_PDL=0 (cuda/pdl.cuh) */
-    if (!mf__param_small()) __atomic_store_n(&mf__cuda_small, 0, __ATOMIC_RELAXED); /* MF_SMALL=0 */
+    const int32_t small = mf__param_small(); /* MF_SMALL=0 or 1 lowers the switch for the process */
+    if (small < __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED)) __atomic_store_n(&mf__cuda_small, small, __ATOMIC_RELAXED);
 
     mf__cuda_comm_t *c = (mf__cuda_comm_t *)mf__calloc(1, sizeof *c);
     if (!c) return mf__error(MF_ERR_OUT_OF_MEMORY, "cuda backend: out of host memory");
@@ -508,7 +511,7 @@ static mf__gemm_choice_t mf__cuda_gemm_choice(mf_moe_t moe, int32_t T) {
     mf__gemm_choice_t c = mf__gemm_choose(mf__cuda_rows_hint(moe, T), mf__cuda_rows_bound(moe), moe->config.dataflow);
     /* the small-batch kernel has no spare-slot launch: a layer with spare slots runs the two GEMMs */
     const mf__cuda_moe_t *s = (const mf__cuda_moe_t *)moe->backend_state;
-    if ((s && s->B) || !__atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED)) c.fused = 0;
+    if ((s && s->B) || __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED) == 0) c.fused = 0;
     return c;
 }
 
@@ -548,6 +551,7 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
     int pull = c->dataflow != MF_DATAFLOW_DIRECT ||
                mf__cuda_gemm_choice(moe, c->max_tokens_per_rank).dataflow != MF_DATAFLOW_DIRECT;
     const size_t R = (size_t)moe->comm->num_ranks, N = (size_t)moe->heap.num_slots;
+    const size_t small_words = (size_t)(2 + L) + (size_t)c->max_tokens_per_rank * (size_t)(H / MF__QUANT_BLOCK);
     struct { void **p; size_t bytes; } allocs[] = {
         {(void **)&s->ids_all, R * (size_t)c->max_tokens_per_rank * (size_t)c->num_topk * 4},
         {(void **)&s->T_all, R * 4},
@@ -571,7 +575,7 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
         {(void **)&s->prev_counts, (size_t)c->num_experts * 4},
         {(void **)&s->words, 2 * 4},
         {(void **)&s->sched, kMfSchedPairs * 2 * 4},
-        {(void **)&s->small_sync, (size_t)(2 + L) * 4},
+        {(void **)&s->small_sync, small_words * 4},
         {(void **)&s->pick_scratch, B ? (size_t)mf__balance_scratch_words(c->num_experts, R_, P, B) * 4 : 0},
         {(void **)&s->stats, (2 * MF_MAX_RANKS + 3) * 8},
     };
@@ -594,7 +598,7 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
     if (e == cudaSuccess) e = cudaMemsetAsync(s->next, 0xff, (size_t)(R * B + 1) * 4, setup);
     if (e == cudaSuccess) e = cudaMemsetAsync(s->words, 0, 2 * 4, setup);
     if (e == cudaSuccess) e = cudaMemsetAsync(s->sched, 0, kMfSchedPairs * 2 * 4, setup);
-    if (e == cudaSuccess) e = cudaMemsetAsync(s->small_sync, 0, (size_t)(2 + L) * 4, setup);
+    if (e == cudaSuccess) e = cudaMemsetAsync(s->small_sync, 0, small_words * 4, setup);
     if (e == cudaSuccess) e = cudaMemsetAsync(s->stats, 0, (2 * MF_MAX_RANKS + 3) * 8, setup);
     int32_t *masked = NULL; /* host copy of e * C, until the setup stream has read it */
     if (e == cudaSuccess && s->masked_offsets) {
@@ -944,10 +948,15 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     const mf__gemm_return_t ret = {view, s->src, c->num_topk};
     mf__gemm_operand_t h = {s->h, s->h_scales, NULL};
     mf__gemm_operand_t w2 = {w->w2.data, fp8 ? (const float *)w->w2_scales.data : NULL, NULL};
+    int32_t summed = 0; /* the small kernel wrote y (R = 1) */
     if (choice.fused) {
-        /* the small-batch kernel: both GEMMs in one launch (W13's phase holds both, W2's is empty) */
+        /* the small-batch kernel: both GEMMs in one launch (W13's phase holds both, W2's is empty), at
+         * R = 1 the sum too (then the COMBINE phase is empty as well) */
+        const mf__gemm_sum_t sum = {(uint16_t *)out->y.data, T, &mf__cc(moe->comm)->state->fault};
+        const int32_t own_sum = moe->comm->num_ranks == 1 && __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED) >= 2;
         MF_CHECK(mf__cuda_w13_w2(&choice, &seg, s->sched + 2 * kMfSchedW2, c->dtype, c->ue8m0_scales, a, w13, w2,
-                                 c->hidden, c->intermediate, s->h, s->h_scales, &ret, s->small_sync, stream, 1));
+                                 c->hidden, c->intermediate, s->h, s->h_scales, &ret, s->small_sync,
+                                 own_sum ? &sum : NULL, &summed, stream, 1));
         MF__MARK(MF_PHASE_W2);
         MF__MARK(MF_PHASE_COMBINE);
     } else {
@@ -995,7 +1004,7 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
 
     /* The owner sums with the weights it published (a copy, valid until its next publish). */
     const float *weights = (const float *)mf__view_mine(view, view->weights);
-    MF_CHECK(mf__cuda_sum(moe, T, weights, (uint16_t *)out->y.data, stream));
+    if (!summed) MF_CHECK(mf__cuda_sum(moe, T, weights, (uint16_t *)out->y.data, stream));
     MF__MARK(MF_NUM_PHASES);
     if (ordered) { /* the next prefetch follows this forward */
         MF_CUDA_CHECK(cudaEventRecord(s->fwd_done, stream));

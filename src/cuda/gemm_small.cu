@@ -55,7 +55,7 @@ std::atomic<uint64_t> g_launches; /* mf__gemm_small_launches (testing.h) */
 mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t dtype,
                                    int32_t ue8m0, mf__gemm_operand_t a, mf__gemm_operand_t w13, mf__gemm_operand_t w2,
                                    int32_t H, int32_t I, void *h, float *h_scales, const mf__gemm_return_t *ret,
-                                   int32_t *sync, cudaStream_t stream, int32_t pdl) {
+                                   int32_t *sync, const mf__gemm_sum_t *sum, cudaStream_t stream, int32_t pdl) {
     const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
     const int esz = fp8 ? 1 : 2;
     if (choice->block_rows != kTokens)
@@ -64,13 +64,16 @@ mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__ge
         return mf__gemm_decline(&g_family, "rows not gathered and returned at their owners");
     if (a.gather->view != ret->view || a.gather->src != ret->src)
         return mf__gemm_decline(&g_family, "rows gathered and returned through different views or plans");
+    if (sum && ret->view->num_ranks != 1)
+        return mf__gemm_decline(&g_family, "the sum over %d ranks (one rank only)", ret->view->num_ranks);
     MF_CHECK(mf__gemm_check_segments(&g_family, seg, 2 * (int64_t)I, kMaxExperts));
     MF_CHECK(mf__gemm_check_segments(&g_family, seg, H, kMaxExperts));
     if (I <= 0 || H <= 0 || I % kTileCols || H % kTileCols)
         return mf__gemm_decline(&g_family, "H = %d, I = %d: not positive multiples of %d", H, I, kTileCols);
     if (((int64_t)H * esz) % kKBlock || ((int64_t)I * esz) % kKBlock)
         return mf__gemm_decline(&g_family, "H = %d, I = %d: row bytes not multiples of %d", H, I, kKBlock);
-    if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) return MF_SUCCESS; /* no rows: nothing to launch */
+    if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) /* no rows: nothing to launch (y: the sum kernel) */
+        return sum ? mf__gemm_decline(&g_family, "no rows to compute: the sum runs alone") : MF_SUCCESS;
     const int vi = fp8 ? 0 : 1;
     int dev = 0, sms = 0;
     MF_CHECK(mf__gemm_configure(&g_family, __func__, &dev, &sms));
@@ -102,6 +105,11 @@ mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__ge
     p.I = I;
     p.ue8m0 = ue8m0 ? 1 : 0;
     p.sync = sync;
+    if (sum) {
+        p.y = sum->y;
+        p.fault = sum->fault;
+        p.T = sum->T;
+    }
 
     /* one CTA per SM, never more than the units of the largest possible problem */
     const int64_t blocks = (int64_t)seg->num_experts * ((seg->max_rows_per_expert + kTokens - 1) / kTokens);

@@ -439,17 +439,24 @@ mf_result_t mf__cuda_w2(const mf__gemm_choice_t *choice, const mf__gemm_segments
 mf_result_t mf__cuda_w13_w2(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t *w2_sched,
                             int32_t dtype, int32_t ue8m0, mf__gemm_operand_t a, mf__gemm_operand_t w13,
                             mf__gemm_operand_t w2, int32_t H, int32_t I, void *h, float *h_scales,
-                            const mf__gemm_return_t *ret, int32_t *sync, cudaStream_t stream, int32_t pdl) {
+                            const mf__gemm_return_t *ret, int32_t *sync, const mf__gemm_sum_t *sum, int32_t *summed,
+                            cudaStream_t stream, int32_t pdl) {
     static const char *who = "mf__cuda_w13_w2";
-    MF_REQUIRE(choice, "%s: choice must not be NULL", who);
+    MF_REQUIRE(choice && summed, "%s: choice and summed must not be NULL", who);
+    *summed = 0;
     const mf__gemm_operand_t hop = {h, h_scales, NULL};
     if (choice->fused) {
         MF_CHECK(check_w13(who, seg, dtype, a, w13, H, I, h, h_scales));
         MF_CHECK(check_w2(who, seg, dtype, hop, w2, H, I, NULL, ret));
         MF_REQUIRE(sync && aligned(sync, sizeof(int32_t)), "%s: sync (%p) must be a 4-byte aligned device buffer", who,
                    (void *)sync);
-        const mf_result_t r =
-            mf__sm90_small_experts(choice, seg, dtype, ue8m0, a, w13, w2, H, I, h, h_scales, ret, sync, stream, pdl);
+        if (sum) {
+            MF_REQUIRE(sum->T >= 0 && sum->fault, "%s: sum->T (%d) must be >= 0 and sum->fault set", who, sum->T);
+            MF_CHECK(check_data(who, "sum->y", sum->y));
+        }
+        const mf_result_t r = mf__sm90_small_experts(choice, seg, dtype, ue8m0, a, w13, w2, H, I, h, h_scales, ret,
+                                                     sync, sum, stream, pdl);
+        if (r == MF_SUCCESS) *summed = sum != NULL;
         const bool dbg = mf__debug_on() && debug_first(2, seg, dtype, H, I, a.gather != NULL, ret != NULL);
         if (r != MF_ERR_NOT_SUPPORTED) {
             if (dbg && r == MF_SUCCESS) {

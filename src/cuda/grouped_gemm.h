@@ -122,7 +122,8 @@ typedef struct mf__gemm_choice {
 mf__gemm_choice_t mf__gemm_choose(int32_t rows_hint, int32_t max_rows_per_expert, int32_t dataflow);
 
 /* The small-batch kernel's switch (defined in cuda/backend.cu): 0 clears choice->fused in every
- * forward; a comm init that reads MF_SMALL=0 (core/params.c) clears it for the rest of the process. */
+ * forward, 1 keeps the sum kernel after it, 2 (the default) lets it sum at R = 1 too; a comm init
+ * lowers it to MF_SMALL (core/params.c) for the rest of the process. */
 extern "C" int32_t mf__cuda_small;
 
 /* The types of a W13 and of a W2 launcher: the dispatchers' (below) and the decode family's, so
@@ -149,15 +150,26 @@ mf_result_t mf__sm90_tma_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__g
                             mf__gemm_operand_t w2, int32_t H, int32_t I, uint16_t *out, const mf__gemm_return_t *ret,
                             cudaStream_t stream, int32_t pdl);
 mf_result_t mf__sm90_tma_preload(void);
+/* The owner's K-sum done by the small-batch kernel itself (R = 1): y [T, H] BF16 = the sum of the
+ * token's partials in its combine slots, with its published ids and weights (the heap view's ids
+ * and weights regions), the sum kernel's arithmetic (kernels/sum.cuh); `fault` the comm's sticky
+ * fault word (set: y untouched). */
+typedef struct mf__gemm_sum {
+    uint16_t *y;
+    int32_t T;
+    const int32_t *fault;
+} mf__gemm_sum_t;
+
 /* The small-batch kernel (choice->fused): W13 + SwiGLU into h (+ h_scales), then W2 of h returned to
- * the owners' combine slots (`ret`), in one launch; rows gathered at their owners (a.gather).
- * `sync`: device, 2 + L zeroed int32 of this launch alone (the kernel zeroes them again at its end).
- * Declines (MF_ERR_NOT_SUPPORTED) what it does not take: tiles other than 8 tokens, rows not
- * gathered or not returned, shapes the decode kernels decline. */
+ * the owners' combine slots (`ret`), in one launch; rows gathered at their owners (a.gather); with
+ * `sum` (one rank) also y. `sync`: device, zeroed int32 of this launch alone, 2 + L (+ T H/128 with
+ * the sum); the kernel zeroes them again at its end. Declines (MF_ERR_NOT_SUPPORTED) what it does
+ * not take: tiles other than 8 tokens, rows not gathered or not returned, a sum over more than one
+ * rank, shapes the decode kernels decline. */
 mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t dtype,
                                    int32_t ue8m0, mf__gemm_operand_t a, mf__gemm_operand_t w13, mf__gemm_operand_t w2,
                                    int32_t H, int32_t I, void *h, float *h_scales, const mf__gemm_return_t *ret,
-                                   int32_t *sync, cudaStream_t stream, int32_t pdl);
+                                   int32_t *sync, const mf__gemm_sum_t *sum, cudaStream_t stream, int32_t pdl);
 mf_result_t mf__sm90_small_preload(void);
 
 /* MF_DEBUG (core/debug.h): the layer id the calling thread's next dispatcher calls report under
@@ -175,13 +187,15 @@ mf__gemm_w13_swiglu_fn mf__cuda_w13_swiglu;
 mf__gemm_w2_fn mf__cuda_w2;
 
 /* Both GEMMs of a DIRECT forward, rows returned to the owners: with choice->fused the small-batch
- * kernel (one launch, `sync` its 2 + L zeroed int32), where it declines (or without `fused`)
- * mf__cuda_w13_swiglu then mf__cuda_w2 (seg->sched W13's schedule pair, w2_sched W2's). The same bits
- * either way. The small kernel takes the rows through one heap view and plan: a.gather and ret with
- * the same view and src (else it declines). */
+ * kernel (one launch, `sync` its zeroed words), and with `sum` (not NULL) the owner's K-sum in it too
+ * (*summed = 1: y is written); where it declines (or without `fused`) mf__cuda_w13_swiglu then
+ * mf__cuda_w2 (seg->sched W13's schedule pair, w2_sched W2's) and *summed = 0: the caller sums. The
+ * same bits either way. The small kernel takes the rows through one heap view and plan: a.gather and
+ * ret with the same view and src (else it declines). */
 mf_result_t mf__cuda_w13_w2(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t *w2_sched,
                             int32_t dtype, int32_t ue8m0, mf__gemm_operand_t a, mf__gemm_operand_t w13,
                             mf__gemm_operand_t w2, int32_t H, int32_t I, void *h, float *h_scales,
-                            const mf__gemm_return_t *ret, int32_t *sync, cudaStream_t stream, int32_t pdl);
+                            const mf__gemm_return_t *ret, int32_t *sync, const mf__gemm_sum_t *sum, int32_t *summed,
+                            cudaStream_t stream, int32_t pdl);
 
 #endif /* MF_CUDA_GROUPED_GEMM_H */

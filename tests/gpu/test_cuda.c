@@ -748,27 +748,29 @@ static mf_result_t pdl_run(const pdl_case_t *c, const mfp_problem_t *p, uint16_t
 }
 
 /* A case with a library switch (`sw`: mf__cuda_plan_small, mf__cuda_small) set to `on`, then back to
- * 1: y[r] allocated and poisoned first; digests (mf_dispatch's outputs) where not NULL. */
+ * its value before: y[r] allocated and poisoned first; digests (mf_dispatch's outputs) where not NULL. */
 static mf_result_t switch_run(const pdl_case_t *c, const mfp_problem_t *p, int32_t *sw, int on, uint16_t **y,
                               uint64_t *digests, char *err, int errlen) {
     for (int32_t r = 0; r < c->layer.R; r++) {
         y[r] = mft_alloc((size_t)p->T[r] * c->layer.H * 2 + 2);
         mft_poison(y[r], (size_t)p->T[r] * c->layer.H * 2);
     }
+    const int32_t before = __atomic_load_n(sw, __ATOMIC_RELAXED);
     __atomic_store_n(sw, on, __ATOMIC_RELAXED);
     const mf_result_t res = pdl_run_digests(c, p, y, digests, err, errlen);
-    __atomic_store_n(sw, 1, __ATOMIC_RELAXED);
+    __atomic_store_n(sw, before, __ATOMIC_RELAXED);
     return res;
 }
 
 /* ---- the small-batch kernel: W13 + W2 in one launch, the same y as the two GEMMs ---------------- */
 
-extern int32_t mf__cuda_small; /* cuda/grouped_gemm.h: 0 clears choice.fused */
+extern int32_t mf__cuda_small; /* cuda/grouped_gemm.h: 0 clears choice.fused, 1 keeps the sum kernel */
 uint64_t mf__gemm_small_launches(void); /* testing.h (cuda/gemm_bench.h) */
 
-/* Every case twice, with the small kernel (the switch set: the forward's choice has 8-token tiles and
- * DIRECT) and without (the two decode GEMMs): y equal bit for bit, the small run within the
- * contract's bounds of the CPU backend, and the launch counter says which ran. Cases: one and
+/* Every case three times: without the small kernel (switch 0: the two decode GEMMs), with it and the
+ * sum kernel (1), with it summing itself at R = 1 (2, the default): y equal bit for bit, the default
+ * run within the contract's bounds of the CPU backend, and the launch counter says which ran (a sum
+ * that did not run leaves y poisoned, which the comparison catches). Cases: one and
  * several ranks, idle ranks, both dtypes and layouts, a hot expert with more rows than a tile
  * (several token blocks, several W13 tiles per W2 dependency), W13 K blocks past the ring (two
  * positions each) and W2 K blocks past it (the weights issued before the wait, then the rest), a
@@ -778,8 +780,12 @@ static int cuda_small_bitwise(void) {
     const pdl_case_t cases[] = {
         {{1, 16, 4, 256, 256, 1, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 3, 0, NULL, 41},
          MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 0, 0},
-        {{1, 8, 2, 256, 256, 8, 0, MF_DTYPE_BF16, MF_LAYOUT_MASKED, MFP_ROUTING_UNIFORM, 0, 3, 0, NULL, 42},
+        /* R = 1 with dropped k (-1): the small kernel's sum counts the valid k, and writes the zero
+         * rows of tokens that route nowhere */
+        {{1, 8, 2, 256, 256, 8, 0, MF_DTYPE_BF16, MF_LAYOUT_MASKED, MFP_ROUTING_UNIFORM, 0, 3, 0.6, NULL, 42},
          MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 0, 0},
+        {{1, 16, 2, 256, 256, 8, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 3, 0.6, NULL, 48},
+         MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 1, 0},
         /* the hot expert takes 16 rows: two token blocks */
         {{2, 16, 4, 256, 256, 8, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED, MFP_ROUTING_HOT, 3, 3, 0, NULL, 43},
          MF_DATAFLOW_DIRECT, MFP_OP_FORWARD, 0, 0},
@@ -799,9 +805,9 @@ static int cuda_small_bitwise(void) {
         const layer_case_t *c = &cases[i].layer;
         mfp_problem_t p;
         MFT_CHECK(generate_case(c, &p) == 0);
-        uint16_t *y[2][MF_MAX_RANKS], *y_cpu[MF_MAX_RANKS];
+        uint16_t *y[3][MF_MAX_RANKS], *y_cpu[MF_MAX_RANKS];
         char err[512] = "";
-        for (int small = 0; small < 2; small++) {
+        for (int small = 0; small < 3; small++) {
             const uint64_t before = mf__gemm_small_launches();
             mf_result_t res = switch_run(&cases[i], &p, &mf__cuda_small, small, y[small], NULL, err, sizeof err);
             const uint64_t launched = mf__gemm_small_launches() - before;
@@ -809,18 +815,18 @@ static int cuda_small_bitwise(void) {
             MFT_CHECK_MSG(small ? launched > 0 : launched == 0, "case %d: switch %d, %llu small launches", i, small,
                           (unsigned long long)launched);
         }
-        for (int32_t r = 0; r < c->R; r++)
-            MFT_CHECK_MSG(memcmp(y[0][r], y[1][r], (size_t)p.T[r] * c->H * 2) == 0,
-                          "case %d rank %d: y of the small kernel differs from the two GEMMs'", i, r);
+        for (int small = 1; small < 3; small++)
+            for (int32_t r = 0; r < c->R; r++)
+                MFT_CHECK_MSG(memcmp(y[0][r], y[small][r], (size_t)p.T[r] * c->H * 2) == 0,
+                              "case %d rank %d: y with switch %d differs from the two GEMMs'", i, r, small);
         for (int32_t r = 0; r < c->R; r++) y_cpu[r] = mft_alloc((size_t)p.T[r] * c->H * 2 + 2);
         mf_result_t res = mfp_run_forward(&p, MF_BACKEND_CPU, 1, 0, y_cpu, NULL, err, sizeof err);
         MFT_CHECK_MSG(res == MF_SUCCESS, "cpu run failed: %s", err);
         char label[32];
         snprintf(label, sizeof label, "small case %d", i);
-        if (check_layer_y(label, "cpu", c->dtype, c->R, p.T, c->H, y[1], y_cpu, NULL)) return 1;
+        if (check_layer_y(label, "cpu", c->dtype, c->R, p.T, c->H, y[2], y_cpu, NULL)) return 1;
         for (int32_t r = 0; r < c->R; r++) {
-            free(y[0][r]);
-            free(y[1][r]);
+            for (int small = 0; small < 3; small++) free(y[small][r]);
             free(y_cpu[r]);
         }
         mfp_free(&p);
@@ -1331,9 +1337,10 @@ static int cuda_debug_report(void) {
     const char *ds[] = {"moeflow DEBUG", "gemm layer 0 w13 + w2 fp8_e4m3 H 256 I 256 L 8 rows_hint 1", "A gathered",
                         "to combine slots", "ran small fp8 W13 + W2, T 8", NULL};
     MFT_CHECK_MSG(debug_lines(text, ds) == 1, "decode shape (the small-batch kernel), stderr:\n%s", text);
+    const int32_t small = __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED);
     __atomic_store_n(&mf__cuda_small, 0, __ATOMIC_RELAXED); /* the two GEMMs' reports */
     const int failed = debug_case(&dec, text, sizeof text);
-    __atomic_store_n(&mf__cuda_small, 1, __ATOMIC_RELAXED);
+    __atomic_store_n(&mf__cuda_small, small, __ATOMIC_RELAXED);
     if (failed) return 1;
     const char *d13[] = {"moeflow DEBUG", "gemm layer 0 w13 fp8_e4m3 H 256 I 256 L 8 rows_hint 1", "A gathered",
                          "ran decode fp8 swiglu T 8, A gathered in place", "tma: not tried (rows_hint 1 <= kMfDecodeMaxRows 64)",

@@ -21,6 +21,7 @@
 #include "core/layout.h"
 #include "core/numerics.h"
 #include "cuda/heap_view.h"
+#include "cuda/kernels/sum.cuh"
 #include "cuda/kernels/sync.cuh"
 
 /* ---- publish ------------------------------------------------------------------------------ */
@@ -587,7 +588,7 @@ typedef struct mf__sum_params {
 
 /* Grid (T, column groups): each thread owns 8 columns of one token (16-byte loads and stores), so
  * a few tokens still spread over many SMs. A thread loads up to kMfSumBatch partials before adding
- * them, in k order (docs/DESIGN.md's fixed order; skipped k add nothing, not even a zero). */
+ * them, in k order (kernels/sum.cuh: the one definition of that arithmetic). */
 __global__ void __launch_bounds__(kMfSumThreads) mf__sum_kernel(mf__sum_params_t p) {
     const int32_t t = blockIdx.x;
     const int32_t c = blockIdx.y * blockDim.x + threadIdx.x;
@@ -597,33 +598,8 @@ __global__ void __launch_bounds__(kMfSumThreads) mf__sum_kernel(mf__sum_params_t
     const uint8_t *heap = p.view.heap[p.view.rank]; /* my heap */
     const int32_t *ids = (const int32_t *)(heap + p.view.ids) + (size_t)t * p.K;
     const uint16_t *slots = (const uint16_t *)(heap + p.view.combine) + (size_t)t * p.K * p.H;
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int32_t k0 = 0; k0 < p.K; k0 += kMfSumBatch) {
-        bool use[kMfSumBatch];
-        float w[kMfSumBatch];
-        uint4 v[kMfSumBatch];
-#pragma unroll
-        for (int j = 0; j < kMfSumBatch; j++) {
-            const int32_t k = k0 + j;
-            use[j] = k < p.K && ids[k] >= 0;
-            w[j] = use[j] ? p.weights[(size_t)t * p.K + k] : 0.0f;
-            v[j] = use[j] ? *(const uint4 *)(slots + (size_t)k * p.H + c * 8) : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int j = 0; j < kMfSumBatch; j++) {
-            if (!use[j]) continue;
-            const uint32_t words[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                uint16_t b = (uint16_t)(words[i / 2] >> (16 * (i % 2)));
-                acc[i] = __fadd_rn(acc[i], __fmul_rn(w[j], mf__bf16_to_float(b)));
-            }
-        }
-    }
-    uint32_t out[4];
-    for (int i = 0; i < 4; i++)
-        out[i] = (uint32_t)mf__bf16_from_float(acc[2 * i]) | ((uint32_t)mf__bf16_from_float(acc[2 * i + 1]) << 16);
-    *(uint4 *)(p.y + (size_t)t * p.H + c * 8) = make_uint4(out[0], out[1], out[2], out[3]);
+    *(uint4 *)(p.y + (size_t)t * p.H + c * 8) =
+        mf__sum_columns<false>(ids, p.weights + (size_t)t * p.K, slots, p.K, p.H, c);
 }
 
 #endif /* MF_CUDA_MOVEMENT_CUH */

@@ -43,9 +43,15 @@
  * plain kernel with `ret` (one box): rows go to the owners' combine slots. After a W13 unit's stores:
  * one more named barrier, then one thread publishes.
  *
+ * The sum (R = 1, params.y set): the forward's last kernel then is this one. After a W2 tile's rows
+ * are in the combine slots, each row's token arrives on its (token, 128-column block) counter; the
+ * arrival that completes the token's valid k sums that block into y with the sum kernel's arithmetic
+ * (kernels/sum.cuh), and CTA b writes the zero rows of tokens b, b + grid, ... that route nowhere.
+ * A faulted comm (the sticky word, set before this kernel) leaves y untouched, as the sum kernel does.
+ *
  * The end: every CTA, once its consumers are done, counts itself in sync[1]; the last one zeroes the
- * ticket, the count and done[0 .. L): the next launch starts from zeros (stream order; under PDL the
- * next launch on this buffer is several kernels later).
+ * ticket, the count, done[0 .. L) and the sum's counters: the next launch starts from zeros (stream
+ * order; under PDL the next launch on this buffer is several kernels later).
  *
  * Limits (the launcher declines anything else): H and I multiples of kTileCols (128: the W2 and h
  * n-blocks), their rows' bytes multiples of kKBlock, L <= kMaxExperts, L 2I and L H within int32 TMA
@@ -64,6 +70,7 @@
 #include "cuda/kernels/sm90_core.cuh"
 #include "cuda/kernels/sm90_decode_gemm.cuh"
 #include "cuda/kernels/sm90_ptx.cuh"
+#include "cuda/kernels/sum.cuh"
 
 namespace mf__small {
 
@@ -87,7 +94,11 @@ struct small_params {
     int32_t max_rows;          /* counts are clamped to [0, max_rows] */
     int32_t H, I;
     int32_t ue8m0;             /* FP8: power-of-two h scales */
-    int32_t *sync;             /* [2 + L] zeroed: ticket, finished CTAs, done[L] (W13 tiles stored) */
+    int32_t *sync;             /* zeroed: ticket, finished CTAs, done[L] (W13 tiles stored), and with the
+                                  sum arrive[T][H/128] (W2 tiles of each token's 128-column block) */
+    uint16_t *y;               /* the sum (R = 1): y [T, H] BF16 from the partials; NULL: the sum kernel's */
+    const int32_t *fault;      /* with the sum: the comm's sticky fault word; set: y stays untouched */
+    int32_t T;                 /* with the sum: this rank's tokens */
 };
 
 template <bool kFp8, int kBlockT>
@@ -104,8 +115,8 @@ struct cfg {
     static constexpr int kRedBytes = kConsumerWarps * kBlockT * 4;
     static constexpr int kTableBytes = align_up((3 * kMaxExperts + 1) * 4, 16);
     static constexpr int kTileOfBytes = align_up(kMaxSlots * 4, 16);
-    static constexpr int kFixedBytes =
-        kMfSwizzleAtomBytes /* base alignment slack */ + kEpiBytes + kRedBytes + kTableBytes + kTileOfBytes + 16;
+    static constexpr int kFixedBytes = kMfSwizzleAtomBytes /* base alignment slack */ + kEpiBytes + kRedBytes +
+                                       kTableBytes + kTileOfBytes + 16 + kBlockT * 4;
     static constexpr int kPerSlotBytes = kSlotBytes + kScaleBytes + 2 * 8;
     static constexpr int kSlots = min_int(kMaxSlots, (kSmemLimit - kFixedBytes - 16) / kPerSlotBytes);
 
@@ -116,7 +127,8 @@ struct cfg {
     static constexpr int kOffTables = kOffRed + kRedBytes;
     static constexpr int kOffTileOf = kOffTables + kTableBytes;
     static constexpr int kOffFlag = kOffTileOf + kTileOfBytes;          /* the count-out's "last CTA" */
-    static constexpr int kOffBars = align_up(kOffFlag + 16, 8);
+    static constexpr int kOffSumFlags = kOffFlag + 16;                  /* the sum: [kBlockT] token + 1 or 0 */
+    static constexpr int kOffBars = align_up(kOffSumFlags + kBlockT * 4, 8);
     static constexpr int kSmemBytes = kOffBars + kSlots * 2 * 8 + kMfSwizzleAtomBytes;
 
     static_assert(kBlockT == 8, "the small kernel is built for 8-token tiles (the choice takes it below them)");
@@ -321,12 +333,75 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
     mf__cp_async_wait_all();
 }
 
+/* ---- the sum (R = 1) ---------------------------------------------------------------------------- */
+
+/* y of the tokens with no valid k (every id -1): no W2 tile arrives for them, so CTA b writes them,
+ * tokens b, b + grid, ... (the sum kernel's result: nothing added, a BF16 zero). Consumer threads. */
+__device__ __forceinline__ void sum_dropped(const small_params &p, int ctid) {
+    const uint8_t *heap = p.view.heap[p.view.rank];
+    for (int32_t token = (int32_t)blockIdx.x; token < p.T; token += (int32_t)gridDim.x) {
+        const int32_t *ids = (const int32_t *)(heap + p.view.ids) + (int64_t)token * p.num_topk;
+        int32_t valid = 0;
+        for (int32_t k = 0; k < p.num_topk; k++) valid += ids[k] >= 0;
+        if (valid || *(volatile const int32_t *)p.fault) continue;
+        for (int32_t c = ctid; c < p.H / 8; c += kConsumerThreads)
+            *(uint4 *)(p.y + (int64_t)token * p.H + c * 8) =
+                mf__sum_columns<true>(ids, (const float *)(heap + p.view.weights) + (int64_t)token * p.num_topk,
+                                      (const uint16_t *)(heap + p.view.combine) + (int64_t)token * p.num_topk * p.H,
+                                      p.num_topk, p.H, c);
+    }
+}
+
+/* After a W2 tile's rows are in their combine slots: each row's token arrives on its (token, n-block)
+ * counter (release: this tile's stores, ordered by the barrier, then a fence and the add); the row
+ * whose arrival completes the token's valid k sums that token's 128 columns here (acquire: a fence
+ * after the add; the partials of other CTAs read through L2), 16 consumer threads of 8 columns each,
+ * with the sum kernel's arithmetic (kernels/sum.cuh). A token routes to an expert at most once, so
+ * the rows of one tile are distinct tokens. */
+template <int kBlockT>
+__device__ __forceinline__ void sum_tile(const small_params &p, const tile_t &t, int32_t nb2, int ctid,
+                                         int32_t *flags) {
+    static_assert(kBlockT * 16 <= kConsumerThreads, "16 threads per token row");
+    const uint8_t *heap = p.view.heap[p.view.rank];
+    const int32_t *ids_all = (const int32_t *)(heap + p.view.ids);
+    int32_t *arrive = p.sync + 2 + p.num_experts;
+    mf__named_barrier_sync(kBarEpilogue, kConsumerThreads); /* every row of the tile is in its slot */
+    if (ctid < kBlockT) {
+        int32_t flag = 0;
+        if (ctid >= t.lo) {
+            const int32_t *src = p.src + 3 * ((int64_t)t.row0 + ctid);
+            const int32_t token = src[1];
+            if (src[0] == p.view.rank && token >= 0 && token < p.T) {
+                const int32_t *ids = ids_all + (int64_t)token * p.num_topk;
+                int32_t want = 0;
+                for (int32_t k = 0; k < p.num_topk; k++) want += ids[k] >= 0;
+                __threadfence();
+                if (atomicAdd(arrive + (int64_t)token * nb2 + t.nb, 1) + 1 == want) {
+                    __threadfence();
+                    flag = token + 1;
+                }
+            }
+        }
+        flags[ctid] = flag;
+    }
+    mf__named_barrier_sync(kBarEpilogue, kConsumerThreads);
+    const int j = ctid / 16;
+    if (j < kBlockT && flags[j] > 0 && !*(volatile const int32_t *)p.fault) {
+        const int32_t token = flags[j] - 1, c = t.nb * 16 + ctid % 16;
+        *(uint4 *)(p.y + (int64_t)token * p.H + c * 8) =
+            mf__sum_columns<true>(ids_all + (int64_t)token * p.num_topk,
+                                  (const float *)(heap + p.view.weights) + (int64_t)token * p.num_topk,
+                                  (const uint16_t *)(heap + p.view.combine) + (int64_t)token * p.num_topk * p.H,
+                                  p.num_topk, p.H, c);
+    }
+}
+
 /* ---- consumers --------------------------------------------------------------------------------- */
 
 template <bool kFp8, int kBlockT>
 __device__ __forceinline__ void consumer(const small_params &p, const tables_t &tb, uint8_t *slots, const float *scales,
-                                         const int32_t *tile_of, uint8_t *epi, float *red, uint64_t *full,
-                                         uint64_t *empty) {
+                                         const int32_t *tile_of, uint8_t *epi, float *red, int32_t *sum_flags,
+                                         uint64_t *full, uint64_t *empty) {
     using C = cfg<kFp8, kBlockT>;
     using R = ring<C::kSlots>;
     constexpr int kFrag = kBlockT / 2;
@@ -347,6 +422,8 @@ __device__ __forceinline__ void consumer(const small_params &p, const tables_t &
     float tmp2[1][kFrag];
 #pragma unroll
     for (int i = 0; i < kFrag; i++) tmp2[0][i] = 0.0f;
+
+    if (p.y) sum_dropped(p, ctid);
 
     uint32_t it = 0;
     int32_t cur13 = 0, cur2 = 0;
@@ -403,6 +480,7 @@ __device__ __forceinline__ void consumer(const small_params &p, const tables_t &
             }
             stage_tile<kFp8, kEpiPlain, kBlockT, 2, C::kEpiRowBytes2>(acc, epi, red, p.ue8m0, NULL, 0, t, ctid);
             store_tile<kEpiPlain, kBlockT, 2, C::kEpiRowBytes2>(p, NULL, true, epi, p.H, t, ctid);
+            if (p.y) sum_tile<kBlockT>(p, t, nb2, ctid, sum_flags);
         }
     }
 }
@@ -424,6 +502,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_small_kernel(const __grid_co
     tables_at<kMaxExperts>(tb, smem + C::kOffTables);
     int32_t *tile_of = (int32_t *)(smem + C::kOffTileOf);
     int32_t *last = (int32_t *)(smem + C::kOffFlag);
+    int32_t *sum_flags = (int32_t *)(smem + C::kOffSumFlags);
     uint64_t *full = (uint64_t *)(smem + C::kOffBars);
     uint64_t *empty = full + C::kSlots;
     /* first[e]: the token blocks of the experts < e (units = blocks x n-blocks of each phase) */
@@ -434,7 +513,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_small_kernel(const __grid_co
         if (mf__warp_id() == 0) producer<kFp8, kBlockT>(p, tb, slots, scales, tile_of, full, empty);
         return;
     }
-    consumer<kFp8, kBlockT>(p, tb, slots, scales, tile_of, epi, red, full, empty);
+    consumer<kFp8, kBlockT>(p, tb, slots, scales, tile_of, epi, red, sum_flags, full, empty);
 
     /* The count-out (consumers only: their W13 counters are raised; no unit is taken after a CTA's
      * producer saw the end): the last CTA zeroes the ticket, the count and the counters. */
@@ -447,7 +526,8 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_small_kernel(const __grid_co
     mf__named_barrier_sync(kBarEpilogue, kConsumerThreads);
     if (*last) {
         __threadfence();
-        for (int32_t i = ctid; i < 2 + p.num_experts; i += kConsumerThreads) p.sync[i] = 0;
+        const int32_t words = 2 + p.num_experts + (p.y ? p.T * (p.H / kTileCols) : 0);
+        for (int32_t i = ctid; i < words; i += kConsumerThreads) p.sync[i] = 0;
     }
 }
 
