@@ -953,7 +953,8 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
         /* the small-batch kernel: both GEMMs in one launch (W13's phase holds both, W2's is empty), at
          * R = 1 the sum too (then the COMBINE phase is empty as well) */
         const mf__gemm_sum_t sum = {(uint16_t *)out->y.data, T, &mf__cc(moe->comm)->state->fault};
-        const int32_t own_sum = moe->comm->num_ranks == 1 && __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED) >= 2;
+        const int32_t own_sum =
+            moe->comm->num_ranks == 1 && T > 0 && __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED) >= 2;
         MF_CHECK(mf__cuda_w13_w2(&choice, &seg, s->sched + 2 * kMfSchedW2, c->dtype, c->ue8m0_scales, a, w13, w2,
                                  c->hidden, c->intermediate, s->h, s->h_scales, &ret, s->small_sync,
                                  own_sum ? &sum : NULL, &summed, stream, 1));

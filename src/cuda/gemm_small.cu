@@ -19,7 +19,7 @@
 #include <string.h>
 
 #include "core/errors.h"
-#include "cuda/gemm_bench.h" /* mf__gemm_small_launches */
+#include "cuda/gemm_bench.h" /* mf__gemm_small_counts */
 #include "cuda/gemm_family.cuh"
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels/sm90_small_gemm.cuh"
@@ -48,7 +48,7 @@ mf__gemm_variant_info_t variant_info(int i) { return i == 0 ? info_of<true>() : 
 
 mf__gemm_family_t g_family = {kMfGemmFamilySmall, kLaunchRegs, variant_count, variant_fn, variant_info};
 
-std::atomic<uint64_t> g_launches; /* mf__gemm_small_launches (testing.h) */
+std::atomic<uint64_t> g_launches, g_sums; /* mf__gemm_small_counts (testing.h) */
 
 } /* namespace */
 
@@ -120,12 +120,16 @@ mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__ge
                                   pdl, args),
                   __func__);
     g_launches.fetch_add(1, std::memory_order_relaxed);
+    if (sum) g_sums.fetch_add(1, std::memory_order_relaxed);
     mf__gemm_report_launch(&g_family, "small %s W13 + W2, T %d, %d slots, %d B smem, grid %d", fp8 ? "fp8" : "bf16",
                            kTokens, v.stages, v.smem_bytes, grid);
     return MF_SUCCESS;
 }
 
-extern "C" uint64_t mf__gemm_small_launches(void) { return g_launches.load(std::memory_order_relaxed); }
+extern "C" void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums) {
+    *launches = g_launches.load(std::memory_order_relaxed);
+    *sums = g_sums.load(std::memory_order_relaxed);
+}
 
 mf_result_t mf__sm90_small_preload(void) { return mf__gemm_preload(&g_family, __func__); }
 

@@ -734,30 +734,33 @@ typedef struct pdl_case {
     int32_t dataflow, op, graph, spare_slots;
 } pdl_case_t;
 
-static mf_result_t pdl_run_digests(const pdl_case_t *c, const mfp_problem_t *p, uint16_t **y, uint64_t *digests,
-                                   char *err, int errlen) {
+/* Three calls of the case on `backend`; digests (per rank and call: mf_dispatch's outputs and y) where
+ * not NULL; redraw_seed != 0: each call on inputs redrawn from redraw_seed + call. */
+static mf_result_t pdl_run_on(int32_t backend, const pdl_case_t *c, const mfp_problem_t *p, uint16_t **y,
+                              uint64_t *digests, uint64_t redraw_seed, char *err, int errlen) {
     mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
-    o.backend = MF_BACKEND_CUDA, o.iters = 3, o.timeout_ms = peer_timeout_ms(), o.dataflow = c->dataflow;
-    o.op = c->op, o.graph = c->graph, o.digests = digests;
+    o.backend = backend, o.iters = 3, o.timeout_ms = peer_timeout_ms(), o.dataflow = c->dataflow;
+    o.op = c->op, o.graph = backend == MF_BACKEND_CUDA ? c->graph : 0, o.digests = digests;
+    o.redraw = redraw_seed != 0, o.redraw_seed = redraw_seed;
     if (c->spare_slots) o.spare_slots = c->spare_slots, o.prefetch = 1;
     return mfp_run(p, &o, y, NULL, err, errlen);
 }
 
 static mf_result_t pdl_run(const pdl_case_t *c, const mfp_problem_t *p, uint16_t **y, char *err, int errlen) {
-    return pdl_run_digests(c, p, y, NULL, err, errlen);
+    return pdl_run_on(MF_BACKEND_CUDA, c, p, y, NULL, 0, err, errlen);
 }
 
 /* A case with a library switch (`sw`: mf__cuda_plan_small, mf__cuda_small) set to `on`, then back to
- * its value before: y[r] allocated and poisoned first; digests (mf_dispatch's outputs) where not NULL. */
+ * its value before: y[r] allocated and poisoned first; digests and redraw as pdl_run_on. */
 static mf_result_t switch_run(const pdl_case_t *c, const mfp_problem_t *p, int32_t *sw, int on, uint16_t **y,
-                              uint64_t *digests, char *err, int errlen) {
+                              uint64_t *digests, uint64_t redraw_seed, char *err, int errlen) {
     for (int32_t r = 0; r < c->layer.R; r++) {
         y[r] = mft_alloc((size_t)p->T[r] * c->layer.H * 2 + 2);
         mft_poison(y[r], (size_t)p->T[r] * c->layer.H * 2);
     }
     const int32_t before = __atomic_load_n(sw, __ATOMIC_RELAXED);
     __atomic_store_n(sw, on, __ATOMIC_RELAXED);
-    const mf_result_t res = pdl_run_digests(c, p, y, digests, err, errlen);
+    const mf_result_t res = pdl_run_on(MF_BACKEND_CUDA, c, p, y, digests, redraw_seed, err, errlen);
     __atomic_store_n(sw, before, __ATOMIC_RELAXED);
     return res;
 }
@@ -765,12 +768,13 @@ static mf_result_t switch_run(const pdl_case_t *c, const mfp_problem_t *p, int32
 /* ---- the small-batch kernel: W13 + W2 in one launch, the same y as the two GEMMs ---------------- */
 
 extern int32_t mf__cuda_small; /* cuda/grouped_gemm.h: 0 clears choice.fused, 1 keeps the sum kernel */
-uint64_t mf__gemm_small_launches(void); /* testing.h (cuda/gemm_bench.h) */
+void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums); /* testing.h (cuda/gemm_bench.h) */
 
 /* Every case three times: without the small kernel (switch 0: the two decode GEMMs), with it and the
- * sum kernel (1), with it summing itself at R = 1 (2, the default): y equal bit for bit, the default
- * run within the contract's bounds of the CPU backend, and the launch counter says which ran (a sum
- * that did not run leaves y poisoned, which the comparison catches). Cases: one and
+ * sum kernel (1), with it summing itself at R = 1 (2, the default), three calls each on inputs
+ * redrawn per call: every call's y equal bit for bit (digests), the last call of the default run
+ * within the contract's bounds of the CPU backend's, and the counters say which ran (switch 2 sums
+ * in the kernel exactly at R = 1). Cases: one and
  * several ranks, idle ranks, both dtypes and layouts, a hot expert with more rows than a tile
  * (several token blocks, several W13 tiles per W2 dependency), W13 K blocks past the ring (two
  * positions each) and W2 K blocks past it (the weights issued before the wait, then the rest), a
@@ -806,21 +810,27 @@ static int cuda_small_bitwise(void) {
         mfp_problem_t p;
         MFT_CHECK(generate_case(c, &p) == 0);
         uint16_t *y[3][MF_MAX_RANKS], *y_cpu[MF_MAX_RANKS];
+        const size_t nd = (size_t)c->R * 3 * 2; /* [R][calls 3][dispatch 0, y] */
+        uint64_t *dig[3] = {mft_alloc(nd * 8), mft_alloc(nd * 8), mft_alloc(nd * 8)};
+        const uint64_t seed = 5000 + 10 * (uint64_t)i;
         char err[512] = "";
         for (int small = 0; small < 3; small++) {
-            const uint64_t before = mf__gemm_small_launches();
-            mf_result_t res = switch_run(&cases[i], &p, &mf__cuda_small, small, y[small], NULL, err, sizeof err);
-            const uint64_t launched = mf__gemm_small_launches() - before;
+            uint64_t launches0, sums0, launches1, sums1;
+            mf__gemm_small_counts(&launches0, &sums0);
+            mf_result_t res = switch_run(&cases[i], &p, &mf__cuda_small, small, y[small], dig[small], seed, err,
+                                         sizeof err);
+            mf__gemm_small_counts(&launches1, &sums1);
             MFT_CHECK_MSG(res == MF_SUCCESS, "case %d, small kernel %d: %s", i, small, err);
-            MFT_CHECK_MSG(small ? launched > 0 : launched == 0, "case %d: switch %d, %llu small launches", i, small,
-                          (unsigned long long)launched);
+            MFT_CHECK_MSG(small ? launches1 > launches0 : launches1 == launches0, "case %d: switch %d, %llu small launches",
+                          i, small, (unsigned long long)(launches1 - launches0));
+            MFT_CHECK_MSG((small == 2 && c->R == 1) == (sums1 > sums0), "case %d: switch %d at R = %d, %llu own sums", i,
+                          small, c->R, (unsigned long long)(sums1 - sums0));
         }
         for (int small = 1; small < 3; small++)
-            for (int32_t r = 0; r < c->R; r++)
-                MFT_CHECK_MSG(memcmp(y[0][r], y[small][r], (size_t)p.T[r] * c->H * 2) == 0,
-                              "case %d rank %d: y with switch %d differs from the two GEMMs'", i, r, small);
+            MFT_CHECK_MSG(memcmp(dig[0], dig[small], nd * 8) == 0,
+                          "case %d: a call's y with switch %d differs from the two GEMMs'", i, small);
         for (int32_t r = 0; r < c->R; r++) y_cpu[r] = mft_alloc((size_t)p.T[r] * c->H * 2 + 2);
-        mf_result_t res = mfp_run_forward(&p, MF_BACKEND_CPU, 1, 0, y_cpu, NULL, err, sizeof err);
+        mf_result_t res = pdl_run_on(MF_BACKEND_CPU, &cases[i], &p, y_cpu, NULL, seed, err, sizeof err);
         MFT_CHECK_MSG(res == MF_SUCCESS, "cpu run failed: %s", err);
         char label[32];
         snprintf(label, sizeof label, "small case %d", i);
@@ -829,6 +839,7 @@ static int cuda_small_bitwise(void) {
             for (int small = 0; small < 3; small++) free(y[small][r]);
             free(y_cpu[r]);
         }
+        for (int small = 0; small < 3; small++) free(dig[small]);
         mfp_free(&p);
     }
     return 0;
@@ -876,7 +887,8 @@ static int cuda_plan_small_bitwise(void) {
         char err[512] = "";
         for (int small = 0; small < 2; small++) {
             uint64_t *digests = cases[i].op == MFP_OP_DISPATCH_COMBINE ? dig[small] : NULL;
-            mf_result_t res = switch_run(&cases[i], &p, &mf__cuda_plan_small, small, y[small], digests, err, sizeof err);
+            mf_result_t res =
+                switch_run(&cases[i], &p, &mf__cuda_plan_small, small, y[small], digests, 0, err, sizeof err);
             MFT_CHECK_MSG(res == MF_SUCCESS, "case %d, small plan %d: %s", i, small, err);
         }
         if (cases[i].op == MFP_OP_DISPATCH_COMBINE)
@@ -1206,13 +1218,13 @@ static int cuda_timeout(void) {
     return 0;
 }
 
-/* Out-of-range and repeated device ids on rank 0: the call fails on every rank (y untouched on
- * both), each rank reports it once (rank 0 the id, rank 1 that rank 0 failed it), and once both
+/* Out-of-range and repeated device ids on rank 0 of R: the call fails on every rank (y untouched on
+ * each), each rank reports it once (rank 0 the id, rank 1 that rank 0 failed it), and once all
  * reported it the group works again: the next forward equals the CPU layer. With no_clear, a
  * second forward is issued before anyone reads the fault: it writes nothing either. */
-static int bad_ids_case(int32_t no_clear) {
+static int bad_ids_case(int32_t no_clear, int32_t R) {
     mfp_problem_t p;
-    MFT_CHECK(fault_problem(&p, 2) == 0);
+    MFT_CHECK(fault_problem(&p, R) == 0);
     int32_t T = p.T[0], K = p.spec.K;
     int32_t *bad = mft_alloc((size_t)T * K * 4);
     memcpy(bad, p.topk_ids[0], (size_t)T * K * 4);
@@ -1226,12 +1238,12 @@ static int bad_ids_case(int32_t no_clear) {
     f.bad_ids = bad;
     f.no_clear = no_clear;
     mf_group_config_t gc = MF_GROUP_CONFIG_INIT;
-    gc.backend = MF_BACKEND_CUDA, gc.num_ranks = 2, gc.timeout_ms = peer_timeout_ms();
-    pthread_barrier_init(&f.ready, NULL, 2);
+    gc.backend = MF_BACKEND_CUDA, gc.num_ranks = R, gc.timeout_ms = peer_timeout_ms();
+    pthread_barrier_init(&f.ready, NULL, (unsigned)R);
     MFT_CHECK_OK(mf_group_create(&gc, &f.group));
-    MFT_CHECK(mft_run_ranks(2, fault_rank, &f) == 0);
+    MFT_CHECK(mft_run_ranks(R, fault_rank, &f) == 0);
     MFT_CHECK_OK(mf_group_destroy(f.group));
-    for (int r = 0; r < 2; r++) {
+    for (int r = 0; r < R; r++) {
         mft_verbose("  rank %d: first %s, second %s, async %s: %s; last %s\n", r, mft_result_name(f.first[r]),
                     mft_result_name(f.second[r]), mft_result_name(f.async[r]), f.msg[r], mft_result_name(f.last[r]));
         /* Asynchronous: the host learns of the device's fault at the first look after it. */
@@ -1245,11 +1257,12 @@ static int bad_ids_case(int32_t no_clear) {
         MFT_CHECK_EQ_INT(f.last[r], MF_SUCCESS);
     }
     /* The last forward (good ids) equals the CPU layer. */
-    uint16_t *y_cpu[2] = {mft_alloc((size_t)T * p.spec.H * 2), mft_alloc((size_t)p.T[1] * p.spec.H * 2)};
+    uint16_t *y_cpu[MF_MAX_RANKS];
+    for (int r = 0; r < R; r++) y_cpu[r] = mft_alloc((size_t)p.T[r] * p.spec.H * 2);
     char err[512];
     MFT_CHECK_MSG(mfp_run_forward(&p, MF_BACKEND_CPU, 1, 0, y_cpu, NULL, err, sizeof err) == MF_SUCCESS, "%s", err);
-    if (check_layer_y("after recovery", "cpu", p.spec.dtype, 2, p.T, p.spec.H, f.y, y_cpu, NULL)) return 1;
-    for (int r = 0; r < 2; r++) {
+    if (check_layer_y("after recovery", "cpu", p.spec.dtype, R, p.T, p.spec.H, f.y, y_cpu, NULL)) return 1;
+    for (int r = 0; r < R; r++) {
         free(y_cpu[r]);
         free(f.y[r]);
     }
@@ -1258,7 +1271,11 @@ static int bad_ids_case(int32_t no_clear) {
     return 0;
 }
 
-static int cuda_bad_ids(void) { return bad_ids_case(0) || bad_ids_case(1); }
+/* R = 1 too: the forward there skips the COMBINE sync and (MF_SMALL's default) its small kernel sums
+ * y itself; a faulted call must leave y untouched all the same. */
+static int cuda_bad_ids(void) {
+    return bad_ids_case(0, 2) || bad_ids_case(1, 2) || bad_ids_case(0, 1) || bad_ids_case(1, 1);
+}
 
 /* The small cases on R ranks: FP8 EXPERT_MAJOR and BF16 MASKED layers, FP8 dispatch / combine. */
 static int small_cases(int32_t R) {
