@@ -551,7 +551,8 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
     int pull = c->dataflow != MF_DATAFLOW_DIRECT ||
                mf__cuda_gemm_choice(moe, c->max_tokens_per_rank).dataflow != MF_DATAFLOW_DIRECT;
     const size_t R = (size_t)moe->comm->num_ranks, N = (size_t)moe->heap.num_slots;
-    const size_t small_words = (size_t)(2 + L) + (size_t)c->max_tokens_per_rank * (size_t)(H / MF__QUANT_BLOCK);
+    const size_t small_words = /* ticket, count, W13 counters; at R = 1 the sum's (token, 128 columns) counters */
+        (size_t)(2 + L) + (R_ == 1 ? (size_t)c->max_tokens_per_rank * (size_t)(H / MF__QUANT_BLOCK) : 0);
     struct { void **p; size_t bytes; } allocs[] = {
         {(void **)&s->ids_all, R * (size_t)c->max_tokens_per_rank * (size_t)c->num_topk * 4},
         {(void **)&s->T_all, R * 4},
@@ -865,8 +866,9 @@ static mf_result_t mf__cuda_sum_at(mf_moe_t moe, const mf__cuda_slot_t *slot, in
                                    const float *weights, uint16_t *y, cudaStream_t stream) {
     /* One rank, one call (not a half): the sync would wait only for this rank's own arrival, and its
      * verdict cannot change the fault state (a fresh fault became sticky at the DISPATCH sync, which
-     * cleared the claim; no peer, no other layer): the sum follows the GEMMs without it. The halves
-     * keep it (their epochs pair a send with its receive). */
+     * cleared the claim, and only publish raises one: sync.cuh mf__raise; no peer, no other layer):
+     * the sum follows the GEMMs without it. The halves keep it (their epochs pair a send with its
+     * receive). */
     if (moe->comm->num_ranks > 1 || mode != kMfSyncBoth)
         MF_CHECK(mf__cuda_sync(moe->comm, moe->id, MF__PHASE_COMBINE, MF_SUCCESS, mode, slot->epochs + 1,
                                mode == kMfSyncWait ? 0 : 1, stream));

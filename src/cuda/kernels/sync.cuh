@@ -90,7 +90,9 @@ __device__ __forceinline__ bool mf__faulted(const mf__fault_sink_t &sink) {
     return *(volatile const int32_t *)&sink.state->fault != 0;
 }
 
-/* A fresh fault, before the call's first sync (any thread; the first raiser's details win). Its
+/* A fresh fault, before the call's first sync (any thread; the first raiser's details win): only
+ * publish raises one, which is what lets a forward at R = 1 skip its COMBINE sync (backend.cu
+ * mf__cuda_sum_at: no claim can be pending after the DISPATCH verdict). Its
  * field-by-field copy is like mf__set_fault's on purpose: two records (this rank's claim in device
  * memory, the host's mapped copy with its own fences and field order), not one struct to share. */
 __device__ __forceinline__ void mf__raise(const mf__fault_sink_t &sink, int32_t code, int32_t kind, int32_t phase,
