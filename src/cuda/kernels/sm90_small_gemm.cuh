@@ -196,6 +196,16 @@ __device__ __forceinline__ void wait_done(const int32_t *done, int32_t target, u
 
 /* ---- producer ---------------------------------------------------------------------------------- */
 
+/* K block kb of row `row` (128 bytes) into tile row j of the activation tile at `act`, by 16-byte
+ * cp.asyncs, in the layout a 128B-swizzled TMA box has: chunk c of row j at chunk c ^ (j & 7). */
+__device__ __forceinline__ void copy_kblock(uint8_t *act, const uint8_t *row, int32_t kb, int j) {
+    const uint8_t *g = row + (int64_t)kb * kKBlock;
+#pragma unroll
+    for (int c = 0; c < kChunksPerKBlock; c++)
+        mf__cp_async_16(act + j * kKBlock + ((c ^ (j & 7)) * kChunk), g + c * kChunk);
+}
+
+
 template <bool kFp8, int kBlockT>
 __device__ __forceinline__ void producer(const small_params &p, const tables_t &tb, uint8_t *slots, float *scales,
                                          int32_t *tile_of, uint64_t *full, uint64_t *empty) {
@@ -246,12 +256,7 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
                     if (lane == 0) mf__cp_async_4(scg + kBlockT, p.w13_scales + ws + kb);
                     if (lane == 1) mf__cp_async_4(scu + kBlockT, p.w13_scales + ws_up + kb);
                 }
-                if (arow) {
-                    const uint8_t *g = arow + (int64_t)kb * kKBlock;
-#pragma unroll
-                    for (int c = 0; c < kChunksPerKBlock; c++)
-                        mf__cp_async_16(act + j * kKBlock + ((c ^ (j & 7)) * kChunk), g + c * kChunk);
-                }
+                if (arow) copy_kblock(act, arow, kb, j);
                 mf__cp_async_mbar_arrive_noinc(&full[sg]);
                 mf__cp_async_mbar_arrive_noinc(&full[su]);
                 __syncwarp();
@@ -289,12 +294,7 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
                         if (j < kBlockT) mf__cp_async_4(sc + j, srow + h_next);
                         if (lane == 0) mf__cp_async_4(sc + kBlockT, p.w2_scales + ws + h_next);
                     }
-                    if (arow) {
-                        const uint8_t *g = arow + (int64_t)h_next * kKBlock;
-#pragma unroll
-                        for (int c = 0; c < kChunksPerKBlock; c++)
-                            mf__cp_async_16(act + j * kKBlock + ((c ^ (j & 7)) * kChunk), g + c * kChunk);
-                    }
+                    if (arow) copy_kblock(act, arow, h_next, j);
                     mf__cp_async_mbar_arrive_noinc(&full[s]);
                 }
             };
