@@ -205,7 +205,6 @@ __device__ __forceinline__ void copy_kblock(uint8_t *act, const uint8_t *row, in
         mf__cp_async_16(act + j * kKBlock + ((c ^ (j & 7)) * kChunk), g + c * kChunk);
 }
 
-
 template <bool kFp8, int kBlockT>
 __device__ __forceinline__ void producer(const small_params &p, const tables_t &tb, uint8_t *slots, float *scales,
                                          int32_t *tile_of, uint64_t *full, uint64_t *empty) {
