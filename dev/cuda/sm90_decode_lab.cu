@@ -81,7 +81,7 @@ extern "C" {
 #include "cuda/gemm_family.cuh" /* mf__gemm_variant_info_t */
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels/sm90_decode_gemm.cuh"
-#include "cuda/kernels/sm90_small_gemm.cuh" /* mf__sm90_small_set_fault_record */
+#include "cuda/kernels/sm90_small_gemm.cuh" /* mf__small::kTagDepends */
 #include "common.h" /* the labs' CUDA_OK, random data, device vectors */
 
 using mf__decode::kEpiPlain;
@@ -91,15 +91,14 @@ using mf__decode::kEpiSwiglu;
  * errors, the shipped variants, one launcher call
  * ============================================================================================== */
 
-static mf__sm90_fault_t *g_fault = NULL;      /* mapped host memory: timed-out waits report here */
-
-static void report_fault(void) {
-    if (g_fault && g_fault->magic == kMfSm90FaultMagic)
-        fprintf(stderr, "FATAL [case %s] mbarrier wait timed out: block %u thread %u smem 0x%x parity %u tag %u (%s)\n",
-                g_case, g_fault->block, g_fault->thread, g_fault->smem, g_fault->parity, g_fault->tag,
-                g_fault->tag == mf__decode::kTagProducerEmpty ? "producer waiting for a free stage"
-                : g_fault->tag == mf__decode::kTagConsumerFull ? "consumer waiting for a full stage" : "?");
+static const char *wait_site(long long tag) {
+    return tag == mf__decode::kTagProducerEmpty ? "producer waiting for a free stage"
+           : tag == mf__decode::kTagConsumerFull ? "consumer waiting for a full stage"
+           : tag == mf__small::kTagDepends     ? "small kernel: a W2 tile waiting for its expert's W13 tiles"
+                                               : "?";
 }
+
+static void report_fault(void) { lab_report_sink(wait_site); }
 
 static std::vector<mf__gemm_variant_info_t> g_variants;
 
@@ -165,6 +164,7 @@ static mf__gemm_segments_t seg_of(const call_t &c) {
     s.max_rows_per_expert = c.max_rows;
     s.rows_hint = c.rows_hint;
     s.sched = g_sched;
+    s.sink = g_sink;
     return s;
 }
 
@@ -1469,6 +1469,7 @@ static mf_result_t run_pair(int small, const problem &p13, const device_problem 
     seg.max_rows_per_expert = p13.lo.max_rows;
     seg.rows_hint = 1;
     seg.sched = g_sched;
+    seg.sink = g_sink;
     mf__gemm_choice_t choice = mf__gemm_choose(1, p13.lo.max_rows, MF_DATAFLOW_AUTO); /* 8-token tiles, fused */
     const int32_t dtype = p13.fp8 ? MF_DTYPE_FP8_E4M3 : MF_DTYPE_BF16;
     const int H = p13.K, I = p13.N / 2;
@@ -1709,18 +1710,15 @@ int main(int argc, char **argv) {
         fprintf(stderr, "FATAL: needs an sm_90a GPU\n");
         return 2;
     }
-    CUDA_OK(cudaHostAlloc((void **)&g_fault, sizeof *g_fault, cudaHostAllocMapped));
-    memset((void *)g_fault, 0, sizeof *g_fault);
+    lab_sink();
     if (mf__sm90_decode_preload() != MF_SUCCESS) {
         fprintf(stderr, "FATAL: mf__sm90_decode_preload: %s\n", mf_last_error());
         return 3;
     }
-    CUDA_OK(mf__sm90_decode_set_fault_record(g_fault));
     if (mf__sm90_small_preload() != MF_SUCCESS) {
         fprintf(stderr, "FATAL: mf__sm90_small_preload: %s\n", mf_last_error());
         return 3;
     }
-    CUDA_OK(mf__sm90_small_set_fault_record(g_fault));
     CUDA_OK(cudaMalloc((void **)&g_sched, 2 * sizeof(int32_t)));
     CUDA_OK(cudaMemset(g_sched, 0, 2 * sizeof(int32_t)));
     CUDA_OK(cudaMalloc((void **)&g_small_sync, (2 + mf__decode::kMaxExperts) * sizeof(int32_t)));

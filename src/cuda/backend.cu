@@ -240,7 +240,6 @@ static mf_result_t mf__cuda_comm_init(mf_comm_t comm) {
         MF_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernels[i]));
     }
     MF_CHECK(mf__cuda_gemm_preload());
-    MF_CHECK(mf__cuda_gemm_watch());
     if (!mf__param_pdl()) __atomic_store_n(&mf__cuda_pdl, 0, __ATOMIC_RELAXED); /* MF_PDL=0 (cuda/pdl.cuh) */
     const int32_t small = mf__param_small(); /* MF_SMALL=0 or 1 lowers the switch for the process */
     if (small < __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED)) __atomic_store_n(&mf__cuda_small, small, __ATOMIC_RELAXED);
@@ -367,6 +366,12 @@ static mf_result_t mf__cuda_fault_message(mf_comm_t comm, const mf__device_error
                                "makes the same balancing calls%s", r.peer, r.a >= 1 && r.a < MF__META_WORDS ? what[r.a] : "?",
                          (unsigned long long)r.b, (unsigned long long)r.c, tail);
     }
+    case kMfFaultPipeline:
+        return mf__error(code, "rank %d: %s (block %lld, thread %lld, wait site %lld): the kernel's output is not valid "
+                               "and this process's GEMMs are no longer trusted; the comm is broken", r.rank,
+                         r.peer ? "an expert GEMM drained after another GEMM wait of this process expired"
+                                : "an expert GEMM's pipeline wait expired",
+                         r.a, r.b, r.c);
     default: return mf__error(MF_ERR_INTERNAL, "rank %d: unknown device fault kind %d (code %d)", r.rank, r.kind, r.code);
     }
 }
@@ -376,11 +381,6 @@ static mf_result_t mf__cuda_fault_message(mf_comm_t comm, const mf__device_error
  * breaks the comm. */
 static mf_result_t mf__cuda_take_fault(mf_comm_t comm, int32_t only_own) {
     mf__cuda_comm_t *c = mf__cc(comm);
-    char what[256];
-    if (!only_own && !comm->broken && mf__cuda_gemm_expired(what, sizeof what)) {
-        comm->broken = 1;
-        return mf__error(MF_ERR_INTERNAL, "rank %d: %s; the comm is broken", comm->rank, what);
-    }
     if (!c->record->code) return MF_SUCCESS;
     __sync_synchronize(); /* the details were written before the code */
     const unsigned long long id = c->record->fault_id;
@@ -388,7 +388,7 @@ static mf_result_t mf__cuda_take_fault(mf_comm_t comm, int32_t only_own) {
     const int32_t kind = c->record->kind, own = c->record->reported && c->record->rank == comm->rank;
     if (only_own && !own) return MF_SUCCESS;
     mf_result_t code = mf__cuda_fault_message(comm, c->record);
-    if (kind == kMfFaultTimeout || kind == kMfFaultAborted) comm->broken = 1;
+    if (kind == kMfFaultTimeout || kind == kMfFaultAborted || kind == kMfFaultPipeline) comm->broken = 1;
     c->reported_id = id;
     return own ? MF_SUCCESS : code; /* a rejection this host returned itself is not reported twice */
 }
@@ -943,6 +943,7 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     seg.max_rows_per_expert = mf__cuda_rows_bound(moe);
     seg.rows_hint = mf__cuda_rows_hint(moe, T);
     seg.sched = s->sched + 2 * kMfSchedW13;
+    seg.sink = mf__sink(moe->comm); /* an expired GEMM wait breaks this comm */
     const mf__heap_view_t *view = mf__cuda_slot0(moe).view; /* the forward's heap slot */
     const mf__gemm_gather_t gather = {view, s->src};
     mf__gemm_operand_t a = {s->recv_x, s->recv_scales, flow == MF_DATAFLOW_DIRECT ? &gather : NULL};
@@ -1118,6 +1119,7 @@ static mf_result_t mf__cuda_experts_launch(mf_moe_t moe, const mf_experts_in_t *
     seg.rows_hint = mf__cuda_rows_hint(moe, moe->comm->pending_dispatch == moe ? moe->dispatch_T
                                                                                : c->max_tokens_per_rank);
     seg.sched = s->sched + 2 * kMfSchedW13;
+    seg.sink = mf__sink(moe->comm); /* an expired GEMM wait breaks this comm */
     const mf__gemm_choice_t choice = mf__gemm_choose(seg.rows_hint, seg.max_rows_per_expert, MF_DATAFLOW_PULL);
     mf__gemm_operand_t a = {in->recv_x.data, fp8 ? (const float *)in->recv_scales.data : NULL, NULL};
     mf__gemm_operand_t w13 = {w->w13.data, fp8 ? (const float *)w->w13_scales.data : NULL, NULL};

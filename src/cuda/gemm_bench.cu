@@ -82,6 +82,7 @@ mf_result_t mf__gemm_bench_run(const mf__gemm_bench_args_t *args, void *stream) 
     seg.max_rows_per_expert = args->max_rows_per_expert;
     seg.rows_hint = args->rows_hint > 0 ? args->rows_hint : args->max_rows_per_expert;
     seg.sched = args->sched;
+    memset(&seg.sink, 0, sizeof seg.sink); /* no comm: an expired wait is recorded nowhere (and drains) */
     /* the layer's choice for these rows (contiguous: PULL) */
     const mf__gemm_choice_t choice = mf__gemm_choose(seg.rows_hint, seg.max_rows_per_expert, MF_DATAFLOW_PULL);
     mf__gemm_operand_t a = {args->a, args->a_scales, NULL}, w = {args->w, args->w_scales, NULL};

@@ -192,7 +192,6 @@ int mf__sm90_decode_variants(mf__gemm_variant_info_t *out, int max) {
     return mf__gemm_variants(&g_family, __func__, out, max);
 }
 
-cudaError_t mf__sm90_decode_set_fault_record(mf__sm90_fault_t *record) { return mf__sm90_set_fault_record(record); }
 
 cudaError_t mf__sm90_decode_set_timeline(uint64_t *stamps) {
     int dev = 0;

@@ -105,6 +105,7 @@ mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__ge
     p.I = I;
     p.ue8m0 = ue8m0 ? 1 : 0;
     p.sync = sync;
+    p.sink = seg->sink;
     if (sum) {
         p.y = sum->y;
         p.fault = sum->fault;
@@ -137,4 +138,3 @@ int mf__sm90_small_variants(mf__gemm_variant_info_t *out, int max) {
     return mf__gemm_variants(&g_family, __func__, out, max);
 }
 
-cudaError_t mf__sm90_small_set_fault_record(mf__sm90_fault_t *record) { return mf__sm90_set_fault_record(record); }

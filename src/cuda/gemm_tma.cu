@@ -133,4 +133,3 @@ int mf__sm90_tma_variants(mf__gemm_variant_info_t *out, int max) {
     return mf__gemm_variants(&g_family, __func__, out, max);
 }
 
-cudaError_t mf__sm90_tma_set_fault_record(mf__sm90_fault_t *record) { return mf__sm90_set_fault_record(record); }

@@ -18,7 +18,6 @@
  */
 #include <cuda_runtime.h>
 #include <math.h>
-#include <mutex>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdint.h>
@@ -34,7 +33,6 @@
 #include "cuda/gemm_family.cuh" /* MF__GEMM_CUDA */
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels/sm90_grouped_gemm.cuh"
-#include "cuda/kernels/sm90_ptx.cuh" /* mf__sm90_fault_t: the record of expired pipeline waits */
 #include "cuda/pdl.cuh"
 
 
@@ -272,41 +270,6 @@ static void note_declines(decision_t *d, const mf__gemm_choice_t *choice, const 
 static const char *chosen_ran(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg) {
     if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) return "nothing (no rows)";
     return mf__gemm_last_launch(choice->family);
-}
-
-/* ---- expired pipeline waits (sm90_ptx.cuh mf__mbar_wait_bounded) ------------------------------ */
-
-cudaError_t mf__sm90_decode_set_fault_record(mf__sm90_fault_t *record);
-cudaError_t mf__sm90_tma_set_fault_record(mf__sm90_fault_t *record);
-cudaError_t mf__sm90_small_set_fault_record(mf__sm90_fault_t *record);
-
-static mf__sm90_fault_t *g_gemm_fault; /* process-wide, mapped host memory; never freed */
-static std::mutex g_gemm_fault_mu;
-
-mf_result_t mf__cuda_gemm_watch(void) {
-    std::lock_guard<std::mutex> lock(g_gemm_fault_mu);
-    cudaError_t e = cudaSuccess;
-    if (!g_gemm_fault) {
-        e = cudaHostAlloc((void **)&g_gemm_fault, sizeof *g_gemm_fault, cudaHostAllocMapped | cudaHostAllocPortable);
-        if (e == cudaSuccess) memset((void *)g_gemm_fault, 0, sizeof *g_gemm_fault);
-        else g_gemm_fault = NULL;
-    }
-    if (e == cudaSuccess) e = mf__sm90_decode_set_fault_record(g_gemm_fault);
-    if (e == cudaSuccess) e = mf__sm90_tma_set_fault_record(g_gemm_fault);
-    if (e == cudaSuccess) e = mf__sm90_small_set_fault_record(g_gemm_fault);
-    if (e != cudaSuccess) {
-        (void)cudaGetLastError();
-        return mf__error(MF_ERR_CUDA, "cuda backend: registering the GEMMs' fault record: %s", cudaGetErrorString(e));
-    }
-    return MF_SUCCESS;
-}
-
-int32_t mf__cuda_gemm_expired(char *what, size_t bytes) {
-    const mf__sm90_fault_t *f = g_gemm_fault;
-    if (!f || f->magic != kMfSm90FaultMagic) return 0;
-    snprintf(what, bytes, "a GEMM pipeline wait expired (block %u, thread %u, wait site %u): the kernel's output "
-             "is not valid and this process's GEMMs are no longer trusted", f->block, f->thread, f->tag);
-    return 1;
 }
 
 mf_result_t mf__cuda_gemm_preload(void) {

@@ -34,6 +34,7 @@
 #include <stdint.h>
 
 #include "cuda/heap_view.h"
+#include "cuda/kernels/fault.cuh"
 #include "moeflow.h"
 
 typedef struct mf__gemm_segments {
@@ -49,6 +50,9 @@ typedef struct mf__gemm_segments {
                                     (dynamic schedule) and zero it again when they end; a launch that can
                                     run while another still does (programmatic dependent launch
                                     included) needs its own pair. NULL: the static walk */
+    mf__fault_sink_t sink;       /* the calling comm's (kernels/fault.cuh): an expired pipeline wait
+                                    records itself there (the comm breaks); zero (no state) outside a
+                                    comm: recorded nowhere */
 } mf__gemm_segments_t;
 
 /* Activation rows read in place at their owners (the direct dataflow), through the heap view of
@@ -81,11 +85,6 @@ typedef struct mf__gemm_return {
  * the module to load while peers' waiting kernels hold the GPU. */
 mf_result_t mf__cuda_gemm_preload(void);
 
-/* Registers the process's record of expired pipeline waits for the GEMM kernels on the current
- * device (a wait that expires records itself there and returns instead of trapping, which would
- * kill every rank's context). mf__cuda_gemm_expired: 1 and a description once one expired. */
-mf_result_t mf__cuda_gemm_watch(void);
-int32_t mf__cuda_gemm_expired(char *what, size_t bytes);
 
 /* ---- the choice ------------------------------------------------------------------------------
  * Three kernel families; what differs between them is all the choice carries:

@@ -72,6 +72,7 @@ struct gemm_params {
     int32_t *sched;            /* the dynamic schedule's (ticket, finished CTAs), or NULL: the static walk */
     uint64_t *timeline;        /* decode family, the lab's --timeline only: kTimelineStamps %globaltimer
                                   stamps per CTA (entry, prologue done, last store), or NULL */
+    mf__fault_sink_t sink;     /* the comm's: where an expired pipeline wait records itself */
 };
 
 /* W13 + SwiGLU: N = 2I weight rows, K = H (the tensor maps are the launcher's). */
@@ -82,6 +83,7 @@ static inline gemm_params w13_params(const mf__gemm_segments_t *seg, int32_t ue8
     p.counts = seg->counts;
     p.offsets = seg->offsets;
     p.sched = seg->sched;
+    p.sink = seg->sink;
     p.a_scales = a.gather ? NULL : a.scales;
     p.w_scales = w13.scales;
     p.out = (uint8_t *)h;
@@ -106,6 +108,7 @@ static inline gemm_params w2_params(const mf__gemm_segments_t *seg, mf__gemm_ope
     p.counts = seg->counts;
     p.offsets = seg->offsets;
     p.sched = seg->sched;
+    p.sink = seg->sink;
     p.a_scales = h.scales;
     p.w_scales = w2.scales;
     p.out = (uint8_t *)out;
@@ -278,16 +281,18 @@ __device__ __forceinline__ void end_schedule(int32_t *sched, int lane) {
  * cp.async arrival per producer lane when lanes copy into the stage); empty[s]: one arrival per
  * consumer warp once it is done with the stage. The producer waits empty with the opposite parity
  * (a fresh barrier's "previous phase" counts as done). Every wait is bounded (kWaitTimeoutNs): an
- * expired one records its tag in the fault record and returns (mf__mbar_wait_bounded). */
+ * expired one records its tag in the comm's fault sink and returns (mf__mbar_wait_bounded). */
 template <int kStages>
 struct ring {
     static __device__ __forceinline__ uint32_t slot(uint32_t it) { return it % kStages; }
     static __device__ __forceinline__ uint32_t parity(uint32_t it) { return (it / kStages) & 1u; }
-    static __device__ __forceinline__ void wait_full(uint64_t *full, uint32_t it) {
-        mf__mbar_wait_bounded(&full[slot(it)], parity(it), kTagConsumerFull, kWaitTimeoutNs);
+    static __device__ __forceinline__ void wait_full(uint64_t *full, uint32_t it, const mf__fault_sink_t &sink) {
+        mf__mbar_wait_bounded(&full[slot(it)], parity(it), kTagConsumerFull, kWaitTimeoutNs, &sink);
     }
+    /* The producer's: it drains on expiry but records nothing (mf__mbar_wait_bounded: its consumers'
+     * full waits then fail or drain and record it). */
     static __device__ __forceinline__ void wait_empty(uint64_t *empty, uint32_t it) {
-        mf__mbar_wait_bounded(&empty[slot(it)], parity(it) ^ 1u, kTagProducerEmpty, kWaitTimeoutNs);
+        mf__mbar_wait_bounded(&empty[slot(it)], parity(it) ^ 1u, kTagProducerEmpty, kWaitTimeoutNs, NULL);
     }
     /* One thread: full[s] expects `full_arrivals`, empty[s] one per consumer warp. */
     static __device__ __forceinline__ void init(uint64_t *full, uint64_t *empty, uint32_t full_arrivals) {

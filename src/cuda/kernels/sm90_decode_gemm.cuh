@@ -76,8 +76,8 @@
  * barrier's "previous phase" counts as done).
  *
  * Bounded waits. Every mbarrier wait gives up after kWaitTimeoutNs (20 s) of %globaltimer, records
- * itself in the fault record and returns (mf__mbar_wait_bounded, sm90_ptx.cuh; the labs trap
- * instead). The bound is far above any healthy wait, a slow but live peer included (gathered rows
+ * itself in the calling comm's fault sink (gemm_params.sink) and returns (mf__mbar_wait_bounded,
+ * sm90_ptx.cuh). The bound is far above any healthy wait, a slow but live peer included (gathered rows
  * are peer reads): it exists only so that a broken pipeline can never hang the GPU.
  *
  * FP8 (docs/DESIGN.md "Numerics"): for each 128-wide K block the four k32 wgmmas go into a temporary
@@ -448,7 +448,7 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
     tile_t t;
     /* The next tile is the one the producer put into the next stage (tile_of; -1: the end) */
     for (;;) {
-        ring<C::kStages>::wait_full(full, it);
+        ring<C::kStages>::wait_full(full, it, p.sink);
         const int32_t idx = tile_of[ring<C::kStages>::slot(it)];
         if (idx < 0 || !next_tile<kBlockT, kRowsInner>(tb, p.num_experts, 0, idx, cursor, t)) break;
         float acc[C::kBoxes][kFrag];
@@ -459,7 +459,7 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
 
         for (int32_t kb = 0; kb < kblocks; kb++, it++) {
             const uint32_t slot = ring<C::kStages>::slot(it);
-            ring<C::kStages>::wait_full(full, it);
+            ring<C::kStages>::wait_full(full, it, p.sink);
             if constexpr (kGather) mf__fence_proxy_async_smem(); /* cp.async (generic) -> wgmma (async) */
             const uint64_t dslot = desc_stages + (uint64_t)((slot * C::kStageBytes) >> 4);
             uint64_t da[C::kBoxes];
@@ -529,9 +529,6 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_decode_kernel(const __grid_c
 typedef struct mf__gemm_variant_info mf__gemm_variant_info_t;
 int mf__sm90_decode_variants(mf__gemm_variant_info_t *out, int max);
 
-/* Registers a fault record (see sm90_ptx.cuh; NULL turns reporting off) for the decode kernels of
- * gemm_decode.cu, whose translation unit holds its own copy of the record pointer. */
-cudaError_t mf__sm90_decode_set_fault_record(mf__sm90_fault_t *record);
 
 /* The decode lab's timeline: `stamps` (device, kTimelineStamps uint64 per CTA of the largest grid) or NULL (off,
  * the library's state) for the decode launches on the current device that follow (gemm_params.timeline).

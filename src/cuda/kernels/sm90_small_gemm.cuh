@@ -99,6 +99,7 @@ struct small_params {
     uint16_t *y;               /* the sum (R = 1): y [T, H] BF16 from the partials; NULL: the sum kernel's */
     const int32_t *fault;      /* with the sum: the comm's sticky fault word; set: y stays untouched */
     int32_t T;                 /* with the sum: this rank's tokens */
+    mf__fault_sink_t sink;     /* the comm's: where an expired wait records itself */
 };
 
 template <bool kFp8, int kBlockT>
@@ -174,18 +175,21 @@ __device__ __forceinline__ int32_t ld_acquire(const int32_t *p) {
     return v;
 }
 
-enum { kTagDepends = 3 }; /* fault-record tag: a W2 unit's wait for its expert's W13 tiles */
+enum { kTagDepends = 3 }; /* wait site (fault record's c): a W2 unit's wait for its expert's W13 tiles */
 
 /* Every lane: until done >= target (acquire), bounded as the ring's waits are (an expired wait
- * records itself, raises mf__sm90_expired and returns: the kernel drains, the comm breaks). */
-__device__ __forceinline__ void wait_done(const int32_t *done, int32_t target, uint64_t *marker) {
+ * records itself in the comm's fault sink, raises mf__sm90_expired and returns: the kernel drains,
+ * the comm breaks; sm90_ptx.cuh mf__mbar_wait_bounded). */
+__device__ __forceinline__ void wait_done(const int32_t *done, int32_t target, const mf__fault_sink_t &sink) {
     if (ld_acquire(done) >= target) return;
     const uint64_t t0 = mf__globaltimer();
     while (ld_acquire(done) < target) {
-        if (mf__sm90_expired) return;
+        if (mf__sm90_expired) {
+            mf__pipeline_fault(sink, kTagDepends, 1);
+            return;
+        }
         if (mf__globaltimer() - t0 > kWaitTimeoutNs) {
-            mf__sm90_fault_t *f = mf__sm90_fault_record;
-            if (f && !f->magic) mf__sm90_write_fault(f, marker, (uint32_t)target, kTagDepends);
+            mf__pipeline_fault(sink, kTagDepends, 0);
             mf__sm90_expired = 1;
             __threadfence();
             return;
@@ -299,7 +303,7 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
             };
             for (int32_t kb = 0; kb < kb2; kb++) {
                 if (!ready && kb >= C::kSlots) { /* the next position's last use is this unit's: h first */
-                    wait_done(dep, target, full);
+                    wait_done(dep, target, p.sink);
                     ready = true;
                     issue_h(kb);
                 }
@@ -316,7 +320,7 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
                 if (ready) issue_h(kb + 1);
             }
             if (!ready) {
-                wait_done(dep, target, full);
+                wait_done(dep, target, p.sink);
                 issue_h(kb2);
             }
             it += kb2;
@@ -429,7 +433,7 @@ __device__ __forceinline__ void consumer(const small_params &p, const tables_t &
     bool w2;
     tile_t t;
     for (;;) {
-        R::wait_full(full, it);
+        R::wait_full(full, it, p.sink);
         const int32_t idx = tile_of[R::slot(it)];
         if (idx < 0 || !locate<kBlockT>(tb, L, nb13, nb2, idx, cur13, cur2, w2, t)) break;
         if (!w2) {
@@ -440,8 +444,8 @@ __device__ __forceinline__ void consumer(const small_params &p, const tables_t &
                 for (int i = 0; i < kFrag; i++) acc[b][i] = 0.0f;
             for (int32_t kb = 0; kb < kb13; kb++, it += 2) {
                 const uint32_t sg = R::slot(it), su = R::slot(it + 1);
-                R::wait_full(full, it);
-                R::wait_full(full, it + 1);
+                R::wait_full(full, it, p.sink);
+                R::wait_full(full, it + 1, p.sink);
                 mf__fence_proxy_async_smem(); /* cp.async (generic) -> wgmma (async) */
                 const uint64_t da[2] = {
                     mf__wgmma_desc_advance(desc_slots, sg * C::kSlotBytes + wg * kWgOperandBytes),
@@ -468,7 +472,7 @@ __device__ __forceinline__ void consumer(const small_params &p, const tables_t &
             for (int i = 0; i < kFrag; i++) acc[0][i] = 0.0f;
             for (int32_t kb = 0; kb < kb2; kb++, it++) {
                 const uint32_t s = R::slot(it);
-                R::wait_full(full, it);
+                R::wait_full(full, it, p.sink);
                 mf__fence_proxy_async_smem();
                 const uint64_t da[1] = {mf__wgmma_desc_advance(desc_slots, s * C::kSlotBytes + wg * kWgOperandBytes)};
                 const uint64_t db = mf__wgmma_desc_advance(desc_slots, s * C::kSlotBytes + kBoxBytes);
@@ -536,8 +540,5 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_small_kernel(const __grid_co
 typedef struct mf__gemm_variant_info mf__gemm_variant_info_t;
 int mf__sm90_small_variants(mf__gemm_variant_info_t *out, int max);
 
-/* The fault record (sm90_ptx.cuh) for the small kernels of gemm_small.cu (its own copy of the
- * record pointer). */
-cudaError_t mf__sm90_small_set_fault_record(mf__sm90_fault_t *record);
 
 #endif /* MF_CUDA_KERNELS_SM90_SMALL_GEMM_CUH */

@@ -92,8 +92,8 @@
  * the 4 lanes of a quad, then mf__fp8_block_scale and q = e4m3(h * inv_scale), as the CPU does it.
  *
  * Bounded waits. Every mbarrier wait gives up after kWaitTimeoutNs (20 s, >= 10 s) of %globaltimer,
- * records itself in the fault record and returns (mf__mbar_wait_bounded, sm90_ptx.cuh; the labs
- * trap instead). The bound is far above any healthy wait (time-sliced or preempted GPUs included);
+ * records itself in the calling comm's fault sink (gemm_params.sink) and returns
+ * (mf__mbar_wait_bounded, sm90_ptx.cuh). The bound is far above any healthy wait (time-sliced or preempted GPUs included);
  * it exists only so that a broken pipeline can never hang the GPU.
  *
  * Limits (the launchers decline anything else): plain N a multiple of 256, swiglu N = 2I with I a
@@ -261,6 +261,7 @@ struct consumer_t {
     uint8_t *epi;           /* this warp's staging buffer */
     int wg, warp, lane;     /* consumer warpgroup (0, 1), warp in it, lane */
     int row_lo;             /* tile row of acc[4j + 0, 1]; acc[4j + 2, 3] are row_lo + 8 */
+    const mf__fault_sink_t *sink; /* the params' (an expired wait records itself there) */
 };
 
 __device__ __forceinline__ void release(const consumer_t &c, uint32_t slot) { release_stage(c.empty, slot, c.lane); }
@@ -271,7 +272,7 @@ __device__ __forceinline__ void fp8_kblock(const consumer_t &c, float *acc, floa
     const uint32_t slot = ring_t::slot(it);
     const uint64_t desc_st = mf__wgmma_desc_advance(c.desc_stages, slot * kStageBytes);
     if (!kIssued) {
-        ring_t::wait_full(c.full, it);
+        ring_t::wait_full(c.full, it, *c.sink);
         fp8_issue(tmp, desc_st, c.wg, 0);
     }
     /* this stage's scales, read before the stage is released */
@@ -293,7 +294,7 @@ __device__ __forceinline__ void bf16_mainloop(const consumer_t &c, float *acc, u
     mf__fence_fragment<kTileN>(acc); /* the previous epilogue's reads of acc come first */
     for (int32_t kb = 0; kb < kblocks; kb++, it++) {
         const uint32_t slot = ring_t::slot(it);
-        ring_t::wait_full(c.full, it);
+        ring_t::wait_full(c.full, it, *c.sink);
         const uint64_t desc_st = mf__wgmma_desc_advance(c.desc_stages, slot * kStageBytes);
         const uint64_t da = mf__wgmma_desc_advance(desc_st, c.wg * kWgOperandBytes);
         const uint64_t db = mf__wgmma_desc_advance(desc_st, kABytes);
@@ -445,7 +446,7 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
     if (kFp8 && c.wg == 1) mf__named_barrier_arrive(kBarIssued1, kConsumerThreads);
     /* FP8: the next tile's first wgmmas overlap this tile's epilogue (see "Epilogue overlap") */
     if constexpr (kFp8) {
-        ring_t::wait_full(c.full, 0);
+        ring_t::wait_full(c.full, 0, p.sink);
         fp8_issue(tmp, c.desc_stages, c.wg, 0);
     }
     for (;;) {
@@ -459,7 +460,7 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
          * FP8, with the overlap, learns it before its epilogue, BF16 after. */
         int32_t idx_next = -1;
         if constexpr (kFp8) {
-            ring_t::wait_full(c.full, it);
+            ring_t::wait_full(c.full, it, *c.sink);
             idx_next = c.tile_of[ring_t::slot(it)];
             /* issued unconditionally (wgmmas on a divergent path serialise too): without a next
              * tile it reruns the last, consumed stage into tmp and the result is dropped */
@@ -468,7 +469,7 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
         }
         epilogue<kFp8, kEpi>(p, c, t, acc);
         if constexpr (!kFp8) {
-            ring_t::wait_full(c.full, it);
+            ring_t::wait_full(c.full, it, *c.sink);
             idx_next = c.tile_of[ring_t::slot(it)];
         }
         if (idx_next < 0) break;
@@ -516,6 +517,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_tma_kernel(const __grid_cons
         c.empty = empty;
         c.tile_of = tile_of;
         c.epi = smem + kOffEpi + (c.wg * 4 + c.warp) * kEpiWarpBytes;
+        c.sink = &p.sink;
         float acc[kAcc];
         float tmp[kFp8 ? kBoxAcc : 1];
 #pragma unroll
@@ -557,8 +559,5 @@ static inline int grid_of(const gemm_params *p, int32_t max_rows, int sms) {
 typedef struct mf__gemm_variant_info mf__gemm_variant_info_t;
 int mf__sm90_tma_variants(mf__gemm_variant_info_t *out, int max);
 
-/* Registers a fault record (see sm90_ptx.cuh; NULL turns reporting off) for the kernels of
- * gemm_tma.cu, whose translation unit holds its own copy of the record pointer. */
-cudaError_t mf__sm90_tma_set_fault_record(mf__sm90_fault_t *record);
 
 #endif /* MF_CUDA_KERNELS_SM90_TMA_GEMM_CUH */
