@@ -71,10 +71,10 @@ inline void lab_sink(void) {
 /* Prints the recorded expiry, if any: the case, block, thread and the wait site (`site` names it). */
 inline void lab_report_sink(const char *(*site)(long long tag)) {
     const mf__device_error_t *r = g_sink.record;
-    if (!r || !r->code || r->kind != kMfFaultPipeline) return;
+    if (!r || !r->pipeline) return;
     fprintf(stderr, "  device wait %s in case %s: block %lld thread %lld site %lld (%s)\n",
-            r->peer ? "drained after another expired" : "timed out", g_case ? g_case : "-", r->a, r->b, r->c,
-            site(r->c));
+            r->pipeline_drained ? "drained after another expired" : "timed out", g_case ? g_case : "-",
+            r->pipeline_block, r->pipeline_thread, r->pipeline_site, site(r->pipeline_site));
 }
 
 /* ---- host random data -------------------------------------------------------------------------- */

@@ -63,11 +63,15 @@
  *
  * Faults raised by kernels (bad ids, capacity, timeouts) land in mapped host memory; the next call
  * on the comm returns them without launching anything, and mf_comm_get_async_error reports them
- * after synchronising the comm's last stream. A timeout marks the comm broken.
+ * after synchronising the comm's last stream. A timeout marks the comm broken, and so does an expert
+ * GEMM's expired pipeline wait (mf__cuda_pipeline_expired).
  */
 #include <cuda_runtime.h>
 #include <stdio.h>
 #include <string.h>
+
+#include <atomic>
+#include <mutex>
 
 #include "balance/prefetch.h"
 #include "balance/stage.h"
@@ -366,14 +370,33 @@ static mf_result_t mf__cuda_fault_message(mf_comm_t comm, const mf__device_error
                                "makes the same balancing calls%s", r.peer, r.a >= 1 && r.a < MF__META_WORDS ? what[r.a] : "?",
                          (unsigned long long)r.b, (unsigned long long)r.c, tail);
     }
-    case kMfFaultPipeline:
-        return mf__error(code, "rank %d: %s (block %lld, thread %lld, wait site %lld): the kernel's output is not valid "
-                               "and this process's GEMMs are no longer trusted; the comm is broken", r.rank,
-                         r.peer ? "an expert GEMM drained after another GEMM wait of this process expired"
-                                : "an expert GEMM's pipeline wait expired",
-                         r.a, r.b, r.c);
     default: return mf__error(MF_ERR_INTERNAL, "rank %d: unknown device fault kind %d (code %d)", r.rank, r.kind, r.code);
     }
+}
+
+/* Expired GEMM pipeline waits (kernels/sm90_ptx.cuh mf__pipeline_fault): the first record any comm
+ * of this process shows makes every comm of the process broken, as its GEMM kernels (of every family
+ * and device) are no longer trusted. g_pipeline_what: that first record, in words. */
+static std::atomic<int> g_pipeline_seen;
+static char g_pipeline_what[256];
+static std::mutex g_pipeline_mu;
+
+static int32_t mf__cuda_pipeline_expired(mf_comm_t comm) {
+    const mf__device_error_t *r = mf__cc(comm)->record;
+    if (r->pipeline && !g_pipeline_seen.load()) {
+        std::lock_guard<std::mutex> lock(g_pipeline_mu);
+        if (!g_pipeline_seen.load()) {
+            __sync_synchronize(); /* the details were written before the flag */
+            snprintf(g_pipeline_what, sizeof g_pipeline_what,
+                     "%s on rank %d (block %lld, thread %lld, wait site %lld): its output is not valid and this "
+                     "process's expert GEMMs are no longer trusted",
+                     r->pipeline_drained ? "an expert GEMM drained after a GEMM wait of this process expired"
+                                         : "an expert GEMM's pipeline wait expired",
+                     comm->rank, r->pipeline_block, r->pipeline_thread, r->pipeline_site);
+            g_pipeline_seen.store(1);
+        }
+    }
+    return g_pipeline_seen.load();
 }
 
 /* The comm's fault if this host has not reported it yet (and marks it reported), else SUCCESS;
@@ -381,6 +404,10 @@ static mf_result_t mf__cuda_fault_message(mf_comm_t comm, const mf__device_error
  * breaks the comm. */
 static mf_result_t mf__cuda_take_fault(mf_comm_t comm, int32_t only_own) {
     mf__cuda_comm_t *c = mf__cc(comm);
+    if (!only_own && !comm->broken && mf__cuda_pipeline_expired(comm)) {
+        comm->broken = 1;
+        return mf__error(MF_ERR_INTERNAL, "rank %d: %s; the comm is broken", comm->rank, g_pipeline_what);
+    }
     if (!c->record->code) return MF_SUCCESS;
     __sync_synchronize(); /* the details were written before the code */
     const unsigned long long id = c->record->fault_id;
@@ -388,7 +415,7 @@ static mf_result_t mf__cuda_take_fault(mf_comm_t comm, int32_t only_own) {
     const int32_t kind = c->record->kind, own = c->record->reported && c->record->rank == comm->rank;
     if (only_own && !own) return MF_SUCCESS;
     mf_result_t code = mf__cuda_fault_message(comm, c->record);
-    if (kind == kMfFaultTimeout || kind == kMfFaultAborted || kind == kMfFaultPipeline) comm->broken = 1;
+    if (kind == kMfFaultTimeout || kind == kMfFaultAborted) comm->broken = 1;
     c->reported_id = id;
     return own ? MF_SUCCESS : code; /* a rejection this host returned itself is not reported twice */
 }

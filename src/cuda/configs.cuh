@@ -47,9 +47,7 @@ enum {
     kMfFaultPeer = 6,     /* another rank failed the call (its fault or its host's rejection) */
     kMfFaultRejected = 7, /* this rank's host rejected the call's input */
     kMfFaultLayer = 8,    /* ranks called the collective on different layers */
-    kMfFaultBalance = 9,  /* ranks differ in expert map, prefetch count or weights count (heap meta) */
-    kMfFaultPipeline = 10 /* an expert GEMM's pipeline wait expired (a: block, b: thread, c: wait site;
-                             peer 1: it drained after another wait of the process expired) */
+    kMfFaultBalance = 9   /* ranks differ in expert map, prefetch count or weights count (heap meta) */
 };
 
 /* Virtual ranks of one process on one device: CUDA gives a process at most 32 hardware queues

@@ -4,8 +4,9 @@
  * (mf__raise: a fresh fault of this call, before its first sync; mf__set_fault: sticky at once).
  * Every kernel that can fault reports here through the sink it was given: the movement and sync
  * kernels (kernels/movement.cuh, kernels/sync.cuh, whose file comment has the fault model) and the
- * expert GEMMs' bounded pipeline waits (kernels/sm90_ptx.cuh mf__mbar_wait_bounded). The host
- * reads the mapped copy without synchronising (cuda/backend.cu mf__cuda_take_fault).
+ * expert GEMMs' bounded pipeline waits (kernels/sm90_ptx.cuh mf__pipeline_fault, into words of
+ * their own: see mf__device_error.pipeline). The host reads the mapped copy without synchronising
+ * (cuda/backend.cu mf__cuda_take_fault).
  */
 #ifndef MF_CUDA_KERNELS_FAULT_CUH
 #define MF_CUDA_KERNELS_FAULT_CUH
@@ -25,10 +26,19 @@ typedef struct mf__device_error {
     volatile int32_t abort;        /* the host sets 1 (mf_comm_abort): this rank's waits end */
     int32_t pad;
     unsigned long long one;        /* 1: the source of abort words copied into the peers' signals */
+    /* An expert GEMM's pipeline wait that expired (mf__pipeline_fault): not a fault of the call's
+     * protocol but of this rank's GEMMs, so it has words of its own, which only the GEMMs write and
+     * no sync verdict clears (the GEMMs may run on another stream than the syncs: mf_moe_experts);
+     * `pipeline` (1) is written last; the host breaks the comm when it sees it. */
+    volatile int32_t pipeline;
+    int32_t pipeline_drained;      /* 1: it drained after another wait of the process expired */
+    long long pipeline_block, pipeline_thread, pipeline_site;
 } mf__device_error_t;
 
-/* The comm's fault state in device memory (only this rank's kernels touch it, in stream order). */
+/* The comm's fault state in device memory (only this rank's kernels touch it, in stream order; the
+ * GEMMs' `pipeline` claim excepted, which nothing else reads on the device). */
 typedef struct mf__device_state {
+    int32_t pipeline;              /* the first expired GEMM wait's claim on the record's pipeline words */
     int32_t claim;                 /* a fresh fault of this call: the first raiser wins */
     int32_t fault;                 /* sticky fault code; 0 = healthy */
     unsigned long long fault_id;   /* incremented by every new sticky fault */

@@ -517,6 +517,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_decode_kernel(const __grid_c
         if (mf__warp_id() == 0) producer<kFp8, kEpi, kBlockT, kGather>(p, tb, stages, scales, tile_of, full, empty);
     } else {
         consumer<kFp8, kEpi, kBlockT, kGather>(p, tb, stages, scales, tile_of, epi, red, full, empty);
+        if (threadIdx.x == kMfWarpgroupThreads) mf__pipeline_check(p.sink, kTagProducerEmpty);
         if (timed && threadIdx.x == kMfWarpgroupThreads) stamp(p, 2);
     }
 }

@@ -145,15 +145,21 @@ __device__ __forceinline__ bool mf__mbar_try_wait(uint64_t *bar, uint32_t parity
 }
 
 /* A pipeline wait that expired (drained = 0), or that returned because another wait of this
- * process had expired (1), records itself in the comm's fault sink (kernels/fault.cuh): sticky
- * MF_ERR_INTERNAL, kind kMfFaultPipeline, a = block, b = thread, c = the wait's site; the host then
- * reports it and breaks the comm. A sink without state (a caller outside a comm) records nothing.
- * The cold path is inline (no printf, no call: a call in a kernel that issues wgmma makes ptxas
- * serialise every wgmma). */
+ * process had expired (1), records itself in the comm's fault sink (kernels/fault.cuh), in the
+ * record's pipeline words: the first one wins; the host then reports MF_ERR_INTERNAL naming block,
+ * thread and wait site, and breaks the comm. A sink without state (a caller outside a comm) records
+ * nothing. The cold path is inline (no printf, no call: a call in a kernel that issues wgmma makes
+ * ptxas serialise every wgmma). */
 __device__ __forceinline__ void mf__pipeline_fault(const mf__fault_sink_t &sink, uint32_t tag, int32_t drained) {
-    if (sink.state)
-        mf__set_fault(sink, MF_ERR_INTERNAL, kMfFaultPipeline, sink.rank, -1, drained, 0, (long long)blockIdx.x,
-                      (long long)threadIdx.x, (long long)tag);
+    if (!sink.state || atomicCAS(&sink.state->pipeline, 0, 1) != 0) return;
+    mf__device_error_t *r = sink.record;
+    r->pipeline_drained = drained;
+    r->pipeline_block = (long long)blockIdx.x;
+    r->pipeline_thread = (long long)threadIdx.x;
+    r->pipeline_site = (long long)tag;
+    __threadfence_system();
+    r->pipeline = 1;
+    __threadfence_system();
 }
 
 /* Waits until the phase of parity `parity` has completed (the usual ring idiom: a consumer of slot s
@@ -506,13 +512,15 @@ static __device__ volatile uint32_t mf__sm90_expired;
 
 /* The library's pipeline wait: bounded by `timeout_ns` (far above any healthy wait) and no trap. A
  * trap kills the CUDA context of every rank of the process, so an expired wait records itself in
- * the comm's fault sink (mf__pipeline_fault: the comm breaks), raises mf__sm90_expired and returns:
- * every other wait of the kernel, and of this process's later GEMM kernels, then records itself as
- * drained and returns at once too, so all warps drain and the kernels end (their output is
- * garbage, and every comm whose GEMM drained is broken). sink NULL: the wait drains and raises the
- * flag but records nothing; the producers' waits pass it (their consumers' waits, which then fail
- * or drain, record it, and the record code would cost the 40-register producer a spill). The labs'
- * own kernels trap instead (mf__mbar_wait_tag). */
+ * the comm's fault sink (mf__pipeline_fault: the comm breaks), raises mf__sm90_expired (one per
+ * translation unit: per GEMM family) and returns: every other wait of the kernel, and of the
+ * family's later kernels, then records itself as drained and returns at once too, so all warps
+ * drain and the kernels end (their output is garbage). sink NULL: the wait drains and raises the
+ * flag but records nothing: the producers' waits (the record code would cost the 40-register
+ * producer a spill); each kernel's consumers record a raised flag at their end
+ * (mf__pipeline_check), so an expiry is never silent. The host turns the first record of the
+ * process into a broken comm for every comm (cuda/backend.cu). The labs' own kernels trap instead
+ * (mf__mbar_wait_tag). */
 __device__ __forceinline__ void mf__mbar_wait_bounded(uint64_t *bar, uint32_t parity, uint32_t tag, uint64_t timeout_ns,
                                                       const mf__fault_sink_t *sink) {
     if (mf__mbar_try_wait(bar, parity)) return;
@@ -529,6 +537,13 @@ __device__ __forceinline__ void mf__mbar_wait_bounded(uint64_t *bar, uint32_t pa
             return;
         }
     }
+}
+
+/* At a GEMM kernel's end, one consumer thread per CTA: a wait of this family that expired (a
+ * producer's records nothing) or drained is recorded in the comm's sink, whether or not this CTA's
+ * consumers spun on a wait afterwards. */
+__device__ __forceinline__ void mf__pipeline_check(const mf__fault_sink_t &sink, uint32_t tag) {
+    if (mf__sm90_expired) mf__pipeline_fault(sink, tag, 1);
 }
 
 /* ---- appended: hardware float -> BF16 / E4M3 pair conversions (the library's TMA GEMMs) -------- */

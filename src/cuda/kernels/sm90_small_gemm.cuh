@@ -521,6 +521,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_small_kernel(const __grid_co
     /* The count-out (consumers only: their W13 counters are raised; no unit is taken after a CTA's
      * producer saw the end): the last CTA zeroes the ticket, the count and the counters. */
     const int ctid = (int)threadIdx.x - kMfWarpgroupThreads;
+    if (ctid == 0) mf__pipeline_check(p.sink, kTagProducerEmpty); /* a producer's expiry records nothing itself */
     mf__named_barrier_sync(kBarEpilogue, kConsumerThreads);
     if (ctid == 0) {
         __threadfence();

@@ -523,6 +523,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_tma_kernel(const __grid_cons
 #pragma unroll
         for (int i = 0; i < (kFp8 ? kBoxAcc : 1); i++) tmp[i] = 0.0f;
         consumer<kFp8, kEpi>(p, tb, nblocks, c, acc, tmp);
+        if (threadIdx.x == kMfWarpgroupThreads) mf__pipeline_check(p.sink, kTagProducerEmpty);
     }
 }
 
