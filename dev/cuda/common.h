@@ -68,13 +68,22 @@ inline void lab_sink(void) {
     memset((void *)g_sink.record, 0, sizeof *g_sink.record);
 }
 
-/* Prints the recorded expiry, if any: the case, block, thread and the wait site (`site` names it). */
+/* Prints the recorded expiry, if any: the case, block, thread and the wait site (`site` names it).
+ * The library's waits return instead of trapping, so a lab also calls lab_sink_failed() at its end. */
 inline void lab_report_sink(const char *(*site)(long long tag)) {
     const mf__device_error_t *r = g_sink.record;
     if (!r || !r->pipeline) return;
     fprintf(stderr, "  device wait %s in case %s: block %lld thread %lld site %lld (%s)\n",
             r->pipeline_drained ? "drained after another expired" : "timed out", g_case ? g_case : "-",
             r->pipeline_block, r->pipeline_thread, r->pipeline_site, site(r->pipeline_site));
+}
+
+/* 1 (and the expiry printed) when a wait of the run expired: a failure of the run. */
+inline int lab_sink_failed(const char *(*site)(long long tag)) {
+    if (!g_sink.record || !g_sink.record->pipeline) return 0;
+    printf("FAIL a device wait expired during the run (details on stderr)\n");
+    lab_report_sink(site);
+    return 1;
 }
 
 /* ---- host random data -------------------------------------------------------------------------- */

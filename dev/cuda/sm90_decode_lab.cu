@@ -1737,6 +1737,7 @@ int main(int argc, char **argv) {
     if (bench) run_bench(json, peers, quick, command);
     if (timeline) run_timeline();
     if (small) run_small_bench();
+    g_failures += lab_sink_failed(wait_site);
     printf("%s: %d failure%s\n", g_failures ? "FAIL" : "PASS", g_failures, g_failures == 1 ? "" : "s");
     return g_failures ? 1 : 0;
 }

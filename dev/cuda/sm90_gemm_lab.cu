@@ -1290,6 +1290,7 @@ int main(int argc, char **argv) {
     if (selftest) run_selftest();
     if (validate) run_validate();
     if (bench) run_bench(json, argc, argv, ab_only);
+    g_failures += lab_sink_failed(wait_site);
     if (selftest || validate) printf("# %d failure(s)\n", g_failures);
     return g_failures ? 1 : 0;
 }
