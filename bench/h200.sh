@@ -43,8 +43,9 @@
 # small: the small-batch kernel's A/B (issue 25 item 1, ~6 min): deepseek-v3, kimi-k2, qwen3-235b-a22b at
 #        R = 1, FP8, gated, no phase events, T = 1..128, 3 rounds per process; each preset with
 #        MF_SMALL=0 (the two decode GEMMs and the sum kernel), MF_SMALL=1 (the small kernel, then the sum
-#        kernel) and MF_SMALL=2, the default (the small kernel summing itself), the order rotating;
-#        small_ab.md: bench/summarize.py ab MF_SMALL. Not in `all`.
+#        kernel), MF_SMALL=2 (the small kernel summing itself) and MF_SMALL=3, the default (also its own
+#        plan: publish syncs, no plan kernel; T K <= 256), the order rotating; small_ab.md:
+#        bench/summarize.py ab MF_SMALL. Not in `all`.
 # overlap: moeflow bench overlap (issue 28: two micro-batches through the split halves beside the
 #        pair back to back; deepseek-v3, T = 64, 128, R = 1, 8). Not in `all`.
 set -u
@@ -157,7 +158,7 @@ if [ "$what" = rebalance ]; then
 fi
 if [ "$what" = small ]; then
     common=(-R 1 --dtype fp8 --gated --phases off --no-check --rounds 3 -T 1,2,4,8,16,32,64,128)
-    orders=("0 1 2" "1 2 0" "2 0 1")
+    orders=("0 1 2 3" "1 2 3 0" "2 3 0 1")
     n=0
     for preset in deepseek-v3 kimi-k2 qwen3-235b-a22b; do
         for v in ${orders[$n]}; do
@@ -167,7 +168,7 @@ if [ "$what" = small ]; then
         n=$((n + 1))
     done
     python3 bench/summarize.py ab MF_SMALL "$dir"/small_*_0.json "$dir"/small_*_1.json "$dir"/small_*_2.json \
-        | tee "$dir/small_ab.md" || rc=1
+        "$dir"/small_*_3.json | tee "$dir/small_ab.md" || rc=1
 fi
 
 if [ "$what" = capacity ]; then

@@ -1479,7 +1479,7 @@ static mf_result_t run_pair(int small, const problem &p13, const device_problem 
     const mf__gemm_operand_t h = {d13.out, d13.out_scales, NULL};
     if (small)
         return mf__sm90_small_experts(&choice, &seg, dtype, p13.ue8m0, a, w13, w2, H, I, d13.out, d13.out_scales, &ret,
-                                      g_small_sync, NULL, stream, 0);
+                                      g_small_sync, NULL, NULL, stream, 0);
     const mf_result_t r =
         mf__sm90_decode_w13_swiglu(&choice, &seg, dtype, p13.ue8m0, a, w13, H, I, d13.out, d13.out_scales, stream, 0);
     if (r != MF_SUCCESS) return r;

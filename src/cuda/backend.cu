@@ -145,6 +145,8 @@ typedef struct mf__cuda_moe {
     int32_t *small_sync;             /* [2 + slots + S H/128] zeroed: the small-batch kernel's ticket, finished
                                         CTAs, per-expert W13 counters and (R = 1) per (token, 128 columns)
                                         W2 arrivals (it zeroes them again at its end) */
+    int32_t *publish_count;          /* [1] zeroed: blocks of a publish that syncs (mf__publish_sync_kernel)
+                                        that finished; its last block zeroes it again */
     int32_t *pick_scratch;           /* [mf__balance_scratch_words] */
     int64_t *stats;                  /* [2 * MF_MAX_RANKS + 3]: plan loads, home loads, prefetch stats */
     size_t plan_smem, pick_smem;     /* dynamic shared memory of the balanced plan / the pick */
@@ -158,10 +160,10 @@ static mf__cuda_comm_t *mf__cc(mf_comm_t comm) { return (mf__cuda_comm_t *)comm-
 
 extern "C" int32_t mf__cuda_plan_serial = 0; /* balance/prefetch.h */
 extern "C" int32_t mf__cuda_plan_small = 1;  /* balance/prefetch.h */
-/* The small-batch kernel's switch (grouped_gemm.h): 2 with its own sum at R = 1, 1 without, 0 off;
- * lowered for the rest of the process by a comm init that reads MF_SMALL (core/params.c); the GPU
- * tests set it directly. */
-extern "C" int32_t mf__cuda_small = 2;
+/* The small-batch kernel's switch (grouped_gemm.h): 3 with its own plan and sum at R = 1, 2 with its
+ * own sum only, 1 without either, 0 off; lowered for the rest of the process by a comm init that reads
+ * MF_SMALL (core/params.c); the GPU tests set it directly. */
+extern "C" int32_t mf__cuda_small = 3;
 
 /* ---- comm and memory ---------------------------------------------------------------------- */
 
@@ -501,7 +503,7 @@ static void mf__cuda_moe_fini(mf_moe_t moe) {
     if (s->fwd_done) cudaEventDestroy(s->fwd_done);
     int32_t *balance_bufs[] = {s->map,  s->staged_map,   s->slot_expert, s->slot_begin, s->resident,
                                s->next, s->prev_counts, s->words,       s->pick_scratch, s->sched,
-                               s->small_sync};
+                               s->small_sync, s->publish_count};
     for (size_t i = 0; i < sizeof balance_bufs / sizeof balance_bufs[0]; i++) cudaFree(balance_bufs[i]);
     cudaFree(s->stats);
     for (int i = 0; i <= MF_NUM_PHASES; i++)
@@ -540,6 +542,30 @@ static mf__gemm_choice_t mf__cuda_gemm_choice(mf_moe_t moe, int32_t T) {
     const mf__cuda_moe_t *s = (const mf__cuda_moe_t *)moe->backend_state;
     if ((s && s->B) || __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED) == 0) c.fused = 0;
     return c;
+}
+
+/* Whether a forward of T tokens with `choice` plans inside the small-batch kernel (its own tables,
+ * kernels/sm90_small_gemm.cuh own_tables) instead of in a plan kernel, publish running the DISPATCH
+ * sync (switch `small` 3): at R = 1 with the kernel's own sum, T K entries it holds, no balancing
+ * and every expert local (L = E: the kernel validates ids as publish does), and no capacity verdict
+ * the plan could reach: an expert holds at most T rows, so MASKED T <= C, and EXPERT_MAJOR's worst
+ * padding (at most min(T K, L) experts with rows, each padded to block_m) fits the receive rows. The
+ * kernel must take
+ * the shapes (mf__sm90_small_takes): nothing falls back after a publish without a plan. */
+static int32_t mf__cuda_own_plan(mf_moe_t moe, const mf__gemm_choice_t *choice, int32_t T, int32_t small) {
+    const mf__cuda_moe_t *s = (const mf__cuda_moe_t *)moe->backend_state;
+    const mf_moe_config_t *c = &moe->config;
+    if (small < 3 || !choice->fused || moe->comm->num_ranks != 1 || T < 1) return 0;
+    if (s->balanced || s->B || s->held != c->num_experts || s->slots != c->num_experts || moe->info.first_expert)
+        return 0;
+    const int64_t n = (int64_t)T * c->num_topk, L = c->num_experts, used = n < L ? n : L; /* experts with rows */
+    if (n > mf__small::kOwnEntries || c->num_topk > mf__small::kOwnMaxTopk || mf__cuda_rows_bound(moe) < T) return 0;
+    const int64_t padded_a = n + used * (c->block_m - 1);                          /* each one padded */
+    const int64_t padded_b = used * ((T + c->block_m - 1) / c->block_m) * c->block_m; /* each at most T rows */
+    if (c->layout == MF_LAYOUT_MASKED ? T > c->expert_capacity
+                                      : (padded_a < padded_b ? padded_a : padded_b) > c->max_recv_rows)
+        return 0;
+    return mf__sm90_small_takes(choice, (int32_t)L, c->dtype, c->hidden, c->intermediate) == MF_SUCCESS;
 }
 
 static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
@@ -604,6 +630,7 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
         {(void **)&s->words, 2 * 4},
         {(void **)&s->sched, kMfSchedPairs * 2 * 4},
         {(void **)&s->small_sync, small_words * 4},
+        {(void **)&s->publish_count, R_ == 1 ? (size_t)4 : 0}, /* only a forward at R = 1 plans in the small kernel */
         {(void **)&s->pick_scratch, B ? (size_t)mf__balance_scratch_words(c->num_experts, R_, P, B) * 4 : 0},
         {(void **)&s->stats, (2 * MF_MAX_RANKS + 3) * 8},
     };
@@ -627,6 +654,7 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
     if (e == cudaSuccess) e = cudaMemsetAsync(s->words, 0, 2 * 4, setup);
     if (e == cudaSuccess) e = cudaMemsetAsync(s->sched, 0, kMfSchedPairs * 2 * 4, setup);
     if (e == cudaSuccess) e = cudaMemsetAsync(s->small_sync, 0, small_words * 4, setup);
+    if (e == cudaSuccess && s->publish_count) e = cudaMemsetAsync(s->publish_count, 0, 4, setup);
     if (e == cudaSuccess) e = cudaMemsetAsync(s->stats, 0, (2 * MF_MAX_RANKS + 3) * 8, setup);
     int32_t *masked = NULL; /* host copy of e * C, until the setup stream has read it */
     if (e == cudaSuccess && s->masked_offsets) {
@@ -737,8 +765,12 @@ static mf_result_t mf__cuda_sync(mf_comm_t comm, uint32_t layer, int32_t phase, 
     return MF_SUCCESS;
 }
 
+/* Publishes x, ids (and weights) into the slot of `view`. `epochs` (a forward at R = 1 whose small
+ * kernel plans for itself, mf__cuda_own_plan): the slot's epochs, and the DISPATCH sync runs in
+ * publish's last block (mf__publish_sync_kernel) instead of a plan kernel. */
 static mf_result_t mf__cuda_publish_at(mf_moe_t moe, const mf__heap_view_t *view, const mf_tensor_t *x,
-                                       const mf_tensor_t *ids, const float *weights, cudaStream_t stream) {
+                                       const mf_tensor_t *ids, const float *weights, unsigned long long *epochs,
+                                       cudaStream_t stream) {
     const mf_moe_config_t *c = &moe->config;
     mf__publish_params_t p;
     memset(&p, 0, sizeof p);
@@ -758,13 +790,19 @@ static mf_result_t mf__cuda_publish_at(mf_moe_t moe, const mf__heap_view_t *view
     p.sink = mf__sink(moe->comm);
     /* A call's first kernel: no PDL attribute (it follows the caller's kernels) */
     const dim3 grid(p.T > 0 ? (unsigned)p.T : 1u, (unsigned)((p.H + kMfPublishCols - 1) / kMfPublishCols));
-    MF_CUDA_CHECK(mf__cuda_launch(mf__publish_kernel, grid, dim3(kMfPublishThreads), 0, stream, 0, p));
+    if (!epochs) {
+        MF_CUDA_CHECK(mf__cuda_launch(mf__publish_kernel, grid, dim3(kMfPublishThreads), 0, stream, 0, p));
+        return MF_SUCCESS;
+    }
+    mf__sync_params_t sp = mf__sync_params(moe->comm, moe->id, MF__PHASE_DISPATCH, MF_SUCCESS);
+    sp.mode = kMfSyncBoth;
+    sp.epoch = epochs;
+    int32_t *finished = ((mf__cuda_moe_t *)moe->backend_state)->publish_count;
+    void *args[] = {(void *)&sp, (void *)&p, (void *)&finished};
+    MF_CUDA_CHECK(mf__cuda_launch((const void *)mf__publish_sync_kernel, grid, dim3(kMfPublishThreads), 0, stream, 0,
+                                  args));
+    __atomic_fetch_add(&mf__cc(moe->comm)->launched[MF__PHASE_DISPATCH], 1, __ATOMIC_RELAXED); /* as mf__cuda_sync */
     return MF_SUCCESS;
-}
-
-static mf_result_t mf__cuda_publish(mf_moe_t moe, const mf_tensor_t *x, const mf_tensor_t *ids, const float *weights,
-                                    cudaStream_t stream) {
-    return mf__cuda_publish_at(moe, mf__cuda_slot0(moe).view, x, ids, weights, stream);
 }
 
 /* Waits for every rank's publication in the slot's regions (`mode`: the whole DISPATCH sync, or the
@@ -955,10 +993,18 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
         s->pf_pending = 0;
     }
 
+    /* R = 1 with the small kernel: it sums y itself (small >= 2), and plans for itself too (3: publish
+     * runs the DISPATCH sync, no plan kernel) */
+    const int32_t small = __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED);
+    const int32_t own_sum = choice.fused && moe->comm->num_ranks == 1 && T > 0 && small >= 2;
+    const int32_t own_plan = mf__cuda_own_plan(moe, &choice, T, small);
+
     MF__MARK(MF_PHASE_PREPARE);
-    MF_CHECK(mf__cuda_publish(moe, &in->x, &in->topk_ids, (const float *)in->topk_weights.data, stream));
+    const mf__cuda_slot_t slot0 = mf__cuda_slot0(moe);
+    MF_CHECK(mf__cuda_publish_at(moe, slot0.view, &in->x, &in->topk_ids, (const float *)in->topk_weights.data,
+                                 own_plan ? slot0.epochs : NULL, stream));
     MF__MARK(MF_PHASE_DISPATCH);
-    MF_CHECK(mf__cuda_plan(moe, T, NULL, NULL, stream));
+    if (!own_plan) MF_CHECK(mf__cuda_plan(moe, T, NULL, NULL, stream));
     if (flow != MF_DATAFLOW_DIRECT) MF_CHECK(mf__cuda_gather(moe, s->recv_x, s->recv_scales, NULL, stream));
     MF__MARK(MF_PHASE_W13);
 
@@ -971,7 +1017,7 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     seg.rows_hint = mf__cuda_rows_hint(moe, T);
     seg.sched = s->sched + 2 * kMfSchedW13;
     seg.sink = mf__sink(moe->comm); /* an expired GEMM wait breaks this comm */
-    const mf__heap_view_t *view = mf__cuda_slot0(moe).view; /* the forward's heap slot */
+    const mf__heap_view_t *view = slot0.view; /* the forward's heap slot */
     const mf__gemm_gather_t gather = {view, s->src};
     mf__gemm_operand_t a = {s->recv_x, s->recv_scales, flow == MF_DATAFLOW_DIRECT ? &gather : NULL};
     mf__gemm_operand_t w13 = {w->w13.data, fp8 ? (const float *)w->w13_scales.data : NULL, NULL};
@@ -983,11 +1029,10 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
         /* the small-batch kernel: both GEMMs in one launch (W13's phase holds both, W2's is empty), at
          * R = 1 the sum too (then the COMBINE phase is empty as well) */
         const mf__gemm_sum_t sum = {(uint16_t *)out->y.data, T, &mf__cc(moe->comm)->state->fault};
-        const int32_t own_sum =
-            moe->comm->num_ranks == 1 && T > 0 && __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED) >= 2;
         MF_CHECK(mf__cuda_w13_w2(&choice, &seg, s->sched + 2 * kMfSchedW2, c->dtype, c->ue8m0_scales, a, w13, w2,
                                  c->hidden, c->intermediate, s->h, s->h_scales, &ret, s->small_sync,
-                                 own_sum ? &sum : NULL, &summed, stream, 1));
+                                 own_sum ? &sum : NULL, own_plan ? (const int32_t *)in->topk_ids.data : NULL,
+                                 &summed, stream, 1));
         MF__MARK(MF_PHASE_W2);
         MF__MARK(MF_PHASE_COMBINE);
     } else {
@@ -1063,7 +1108,8 @@ static mf_result_t mf__cuda_forward(mf_moe_t moe, const mf_moe_forward_in_t *in,
 static mf_result_t mf__cuda_dispatch_launch(mf_moe_t moe, struct mf_exchange *x, const mf_dispatch_in_t *in,
                                             uint32_t halves, cudaStream_t stream) {
     const mf__cuda_slot_t slot = mf__cuda_slot(moe, x->slot);
-    if (halves & MF__HALF_SEND) MF_CHECK(mf__cuda_publish_at(moe, slot.view, &in->x, &in->topk_ids, NULL, stream));
+    if (halves & MF__HALF_SEND)
+        MF_CHECK(mf__cuda_publish_at(moe, slot.view, &in->x, &in->topk_ids, NULL, NULL, stream));
     if (halves == MF__HALF_SEND)
         return mf__cuda_sync(moe->comm, moe->id, MF__PHASE_DISPATCH, MF_SUCCESS, kMfSyncArrive, slot.epochs, 1, stream);
     const mf_dispatch_out_t *out = &x->dispatch_out;

@@ -61,9 +61,10 @@ typedef struct mf__gemm_bench_args {
 void mf__gemm_bench_choose(int32_t rows_hint, int32_t max_rows_per_expert, int32_t dataflow, int32_t *family,
                            int32_t *block_rows, int32_t *dataflow_out, int32_t *fused);
 
-/* The small-batch kernel's launches in this process so far, and those of them that summed y (the
- * CUDA suite checks which of the small kernel, its own sum and the two GEMMs ran). */
-void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums);
+/* The small-batch kernel's launches in this process so far, those of them that summed y and those
+ * that planned for themselves (the CUDA suite checks which of the small kernel, its own sum, its own
+ * plan and the two GEMMs ran). */
+void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums, uint64_t *plans);
 
 /* 1 when the library has `op` for `dtype`, else 0. */
 int32_t mf__gemm_bench_supported(int32_t op, int32_t dtype);

@@ -9,8 +9,9 @@
  * Configuring, declining and the MF_DEBUG report go through the families' skeleton
  * (cuda/gemm_family.cuh).
  *
- * Variants (2): FP8 and BF16, 8 tokens per tile (the choice takes the kernel only with 8-token
- * decode tiles).
+ * Variants (4): FP8 and BF16, 8 tokens per tile (the choice takes the kernel only with 8-token
+ * decode tiles), each also with its own plan (kOwn: `plan_ids`, R = 1), whose shape checks the forward
+ * asks first (mf__sm90_small_takes): nothing falls back there, no plan kernel ran.
  */
 #include <atomic>
 #include <cuda.h>
@@ -29,55 +30,85 @@ using namespace mf__small;
 
 namespace {
 
-static_assert(mf__small::kMaxVariants == 2 && mf__small::kMaxVariants <= kMfGemmMaxVariants,
-              "FP8 and BF16: one usable bit each");
+static_assert(mf__small::kMaxVariants == 4 && mf__small::kMaxVariants <= kMfGemmMaxVariants,
+              "FP8 and BF16, each with the plan's tables and with its own: one usable bit each");
 
-/* Variant 0: FP8, 1: BF16 (8-token tiles both). */
-template <bool kFp8>
+/* Variant 0: FP8, 1: BF16, 2 and 3 the same with their own plan (8-token tiles all). */
+template <bool kFp8, bool kOwn>
 mf__gemm_variant_info_t info_of() {
-    using C = mf__small::cfg<kFp8, kTokens>;
+    using C = mf__small::cfg<kFp8, kTokens, kOwn>;
     const mf__gemm_variant_info_t o = {kFp8 ? 1 : 0, 1, kTokens, 1, C::kSmemBytes, C::kSlots, 0, 0, 0};
     return o;
 }
 
 int variant_count(void) { return mf__small::kMaxVariants; }
 const void *variant_fn(int i) {
-    return i == 0 ? (const void *)sm90_small_kernel<true, kTokens> : (const void *)sm90_small_kernel<false, kTokens>;
+    const void *fns[mf__small::kMaxVariants] = {
+        (const void *)sm90_small_kernel<true, kTokens, false>, (const void *)sm90_small_kernel<false, kTokens, false>,
+        (const void *)sm90_small_kernel<true, kTokens, true>, (const void *)sm90_small_kernel<false, kTokens, true>};
+    return fns[i];
 }
-mf__gemm_variant_info_t variant_info(int i) { return i == 0 ? info_of<true>() : info_of<false>(); }
+mf__gemm_variant_info_t variant_info(int i) {
+    const mf__gemm_variant_info_t v[mf__small::kMaxVariants] = {info_of<true, false>(), info_of<false, false>(),
+                                                     info_of<true, true>(), info_of<false, true>()};
+    return v[i];
+}
 
 mf__gemm_family_t g_family = {kMfGemmFamilySmall, kLaunchRegs, variant_count, variant_fn, variant_info};
 
-std::atomic<uint64_t> g_launches, g_sums; /* mf__gemm_small_counts (testing.h) */
+std::atomic<uint64_t> g_launches, g_sums, g_plans; /* mf__gemm_small_counts (testing.h) */
 
 } /* namespace */
 
-mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t dtype,
-                                   int32_t ue8m0, mf__gemm_operand_t a, mf__gemm_operand_t w13, mf__gemm_operand_t w2,
-                                   int32_t H, int32_t I, void *h, float *h_scales, const mf__gemm_return_t *ret,
-                                   int32_t *sync, const mf__gemm_sum_t *sum, cudaStream_t stream, int32_t pdl) {
+/* The checks of a launch that its data does not enter: the tile, the shape, the variant (vi) usable on
+ * this device (sms: its SMs). The launcher runs them, and mf__sm90_small_takes alone. */
+static mf_result_t check_shape(const mf__gemm_choice_t *choice, int32_t L, int32_t dtype, int32_t H, int32_t I,
+                               int own, int *vi, int *sms) {
     const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
     const int esz = fp8 ? 1 : 2;
     if (choice->block_rows != kTokens)
         return mf__gemm_decline(&g_family, "tiles of %d tokens (the kernel has %d)", choice->block_rows, kTokens);
+    mf__gemm_segments_t seg;
+    memset(&seg, 0, sizeof seg);
+    seg.num_experts = L;
+    MF_CHECK(mf__gemm_check_segments(&g_family, &seg, 2 * (int64_t)I, kMaxExperts));
+    MF_CHECK(mf__gemm_check_segments(&g_family, &seg, H, kMaxExperts));
+    if (I <= 0 || H <= 0 || I % kTileCols || H % kTileCols)
+        return mf__gemm_decline(&g_family, "H = %d, I = %d: not positive multiples of %d", H, I, kTileCols);
+    if (((int64_t)H * esz) % kKBlock || ((int64_t)I * esz) % kKBlock)
+        return mf__gemm_decline(&g_family, "H = %d, I = %d: row bytes not multiples of %d", H, I, kKBlock);
+    *vi = (fp8 ? 0 : 1) + (own ? 2 : 0);
+    int dev = 0;
+    MF_CHECK(mf__gemm_configure(&g_family, __func__, &dev, sms));
+    return mf__gemm_require(&g_family, dev, *vi);
+}
+
+mf_result_t mf__sm90_small_takes(const mf__gemm_choice_t *choice, int32_t L, int32_t dtype, int32_t H, int32_t I) {
+    int vi = 0, sms = 0;
+    return check_shape(choice, L, dtype, H, I, 1, &vi, &sms);
+}
+
+mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t dtype,
+                                   int32_t ue8m0, mf__gemm_operand_t a, mf__gemm_operand_t w13, mf__gemm_operand_t w2,
+                                   int32_t H, int32_t I, void *h, float *h_scales, const mf__gemm_return_t *ret,
+                                   int32_t *sync, const mf__gemm_sum_t *sum, const int32_t *plan_ids,
+                                   cudaStream_t stream, int32_t pdl) {
+    const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
+    const int esz = fp8 ? 1 : 2;
     if (!a.gather || !ret || !sync)
         return mf__gemm_decline(&g_family, "rows not gathered and returned at their owners");
     if (a.gather->view != ret->view || a.gather->src != ret->src)
         return mf__gemm_decline(&g_family, "rows gathered and returned through different views or plans");
     if (sum && ret->view->num_ranks != 1)
         return mf__gemm_decline(&g_family, "the sum over %d ranks (one rank only)", ret->view->num_ranks);
-    MF_CHECK(mf__gemm_check_segments(&g_family, seg, 2 * (int64_t)I, kMaxExperts));
-    MF_CHECK(mf__gemm_check_segments(&g_family, seg, H, kMaxExperts));
-    if (I <= 0 || H <= 0 || I % kTileCols || H % kTileCols)
-        return mf__gemm_decline(&g_family, "H = %d, I = %d: not positive multiples of %d", H, I, kTileCols);
-    if (((int64_t)H * esz) % kKBlock || ((int64_t)I * esz) % kKBlock)
-        return mf__gemm_decline(&g_family, "H = %d, I = %d: row bytes not multiples of %d", H, I, kKBlock);
+    if (plan_ids && (!sum || sum->T < 1 || (int64_t)sum->T * ret->num_topk > kOwnEntries ||
+                     ret->num_topk > kOwnMaxTopk || seg->max_rows_per_expert < sum->T))
+        return mf__gemm_decline(&g_family, "its own plan: one rank with its sum, 1 <= T, T K <= %d, K <= %d, T <= "
+                                           "the rows bound", kOwnEntries, kOwnMaxTopk);
+    int vi = 0, sms = 0;
+    MF_CHECK(check_shape(choice, seg->num_experts, dtype, H, I, plan_ids != NULL, &vi, &sms));
     if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) /* no rows: nothing to launch (y: the sum kernel) */
         return sum ? mf__gemm_decline(&g_family, "no rows to compute: the sum runs alone") : MF_SUCCESS;
-    const int vi = fp8 ? 0 : 1;
-    int dev = 0, sms = 0;
-    MF_CHECK(mf__gemm_configure(&g_family, __func__, &dev, &sms));
-    MF_CHECK(mf__gemm_require(&g_family, dev, vi));
     const mf__gemm_variant_info_t v = variant_info(vi);
 
     small_params p;
@@ -111,6 +142,7 @@ mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__ge
         p.fault = sum->fault;
         p.T = sum->T;
     }
+    p.ids = plan_ids;
 
     /* one CTA per SM, never more than the units of the largest possible problem */
     const int64_t blocks = (int64_t)seg->num_experts * ((seg->max_rows_per_expert + kTokens - 1) / kTokens);
@@ -122,14 +154,16 @@ mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__ge
                   __func__);
     g_launches.fetch_add(1, std::memory_order_relaxed);
     if (sum) g_sums.fetch_add(1, std::memory_order_relaxed);
-    mf__gemm_report_launch(&g_family, "small %s W13 + W2, T %d, %d slots, %d B smem, grid %d", fp8 ? "fp8" : "bf16",
-                           kTokens, v.stages, v.smem_bytes, grid);
+    if (plan_ids) g_plans.fetch_add(1, std::memory_order_relaxed);
+    mf__gemm_report_launch(&g_family, "small %s W13 + W2, T %d, %d slots, %d B smem, grid %d%s", fp8 ? "fp8" : "bf16",
+                           kTokens, v.stages, v.smem_bytes, grid, plan_ids ? ", its own plan" : "");
     return MF_SUCCESS;
 }
 
-extern "C" void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums) {
+extern "C" void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums, uint64_t *plans) {
     *launches = g_launches.load(std::memory_order_relaxed);
     *sums = g_sums.load(std::memory_order_relaxed);
+    *plans = g_plans.load(std::memory_order_relaxed);
 }
 
 mf_result_t mf__sm90_small_preload(void) { return mf__gemm_preload(&g_family, __func__); }

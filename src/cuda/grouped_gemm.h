@@ -121,8 +121,9 @@ typedef struct mf__gemm_choice {
 mf__gemm_choice_t mf__gemm_choose(int32_t rows_hint, int32_t max_rows_per_expert, int32_t dataflow);
 
 /* The small-batch kernel's switch (defined in cuda/backend.cu): 0 clears choice->fused in every
- * forward, 1 keeps the sum kernel after it, 2 (the default) lets it sum at R = 1 too; a comm init
- * lowers it to MF_SMALL (core/params.c) for the rest of the process. */
+ * forward, 1 keeps the sum kernel after it, 2 lets it sum at R = 1 too, 3 (the default) lets it plan
+ * for itself there as well (no plan kernel); a comm init lowers it to MF_SMALL (core/params.c) for
+ * the rest of the process. */
 extern "C" int32_t mf__cuda_small;
 
 /* The types of a W13 and of a W2 launcher: the dispatchers' (below) and the decode family's, so
@@ -162,13 +163,22 @@ typedef struct mf__gemm_sum {
 /* The small-batch kernel (choice->fused): W13 + SwiGLU into h (+ h_scales), then W2 of h returned to
  * the owners' combine slots (`ret`), in one launch; rows gathered at their owners (a.gather); with
  * `sum` (one rank) also y. `sync`: device, zeroed int32 of this launch alone, 2 + L (+ T H/128 with
- * the sum); the kernel zeroes them again at its end. Declines (MF_ERR_NOT_SUPPORTED) what it does
- * not take: tiles other than 8 tokens, rows not gathered or not returned, a sum over more than one
- * rank, shapes the decode kernels decline. */
+ * the sum); the kernel zeroes them again at its end. `plan_ids` (with `sum`; NULL: the plan's
+ * seg->counts, seg->offsets and a.gather->src): the caller's routing [T, K], from which the kernel
+ * plans for itself, launched right after a publish that ran the DISPATCH sync
+ * (kernels/movement.cuh mf__publish_sync_kernel) with no plan kernel between (kernels/sm90_small_gemm.cuh
+ * own_tables: the caller makes sure the plan could not have faulted). Declines (MF_ERR_NOT_SUPPORTED)
+ * what it does not take: tiles other than 8 tokens, rows not gathered or not returned, a sum over
+ * more than one rank, its own plan beyond its limits, shapes the decode kernels decline. */
 mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t dtype,
                                    int32_t ue8m0, mf__gemm_operand_t a, mf__gemm_operand_t w13, mf__gemm_operand_t w2,
                                    int32_t H, int32_t I, void *h, float *h_scales, const mf__gemm_return_t *ret,
-                                   int32_t *sync, const mf__gemm_sum_t *sum, cudaStream_t stream, int32_t pdl);
+                                   int32_t *sync, const mf__gemm_sum_t *sum, const int32_t *plan_ids,
+                                   cudaStream_t stream, int32_t pdl);
+/* MF_SUCCESS when the small kernel with its own plan takes these shapes (8-token tiles, L experts,
+ * dtype, H, I) on the current device, else its decline (MF_ERR_NOT_SUPPORTED; or MF_ERR_CUDA): the
+ * forward asks before it publishes without a plan kernel, since nothing can fall back after. */
+mf_result_t mf__sm90_small_takes(const mf__gemm_choice_t *choice, int32_t L, int32_t dtype, int32_t H, int32_t I);
 mf_result_t mf__sm90_small_preload(void);
 
 /* MF_DEBUG (core/debug.h): the layer id the calling thread's next dispatcher calls report under
@@ -190,11 +200,13 @@ mf__gemm_w2_fn mf__cuda_w2;
  * (*summed = 1: y is written); where it declines (or without `fused`) mf__cuda_w13_swiglu then
  * mf__cuda_w2 (seg->sched W13's schedule pair, w2_sched W2's) and *summed = 0: the caller sums. The
  * same bits either way. The small kernel takes the rows through one heap view and plan: a.gather and
- * ret with the same view and src (else it declines). */
+ * ret with the same view and src (else it declines). With `plan_ids` (the small kernel's own plan,
+ * mf__sm90_small_experts) nothing can fall back: no plan kernel ran, so a decline is an error
+ * (MF_ERR_INTERNAL: the caller asked mf__sm90_small_takes first). */
 mf_result_t mf__cuda_w13_w2(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t *w2_sched,
                             int32_t dtype, int32_t ue8m0, mf__gemm_operand_t a, mf__gemm_operand_t w13,
                             mf__gemm_operand_t w2, int32_t H, int32_t I, void *h, float *h_scales,
-                            const mf__gemm_return_t *ret, int32_t *sync, const mf__gemm_sum_t *sum, int32_t *summed,
-                            cudaStream_t stream, int32_t pdl);
+                            const mf__gemm_return_t *ret, int32_t *sync, const mf__gemm_sum_t *sum,
+                            const int32_t *plan_ids, int32_t *summed, cudaStream_t stream, int32_t pdl);
 
 #endif /* MF_CUDA_GROUPED_GEMM_H */

@@ -768,17 +768,20 @@ static mf_result_t switch_run(const pdl_case_t *c, const mfp_problem_t *p, int32
 /* ---- the small-batch kernel: W13 + W2 in one launch, the same y as the two GEMMs ---------------- */
 
 extern int32_t mf__cuda_small; /* cuda/grouped_gemm.h: 0 clears choice.fused, 1 keeps the sum kernel */
-void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums); /* testing.h (cuda/gemm_bench.h) */
+void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums, uint64_t *plans); /* testing.h (gemm_bench.h) */
+enum { kSmallModes = 4, kSmallOwnEntries = 256 /* mf__small::kOwnEntries */ };
 
-/* Every case three times: without the small kernel (switch 0: the two decode GEMMs), with it and the
- * sum kernel (1), with it summing itself at R = 1 (2, the default), three calls each on inputs
- * redrawn per call: every call's y equal bit for bit (digests), the last call of the default run
- * within the contract's bounds of the CPU backend's, and the counters say which ran (switch 2 sums
- * in the kernel exactly at R = 1). Cases: one and
+/* Every case four times: without the small kernel (switch 0: the two decode GEMMs), with it and the
+ * sum kernel (1), with it summing itself at R = 1 (2), and planning for itself there too (3, the
+ * default: publish runs the DISPATCH sync, no plan kernel), three calls each on inputs redrawn per
+ * call: every call's y equal bit for bit (digests), the last call of the default run within the
+ * contract's bounds of the CPU backend's, and the counters say which ran (switch 2 and 3 sum in the
+ * kernel exactly at R = 1, switch 3 plans there where T K <= 256). Cases: one and
  * several ranks, idle ranks, both dtypes and layouts, a hot expert with more rows than a tile
  * (several token blocks, several W13 tiles per W2 dependency), W13 K blocks past the ring (two
- * positions each) and W2 K blocks past it (the weights issued before the wait, then the rest), a
- * captured graph replayed, and PDL (the forward's default). */
+ * positions each; with its own plan the first ring's weights go out before the PDL wait) and W2 K
+ * blocks past it (the weights issued before the wait, then the rest), dropped k, more entries than
+ * its own plan holds, a captured graph replayed, and PDL (the forward's default). */
 static int cuda_small_bitwise(void) {
     const int32_t idle[4] = {2, 0, 5, 1};
     const pdl_case_t cases[] = {
@@ -803,30 +806,40 @@ static int cuda_small_bitwise(void) {
         /* captured once, replayed */
         {{2, 16, 4, 256, 256, 4, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED, MFP_ROUTING_UNIFORM, 0, 3, 0, NULL, 47},
          MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 1, 0},
+        /* R = 1, T K = 320 entries: the small kernel with the plan kernel's tables under switch 3 */
+        {{1, 128, 8, 256, 256, 40, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 3, 0, NULL, 49},
+         MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 0, 0},
+        /* its own plan under a graph, W13 K blocks past the ring, a hot expert over two token blocks */
+        {{1, 32, 8, 1024, 2048, 16, 0, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_HOT, 5, 3, 0.1, NULL, 50},
+         MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 1, 0},
     };
     enum { kCases = sizeof cases / sizeof cases[0] };
     for (int i = 0; i < kCases; i++) {
         const layer_case_t *c = &cases[i].layer;
         mfp_problem_t p;
         MFT_CHECK(generate_case(c, &p) == 0);
-        uint16_t *y[3][MF_MAX_RANKS], *y_cpu[MF_MAX_RANKS];
+        uint16_t *y[kSmallModes][MF_MAX_RANKS], *y_cpu[MF_MAX_RANKS];
         const size_t nd = (size_t)c->R * 3 * 2; /* [R][calls 3][dispatch 0, y] */
-        uint64_t *dig[3] = {mft_alloc(nd * 8), mft_alloc(nd * 8), mft_alloc(nd * 8)};
+        uint64_t *dig[kSmallModes];
+        for (int small = 0; small < kSmallModes; small++) dig[small] = mft_alloc(nd * 8);
         const uint64_t seed = 5000 + 10 * (uint64_t)i;
+        const int own_plan = c->R == 1 && c->T * c->K <= kSmallOwnEntries; /* the test's shapes fit otherwise */
         char err[512] = "";
-        for (int small = 0; small < 3; small++) {
-            uint64_t launches0, sums0, launches1, sums1;
-            mf__gemm_small_counts(&launches0, &sums0);
+        for (int small = 0; small < kSmallModes; small++) {
+            uint64_t launches0, sums0, plans0, launches1, sums1, plans1;
+            mf__gemm_small_counts(&launches0, &sums0, &plans0);
             mf_result_t res = switch_run(&cases[i], &p, &mf__cuda_small, small, y[small], dig[small], seed, err,
                                          sizeof err);
-            mf__gemm_small_counts(&launches1, &sums1);
+            mf__gemm_small_counts(&launches1, &sums1, &plans1);
             MFT_CHECK_MSG(res == MF_SUCCESS, "case %d, small kernel %d: %s", i, small, err);
             MFT_CHECK_MSG(small ? launches1 > launches0 : launches1 == launches0, "case %d: switch %d, %llu small launches",
                           i, small, (unsigned long long)(launches1 - launches0));
-            MFT_CHECK_MSG((small == 2 && c->R == 1) == (sums1 > sums0), "case %d: switch %d at R = %d, %llu own sums", i,
+            MFT_CHECK_MSG((small >= 2 && c->R == 1) == (sums1 > sums0), "case %d: switch %d at R = %d, %llu own sums", i,
                           small, c->R, (unsigned long long)(sums1 - sums0));
+            MFT_CHECK_MSG((small == 3 && own_plan) == (plans1 > plans0), "case %d: switch %d at R = %d, T K = %d, %llu own plans",
+                          i, small, c->R, c->T * c->K, (unsigned long long)(plans1 - plans0));
         }
-        for (int small = 1; small < 3; small++)
+        for (int small = 1; small < kSmallModes; small++)
             MFT_CHECK_MSG(memcmp(dig[0], dig[small], nd * 8) == 0,
                           "case %d: a call's y with switch %d differs from the two GEMMs'", i, small);
         for (int32_t r = 0; r < c->R; r++) y_cpu[r] = mft_alloc((size_t)p.T[r] * c->H * 2 + 2);
@@ -834,12 +847,12 @@ static int cuda_small_bitwise(void) {
         MFT_CHECK_MSG(res == MF_SUCCESS, "cpu run failed: %s", err);
         char label[32];
         snprintf(label, sizeof label, "small case %d", i);
-        if (check_layer_y(label, "cpu", c->dtype, c->R, p.T, c->H, y[2], y_cpu, NULL)) return 1;
+        if (check_layer_y(label, "cpu", c->dtype, c->R, p.T, c->H, y[3], y_cpu, NULL)) return 1;
         for (int32_t r = 0; r < c->R; r++) {
-            for (int small = 0; small < 3; small++) free(y[small][r]);
+            for (int small = 0; small < kSmallModes; small++) free(y[small][r]);
             free(y_cpu[r]);
         }
-        for (int small = 0; small < 3; small++) free(dig[small]);
+        for (int small = 0; small < kSmallModes; small++) free(dig[small]);
         mfp_free(&p);
     }
     return 0;
@@ -1352,7 +1365,7 @@ static int cuda_debug_report(void) {
                         NULL, 11};
     if (debug_case(&dec, text, sizeof text)) return 1;
     const char *ds[] = {"moeflow DEBUG", "gemm layer 0 w13 + w2 fp8_e4m3 H 256 I 256 L 8 rows_hint 1", "A gathered",
-                        "to combine slots", "ran small fp8 W13 + W2, T 8", NULL};
+                        "to combine slots", "ran small fp8 W13 + W2, T 8", "its own plan", NULL};
     MFT_CHECK_MSG(debug_lines(text, ds) == 1, "decode shape (the small-batch kernel), stderr:\n%s", text);
     const int32_t small = __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED);
     __atomic_store_n(&mf__cuda_small, 0, __ATOMIC_RELAXED); /* the two GEMMs' reports */

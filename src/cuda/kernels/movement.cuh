@@ -42,8 +42,9 @@ typedef struct mf__publish_params {
 /* Grid (max(T, 1), ceil(H / kMfPublishCols)): block (t, g) publishes columns [g, g + 1) x
  * kMfPublishCols of token t, every warp one 128-wide block, so that a few tokens still spread over
  * many SMs with one load in flight per lane (a loop of 7 dependent blocks per warp cost ~7 us at
- * T = 1); blocks (t, 0) also validate and copy the routing, block (0, 0) writes T. */
-__global__ void __launch_bounds__(kMfPublishThreads) mf__publish_kernel(mf__publish_params_t p) {
+ * T = 1); blocks (t, 0) also validate and copy the routing, block (0, 0) writes T. One block's part
+ * (both publish kernels below). */
+__device__ __forceinline__ void mf__publish_block(const mf__publish_params_t &p) {
     const int32_t t = blockIdx.x, tid = threadIdx.x, lane = tid % kMfWarp, warp = tid / kMfWarp;
     uint8_t *const heap = p.view.heap[p.view.rank]; /* my heap */
     mf__pdl_wait(); /* a call's first kernel is launched without the attribute: returns at once */
@@ -100,6 +101,36 @@ __global__ void __launch_bounds__(kMfPublishThreads) mf__publish_kernel(mf__publ
         *(uint32_t *)(q + b * MF__QUANT_BLOCK + lane * 4) = packed;
         if (lane == 0) scales[b] = scale;
     }
+}
+
+__global__ void __launch_bounds__(kMfPublishThreads) mf__publish_kernel(mf__publish_params_t p) {
+    mf__publish_block(p);
+}
+
+/* Publish and the DISPATCH sync in one kernel, for a forward at R = 1 whose small-batch kernel plans
+ * for itself (kernels/sm90_small_gemm.cuh kOwn; backend.cu): no plan kernel runs, so the sync that
+ * turns this call's fresh fault into the comm's sticky one (sync.cuh) runs here, in the block that
+ * finishes last: each block counts itself out in `finished` (zero between calls; the last block
+ * zeroes it again) after its writes and claims (a barrier, then one thread's fence and add, as a
+ * grid-wide barrier does), and the last one, after a fence, runs mf__sync_block (with one rank its
+ * wait is for its own arrival). The kernel after it (launched with the PDL attribute) may start at
+ * once: publish triggers at its start; what it reads of this kernel (the published rows, ids and
+ * weights, the fault verdict) it reads after its own mf__pdl_wait, i.e. after this grid's end. */
+__global__ void __launch_bounds__(kMfPublishThreads) mf__publish_sync_kernel(mf__sync_params_t sp,
+                                                                             mf__publish_params_t p,
+                                                                             int32_t *finished) {
+    __shared__ int32_t last;
+    mf__publish_block(p);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicAdd(finished, 1) == (int32_t)(gridDim.x * gridDim.y) - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (threadIdx.x == 0) *finished = 0;
+    mf__sync_block(sp);
 }
 
 /* ---- plan ---------------------------------------------------------------------------------

@@ -154,9 +154,40 @@ __device__ __forceinline__ void tables_at(tables_t &tb, uint8_t *at) {
     tb.first = tb.row0 + kMaxExperts;
 }
 
-/* Reads the counts (clamped to [0, max_rows]) and offsets into the tables and scans units(rows),
- * an expert's work units, into first[] (each lane of warp 0 sums a run of experts, then a warp
- * scan). Every thread of the CTA calls it; it ends with the tables visible to all. */
+/* out[e] = the sum of f(in[e']) over e' < e, for e in [0, L), and (kTotal) out[L] = the sum over all
+ * (each lane of warp 0 sums a run of experts, then a warp scan). Every thread of the CTA calls it,
+ * after a barrier that made in[] visible; it ends with out[] visible to all. */
+template <bool kTotal, class F>
+__device__ __forceinline__ void scan_into(int32_t *out, const int32_t *in, int L, F f) {
+    if (threadIdx.x < 32) {
+        const int lane = (int)threadIdx.x, per = (L + 31) / 32;
+        const int lo = min_int(L, lane * per), hi = min_int(L, lo + per);
+        int32_t local = 0;
+        for (int e = lo; e < hi; e++) local += f(in[e]);
+        int32_t incl = local;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const int32_t v = __shfl_up_sync(0xffffffffu, incl, off);
+            if (lane >= off) incl += v;
+        }
+        int32_t base = incl - local;
+        for (int e = lo; e < hi; e++) {
+            out[e] = base;
+            base += f(in[e]);
+        }
+        if (kTotal && lane == 31) out[L] = incl;
+    }
+    __syncthreads();
+}
+
+/* first[] from rows[]: units(rows) are an expert's work units (scan_into). */
+template <class Units>
+__device__ __forceinline__ void scan_units(const tables_t &tb, int L, Units units) {
+    scan_into<true>(tb.first, tb.rows, L, units);
+}
+
+/* Reads the counts (clamped to [0, max_rows]) and offsets into the tables and scans them into
+ * first[] (scan_units). Every thread of the CTA calls it; it ends with the tables visible to all. */
 template <int kThreads, class Params, class Units>
 __device__ __forceinline__ void build_tables(const Params &p, const tables_t &tb, Units units) {
     const int L = p.num_experts;
@@ -167,25 +198,7 @@ __device__ __forceinline__ void build_tables(const Params &p, const tables_t &tb
         tb.row0[e] = p.offsets[e];
     }
     __syncthreads();
-    if (threadIdx.x < 32) {
-        const int lane = (int)threadIdx.x, per = (L + 31) / 32;
-        const int lo = min_int(L, lane * per), hi = min_int(L, lo + per);
-        int32_t local = 0;
-        for (int e = lo; e < hi; e++) local += units(tb.rows[e]);
-        int32_t incl = local;
-#pragma unroll
-        for (int off = 1; off < 32; off <<= 1) {
-            const int32_t v = __shfl_up_sync(0xffffffffu, incl, off);
-            if (lane >= off) incl += v;
-        }
-        int32_t base = incl - local;
-        for (int e = lo; e < hi; e++) {
-            tb.first[e] = base;
-            base += units(tb.rows[e]);
-        }
-        if (lane == 31) tb.first[L] = incl;
-    }
-    __syncthreads();
+    scan_units(tb, L, units);
 }
 
 /* One tile: expert, n-block, receive row of tile row (decode: column) 0, first tile row that
@@ -352,11 +365,12 @@ __device__ __forceinline__ bool producer_role(void) {
 
 /* W2 with `ret`: where receive row `row` goes, its owner's combine slot *dst = view.heap[rank] +
  * view.combine + (token K + k) n BF16, n = N (the caller adds its columns), (rank, token, k) =
- * src[3 row]; false when that entry is invalid or its heap is NULL (the row is not stored).
- * Without `ret` rows go to out + row * N BF16, which each epilogue computes itself. */
+ * table[3 row] (the plan's src, p.src, or the small kernel's own copy in shared memory); false when
+ * that entry is invalid or its heap is NULL (the row is not stored). Without `ret` rows go to out +
+ * row * N BF16, which each epilogue computes itself. */
 template <class Params>
-__device__ __forceinline__ bool ret_row(const Params &p, int64_t row, int64_t n, uint8_t *&dst) {
-    const int32_t *src = p.src + 3 * row;
+__device__ __forceinline__ bool ret_row(const Params &p, const int32_t *table, int64_t row, int64_t n, uint8_t *&dst) {
+    const int32_t *src = table + 3 * row;
     const int32_t rank = src[0], token = src[1], k = src[2];
     if ((uint32_t)rank >= (uint32_t)MF_MAX_RANKS || token < 0 || k < 0 || k >= p.num_topk) return false;
     uint8_t *heap = p.view.heap[rank];

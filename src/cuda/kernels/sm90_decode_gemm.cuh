@@ -266,10 +266,11 @@ __device__ __forceinline__ void producer(const gemm_params &p, const tables_t &t
 
 /* Staging tile -> output rows of columns [lo, kBlockT), columns [nb 128, nb 128 + 128) of the row,
  * 16 bytes per store: out[row0 + token], or (plain with use_ret) the owner's combine slot (ret_row:
- * p's view, src and num_topk). Shared with the small-batch kernel (kernels/sm90_small_gemm.cuh). */
+ * p's view and num_topk, the rows' sources in `src`). Shared with the small-batch kernel
+ * (kernels/sm90_small_gemm.cuh). */
 template <int kEpi, int kBlockT, int kOutEsz, int kEpiRowBytes, class Params>
-__device__ __forceinline__ void store_tile(const Params &p, uint8_t *out, bool use_ret, const uint8_t *epi,
-                                           int64_t out_ld, const tile_t &t, int ctid) {
+__device__ __forceinline__ void store_tile(const Params &p, const int32_t *src, uint8_t *out, bool use_ret,
+                                           const uint8_t *epi, int64_t out_ld, const tile_t &t, int ctid) {
     constexpr int kChunksPerRow = kTileCols * kOutEsz / kChunk;
     const int64_t col_bytes = (int64_t)t.nb * kTileCols * kOutEsz;
 #pragma unroll
@@ -279,7 +280,7 @@ __device__ __forceinline__ void store_tile(const Params &p, uint8_t *out, bool u
         const int64_t row = (int64_t)t.row0 + token;
         uint8_t *dst;
         if (kEpi == kEpiPlain && use_ret) {
-            if (!ret_row(p, row, out_ld, dst)) continue;
+            if (!ret_row(p, src, row, out_ld, dst)) continue;
         } else {
             dst = out + row * out_ld * kOutEsz;
         }
@@ -477,7 +478,7 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
         /* ---- epilogue ---- */
         stage_tile<kFp8, kEpi, kBlockT, C::kOutEsz, C::kEpiRowBytes>(acc, epi, red, p.ue8m0, p.out_scales,
                                                                       (int32_t)(out_ld / MF__QUANT_BLOCK), t, ctid);
-        store_tile<kEpi, kBlockT, C::kOutEsz, C::kEpiRowBytes>(p, p.out, p.use_ret != 0, epi, out_ld, t, ctid);
+        store_tile<kEpi, kBlockT, C::kOutEsz, C::kEpiRowBytes>(p, p.src, p.out, p.use_ret != 0, epi, out_ld, t, ctid);
     }
 }
 

@@ -100,9 +100,10 @@ struct small_params {
     const int32_t *fault;      /* with the sum: the comm's sticky fault word; set: y stays untouched */
     int32_t T;                 /* with the sum: this rank's tokens */
     mf__fault_sink_t sink;     /* the comm's: where an expired wait records itself */
+    const int32_t *ids;        /* kOwn: the caller's routing [T, K] (its own plan; counts, offsets, src unread) */
 };
 
-template <bool kFp8, int kBlockT>
+template <bool kFp8, int kBlockT, bool kOwn = false>
 struct cfg {
     static constexpr int kEsz = kFp8 ? 1 : 2;
     static constexpr int kActBytes = kBlockT * kKBlock;
@@ -116,8 +117,9 @@ struct cfg {
     static constexpr int kRedBytes = kConsumerWarps * kBlockT * 4;
     static constexpr int kTableBytes = align_up((3 * kMaxExperts + 1) * 4, 16);
     static constexpr int kTileOfBytes = align_up(kMaxSlots * 4, 16);
+    static constexpr int kSrcBytes = kOwn ? align_up(kOwnEntries * 3 * 4, 16) : 0; /* kOwn: src [rows, 3] */
     static constexpr int kFixedBytes = kMfSwizzleAtomBytes /* base alignment slack */ + kEpiBytes + kRedBytes +
-                                       kTableBytes + kTileOfBytes + 16 + kBlockT * 4;
+                                       kTableBytes + kTileOfBytes + 16 + kBlockT * 4 + kSrcBytes;
     static constexpr int kPerSlotBytes = kSlotBytes + kScaleBytes + 2 * 8;
     static constexpr int kSlots = min_int(kMaxSlots, (kSmemLimit - kFixedBytes - 16) / kPerSlotBytes);
 
@@ -129,11 +131,13 @@ struct cfg {
     static constexpr int kOffTileOf = kOffTables + kTableBytes;
     static constexpr int kOffFlag = kOffTileOf + kTileOfBytes;          /* the count-out's "last CTA" */
     static constexpr int kOffSumFlags = kOffFlag + 16;                  /* the sum: [kBlockT] token + 1 or 0 */
-    static constexpr int kOffBars = align_up(kOffSumFlags + kBlockT * 4, 8);
+    static constexpr int kOffSrc = align_up(kOffSumFlags + kBlockT * 4, 16); /* kOwn: the plan's src */
+    static constexpr int kOffBars = align_up(kOffSrc + kSrcBytes, 8);
     static constexpr int kSmemBytes = kOffBars + kSlots * 2 * 8 + kMfSwizzleAtomBytes;
 
     static_assert(kBlockT == 8, "the small kernel is built for 8-token tiles (the choice takes it below them)");
     static_assert(kSlots >= 4, "a W13 K block takes two positions: the ring needs four");
+    static_assert(!kOwn || kEpiBytes >= 2 * kOwnEntries * 4, "kOwn: the plan's scratch lives in the staging tile");
     static_assert(kSmemBytes <= kSmemLimit, "shared memory map exceeds 227 KB");
     static_assert(kSlotBytes % kMfSwizzleAtomBytes == 0 && kBoxBytes % kMfSwizzleAtomBytes == 0,
                   "every box and activation tile must start on a 1024-byte swizzle atom");
@@ -198,6 +202,59 @@ __device__ __forceinline__ void wait_done(const int32_t *done, int32_t target, c
     }
 }
 
+/* ---- its own plan (kOwn, R = 1) ----------------------------------------------------------------- */
+
+/* The tables and src of this rank's routing, built by every CTA in its own shared memory from the
+ * caller's ids (p.ids: written by a kernel before publish, so readable before this kernel's PDL
+ * wait), in place of the plan kernel's counts, offsets and src: every entry as publish validates it
+ * (an id outside [-1, L) or repeated earlier in its row is dropped: L = E at R = 1), each expert's
+ * rows in token order (the plan's order at one rank), the experts' rows packed from row 0 (no
+ * padding: h is this kernel's own), src (rank, token, k). Every CTA computes the same tables, so h
+ * rows and the W13 counters agree across CTAs. The caller (backend.cu) takes it only where the plan
+ * could not fault: T K <= kOwnEntries, K <= kOwnMaxTopk, no capacity overflow possible. `scratch`:
+ * 2 kOwnEntries int32 (the staging tile, unused until the first epilogue). Every thread calls it; it
+ * ends with tables and src visible to all. */
+template <int kBlockT>
+__device__ __forceinline__ void own_tables(const small_params &p, const tables_t &tb, int32_t *src, int32_t *scratch) {
+    const int32_t L = p.num_experts, K = p.num_topk, n = p.T * K;
+    int32_t *const ent = scratch, *const pos = scratch + kOwnEntries; /* entry i's expert, its place there */
+    for (int32_t e = (int32_t)threadIdx.x; e < L; e += kThreads) tb.rows[e] = 0;
+    for (int32_t i = (int32_t)threadIdx.x; i < n; i += kThreads) {
+        const int32_t *row = p.ids + (i / K) * K;
+        const int32_t k = i % K;
+        int32_t id = row[k];
+        if (id < -1 || id >= L) id = -1;
+        for (int32_t j = 0; j < k && id >= 0; j++)
+            if (row[j] == id) id = -1;
+        ent[i] = id;
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) { /* token by token; a token's valid ids are distinct, so its lanes never collide */
+        const int32_t lane = (int32_t)threadIdx.x;
+        for (int32_t t = 0; t < p.T; t++) {
+            const int32_t e = lane < K ? ent[t * K + lane] : -1;
+            if (e >= 0) {
+                const int32_t at = tb.rows[e];
+                pos[t * K + lane] = at;
+                tb.rows[e] = at + 1;
+            }
+            __syncwarp();
+        }
+    }
+    __syncthreads();
+    scan_into<false>(tb.row0, tb.rows, L, [](int32_t rows) { return rows; });
+    scan_units(tb, L, [](int32_t rows) { return (rows + kBlockT - 1) / kBlockT; });
+    for (int32_t i = (int32_t)threadIdx.x; i < n; i += kThreads) {
+        const int32_t e = ent[i];
+        if (e < 0) continue;
+        int32_t *s = src + 3 * (tb.row0[e] + pos[i]);
+        s[0] = p.view.rank;
+        s[1] = i / K;
+        s[2] = i % K;
+    }
+    __syncthreads();
+}
+
 /* ---- producer ---------------------------------------------------------------------------------- */
 
 /* K block kb of row `row` (128 bytes) into tile row j of the activation tile at `act`, by 16-byte
@@ -209,10 +266,11 @@ __device__ __forceinline__ void copy_kblock(uint8_t *act, const uint8_t *row, in
         mf__cp_async_16(act + j * kKBlock + ((c ^ (j & 7)) * kChunk), g + c * kChunk);
 }
 
-template <bool kFp8, int kBlockT>
-__device__ __forceinline__ void producer(const small_params &p, const tables_t &tb, uint8_t *slots, float *scales,
-                                         int32_t *tile_of, uint64_t *full, uint64_t *empty) {
-    using C = cfg<kFp8, kBlockT>;
+template <bool kFp8, int kBlockT, bool kOwn>
+__device__ __forceinline__ void producer(const small_params &p, const tables_t &tb, const int32_t *own_src,
+                                         uint8_t *slots, float *scales, int32_t *tile_of, uint64_t *full,
+                                         uint64_t *empty) {
+    using C = cfg<kFp8, kBlockT, kOwn>;
     using R = ring<C::kSlots>;
     const int lane = (int)(threadIdx.x & 31);
     const int32_t L = p.num_experts;
@@ -230,6 +288,7 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
     int32_t cur13 = 0, cur2 = 0;
     bool w2;
     tile_t t;
+    bool published = !kOwn; /* kOwn: publish (the kernel before this one) has not been waited for yet */
     for (int32_t idx = take(p.sync, lane); locate<kBlockT>(tb, L, nb13, nb2, idx, cur13, cur2, w2, t);
          idx = take(p.sync, lane)) {
         /* this lane's column j = lane (kBlockT <= 32): its row's data and FP8 scales; columns below
@@ -240,7 +299,7 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
         const uint8_t *arow = NULL;
         const float *srow = NULL;
         if (!w2) {
-            const int32_t *src = p.src + 3 * (int64_t)row;
+            const int32_t *src = (kOwn ? own_src : p.src) + 3 * (int64_t)row;
             const int32_t rank = src[0], token = src[1];
             const uint8_t *heap = (uint32_t)rank < (uint32_t)MF_MAX_RANKS ? p.view.heap[rank] : NULL;
             if (heap && copy) arow = heap + p.view.x + (int64_t)token * kbytes13;
@@ -248,10 +307,9 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
             const int32_t wrow = t.e * 2 * p.I + t.nb * kBoxRows; /* gate; up at + I */
             const int64_t ws = ((int64_t)t.e * srows13 + t.nb) * kb13; /* FP8: the gate box's w_scales */
             const int64_t ws_up = ws + (int64_t)(p.I / kBoxRows) * kb13;
-            for (int32_t kb = 0; kb < kb13; kb++, it += 2) {
-                const uint32_t sg = R::slot(it), su = R::slot(it + 1);
-                R::wait_empty(empty, it);
-                R::wait_empty(empty, it + 1);
+            /* K block kb's published part (this lane's activation row and FP8 scales) and its weights
+             * (lane 0: the gate and up boxes by TMA), into ring slots sg and su */
+            auto copy_x = [&](int32_t kb, uint32_t sg, uint32_t su) {
                 uint8_t *act = slots + sg * C::kSlotBytes + kBoxBytes;
                 if constexpr (kFp8) {
                     float *scg = scales + sg * C::kScaleStride, *scu = scales + su * C::kScaleStride;
@@ -262,7 +320,8 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
                 if (arow) copy_kblock(act, arow, kb, j);
                 mf__cp_async_mbar_arrive_noinc(&full[sg]);
                 mf__cp_async_mbar_arrive_noinc(&full[su]);
-                __syncwarp();
+            };
+            auto load_w = [&](int32_t kb, uint32_t sg, uint32_t su) {
                 if (lane == 0) {
                     tile_of[sg] = idx; /* published by the arrivals below */
                     tile_of[su] = idx;
@@ -272,6 +331,32 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
                     mf__mbar_arrive_expect_tx(&full[su], (uint32_t)kBoxBytes);
                     mf__tma_load_2d_hint(slots + su * C::kSlotBytes, &p.tmap_w13, &full[su], kc, wrow + p.I, pol_w);
                 }
+            };
+            int32_t kb = 0;
+            if constexpr (kOwn) {
+                if (!published) {
+                    /* The CTA's first unit (W13 units come first): the weights of the K blocks the ring
+                     * holds go out before publish has ended, its rows after the PDL wait. */
+                    const int32_t early = kb13 < C::kSlots / 2 ? kb13 : C::kSlots / 2;
+                    for (; kb < early; kb++) {
+                        R::wait_empty(empty, it + 2 * kb);
+                        R::wait_empty(empty, it + 2 * kb + 1);
+                        load_w(kb, R::slot(it + 2 * kb), R::slot(it + 2 * kb + 1));
+                    }
+                    __syncwarp();
+                    mf__pdl_wait();
+                    published = true;
+                    for (int32_t x = 0; x < early; x++) copy_x(x, R::slot(it + 2 * x), R::slot(it + 2 * x + 1));
+                    it += 2 * early;
+                }
+            }
+            for (; kb < kb13; kb++, it += 2) {
+                const uint32_t sg = R::slot(it), su = R::slot(it + 1);
+                R::wait_empty(empty, it);
+                R::wait_empty(empty, it + 1);
+                copy_x(kb, sg, su);
+                __syncwarp();
+                load_w(kb, sg, su);
             }
         } else {
             if (copy) arow = p.h + (int64_t)row * kbytes2;
@@ -362,8 +447,8 @@ __device__ __forceinline__ void sum_dropped(const small_params &p, int ctid) {
  * with the sum kernel's arithmetic (kernels/sum.cuh). A token routes to an expert at most once, so
  * the rows of one tile are distinct tokens. */
 template <int kBlockT>
-__device__ __forceinline__ void sum_tile(const small_params &p, const tile_t &t, int32_t nb2, int ctid,
-                                         int32_t *flags) {
+__device__ __forceinline__ void sum_tile(const small_params &p, const int32_t *src_table, const tile_t &t, int32_t nb2,
+                                         int ctid, int32_t *flags) {
     static_assert(kBlockT * 16 <= kConsumerThreads, "16 threads per token row");
     const uint8_t *heap = p.view.heap[p.view.rank];
     const int32_t *ids_all = (const int32_t *)(heap + p.view.ids);
@@ -372,7 +457,7 @@ __device__ __forceinline__ void sum_tile(const small_params &p, const tile_t &t,
     if (ctid < kBlockT) {
         int32_t flag = 0;
         if (ctid >= t.lo) {
-            const int32_t *src = p.src + 3 * ((int64_t)t.row0 + ctid);
+            const int32_t *src = src_table + 3 * ((int64_t)t.row0 + ctid);
             const int32_t token = src[1];
             if (src[0] == p.view.rank && token >= 0 && token < p.T) {
                 const int32_t *ids = ids_all + (int64_t)token * p.num_topk;
@@ -401,11 +486,11 @@ __device__ __forceinline__ void sum_tile(const small_params &p, const tile_t &t,
 
 /* ---- consumers --------------------------------------------------------------------------------- */
 
-template <bool kFp8, int kBlockT>
-__device__ __forceinline__ void consumer(const small_params &p, const tables_t &tb, uint8_t *slots, const float *scales,
-                                         const int32_t *tile_of, uint8_t *epi, float *red, int32_t *sum_flags,
-                                         uint64_t *full, uint64_t *empty) {
-    using C = cfg<kFp8, kBlockT>;
+template <bool kFp8, int kBlockT, bool kOwn>
+__device__ __forceinline__ void consumer(const small_params &p, const tables_t &tb, const int32_t *own_src,
+                                         uint8_t *slots, const float *scales, const int32_t *tile_of, uint8_t *epi,
+                                         float *red, int32_t *sum_flags, uint64_t *full, uint64_t *empty) {
+    using C = cfg<kFp8, kBlockT, kOwn>;
     using R = ring<C::kSlots>;
     constexpr int kFrag = kBlockT / 2;
     const int ctid = (int)threadIdx.x - kMfWarpgroupThreads; /* 0..255 */
@@ -426,6 +511,9 @@ __device__ __forceinline__ void consumer(const small_params &p, const tables_t &
 #pragma unroll
     for (int i = 0; i < kFrag; i++) tmp2[0][i] = 0.0f;
 
+    const int32_t *const src = kOwn ? own_src : p.src;
+    if constexpr (kOwn) mf__pdl_wait(); /* publish's rows, ids, weights and fault verdict (the producer waits
+                                           for them before its first activation copy) */
     if (p.y) sum_dropped(p, ctid);
 
     uint32_t it = 0;
@@ -459,7 +547,7 @@ __device__ __forceinline__ void consumer(const small_params &p, const tables_t &
             }
             stage_tile<kFp8, kEpiSwiglu, kBlockT, C::kOutEsz13, C::kEpiRowBytes13>(acc, epi, red, p.ue8m0, p.h_scales,
                                                                                  p.I / MF__QUANT_BLOCK, t, ctid);
-            store_tile<kEpiSwiglu, kBlockT, C::kOutEsz13, C::kEpiRowBytes13>(p, p.h, false, epi, p.I, t, ctid);
+            store_tile<kEpiSwiglu, kBlockT, C::kOutEsz13, C::kEpiRowBytes13>(p, src, p.h, false, epi, p.I, t, ctid);
             /* h of this tile stored by all 256 threads: publish it */
             mf__named_barrier_sync(kBarEpilogue, kConsumerThreads);
             if (ctid == 0) {
@@ -482,17 +570,17 @@ __device__ __forceinline__ void consumer(const small_params &p, const tables_t &
                 release_stage(empty, s, lane);
             }
             stage_tile<kFp8, kEpiPlain, kBlockT, 2, C::kEpiRowBytes2>(acc, epi, red, p.ue8m0, NULL, 0, t, ctid);
-            store_tile<kEpiPlain, kBlockT, 2, C::kEpiRowBytes2>(p, NULL, true, epi, p.H, t, ctid);
-            if (p.y) sum_tile<kBlockT>(p, t, nb2, ctid, sum_flags);
+            store_tile<kEpiPlain, kBlockT, 2, C::kEpiRowBytes2>(p, src, NULL, true, epi, p.H, t, ctid);
+            if (p.y) sum_tile<kBlockT>(p, src, t, nb2, ctid, sum_flags);
         }
     }
 }
 
 /* ---- the kernel -------------------------------------------------------------------------------- */
 
-template <bool kFp8, int kBlockT>
+template <bool kFp8, int kBlockT, bool kOwn>
 __global__ void __launch_bounds__(kThreads, 1) sm90_small_kernel(const __grid_constant__ small_params p) {
-    using C = cfg<kFp8, kBlockT>;
+    using C = cfg<kFp8, kBlockT, kOwn>;
     /* the shared-memory map, spelled as the decode kernel spells its own (deliberate: a helper that
      * returned these pointers moved the tile walk off the uniform datapath, sm90_core.cuh align_pad) */
     extern __shared__ uint8_t smem_raw[];
@@ -506,17 +594,24 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_small_kernel(const __grid_co
     int32_t *tile_of = (int32_t *)(smem + C::kOffTileOf);
     int32_t *last = (int32_t *)(smem + C::kOffFlag);
     int32_t *sum_flags = (int32_t *)(smem + C::kOffSumFlags);
+    int32_t *own_src = (int32_t *)(smem + C::kOffSrc); /* kOwn */
     uint64_t *full = (uint64_t *)(smem + C::kOffBars);
     uint64_t *empty = full + C::kSlots;
     /* first[e]: the token blocks of the experts < e (units = blocks x n-blocks of each phase) */
-    prologue<C::kSlots, false>(p, full, empty, 1 + 32, tb,
-                               [](int32_t rows) { return (rows + kBlockT - 1) / kBlockT; });
+    if constexpr (kOwn) { /* the prologue without the PDL wait: the tables are the kernel's own */
+        if (threadIdx.x == 0) ring<C::kSlots>::init(full, empty, 1 + 32);
+        own_tables<kBlockT>(p, tb, own_src, (int32_t *)epi);
+        mf__pdl_trigger();
+    } else {
+        prologue<C::kSlots, false>(p, full, empty, 1 + 32, tb,
+                                   [](int32_t rows) { return (rows + kBlockT - 1) / kBlockT; });
+    }
 
     if (producer_role()) {
-        if (mf__warp_id() == 0) producer<kFp8, kBlockT>(p, tb, slots, scales, tile_of, full, empty);
+        if (mf__warp_id() == 0) producer<kFp8, kBlockT, kOwn>(p, tb, own_src, slots, scales, tile_of, full, empty);
         return;
     }
-    consumer<kFp8, kBlockT>(p, tb, slots, scales, tile_of, epi, red, sum_flags, full, empty);
+    consumer<kFp8, kBlockT, kOwn>(p, tb, own_src, slots, scales, tile_of, epi, red, sum_flags, full, empty);
 
     /* The count-out (consumers only: their W13 counters are raised; no unit is taken after a CTA's
      * producer saw the end): the last CTA zeroes the ticket, the count and the counters. */

@@ -323,7 +323,7 @@ __device__ __forceinline__ uint8_t *row_target(const gemm_params &p, const consu
     const int64_t row = (int64_t)t.row0 + tr;
     if (kEpi == kEpiPlain && p.use_ret) {
         uint8_t *dst;
-        return ret_row(p, row, p.N, dst) ? dst + col_bytes : NULL;
+        return ret_row(p, p.src, row, p.N, dst) ? dst + col_bytes : NULL;
     }
     return p.out + row * row_bytes + col_bytes;
 }
