@@ -49,6 +49,13 @@
  * (kernels/sum.cuh), and CTA b writes the zero rows of tokens b, b + grid, ... that route nowhere.
  * A faulted comm (the sticky word, set before this kernel) leaves y untouched, as the sum kernel does.
  *
+ * Its own plan (kOwn, R = 1 with the sum, params.ids set): no plan kernel runs before it. Every CTA
+ * builds the tables and src from the caller's routing in its shared memory (own_tables) before its
+ * PDL wait, takes its first unit and, for a W13 unit, issues the TMAs of the K blocks its ring holds;
+ * then the wait for publish (mf__publish_sync_kernel, which also ran the DISPATCH sync), then the
+ * activation rows of those K blocks, and on as above. Consumers wait for publish before they read
+ * anything of it (ids, weights, the fault word).
+ *
  * The end: every CTA, once its consumers are done, counts itself in sync[1]; the last one zeroes the
  * ticket, the count, done[0 .. L) and the sum's counters: the next launch starts from zeros (stream
  * order; under PDL the next launch on this buffer is several kernels later).
