@@ -35,9 +35,11 @@
  * prologue hidden under the previous kernel's tail, and each kernel still completes after all the
  * ones before it (a sync's arrival still publishes everything its stream wrote). The edges with the
  * attribute: publish -> sync DISPATCH -> plan fetch -> offsets -> fill -> [gather] -> w13 ->
- * [spare w13] -> w2 -> [spare w2] -> [return] -> sync COMBINE -> sum; mf_dispatch the same from
- * publish to gather, mf_combine return -> sync -> sum. A call's first kernel (publish; mf_combine's
- * return) has none: it follows the caller's kernels. A rejected call's syncs have none. Why this
+ * [spare w13] -> w2 -> [spare w2] -> [return] -> sync COMBINE -> sum; at R = 1 the small kernel
+ * (w13 + w2 + sum) after the plan, or, with its own plan, right after publish (which syncs itself);
+ * mf_dispatch the same from publish to gather, mf_combine return -> sync -> sum. A call's first
+ * kernel (publish; mf_combine's return) has none: it follows the caller's kernels (the small
+ * kernel with its own plan relies on that: it takes its tickets before its PDL wait). A rejected call's syncs have none. Why this
  * is safe with virtual ranks, whose sync kernels spin until every peer's arrival runs on the same
  * GPU: a resident kernel that waits holds its SMs, so no rank may fill the GPU with CTAs that wait
  * behind its spinning sync while a peer still needs SMs to reach its arrival. Only the sync's
@@ -767,7 +769,9 @@ static mf_result_t mf__cuda_sync(mf_comm_t comm, uint32_t layer, int32_t phase, 
 
 /* Publishes x, ids (and weights) into the slot of `view`. `epochs` (a forward at R = 1 whose small
  * kernel plans for itself, mf__cuda_own_plan): the slot's epochs, and the DISPATCH sync runs in
- * publish's last block (mf__publish_sync_kernel) instead of a plan kernel. */
+ * publish's last block (mf__publish_sync_kernel) instead of a plan kernel. Never with the PDL
+ * attribute: the small kernel behind it takes tickets and loads weights before its own wait, which
+ * is safe because nothing of the previous call can still run when publish starts. */
 static mf_result_t mf__cuda_publish_at(mf_moe_t moe, const mf__heap_view_t *view, const mf_tensor_t *x,
                                        const mf_tensor_t *ids, const float *weights, unsigned long long *epochs,
                                        cudaStream_t stream) {

@@ -202,7 +202,8 @@ mf__gemm_w2_fn mf__cuda_w2;
  * same bits either way. The small kernel takes the rows through one heap view and plan: a.gather and
  * ret with the same view and src (else it declines). With `plan_ids` (the small kernel's own plan,
  * mf__sm90_small_experts) nothing can fall back: no plan kernel ran, so a decline is an error
- * (MF_ERR_INTERNAL: the caller asked mf__sm90_small_takes first). */
+ * (MF_ERR_INTERNAL: the caller asked mf__sm90_small_takes first; only the weight tensor maps' encoding
+ * is not asked there, which the argument checks' alignment rules leave nothing to fail on). */
 mf_result_t mf__cuda_w13_w2(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t *w2_sched,
                             int32_t dtype, int32_t ue8m0, mf__gemm_operand_t a, mf__gemm_operand_t w13,
                             mf__gemm_operand_t w2, int32_t H, int32_t I, void *h, float *h_scales,

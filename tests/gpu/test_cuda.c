@@ -1284,8 +1284,9 @@ static int bad_ids_case(int32_t no_clear, int32_t R) {
     return 0;
 }
 
-/* R = 1 too: the forward there skips the COMBINE sync and (MF_SMALL's default) its small kernel sums
- * y itself; a faulted call must leave y untouched all the same. */
+/* R = 1 too: the forward there skips the COMBINE sync and (MF_SMALL's default) its small kernel plans
+ * for itself behind a publish that syncs (no plan kernel) and sums y itself; a faulted call must
+ * leave y untouched all the same, and the call after the fault is reported must run as before. */
 static int cuda_bad_ids(void) {
     return bad_ids_case(0, 2) || bad_ids_case(1, 2) || bad_ids_case(0, 1) || bad_ids_case(1, 1);
 }

@@ -54,11 +54,19 @@
  * PDL wait, takes its first unit and, for a W13 unit, issues the TMAs of the K blocks its ring holds;
  * then the wait for publish (mf__publish_sync_kernel, which also ran the DISPATCH sync), then the
  * activation rows of those K blocks, and on as above. Consumers wait for publish before they read
- * anything of it (ids, weights, the fault word).
+ * anything of it (ids, weights, the fault word). A faulted call (the verdict is known once a
+ * producer has waited) takes no further unit: the units already taken finish (h and combine slots,
+ * this rank's scratch at R = 1; y stays untouched), and since every W13 unit is taken before any W2
+ * unit, no W2 unit waits on a W13 unit that nobody took. Unlike the PDL rule of the other kernels
+ * (cuda/pdl.cuh: wait, then trigger, then global memory) this one triggers, takes tickets and
+ * issues weight loads before its wait: that is the point, and it is safe only because publish, its
+ * predecessor, is a call's first kernel and has no PDL attribute, so the previous launch on these
+ * sync words has completed before this one can start (backend.cu mf__cuda_publish_at).
  *
  * The end: every CTA, once its consumers are done, counts itself in sync[1]; the last one zeroes the
  * ticket, the count, done[0 .. L) and the sum's counters: the next launch starts from zeros (stream
- * order; under PDL the next launch on this buffer is several kernels later).
+ * order; under PDL the next launch on this buffer is at least one kernel later, a call's first,
+ * launched without the attribute).
  *
  * Limits (the launcher declines anything else): H and I multiples of kTileCols (128: the W2 and h
  * n-blocks), their rows' bytes multiples of kKBlock, L <= kMaxExperts, L 2I and L H within int32 TMA
@@ -173,10 +181,12 @@ __device__ __forceinline__ bool locate(const tables_t &tb, int32_t L, int32_t nb
     return true;
 }
 
-/* The next unit of this CTA (every unit by ticket: see the file comment); lane 0 takes it. */
-__device__ __forceinline__ int32_t take(int32_t *ticket, int lane) {
+/* The next unit of this CTA (every unit by ticket: see the file comment); lane 0 takes it. `stop`
+ * (kOwn, once publish has been waited for: the comm's fault word): set, no unit (INT32_MAX is past
+ * the walk's end). */
+__device__ __forceinline__ int32_t take(int32_t *ticket, int lane, const int32_t *stop = nullptr) {
     int32_t v = 0;
-    if (lane == 0) v = atomicAdd(ticket, 1);
+    if (lane == 0) v = stop && *(volatile const int32_t *)stop ? INT32_MAX : atomicAdd(ticket, 1);
     return __shfl_sync(0xffffffffu, v, 0);
 }
 
@@ -297,7 +307,7 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
     tile_t t;
     bool published = !kOwn; /* kOwn: publish (the kernel before this one) has not been waited for yet */
     for (int32_t idx = take(p.sync, lane); locate<kBlockT>(tb, L, nb13, nb2, idx, cur13, cur2, w2, t);
-         idx = take(p.sync, lane)) {
+         idx = take(p.sync, lane, kOwn && published ? p.fault : nullptr)) {
         /* this lane's column j = lane (kBlockT <= 32): its row's data and FP8 scales; columns below
          * lo read row lo's scales and copy no data (their D columns are never stored) */
         const int j = lane;
