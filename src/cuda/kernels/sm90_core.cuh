@@ -75,15 +75,23 @@ struct gemm_params {
     mf__fault_sink_t sink;     /* the comm's: where an expired pipeline wait records itself */
 };
 
-/* W13 + SwiGLU: N = 2I weight rows, K = H (the tensor maps are the launcher's). */
-static inline gemm_params w13_params(const mf__gemm_segments_t *seg, int32_t ue8m0, mf__gemm_operand_t a,
-                                     mf__gemm_operand_t w13, int32_t H, int32_t I, void *h, float *h_scales) {
+/* What every launch takes from its segments (both GEMMs below). */
+static inline gemm_params seg_params(const mf__gemm_segments_t *seg) {
     gemm_params p;
     memset(&p, 0, sizeof p);
     p.counts = seg->counts;
     p.offsets = seg->offsets;
     p.sched = seg->sched;
     p.sink = seg->sink;
+    p.num_experts = seg->num_experts;
+    p.max_rows = seg->max_rows_per_expert;
+    return p;
+}
+
+/* W13 + SwiGLU: N = 2I weight rows, K = H (the tensor maps are the launcher's). */
+static inline gemm_params w13_params(const mf__gemm_segments_t *seg, int32_t ue8m0, mf__gemm_operand_t a,
+                                     mf__gemm_operand_t w13, int32_t H, int32_t I, void *h, float *h_scales) {
+    gemm_params p = seg_params(seg);
     p.a_scales = a.gather ? NULL : a.scales;
     p.w_scales = w13.scales;
     p.out = (uint8_t *)h;
@@ -92,8 +100,6 @@ static inline gemm_params w13_params(const mf__gemm_segments_t *seg, int32_t ue8
         p.view = *a.gather->view;
         p.src = a.gather->src;
     }
-    p.num_experts = seg->num_experts;
-    p.max_rows = seg->max_rows_per_expert;
     p.N = 2 * I;
     p.K = H;
     p.ue8m0 = ue8m0 ? 1 : 0;
@@ -103,12 +109,7 @@ static inline gemm_params w13_params(const mf__gemm_segments_t *seg, int32_t ue8
 /* W2: N = H weight rows, K = I; rows to `out` or, with `ret`, to the owners' combine slots. */
 static inline gemm_params w2_params(const mf__gemm_segments_t *seg, mf__gemm_operand_t h, mf__gemm_operand_t w2,
                                     int32_t H, int32_t I, uint16_t *out, const mf__gemm_return_t *ret) {
-    gemm_params p;
-    memset(&p, 0, sizeof p);
-    p.counts = seg->counts;
-    p.offsets = seg->offsets;
-    p.sched = seg->sched;
-    p.sink = seg->sink;
+    gemm_params p = seg_params(seg);
     p.a_scales = h.scales;
     p.w_scales = w2.scales;
     p.out = (uint8_t *)out;
@@ -118,8 +119,6 @@ static inline gemm_params w2_params(const mf__gemm_segments_t *seg, mf__gemm_ope
         p.num_topk = ret->num_topk;
         p.use_ret = 1;
     }
-    p.num_experts = seg->num_experts;
-    p.max_rows = seg->max_rows_per_expert;
     p.N = H;
     p.K = I;
     return p;
