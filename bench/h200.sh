@@ -45,7 +45,8 @@
 #        MF_SMALL=0 (the two decode GEMMs and the sum kernel), MF_SMALL=1 (the small kernel, then the sum
 #        kernel), MF_SMALL=2 (the small kernel summing itself) and MF_SMALL=3, the default (also its own
 #        plan: publish syncs, no plan kernel; T K <= 256), the order rotating; small_ab.md:
-#        bench/summarize.py ab MF_SMALL. Not in `all`.
+#        bench/summarize.py ab MF_SMALL; MF_PRESETS="a b" runs only those presets (a call of the
+#        device tool lasts at most 600 s). Not in `all`.
 # overlap: moeflow bench overlap (issue 28: two micro-batches through the split halves beside the
 #        pair back to back; deepseek-v3, T = 64, 128, R = 1, 8). Not in `all`.
 set -u
@@ -160,7 +161,7 @@ if [ "$what" = small ]; then
     common=(-R 1 --dtype fp8 --gated --phases off --no-check --rounds 3 -T 1,2,4,8,16,32,64,128)
     orders=("0 1 2 3" "1 2 3 0" "2 3 0 1")
     n=0
-    for preset in deepseek-v3 kimi-k2 qwen3-235b-a22b; do
+    for preset in ${MF_PRESETS:-deepseek-v3 kimi-k2 qwen3-235b-a22b}; do
         for v in ${orders[$n]}; do
             MF_SMALL=$v timeout 150 ./build/moeflow bench layer --preset $preset "${common[@]}" \
                 --json "$dir/small_${preset}_$v.json" > "$dir/small_${preset}_$v.log" 2>&1 || rc=1
