@@ -116,6 +116,7 @@ __global__ void __launch_bounds__(kMfPublishThreads) mf__publish_kernel(mf__publ
  * wait is for its own arrival). The kernel after it (launched with the PDL attribute) may start at
  * once: publish triggers at its start; what it reads of this kernel (the published rows, ids and
  * weights, the fault verdict) it reads after its own mf__pdl_wait, i.e. after this grid's end. */
+static_assert(kMfPublishThreads >= kMfWaitThreads, "mf__sync_block needs kMfWaitThreads threads");
 __global__ void __launch_bounds__(kMfPublishThreads) mf__publish_sync_kernel(mf__sync_params_t sp,
                                                                              mf__publish_params_t p,
                                                                              int32_t *finished) {
