@@ -39,12 +39,12 @@
  * (w13 + w2 + sum) after the plan, or, with its own plan, right after publish (which syncs itself);
  * mf_dispatch the same from publish to gather, mf_combine return -> sync -> sum. A call's first
  * kernel (publish; mf_combine's return) has none: it follows the caller's kernels (the small
- * kernel with its own plan relies on that: it takes its tickets before its PDL wait). A rejected call's syncs have none. Why this
- * is safe with virtual ranks, whose sync kernels spin until every peer's arrival runs on the same
- * GPU: a resident kernel that waits holds its SMs, so no rank may fill the GPU with CTAs that wait
- * behind its spinning sync while a peer still needs SMs to reach its arrival. Only the sync's
- * successor can be resident during that spin (the trigger follows the wait: at most one grid per
- * stream runs ahead), and it gets the attribute only when its grid has at most this rank's share of
+ * kernel with its own plan relies on that: it takes its tickets before its PDL wait). A rejected
+ * call's syncs have none. Why this is safe with virtual ranks, whose sync kernels spin until every
+ * peer's arrival runs on the same GPU: a resident kernel that waits holds its SMs, so no rank may
+ * fill the GPU with CTAs that wait behind its spinning sync while a peer still needs SMs to reach
+ * its arrival. Only the sync's successor can be resident during that spin (the trigger follows the
+ * wait: at most one grid per stream runs ahead), and it gets the attribute only when its grid has at most this rank's share of
  * the SMs, comm->num_sms = SMs / ranks on the device (mf__pdl_after_sync: the plan fetch, R x 8
  * CTAs, and the sum, T x H/1024 CTAs; larger grids launch without it). So the waiting CTAs of all
  * the other ranks together touch fewer SMs than the GPU has. Every other successor waits for a
@@ -552,8 +552,8 @@ static mf__gemm_choice_t mf__cuda_gemm_choice(mf_moe_t moe, int32_t T) {
  * and every expert local (L = E: the kernel validates ids as publish does), and no capacity verdict
  * the plan could reach: an expert holds at most T rows, so MASKED T <= C, and EXPERT_MAJOR's worst
  * padding (at most min(T K, L) experts with rows, each padded to block_m) fits the receive rows. The
- * kernel must take
- * the shapes (mf__sm90_small_takes): nothing falls back after a publish without a plan. */
+ * kernel must take the shapes (mf__sm90_small_takes): nothing falls back after a publish without a
+ * plan. */
 static int32_t mf__cuda_own_plan(mf_moe_t moe, const mf__gemm_choice_t *choice, int32_t T, int32_t small) {
     const mf__cuda_moe_t *s = (const mf__cuda_moe_t *)moe->backend_state;
     const mf_moe_config_t *c = &moe->config;
