@@ -2,7 +2,7 @@
 # bench/h200.sh — the benchmark set behind docs/PERFORMANCE.md, for one H200 (run from the repo root
 # after `make -j16 all lab`). Writes JSON records and logs into DIR and prints a short summary.
 #
-#   MF_COMMIT=<hash> bash bench/h200.sh DIR [gemm|layer|transport|balance|rebalance|capacity|smallbatch|small|overlap|all]
+#   MF_COMMIT=<hash> bash bench/h200.sh DIR [gemm|layer|transport|balance|rebalance|capacity|smallbatch|small|timeline|overlap|all]
 #
 # Everything lands in DIR and in one archive DIR.tgz (the device tool returns a limited number of
 # files: take the archive).
@@ -47,10 +47,13 @@
 #        plan: publish syncs, no plan kernel; T K <= 256), the order rotating; small_ab.md:
 #        bench/summarize.py ab MF_SMALL; MF_PRESETS="a b" runs only those presets (a call of the
 #        device tool lasts at most 600 s). Not in `all`.
+# timeline: the small kernel's per-CTA stamps (moeflow bench layer --timeline) at T = 1..8 for
+#        deepseek-v3 and qwen3-235b-a22b, MF_SMALL=2 (the plan kernel) and 3 (its own plan), ~2 min.
+#        Not in `all`.
 # overlap: moeflow bench overlap (issue 28: two micro-batches through the split halves beside the
 #        pair back to back; deepseek-v3, T = 64, 128, R = 1, 8). Not in `all`.
 set -u
-dir=${1:?usage: bench/h200.sh DIR [gemm|layer|transport|balance|rebalance|capacity|smallbatch|small|overlap|all]}
+dir=${1:?usage: bench/h200.sh DIR [gemm|layer|transport|balance|rebalance|capacity|smallbatch|small|timeline|overlap|all]}
 what=${2:-all}
 mkdir -p "$dir"
 : "${MF_COMMIT:=unknown}"
@@ -170,6 +173,19 @@ if [ "$what" = small ]; then
     done
     python3 bench/summarize.py ab MF_SMALL "$dir"/small_*_0.json "$dir"/small_*_1.json "$dir"/small_*_2.json \
         "$dir"/small_*_3.json | tee "$dir/small_ab.md" || rc=1
+fi
+
+if [ "$what" = timeline ]; then
+    # where the small kernel's time goes, per CTA (moeflow bench layer --timeline), with the plan kernel
+    # (MF_SMALL=2) and with its own plan (3): deepseek-v3 and qwen3-235b-a22b, T = 1..8, one round
+    for preset in deepseek-v3 qwen3-235b-a22b; do
+        for v in 2 3; do
+            MF_SMALL=$v timeout 120 ./build/moeflow bench layer --preset $preset -R 1 --dtype fp8 --gated \
+                --phases off --no-check --rounds 1 -T 1,2,4,8 --timeline \
+                > "$dir/timeline_${preset}_$v.log" 2>&1 || rc=1
+            grep -E "^# timeline" "$dir/timeline_${preset}_$v.log" | sed "s/^/$preset MF_SMALL=$v /"
+        done
+    done
 fi
 
 if [ "$what" = capacity ]; then

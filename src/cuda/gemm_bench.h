@@ -66,6 +66,13 @@ void mf__gemm_bench_choose(int32_t rows_hint, int32_t max_rows_per_expert, int32
  * plan and the two GEMMs ran). */
 void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums, uint64_t *plans);
 
+/* `moeflow bench layer --timeline`: the small-batch kernel launches that follow on the current device
+ * write MF__GEMM_SMALL_STAMPS %globaltimer stamps per CTA into `stamps` (device memory, grid <= its
+ * SMs: 0 entry, 1 tables built, 2 first ring position full, 3 consumers done; each launch overwrites
+ * its CTAs'); NULL turns it off (the library's state). 0, or -1 without a current device. */
+#define MF__GEMM_SMALL_STAMPS 4
+int mf__gemm_small_set_timeline(uint64_t *stamps);
+
 /* 1 when the library has `op` for `dtype`, else 0. */
 int32_t mf__gemm_bench_supported(int32_t op, int32_t dtype);
 

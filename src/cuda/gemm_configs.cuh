@@ -103,6 +103,7 @@ constexpr int kMaxSlots = 24;  /* ring slots of one 16 KB box each (a W13 K bloc
 constexpr int kMaxVariants = 4; /* FP8, BF16; each with its own plan (kOwn) too */
 constexpr int kOwnEntries = 256; /* kOwn: routing entries T K at most (the plan in shared memory) */
 constexpr int kOwnMaxTopk = 32;  /* kOwn: K at most (one lane per k) */
+constexpr int kStamps = 4;       /* the timeline's %globaltimer stamps per CTA (mf__gemm_small_set_timeline) */
 
 } /* namespace mf__small */
 

@@ -57,6 +57,8 @@ mf__gemm_variant_info_t variant_info(int i) {
 mf__gemm_family_t g_family = {kMfGemmFamilySmall, kLaunchRegs, variant_count, variant_fn, variant_info};
 
 std::atomic<uint64_t> g_launches, g_sums, g_plans; /* mf__gemm_small_counts (testing.h) */
+std::atomic<uint64_t *> g_timeline[kMfGemmMaxDevices]; /* mf__gemm_small_set_timeline, per device; NULL: off */
+static_assert(MF__GEMM_SMALL_STAMPS == kStamps, "gemm_bench.h spells the stamps per CTA for C");
 
 } /* namespace */
 
@@ -143,6 +145,9 @@ mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__ge
         p.T = sum->T;
     }
     p.ids = plan_ids;
+    int dev = 0;
+    MF__GEMM_CUDA(cudaGetDevice(&dev), __func__);
+    p.timeline = dev < kMfGemmMaxDevices ? g_timeline[dev].load() : NULL;
 
     /* one CTA per SM, never more than the units of the largest possible problem */
     const int64_t blocks = (int64_t)seg->num_experts * ((seg->max_rows_per_expert + kTokens - 1) / kTokens);
@@ -164,6 +169,13 @@ extern "C" void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums, uint64
     *launches = g_launches.load(std::memory_order_relaxed);
     *sums = g_sums.load(std::memory_order_relaxed);
     *plans = g_plans.load(std::memory_order_relaxed);
+}
+
+extern "C" int mf__gemm_small_set_timeline(uint64_t *stamps) {
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev >= kMfGemmMaxDevices) return -1;
+    g_timeline[dev].store(stamps);
+    return 0;
 }
 
 mf_result_t mf__sm90_small_preload(void) { return mf__gemm_preload(&g_family, __func__); }

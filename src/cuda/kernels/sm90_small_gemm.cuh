@@ -116,7 +116,14 @@ struct small_params {
     int32_t T;                 /* with the sum: this rank's tokens */
     mf__fault_sink_t sink;     /* the comm's: where an expired wait records itself */
     const int32_t *ids;        /* kOwn: the caller's routing [T, K] (its own plan; counts, offsets, src unread) */
+    uint64_t *timeline;        /* `moeflow bench layer --timeline` only (NULL otherwise): kStamps stamps per CTA */
 };
+
+/* The timeline (small_params.timeline): this CTA's stamp i = %globaltimer: 0 entry, 1 tables built,
+ * 2 its first ring position full (weights and rows in shared memory), 3 its consumers done. */
+__device__ __forceinline__ void stamp(const small_params &p, int i) {
+    p.timeline[kStamps * (int64_t)blockIdx.x + i] = mf__globaltimer();
+}
 
 template <bool kFp8, int kBlockT, bool kOwn = false>
 struct cfg {
@@ -539,6 +546,7 @@ __device__ __forceinline__ void consumer(const small_params &p, const tables_t &
     tile_t t;
     for (;;) {
         R::wait_full(full, it, p.sink);
+        if (p.timeline && it == 0 && ctid == 0) stamp(p, 2);
         const int32_t idx = tile_of[R::slot(it)];
         if (idx < 0 || !locate<kBlockT>(tb, L, nb13, nb2, idx, cur13, cur2, w2, t)) break;
         if (!w2) {
@@ -614,6 +622,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_small_kernel(const __grid_co
     int32_t *own_src = (int32_t *)(smem + C::kOffSrc); /* kOwn */
     uint64_t *full = (uint64_t *)(smem + C::kOffBars);
     uint64_t *empty = full + C::kSlots;
+    if (p.timeline && threadIdx.x == 0) stamp(p, 0);
     /* first[e]: the token blocks of the experts < e (units = blocks x n-blocks of each phase) */
     if constexpr (kOwn) { /* the prologue without the PDL wait: the tables are the kernel's own */
         if (threadIdx.x == 0) ring<C::kSlots>::init(full, empty, 1 + 32);
@@ -623,6 +632,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_small_kernel(const __grid_co
         prologue<C::kSlots, false>(p, full, empty, 1 + 32, tb,
                                    [](int32_t rows) { return (rows + kBlockT - 1) / kBlockT; });
     }
+    if (p.timeline && threadIdx.x == 0) stamp(p, 1);
 
     if (producer_role()) {
         if (mf__warp_id() == 0) producer<kFp8, kBlockT, kOwn>(p, tb, own_src, slots, scales, tile_of, full, empty);
@@ -634,6 +644,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_small_kernel(const __grid_co
      * producer saw the end): the last CTA zeroes the ticket, the count and the counters. */
     const int ctid = (int)threadIdx.x - kMfWarpgroupThreads;
     if (ctid == 0) mf__pipeline_check(p.sink, kTagProducerEmpty); /* a producer's expiry records nothing itself */
+    if (p.timeline && ctid == 0) stamp(p, 3);
     mf__named_barrier_sync(kBarEpilogue, kConsumerThreads);
     if (ctid == 0) {
         __threadfence();
