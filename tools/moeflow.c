@@ -1251,14 +1251,17 @@ static uint64_t *g_stamps; /* device: TIMELINE_CTAS x MF__GEMM_SMALL_STAMPS, zer
 static void timeline_begin(void) {
     const size_t bytes = (size_t)TIMELINE_CTAS * MF__GEMM_SMALL_STAMPS * 8;
     if (!g_stamps && cudaMalloc((void **)&g_stamps, bytes) != cudaSuccess) die_io("--timeline: cudaMalloc failed");
-    if (cudaMemset(g_stamps, 0, bytes) != cudaSuccess || mf__gemm_small_set_timeline(g_stamps) != 0)
+    /* the ranks' streams do not wait for the legacy stream: the zeros land before the run starts */
+    if (cudaMemset(g_stamps, 0, bytes) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess ||
+        mf__gemm_small_set_timeline(g_stamps) != 0)
         die_io("--timeline: cannot set the stamps up");
 }
 
 /* After a run: the last small-kernel launch's CTAs (us): when the last one entered after the first,
- * and medians (min - max over CTAs) of: tables built after entry, first ring position full after
- * that, consumers done after that; the spread of the CTAs' ends; entry of the first to end of the
- * last. A row that ran no small kernel prints so. */
+ * and medians (min - max over CTAs) of: tables built after entry (with the plan kernel: its PDL wait
+ * included), first ring position full after that (with its own plan: the wait for publish included),
+ * consumers done after that; the spread of the CTAs' ends; entry of the first to end of the last.
+ * A row that ran no small kernel prints so. */
 static void timeline_end(const row_t *row, int32_t rnd) {
     uint64_t s[TIMELINE_CTAS * MF__GEMM_SMALL_STAMPS];
     mf__gemm_small_set_timeline(NULL);
@@ -1269,14 +1272,14 @@ static void timeline_end(const row_t *row, int32_t rnd) {
     int n = 0;
     for (int b = 0; b < TIMELINE_CTAS; b++) {
         const uint64_t *x = s + (size_t)b * MF__GEMM_SMALL_STAMPS;
-        if (!x[0] || !x[3]) continue;
+        if (!x[0] || !x[2] || !x[3]) continue; /* a CTA writes all four, in order */
         first = x[0] < first ? x[0] : first;
         last = x[0] > last ? x[0] : last;
         end_lo = x[3] < end_lo ? x[3] : end_lo;
         end_hi = x[3] > end_hi ? x[3] : end_hi;
         d[0][n] = (x[1] - x[0]) * 1e-3;
-        d[1][n] = x[2] ? (x[2] - x[1]) * 1e-3 : NAN;
-        d[2][n] = x[2] ? (x[3] - x[2]) * 1e-3 : NAN;
+        d[1][n] = (x[2] - x[1]) * 1e-3;
+        d[2][n] = (x[3] - x[2]) * 1e-3;
         n++;
     }
     printf("# timeline %s T=%d S=%d %s round %d: ", dtype_name(row->dtype), row->T, row->S,

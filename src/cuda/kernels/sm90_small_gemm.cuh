@@ -119,8 +119,11 @@ struct small_params {
     uint64_t *timeline;        /* `moeflow bench layer --timeline` only (NULL otherwise): kStamps stamps per CTA */
 };
 
-/* The timeline (small_params.timeline): this CTA's stamp i = %globaltimer: 0 entry, 1 tables built,
- * 2 its first ring position full (weights and rows in shared memory), 3 its consumers done. */
+/* The timeline (small_params.timeline): this CTA's stamp i = %globaltimer: 0 entry; 1 tables built
+ * (with the plan's tables this includes the PDL wait for the plan kernel; with its own plan no wait);
+ * 2 its first ring position full (weights and rows in shared memory; with its own plan this includes
+ * the wait for publish; a CTA that took no unit: its end marker); 3 its consumers done (before the
+ * count-out). */
 __device__ __forceinline__ void stamp(const small_params &p, int i) {
     p.timeline[kStamps * (int64_t)blockIdx.x + i] = mf__globaltimer();
 }
