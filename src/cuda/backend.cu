@@ -561,7 +561,7 @@ static int32_t mf__cuda_own_plan(mf_moe_t moe, const mf__gemm_choice_t *choice, 
     if (s->balanced || s->B || s->held != c->num_experts || s->slots != c->num_experts || moe->info.first_expert)
         return 0;
     const int64_t n = (int64_t)T * c->num_topk, L = c->num_experts, used = n < L ? n : L; /* experts with rows */
-    if (n > mf__small::kOwnEntries || c->num_topk > mf__small::kOwnMaxTopk || mf__cuda_rows_bound(moe) < T) return 0;
+    if (T > mf__small::kOwnMaxTokens || n > mf__small::kOwnEntries || mf__cuda_rows_bound(moe) < T) return 0;
     const int64_t padded_a = n + used * (c->block_m - 1);                          /* each one padded */
     const int64_t padded_b = used * ((T + c->block_m - 1) / c->block_m) * c->block_m; /* each at most T rows */
     if (c->layout == MF_LAYOUT_MASKED ? T > c->expert_capacity

@@ -101,8 +101,9 @@ using namespace mf__decode;
 constexpr int kTokens = 8;     /* tokens per tile: the one variant per dtype (grouped_gemm.h, the choice) */
 constexpr int kMaxSlots = 24;  /* ring slots of one 16 KB box each (a W13 K block takes two) */
 constexpr int kMaxVariants = 4; /* FP8, BF16; each with its own plan (kOwn) too */
-constexpr int kOwnEntries = 256; /* kOwn: routing entries T K at most (the plan in shared memory) */
-constexpr int kOwnMaxTopk = 32;  /* kOwn: K at most (one lane per k) */
+constexpr int kOwnEntries = 1024; /* kOwn: routing entries T K at most (src in shared memory) */
+constexpr int kOwnMaxTokens = 128; /* kOwn: T at most (a bit per token in each expert's mask) */
+constexpr int kOwnWords = kOwnMaxTokens / 32; /* kOwn: mask words per expert */
 constexpr int kStamps = 4;       /* the timeline's %globaltimer stamps per CTA (mf__gemm_small_set_timeline) */
 
 } /* namespace mf__small */

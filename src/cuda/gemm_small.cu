@@ -103,10 +103,10 @@ mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__ge
         return mf__gemm_decline(&g_family, "rows gathered and returned through different views or plans");
     if (sum && ret->view->num_ranks != 1)
         return mf__gemm_decline(&g_family, "the sum over %d ranks (one rank only)", ret->view->num_ranks);
-    if (plan_ids && (!sum || sum->T < 1 || (int64_t)sum->T * ret->num_topk > kOwnEntries ||
-                     ret->num_topk > kOwnMaxTopk || seg->max_rows_per_expert < sum->T))
-        return mf__gemm_decline(&g_family, "its own plan: one rank with its sum, 1 <= T, T K <= %d, K <= %d, T <= "
-                                           "the rows bound", kOwnEntries, kOwnMaxTopk);
+    if (plan_ids && (!sum || sum->T < 1 || sum->T > kOwnMaxTokens || (int64_t)sum->T * ret->num_topk > kOwnEntries ||
+                     seg->max_rows_per_expert < sum->T))
+        return mf__gemm_decline(&g_family, "its own plan: one rank with its sum, 1 <= T <= %d, T K <= %d, T <= the "
+                                           "rows bound", kOwnMaxTokens, kOwnEntries);
     int vi = 0, sms = 0;
     MF_CHECK(check_shape(choice, seg->num_experts, dtype, H, I, plan_ids != NULL, &vi, &sms));
     if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) /* no rows: nothing to launch (y: the sum kernel) */

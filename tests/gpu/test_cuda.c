@@ -769,14 +769,14 @@ static mf_result_t switch_run(const pdl_case_t *c, const mfp_problem_t *p, int32
 
 extern int32_t mf__cuda_small; /* cuda/grouped_gemm.h: 0 clears choice.fused, 1 keeps the sum kernel */
 void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums, uint64_t *plans); /* testing.h (gemm_bench.h) */
-enum { kSmallModes = 4, kSmallOwnEntries = 256 /* mf__small::kOwnEntries */ };
+enum { kSmallModes = 4, kSmallOwnTokens = 128, kSmallOwnEntries = 1024 /* mf__small::kOwnMaxTokens, kOwnEntries */ };
 
 /* Every case four times: without the small kernel (switch 0: the two decode GEMMs), with it and the
  * sum kernel (1), with it summing itself at R = 1 (2), and planning for itself there too (3, the
  * default: publish runs the DISPATCH sync, no plan kernel), three calls each on inputs redrawn per
  * call: every call's y equal bit for bit (digests), the last call of the default run within the
  * contract's bounds of the CPU backend's, and the counters say which ran (switch 2 and 3 sum in the
- * kernel exactly at R = 1, switch 3 plans there where T K <= 256). Cases: one and
+ * kernel exactly at R = 1, switch 3 plans there where T <= 128 and T K <= 1024). Cases: one and
  * several ranks, idle ranks, both dtypes and layouts, a hot expert with more rows than a tile
  * (several token blocks, several W13 tiles per W2 dependency), W13 K blocks past the ring (two
  * positions each; with its own plan the first ring's weights go out before the PDL wait) and W2 K
@@ -806,8 +806,11 @@ static int cuda_small_bitwise(void) {
         /* captured once, replayed */
         {{2, 16, 4, 256, 256, 4, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED, MFP_ROUTING_UNIFORM, 0, 3, 0, NULL, 47},
          MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 1, 0},
-        /* R = 1, T K = 320 entries: the small kernel with the plan kernel's tables under switch 3 */
-        {{1, 128, 8, 256, 256, 40, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 3, 0, NULL, 49},
+        /* R = 1, T = 128, T K = 1024: its own plan at both limits, tokens in four mask words */
+        {{1, 256, 8, 256, 256, 128, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 3, 0, NULL, 49},
+         MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 0, 0},
+        /* R = 1, T = 160 > 128: the small kernel with the plan kernel's tables under switch 3 */
+        {{1, 512, 4, 256, 256, 160, 0, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 3, 0, NULL, 51},
          MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 0, 0},
         /* its own plan under a graph, W13 K blocks past the ring, a hot expert over two token blocks */
         {{1, 32, 8, 1024, 2048, 16, 0, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_HOT, 5, 3, 0.1, NULL, 50},
@@ -823,7 +826,8 @@ static int cuda_small_bitwise(void) {
         uint64_t *dig[kSmallModes];
         for (int small = 0; small < kSmallModes; small++) dig[small] = mft_alloc(nd * 8);
         const uint64_t seed = 5000 + 10 * (uint64_t)i;
-        const int own_plan = c->R == 1 && c->T * c->K <= kSmallOwnEntries; /* the test's shapes fit otherwise */
+        const int own_plan = /* the test's shapes fit its other conditions */
+            c->R == 1 && c->T <= kSmallOwnTokens && c->T * c->K <= kSmallOwnEntries;
         char err[512] = "";
         for (int small = 0; small < kSmallModes; small++) {
             uint64_t launches0, sums0, plans0, launches1, sums1, plans1;

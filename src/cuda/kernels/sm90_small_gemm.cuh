@@ -162,7 +162,8 @@ struct cfg {
 
     static_assert(kBlockT == 8, "the small kernel is built for 8-token tiles (the choice takes it below them)");
     static_assert(kSlots >= 4, "a W13 K block takes two positions: the ring needs four");
-    static_assert(!kOwn || kEpiBytes >= 2 * kOwnEntries * 4, "kOwn: the plan's scratch lives in the staging tile");
+    static_assert(!kOwn || kSlots * kSlotBytes >= (kOwnEntries + kMaxExperts * kOwnWords) * 4,
+                  "kOwn: the plan's scratch lives in the ring");
     static_assert(kSmemBytes <= kSmemLimit, "shared memory map exceeds 227 KB");
     static_assert(kSlotBytes % kMfSwizzleAtomBytes == 0 && kBoxBytes % kMfSwizzleAtomBytes == 0,
                   "every box and activation tile must start on a 1024-byte swizzle atom");
@@ -236,50 +237,53 @@ __device__ __forceinline__ void wait_done(const int32_t *done, int32_t target, c
  * wait), in place of the plan kernel's counts, offsets and src: every entry as publish validates it
  * (an id outside [-1, L) or repeated earlier in its row is dropped: L = E at R = 1), each expert's
  * rows in token order (the plan's order at one rank), the experts' rows packed from row 0 (no
- * padding: h is this kernel's own), src (rank, token, k). Every CTA computes the same tables, so h
- * rows and the W13 counters agree across CTAs. The caller (backend.cu) takes it only where the plan
- * could not fault: T K <= kOwnEntries, K <= kOwnMaxTopk, no capacity overflow possible. `scratch`:
- * 2 kOwnEntries int32 (the staging tile, unused until the first epilogue). Every thread calls it; it
- * ends with tables and src visible to all. */
-template <int kBlockT>
+ * padding: h is this kernel's own), src (rank, token, k). A token routes to an expert at most once,
+ * so each expert's tokens are a bit mask (T <= kOwnMaxTokens bits): its rows are the mask's bits, a
+ * token's place among them the bits below its own; nothing is serial. Every CTA computes the same
+ * tables, so h rows and the W13 counters agree across CTAs. The caller (backend.cu) takes it only
+ * where the plan could not fault: T <= kOwnMaxTokens, T K <= kOwnEntries, no capacity overflow
+ * possible. `scratch`: (kOwnEntries + L kOwnWords) int32 of the ring (no load has been issued
+ * yet; the async-proxy fence after it orders these generic writes before the TMA writes that
+ * follow). Every thread calls it; it ends with tables and src visible to all. */
 __device__ __forceinline__ void own_tables(const small_params &p, const tables_t &tb, int32_t *src, int32_t *scratch) {
-    const int32_t L = p.num_experts, K = p.num_topk, n = p.T * K;
-    int32_t *const ent = scratch, *const pos = scratch + kOwnEntries; /* entry i's expert, its place there */
-    for (int32_t e = (int32_t)threadIdx.x; e < L; e += kThreads) tb.rows[e] = 0;
+    const int32_t L = p.num_experts, K = p.num_topk, n = p.T * K, W = (p.T + 31) / 32;
+    int32_t *const ent = scratch;                                  /* entry i's expert or -1 */
+    uint32_t *const mask = (uint32_t *)(scratch + kOwnEntries);    /* [L][W] tokens of each expert */
+    for (int32_t i = (int32_t)threadIdx.x; i < L * W; i += kThreads) mask[i] = 0u;
+    __syncthreads();
     for (int32_t i = (int32_t)threadIdx.x; i < n; i += kThreads) {
         const int32_t *row = p.ids + (i / K) * K;
-        const int32_t k = i % K;
+        const int32_t t = i / K, k = i % K;
         int32_t id = row[k];
         if (id < -1 || id >= L) id = -1;
         for (int32_t j = 0; j < k && id >= 0; j++)
             if (row[j] == id) id = -1;
         ent[i] = id;
+        if (id >= 0) atomicOr(mask + id * W + t / 32, 1u << (t % 32));
     }
     __syncthreads();
-    if (threadIdx.x < 32) { /* token by token; a token's valid ids are distinct, so its lanes never collide */
-        const int32_t lane = (int32_t)threadIdx.x;
-        for (int32_t t = 0; t < p.T; t++) {
-            const int32_t e = lane < K ? ent[t * K + lane] : -1;
-            if (e >= 0) {
-                const int32_t at = tb.rows[e];
-                pos[t * K + lane] = at;
-                tb.rows[e] = at + 1;
-            }
-            __syncwarp();
-        }
+    for (int32_t e = (int32_t)threadIdx.x; e < L; e += kThreads) {
+        int32_t rows = 0;
+        for (int32_t w = 0; w < W; w++) rows += __popc(mask[e * W + w]);
+        tb.rows[e] = rows;
     }
     __syncthreads();
     scan_into<false>(tb.row0, tb.rows, L, [](int32_t rows) { return rows; });
-    scan_units(tb, L, [](int32_t rows) { return (rows + kBlockT - 1) / kBlockT; });
+    scan_units(tb, L, [](int32_t rows) { return (rows + kTokens - 1) / kTokens; });
     for (int32_t i = (int32_t)threadIdx.x; i < n; i += kThreads) {
         const int32_t e = ent[i];
         if (e < 0) continue;
-        int32_t *s = src + 3 * (tb.row0[e] + pos[i]);
+        const int32_t t = i / K;
+        const uint32_t *m = mask + e * W;
+        int32_t pos = __popc(m[t / 32] & ((1u << (t % 32)) - 1u));
+        for (int32_t w = 0; w < t / 32; w++) pos += __popc(m[w]);
+        int32_t *s = src + 3 * (tb.row0[e] + pos);
         s[0] = p.view.rank;
-        s[1] = i / K;
+        s[1] = t;
         s[2] = i % K;
     }
     __syncthreads();
+    mf__fence_proxy_async_smem(); /* the scratch above is ring memory that TMA writes next */
 }
 
 /* ---- producer ---------------------------------------------------------------------------------- */
@@ -629,7 +633,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_small_kernel(const __grid_co
     /* first[e]: the token blocks of the experts < e (units = blocks x n-blocks of each phase) */
     if constexpr (kOwn) { /* the prologue without the PDL wait: the tables are the kernel's own */
         if (threadIdx.x == 0) ring<C::kSlots>::init(full, empty, 1 + 32);
-        own_tables<kBlockT>(p, tb, own_src, (int32_t *)epi);
+        own_tables(p, tb, own_src, (int32_t *)slots);
         mf__pdl_trigger();
     } else {
         prologue<C::kSlots, false>(p, full, empty, 1 + 32, tb,
