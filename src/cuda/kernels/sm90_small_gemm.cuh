@@ -282,8 +282,8 @@ __device__ __forceinline__ void own_tables(const small_params &p, const tables_t
         s[1] = t;
         s[2] = i % K;
     }
+    mf__fence_proxy_async_smem(); /* every writer's: the scratch above is ring memory that TMA writes next */
     __syncthreads();
-    mf__fence_proxy_async_smem(); /* the scratch above is ring memory that TMA writes next */
 }
 
 /* ---- producer ---------------------------------------------------------------------------------- */
@@ -390,6 +390,13 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
                 load_w(kb, sg, su);
             }
         } else {
+            if constexpr (kOwn) {
+                if (!published) { /* a CTA whose first unit is W2: publish waited for here, so that a
+                                     faulted call's stop word reaches it too (its h waits are longer) */
+                    mf__pdl_wait();
+                    published = true;
+                }
+            }
             if (copy) arow = p.h + (int64_t)row * kbytes2;
             if constexpr (kFp8) srow = p.h_scales + (int64_t)row * kb2;
             const int32_t wrow = t.e * p.H + t.nb * kBoxRows;
