@@ -83,8 +83,14 @@ mf_result_t mf__gemm_bench_run(const mf__gemm_bench_args_t *args, void *stream) 
     seg.rows_hint = args->rows_hint > 0 ? args->rows_hint : args->max_rows_per_expert;
     seg.sched = args->sched;
     memset(&seg.sink, 0, sizeof seg.sink); /* no comm: an expired wait is recorded nowhere (and drains) */
-    /* the layer's choice for these rows (contiguous: PULL) */
-    const mf__gemm_choice_t choice = mf__gemm_choose(seg.rows_hint, seg.max_rows_per_expert, MF_DATAFLOW_PULL);
+    /* the layer's choice for these rows (contiguous: PULL), or the family asked for: decode with the
+     * tile its largest hint gives, TMA with its one tile (an A/B of the families at the same rows) */
+    MF_REQUIRE(args->family >= MF__GEMM_BENCH_AUTO && args->family <= MF__GEMM_BENCH_TMA,
+               "mf__gemm_bench_run: family %d is not auto (0), decode (1) or tma (2)", args->family);
+    int32_t hint = seg.rows_hint;
+    if (args->family == MF__GEMM_BENCH_DECODE && hint > kMfDecodeMaxRows) hint = kMfDecodeMaxRows;
+    if (args->family == MF__GEMM_BENCH_TMA && hint <= kMfDecodeMaxRows) hint = kMfDecodeMaxRows + 1;
+    const mf__gemm_choice_t choice = mf__gemm_choose(hint, seg.max_rows_per_expert, MF_DATAFLOW_PULL);
     mf__gemm_operand_t a = {args->a, args->a_scales, NULL}, w = {args->w, args->w_scales, NULL};
     cudaStream_t s = (cudaStream_t)stream;
     /* pdl 0: back-to-back timed launches stay serialised, as the records were taken */

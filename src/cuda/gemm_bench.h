@@ -52,7 +52,13 @@ typedef struct mf__gemm_bench_args {
     const float *w_scales;       /* FP8: [L, N/128, K/128] */
     void *out;                   /* [rows, out columns] */
     float *out_scales;           /* W13_SWIGLU FP8: [rows, I/128] */
+    int32_t family;              /* 0 (MF__GEMM_BENCH_AUTO): the library's choice (mf__gemm_choose);
+                                    MF__GEMM_BENCH_DECODE (its tile for min(rows_hint, its largest)) or
+                                    MF__GEMM_BENCH_TMA: that family whatever the rows */
 } mf__gemm_bench_args_t;
+#define MF__GEMM_BENCH_AUTO 0
+#define MF__GEMM_BENCH_DECODE 1
+#define MF__GEMM_BENCH_TMA 2
 
 /* The library's GEMM choice for these host facts (cuda/grouped_gemm.h mf__gemm_choose): *family 0
  * decode or 1 TMA, *block_rows the tokens (decode) or rows (TMA) per tile, *dataflow_out the
