@@ -144,7 +144,7 @@ struct cfg {
     static constexpr int kTileOfBytes = align_up(kMaxSlots * 4, 16);
     static constexpr int kSrcBytes = kOwn ? align_up(kOwnEntries * 3 * 4, 16) : 0; /* kOwn: src [rows, 3] */
     static constexpr int kFixedBytes = kMfSwizzleAtomBytes /* base alignment slack */ + kEpiBytes + kRedBytes +
-                                       kTableBytes + kTileOfBytes + 16 + kBlockT * 4 + kSrcBytes;
+                                       kTableBytes + kTileOfBytes + 16 + kBlockT * 4 + kSrcBytes + 16;
     static constexpr int kPerSlotBytes = kSlotBytes + kScaleBytes + 2 * 8;
     static constexpr int kSlots = min_int(kMaxSlots, (kSmemLimit - kFixedBytes - 16) / kPerSlotBytes);
 
@@ -157,7 +157,8 @@ struct cfg {
     static constexpr int kOffFlag = kOffTileOf + kTileOfBytes;          /* the count-out's "last CTA" */
     static constexpr int kOffSumFlags = kOffFlag + 16;                  /* the sum: [kBlockT] token + 1 or 0 */
     static constexpr int kOffSrc = align_up(kOffSumFlags + kBlockT * 4, 16); /* kOwn: the plan's src */
-    static constexpr int kOffBars = align_up(kOffSrc + kSrcBytes, 8);
+    static constexpr int kOffUnit = kOffSrc + kSrcBytes;                /* the consumers' next unit, [2] */
+    static constexpr int kOffBars = align_up(kOffUnit + 2 * 4, 8);
     static constexpr int kSmemBytes = kOffBars + kSlots * 2 * 8 + kMfSwizzleAtomBytes;
 
     static_assert(kBlockT == 8, "the small kernel is built for 8-token tiles (the choice takes it below them)");
@@ -192,12 +193,14 @@ __device__ __forceinline__ bool locate(const tables_t &tb, int32_t L, int32_t nb
     return true;
 }
 
-/* The next unit of this CTA (every unit by ticket: see the file comment); lane 0 takes it. `stop`
- * (kOwn, once publish has been waited for: the comm's fault word): set, no unit (INT32_MAX is past
- * the walk's end). */
+/* The next unit of this CTA (every unit by ticket: see the file comment); lane 0 takes it. None
+ * (INT32_MAX is past the walk's end) once this family's pipeline drains (mf__sm90_expired: a wait
+ * expired, sm90_ptx.cuh) or, `stop` (kOwn, once publish has been waited for: the comm's fault
+ * word), the call faulted. */
 __device__ __forceinline__ int32_t take(int32_t *ticket, int lane, const int32_t *stop = nullptr) {
     int32_t v = 0;
-    if (lane == 0) v = stop && *(volatile const int32_t *)stop ? INT32_MAX : atomicAdd(ticket, 1);
+    if (lane == 0)
+        v = mf__sm90_expired || (stop && *(volatile const int32_t *)stop) ? INT32_MAX : atomicAdd(ticket, 1);
     return __shfl_sync(0xffffffffu, v, 0);
 }
 
@@ -527,7 +530,8 @@ __device__ __forceinline__ void sum_tile(const small_params &p, const int32_t *s
 template <bool kFp8, int kBlockT, bool kOwn>
 __device__ __forceinline__ void consumer(const small_params &p, const tables_t &tb, const int32_t *own_src,
                                          uint8_t *slots, const float *scales, const int32_t *tile_of, uint8_t *epi,
-                                         float *red, int32_t *sum_flags, uint64_t *full, uint64_t *empty) {
+                                         float *red, int32_t *sum_flags, int32_t *unit, uint64_t *full,
+                                         uint64_t *empty) {
     using C = cfg<kFp8, kBlockT, kOwn>;
     using R = ring<C::kSlots>;
     constexpr int kFrag = kBlockT / 2;
@@ -558,10 +562,16 @@ __device__ __forceinline__ void consumer(const small_params &p, const tables_t &
     int32_t cur13 = 0, cur2 = 0;
     bool w2;
     tile_t t;
-    for (;;) {
+    /* Each unit is read by one thread and handed to all 256 (unit[u & 1], a named barrier): once the
+     * pipeline drains (a wait expired: every wait returns at once, the producer overwrites ring
+     * positions the consumers have not used) they all leave together at the next unit, instead of
+     * reading tile_of apart (different units, different barriers) or walking stale ones forever. */
+    for (uint32_t u = 0;; u++) {
         R::wait_full(full, it, p.sink);
         if (p.timeline && it == 0 && ctid == 0) stamp(p, 2);
-        const int32_t idx = tile_of[R::slot(it)];
+        if (ctid == 0) unit[u & 1] = mf__sm90_expired ? -1 : tile_of[R::slot(it)];
+        mf__named_barrier_sync(kBarEpilogue, kConsumerThreads);
+        const int32_t idx = unit[u & 1];
         if (idx < 0 || !locate<kBlockT>(tb, L, nb13, nb2, idx, cur13, cur2, w2, t)) break;
         if (!w2) {
             float acc[2][kFrag];
@@ -634,6 +644,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_small_kernel(const __grid_co
     int32_t *last = (int32_t *)(smem + C::kOffFlag);
     int32_t *sum_flags = (int32_t *)(smem + C::kOffSumFlags);
     int32_t *own_src = (int32_t *)(smem + C::kOffSrc); /* kOwn */
+    int32_t *unit = (int32_t *)(smem + C::kOffUnit);
     uint64_t *full = (uint64_t *)(smem + C::kOffBars);
     uint64_t *empty = full + C::kSlots;
     if (p.timeline && threadIdx.x == 0) stamp(p, 0);
@@ -652,7 +663,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_small_kernel(const __grid_co
         if (mf__warp_id() == 0) producer<kFp8, kBlockT, kOwn>(p, tb, own_src, slots, scales, tile_of, full, empty);
         return;
     }
-    consumer<kFp8, kBlockT, kOwn>(p, tb, own_src, slots, scales, tile_of, epi, red, sum_flags, full, empty);
+    consumer<kFp8, kBlockT, kOwn>(p, tb, own_src, slots, scales, tile_of, epi, red, sum_flags, unit, full, empty);
 
     /* The count-out (consumers only: their W13 counters are raised; no unit is taken after a CTA's
      * producer saw the end): the last CTA zeroes the ticket, the count and the counters. */
