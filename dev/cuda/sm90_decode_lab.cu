@@ -81,6 +81,7 @@ extern "C" {
 #include "cuda/gemm_family.cuh" /* mf__gemm_variant_info_t */
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels/sm90_decode_gemm.cuh"
+#include "cuda/kernels/sm90_small_gemm.cuh" /* mf__sm90_small_variants */
 #include "cuda/kernels/sm90_small_gemm.cuh" /* mf__small::kTagDepends */
 #include "common.h" /* the labs' CUDA_OK, random data, device vectors */
 
@@ -132,7 +133,23 @@ static void list_variants(void) {
                v.gather ? "gather" : "tma", v.block_t, v.swiglu ? (v.fp8 ? "h fp8" : "h bf16") : "bf16", v.smem_bytes, v.stages,
                v.num_regs, v.local_bytes, ok ? "" : "<- FAIL");
     }
-    printf("%s variants: %d shipped, %d unusable or spilling\n", bad ? "FAIL" : "PASS", n, bad);
+    /* the small-batch kernel (src/cuda/gemm_small.cu): variants 0 / 1 FP8 / BF16 on the plan's tables,
+     * 2 / 3 the same with their own plan */
+    mf__gemm_variant_info_t sv[mf__small::kMaxVariants];
+    const int ns = mf__sm90_small_variants(sv, mf__small::kMaxVariants);
+    if (ns <= 0) {
+        printf("FAIL variants: mf__sm90_small_variants returned %d (%s)\n", ns, mf_last_error());
+        bad++;
+    }
+    for (int i = 0; i < ns; i++) {
+        const mf__gemm_variant_info_t &v = sv[i];
+        const bool ok = v.usable && v.num_regs == mf__decode::kLaunchRegs && v.local_bytes == 0;
+        bad += !ok;
+        printf("%-6s %-4s %-7s %3d %-6s %7d %6d %4d %6d %s\n", "small", v.fp8 ? "fp8" : "bf16", i >= 2 ? "own" : "plan",
+               v.block_t, "w13+w2", v.smem_bytes, v.stages, v.num_regs, v.local_bytes, ok ? "" : "<- FAIL");
+    }
+    printf("%s variants: %d shipped (and %d of the small kernel), %d unusable or spilling\n", bad ? "FAIL" : "PASS", n,
+           ns, bad);
     if (bad) g_failures++;
 }
 
