@@ -1237,13 +1237,14 @@ static void aggregate_rounds(const opts_t *o, row_t *row) {
 #define TIMELINE_CTAS 1024 /* stamp slots: the kernel's grid is at most the device's SMs */
 
 #if MF_WITH_CUDA
+/* The median of v[0, n), n >= 1; v is left sorted. */
 static double median_of(double *v, int n) {
     for (int i = 1; i < n; i++) /* insertion sort: n <= TIMELINE_CTAS, once per row */
         for (int j = i; j > 0 && v[j - 1] > v[j]; j--) {
             const double x = v[j];
             v[j] = v[j - 1], v[j - 1] = x;
         }
-    return n ? (n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2])) : NAN;
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 static uint64_t *g_stamps; /* device: TIMELINE_CTAS x MF__GEMM_SMALL_STAMPS, zeroed before each run */
@@ -1290,12 +1291,8 @@ static void timeline_end(const row_t *row, int32_t rnd) {
     }
     double lo[3], hi[3], med[3];
     for (int k = 0; k < 3; k++) {
-        lo[k] = hi[k] = d[k][0];
-        for (int i = 1; i < n; i++) {
-            lo[k] = d[k][i] < lo[k] ? d[k][i] : lo[k];
-            hi[k] = d[k][i] > hi[k] ? d[k][i] : hi[k];
-        }
-        med[k] = median_of(d[k], n);
+        med[k] = median_of(d[k], n); /* sorts d[k] */
+        lo[k] = d[k][0], hi[k] = d[k][n - 1];
     }
     printf("%d CTAs, entries %.1f apart; tables %.1f (%.1f-%.1f), first position %.1f (%.1f-%.1f), "
            "consumers %.1f (%.1f-%.1f); ends %.1f apart; span %.1f us\n",
