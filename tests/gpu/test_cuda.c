@@ -796,7 +796,7 @@ static int cuda_small_bitwise(void) {
         /* the hot expert takes 16 rows: two token blocks */
         {{2, 16, 4, 256, 256, 8, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED, MFP_ROUTING_HOT, 3, 3, 0, NULL, 43},
          MF_DATAFLOW_DIRECT, MFP_OP_FORWARD, 0, 0},
-        {{4, 32, 8, 256, 256, 0, 4, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_ZIPF, 0, 3, 0.1, idle, 44},
+        {{4, 32, 8, 256, 256, 0, 8, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_ZIPF, 0, 3, 0.1, idle, 44},
          MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 0, 0},
         /* W13: 8 K blocks = 16 ring positions; W2: 16 K blocks (FP8), 32 (BF16), past the ring */
         {{1, 32, 8, 1024, 2048, 8, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 3, 0, NULL, 45},
