@@ -2,7 +2,7 @@
 # bench/h200.sh — the benchmark set behind docs/PERFORMANCE.md, for one H200 (run from the repo root
 # after `make -j16 all lab`). Writes JSON records and logs into DIR and prints a short summary.
 #
-#   MF_COMMIT=<hash> bash bench/h200.sh DIR [gemm|layer|transport|balance|rebalance|capacity|smallbatch|overlap|all]
+#   MF_COMMIT=<hash> bash bench/h200.sh DIR [gemm|layer|transport|balance|rebalance|capacity|smallbatch|small|timeline|overlap|all]
 #
 # Everything lands in DIR and in one archive DIR.tgz (the device tool returns a limited number of
 # files: take the archive).
@@ -40,10 +40,20 @@
 #        moeflow as an engine runs it), then vLLM's Triton path (the layer peer, from
 #        ${MF_PEERS:-../shared/peers}; never copied into the repository); table.md: the comparison
 #        (bench/summarize.py smallbatch). Not in `all`.
+# small: the small-batch kernel's A/B (issue 25 item 1, ~6 min): deepseek-v3, kimi-k2, qwen3-235b-a22b at
+#        R = 1, FP8, gated, no phase events, T = 1..128, 3 rounds per process; each preset with
+#        MF_SMALL=0 (the two decode GEMMs and the sum kernel), MF_SMALL=1 (the small kernel, then the sum
+#        kernel), MF_SMALL=2 (the small kernel summing itself) and MF_SMALL=3, the default (also its own
+#        plan: publish syncs, no plan kernel; T <= 128, T K <= 1024), the order rotating; small_ab.md:
+#        bench/summarize.py ab MF_SMALL; MF_PRESETS="a b" runs only those presets (a call of the
+#        device tool lasts at most 600 s). Not in `all`.
+# timeline: the small kernel's per-CTA stamps (moeflow bench layer --timeline) at T = 1..8 for
+#        deepseek-v3 and qwen3-235b-a22b, MF_SMALL=2 (the plan kernel) and 3 (its own plan), ~2 min.
+#        Not in `all`.
 # overlap: moeflow bench overlap (issue 28: two micro-batches through the split halves beside the
 #        pair back to back; deepseek-v3, T = 64, 128, R = 1, 8). Not in `all`.
 set -u
-dir=${1:?usage: bench/h200.sh DIR [gemm|layer|transport|balance|rebalance|capacity|smallbatch|overlap|all]}
+dir=${1:?usage: bench/h200.sh DIR [gemm|layer|transport|balance|rebalance|capacity|smallbatch|small|timeline|overlap|all]}
 what=${2:-all}
 mkdir -p "$dir"
 : "${MF_COMMIT:=unknown}"
@@ -150,6 +160,34 @@ if [ "$what" = rebalance ]; then
     grep -E "^ +fp8 +auto +128 +[0-9]+ +[0-9]+ +[0-9]+ +[0-9]+\.[0-9]" "$dir/$name.log" | sed "s/^/rebalance /"
     tail -1 "$dir/$name.log"
 fi
+if [ "$what" = small ]; then
+    common=(-R 1 --dtype fp8 --gated --phases off --no-check --rounds 3 -T 1,2,4,8,16,32,64,128)
+    orders=("0 1 2 3" "1 2 3 0" "2 3 0 1")
+    n=0
+    for preset in ${MF_PRESETS:-deepseek-v3 kimi-k2 qwen3-235b-a22b}; do
+        for v in ${orders[$n]}; do
+            MF_SMALL=$v timeout 150 ./build/moeflow bench layer --preset $preset "${common[@]}" \
+                --json "$dir/small_${preset}_$v.json" > "$dir/small_${preset}_$v.log" 2>&1 || rc=1
+        done
+        n=$((n + 1))
+    done
+    python3 bench/summarize.py ab MF_SMALL "$dir"/small_*_0.json "$dir"/small_*_1.json "$dir"/small_*_2.json \
+        "$dir"/small_*_3.json | tee "$dir/small_ab.md" || rc=1
+fi
+
+if [ "$what" = timeline ]; then
+    # where the small kernel's time goes, per CTA (moeflow bench layer --timeline), with the plan kernel
+    # (MF_SMALL=2) and with its own plan (3): deepseek-v3 and qwen3-235b-a22b, T = 1..8, one round
+    for preset in deepseek-v3 qwen3-235b-a22b; do
+        for v in 2 3; do
+            MF_SMALL=$v timeout 120 ./build/moeflow bench layer --preset $preset -R 1 --dtype fp8 --gated \
+                --phases off --no-check --rounds 1 -T 1,2,4,8 --timeline \
+                > "$dir/timeline_${preset}_$v.log" 2>&1 || rc=1
+            grep -E "^# timeline" "$dir/timeline_${preset}_$v.log" | sed "s/^/$preset MF_SMALL=$v /"
+        done
+    done
+fi
+
 if [ "$what" = capacity ]; then
     common=(--preset deepseek-v3 -R 1 --dtype fp8 --gated --no-check --rounds 3 --iters 10 --warmup 3 --phases on,off)
     timeout 110 ./build/moeflow bench layer "${common[@]}" -T 512,513 -S T,4096 \

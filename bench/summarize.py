@@ -6,6 +6,7 @@
   python3 bench/summarize.py layer RECORD.json [RECORD.json ...] [--no-phases]
   python3 bench/summarize.py capacity RECORD.json [RECORD.json ...]
   python3 bench/summarize.py smallbatch DIR
+  python3 bench/summarize.py ab KEY RECORD.json [RECORD.json ...]
 
 Every figure is printed beside the peers of the same record (one run, one machine state), and the
 comparison columns compare only like with like:
@@ -38,6 +39,10 @@ smallbatch: the directory of `bench/h200.sh DIR smallbatch` (issue 25's table, o
        with one-kernel glue and its small-batch path, on its own routing, over its own floor by
        moeflow's formula). `mf / peer` compares the two ratios: <= 1 where moeflow is at least as
        fast; the verdict column says which side wins.
+ab:    an A/B over one environment switch KEY (e.g. MF_SMALL, bench/h200.sh DIR small): the layer rows
+       of every record grouped by preset and T, one column per value of KEY in the records' meta.env
+       (unset reads "default"), each `median (min-max)` over its rounds, and the change of each value
+       against the first (KEY=0 when present: the switch off).
 """
 import argparse
 import json
@@ -219,6 +224,41 @@ def smallbatch(a):
             print("| " + " | ".join(cells) + " |")
 
 
+def ab(a):
+    """Layer rows grouped by (preset, T), one column per value of the switch a.key."""
+    cells, values, order = {}, [], []
+    for path in a.records:
+        rec = json.load(open(path))
+        m = rec["meta"]
+        env = m.get("env", {}) if isinstance(m.get("env"), dict) else {}
+        v = env.get(a.key, "default")
+        if v not in values:
+            values.append(v)
+        cmd = m.get("command", "")
+        preset = cmd.split("--preset ")[-1].split()[0] if "--preset" in cmd else "-"
+        print(f"<!-- {path}: card {m.get('card')}, {m.get('date')}, commit {m.get('commit')}, {a.key}={v} -->")
+        for r in rec["rows"]:
+            if r["op"] != "layer":
+                continue
+            k = (preset, r["shape"]["T"])
+            if k not in order:
+                order.append(k)
+            cells.setdefault(k, {}).setdefault(v, []).append(r)
+    values.sort(key=lambda v: v != "0")  # the switch off first: the base of the change columns
+    print("| preset | T | floor us | " + " | ".join(f"{a.key}={v} us" for v in values) + " | " +
+          " | ".join(f"{a.key}={v} vs {values[0]}" for v in values[1:]) + " |")
+    print("|---|---|---|" + "---|" * (2 * len(values) - 1))
+    for k in order:
+        got = cells[k]
+        floor = next((r.get("floor_us") for rs in got.values() for r in rs), None)
+        med = {v: sum(r["time_us"] for r in rs) / len(rs) for v, rs in got.items()}
+        row = [k[0], str(k[1]), fmt(floor, ".1f")]
+        row += [" / ".join(rounds_cell(r, ".1f") for r in got[v]) if v in got else "-" for v in values]
+        row += [f"{100 * (med[v] / med[values[0]] - 1):+.1f} %" if v in med and values[0] in med else "-"
+                for v in values[1:]]
+        print("| " + " | ".join(row) + " |")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
@@ -242,6 +282,10 @@ def main():
     sb = sub.add_parser("smallbatch")
     sb.add_argument("dir")
     sb.set_defaults(fn=smallbatch)
+    ab_ = sub.add_parser("ab")
+    ab_.add_argument("key")
+    ab_.add_argument("records", nargs="+")
+    ab_.set_defaults(fn=ab)
     a = p.parse_args()
     a.fn(a)
 

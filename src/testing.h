@@ -11,7 +11,13 @@
  *                                                                whole layer) and fills operands too large
  *                                                                to draw on the host
  *   the GEMM choice: mf__gemm_bench_choose      cuda/gemm_bench.h  tests/test_gemm_bounds.c pins the decode
- *                                                                tile rule (CUDA builds, no GPU needed)
+ *                                                                tile rule and when the small-batch kernel
+ *                                                                runs (CUDA builds, no GPU needed)
+ *   mf__gemm_small_counts                       cuda/gemm_bench.h  tests/gpu/test_cuda.c checks which of
+ *                                                                the small kernel, its sum, its own
+ *                                                                plan and the two GEMMs ran
+ *   mf__gemm_small_set_timeline                 cuda/gemm_bench.h  `moeflow bench layer --timeline`: the
+ *                                                                small kernel's per-CTA stamps
  *   the GEMM element bounds: mf__gemm_ref_dot,  cuda/gemm_bench.h  `bench gemm --check` and
  *     mf__gemm_swiglu, mf__gemm_bound_*,                         tests/{,gpu/}test_gemm_bounds.c judge
  *     mf__gemm_fp8_scale_ok                                      each element by the same bound

@@ -100,6 +100,7 @@ expect run_rounds 2 '--rounds is for bench' -- run "${tiny[@]}" --rounds 3
 expect capacity_below_T 2 '-S 1 is below -T 2' -- bench "${tiny[@]}" -S T,1
 expect run_capacities 2 'run takes one -S' -- run "${tiny[@]}" -S 2,4
 expect bad_phases 2 "--phases: 'maybe' is not on or off" -- bench "${tiny[@]}" --phases on,maybe
+expect timeline_not_here 2 '--timeline is for bench of the layer on CUDA at R = 1' -- bench "${tiny[@]}" --backend cpu --timeline
 [ ! -e "$tmp/not_made.json" ] || fail "bad_combination: the --json check left $tmp/not_made.json behind"
 
 # ---- the memory check: a limit that nothing fits, the fp8 hint only for BF16, no check -----------
@@ -138,6 +139,14 @@ fi
 expect bench_overlap_R 2 'R must divide E = 256|needs a CUDA GPU' -- bench overlap -R 3
 expect bench_overlap_T 2 '-T: a list of T >= 1|needs a CUDA GPU' -- bench overlap -T 0
 expect bench_overlap_flag 2 "unknown option '--nope'|needs a CUDA GPU" -- bench overlap --nope 1
+expect bench_gemm_family 2 "--family: 'any' is not auto, decode or tma|this build has no CUDA" -- bench gemm --family any
+if "$cli" bench gemm --dry-run --model qwen3-235b-a22b -M 32 > /dev/null 2>&1; then # a build with CUDA
+    expect bench_gemm_family_dry 0 '^# family   tma at every M' -- \
+        bench gemm --family tma --dry-run --model qwen3-235b-a22b -M 32
+else
+    echo "cli: SKIP bench_gemm_family_dry (this build has no CUDA)"
+    skipped=$((skipped + 1))
+fi
 
 # ---- 2: what this machine cannot serve: a CUDA GPU ----------------------------------------------
 if command -v nvidia-smi > /dev/null 2>&1 && nvidia-smi -L 2> /dev/null | grep -q '^GPU '; then

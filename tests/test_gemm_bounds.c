@@ -248,20 +248,28 @@ static int test_choice(void) {
     static const int32_t hint_tile[][2] = {{1, 8}, {4, 8}, {5, 16}, {8, 16}, {9, 16}, {10, 32},
                                            {16, 32}, {22, 32}, {23, 64}, {32, 64}, {64, 64}};
     for (size_t i = 0; i < sizeof hint_tile / sizeof hint_tile[0]; i++) {
-        int32_t family = -1, block = -1, flow = -1;
-        mf__gemm_bench_choose(hint_tile[i][0], 4096, MF_DATAFLOW_AUTO, &family, &block, &flow);
+        int32_t family = -1, block = -1, flow = -1, fused = -1;
+        mf__gemm_bench_choose(hint_tile[i][0], 4096, MF_DATAFLOW_AUTO, &family, &block, &flow, &fused);
         MFT_CHECK_MSG(family == 0 && block == hint_tile[i][1] && flow == MF_DATAFLOW_DIRECT,
                       "hint %d: family %d, %d tokens per tile, dataflow %d", hint_tile[i][0], family, block, flow);
+        /* the small-batch kernel exactly with 8-token tiles (DIRECT) */
+        MFT_CHECK_MSG(fused == (block == 8), "hint %d: fused %d with %d tokens per tile", hint_tile[i][0], fused, block);
     }
-    int32_t family = -1, block = -1, flow = -1;
-    mf__gemm_bench_choose(16, 16, MF_DATAFLOW_AUTO, &family, &block, &flow); /* the bound caps the tile */
-    MFT_CHECK(family == 0 && block == 16);
-    mf__gemm_bench_choose(0, 40, MF_DATAFLOW_PULL, &family, &block, &flow); /* unknown hint: the bound */
-    MFT_CHECK(family == 0 && block == 64 && flow == MF_DATAFLOW_PULL);
-    mf__gemm_bench_choose(65, 4096, MF_DATAFLOW_AUTO, &family, &block, &flow);
-    MFT_CHECK(family == 1 && block == 128 && flow == MF_DATAFLOW_PULL);
-    mf__gemm_bench_choose(65, 4096, MF_DATAFLOW_UNFUSED, &family, &block, &flow);
-    MFT_CHECK(family == 1 && flow == MF_DATAFLOW_UNFUSED);
+    int32_t family = -1, block = -1, flow = -1, fused = -1;
+    mf__gemm_bench_choose(16, 16, MF_DATAFLOW_AUTO, &family, &block, &flow, &fused); /* the bound caps the tile */
+    MFT_CHECK(family == 0 && block == 16 && !fused);
+    mf__gemm_bench_choose(12, 8, MF_DATAFLOW_DIRECT, &family, &block, &flow, &fused); /* capped to 8: fused */
+    MFT_CHECK(family == 0 && block == 8 && flow == MF_DATAFLOW_DIRECT && fused == 1);
+    mf__gemm_bench_choose(1, 4096, MF_DATAFLOW_PULL, &family, &block, &flow, &fused); /* PULL: the two GEMMs */
+    MFT_CHECK(family == 0 && block == 8 && flow == MF_DATAFLOW_PULL && !fused);
+    mf__gemm_bench_choose(1, 4096, MF_DATAFLOW_UNFUSED, &family, &block, &flow, &fused);
+    MFT_CHECK(flow == MF_DATAFLOW_UNFUSED && !fused);
+    mf__gemm_bench_choose(0, 40, MF_DATAFLOW_PULL, &family, &block, &flow, &fused); /* unknown hint: the bound */
+    MFT_CHECK(family == 0 && block == 64 && flow == MF_DATAFLOW_PULL && !fused);
+    mf__gemm_bench_choose(65, 4096, MF_DATAFLOW_AUTO, &family, &block, &flow, &fused);
+    MFT_CHECK(family == 1 && block == 128 && flow == MF_DATAFLOW_PULL && !fused);
+    mf__gemm_bench_choose(65, 4096, MF_DATAFLOW_UNFUSED, &family, &block, &flow, &fused);
+    MFT_CHECK(family == 1 && flow == MF_DATAFLOW_UNFUSED && !fused);
     return 0;
 }
 #endif

@@ -131,6 +131,7 @@ typedef struct gopts {
     int32_t capacity;
     int32_t iters, warmup;
     int check, quick, dry_run, no_cublas, static_schedule;
+    int32_t family; /* MF__GEMM_BENCH_AUTO, or the family --family forces (MF__GEMM_BENCH_DECODE, _TMA) */
     uint64_t seed;
     const char *json;
 } gopts_t;
@@ -161,6 +162,8 @@ static void usage(FILE *f) {
             "      --no-cublas         skip the cuBLAS dense ceiling\n"
             "      --static-schedule   the TMA kernel's static tile walk (b, b + grid, ...) instead of\n"
             "                          the dynamic schedule the layer uses (a ticket per tile)\n"
+            "      --family auto|decode|tma   auto: the layer's choice for the rows; decode (its tile\n"
+            "                          for min(M, 64)) or tma at any M: the families' A/B  [auto]\n"
             "      --seed N                                                                 [%d]\n"
             "      --json FILE         write docs/DESIGN.md's benchmark record (op \"gemm\")\n"
             "      --dry-run           list the cases with their sizes and floors; no GPU needed\n"
@@ -240,7 +243,7 @@ static const struct {
     {0, "model", 1},  {0, "op", 1},       {'M', "rows", 1},   {'L', "experts", 1}, {0, "dtype", 1},
     {0, "layout", 1}, {0, "counts", 1},   {'C', "capacity", 1}, {0, "quick", 0},   {0, "iters", 1},
     {0, "warmup", 1}, {0, "check", 0},    {0, "no-cublas", 0}, {0, "seed", 1},     {0, "json", 1},
-    {0, "dry-run", 0}, {0, "static-schedule", 0}, {'h', "help", 0},
+    {0, "dry-run", 0}, {0, "static-schedule", 0}, {0, "family", 1}, {'h', "help", 0},
 };
 #define NUM_FLAGS ((int)(sizeof k_flags / sizeof k_flags[0]))
 
@@ -275,6 +278,7 @@ static void parse_args(int argc, char **argv, gopts_t *o) {
     o->layouts[0] = MF_LAYOUT_EXPERT_MAJOR, o->layouts[1] = MF_LAYOUT_MASKED, o->nlayouts = 2;
     o->counts[0] = COUNTS_EQUAL, o->ncounts = 1;
     o->capacity = DEF_CAPACITY, o->iters = DEF_ITERS, o->warmup = DEF_WARMUP, o->seed = DEF_SEED;
+    o->family = MF__GEMM_BENCH_AUTO;
     int ops_all = 1;
     for (int i = 3; i < argc; i++) {
         const char *v, *name = next_flag(argc, argv, &i, &v);
@@ -321,6 +325,12 @@ static void parse_args(int argc, char **argv, gopts_t *o) {
         else if (!strcmp(name, "--check")) o->check = 1;
         else if (!strcmp(name, "--no-cublas")) o->no_cublas = 1;
         else if (!strcmp(name, "--static-schedule")) o->static_schedule = 1;
+        else if (!strcmp(name, "--family")) {
+            if (!strcmp(v, "auto")) o->family = MF__GEMM_BENCH_AUTO;
+            else if (!strcmp(v, "decode")) o->family = MF__GEMM_BENCH_DECODE;
+            else if (!strcmp(v, "tma")) o->family = MF__GEMM_BENCH_TMA;
+            else die_usage("--family: '%s' is not auto, decode or tma", v);
+        }
         else if (!strcmp(name, "--seed")) o->seed = (uint64_t)parse_int(name, v, 0, INT64_MAX);
         else if (!strcmp(name, "--json")) o->json = v;
         else if (!strcmp(name, "--dry-run")) o->dry_run = 1;
@@ -654,7 +664,7 @@ static int fill_case(gdev_t *d, const gcase_t *c, uint32_t seed) {
     return 0;
 }
 
-static mf__gemm_bench_args_t case_args(const gdev_t *d, const gcase_t *c, int static_schedule) {
+static mf__gemm_bench_args_t case_args(const gdev_t *d, const gcase_t *c, int static_schedule, int32_t family) {
     mf__gemm_bench_args_t a;
     memset(&a, 0, sizeof a);
     const int fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
@@ -665,6 +675,7 @@ static mf__gemm_bench_args_t case_args(const gdev_t *d, const gcase_t *c, int st
     a.a = d->b[B_A].p, a.a_scales = fp8 ? d->b[B_AS].p : NULL;
     a.w = d->b[B_W].p, a.w_scales = fp8 ? d->b[B_WS].p : NULL;
     a.out = d->b[B_OUT].p, a.out_scales = c->out_scaled ? d->b[B_OS].p : NULL;
+    a.family = family;
     return a;
 }
 
@@ -1346,6 +1357,9 @@ static void print_meta(const gopts_t *o, const char *device, int ncases) {
            o->iters, o->warmup, FLUSH_BYTES >> 20);
     printf("# schedule %s\n", o->static_schedule ? "static (--static-schedule): the TMA kernel's CTA b takes tiles b, b + grid, ..."
                                                    : "dynamic, as the layer runs it: the TMA kernel hands out tiles by ticket");
+    printf("# family   %s\n", o->family == MF__GEMM_BENCH_AUTO ? "auto: the layer's choice (decode at M <= 64, else tma)"
+                           : o->family == MF__GEMM_BENCH_DECODE ? "decode at every M (--family decode; its tile for min(M, 64))"
+                                                            : "tma at every M (--family tma)");
     printf("# floor    max(FLOPs / peak, bytes / %.2f TB/s), peak %.0f (bf16) / %.0f (fp8) TFLOP/s (H200, docs/DESIGN.md);\n"
            "#          FLOPs = 2 rows N K; bytes = weights + scales of experts with rows + a + out; wTB/s = those "
            "weight bytes / time\n",
@@ -1381,7 +1395,7 @@ static int run_case(gdev_t *d, const gopts_t *o, gcase_t *c, uint32_t seed) {
     }
     if (fill_case(d, c, seed)) return -1;
     moeflow_launch_t m;
-    m.args = case_args(d, c, o->static_schedule);
+    m.args = case_args(d, c, o->static_schedule, o->family);
     m.code = MF_SUCCESS;
     if (o->check) {
         if ((r = check_case(d, c, &m.args)) != 0) {

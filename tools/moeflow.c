@@ -34,6 +34,9 @@
  * (id != -1) of the rank's tokens moves H + H/128 * 4 + 16 bytes in an FP8 dispatch (2H in BF16)
  * and 2H in the combine; the mean selections per rank over the slowest rank's time.
  */
+#if MF_WITH_CUDA
+#include <cuda_runtime_api.h> /* --timeline's stamp buffer */
+#endif
 #include <errno.h>
 #include <math.h>
 #include <stdarg.h>
@@ -46,7 +49,7 @@
 #include "moeflow.h"
 #include "problem.h"
 #include "ref.h"
-#include "testing.h" /* --rebalance: the schedule of a staged map (src/testing.h) */
+#include "testing.h" /* --rebalance: a staged map's schedule; --timeline: the small kernel's stamps */
 #include "bench.h" /* the H200 ceilings; `moeflow bench gemm` */
 
 /* ---- defaults and limits -------------------------------------------------------------------- */
@@ -121,6 +124,7 @@ typedef struct opts {
     int64_t timeout_ms;
     const char *json;
     int32_t balance;   /* --balance B: spare slots per rank; each row also runs with B (0 = off) */
+    int32_t timeline;  /* --timeline: the small-batch kernel's per-CTA stamps after each row's run */
     double link_gbps;  /* the step-time model's link rate */
     int32_t rebalance; /* --rebalance N: each row stages a new map, N experts per step (-1 = off) */
     double memory_limit_gb; /* --memory-limit G: -1 = MEM_FRACTION of MemAvailable, 0 = no check */
@@ -193,6 +197,9 @@ static void usage(FILE *f) {
             "                               min / max, and flags a spread (max - min) / median\n"
             "                               above %.0f%% with '!'                                 [%d]\n"
             "      --per-rank               bench: each rank's own phase medians too\n"
+            "      --timeline               bench, CUDA, R = 1, local: after each row's run, where its\n"
+            "                               last small-batch kernel's time went, per CTA (stamps:\n"
+            "                               entry, tables, first ring position, consumers done)\n"
             "      --gated                  CUDA: hold each rank's stream until its forward is\n"
             "                               enqueued (device time without host launch gaps;\n"
             "                               a graph replay of the forward can still be faster)\n"
@@ -334,7 +341,7 @@ static const struct {
     {0, "warmup", 1},   {0, "json", 1},      {0, "timeout-ms", 1},   {0, "no-check", 0},
     {0, "dataflow", 1}, {0, "per-rank", 0}, {0, "gated", 0}, {0, "no-phases", 0}, {0, "transport", 1}, {0, "op", 1},
     {0, "balance", 1},  {0, "link-gbps", 1}, {0, "rebalance", 1}, {0, "memory-limit", 1},
-    {0, "rounds", 1},   {0, "phases", 1},
+    {0, "rounds", 1},   {0, "phases", 1},    {0, "timeline", 0},
     {'h', "help", 0},   {0, "version", 0},
 };
 #define NUM_FLAGS ((int)(sizeof k_flags / sizeof k_flags[0]))
@@ -429,6 +436,7 @@ static void parse_args(int argc, char **argv, opts_t *o) {
         else if (!strcmp(name, "--routing")) parse_routing(o, v);
         else if (!strcmp(name, "--per-rank")) o->per_rank = 1;
         else if (!strcmp(name, "--gated")) o->gated = 1;
+        else if (!strcmp(name, "--timeline")) o->timeline = 1;
         else if (!strcmp(name, "--no-phases")) o->events[0] = 0, o->nevents = 1;
         else if (!strcmp(name, "--phases")) parse_events(o, v);
         else if (!strcmp(name, "--rounds")) o->rounds = (int32_t)parse_int(name, v, 1, MAX_ROUNDS);
@@ -517,6 +525,9 @@ static void resolve(opts_t *o) {
     if (o->transport == MF_TRANSPORT_NCCL && o->backend != MF_BACKEND_CUDA)
         die_usage("--transport nccl needs the CUDA backend");
     if (o->comm_op && !o->bench) die_usage("--op comm is for bench");
+    if (o->timeline && (!o->bench || o->comm_op || o->backend != MF_BACKEND_CUDA || o->R != 1 ||
+                        o->transport != MF_TRANSPORT_LOCAL))
+        die_usage("--timeline is for bench of the layer on CUDA at R = 1 (local transport)");
     if (o->comm_op && o->nevents > 1) die_usage("--phases on,off is for the whole layer, not --op comm");
     if (o->comm_op) { /* nothing to check against the reference; one pass, no dataflows */
         o->check = 0;
@@ -1221,6 +1232,78 @@ static void aggregate_rounds(const opts_t *o, row_t *row) {
     rates(o, row);
 }
 
+/* ---- --timeline: the small-batch kernel's stamps (testing.h mf__gemm_small_set_timeline) -------- */
+
+#define TIMELINE_CTAS 1024 /* stamp slots: the kernel's grid is at most the device's SMs */
+
+#if MF_WITH_CUDA
+/* The median of v[0, n), n >= 1; v is left sorted. */
+static double median_of(double *v, int n) {
+    for (int i = 1; i < n; i++) /* insertion sort: n <= TIMELINE_CTAS, once per row */
+        for (int j = i; j > 0 && v[j - 1] > v[j]; j--) {
+            const double x = v[j];
+            v[j] = v[j - 1], v[j - 1] = x;
+        }
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+static uint64_t *g_stamps; /* device: TIMELINE_CTAS x MF__GEMM_SMALL_STAMPS, zeroed before each run */
+
+static void timeline_begin(void) {
+    const size_t bytes = (size_t)TIMELINE_CTAS * MF__GEMM_SMALL_STAMPS * 8;
+    if (!g_stamps && cudaMalloc((void **)&g_stamps, bytes) != cudaSuccess) die_io("--timeline: cudaMalloc failed");
+    /* the ranks' streams do not wait for the legacy stream: the zeros land before the run starts */
+    if (cudaMemset(g_stamps, 0, bytes) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess ||
+        mf__gemm_small_set_timeline(g_stamps) != 0)
+        die_io("--timeline: cannot set the stamps up");
+}
+
+/* After a run: the last small-kernel launch's CTAs (us): when the last one entered after the first,
+ * and medians (min - max over CTAs) of: tables built after entry (with the plan kernel: its PDL wait
+ * included), first ring position full after that (with its own plan: the wait for publish included),
+ * consumers done after that; the spread of the CTAs' ends; entry of the first to end of the last.
+ * A row that ran no small kernel prints so. */
+static void timeline_end(const row_t *row, int32_t rnd) {
+    uint64_t s[TIMELINE_CTAS * MF__GEMM_SMALL_STAMPS];
+    mf__gemm_small_set_timeline(NULL);
+    if (row->code != MF_SUCCESS) return;
+    if (cudaMemcpy(s, g_stamps, sizeof s, cudaMemcpyDeviceToHost) != cudaSuccess) die_io("--timeline: cudaMemcpy failed");
+    double d[3][TIMELINE_CTAS];
+    uint64_t first = UINT64_MAX, last = 0, end_lo = UINT64_MAX, end_hi = 0;
+    int n = 0;
+    for (int b = 0; b < TIMELINE_CTAS; b++) {
+        const uint64_t *x = s + (size_t)b * MF__GEMM_SMALL_STAMPS;
+        if (!x[0] || !x[2] || !x[3]) continue; /* a CTA writes all four, in order */
+        first = x[0] < first ? x[0] : first;
+        last = x[0] > last ? x[0] : last;
+        end_lo = x[3] < end_lo ? x[3] : end_lo;
+        end_hi = x[3] > end_hi ? x[3] : end_hi;
+        d[0][n] = (x[1] - x[0]) * 1e-3;
+        d[1][n] = (x[2] - x[1]) * 1e-3;
+        d[2][n] = (x[3] - x[2]) * 1e-3;
+        n++;
+    }
+    printf("# timeline %s T=%d S=%d %s round %d: ", dtype_name(row->dtype), row->T, row->S,
+           row->events ? "events" : "no-events", rnd);
+    if (!n) {
+        printf("no small-batch kernel ran\n");
+        return;
+    }
+    double lo[3], hi[3], med[3];
+    for (int k = 0; k < 3; k++) {
+        med[k] = median_of(d[k], n); /* sorts d[k] */
+        lo[k] = d[k][0], hi[k] = d[k][n - 1];
+    }
+    printf("%d CTAs, entries %.1f apart; tables %.1f (%.1f-%.1f), first position %.1f (%.1f-%.1f), "
+           "consumers %.1f (%.1f-%.1f); ends %.1f apart; span %.1f us\n",
+           n, (last - first) * 1e-3, med[0], lo[0], hi[0], med[1], lo[1], hi[1], med[2], lo[2], hi[2],
+           (end_hi - end_lo) * 1e-3, (end_hi - first) * 1e-3);
+}
+#else
+static void timeline_begin(void) {}
+static void timeline_end(const row_t *row, int32_t rnd) { (void)row, (void)rnd; }
+#endif
+
 /* Runs round `rnd` of one (dtype, T, S, dataflow, events, B) row, and in round 0 checks it: the
  * problem's inputs are already drawn for T. */
 static void run_row(const opts_t *o, mfp_problem_t *p, row_t *row, int32_t rnd, uint16_t **y, uint16_t **yref) {
@@ -1257,8 +1340,10 @@ static void run_row(const opts_t *o, mfp_problem_t *p, row_t *row, int32_t rnd, 
              o->warmup + o->iters > 1 ? "s" : "", o->rounds > 1 ? " (a round)" : "");
     progress_start(&pg, what);
     mfp_timing_t *t = &row->round_timing[rnd];
+    if (o->timeline) timeline_begin();
     row->code = mfp_run(p, &ro, y, t, err, sizeof err);
     progress_end(&pg);
+    if (o->timeline) timeline_end(row, rnd);
     free(maps);
     if (row->code != MF_SUCCESS) {
         fprintf(stderr, "moeflow: %s T=%d S=%d: %s: %s\n", dtype_name(row->dtype), row->T, row->S,

@@ -15,11 +15,13 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include <algorithm>
 #include <vector>
 
 #include "core/numerics.h"
+#include "cuda/kernels/fault.cuh" /* the labs' fault sink */
 
 /* ---- errors ------------------------------------------------------------------------------------ */
 
@@ -50,6 +52,39 @@ inline void lab_fatal(const char *file, int line, const char *what, const char *
             lab_fatal(__FILE__, __LINE__, #call, why_);                                                 \
         }                                                                                               \
     } while (0)
+
+/* ---- the labs' fault sink ----------------------------------------------------------------------- */
+
+/* The sink every lab launch passes (mf__gemm_segments_t.sink, the selftests' params): the GEMMs'
+ * bounded waits record an expiry there as they would in a comm's (kernels/fault.cuh; sm90_ptx.cuh
+ * mf__pipeline_fault), the labs' own trapping waits too; the record is mapped host memory, so it
+ * stays readable after a trap. Made once by lab_sink(), read by lab_report_sink(). */
+inline mf__fault_sink_t g_sink = {NULL, NULL, 0};
+
+inline void lab_sink(void) {
+    CUDA_OK(cudaMalloc((void **)&g_sink.state, sizeof *g_sink.state));
+    CUDA_OK(cudaMemset(g_sink.state, 0, sizeof *g_sink.state));
+    CUDA_OK(cudaHostAlloc((void **)&g_sink.record, sizeof *g_sink.record, cudaHostAllocMapped));
+    memset((void *)g_sink.record, 0, sizeof *g_sink.record);
+}
+
+/* Prints the recorded expiry, if any: the case, block, thread and the wait site (`site` names it).
+ * The library's waits return instead of trapping, so a lab also calls lab_sink_failed() at its end. */
+inline void lab_report_sink(const char *(*site)(long long tag)) {
+    const mf__device_error_t *r = g_sink.record;
+    if (!r || !r->pipeline) return;
+    fprintf(stderr, "  device wait %s in case %s: block %lld thread %lld site %lld (%s)\n",
+            r->pipeline_drained ? "drained after another expired" : "timed out", g_case ? g_case : "-",
+            r->pipeline_block, r->pipeline_thread, r->pipeline_site, site(r->pipeline_site));
+}
+
+/* 1 (and the expiry printed) when a wait of the run expired: a failure of the run. */
+inline int lab_sink_failed(const char *(*site)(long long tag)) {
+    if (!g_sink.record || !g_sink.record->pipeline) return 0;
+    printf("FAIL a device wait expired during the run (details on stderr)\n");
+    lab_report_sink(site);
+    return 1;
+}
 
 /* ---- host random data -------------------------------------------------------------------------- */
 

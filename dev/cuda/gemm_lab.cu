@@ -440,14 +440,17 @@ static void run_case(const gemm_case &c) {
             src[(size_t)(3 * r + 1)] = (int32_t)((s / kRetTopk) % S);
             src[(size_t)(3 * r + 2)] = (int32_t)(s % kRetTopk);
         }
-        mf__gemm_return_t ret;
-        memset(&ret, 0, sizeof ret);
+        mf__heap_view_t owners; /* rank r's combine slots at heap[r] (combine offset 0) */
+        memset(&owners, 0, sizeof owners);
         const size_t slot_count = (size_t)(S * kRetTopk * H);
         for (int r = 0; r < kRetRanks; r++) {
-            CUDA_OK(cudaMalloc((void **)&ret.slots[r], slot_count * 2));
-            CUDA_OK(cudaMemset(ret.slots[r], kPoison, slot_count * 2));
+            CUDA_OK(cudaMalloc((void **)&owners.heap[r], slot_count * 2));
+            CUDA_OK(cudaMemset(owners.heap[r], kPoison, slot_count * 2));
         }
         int32_t *d_src = to_device(src);
+        mf__gemm_return_t ret;
+        memset(&ret, 0, sizeof ret);
+        ret.view = &owners;
         ret.src = d_src;
         ret.num_topk = kRetTopk;
         if (mf__cuda_w2(&choice, &seg, c.dtype, op_hin, op_w2, c.H, c.I, NULL, &ret, stream, 0) != MF_SUCCESS) {
@@ -456,7 +459,7 @@ static void run_case(const gemm_case &c) {
             CUDA_OK(cudaStreamSynchronize(stream));
             std::vector<uint16_t> slots((size_t)kRetRanks * slot_count);
             for (int r = 0; r < kRetRanks; r++)
-                CUDA_OK(cudaMemcpy(slots.data() + r * slot_count, ret.slots[r], slot_count * 2, cudaMemcpyDeviceToHost));
+                CUDA_OK(cudaMemcpy(slots.data() + r * slot_count, owners.heap[r], slot_count * 2, cudaMemcpyDeviceToHost));
             std::vector<char> used(perm.size(), 0);
             int64_t bad_rows = 0, bad_slots = 0;
             for (int64_t r = 0; r < lo.rows; r++) {
@@ -479,7 +482,7 @@ static void run_case(const gemm_case &c) {
             if (bad_rows || bad_slots) fail("w2 ret: %lld rows misplaced, %lld unused slots written", (long long)bad_rows, (long long)bad_slots);
             else printf("  ok   w2 ret: %lld rows bitwise in their (rank, token, k) slots, other slots untouched\n", (long long)owned);
         }
-        for (int r = 0; r < kRetRanks; r++) CUDA_OK(cudaFree(ret.slots[r]));
+        for (int r = 0; r < kRetRanks; r++) CUDA_OK(cudaFree(owners.heap[r]));
         CUDA_OK(cudaFree(d_src));
     }
 

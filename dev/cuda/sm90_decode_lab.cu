@@ -14,6 +14,9 @@
  *   sm90_decode_lab --bench [--json FILE] [--no-peers] [--quick]
  *   sm90_decode_lab --timeline      per-CTA %globaltimer stamps of the T = 1 shapes (where a launch's
  *                                   time goes: launch, prologue, work, tail)
+ *   sm90_decode_lab --small         the small-batch kernel (kernels/sm90_small_gemm.cuh: W13 + W2 in
+ *                                   one launch) timed against the two decode kernels it fuses, at the
+ *                                   layer's R = 1 decode shapes (T = 1..8 tokens, three models)
  *
  * Dimension legend: L local experts, N weight rows per expert (2I for W13, H for W2), K the
  * reduction dim (H for W13, I for W2), M rows per expert, T tokens per tile, C masked capacity,
@@ -48,6 +51,10 @@
  *               the same bits (they run this kernel)
  *   declines    shapes the kernel does not take return MF_ERR_NOT_SUPPORTED, launch nothing and leave
  *               no library error
+ *   small       (also in --validate) the small-batch kernel, W13 gathered through R fake heaps and W2
+ *               returned into their combine regions: h, h scales and every combine slot bitwise equal to
+ *               the two decode kernels' (first mismatches printed), again on a second run or graph
+ *               replays, and its sync words zero after
  * At start the lab lists every shipped variant with its registers (must be 168, no local memory).
  */
 #include <cuda.h>
@@ -74,6 +81,8 @@ extern "C" {
 #include "cuda/gemm_family.cuh" /* mf__gemm_variant_info_t */
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels/sm90_decode_gemm.cuh"
+#include "cuda/kernels/sm90_small_gemm.cuh" /* mf__sm90_small_variants */
+#include "cuda/kernels/sm90_small_gemm.cuh" /* mf__small::kTagDepends */
 #include "common.h" /* the labs' CUDA_OK, random data, device vectors */
 
 using mf__decode::kEpiPlain;
@@ -83,15 +92,14 @@ using mf__decode::kEpiSwiglu;
  * errors, the shipped variants, one launcher call
  * ============================================================================================== */
 
-static mf__sm90_fault_t *g_fault = NULL;      /* mapped host memory: timed-out waits report here */
-
-static void report_fault(void) {
-    if (g_fault && g_fault->magic == kMfSm90FaultMagic)
-        fprintf(stderr, "FATAL [case %s] mbarrier wait timed out: block %u thread %u smem 0x%x parity %u tag %u (%s)\n",
-                g_case, g_fault->block, g_fault->thread, g_fault->smem, g_fault->parity, g_fault->tag,
-                g_fault->tag == mf__decode::kTagProducerEmpty ? "producer waiting for a free stage"
-                : g_fault->tag == mf__decode::kTagConsumerFull ? "consumer waiting for a full stage" : "?");
+static const char *wait_site(long long tag) {
+    return tag == mf__decode::kTagProducerEmpty ? "producer waiting for a free stage"
+           : tag == mf__decode::kTagConsumerFull ? "consumer waiting for a full stage"
+           : tag == mf__small::kTagDepends     ? "small kernel: a W2 tile waiting for its expert's W13 tiles"
+                                               : "?";
 }
+
+static void report_fault(void) { lab_report_sink(wait_site); }
 
 static std::vector<mf__gemm_variant_info_t> g_variants;
 
@@ -125,7 +133,23 @@ static void list_variants(void) {
                v.gather ? "gather" : "tma", v.block_t, v.swiglu ? (v.fp8 ? "h fp8" : "h bf16") : "bf16", v.smem_bytes, v.stages,
                v.num_regs, v.local_bytes, ok ? "" : "<- FAIL");
     }
-    printf("%s variants: %d shipped, %d unusable or spilling\n", bad ? "FAIL" : "PASS", n, bad);
+    /* the small-batch kernel (src/cuda/gemm_small.cu): variants 0 / 1 FP8 / BF16 on the plan's tables,
+     * 2 / 3 the same with their own plan */
+    mf__gemm_variant_info_t sv[mf__small::kMaxVariants];
+    const int ns = mf__sm90_small_variants(sv, mf__small::kMaxVariants);
+    if (ns <= 0) {
+        printf("FAIL variants: mf__sm90_small_variants returned %d (%s)\n", ns, mf_last_error());
+        bad++;
+    }
+    for (int i = 0; i < ns; i++) {
+        const mf__gemm_variant_info_t &v = sv[i];
+        const bool ok = v.usable && v.num_regs == mf__decode::kLaunchRegs && v.local_bytes == 0;
+        bad += !ok;
+        printf("%-6s %-4s %-7s %3d %-6s %7d %6d %4d %6d %s\n", "small", v.fp8 ? "fp8" : "bf16", i >= 2 ? "own" : "plan",
+               v.block_t, "w13+w2", v.smem_bytes, v.stages, v.num_regs, v.local_bytes, ok ? "" : "<- FAIL");
+    }
+    printf("%s variants: %d shipped (and %d of the small kernel), %d unusable or spilling\n", bad ? "FAIL" : "PASS", n,
+           ns, bad);
     if (bad) g_failures++;
 }
 
@@ -145,6 +169,10 @@ struct call_t {
     const mf__gemm_return_t *ret;      /* plain: rows to the owners' slots instead of out */
 };
 
+/* The schedule pair every call passes (mf__gemm_segments_t.sched), as the layer does: tiles by
+ * ticket where a launch has more tiles than CTAs (zeroed once; every launch leaves it zero). */
+static int32_t *g_sched = NULL;
+
 static mf__gemm_segments_t seg_of(const call_t &c) {
     mf__gemm_segments_t s;
     s.counts = c.counts;
@@ -152,7 +180,8 @@ static mf__gemm_segments_t seg_of(const call_t &c) {
     s.num_experts = c.L;
     s.max_rows_per_expert = c.max_rows;
     s.rows_hint = c.rows_hint;
-    s.sched = NULL;
+    s.sched = g_sched;
+    s.sink = g_sink;
     return s;
 }
 
@@ -597,20 +626,24 @@ static const size_t kHeapAlign = MF__HEAP_ALIGN;
 
 static size_t align_size(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
-/* R heaps, each [x: S rows of K bytes][scales: S x K/128 floats]; every owned receive row is copied
- * to a distinct random (rank, token) with token >= 1; token 0 of rank 0 (NaN garbage) is what the
- * rows no expert owns point at, and every unused heap row is garbage too. */
+/* R heaps, each [x: S rows of K bytes][scales: S x K/128 floats] (+ with topk > 0 [combine: S x topk x
+ * hidden BF16], poisoned: a layer's heap slot, whose one view and src the small kernel gathers and
+ * returns through); every owned receive row is copied to a distinct random (rank, token) with token
+ * >= 1 and a random k < topk (8 without); token 0 of rank 0 (NaN garbage) is what the rows no expert
+ * owns point at, and every unused heap row is garbage too. */
 struct heaps_t {
     std::vector<uint8_t *> dev;
     int32_t *src = NULL;
-    mf__gemm_gather_t g;
+    mf__heap_view_t view; /* the R heaps, x and scales (and combine) offsets */
+    int64_t S = 0;
+    size_t bytes = 0;     /* of each heap */
     void release() {
         for (uint8_t *p : dev) cudaFree(p);
         cudaFree(src);
     }
 };
 
-static heaps_t make_heaps(const problem &pb, int R) {
+static heaps_t make_heaps(const problem &pb, int R, int topk = 0, int64_t hidden = 0) {
     heaps_t hp;
     const int64_t rows = pb.lo.rows, row_bytes = (int64_t)pb.K * pb.esz(), kb = pb.K / 128;
     std::vector<int64_t> owned;
@@ -622,8 +655,9 @@ static heaps_t make_heaps(const problem &pb, int R) {
         for (int64_t t = 1; t < S; t++) slots.push_back({q, t});
     shuffle(slots);
     const size_t x_off = kHeapAlign, sc_off = align_size(x_off + (size_t)(S * row_bytes), kHeapAlign);
-    const size_t bytes = sc_off + (size_t)(S * kb) * 4;
-    std::vector<std::vector<uint8_t>> host((size_t)R, std::vector<uint8_t>(bytes));
+    const size_t cb_off = align_size(sc_off + (size_t)(S * kb) * 4, kHeapAlign);
+    const size_t bytes = topk ? cb_off + (size_t)(S * topk * hidden) * 2 : sc_off + (size_t)(S * kb) * 4;
+    std::vector<std::vector<uint8_t>> host((size_t)R, std::vector<uint8_t>(bytes, kPoison));
     for (int q = 0; q < R; q++) {
         garble(host[(size_t)q].data(), (int64_t)sc_off);
         garble_scales((float *)(host[(size_t)q].data() + sc_off), S * kb);
@@ -637,17 +671,19 @@ static heaps_t make_heaps(const problem &pb, int R) {
         if (pb.fp8) memcpy(host[(size_t)q].data() + sc_off + t * kb * 4, pb.as.data() + r * kb, (size_t)kb * 4);
         src[(size_t)(3 * r)] = q;
         src[(size_t)(3 * r + 1)] = (int32_t)t;
-        src[(size_t)(3 * r + 2)] = (int32_t)(rnd_u64() % 8);
+        src[(size_t)(3 * r + 2)] = (int32_t)(rnd_u64() % (uint64_t)(topk ? topk : 8));
     }
-    memset(&hp.g, 0, sizeof hp.g);
+    memset(&hp.view, 0, sizeof hp.view);
     for (int q = 0; q < R; q++) {
         hp.dev.push_back(to_device(host[(size_t)q]));
-        hp.g.heap[q] = hp.dev.back();
+        hp.view.heap[q] = hp.dev.back();
     }
     hp.src = to_device(src);
-    hp.g.x = x_off;
-    hp.g.scales = sc_off;
-    hp.g.src = hp.src;
+    hp.view.x = x_off;
+    hp.view.scales = sc_off;
+    hp.view.combine = topk ? cb_off : 0;
+    hp.S = S;
+    hp.bytes = bytes;
     return hp;
 }
 
@@ -659,7 +695,7 @@ struct slots_t {
     std::vector<int32_t> host_src;
     int64_t S = 0;
     int K = 0;
-    mf__gemm_return_t ret;
+    mf__heap_view_t view; /* the R ranks' slots, combine offset 0 */
     void release() {
         for (uint16_t *p : dev) cudaFree(p);
         cudaFree(src);
@@ -684,17 +720,15 @@ static slots_t make_slots(const problem &pb, int R, int K) {
         sl.host_src[(size_t)(3 * r + 1)] = (int32_t)(s / K % sl.S);
         sl.host_src[(size_t)(3 * r + 2)] = (int32_t)(s % K);
     }
-    memset(&sl.ret, 0, sizeof sl.ret);
+    memset(&sl.view, 0, sizeof sl.view);
     for (int q = 0; q < R; q++) {
         uint16_t *p = NULL;
         CUDA_OK(cudaMalloc((void **)&p, (size_t)(sl.S * K * H) * 2));
         CUDA_OK(cudaMemset(p, kPoison, (size_t)(sl.S * K * H) * 2));
         sl.dev.push_back(p);
-        sl.ret.slots[q] = p;
+        sl.view.heap[q] = (uint8_t *)p;
     }
     sl.src = to_device(sl.host_src);
-    sl.ret.src = sl.src;
-    sl.ret.num_topk = K;
     return sl;
 }
 
@@ -773,7 +807,8 @@ static void run_vcase(const vcase &vc, int max_print) {
         call_t cg = c;
         cg.a = NULL;
         cg.a_scales = NULL;
-        cg.gather = &hp.g;
+        const mf__gemm_gather_t g = {&hp.view, hp.src};
+        cg.gather = &g;
         vi = variant_info(pb.fp8, 1, block_t, 1);
         char gname[192];
         snprintf(gname, sizeof gname, "%s gathered A, %d heaps [st%d]", vc.name.c_str(), vc.gather_heaps, vi ? vi->stages : 0);
@@ -792,7 +827,8 @@ static void run_vcase(const vcase &vc, int max_print) {
         slots_t sl = make_slots(pb, vc.ret_ranks, K);
         call_t cr = c;
         cr.out = NULL;
-        cr.ret = &sl.ret;
+        const mf__gemm_return_t ret = {&sl.view, sl.src, K};
+        cr.ret = &ret;
         char rname[192];
         snprintf(rname, sizeof rname, "%s ret, %d ranks K=%d", vc.name.c_str(), vc.ret_ranks, K);
         if (launched(run_call(cr, 0), rname)) {
@@ -1135,8 +1171,10 @@ static void bench_case(bench_ctx &bc, const bmodel &m, int gemm, int fp8, int ma
     c.rows_hint = t64 ? 64 : M;
     c.out = bc.out;
     c.out_scales = bc.out_scales;
+    mf__heap_view_t owner; /* rank 0: the gathered rows' heap, or the combine slots (out itself) */
     mf__gemm_gather_t g;
     mf__gemm_return_t rt;
+    memset(&owner, 0, sizeof owner);
     memset(&g, 0, sizeof g);
     memset(&rt, 0, sizeof rt);
     if (gather || ret) {
@@ -1150,13 +1188,15 @@ static void bench_case(bench_ctx &bc, const bmodel &m, int gemm, int fp8, int ma
             const size_t sc_off = align_size(kHeapAlign + need_a, kHeapAlign);
             CUDA_OK(cudaMemcpy(bc.heap + kHeapAlign, bc.a, need_a, cudaMemcpyDeviceToDevice));
             if (fp8) CUDA_OK(cudaMemcpy(bc.heap + sc_off, bc.as, (size_t)lo.rows * (K / 128) * 4, cudaMemcpyDeviceToDevice));
-            g.heap[0] = bc.heap;
-            g.x = kHeapAlign;
-            g.scales = sc_off;
+            owner.heap[0] = bc.heap;
+            owner.x = kHeapAlign;
+            owner.scales = sc_off;
+            g.view = &owner;
             g.src = bc.src;
             c.gather = &g;
         } else {
-            rt.slots[0] = (uint16_t *)bc.out;
+            owner.heap[0] = (uint8_t *)bc.out;
+            rt.view = &owner;
             rt.src = bc.src;
             rt.num_topk = 1;
             c.ret = &rt;
@@ -1356,9 +1396,13 @@ static void run_timeline(void) {
     printf("\n# --timeline: FP8, one row per expert (T = 1 at R = 1), L2 flushed before each launch; per CTA, from its\n"
            "# %%globaltimer stamps: entry, prologue done (tables), last store. Times in us; 'launch' = event time -\n"
            "# (last store - first entry); work = last store - prologue; rate = the CTA's weight bytes / work\n");
-    printf("%-12s %-4s %3s %5s %4s | %7s %7s %6s | %6s %8s | %6s %6s %6s | %6s | %5s %5s %5s\n", "# model", "gemm", "L", "tiles",
-           "grid", "event", "span", "launch", "start", "prologue", "work", "min", "max", "end", "GB/s", "min", "max");
-    for (const tcase &tc : cases) {
+    printf("%-12s %-4s %3s %5s %4s %-6s | %7s %7s %6s | %6s %8s | %6s %6s %6s | %6s | %5s %5s %5s\n", "# model", "gemm", "L",
+           "tiles", "grid", "sched", "event", "span", "launch", "start", "prologue", "work", "min", "max", "end", "GB/s", "min", "max");
+    int32_t *const sched = g_sched;
+    for (int i = 0; i < (int)(sizeof cases / sizeof cases[0]) * 2; i++) {
+        const tcase &tc = cases[i / 2];
+        const int dynamic = i % 2;
+        g_sched = dynamic ? sched : NULL; /* the static walk, then the layer's (tickets where tiles > CTAs) */
         const int epi = tc.gemm == 13 ? kEpiSwiglu : kEpiPlain;
         const int N = tc.gemm == 13 ? 2 * tc.I : tc.H, K = tc.gemm == 13 ? tc.H : tc.I;
         std::vector<int32_t> hc((size_t)tc.L, 1), ho((size_t)tc.L + 1);
@@ -1377,7 +1421,7 @@ static void run_timeline(void) {
             CUDA_OK(cudaMemsetAsync(stamps, 0, mf__decode::kTimelineStamps * 1024 * 8, st));
             CUDA_OK(cudaMemsetAsync(flush, run, kFlushBytes, st));
             CUDA_OK(cudaEventRecord(ev0, st));
-            if (!launched(run_call(c, st), "timeline")) return;
+            if (!launched(run_call(c, st), "timeline")) break;
             CUDA_OK(cudaEventRecord(ev1, st));
             CUDA_OK(cudaEventSynchronize(ev1));
             if (!on) continue;
@@ -1401,12 +1445,14 @@ static void run_timeline(void) {
                 rate.push_back(mine * tile_bytes / ((x[2] - x[1]) * 1e-9) / 1e9);
             }
             const double span = (tend - t0) * 1e-3;
-            printf("%-12s w%-3d %3d %5d %4d | %7.1f %7.1f %6.1f | %6.1f %8.1f | %6.1f %6.1f %6.1f | %6.1f | %5.0f %5.0f %5.0f\n",
-                   tc.name, tc.gemm, tc.L, tiles, grid, ms * 1e3, span, ms * 1e3 - span, pct(start, 1.0), pct(pro, 0.5),
-                   pct(work, 0.5), pct(work, 0.0), pct(work, 1.0), (tend - tfirst_end) * 1e-3, pct(rate, 0.5), pct(rate, 0.0),
-                   pct(rate, 1.0));
+            printf("%-12s w%-3d %3d %5d %4d %-6s | %7.1f %7.1f %6.1f | %6.1f %8.1f | %6.1f %6.1f %6.1f | %6.1f | ", tc.name,
+                   tc.gemm, tc.L, tiles, grid, dynamic ? "layer" : "static", ms * 1e3, span, ms * 1e3 - span, pct(start, 1.0),
+                   pct(pro, 0.5), pct(work, 0.5), pct(work, 0.0), pct(work, 1.0), (tend - tfirst_end) * 1e-3);
+            if (dynamic && tiles > grid) printf("%5s %5s %5s\n", "-", "-", "-"); /* tiles per CTA unknown */
+            else printf("%5.0f %5.0f %5.0f\n", pct(rate, 0.5), pct(rate, 0.0), pct(rate, 1.0));
         }
     }
+    g_sched = sched;
     CUDA_OK(mf__sm90_decode_set_timeline(NULL));
     printf("# columns: start = the last CTA's entry after the first's; prologue: median over CTAs; work: median, min, max\n"
            "# over CTAs; end = last CTA's last store - first CTA's last store; GB/s: median, min, max per CTA\n");
@@ -1421,8 +1467,238 @@ static void run_timeline(void) {
  * main
  * ============================================================================================== */
 
+/* ================================================================================================
+ * the small-batch kernel (kernels/sm90_small_gemm.cuh, mf__sm90_small_experts): W13 + W2 in one
+ * launch against the two decode kernels it fuses (part of --validate), then both timed (--small)
+ * ============================================================================================== */
+
+static int32_t *g_small_sync = NULL; /* [2 + kMaxExperts] zeroed: the small kernel's ticket, count, counters */
+
+/* Both GEMMs of one problem: W13 (p13: N = 2I, K = H; rows gathered through hp) then W2 (w2 [L, H, I]
+ * of p2) with the rows returned through the same heaps; small = 0: the two decode kernels, 1: the
+ * small kernel. h / h_scales are d13's outputs. */
+static mf_result_t run_pair(int small, const problem &p13, const device_problem &d13, const device_problem &d2,
+                            const heaps_t &hp, int topk, cudaStream_t stream) {
+    mf__gemm_segments_t seg;
+    seg.counts = d13.counts;
+    seg.offsets = d13.offsets;
+    seg.num_experts = p13.L;
+    seg.max_rows_per_expert = p13.lo.max_rows;
+    seg.rows_hint = 1;
+    seg.sched = g_sched;
+    seg.sink = g_sink;
+    mf__gemm_choice_t choice = mf__gemm_choose(1, p13.lo.max_rows, MF_DATAFLOW_AUTO); /* 8-token tiles, fused */
+    const int32_t dtype = p13.fp8 ? MF_DTYPE_FP8_E4M3 : MF_DTYPE_BF16;
+    const int H = p13.K, I = p13.N / 2;
+    const mf__gemm_gather_t g = {&hp.view, hp.src};
+    const mf__gemm_return_t ret = {&hp.view, hp.src, topk};
+    const mf__gemm_operand_t a = {NULL, NULL, &g}, w13 = {d13.w, d13.ws, NULL}, w2 = {d2.w, d2.ws, NULL};
+    const mf__gemm_operand_t h = {d13.out, d13.out_scales, NULL};
+    if (small)
+        return mf__sm90_small_experts(&choice, &seg, dtype, p13.ue8m0, a, w13, w2, H, I, d13.out, d13.out_scales, &ret,
+                                      g_small_sync, NULL, NULL, stream, 0);
+    const mf_result_t r =
+        mf__sm90_decode_w13_swiglu(&choice, &seg, dtype, p13.ue8m0, a, w13, H, I, d13.out, d13.out_scales, stream, 0);
+    if (r != MF_SUCCESS) return r;
+    return mf__sm90_decode_w2(&choice, &seg, dtype, h, w2, H, I, NULL, &ret, stream, 1);
+}
+
+/* Every heap's combine region and h / h_scales after one run of run_pair (the first mismatch printed
+ * by compare_small). */
+struct small_out {
+    std::vector<uint8_t> h;
+    std::vector<float> hs;
+    std::vector<std::vector<uint8_t>> combine;
+};
+
+static small_out read_small(const device_problem &d13, const heaps_t &hp) {
+    small_out o;
+    o.h = to_host(d13.out, d13.out_bytes);
+    o.hs = to_host(d13.out_scales, d13.out_scale_count);
+    for (uint8_t *p : hp.dev) {
+        std::vector<uint8_t> all = to_host(p, hp.bytes);
+        o.combine.push_back(std::vector<uint8_t>(all.begin() + (long)hp.view.combine, all.end()));
+    }
+    return o;
+}
+
+static void poison_small(const device_problem &d13, const heaps_t &hp) {
+    d13.poison();
+    for (uint8_t *p : hp.dev) CUDA_OK(cudaMemset(p + hp.view.combine, kPoison, hp.bytes - hp.view.combine));
+}
+
+static bool compare_small(const char *name, const problem &p13, const small_out &want, const small_out &got, int topk,
+                          int64_t H) {
+    const int64_t I = p13.N / 2, h_row = I * p13.out_esz();
+    int64_t bad = 0;
+    for (size_t b = 0; b < want.h.size(); b++)
+        if (want.h[b] != got.h[b] && bad++ < 3)
+            printf("    %s: h row %lld (expert %d) column %lld: %02x, the two kernels %02x\n", name, (long long)(b / h_row),
+                   p13.lo.owner[b / (size_t)h_row], (long long)(b % h_row / p13.out_esz()), got.h[b], want.h[b]);
+    if (memcmp(want.hs.data(), got.hs.data(), want.hs.size() * 4) && bad++ < 3) printf("    %s: h scales differ\n", name);
+    for (size_t q = 0; q < want.combine.size(); q++)
+        for (size_t b = 0; b < want.combine[q].size(); b += 2)
+            if ((want.combine[q][b] != got.combine[q][b] || want.combine[q][b + 1] != got.combine[q][b + 1]) && bad++ < 3) {
+                const int64_t e = (int64_t)b / 2, slot = e / H;
+                printf("    %s: rank %zu slot (token %lld, k %lld) column %lld differs\n", name, q, (long long)(slot / topk),
+                       (long long)(slot % topk), (long long)(e % H));
+            }
+    return bad == 0;
+}
+
+/* One case: the two decode kernels, then the small kernel twice (the second a graph replay when
+ * `graph`): h, h scales and every combine slot bit for bit, the sync words zero after. */
+static void small_case(const char *what, int fp8, int H, int I, const std::vector<int> &counts, int C, int R, int topk,
+                       int ue8m0, bool graph) {
+    char name[192];
+    snprintf(name, sizeof name, "small %s %s H=%d I=%d R=%d", fp8 ? "fp8" : "bf16", what, H, I, R);
+    g_case = name;
+    problem p13 = make_problem(fp8, kEpiSwiglu, 2 * I, H, counts, C, ue8m0);
+    problem p2 = make_problem(fp8, kEpiPlain, H, I, counts, C, 0); /* its weights only */
+    device_problem d13 = upload(p13), d2 = upload(p2);
+    heaps_t hp = make_heaps(p13, R, topk, H);
+    bool ok = launched(run_pair(0, p13, d13, d2, hp, topk, 0), name);
+    if (ok) {
+        CUDA_OK(cudaDeviceSynchronize());
+        const small_out want = read_small(d13, hp);
+        poison_small(d13, hp);
+        ok = launched(run_pair(1, p13, d13, d2, hp, topk, 0), name);
+        if (ok) {
+            CUDA_OK(cudaDeviceSynchronize());
+            const small_out got = read_small(d13, hp);
+            const bool same = compare_small(name, p13, want, got, topk, H);
+            printf("%s %-52s h, h scales, combine slots bitwise = the two decode kernels\n", same ? "PASS" : "FAIL", name);
+            g_failures += same ? 0 : 1;
+            poison_small(d13, hp);
+            if (graph) {
+                cudaStream_t st;
+                cudaGraph_t gr;
+                cudaGraphExec_t ge;
+                CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+                CUDA_OK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+                const mf_result_t r = run_pair(1, p13, d13, d2, hp, topk, st);
+                CUDA_OK(cudaStreamEndCapture(st, &gr));
+                if (launched(r, name)) {
+                    CUDA_OK(cudaGraphInstantiate(&ge, gr, 0));
+                    CUDA_OK(cudaGraphLaunch(ge, st));
+                    CUDA_OK(cudaGraphLaunch(ge, st)); /* twice: the sync words were zeroed by the first */
+                    CUDA_OK(cudaStreamSynchronize(st));
+                    CUDA_OK(cudaGraphExecDestroy(ge));
+                }
+                CUDA_OK(cudaGraphDestroy(gr));
+                CUDA_OK(cudaStreamDestroy(st));
+            } else if (launched(run_pair(1, p13, d13, d2, hp, topk, 0), name)) {
+                CUDA_OK(cudaDeviceSynchronize());
+            }
+            const bool again = compare_small(name, p13, want, read_small(d13, hp), topk, H);
+            printf("%s %-52s %s bitwise equal\n", again ? "PASS" : "FAIL", name, graph ? "graph replays" : "second run");
+            g_failures += again ? 0 : 1;
+            int32_t words[2 + 64];
+            const int n = 2 + std::min(p13.L, 64);
+            CUDA_OK(cudaMemcpy(words, g_small_sync, (size_t)n * 4, cudaMemcpyDeviceToHost));
+            bool zero = true;
+            for (int i = 0; i < n; i++) zero = zero && words[i] == 0;
+            printf("%s %-52s ticket, count and counters zero after\n", zero ? "PASS" : "FAIL", name);
+            g_failures += zero ? 0 : 1;
+        }
+    }
+    hp.release();
+    d13.release();
+    d2.release();
+}
+
+static void run_small_validate(void) {
+    printf("# the small-batch kernel (mf__sm90_small_experts) against the two decode kernels it fuses\n");
+    std::vector<int> sparse(64, 0);
+    for (int e = 0; e < 64; e += 5) sparse[(size_t)e] = 1 + e % 7;
+    for (int fp8 = 1; fp8 >= 0; fp8--) {
+        small_case("{1,0,3,8} expert-major", fp8, 512, 384, {1, 0, 3, 8}, 0, 1, 4, 0, false);
+        small_case("{2,13,0,5,1} masked C=16", fp8, 512, 384, {2, 13, 0, 5, 1}, 16, 3, 4, 0, true);
+        small_case("{8,8,8,8} expert-major (rings wrap)", fp8, 1024, 2048, {8, 8, 8, 8}, 0, 2, 8, 0, false);
+        small_case("L=64 sparse expert-major", fp8, 256, 256, sparse, 0, 4, 8, 0, false);
+    }
+    small_case("{3,9,1} ue8m0 masked C=12", 1, 512, 384, {3, 9, 1}, 12, 2, 4, 1, false);
+    small_case("deepseek {1,1,1,1}", 1, 7168, 2048, {1, 1, 1, 1}, 0, 1, 8, 0, false);
+}
+
+/* --small: the small kernel against the two decode kernels (the second with PDL, as in the layer),
+ * the layer's shapes at R = 1 and T = 1..8 tokens (uniform routing, K distinct experts per token),
+ * weights read once per active expert; L2 flushed before every run. */
+static void run_small_bench(void) {
+    const struct {
+        const char *name;
+        int H, I, L, K;
+    } models[] = {{"deepseek-v3", 7168, 2048, 256, 8}, {"kimi-k2", 7168, 2048, 384, 8}, {"qwen3-235b", 4096, 1536, 128, 8}};
+    bench_ctx bc;
+    CUDA_OK(cudaStreamCreateWithFlags(&bc.stream, cudaStreamNonBlocking));
+    CUDA_OK(cudaEventCreate(&bc.ev0));
+    CUDA_OK(cudaEventCreate(&bc.ev1));
+    CUDA_OK(cudaMalloc((void **)&bc.flush, kFlushBytes));
+    printf("# --small: FP8, R = 1; us = median of %d runs, L2 flushed; floor = active experts' weights / 4.24 TB/s\n",
+           kTimedRuns);
+    printf("%-12s %3s %4s %9s %9s %9s %7s\n", "model", "T", "rows", "floor", "2 kernels", "small", "change");
+    for (const auto &m : models) {
+        const int64_t w13_bytes = (int64_t)m.L * 2 * m.I * m.H, w2_bytes = (int64_t)m.L * m.H * m.I;
+        device_problem d13, d2; /* weights, scales and h only; counts and offsets per T */
+        CUDA_OK(cudaMalloc((void **)&d13.w, (size_t)w13_bytes));
+        CUDA_OK(cudaMalloc((void **)&d2.w, (size_t)w2_bytes));
+        CUDA_OK(cudaMalloc((void **)&d13.ws, (size_t)(w13_bytes / (128 * 128)) * 4));
+        CUDA_OK(cudaMalloc((void **)&d2.ws, (size_t)(w2_bytes / (128 * 128)) * 4));
+        init_data(1, d13.w, (size_t)w13_bytes, d13.ws, (size_t)(w13_bytes / (128 * 128)), 11, 1.0f);
+        init_data(1, d2.w, (size_t)w2_bytes, d2.ws, (size_t)(w2_bytes / (128 * 128)), 12, 1.0f);
+        for (int T : {1, 2, 4, 8}) {
+            char name[96];
+            snprintf(name, sizeof name, "small bench %s T=%d", m.name, T);
+            g_case = name;
+            std::vector<int> counts((size_t)m.L, 0);
+            for (int t = 0; t < T; t++) {
+                std::vector<int> pick;
+                while ((int)pick.size() < m.K) {
+                    const int e = (int)(rnd_u64() % (uint64_t)m.L);
+                    if (std::find(pick.begin(), pick.end(), e) == pick.end()) pick.push_back(e);
+                }
+                for (int e : pick) counts[(size_t)e]++;
+            }
+            /* a host problem of the shape (rows and the receive layout) without its weights */
+            problem p13;
+            p13.fp8 = 1, p13.epi = kEpiSwiglu, p13.L = m.L, p13.N = 2 * m.I, p13.K = m.H, p13.ue8m0 = 0;
+            p13.lo = make_layout(counts, 0);
+            p13.lo.max_rows = T;
+            p13.a.assign((size_t)(p13.lo.rows * m.H), 0x38); /* 1.0 in E4M3 */
+            p13.as.assign((size_t)(p13.lo.rows * (m.H / 128)), 0.01f);
+            d13.counts = to_device(p13.lo.counts);
+            d13.offsets = to_device(p13.lo.offsets);
+            d13.out_bytes = (size_t)(p13.lo.rows * m.I);
+            d13.out_scale_count = (size_t)(p13.lo.rows * (m.I / 128));
+            CUDA_OK(cudaMalloc((void **)&d13.out, d13.out_bytes));
+            CUDA_OK(cudaMalloc((void **)&d13.out_scales, d13.out_scale_count * 4));
+            heaps_t hp = make_heaps(p13, 1, m.K, m.H);
+            double us[2] = {0, 0};
+            for (int small = 0; small < 2; small++) {
+                mf_result_t r = MF_SUCCESS;
+                us[small] = time_median(bc, [&] {
+                    const mf_result_t x = run_pair(small, p13, d13, d2, hp, m.K, bc.stream);
+                    if (x != MF_SUCCESS) r = x;
+                });
+                if (!launched(r, name)) us[small] = 0;
+            }
+            int active = 0;
+            for (int c : counts) active += c > 0;
+            const double floor_us = (double)active * 3 * m.I * m.H / 4.24e12 * 1e6;
+            printf("%-12s %3d %4lld %9.1f %9.1f %9.1f %6.1f%%\n", m.name, T, (long long)p13.lo.rows, floor_us, us[0], us[1],
+                   us[0] > 0 ? 100.0 * (us[1] / us[0] - 1) : 0.0);
+            hp.release();
+            cudaFree(d13.counts), cudaFree(d13.offsets), cudaFree(d13.out), cudaFree(d13.out_scales);
+            d13.counts = d13.offsets = NULL, d13.out = NULL, d13.out_scales = NULL;
+        }
+        d13.release();
+        d2.release();
+    }
+    g_case = NULL;
+}
+
 int main(int argc, char **argv) {
-    bool selftest = false, validate = false, bench = false, peers = true, quick = false, timeline = false;
+    bool selftest = false, validate = false, bench = false, peers = true, quick = false, timeline = false, small = false;
     g_on_fatal = report_fault;
     const char *json = NULL;
     std::string command;
@@ -1434,14 +1710,15 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--no-peers")) peers = false;
         else if (!strcmp(argv[i], "--quick")) quick = true;
         else if (!strcmp(argv[i], "--timeline")) timeline = true;
+        else if (!strcmp(argv[i], "--small")) small = true;
         else if (!strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
         else {
-            fprintf(stderr, "usage: %s [--selftest] [--validate] [--bench [--json FILE] [--no-peers] [--quick]] [--timeline]\n",
+            fprintf(stderr, "usage: %s [--selftest] [--validate] [--bench [--json FILE] [--no-peers] [--quick]] [--timeline] [--small]\n",
                     argv[0]);
             return 2;
         }
     }
-    if (!selftest && !validate && !bench && !timeline) selftest = validate = bench = true;
+    if (!selftest && !validate && !bench && !timeline && !small) selftest = validate = bench = true;
     cudaDeviceProp prop;
     CUDA_OK(cudaGetDeviceProperties(&prop, 0));
     printf("# device: %s, sm_%d%d, %d SMs, %.0f MB L2, %zu KB smem/block opt-in\n", prop.name, prop.major, prop.minor,
@@ -1450,18 +1727,34 @@ int main(int argc, char **argv) {
         fprintf(stderr, "FATAL: needs an sm_90a GPU\n");
         return 2;
     }
-    CUDA_OK(cudaHostAlloc((void **)&g_fault, sizeof *g_fault, cudaHostAllocMapped));
-    memset((void *)g_fault, 0, sizeof *g_fault);
+    lab_sink();
     if (mf__sm90_decode_preload() != MF_SUCCESS) {
         fprintf(stderr, "FATAL: mf__sm90_decode_preload: %s\n", mf_last_error());
         return 3;
     }
-    CUDA_OK(mf__sm90_decode_set_fault_record(g_fault));
+    if (mf__sm90_small_preload() != MF_SUCCESS) {
+        fprintf(stderr, "FATAL: mf__sm90_small_preload: %s\n", mf_last_error());
+        return 3;
+    }
+    CUDA_OK(cudaMalloc((void **)&g_sched, 2 * sizeof(int32_t)));
+    CUDA_OK(cudaMemset(g_sched, 0, 2 * sizeof(int32_t)));
+    CUDA_OK(cudaMalloc((void **)&g_small_sync, (2 + mf__decode::kMaxExperts) * sizeof(int32_t)));
+    CUDA_OK(cudaMemset(g_small_sync, 0, (2 + mf__decode::kMaxExperts) * sizeof(int32_t)));
     list_variants();
     if (selftest) run_selftest();
-    if (validate) run_validate();
+    if (validate) {
+        run_validate();
+        run_small_validate();
+        int32_t pair[2] = {-1, -1};
+        CUDA_OK(cudaMemcpy(pair, g_sched, sizeof pair, cudaMemcpyDeviceToHost));
+        const bool zero = pair[0] == 0 && pair[1] == 0;
+        printf("%s schedule pair zero after validate (ticket %d, finished %d)\n", zero ? "PASS" : "FAIL", pair[0], pair[1]);
+        g_failures += zero ? 0 : 1;
+    }
     if (bench) run_bench(json, peers, quick, command);
     if (timeline) run_timeline();
+    if (small) run_small_bench();
+    g_failures += lab_sink_failed(wait_site);
     printf("%s: %d failure%s\n", g_failures ? "FAIL" : "PASS", g_failures, g_failures == 1 ? "" : "s");
     return g_failures ? 1 : 0;
 }

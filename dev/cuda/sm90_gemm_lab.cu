@@ -90,16 +90,13 @@ static const int kKSteps = kRowBytes / kWgmmaKBytes;
  * errors
  * ==================================================================================================== */
 
-static mf__sm90_fault_t *g_fault = NULL;
-
-static void report_fault(void) {
-    if (g_fault && g_fault->magic == kMfSm90FaultMagic)
-        fprintf(stderr, "  device wait timed out: block %u thread %u smem 0x%x parity %u site %u (%s)\n", g_fault->block,
-                g_fault->thread, g_fault->smem, g_fault->parity, g_fault->tag,
-                g_fault->tag == mf__tma::kTagProducerEmpty   ? "producer: empty slot"
-                : g_fault->tag == mf__tma::kTagConsumerFull ? "consumer: full slot (TMA bytes or scale arrivals missing)"
-                                                           : "selftest");
+static const char *wait_site(long long tag) {
+    return tag == mf__tma::kTagProducerEmpty   ? "producer: empty slot"
+           : tag == mf__tma::kTagConsumerFull ? "consumer: full slot (TMA bytes or scale arrivals missing)"
+                                              : "selftest";
 }
+
+static void report_fault(void) { lab_report_sink(wait_site); }
 
 static const double kDiffMaxBf16 = 1e-5;
 static const double kDiffMaxFp8 = 1e-3;
@@ -158,6 +155,7 @@ static mf_result_t run_call(const gemm_call &c, cudaStream_t st, int dispatcher 
     seg.max_rows_per_expert = c.max_rows;
     seg.rows_hint = 128;
     seg.sched = c.sched;
+    seg.sink = g_sink;
     const mf__gemm_choice_t choice = mf__gemm_choose(seg.rows_hint, seg.max_rows_per_expert, MF_DATAFLOW_PULL);
     const int32_t dtype = c.fp8 ? MF_DTYPE_FP8_E4M3 : MF_DTYPE_BF16;
     mf__gemm_operand_t a = {c.a, c.a_scales, c.gather};
@@ -215,6 +213,7 @@ static void list_variants(void) {
 struct selftest_params {
     CUtensorMap map_a, map_b;
     float *out;
+    mf__fault_sink_t sink;
 };
 
 template <int kFp8>
@@ -232,7 +231,7 @@ __global__ void __launch_bounds__(kMfWarpgroupThreads, 1) selftest_kernel(const 
         mf__tma_load_2d(s_a, &p.map_a, &bar, 0, 0);
         mf__tma_load_2d(s_b, &p.map_b, &bar, 0, 0);
     }
-    mf__mbar_wait_tag(&bar, 0, 9);
+    mf__mbar_wait_tag(&bar, 0, 9, p.sink);
     float d[32];
 #pragma unroll
     for (int i = 0; i < 32; i++) d[i] = 0.0f;
@@ -292,6 +291,7 @@ static void selftest_tile(int fp8) {
     CU_OK(mf__tma_encode_2d(&p.map_a, dt, da, kel, 64, kRowBytes, kel, 64, CU_TENSOR_MAP_SWIZZLE_128B));
     CU_OK(mf__tma_encode_2d(&p.map_b, dt, db, kel, 64, kRowBytes, kel, 64, CU_TENSOR_MAP_SWIZZLE_128B));
     p.out = dout;
+    p.sink = g_sink;
     if (fp8) selftest_kernel<1><<<1, kMfWarpgroupThreads>>>(p);
     else selftest_kernel<0><<<1, kMfWarpgroupThreads>>>(p);
     CUDA_OK(cudaGetLastError());
@@ -637,9 +637,12 @@ static void run_case(const vcase &c) {
     uint8_t *d_out = dev_alloc<uint8_t>(out_bytes);
     float *d_osc = dev_alloc<float>(sc_n);
     int32_t *d_src = to_device(src);
+    mf__heap_view_t owners; /* rank r's combine slots at heap[r] (combine offset 0) */
+    memset(&owners, 0, sizeof owners);
+    for (int r = 0; r < kRetRanks; r++) owners.heap[r] = d_out + (size_t)r * slot_rows * c.n * 2;
     mf__gemm_return_t ret;
     memset(&ret, 0, sizeof ret);
-    for (int r = 0; r < kRetRanks; r++) ret.slots[r] = (uint16_t *)(d_out + (size_t)r * slot_rows * c.n * 2);
+    ret.view = &owners;
     ret.src = d_src;
     ret.num_topk = kRetTopk;
 
@@ -826,8 +829,11 @@ static void run_declines(void) {
     int32_t *cnt = dev_alloc<int32_t>(mf__tma::kMaxExperts + 2);
     CUDA_OK(cudaMemset(cnt, 0, (mf__tma::kMaxExperts + 2) * 4));
     CUDA_OK(cudaMemset(buf, kPoison, bytes));
+    mf__heap_view_t owners;
+    memset(&owners, 0, sizeof owners);
     mf__gemm_gather_t gather;
     memset(&gather, 0, sizeof gather);
+    gather.view = &owners;
     gather.src = cnt;
     for (const decline_case &d : cases) {
         g_case = d.name;
@@ -1042,9 +1048,12 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
         }
         CUDA_OK(cudaMemcpy(d_src, src.data(), src.size() * 4, cudaMemcpyHostToDevice));
     }
+    mf__heap_view_t owners; /* rank 0's combine slots: out itself */
+    memset(&owners, 0, sizeof owners);
+    owners.heap[0] = d_out;
     mf__gemm_return_t ret;
     memset(&ret, 0, sizeof ret);
-    ret.slots[0] = (uint16_t *)d_out;
+    ret.view = &owners;
     ret.src = d_src;
     ret.num_topk = 1;
     cudaEvent_t ev0, ev1;
@@ -1277,13 +1286,11 @@ int main(int argc, char **argv) {
         fprintf(stderr, "needs an sm_90 GPU\n");
         return 2;
     }
-    CUDA_OK(cudaHostAlloc((void **)&g_fault, sizeof *g_fault, cudaHostAllocMapped));
-    memset((void *)g_fault, 0, sizeof *g_fault);
-    CUDA_OK(mf__sm90_set_fault_record(g_fault));   /* this file's selftest kernels and the lab's fork */
-    CUDA_OK(mf__sm90_tma_set_fault_record(g_fault)); /* the library's TMA kernels */
+    lab_sink(); /* this file's selftest kernels, the lab's fork and the library's TMA kernels report there */
     if (selftest) run_selftest();
     if (validate) run_validate();
     if (bench) run_bench(json, argc, argv, ab_only);
+    g_failures += lab_sink_failed(wait_site);
     if (selftest || validate) printf("# %d failure(s)\n", g_failures);
     return g_failures ? 1 : 0;
 }

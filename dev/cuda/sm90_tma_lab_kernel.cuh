@@ -63,7 +63,7 @@ __device__ __forceinline__ void fp8_kblock(const consumer_t &c, float *acc, floa
     const uint32_t slot = ring_t::slot(it);
     const uint64_t desc_st = mf__wgmma_desc_advance(c.desc_stages, slot * kStageBytes);
     if (!kIssued) {
-        ring_t::wait_full(c.full, it);
+        ring_t::wait_full(c.full, it, *c.sink);
         fp8_issue<kOrdered>(tmp, desc_st, c.wg, 0);
     }
     const float sa_lo = c.a_sc[slot * kBlockM + c.row_lo], sa_hi = c.a_sc[slot * kBlockM + c.row_lo + 8];
@@ -84,7 +84,7 @@ template <bool kOrdered, bool kFirst>
 __device__ __forceinline__ void fp8_kblock_probe(const consumer_t &c, float *acc, uint32_t it) {
     const uint32_t slot = ring_t::slot(it);
     const uint64_t desc_st = mf__wgmma_desc_advance(c.desc_stages, slot * kStageBytes);
-    ring_t::wait_full(c.full, it);
+    ring_t::wait_full(c.full, it, *c.sink);
     fp8_issue<kOrdered, kFirst>(acc, desc_st, c.wg, 0);
     mf__wgmma_wait<0>();
     mf__fence_fragment<kBoxRows>(acc);
@@ -107,7 +107,7 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
     if (!next_tile<kBlockM, kNInner>(tb, p.num_experts, nblocks, idx, cursor, t)) return;
     if (kFp8 && kOrdered && c.wg == 1) mf__named_barrier_arrive(kBarIssued1, kConsumerThreads);
     if constexpr (kOverlap) {
-        ring_t::wait_full(c.full, 0);
+        ring_t::wait_full(c.full, 0, *c.sink);
         fp8_issue<kOrdered>(tmp, c.desc_stages, c.wg, 0);
     }
     for (;;) {
@@ -122,7 +122,7 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
         }
         int32_t idx_next = -1;
         if constexpr (kOverlap) {
-            ring_t::wait_full(c.full, it);
+            ring_t::wait_full(c.full, it, *c.sink);
             idx_next = c.tile_of[ring_t::slot(it)];
             const uint32_t at = idx_next >= 0 ? it : it - 1;
             fp8_issue<kOrdered>(tmp, mf__wgmma_desc_advance(c.desc_stages, ring_t::slot(at) * kStageBytes), c.wg, 0);
@@ -131,7 +131,7 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
          * main loop's wgmmas, alive (the wgmma asm has no side effect of its own) */
         if (kProbe != kProbeNoStore || p.ue8m0 == 0x7fffffff) epilogue<kFp8, kEpi>(p, c, t, acc);
         if constexpr (!kOverlap) {
-            ring_t::wait_full(c.full, it);
+            ring_t::wait_full(c.full, it, *c.sink);
             idx_next = c.tile_of[ring_t::slot(it)];
         }
         if (idx_next < 0) break;
@@ -181,6 +181,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_tma_lab_kernel(const __grid_
     } else {
         consumer_t c;
         consumer_at(c, smem);
+        c.sink = &p.sink;
         float acc[kAcc];
         float tmp[kFp8 ? kBoxAcc : 1];
 #pragma unroll

@@ -57,7 +57,7 @@ struct mf_comm {
     mf__sym_t signals;                  /* signals.peers[r]: rank r's MF__SIGNAL_WORDS words */
     uint64_t epoch[MF__NUM_PHASES];     /* collectives completed per phase, same on every rank */
     uint32_t layers_made;               /* layers created so far: the next one's id (all ranks alike) */
-    int32_t broken;                     /* 1 after a timeout: the group's protocol state is unknown */
+    int32_t broken;                     /* 1 after a timeout (or an expired GEMM wait): its state is unknown */
     int32_t aborted;                    /* 1 after mf_comm_abort (read and written atomically) */
     mf__deferred_free_t *deferred;      /* local transport: a broken comm's symmetric memory, freed
                                          * with the comm (transport/local.c) */

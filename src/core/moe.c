@@ -122,7 +122,7 @@ mf_result_t mf__check_comm_usable(mf_comm_t comm, const char *fn) {
     if (__atomic_load_n(&comm->aborted, __ATOMIC_ACQUIRE))
         return mf__error(MF_ERR_ABORTED, "%s: the comm of rank %d was aborted; destroy it", fn, comm->rank);
     if (comm->broken)
-        return mf__error(MF_ERR_INVALID_USAGE, "%s: the comm of rank %d is broken by an earlier timeout; destroy it",
+        return mf__error(MF_ERR_INVALID_USAGE, "%s: the comm of rank %d is broken by an earlier timeout or expired GEMM wait; destroy it",
                          fn, comm->rank);
     return MF_SUCCESS;
 }

@@ -2,7 +2,9 @@
  * backend.cu — the CUDA backend (sm_90a). Each rank (a thread of one process over the local
  * transport, or a process over ipc / nccl: src/transport/) drives its own stream and has one
  * device allocation for its symmetric heap and one for its signals, reached by peers through the
- * peer table the transport filled.
+ * peer table the transport filled. Kernels see the heap as one heap view per heap slot
+ * (cuda/heap_view.h: the peer table and the slot's region offsets), built when the layer is created
+ * (mf__cuda_moe_t.views) and embedded in every launch's parameters.
  *
  * One forward on rank r is a sequence of launches on the caller's stream, with no host
  * synchronisation and nothing that breaks CUDA-graph capture:
@@ -14,7 +16,7 @@
  *   gather            PULL / UNFUSED: pull the routed rows from the peers' heaps into the receive
  *                     tensor; DIRECT: none, W13 reads each row at its owner through the plan
  *   w13, w2           grouped GEMMs (grouped_gemm.cu); W2 writes BF16 partials into the owners'
- *                     combine slots through the peer table (UNFUSED: into a local tensor, then
+ *                     combine slots through the heap view (UNFUSED: into a local tensor, then
  *                     the return kernel copies them there, as mf_combine does)
  *   sync              phase COMBINE
  *   sum               y[t] = bf16(sum over k ascending of w[t,k] * slot[t,k])
@@ -33,14 +35,16 @@
  * prologue hidden under the previous kernel's tail, and each kernel still completes after all the
  * ones before it (a sync's arrival still publishes everything its stream wrote). The edges with the
  * attribute: publish -> sync DISPATCH -> plan fetch -> offsets -> fill -> [gather] -> w13 ->
- * [spare w13] -> w2 -> [spare w2] -> [return] -> sync COMBINE -> sum; mf_dispatch the same from
- * publish to gather, mf_combine return -> sync -> sum. A call's first kernel (publish; mf_combine's
- * return) has none: it follows the caller's kernels. A rejected call's syncs have none. Why this
- * is safe with virtual ranks, whose sync kernels spin until every peer's arrival runs on the same
- * GPU: a resident kernel that waits holds its SMs, so no rank may fill the GPU with CTAs that wait
- * behind its spinning sync while a peer still needs SMs to reach its arrival. Only the sync's
- * successor can be resident during that spin (the trigger follows the wait: at most one grid per
- * stream runs ahead), and it gets the attribute only when its grid has at most this rank's share of
+ * [spare w13] -> w2 -> [spare w2] -> [return] -> sync COMBINE -> sum; at R = 1 the small kernel
+ * (w13 + w2 + sum) after the plan, or, with its own plan, right after publish (which syncs itself);
+ * mf_dispatch the same from publish to gather, mf_combine return -> sync -> sum. A call's first
+ * kernel (publish; mf_combine's return) has none: it follows the caller's kernels (the small
+ * kernel with its own plan relies on that: it takes its tickets before its PDL wait). A rejected
+ * call's syncs have none. Why this is safe with virtual ranks, whose sync kernels spin until every
+ * peer's arrival runs on the same GPU: a resident kernel that waits holds its SMs, so no rank may
+ * fill the GPU with CTAs that wait behind its spinning sync while a peer still needs SMs to reach
+ * its arrival. Only the sync's successor can be resident during that spin (the trigger follows the
+ * wait: at most one grid per stream runs ahead), and it gets the attribute only when its grid has at most this rank's share of
  * the SMs, comm->num_sms = SMs / ranks on the device (mf__pdl_after_sync: the plan fetch, R x 8
  * CTAs, and the sum, T x H/1024 CTAs; larger grids launch without it). So the waiting CTAs of all
  * the other ranks together touch fewer SMs than the GPU has. Every other successor waits for a
@@ -61,11 +65,15 @@
  *
  * Faults raised by kernels (bad ids, capacity, timeouts) land in mapped host memory; the next call
  * on the comm returns them without launching anything, and mf_comm_get_async_error reports them
- * after synchronising the comm's last stream. A timeout marks the comm broken.
+ * after synchronising the comm's last stream. A timeout marks the comm broken, and so does an expert
+ * GEMM's expired pipeline wait (mf__cuda_pipeline_expired).
  */
 #include <cuda_runtime.h>
 #include <stdio.h>
 #include <string.h>
+
+#include <atomic>
+#include <mutex>
 
 #include "balance/prefetch.h"
 #include "balance/stage.h"
@@ -113,6 +121,8 @@ typedef struct mf__cuda_moe {
                                         max_in_flight: an exchange's plan lives from its dispatch
                                         receive to its combine send); the forward uses slot 0 */
     unsigned long long *epochs;      /* [N][2] device: the DISPATCH / COMBINE epochs of each slot's sends */
+    mf__heap_view_t views[MF_MAX_IN_FLIGHT]; /* [N] the heap view of each heap slot (cuda/heap_view.h), built
+                                                once at init: every launch embeds its slot's */
     int32_t *masked_offsets;         /* MASKED: [L + 1] e * C, the segments of mf_moe_experts */
     uint8_t *recv_x;                 /* [rows, H] of mf_moe_forward */
     float *recv_scales;              /* [rows, H/128] (FP8) */
@@ -134,6 +144,11 @@ typedef struct mf__cuda_moe {
     int32_t *words;                  /* [2]: have_prev, weights_seen */
     int32_t *sched;                  /* [4][2] zeroed: the TMA GEMMs' schedule pairs (W13, spare W13, W2,
                                         spare W2: each launch that can overlap another has its own) */
+    int32_t *small_sync;             /* [2 + slots + S H/128] zeroed: the small-batch kernel's ticket, finished
+                                        CTAs, per-expert W13 counters and (R = 1) per (token, 128 columns)
+                                        W2 arrivals (it zeroes them again at its end) */
+    int32_t *publish_count;          /* [1] zeroed: blocks of a publish that syncs (mf__publish_sync_kernel)
+                                        that finished; its last block zeroes it again */
     int32_t *pick_scratch;           /* [mf__balance_scratch_words] */
     int64_t *stats;                  /* [2 * MF_MAX_RANKS + 3]: plan loads, home loads, prefetch stats */
     size_t plan_smem, pick_smem;     /* dynamic shared memory of the balanced plan / the pick */
@@ -147,6 +162,10 @@ static mf__cuda_comm_t *mf__cc(mf_comm_t comm) { return (mf__cuda_comm_t *)comm-
 
 extern "C" int32_t mf__cuda_plan_serial = 0; /* balance/prefetch.h */
 extern "C" int32_t mf__cuda_plan_small = 1;  /* balance/prefetch.h */
+/* The small-batch kernel's switch (grouped_gemm.h): 3 with its own plan and sum at R = 1, 2 with its
+ * own sum only, 1 without either, 0 off; lowered for the rest of the process by a comm init that reads
+ * MF_SMALL (core/params.c); the GPU tests set it directly. */
+extern "C" int32_t mf__cuda_small = 3;
 
 /* ---- comm and memory ---------------------------------------------------------------------- */
 
@@ -229,8 +248,9 @@ static mf_result_t mf__cuda_comm_init(mf_comm_t comm) {
         MF_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernels[i]));
     }
     MF_CHECK(mf__cuda_gemm_preload());
-    MF_CHECK(mf__cuda_gemm_watch());
     if (!mf__param_pdl()) __atomic_store_n(&mf__cuda_pdl, 0, __ATOMIC_RELAXED); /* MF_PDL=0 (cuda/pdl.cuh) */
+    const int32_t small = mf__param_small(); /* MF_SMALL=0 or 1 lowers the switch for the process */
+    if (small < __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED)) __atomic_store_n(&mf__cuda_small, small, __ATOMIC_RELAXED);
 
     mf__cuda_comm_t *c = (mf__cuda_comm_t *)mf__calloc(1, sizeof *c);
     if (!c) return mf__error(MF_ERR_OUT_OF_MEMORY, "cuda backend: out of host memory");
@@ -358,15 +378,39 @@ static mf_result_t mf__cuda_fault_message(mf_comm_t comm, const mf__device_error
     }
 }
 
+/* Expired GEMM pipeline waits (kernels/sm90_ptx.cuh mf__pipeline_fault): the first record any comm
+ * of this process shows makes every comm of the process broken, as its GEMM kernels (of every family
+ * and device) are no longer trusted. g_pipeline_what: that first record, in words. */
+static std::atomic<int> g_pipeline_seen;
+static char g_pipeline_what[256];
+static std::mutex g_pipeline_mu;
+
+static int32_t mf__cuda_pipeline_expired(mf_comm_t comm) {
+    const mf__device_error_t *r = mf__cc(comm)->record;
+    if (r->pipeline && !g_pipeline_seen.load()) {
+        std::lock_guard<std::mutex> lock(g_pipeline_mu);
+        if (!g_pipeline_seen.load()) {
+            __sync_synchronize(); /* the details were written before the flag */
+            snprintf(g_pipeline_what, sizeof g_pipeline_what,
+                     "%s on rank %d (block %lld, thread %lld, wait site %lld): its output is not valid and this "
+                     "process's expert GEMMs are no longer trusted",
+                     r->pipeline_drained ? "an expert GEMM drained after a GEMM wait of this process expired"
+                                         : "an expert GEMM's pipeline wait expired",
+                     comm->rank, r->pipeline_block, r->pipeline_thread, r->pipeline_site);
+            g_pipeline_seen.store(1);
+        }
+    }
+    return g_pipeline_seen.load();
+}
+
 /* The comm's fault if this host has not reported it yet (and marks it reported), else SUCCESS;
  * `only_own`: take only a fault this host returned itself (a rejection). A timeout or an abort
  * breaks the comm. */
 static mf_result_t mf__cuda_take_fault(mf_comm_t comm, int32_t only_own) {
     mf__cuda_comm_t *c = mf__cc(comm);
-    char what[256];
-    if (!only_own && !comm->broken && mf__cuda_gemm_expired(what, sizeof what)) {
+    if (!only_own && !comm->broken && mf__cuda_pipeline_expired(comm)) {
         comm->broken = 1;
-        return mf__error(MF_ERR_INTERNAL, "rank %d: %s; the comm is broken", comm->rank, what);
+        return mf__error(MF_ERR_INTERNAL, "rank %d: %s; the comm is broken", comm->rank, g_pipeline_what);
     }
     if (!c->record->code) return MF_SUCCESS;
     __sync_synchronize(); /* the details were written before the code */
@@ -460,7 +504,8 @@ static void mf__cuda_moe_fini(mf_moe_t moe) {
     }
     if (s->fwd_done) cudaEventDestroy(s->fwd_done);
     int32_t *balance_bufs[] = {s->map,  s->staged_map,   s->slot_expert, s->slot_begin, s->resident,
-                               s->next, s->prev_counts, s->words,       s->pick_scratch, s->sched};
+                               s->next, s->prev_counts, s->words,       s->pick_scratch, s->sched,
+                               s->small_sync, s->publish_count};
     for (size_t i = 0; i < sizeof balance_bufs / sizeof balance_bufs[0]; i++) cudaFree(balance_bufs[i]);
     cudaFree(s->stats);
     for (int i = 0; i <= MF_NUM_PHASES; i++)
@@ -494,7 +539,35 @@ static int32_t mf__cuda_rows_bound(mf_moe_t moe) {
  * can). Made once per forward and carried to every GEMM of it. The choice is local (peers only
  * publish). */
 static mf__gemm_choice_t mf__cuda_gemm_choice(mf_moe_t moe, int32_t T) {
-    return mf__gemm_choose(mf__cuda_rows_hint(moe, T), mf__cuda_rows_bound(moe), moe->config.dataflow);
+    mf__gemm_choice_t c = mf__gemm_choose(mf__cuda_rows_hint(moe, T), mf__cuda_rows_bound(moe), moe->config.dataflow);
+    /* the small-batch kernel has no spare-slot launch: a layer with spare slots runs the two GEMMs */
+    const mf__cuda_moe_t *s = (const mf__cuda_moe_t *)moe->backend_state;
+    if ((s && s->B) || __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED) == 0) c.fused = 0;
+    return c;
+}
+
+/* Whether a forward of T tokens with `choice` plans inside the small-batch kernel (its own tables,
+ * kernels/sm90_small_gemm.cuh own_tables) instead of in a plan kernel, publish running the DISPATCH
+ * sync (switch `small` 3): at R = 1 with the kernel's own sum, T K entries it holds, no balancing
+ * and every expert local (L = E: the kernel validates ids as publish does), and no capacity verdict
+ * the plan could reach: an expert holds at most T rows, so MASKED T <= C, and EXPERT_MAJOR's worst
+ * padding (at most min(T K, L) experts with rows, each padded to block_m) fits the receive rows. The
+ * kernel must take the shapes (mf__sm90_small_takes): nothing falls back after a publish without a
+ * plan. */
+static int32_t mf__cuda_own_plan(mf_moe_t moe, const mf__gemm_choice_t *choice, int32_t T, int32_t small) {
+    const mf__cuda_moe_t *s = (const mf__cuda_moe_t *)moe->backend_state;
+    const mf_moe_config_t *c = &moe->config;
+    if (small < 3 || !choice->fused || moe->comm->num_ranks != 1 || T < 1) return 0;
+    if (s->balanced || s->B || s->held != c->num_experts || s->slots != c->num_experts || moe->info.first_expert)
+        return 0;
+    const int64_t n = (int64_t)T * c->num_topk, L = c->num_experts, used = n < L ? n : L; /* experts with rows */
+    if (T > mf__small::kOwnMaxTokens || n > mf__small::kOwnEntries || mf__cuda_rows_bound(moe) < T) return 0;
+    const int64_t padded_a = n + used * (c->block_m - 1);                          /* each one padded */
+    const int64_t padded_b = used * ((T + c->block_m - 1) / c->block_m) * c->block_m; /* each at most T rows */
+    if (c->layout == MF_LAYOUT_MASKED ? T > c->expert_capacity
+                                      : (padded_a < padded_b ? padded_a : padded_b) > c->max_recv_rows)
+        return 0;
+    return mf__sm90_small_takes(choice, (int32_t)L, c->dtype, c->hidden, c->intermediate) == MF_SUCCESS;
 }
 
 static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
@@ -520,6 +593,10 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
     s->held = moe->info.num_local_slots;
     s->plan_smem = plan_smem;
     s->pick_smem = pick_smem;
+    for (int32_t i = 0; i < moe->heap.num_slots; i++) { /* the heap was sized before the layer and never moves */
+        const mf__heap_layout_t slot = mf__heap_layout_slot(&moe->heap, i);
+        mf__heap_view_init(&s->views[i], &moe->comm->heap, R_, moe->comm->rank, &slot);
+    }
     int64_t L = s->slots, H = c->hidden, I = c->intermediate;
     int fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
     s->rows = c->layout == MF_LAYOUT_MASKED ? L * c->expert_capacity : c->max_recv_rows;
@@ -529,6 +606,8 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
     int pull = c->dataflow != MF_DATAFLOW_DIRECT ||
                mf__cuda_gemm_choice(moe, c->max_tokens_per_rank).dataflow != MF_DATAFLOW_DIRECT;
     const size_t R = (size_t)moe->comm->num_ranks, N = (size_t)moe->heap.num_slots;
+    const size_t small_words = /* ticket, count, W13 counters; at R = 1 the sum's (token, 128 columns) counters */
+        (size_t)(2 + L) + (R_ == 1 ? (size_t)c->max_tokens_per_rank * (size_t)(H / MF__QUANT_BLOCK) : 0);
     struct { void **p; size_t bytes; } allocs[] = {
         {(void **)&s->ids_all, R * (size_t)c->max_tokens_per_rank * (size_t)c->num_topk * 4},
         {(void **)&s->T_all, R * 4},
@@ -552,6 +631,8 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
         {(void **)&s->prev_counts, (size_t)c->num_experts * 4},
         {(void **)&s->words, 2 * 4},
         {(void **)&s->sched, kMfSchedPairs * 2 * 4},
+        {(void **)&s->small_sync, small_words * 4},
+        {(void **)&s->publish_count, R_ == 1 ? (size_t)4 : 0}, /* only a forward at R = 1 plans in the small kernel */
         {(void **)&s->pick_scratch, B ? (size_t)mf__balance_scratch_words(c->num_experts, R_, P, B) * 4 : 0},
         {(void **)&s->stats, (2 * MF_MAX_RANKS + 3) * 8},
     };
@@ -574,6 +655,8 @@ static mf_result_t mf__cuda_moe_init(mf_moe_t moe) {
     if (e == cudaSuccess) e = cudaMemsetAsync(s->next, 0xff, (size_t)(R * B + 1) * 4, setup);
     if (e == cudaSuccess) e = cudaMemsetAsync(s->words, 0, 2 * 4, setup);
     if (e == cudaSuccess) e = cudaMemsetAsync(s->sched, 0, kMfSchedPairs * 2 * 4, setup);
+    if (e == cudaSuccess) e = cudaMemsetAsync(s->small_sync, 0, small_words * 4, setup);
+    if (e == cudaSuccess && s->publish_count) e = cudaMemsetAsync(s->publish_count, 0, 4, setup);
     if (e == cudaSuccess) e = cudaMemsetAsync(s->stats, 0, (2 * MF_MAX_RANKS + 3) * 8, setup);
     int32_t *masked = NULL; /* host copy of e * C, until the setup stream has read it */
     if (e == cudaSuccess && s->masked_offsets) {
@@ -625,40 +708,29 @@ static mf_result_t mf__cuda_get_phase_times(mf_moe_t moe, mf_phase_times_t *time
 
 /* ---- launch helpers ----------------------------------------------------------------------- */
 
-/* What a call's kernels move through: the heap regions and the plan of one heap slot (the
- * forward's and the one-call forms' slot 0, or an exchange's), and the device words where the slot's
+/* What a call's kernels move through: the heap view and the plan of one heap slot (the forward's
+ * and the one-call forms' slot 0, or an exchange's, x->slot), and the device words where the slot's
  * send halves leave their epochs for the receive halves. */
 typedef struct mf__cuda_slot {
-    const mf__heap_layout_t *heap;
+    const mf__heap_view_t *view;     /* every rank's heap and the slot's regions (the layer's views[slot]) */
     int32_t *counts, *offsets, *src; /* [L], [L + 1], [rows, 3] */
     unsigned long long *epochs;      /* [2]: DISPATCH, COMBINE */
 } mf__cuda_slot_t;
 
-static mf__cuda_slot_t mf__cuda_slot(mf_moe_t moe, int32_t slot, const mf__heap_layout_t *heap) {
+static mf__cuda_slot_t mf__cuda_slot(mf_moe_t moe, int32_t slot) {
     mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
     const size_t i = (size_t)slot, L = (size_t)s->slots;
-    mf__cuda_slot_t v = {heap, s->counts + i * L, s->offsets + i * (L + 1), s->src + i * (size_t)s->rows * 3,
+    mf__cuda_slot_t v = {&s->views[i], s->counts + i * L, s->offsets + i * (L + 1), s->src + i * (size_t)s->rows * 3,
                          s->epochs + 2 * i};
     return v;
 }
 
-/* Slot 0 with the layer's own regions: mf_moe_forward's. */
-static mf__cuda_slot_t mf__cuda_slot0(mf_moe_t moe) { return mf__cuda_slot(moe, 0, &moe->heap); }
+/* Slot 0: mf_moe_forward's. */
+static mf__cuda_slot_t mf__cuda_slot0(mf_moe_t moe) { return mf__cuda_slot(moe, 0); }
 
-static mf__heap_view_t mf__view(mf_moe_t moe, const mf__heap_layout_t *heap) {
-    mf__heap_view_t v;
-    mf_comm_t comm = moe->comm;
-    memset(&v, 0, sizeof v);
-    for (int32_t r = 0; r < comm->num_ranks; r++) v.heap[r] = (uint8_t *)comm->heap.peers[r];
-    v.meta = heap->meta;
-    v.x = heap->x;
-    v.scales = heap->scales;
-    v.ids = heap->ids;
-    v.weights = heap->weights;
-    v.combine = heap->combine;
-    v.num_ranks = comm->num_ranks;
-    v.rank = moe->comm->rank;
-    return v;
+/* This rank's own copy of region `off` of a heap view. */
+static uint8_t *mf__view_mine(const mf__heap_view_t *view, unsigned long long off) {
+    return view->heap[view->rank] + off;
 }
 
 /* Whether a kernel that follows a sync kernel may be launched with the PDL attribute: its CTAs may
@@ -695,8 +767,14 @@ static mf_result_t mf__cuda_sync(mf_comm_t comm, uint32_t layer, int32_t phase, 
     return MF_SUCCESS;
 }
 
-static mf_result_t mf__cuda_publish_at(mf_moe_t moe, const mf__heap_layout_t *heap, const mf_tensor_t *x,
-                                       const mf_tensor_t *ids, const float *weights, cudaStream_t stream) {
+/* Publishes x, ids (and weights) into the slot of `view`. `epochs` (a forward at R = 1 whose small
+ * kernel plans for itself, mf__cuda_own_plan): the slot's epochs, and the DISPATCH sync runs in
+ * publish's last block (mf__publish_sync_kernel) instead of a plan kernel. Never with the PDL
+ * attribute: the small kernel behind it takes tickets and loads weights before its own wait, which
+ * is safe because nothing of the previous call can still run when publish starts. */
+static mf_result_t mf__cuda_publish_at(mf_moe_t moe, const mf__heap_view_t *view, const mf_tensor_t *x,
+                                       const mf_tensor_t *ids, const float *weights, unsigned long long *epochs,
+                                       cudaStream_t stream) {
     const mf_moe_config_t *c = &moe->config;
     mf__publish_params_t p;
     memset(&p, 0, sizeof p);
@@ -712,22 +790,23 @@ static mf_result_t mf__cuda_publish_at(mf_moe_t moe, const mf__heap_layout_t *he
     p.meta_words[0] = (int32_t)moe->map_hash;
     p.meta_words[1] = (int32_t)((mf__cuda_moe_t *)moe->backend_state)->prefetches;
     p.meta_words[2] = (int32_t)moe->weights_count;
-    p.heap = (uint8_t *)moe->comm->heap.local;
-    p.meta = heap->meta;
-    p.x_off = heap->x;
-    p.scales_off = heap->scales;
-    p.ids_off = heap->ids;
-    p.weights_off = heap->weights;
+    p.view = *view;
     p.sink = mf__sink(moe->comm);
     /* A call's first kernel: no PDL attribute (it follows the caller's kernels) */
     const dim3 grid(p.T > 0 ? (unsigned)p.T : 1u, (unsigned)((p.H + kMfPublishCols - 1) / kMfPublishCols));
-    MF_CUDA_CHECK(mf__cuda_launch(mf__publish_kernel, grid, dim3(kMfPublishThreads), 0, stream, 0, p));
+    if (!epochs) {
+        MF_CUDA_CHECK(mf__cuda_launch(mf__publish_kernel, grid, dim3(kMfPublishThreads), 0, stream, 0, p));
+        return MF_SUCCESS;
+    }
+    mf__sync_params_t sp = mf__sync_params(moe->comm, moe->id, MF__PHASE_DISPATCH, MF_SUCCESS);
+    sp.mode = kMfSyncBoth;
+    sp.epoch = epochs;
+    int32_t *finished = ((mf__cuda_moe_t *)moe->backend_state)->publish_count;
+    void *args[] = {(void *)&sp, (void *)&p, (void *)&finished};
+    MF_CUDA_CHECK(mf__cuda_launch((const void *)mf__publish_sync_kernel, grid, dim3(kMfPublishThreads), 0, stream, 0,
+                                  args));
+    __atomic_fetch_add(&mf__cc(moe->comm)->launched[MF__PHASE_DISPATCH], 1, __ATOMIC_RELAXED); /* as mf__cuda_sync */
     return MF_SUCCESS;
-}
-
-static mf_result_t mf__cuda_publish(mf_moe_t moe, const mf_tensor_t *x, const mf_tensor_t *ids, const float *weights,
-                                    cudaStream_t stream) {
-    return mf__cuda_publish_at(moe, &moe->heap, x, ids, weights, stream);
 }
 
 /* Waits for every rank's publication in the slot's regions (`mode`: the whole DISPATCH sync, or the
@@ -745,7 +824,7 @@ static mf_result_t mf__cuda_plan_at(mf_moe_t moe, const mf__cuda_slot_t *slot, i
     const int32_t first_pdl = mode == kMfSyncWait ? 0 : 1;
     mf__plan_params_t p;
     memset(&p, 0, sizeof p);
-    p.view = mf__view(moe, slot->heap);
+    p.view = *slot->view;
     p.K = c->num_topk;
     p.E = c->num_experts;
     p.S = c->max_tokens_per_rank;
@@ -812,7 +891,7 @@ static mf__move_params_t mf__move_params_at(mf_moe_t moe, const mf__cuda_slot_t 
     mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
     mf__move_params_t p;
     memset(&p, 0, sizeof p);
-    p.view = mf__view(moe, slot->heap);
+    p.view = *slot->view;
     p.K = moe->config.num_topk;
     p.L = s->slots;
     p.H = moe->config.hidden;
@@ -854,14 +933,18 @@ static mf_result_t mf__cuda_gather(mf_moe_t moe, void *recv_x, float *recv_scale
  * the receive half's wait, a call's first kernel) and sums this rank's tokens. */
 static mf_result_t mf__cuda_sum_at(mf_moe_t moe, const mf__cuda_slot_t *slot, int32_t mode, int32_t T,
                                    const float *weights, uint16_t *y, cudaStream_t stream) {
-    MF_CHECK(mf__cuda_sync(moe->comm, moe->id, MF__PHASE_COMBINE, MF_SUCCESS, mode, slot->epochs + 1,
-                           mode == kMfSyncWait ? 0 : 1, stream));
+    /* One rank, one call (not a half): the sync would wait only for this rank's own arrival, and its
+     * verdict cannot change the fault state (a fresh fault became sticky at the DISPATCH sync, which
+     * cleared the claim, and only publish raises one: sync.cuh mf__raise; no peer, no other layer):
+     * the sum follows the GEMMs without it. The halves keep it (their epochs pair a send with its
+     * receive). */
+    if (moe->comm->num_ranks > 1 || mode != kMfSyncBoth)
+        MF_CHECK(mf__cuda_sync(moe->comm, moe->id, MF__PHASE_COMBINE, MF_SUCCESS, mode, slot->epochs + 1,
+                               mode == kMfSyncWait ? 0 : 1, stream));
     if (T == 0) return MF_SUCCESS;
     mf__sum_params_t p;
     memset(&p, 0, sizeof p);
-    p.heap = (const uint8_t *)moe->comm->heap.local;
-    p.ids = slot->heap->ids;
-    p.combine = slot->heap->combine;
+    p.view = *slot->view;
     p.weights = weights;
     p.y = y;
     p.T = T;
@@ -886,7 +969,6 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     mf__cuda_moe_t *s = (mf__cuda_moe_t *)moe->backend_state;
     const mf_moe_config_t *c = &moe->config;
     const mf_moe_weights_t *w = &moe->weights;
-    mf_comm_t comm = moe->comm;
     int32_t fp8 = c->dtype == MF_DTYPE_FP8_E4M3;
 
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -915,10 +997,18 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
         s->pf_pending = 0;
     }
 
+    /* R = 1 with the small kernel: it sums y itself (small >= 2), and plans for itself too (3: publish
+     * runs the DISPATCH sync, no plan kernel) */
+    const int32_t small = __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED);
+    const int32_t own_sum = choice.fused && moe->comm->num_ranks == 1 && T > 0 && small >= 2;
+    const int32_t own_plan = mf__cuda_own_plan(moe, &choice, T, small);
+
     MF__MARK(MF_PHASE_PREPARE);
-    MF_CHECK(mf__cuda_publish(moe, &in->x, &in->topk_ids, (const float *)in->topk_weights.data, stream));
+    const mf__cuda_slot_t slot0 = mf__cuda_slot0(moe);
+    MF_CHECK(mf__cuda_publish_at(moe, slot0.view, &in->x, &in->topk_ids, (const float *)in->topk_weights.data,
+                                 own_plan ? slot0.epochs : NULL, stream));
     MF__MARK(MF_PHASE_DISPATCH);
-    MF_CHECK(mf__cuda_plan(moe, T, NULL, NULL, stream));
+    if (!own_plan) MF_CHECK(mf__cuda_plan(moe, T, NULL, NULL, stream));
     if (flow != MF_DATAFLOW_DIRECT) MF_CHECK(mf__cuda_gather(moe, s->recv_x, s->recv_scales, NULL, stream));
     MF__MARK(MF_PHASE_W13);
 
@@ -930,66 +1020,71 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     seg.max_rows_per_expert = mf__cuda_rows_bound(moe);
     seg.rows_hint = mf__cuda_rows_hint(moe, T);
     seg.sched = s->sched + 2 * kMfSchedW13;
-    mf__gemm_gather_t gather;
-    memset(&gather, 0, sizeof gather);
-    for (int32_t r = 0; r < comm->num_ranks; r++) gather.heap[r] = (const uint8_t *)comm->heap.peers[r];
-    gather.x = moe->heap.x;
-    gather.scales = moe->heap.scales;
-    gather.src = s->src;
+    seg.sink = mf__sink(moe->comm); /* an expired GEMM wait breaks this comm */
+    const mf__heap_view_t *view = slot0.view; /* the forward's heap slot */
+    const mf__gemm_gather_t gather = {view, s->src};
     mf__gemm_operand_t a = {s->recv_x, s->recv_scales, flow == MF_DATAFLOW_DIRECT ? &gather : NULL};
     mf__gemm_operand_t w13 = {w->w13.data, fp8 ? (const float *)w->w13_scales.data : NULL, NULL};
-    MF_CHECK(mf__cuda_w13_swiglu(&choice, &seg, c->dtype, c->ue8m0_scales, a, w13, c->hidden, c->intermediate, s->h,
-                                 s->h_scales, stream, 1));
-    /* Spare slots: segments [Lp, Lp + B) over moeflow's [B, 2I, H] copies (rows stay absolute). */
-    mf__gemm_segments_t spare_seg = seg;
-    spare_seg.counts = s->counts + s->Lp;
-    spare_seg.offsets = s->offsets + s->Lp;
-    spare_seg.num_experts = s->B;
-    spare_seg.sched = s->sched + 2 * kMfSchedSpareW13;
-    const mf__spare_layout_t *sl = &moe->spare_layout;
-    const uint8_t *spare = (const uint8_t *)moe->spare.local;
-    if (s->B) {
-        mf__gemm_operand_t sw13 = {spare + sl->w13, fp8 ? (const float *)(spare + sl->w13_scales) : NULL, NULL};
-        MF_CHECK(mf__cuda_w13_swiglu(&choice, &spare_seg, c->dtype, c->ue8m0_scales, a, sw13, c->hidden, c->intermediate,
-                                     s->h, s->h_scales, stream, 1));
-    }
-    MF__MARK(MF_PHASE_W2);
-
-    /* W2 starts (PDL) while W13 may still run: its own schedule pairs */
-    seg.sched = s->sched + 2 * kMfSchedW2;
-    spare_seg.sched = s->sched + 2 * kMfSchedSpareW2;
-    mf__gemm_return_t ret;
-    memset(&ret, 0, sizeof ret);
-    for (int32_t r = 0; r < comm->num_ranks; r++)
-        ret.slots[r] = (uint16_t *)((uint8_t *)comm->heap.peers[r] + moe->heap.combine);
-    ret.src = s->src;
-    ret.num_topk = c->num_topk;
+    const mf__gemm_return_t ret = {view, s->src, c->num_topk};
     mf__gemm_operand_t h = {s->h, s->h_scales, NULL};
     mf__gemm_operand_t w2 = {w->w2.data, fp8 ? (const float *)w->w2_scales.data : NULL, NULL};
-    mf__gemm_operand_t sw2 = {s->B ? spare + sl->w2 : NULL, fp8 && s->B ? (const float *)(spare + sl->w2_scales) : NULL,
-                              NULL};
-    if (flow == MF_DATAFLOW_UNFUSED) {
-        MF_CHECK(mf__cuda_w2(&choice, &seg, c->dtype, h, w2, c->hidden, c->intermediate, s->expert_out, NULL, stream,
-                             1));
-        if (s->B)
-            MF_CHECK(mf__cuda_w2(&choice, &spare_seg, c->dtype, h, sw2, c->hidden, c->intermediate, s->expert_out, NULL,
-                                 stream, 1));
+    int32_t summed = 0; /* the small kernel wrote y (R = 1) */
+    if (choice.fused) {
+        /* the small-batch kernel: both GEMMs in one launch (W13's phase holds both, W2's is empty), at
+         * R = 1 the sum too (then the COMBINE phase is empty as well) */
+        const mf__gemm_sum_t sum = {(uint16_t *)out->y.data, T, &mf__cc(moe->comm)->state->fault};
+        MF_CHECK(mf__cuda_w13_w2(&choice, &seg, s->sched + 2 * kMfSchedW2, c->dtype, c->ue8m0_scales, a, w13, w2,
+                                 c->hidden, c->intermediate, s->h, s->h_scales, &ret, s->small_sync,
+                                 own_sum ? &sum : NULL, own_plan ? (const int32_t *)in->topk_ids.data : NULL,
+                                 &summed, stream, 1));
+        MF__MARK(MF_PHASE_W2);
         MF__MARK(MF_PHASE_COMBINE);
-        mf__move_params_t p = mf__move_params(moe);
-        p.expert_out = s->expert_out;
-        MF_CUDA_CHECK(mf__cuda_launch(mf__return_kernel, dim3((unsigned)mf__move_blocks(moe)), dim3(kMfMoveThreads), 0,
-                                      stream, 1, p));
     } else {
-        MF_CHECK(mf__cuda_w2(&choice, &seg, c->dtype, h, w2, c->hidden, c->intermediate, NULL, &ret, stream, 1));
-        if (s->B)
-            MF_CHECK(mf__cuda_w2(&choice, &spare_seg, c->dtype, h, sw2, c->hidden, c->intermediate, NULL, &ret, stream,
-                                 1));
-        MF__MARK(MF_PHASE_COMBINE);
+        MF_CHECK(mf__cuda_w13_swiglu(&choice, &seg, c->dtype, c->ue8m0_scales, a, w13, c->hidden, c->intermediate, s->h,
+                                     s->h_scales, stream, 1));
+        /* Spare slots: segments [Lp, Lp + B) over moeflow's [B, 2I, H] copies (rows stay absolute). */
+        mf__gemm_segments_t spare_seg = seg;
+        spare_seg.counts = s->counts + s->Lp;
+        spare_seg.offsets = s->offsets + s->Lp;
+        spare_seg.num_experts = s->B;
+        spare_seg.sched = s->sched + 2 * kMfSchedSpareW13;
+        const mf__spare_layout_t *sl = &moe->spare_layout;
+        const uint8_t *spare = (const uint8_t *)moe->spare.local;
+        if (s->B) {
+            mf__gemm_operand_t sw13 = {spare + sl->w13, fp8 ? (const float *)(spare + sl->w13_scales) : NULL, NULL};
+            MF_CHECK(mf__cuda_w13_swiglu(&choice, &spare_seg, c->dtype, c->ue8m0_scales, a, sw13, c->hidden,
+                                         c->intermediate, s->h, s->h_scales, stream, 1));
+        }
+        MF__MARK(MF_PHASE_W2);
+
+        /* W2 starts (PDL) while W13 may still run: its own schedule pairs */
+        seg.sched = s->sched + 2 * kMfSchedW2;
+        spare_seg.sched = s->sched + 2 * kMfSchedSpareW2;
+        mf__gemm_operand_t sw2 = {s->B ? spare + sl->w2 : NULL,
+                                  fp8 && s->B ? (const float *)(spare + sl->w2_scales) : NULL, NULL};
+        if (flow == MF_DATAFLOW_UNFUSED) {
+            MF_CHECK(mf__cuda_w2(&choice, &seg, c->dtype, h, w2, c->hidden, c->intermediate, s->expert_out, NULL,
+                                 stream, 1));
+            if (s->B)
+                MF_CHECK(mf__cuda_w2(&choice, &spare_seg, c->dtype, h, sw2, c->hidden, c->intermediate,
+                                     s->expert_out, NULL, stream, 1));
+            MF__MARK(MF_PHASE_COMBINE);
+            mf__move_params_t p = mf__move_params(moe);
+            p.expert_out = s->expert_out;
+            MF_CUDA_CHECK(mf__cuda_launch(mf__return_kernel, dim3((unsigned)mf__move_blocks(moe)),
+                                          dim3(kMfMoveThreads), 0, stream, 1, p));
+        } else {
+            MF_CHECK(mf__cuda_w2(&choice, &seg, c->dtype, h, w2, c->hidden, c->intermediate, NULL, &ret, stream, 1));
+            if (s->B)
+                MF_CHECK(mf__cuda_w2(&choice, &spare_seg, c->dtype, h, sw2, c->hidden, c->intermediate, NULL, &ret,
+                                     stream, 1));
+            MF__MARK(MF_PHASE_COMBINE);
+        }
     }
 
     /* The owner sums with the weights it published (a copy, valid until its next publish). */
-    const float *weights = (const float *)((uint8_t *)comm->heap.local + moe->heap.weights);
-    MF_CHECK(mf__cuda_sum(moe, T, weights, (uint16_t *)out->y.data, stream));
+    const float *weights = (const float *)mf__view_mine(view, view->weights);
+    if (!summed) MF_CHECK(mf__cuda_sum(moe, T, weights, (uint16_t *)out->y.data, stream));
     MF__MARK(MF_NUM_PHASES);
     if (ordered) { /* the next prefetch follows this forward */
         MF_CUDA_CHECK(cudaEventRecord(s->fwd_done, stream));
@@ -1016,8 +1111,9 @@ static mf_result_t mf__cuda_forward(mf_moe_t moe, const mf_moe_forward_in_t *in,
  * the small plan when it fits), plan and gather: the one-call form's kernels as before. */
 static mf_result_t mf__cuda_dispatch_launch(mf_moe_t moe, struct mf_exchange *x, const mf_dispatch_in_t *in,
                                             uint32_t halves, cudaStream_t stream) {
-    const mf__cuda_slot_t slot = mf__cuda_slot(moe, x->slot, &x->heap);
-    if (halves & MF__HALF_SEND) MF_CHECK(mf__cuda_publish_at(moe, &x->heap, &in->x, &in->topk_ids, NULL, stream));
+    const mf__cuda_slot_t slot = mf__cuda_slot(moe, x->slot);
+    if (halves & MF__HALF_SEND)
+        MF_CHECK(mf__cuda_publish_at(moe, slot.view, &in->x, &in->topk_ids, NULL, NULL, stream));
     if (halves == MF__HALF_SEND)
         return mf__cuda_sync(moe->comm, moe->id, MF__PHASE_DISPATCH, MF_SUCCESS, kMfSyncArrive, slot.epochs, 1, stream);
     const mf_dispatch_out_t *out = &x->dispatch_out;
@@ -1042,8 +1138,8 @@ static mf_result_t mf__cuda_dispatch(mf_moe_t moe, struct mf_exchange *x, const 
  * receive sums with (the caller's tensor need not outlive the send). RECV (alone): the WAIT half
  * and the sum. Both (mf_combine): return, the whole sync, sum. */
 static mf_result_t mf__cuda_combine_launch(mf_moe_t moe, struct mf_exchange *x, uint32_t halves, cudaStream_t stream) {
-    const mf__cuda_slot_t slot = mf__cuda_slot(moe, x->slot, &x->heap);
-    float *kept = (float *)((uint8_t *)moe->comm->heap.local + x->heap.weights);
+    const mf__cuda_slot_t slot = mf__cuda_slot(moe, x->slot);
+    float *kept = (float *)mf__view_mine(slot.view, slot.view->weights);
     if (halves == MF__HALF_SEND && x->T) {
         const float *src = (const float *)x->combine_in.topk_weights.data;
         const int64_t n = (int64_t)x->T * moe->config.num_topk;
@@ -1100,6 +1196,7 @@ static mf_result_t mf__cuda_experts_launch(mf_moe_t moe, const mf_experts_in_t *
     seg.rows_hint = mf__cuda_rows_hint(moe, moe->comm->pending_dispatch == moe ? moe->dispatch_T
                                                                                : c->max_tokens_per_rank);
     seg.sched = s->sched + 2 * kMfSchedW13;
+    seg.sink = mf__sink(moe->comm); /* an expired GEMM wait breaks this comm */
     const mf__gemm_choice_t choice = mf__gemm_choose(seg.rows_hint, seg.max_rows_per_expert, MF_DATAFLOW_PULL);
     mf__gemm_operand_t a = {in->recv_x.data, fp8 ? (const float *)in->recv_scales.data : NULL, NULL};
     mf__gemm_operand_t w13 = {w->w13.data, fp8 ? (const float *)w->w13_scales.data : NULL, NULL};
@@ -1112,6 +1209,7 @@ static mf_result_t mf__cuda_experts_launch(mf_moe_t moe, const mf_experts_in_t *
                        NULL, stream, 1);
 }
 
+/* Alike on purpose, as mf__cuda_forward: enter, the call's launches, leave. */
 static mf_result_t mf__cuda_experts(mf_moe_t moe, const mf_experts_in_t *in, const mf_experts_out_t *out,
                                     mf_stream_t stream_) {
     cudaStream_t stream = (cudaStream_t)stream_;

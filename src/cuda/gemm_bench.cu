@@ -56,11 +56,12 @@ __global__ void bench_fill_kernel(fill_params p) {
 } /* namespace */
 
 void mf__gemm_bench_choose(int32_t rows_hint, int32_t max_rows_per_expert, int32_t dataflow, int32_t *family,
-                           int32_t *block_rows, int32_t *dataflow_out) {
+                           int32_t *block_rows, int32_t *dataflow_out, int32_t *fused) {
     const mf__gemm_choice_t c = mf__gemm_choose(rows_hint, max_rows_per_expert, dataflow);
     *family = c.family;
     *block_rows = c.block_rows;
     *dataflow_out = c.dataflow;
+    *fused = c.fused;
 }
 
 int32_t mf__gemm_bench_supported(int32_t op, int32_t dtype) {
@@ -81,8 +82,15 @@ mf_result_t mf__gemm_bench_run(const mf__gemm_bench_args_t *args, void *stream) 
     seg.max_rows_per_expert = args->max_rows_per_expert;
     seg.rows_hint = args->rows_hint > 0 ? args->rows_hint : args->max_rows_per_expert;
     seg.sched = args->sched;
-    /* the layer's choice for these rows (contiguous: PULL) */
-    const mf__gemm_choice_t choice = mf__gemm_choose(seg.rows_hint, seg.max_rows_per_expert, MF_DATAFLOW_PULL);
+    memset(&seg.sink, 0, sizeof seg.sink); /* no comm: an expired wait is recorded nowhere (and drains) */
+    /* the layer's choice for these rows (contiguous: PULL), or the family asked for: decode with the
+     * tile its largest hint gives, TMA with its one tile (an A/B of the families at the same rows) */
+    MF_REQUIRE(args->family >= MF__GEMM_BENCH_AUTO && args->family <= MF__GEMM_BENCH_TMA,
+               "mf__gemm_bench_run: family %d is not auto (0), decode (1) or tma (2)", args->family);
+    int32_t hint = seg.rows_hint;
+    if (args->family == MF__GEMM_BENCH_DECODE && hint > kMfDecodeMaxRows) hint = kMfDecodeMaxRows;
+    if (args->family == MF__GEMM_BENCH_TMA && hint <= kMfDecodeMaxRows) hint = kMfDecodeMaxRows + 1;
+    const mf__gemm_choice_t choice = mf__gemm_choose(hint, seg.max_rows_per_expert, MF_DATAFLOW_PULL);
     mf__gemm_operand_t a = {args->a, args->a_scales, NULL}, w = {args->w, args->w_scales, NULL};
     cudaStream_t s = (cudaStream_t)stream;
     /* pdl 0: back-to-back timed launches stay serialised, as the records were taken */

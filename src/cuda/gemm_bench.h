@@ -52,13 +52,32 @@ typedef struct mf__gemm_bench_args {
     const float *w_scales;       /* FP8: [L, N/128, K/128] */
     void *out;                   /* [rows, out columns] */
     float *out_scales;           /* W13_SWIGLU FP8: [rows, I/128] */
+    int32_t family;              /* 0 (MF__GEMM_BENCH_AUTO): the library's choice (mf__gemm_choose);
+                                    MF__GEMM_BENCH_DECODE (its tile for min(rows_hint, its largest)) or
+                                    MF__GEMM_BENCH_TMA: that family whatever the rows */
 } mf__gemm_bench_args_t;
+#define MF__GEMM_BENCH_AUTO 0
+#define MF__GEMM_BENCH_DECODE 1
+#define MF__GEMM_BENCH_TMA 2
 
 /* The library's GEMM choice for these host facts (cuda/grouped_gemm.h mf__gemm_choose): *family 0
  * decode or 1 TMA, *block_rows the tokens (decode) or rows (TMA) per tile, *dataflow_out the
- * dataflow it runs (MF_DATAFLOW_*). Pure host arithmetic, no GPU needed. */
+ * dataflow it runs (MF_DATAFLOW_*), *fused 1 when both GEMMs run as the small-batch kernel. Pure host
+ * arithmetic, no GPU needed. */
 void mf__gemm_bench_choose(int32_t rows_hint, int32_t max_rows_per_expert, int32_t dataflow, int32_t *family,
-                           int32_t *block_rows, int32_t *dataflow_out);
+                           int32_t *block_rows, int32_t *dataflow_out, int32_t *fused);
+
+/* The small-batch kernel's launches in this process so far, those of them that summed y and those
+ * that planned for themselves (the CUDA suite checks which of the small kernel, its own sum, its own
+ * plan and the two GEMMs ran). */
+void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums, uint64_t *plans);
+
+/* `moeflow bench layer --timeline`: the small-batch kernel launches that follow on the current device
+ * write MF__GEMM_SMALL_STAMPS %globaltimer stamps per CTA into `stamps` (device memory, grid <= its
+ * SMs: 0 entry, 1 tables built, 2 first ring position full, 3 consumers done; each launch overwrites
+ * its CTAs'); NULL turns it off (the library's state). 0, or -1 without a current device. */
+#define MF__GEMM_SMALL_STAMPS 4
+int mf__gemm_small_set_timeline(uint64_t *stamps);
 
 /* 1 when the library has `op` for `dtype`, else 0. */
 int32_t mf__gemm_bench_supported(int32_t op, int32_t dtype);

@@ -15,7 +15,8 @@
  * DIRECT dataflow, is in cuda/configs.cuh.
  *
  * Families: mf__decode (kernels/sm90_decode_gemm.cuh, gemm_decode.cu: weights as the wgmma A
- * operand, T <= 64 tokens per tile) and mf__tma (kernels/sm90_tma_gemm.cuh, gemm_tma.cu: 128-row
+ * operand, T <= 64 tokens per tile), mf__small (kernels/sm90_small_gemm.cuh, gemm_small.cu: the decode
+ * kernels' W13 and W2 in one launch, 8 tokens per tile) and mf__tma (kernels/sm90_tma_gemm.cuh, gemm_tma.cu: 128-row
  * tiles), both on the shared sm90 core mf__sm90 (kernels/sm90_core.cuh: the thread roles and
  * register split, box and K-block sizes, the wait bound, which both namespaces import); mf__gemm
  * (kernels/sm90_grouped_gemm.cuh, grouped_gemm.cu: the mma.sync fallback, v1).
@@ -90,6 +91,22 @@ constexpr int kTimelineStamps = 3;                        /* the lab's --timelin
 constexpr int kMaxVariants = 32; /* variant table (<= kMfGemmMaxVariants) */
 
 } /* namespace mf__decode */
+
+/* ---- the small-batch kernel: W13 + W2 in one launch (kernels/sm90_small_gemm.cuh, gemm_small.cu) ---- */
+
+namespace mf__small {
+
+using namespace mf__decode;
+
+constexpr int kTokens = 8;     /* tokens per tile: the one variant per dtype (grouped_gemm.h, the choice) */
+constexpr int kMaxSlots = 24;  /* ring slots of one 16 KB box each (a W13 K block takes two) */
+constexpr int kMaxVariants = 4; /* FP8, BF16; each with its own plan (kOwn) too */
+constexpr int kOwnEntries = 1024; /* kOwn: routing entries T K at most (src in shared memory) */
+constexpr int kOwnMaxTokens = 128; /* kOwn: T at most (a bit per token in each expert's mask) */
+constexpr int kOwnWords = kOwnMaxTokens / 32; /* kOwn: mask words per expert */
+constexpr int kStamps = 4;       /* the timeline's %globaltimer stamps per CTA (mf__gemm_small_set_timeline) */
+
+} /* namespace mf__small */
 
 /* ---- TMA family, large M (kernels/sm90_tma_gemm.cuh, gemm_tma.cu) --------------------------------- */
 

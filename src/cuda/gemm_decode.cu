@@ -7,13 +7,14 @@
  * __grid_constant__ parameter, and launches once. They never synchronise and never allocate, so
  * they are CUDA-graph capturable.
  *
- * Declining: a shape or argument the kernel does not take returns MF_ERR_NOT_SUPPORTED without
- * launching and without recording a library error (the dispatcher then runs the mma.sync fallback);
- * the reason is kept per thread for the lab (mf__gemm_last_decline). Configuring, declining
- * and the MF_DEBUG report go through the families' one skeleton, cuda/gemm_family.cuh. The kernel
- * takes: BF16 or FP8 E4M3, N a multiple of 128 (W2: H) or 256 (W13: 2I), K * element bytes a
- * multiple of 128 (W13: H, W2: I), L <= kMaxExperts, L * N < 2^31, 16-byte aligned data, 4-byte
- * aligned scales.
+ * Declining: a shape the kernel does not take returns MF_ERR_NOT_SUPPORTED without launching and
+ * without recording a library error (the dispatcher then runs the mma.sync fallback); the reason is
+ * kept per thread for the lab (mf__gemm_last_decline). The arguments (NULLs, 16-byte aligned data,
+ * 4-byte aligned scales, BF16 or FP8 E4M3, counts) are the dispatcher's to check, once
+ * (cuda/grouped_gemm.cu); a caller of the launchers themselves (the labs) passes valid ones.
+ * Configuring, declining and the MF_DEBUG report go through the families' one skeleton,
+ * cuda/gemm_family.cuh. The kernel takes: N a multiple of 128 (W2: H) or 256 (W13: 2I), K * element
+ * bytes a multiple of 128 (W13: H, W2: I), L <= kMaxExperts, L * N < 2^31.
  *
  * Variants (24): W13 {FP8, BF16} x T {8, 16, 32, 64} x {contiguous A by TMA, A gathered at its
  * owners by cp.async}; W2 {FP8, BF16} x T (rows to out or, with `ret`, to the owners' slots: a
@@ -112,7 +113,7 @@ mf__gemm_family_t g_family = {kMfGemmFamilyDecode, kLaunchRegs, variant_count, v
 
 /* The checks shared by both GEMMs; `N` weight rows per expert, `K` reduction elements. */
 mf_result_t check_shape(const mf__gemm_segments_t *seg, int32_t dtype, int swiglu, int64_t N, int64_t K) {
-    MF_CHECK(mf__gemm_check_segments(&g_family, seg, dtype, N, kMaxExperts));
+    MF_CHECK(mf__gemm_check_segments(&g_family, seg, N, kMaxExperts));
     const int esz = dtype == MF_DTYPE_FP8_E4M3 ? 1 : 2;
     const int64_t nmult = swiglu ? 2 * kTileCols : kTileCols;
     if (N <= 0 || N % nmult)
@@ -171,24 +172,6 @@ mf_result_t mf__sm90_decode_w13_swiglu(const mf__gemm_choice_t *choice, const mf
     const int64_t N = 2 * (int64_t)I, K = H;
     const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
     MF_CHECK(check_shape(seg, dtype, 1, N, K));
-    if (!mf__gemm_aligned(w13.data, kMfGemmDataAlign) || !w13.data || !h || !mf__gemm_aligned(h, kMfGemmDataAlign))
-        return mf__gemm_decline(&g_family, "w13 / h not 16-byte aligned");
-    if (fp8 && (!w13.scales || !h_scales || !mf__gemm_aligned(w13.scales, kMfGemmScaleAlign) ||
-                !mf__gemm_aligned(h_scales, kMfGemmScaleAlign)))
-        return mf__gemm_decline(&g_family, "FP8 scales missing or misaligned");
-    if (a.gather) {
-        const mf__gemm_gather_t *g = a.gather;
-        if (!g->src || g->x % kMfGemmDataAlign || (fp8 && g->scales % kMfGemmScaleAlign))
-            return mf__gemm_decline(&g_family, "gather offsets misaligned");
-        for (int r = 0; r < MF_MAX_RANKS; r++)
-            if (!mf__gemm_aligned(g->heap[r], kMfGemmDataAlign))
-                return mf__gemm_decline(&g_family, "gather heap %d not 16-byte aligned", r);
-    } else {
-        if (!a.data || !mf__gemm_aligned(a.data, kMfGemmDataAlign))
-            return mf__gemm_decline(&g_family, "a not 16-byte aligned");
-        if (fp8 && (!a.scales || !mf__gemm_aligned(a.scales, kMfGemmScaleAlign)))
-            return mf__gemm_decline(&g_family, "FP8 a.scales missing or misaligned");
-    }
     gemm_params p = w13_params(seg, ue8m0, a, w13, H, I, h, h_scales);
     return launch(__func__, choice, seg, fp8, 1, a.gather ? 1 : 0, w13.data, a.data, &p, stream, pdl);
 }
@@ -199,7 +182,6 @@ mf_result_t mf__sm90_decode_w2(const mf__gemm_choice_t *choice, const mf__gemm_s
     const int64_t N = H, K = I;
     const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
     MF_CHECK(check_shape(seg, dtype, 0, N, K));
-    MF_CHECK(mf__gemm_check_w2_args(&g_family, fp8, h, w2, out, ret));
     gemm_params p = w2_params(seg, h, w2, H, I, out, ret);
     return launch(__func__, choice, seg, fp8, 0, 0, w2.data, h.data, &p, stream, pdl);
 }
@@ -210,7 +192,6 @@ int mf__sm90_decode_variants(mf__gemm_variant_info_t *out, int max) {
     return mf__gemm_variants(&g_family, __func__, out, max);
 }
 
-cudaError_t mf__sm90_decode_set_fault_record(mf__sm90_fault_t *record) { return mf__sm90_set_fault_record(record); }
 
 cudaError_t mf__sm90_decode_set_timeline(uint64_t *stamps) {
     int dev = 0;

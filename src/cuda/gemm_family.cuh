@@ -31,7 +31,7 @@
 #include "cuda/gemm_configs.cuh" /* kMfGemmMaxDevices, kMfGemmMaxVariants, the alignments */
 #include "cuda/grouped_gemm.h"
 
-enum { kMfGemmFamilies = 2 }; /* the families on this skeleton: decode and tma (grouped_gemm.h) */
+enum { kMfGemmFamilies = 3 }; /* the families on this skeleton: decode, tma and small (grouped_gemm.h) */
 static_assert(kMfGemmMaxVariants < 63, "one usable bit per variant, below kMfGemmConfigured");
 constexpr int64_t kMfGemmConfigured = (int64_t)1 << 62; /* usable[dev]: the device was examined */
 
@@ -99,17 +99,11 @@ int64_t mf__gemm_usable(const mf__gemm_family_t *f, int dev);
  * and returns the number of variants, or -1 on a CUDA error. */
 int mf__gemm_variants(mf__gemm_family_t *f, const char *who, mf__gemm_variant_info_t *out, int max);
 
-/* The segments and dtype, as both families take them: BF16 or FP8 E4M3, L in [0, max_experts],
- * L * N weight rows within int32 TMA coordinates, max_rows_per_expert >= 0, counts and offsets
- * present when L > 0. MF_SUCCESS or a decline saying what is wrong (the shape's own multiples stay
- * with each family). */
-mf_result_t mf__gemm_check_segments(const mf__gemm_family_t *f, const mf__gemm_segments_t *seg, int32_t dtype, int64_t N,
+/* What both families can run of the segments: L <= max_experts (their shared-memory tables), L * N
+ * weight rows within int32 TMA coordinates. MF_SUCCESS or a decline saying which (the shape's own
+ * multiples stay with each family). The arguments themselves (NULLs, alignment, dtype, counts) were
+ * checked once, by the dispatcher (cuda/grouped_gemm.cu): a family only declines what it cannot run. */
+mf_result_t mf__gemm_check_segments(const mf__gemm_family_t *f, const mf__gemm_segments_t *seg, int64_t N,
                                     int32_t max_experts);
-
-/* W2's operands, as both families take them: h and w2 16-byte aligned, FP8 scales 4-byte aligned,
- * rows to `out` (16-byte aligned) or, with `ret`, to the owners' combine slots. MF_SUCCESS or a
- * decline saying what is wrong. */
-mf_result_t mf__gemm_check_w2_args(const mf__gemm_family_t *f, int fp8, mf__gemm_operand_t h, mf__gemm_operand_t w2,
-                                   const uint16_t *out, const mf__gemm_return_t *ret);
 
 #endif /* MF_CUDA_GEMM_FAMILY_CUH */

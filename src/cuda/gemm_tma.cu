@@ -7,13 +7,15 @@
  * than the tiles of the largest possible problem). They never synchronise and never allocate, so
  * they are CUDA-graph capturable.
  *
- * Declining: a shape or argument the kernel does not take returns MF_ERR_NOT_SUPPORTED without
- * launching and without recording a library error (the dispatcher then runs the mma.sync fallback);
- * the reason is kept per thread for the lab (mf__gemm_last_decline). Configuring, declining and
- * the MF_DEBUG report go through the families' one skeleton, cuda/gemm_family.cuh. The kernel
- * takes: BF16 or FP8 E4M3; W13: contiguous A (a.gather declines: TMA cannot gather rows), I a
- * multiple of 128; W2: H a multiple of 256; K * element bytes a multiple of 16 (FP8: K a multiple
- * of 128); L <= kMaxExperts; L * N < 2^31; 16-byte aligned data, 4-byte aligned scales.
+ * Declining: a shape the kernel does not take returns MF_ERR_NOT_SUPPORTED without launching and
+ * without recording a library error (the dispatcher then runs the mma.sync fallback); the reason is
+ * kept per thread for the lab (mf__gemm_last_decline). The arguments (NULLs, 16-byte aligned data,
+ * 4-byte aligned scales and schedule pair, BF16 or FP8 E4M3, counts) are the dispatcher's to check,
+ * once (cuda/grouped_gemm.cu); a caller of the launchers themselves (the labs) passes valid ones.
+ * Configuring, declining and the MF_DEBUG report go through the families' one skeleton,
+ * cuda/gemm_family.cuh. The kernel takes: W13: contiguous A (a.gather declines: TMA cannot gather
+ * rows), I a multiple of 128; W2: H a multiple of 256; K * element bytes a multiple of 16 (FP8: K a
+ * multiple of 128); L <= kMaxExperts; L * N < 2^31; tiles within an int32 index.
  *
  * Variants (4): {FP8, BF16} x {W13 SwiGLU, W2 plain}; W2 sends rows to `out` or, with `ret`, to the
  * owners' combine slots (a runtime flag). The lab's A/B kernels and timing probes are its own fork
@@ -64,7 +66,7 @@ mf__gemm_family_t g_family = {kMfGemmFamilyTma, kLaunchRegs, variant_count, vari
 
 /* The checks shared by both GEMMs; `N` weight rows per expert, `K` reduction elements. */
 mf_result_t check_shape(const mf__gemm_segments_t *seg, int32_t dtype, int swiglu, int64_t N, int64_t K) {
-    MF_CHECK(mf__gemm_check_segments(&g_family, seg, dtype, N, kMaxExperts));
+    MF_CHECK(mf__gemm_check_segments(&g_family, seg, N, kMaxExperts));
     const int fp8 = dtype == MF_DTYPE_FP8_E4M3, esz = fp8 ? 1 : 2;
     if (N <= 0 || N % kTileN)
         return mf__gemm_decline(&g_family, "%s = %lld is not a positive multiple of %d", swiglu ? "2I" : "H",
@@ -75,8 +77,6 @@ mf_result_t check_shape(const mf__gemm_segments_t *seg, int32_t dtype, int swigl
     const int64_t tiles = (int64_t)seg->num_experts * ((seg->max_rows_per_expert + kBlockM - 1) / kBlockM) * (N / kTileN);
     if (tiles > kMaxRowCoord)
         return mf__gemm_decline(&g_family, "%lld tiles exceed the kernel's int32 tile index", (long long)tiles);
-    if (!mf__gemm_aligned(seg->sched, 4))
-        return mf__gemm_decline(&g_family, "the schedule pair must be 4-byte aligned");
     return MF_SUCCESS;
 }
 
@@ -113,12 +113,6 @@ mf_result_t mf__sm90_tma_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtyp
     const int64_t N = 2 * (int64_t)I, K = H;
     const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
     MF_CHECK(check_shape(seg, dtype, 1, N, K));
-    if (!a.data || !w13.data || !h || !mf__gemm_aligned(a.data, kMfGemmDataAlign) ||
-        !mf__gemm_aligned(w13.data, kMfGemmDataAlign) || !mf__gemm_aligned(h, kMfGemmDataAlign))
-        return mf__gemm_decline(&g_family, "a / w13 / h missing or not 16-byte aligned");
-    if (fp8 && (!a.scales || !w13.scales || !h_scales || !mf__gemm_aligned(a.scales, kMfGemmScaleAlign) ||
-                !mf__gemm_aligned(w13.scales, kMfGemmScaleAlign) || !mf__gemm_aligned(h_scales, kMfGemmScaleAlign)))
-        return mf__gemm_decline(&g_family, "FP8 scales missing or misaligned");
     gemm_params p = w13_params(seg, ue8m0, a, w13, H, I, h, h_scales);
     return launch(__func__, seg, fp8, 1, a.data, w13.data, &p, stream, pdl);
 }
@@ -129,7 +123,6 @@ mf_result_t mf__sm90_tma_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__g
     const int64_t N = H, K = I;
     const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
     MF_CHECK(check_shape(seg, dtype, 0, N, K));
-    MF_CHECK(mf__gemm_check_w2_args(&g_family, fp8, h, w2, out, ret));
     gemm_params p = w2_params(seg, h, w2, H, I, out, ret);
     return launch(__func__, seg, fp8, 0, h.data, w2.data, &p, stream, pdl);
 }
@@ -140,4 +133,3 @@ int mf__sm90_tma_variants(mf__gemm_variant_info_t *out, int max) {
     return mf__gemm_variants(&g_family, __func__, out, max);
 }
 
-cudaError_t mf__sm90_tma_set_fault_record(mf__sm90_fault_t *record) { return mf__sm90_set_fault_record(record); }

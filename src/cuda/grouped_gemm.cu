@@ -18,7 +18,6 @@
  */
 #include <cuda_runtime.h>
 #include <math.h>
-#include <mutex>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdint.h>
@@ -34,7 +33,6 @@
 #include "cuda/gemm_family.cuh" /* MF__GEMM_CUDA */
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels/sm90_grouped_gemm.cuh"
-#include "cuda/kernels/sm90_ptx.cuh" /* mf__sm90_fault_t: the record of expired pipeline waits */
 #include "cuda/pdl.cuh"
 
 
@@ -98,6 +96,7 @@ mf_result_t check_common(const char *who, const mf__gemm_segments_t *seg, int32_
                seg->max_rows_per_expert);
     MF_REQUIRE(seg->num_experts == 0 || (seg->counts && seg->offsets), "%s: counts and offsets must not be NULL", who);
     MF_REQUIRE(H > 0 && I > 0, "%s: H (%d) and I (%d) must be positive", who, H, I);
+    MF_REQUIRE(aligned(seg->sched, sizeof(int32_t)), "%s: seg->sched (%p) must be 4-byte aligned", who, (void *)seg->sched);
     if (dtype == MF_DTYPE_FP8_E4M3) {
         if (H % MF__QUANT_BLOCK || I % MF__QUANT_BLOCK)
             return mf__error(MF_ERR_NOT_SUPPORTED, "%s: FP8 needs H (%d) and I (%d) to be multiples of %d", who, H, I,
@@ -121,6 +120,60 @@ mf_result_t check_data(const char *who, const char *name, const void *p) {
 mf_result_t check_scales(const char *who, const char *name, const float *p) {
     MF_REQUIRE(p, "%s: %s must not be NULL for FP8", who, name);
     MF_REQUIRE(aligned(p, sizeof(float)), "%s: %s (%p) must be 4-byte aligned", who, name, (const void *)p);
+    return MF_SUCCESS;
+}
+
+/* The W13 dispatcher's arguments (and the small kernel's W13 half). */
+mf_result_t check_w13(const char *who, const mf__gemm_segments_t *seg, int32_t dtype, mf__gemm_operand_t a,
+                      mf__gemm_operand_t w13, int32_t H, int32_t I, const void *h, const float *h_scales) {
+    MF_CHECK(check_common(who, seg, dtype, H, I));
+    const bool fp8 = dtype == MF_DTYPE_FP8_E4M3;
+    if (a.gather) {
+        const mf__heap_view_t *v = a.gather->view;
+        MF_REQUIRE(v, "%s: a.gather->view must not be NULL", who);
+        MF_CHECK(check_data(who, "a.gather->src", a.gather->src));
+        MF_REQUIRE(v->x % kMfGemmDataAlign == 0 && (!fp8 || v->scales % kMfGemmScaleAlign == 0),
+                   "%s: the view's row offset (%llu) must be %d-byte and its scale offset (%llu) %d-byte aligned", who,
+                   (unsigned long long)v->x, kMfGemmDataAlign, (unsigned long long)v->scales, kMfGemmScaleAlign);
+        for (int r = 0; r < MF_MAX_RANKS; r++)
+            MF_REQUIRE(aligned(v->heap[r], kMfGemmDataAlign), "%s: the view's heap %d (%p) must be %d-byte aligned", who,
+                       r, (void *)v->heap[r], kMfGemmDataAlign);
+    } else {
+        MF_CHECK(check_data(who, "a.data", a.data));
+    }
+    MF_CHECK(check_data(who, "w13.data", w13.data));
+    MF_CHECK(check_data(who, "h", h));
+    if (fp8) {
+        if (!a.gather) MF_CHECK(check_scales(who, "a.scales", a.scales));
+        MF_CHECK(check_scales(who, "w13.scales", w13.scales));
+        MF_CHECK(check_scales(who, "h_scales", h_scales));
+    }
+    return MF_SUCCESS;
+}
+
+/* The W2 dispatcher's arguments (and the small kernel's W2 half). */
+mf_result_t check_w2(const char *who, const mf__gemm_segments_t *seg, int32_t dtype, mf__gemm_operand_t h,
+                     mf__gemm_operand_t w2, int32_t H, int32_t I, const uint16_t *out, const mf__gemm_return_t *ret) {
+    MF_CHECK(check_common(who, seg, dtype, H, I));
+    const bool fp8 = dtype == MF_DTYPE_FP8_E4M3;
+    MF_CHECK(check_data(who, "h.data", h.data));
+    MF_CHECK(check_data(who, "w2.data", w2.data));
+    if (fp8) {
+        MF_CHECK(check_scales(who, "h.scales", h.scales));
+        MF_CHECK(check_scales(who, "w2.scales", w2.scales));
+    }
+    if (ret) {
+        MF_REQUIRE(ret->view && ret->src, "%s: ret->view and ret->src must not be NULL", who);
+        MF_REQUIRE(ret->num_topk > 0, "%s: ret->num_topk (%d) must be positive", who, ret->num_topk);
+        for (int r = 0; r < MF_MAX_RANKS; r++) {
+            const uint8_t *heap = ret->view->heap[r];
+            MF_REQUIRE(!heap || aligned(heap + ret->view->combine, kMfGemmDataAlign),
+                       "%s: rank %d's combine slots (%p) must be %d-byte aligned", who, r,
+                       (const void *)(heap + ret->view->combine), kMfGemmDataAlign);
+        }
+    } else {
+        MF_CHECK(check_data(who, "out", out));
+    }
     return MF_SUCCESS;
 }
 
@@ -196,6 +249,8 @@ mf__gemm_choice_t mf__gemm_choose(int32_t rows_hint, int32_t max_rows_per_expert
     /* rows read in place at their owners: only the decode family gathers them */
     const int32_t may_gather = dataflow == MF_DATAFLOW_AUTO || dataflow == MF_DATAFLOW_DIRECT;
     c.dataflow = !may_gather ? dataflow : c.family == kMfGemmFamilyDecode ? MF_DATAFLOW_DIRECT : MF_DATAFLOW_PULL;
+    /* the small-batch kernel: both GEMMs in one launch where the tiles are its 8 tokens */
+    c.fused = c.family == kMfGemmFamilyDecode && c.dataflow == MF_DATAFLOW_DIRECT && c.block_rows == mf__small::kTokens;
     return c;
 }
 
@@ -217,42 +272,10 @@ static const char *chosen_ran(const mf__gemm_choice_t *choice, const mf__gemm_se
     return mf__gemm_last_launch(choice->family);
 }
 
-/* ---- expired pipeline waits (sm90_ptx.cuh mf__mbar_wait_bounded) ------------------------------ */
-
-cudaError_t mf__sm90_decode_set_fault_record(mf__sm90_fault_t *record);
-cudaError_t mf__sm90_tma_set_fault_record(mf__sm90_fault_t *record);
-
-static mf__sm90_fault_t *g_gemm_fault; /* process-wide, mapped host memory; never freed */
-static std::mutex g_gemm_fault_mu;
-
-mf_result_t mf__cuda_gemm_watch(void) {
-    std::lock_guard<std::mutex> lock(g_gemm_fault_mu);
-    cudaError_t e = cudaSuccess;
-    if (!g_gemm_fault) {
-        e = cudaHostAlloc((void **)&g_gemm_fault, sizeof *g_gemm_fault, cudaHostAllocMapped | cudaHostAllocPortable);
-        if (e == cudaSuccess) memset((void *)g_gemm_fault, 0, sizeof *g_gemm_fault);
-        else g_gemm_fault = NULL;
-    }
-    if (e == cudaSuccess) e = mf__sm90_decode_set_fault_record(g_gemm_fault);
-    if (e == cudaSuccess) e = mf__sm90_tma_set_fault_record(g_gemm_fault);
-    if (e != cudaSuccess) {
-        (void)cudaGetLastError();
-        return mf__error(MF_ERR_CUDA, "cuda backend: registering the GEMMs' fault record: %s", cudaGetErrorString(e));
-    }
-    return MF_SUCCESS;
-}
-
-int32_t mf__cuda_gemm_expired(char *what, size_t bytes) {
-    const mf__sm90_fault_t *f = g_gemm_fault;
-    if (!f || f->magic != kMfSm90FaultMagic) return 0;
-    snprintf(what, bytes, "a GEMM pipeline wait expired (block %u, thread %u, wait site %u): the kernel's output "
-             "is not valid and this process's GEMMs are no longer trusted", f->block, f->thread, f->tag);
-    return 1;
-}
-
 mf_result_t mf__cuda_gemm_preload(void) {
     MF_CHECK(mf__sm90_decode_preload());
     MF_CHECK(mf__sm90_tma_preload());
+    MF_CHECK(mf__sm90_small_preload());
     int blocks = 0;
     MF_CHECK(persistent_grid(mf__gemm::sm90_w13_swiglu_kernel<true>, kKernelW13Fp8, "gemm preload", &blocks));
     MF_CHECK(persistent_grid(mf__gemm::sm90_w13_swiglu_kernel<false>, kKernelW13Bf16, "gemm preload", &blocks));
@@ -266,17 +289,8 @@ mf_result_t mf__cuda_w13_swiglu(const mf__gemm_choice_t *choice, const mf__gemm_
                                 float *h_scales, cudaStream_t stream, int32_t pdl) {
     static const char *who = "mf__cuda_w13_swiglu";
     MF_REQUIRE(choice, "%s: choice must not be NULL", who);
-    MF_CHECK(check_common(who, seg, dtype, H, I));
+    MF_CHECK(check_w13(who, seg, dtype, a, w13, H, I, h, h_scales));
     const bool fp8 = dtype == MF_DTYPE_FP8_E4M3;
-    if (a.gather) MF_CHECK(check_data(who, "a.gather->src", a.gather->src));
-    else MF_CHECK(check_data(who, "a.data", a.data));
-    MF_CHECK(check_data(who, "w13.data", w13.data));
-    MF_CHECK(check_data(who, "h", h));
-    if (fp8) {
-        if (!a.gather) MF_CHECK(check_scales(who, "a.scales", a.scales));
-        MF_CHECK(check_scales(who, "w13.scales", w13.scales));
-        MF_CHECK(check_scales(who, "h_scales", h_scales));
-    }
     const bool dbg = mf__debug_on() && debug_first(0, seg, dtype, H, I, a.gather != NULL, 0);
     decision_t d;
     d.n = 0;
@@ -305,7 +319,8 @@ mf_result_t mf__cuda_w13_swiglu(const mf__gemm_choice_t *choice, const mf__gemm_
     memset(&p, 0, sizeof p);
     p.seg = *seg;
     if (a.gather) {
-        p.gather = *a.gather;
+        p.view = *a.gather->view;
+        p.src = a.gather->src;
         p.use_gather = 1;
     }
     p.a = (const uint8_t *)a.data;
@@ -332,23 +347,8 @@ mf_result_t mf__cuda_w2(const mf__gemm_choice_t *choice, const mf__gemm_segments
                         const mf__gemm_return_t *ret, cudaStream_t stream, int32_t pdl) {
     static const char *who = "mf__cuda_w2";
     MF_REQUIRE(choice, "%s: choice must not be NULL", who);
-    MF_CHECK(check_common(who, seg, dtype, H, I));
+    MF_CHECK(check_w2(who, seg, dtype, h, w2, H, I, out, ret));
     const bool fp8 = dtype == MF_DTYPE_FP8_E4M3;
-    MF_CHECK(check_data(who, "h.data", h.data));
-    MF_CHECK(check_data(who, "w2.data", w2.data));
-    if (fp8) {
-        MF_CHECK(check_scales(who, "h.scales", h.scales));
-        MF_CHECK(check_scales(who, "w2.scales", w2.scales));
-    }
-    if (ret) {
-        MF_REQUIRE(ret->src, "%s: ret->src must not be NULL", who);
-        MF_REQUIRE(ret->num_topk > 0, "%s: ret->num_topk (%d) must be positive", who, ret->num_topk);
-        for (int r = 0; r < MF_MAX_RANKS; r++)
-            MF_REQUIRE(aligned(ret->slots[r], kMfGemmDataAlign), "%s: ret->slots[%d] (%p) must be %d-byte aligned", who,
-                       r, (void *)ret->slots[r], kMfGemmDataAlign);
-    } else {
-        MF_CHECK(check_data(who, "out", out));
-    }
     const mf_result_t r = choice->family == kMfGemmFamilyDecode
                               ? mf__sm90_decode_w2(choice, seg, dtype, h, w2, H, I, out, ret, stream, pdl)
                               : mf__sm90_tma_w2(seg, dtype, h, w2, H, I, out, ret, stream, pdl);
@@ -378,10 +378,14 @@ mf_result_t mf__cuda_w2(const mf__gemm_choice_t *choice, const mf__gemm_segments
     p.w_scales = w2.scales;
     p.out = out;
     if (ret) {
-        p.ret = *ret;
+        p.view = *ret->view;
+        p.src = ret->src;
+        p.num_topk = ret->num_topk;
         p.use_ret = 1;
     } else {
-        memset(&p.ret, 0, sizeof p.ret);
+        memset(&p.view, 0, sizeof p.view);
+        p.src = NULL;
+        p.num_topk = 0;
         p.use_ret = 0;
     }
     p.H = H;
@@ -393,4 +397,52 @@ mf_result_t mf__cuda_w2(const mf__gemm_choice_t *choice, const mf__gemm_segments
                              fp8 ? "fp8 plain" : "bf16 plain", mf__gemm::kW2BlockN, dbg ? ran : NULL, sizeof ran));
     if (dbg) debug_report("w2", seg, dtype, H, I, 0, ret != NULL, ran, &d);
     return MF_SUCCESS;
+}
+
+mf_result_t mf__cuda_w13_w2(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t *w2_sched,
+                            int32_t dtype, int32_t ue8m0, mf__gemm_operand_t a, mf__gemm_operand_t w13,
+                            mf__gemm_operand_t w2, int32_t H, int32_t I, void *h, float *h_scales,
+                            const mf__gemm_return_t *ret, int32_t *sync, const mf__gemm_sum_t *sum,
+                            const int32_t *plan_ids, int32_t *summed, cudaStream_t stream, int32_t pdl) {
+    static const char *who = "mf__cuda_w13_w2";
+    MF_REQUIRE(choice && summed, "%s: choice and summed must not be NULL", who);
+    *summed = 0;
+    const mf__gemm_operand_t hop = {h, h_scales, NULL};
+    if (choice->fused) {
+        MF_CHECK(check_w13(who, seg, dtype, a, w13, H, I, h, h_scales));
+        MF_CHECK(check_w2(who, seg, dtype, hop, w2, H, I, NULL, ret));
+        MF_REQUIRE(sync && aligned(sync, sizeof(int32_t)), "%s: sync (%p) must be a 4-byte aligned device buffer", who,
+                   (void *)sync);
+        if (sum) {
+            MF_REQUIRE(sum->T >= 0 && sum->fault, "%s: sum->T (%d) must be >= 0 and sum->fault set", who, sum->T);
+            MF_CHECK(check_data(who, "sum->y", sum->y));
+        }
+        MF_REQUIRE(!plan_ids || sum, "%s: its own plan (plan_ids) only with its sum", who);
+        const mf_result_t r = mf__sm90_small_experts(choice, seg, dtype, ue8m0, a, w13, w2, H, I, h, h_scales, ret,
+                                                     sync, sum, plan_ids, stream, pdl);
+        if (r == MF_ERR_NOT_SUPPORTED && plan_ids)
+            return mf__error(MF_ERR_INTERNAL, "%s: the small kernel declined a forward planned for it (%s)", who,
+                             mf__gemm_last_decline(kMfGemmFamilySmall));
+        if (r == MF_SUCCESS) *summed = sum != NULL;
+        const bool dbg = mf__debug_on() && debug_first(2, seg, dtype, H, I, a.gather != NULL, ret != NULL);
+        if (r != MF_ERR_NOT_SUPPORTED) {
+            if (dbg && r == MF_SUCCESS) {
+                decision_t d;
+                d.n = 0;
+                d.declined[0] = '\0';
+                const char *ran = seg->num_experts == 0 || seg->max_rows_per_expert == 0
+                                      ? "nothing (no rows)"
+                                      : mf__gemm_last_launch(kMfGemmFamilySmall);
+                debug_report("w13 + w2", seg, dtype, H, I, a.gather != NULL, ret != NULL, ran, &d);
+            }
+            return r;
+        }
+        if (dbg)
+            mf__debug("gemm layer %u w13 + w2: the small kernel declined (%s): the two GEMMs run", g_debug_layer,
+                      mf__gemm_last_decline(kMfGemmFamilySmall));
+    }
+    MF_CHECK(mf__cuda_w13_swiglu(choice, seg, dtype, ue8m0, a, w13, H, I, h, h_scales, stream, pdl));
+    mf__gemm_segments_t seg2 = *seg;
+    seg2.sched = w2_sched;
+    return mf__cuda_w2(choice, &seg2, dtype, hop, w2, H, I, NULL, ret, stream, pdl);
 }

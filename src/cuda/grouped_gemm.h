@@ -15,7 +15,8 @@
  * h = silu(gate) * up in fp32; FP8: h requantised 1x128 along I with mf__fp8_block_scale and
  * mf__fp8_from_float (numerics.h), BF16: h rounded with mf__bf16_from_float. W2: out = h . W2^T,
  * rounded to BF16 and written either to out[row] or, when `ret` is given, to the token owner's
- * combine slot ret->slots[rank] + (token * K + k) * H with (rank, token, k) = ret->src[row].
+ * combine slot (token * K + k) * H BF16 into ret->view->heap[rank] + ret->view->combine, with
+ * (rank, token, k) = ret->src[row].
  *
  * The choice (mf__gemm_choose, below): the kernel family, its tile and the dataflow of one layer call
  * are decided once, from host facts only, and carried in a mf__gemm_choice_t to both GEMMs of the
@@ -32,6 +33,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "cuda/heap_view.h"
+#include "cuda/kernels/fault.cuh"
 #include "moeflow.h"
 
 typedef struct mf__gemm_segments {
@@ -43,19 +46,22 @@ typedef struct mf__gemm_segments {
                                     call's mf__gemm_choose read; MF_DEBUG reports it, no launcher
                                     reads it */
     int32_t *sched;              /* device, NULL or two zeroed int32 (tile ticket, finished CTAs):
-                                    the TMA kernel hands out tiles from it in order (dynamic
-                                    schedule) and zeroes it again when it ends; a launch that can
+                                    the decode and TMA kernels hand out tiles from it in order
+                                    (dynamic schedule) and zero it again when they end; a launch that can
                                     run while another still does (programmatic dependent launch
                                     included) needs its own pair. NULL: the static walk */
+    mf__fault_sink_t sink;       /* the calling comm's (kernels/fault.cuh): an expired pipeline wait
+                                    records itself there (the comm breaks); zero (no state) outside a
+                                    comm: recorded nowhere */
 } mf__gemm_segments_t;
 
-/* Activation rows read in place at their owners (the direct dataflow): receive row i is token
- * src[i] = (rank, token, k) of `rank`, at heap[rank] + x + token * row_bytes, its FP8 scales at
- * heap[rank] + scales + token * H/128 floats. */
+/* Activation rows read in place at their owners (the direct dataflow), through the heap view of
+ * the call's heap slot (cuda/heap_view.h): receive row i is token src[i] = (rank, token, k) of
+ * `rank`, at view->heap[rank] + view->x + token * row_bytes, its FP8 scales at view->heap[rank] +
+ * view->scales + token * H/128 floats. The launcher copies the view into the kernel's parameters. */
 typedef struct mf__gemm_gather {
-    const uint8_t *heap[MF_MAX_RANKS]; /* every rank's symmetric heap (peer pointers) */
-    size_t x, scales;                  /* byte offsets of the published rows and scales */
-    const int32_t *src;                /* [rows, 3] device: the plan's source rows */
+    const mf__heap_view_t *view; /* host memory: every rank's heap and the slot's region offsets */
+    const int32_t *src;          /* [rows, 3] device: the plan's source rows */
 } mf__gemm_gather_t;
 
 typedef struct mf__gemm_operand {
@@ -65,11 +71,13 @@ typedef struct mf__gemm_operand {
                                         scales are unused */
 } mf__gemm_operand_t;
 
-/* Where W2 sends its BF16 rows when not to a local `out`. */
+/* Where W2 sends its BF16 rows when not to a local `out`: the combine slots [S, K, H] of every rank,
+ * at view->heap[rank] + view->combine (the heap view of the call's heap slot; a NULL heap entry
+ * takes no rows). The launcher copies the view into the kernel's parameters. */
 typedef struct mf__gemm_return {
-    uint16_t *slots[MF_MAX_RANKS]; /* combine slots [S, K, H] of every rank (peer pointers) */
-    const int32_t *src;            /* [rows, 3] device: (rank, token, k) of each receive row */
-    int32_t num_topk;              /* K */
+    const mf__heap_view_t *view; /* host memory: every rank's heap and the slot's region offsets */
+    const int32_t *src;          /* [rows, 3] device: (rank, token, k) of each receive row */
+    int32_t num_topk;            /* K */
 } mf__gemm_return_t;
 
 /* Loads every GEMM kernel and sets its shared-memory limit on the current device. Call before any
@@ -77,11 +85,6 @@ typedef struct mf__gemm_return {
  * the module to load while peers' waiting kernels hold the GPU. */
 mf_result_t mf__cuda_gemm_preload(void);
 
-/* Registers the process's record of expired pipeline waits for the GEMM kernels on the current
- * device (a wait that expires records itself there and returns instead of trapping, which would
- * kill every rank's context). mf__cuda_gemm_expired: 1 and a description once one expired. */
-mf_result_t mf__cuda_gemm_watch(void);
-int32_t mf__cuda_gemm_expired(char *what, size_t bytes);
 
 /* ---- the choice ------------------------------------------------------------------------------
  * Three kernel families; what differs between them is all the choice carries:
@@ -93,13 +96,20 @@ int32_t mf__cuda_gemm_expired(char *what, size_t bytes);
  *            run for any shape the chosen family declines (MF_ERR_NOT_SUPPORTED without launching);
  *            it takes gathered rows too, so DIRECT stays correct after a decode decline
  * The family never depends on the dataflow, so DIRECT and PULL run the same arithmetic and give the
- * same bits; the dataflow depends on the family (TMA cannot gather rows). */
-enum { kMfGemmFamilyDecode = 0, kMfGemmFamilyTma = 1, kMfGemmFamilyMmaSync = 2 };
+ * same bits; the dataflow depends on the family (TMA cannot gather rows).
+ *   small    (decode with 8-token tiles and DIRECT: `fused`): kernels/sm90_small_gemm.cuh,
+ *            gemm_small.cu — the decode family's W13 and W2 tiles in ONE launch, W2's weights
+ *            streamed while W13 drains (a per-expert dependency instead of the kernel boundary); the
+ *            same arithmetic as the two decode kernels, so the same bits */
+enum { kMfGemmFamilyDecode = 0, kMfGemmFamilyTma = 1, kMfGemmFamilySmall = 2, kMfGemmFamilyMmaSync = 3 };
 
 typedef struct mf__gemm_choice {
     int32_t family;     /* kMfGemmFamilyDecode or kMfGemmFamilyTma */
     int32_t block_rows; /* receive rows per tile: decode 8, 16, 32 or 64 tokens; TMA 128 */
     int32_t dataflow;   /* MF_DATAFLOW_*: DIRECT only with the decode family */
+    int32_t fused;      /* 1: W13 and W2 in one launch, the small-batch kernel (kernels/sm90_small_gemm.cuh):
+                           decode with 8-token tiles and DIRECT (mf__cuda_w13_w2; a layer with spare
+                           slots, or MF_SMALL=0, clears it: cuda/backend.cu) */
 } mf__gemm_choice_t;
 
 /* The choice for one layer call (a forward, an mf_moe_experts call, a benchmark launch), from host
@@ -109,6 +119,12 @@ typedef struct mf__gemm_choice {
  * do: DIRECT with decode, else PULL; PULL and UNFUSED are kept; rows that are already contiguous
  * pass PULL). Pure host arithmetic: never fails, never launches. */
 mf__gemm_choice_t mf__gemm_choose(int32_t rows_hint, int32_t max_rows_per_expert, int32_t dataflow);
+
+/* The small-batch kernel's switch (defined in cuda/backend.cu): 0 clears choice->fused in every
+ * forward, 1 keeps the sum kernel after it, 2 lets it sum at R = 1 too, 3 (the default) lets it plan
+ * for itself there as well (no plan kernel); a comm init lowers it to MF_SMALL (core/params.c) for
+ * the rest of the process. */
+extern "C" int32_t mf__cuda_small;
 
 /* The types of a W13 and of a W2 launcher: the dispatchers' (below) and the decode family's, so
  * that their arguments are written once. */
@@ -134,6 +150,36 @@ mf_result_t mf__sm90_tma_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__g
                             mf__gemm_operand_t w2, int32_t H, int32_t I, uint16_t *out, const mf__gemm_return_t *ret,
                             cudaStream_t stream, int32_t pdl);
 mf_result_t mf__sm90_tma_preload(void);
+/* The owner's K-sum done by the small-batch kernel itself (R = 1): y [T, H] BF16 = the sum of the
+ * token's partials in its combine slots, with its published ids and weights (the heap view's ids
+ * and weights regions), the sum kernel's arithmetic (kernels/sum.cuh); `fault` the comm's sticky
+ * fault word (set: y untouched). */
+typedef struct mf__gemm_sum {
+    uint16_t *y;
+    int32_t T;
+    const int32_t *fault;
+} mf__gemm_sum_t;
+
+/* The small-batch kernel (choice->fused): W13 + SwiGLU into h (+ h_scales), then W2 of h returned to
+ * the owners' combine slots (`ret`), in one launch; rows gathered at their owners (a.gather); with
+ * `sum` (one rank) also y. `sync`: device, zeroed int32 of this launch alone, 2 + L (+ T H/128 with
+ * the sum); the kernel zeroes them again at its end. `plan_ids` (with `sum`; NULL: the plan's
+ * seg->counts, seg->offsets and a.gather->src): the caller's routing [T, K], from which the kernel
+ * plans for itself, launched right after a publish that ran the DISPATCH sync
+ * (kernels/movement.cuh mf__publish_sync_kernel) with no plan kernel between (kernels/sm90_small_gemm.cuh
+ * own_tables: the caller makes sure the plan could not have faulted). Declines (MF_ERR_NOT_SUPPORTED)
+ * what it does not take: tiles other than 8 tokens, rows not gathered or not returned, a sum over
+ * more than one rank, its own plan beyond its limits, shapes the decode kernels decline. */
+mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t dtype,
+                                   int32_t ue8m0, mf__gemm_operand_t a, mf__gemm_operand_t w13, mf__gemm_operand_t w2,
+                                   int32_t H, int32_t I, void *h, float *h_scales, const mf__gemm_return_t *ret,
+                                   int32_t *sync, const mf__gemm_sum_t *sum, const int32_t *plan_ids,
+                                   cudaStream_t stream, int32_t pdl);
+/* MF_SUCCESS when the small kernel with its own plan takes these shapes (8-token tiles, L experts,
+ * dtype, H, I) on the current device, else its decline (MF_ERR_NOT_SUPPORTED; or MF_ERR_CUDA): the
+ * forward asks before it publishes without a plan kernel, since nothing can fall back after. */
+mf_result_t mf__sm90_small_takes(const mf__gemm_choice_t *choice, int32_t L, int32_t dtype, int32_t H, int32_t I);
+mf_result_t mf__sm90_small_preload(void);
 
 /* MF_DEBUG (core/debug.h): the layer id the calling thread's next dispatcher calls report under
  * (a thread-local label; nothing else reads it). */
@@ -148,5 +194,20 @@ mf__gemm_w13_swiglu_fn mf__cuda_w13_swiglu;
 /* out = bf16(h[rows, I] . w2[e]^T) per expert: into out[rows, H] when `ret` is NULL, else into
  * the owners' combine slots. */
 mf__gemm_w2_fn mf__cuda_w2;
+
+/* Both GEMMs of a DIRECT forward, rows returned to the owners: with choice->fused the small-batch
+ * kernel (one launch, `sync` its zeroed words), and with `sum` (not NULL) the owner's K-sum in it too
+ * (*summed = 1: y is written); where it declines (or without `fused`) mf__cuda_w13_swiglu then
+ * mf__cuda_w2 (seg->sched W13's schedule pair, w2_sched W2's) and *summed = 0: the caller sums. The
+ * same bits either way. The small kernel takes the rows through one heap view and plan: a.gather and
+ * ret with the same view and src (else it declines). With `plan_ids` (the small kernel's own plan,
+ * mf__sm90_small_experts) nothing can fall back: no plan kernel ran, so a decline is an error
+ * (MF_ERR_INTERNAL: the caller asked mf__sm90_small_takes first; only the weight tensor maps' encoding
+ * is not asked there, which the argument checks' alignment rules leave nothing to fail on). */
+mf_result_t mf__cuda_w13_w2(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t *w2_sched,
+                            int32_t dtype, int32_t ue8m0, mf__gemm_operand_t a, mf__gemm_operand_t w13,
+                            mf__gemm_operand_t w2, int32_t H, int32_t I, void *h, float *h_scales,
+                            const mf__gemm_return_t *ret, int32_t *sync, const mf__gemm_sum_t *sum,
+                            const int32_t *plan_ids, int32_t *summed, cudaStream_t stream, int32_t pdl);
 
 #endif /* MF_CUDA_GROUPED_GEMM_H */

@@ -734,12 +734,132 @@ typedef struct pdl_case {
     int32_t dataflow, op, graph, spare_slots;
 } pdl_case_t;
 
-static mf_result_t pdl_run(const pdl_case_t *c, const mfp_problem_t *p, uint16_t **y, char *err, int errlen) {
+/* Three calls of the case on `backend`; digests (per rank and call: mf_dispatch's outputs and y) where
+ * not NULL; redraw_seed != 0: each call on inputs redrawn from redraw_seed + call. */
+static mf_result_t pdl_run_on(int32_t backend, const pdl_case_t *c, const mfp_problem_t *p, uint16_t **y,
+                              uint64_t *digests, uint64_t redraw_seed, char *err, int errlen) {
     mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
-    o.backend = MF_BACKEND_CUDA, o.iters = 3, o.timeout_ms = peer_timeout_ms(), o.dataflow = c->dataflow;
-    o.op = c->op, o.graph = c->graph;
+    o.backend = backend, o.iters = 3, o.timeout_ms = peer_timeout_ms(), o.dataflow = c->dataflow;
+    o.op = c->op, o.graph = backend == MF_BACKEND_CUDA ? c->graph : 0, o.digests = digests;
+    o.redraw = redraw_seed != 0, o.redraw_seed = redraw_seed;
     if (c->spare_slots) o.spare_slots = c->spare_slots, o.prefetch = 1;
     return mfp_run(p, &o, y, NULL, err, errlen);
+}
+
+static mf_result_t pdl_run(const pdl_case_t *c, const mfp_problem_t *p, uint16_t **y, char *err, int errlen) {
+    return pdl_run_on(MF_BACKEND_CUDA, c, p, y, NULL, 0, err, errlen);
+}
+
+/* A case with a library switch (`sw`: mf__cuda_plan_small, mf__cuda_small) set to `on`, then back to
+ * its value before: y[r] allocated and poisoned first; digests and redraw as pdl_run_on. */
+static mf_result_t switch_run(const pdl_case_t *c, const mfp_problem_t *p, int32_t *sw, int on, uint16_t **y,
+                              uint64_t *digests, uint64_t redraw_seed, char *err, int errlen) {
+    for (int32_t r = 0; r < c->layer.R; r++) {
+        y[r] = mft_alloc((size_t)p->T[r] * c->layer.H * 2 + 2);
+        mft_poison(y[r], (size_t)p->T[r] * c->layer.H * 2);
+    }
+    const int32_t before = __atomic_load_n(sw, __ATOMIC_RELAXED);
+    __atomic_store_n(sw, on, __ATOMIC_RELAXED);
+    const mf_result_t res = pdl_run_on(MF_BACKEND_CUDA, c, p, y, digests, redraw_seed, err, errlen);
+    __atomic_store_n(sw, before, __ATOMIC_RELAXED);
+    return res;
+}
+
+/* ---- the small-batch kernel: W13 + W2 in one launch, the same y as the two GEMMs ---------------- */
+
+extern int32_t mf__cuda_small; /* cuda/grouped_gemm.h: 0 clears choice.fused, 1 keeps the sum kernel */
+void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums, uint64_t *plans); /* testing.h (gemm_bench.h) */
+enum { kSmallModes = 4, kSmallOwnTokens = 128, kSmallOwnEntries = 1024 /* mf__small::kOwnMaxTokens, kOwnEntries */ };
+
+/* Every case four times: without the small kernel (switch 0: the two decode GEMMs), with it and the
+ * sum kernel (1), with it summing itself at R = 1 (2), and planning for itself there too (3, the
+ * default: publish runs the DISPATCH sync, no plan kernel), three calls each on inputs redrawn per
+ * call: every call's y equal bit for bit (digests), the last call of the default run within the
+ * contract's bounds of the CPU backend's, and the counters say which ran (switch 2 and 3 sum in the
+ * kernel exactly at R = 1, switch 3 plans there where T <= 128 and T K <= 1024). Cases: one and
+ * several ranks, idle ranks, both dtypes and layouts, a hot expert with more rows than a tile
+ * (several token blocks, several W13 tiles per W2 dependency), W13 K blocks past the ring (two
+ * positions each; with its own plan the first ring's weights go out before the PDL wait) and W2 K
+ * blocks past it (the weights issued before the wait, then the rest), dropped k, more entries than
+ * its own plan holds, a captured graph replayed, and PDL (the forward's default). */
+static int cuda_small_bitwise(void) {
+    const int32_t idle[4] = {2, 0, 5, 1};
+    const pdl_case_t cases[] = {
+        {{1, 16, 4, 256, 256, 1, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 3, 0, NULL, 41},
+         MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 0, 0},
+        /* R = 1 with dropped k (-1): the small kernel's sum counts the valid k, and writes the zero
+         * rows of tokens that route nowhere */
+        {{1, 8, 2, 256, 256, 8, 0, MF_DTYPE_BF16, MF_LAYOUT_MASKED, MFP_ROUTING_UNIFORM, 0, 3, 0.6, NULL, 42},
+         MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 0, 0},
+        {{1, 16, 2, 256, 256, 8, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 3, 0.6, NULL, 48},
+         MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 1, 0},
+        /* the hot expert takes 16 rows: two token blocks */
+        {{2, 16, 4, 256, 256, 8, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED, MFP_ROUTING_HOT, 3, 3, 0, NULL, 43},
+         MF_DATAFLOW_DIRECT, MFP_OP_FORWARD, 0, 0},
+        {{4, 32, 8, 256, 256, 0, 8, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_ZIPF, 0, 3, 0.1, idle, 44},
+         MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 0, 0},
+        /* W13: 8 K blocks = 16 ring positions; W2: 16 K blocks (FP8), 32 (BF16), past the ring */
+        {{1, 32, 8, 1024, 2048, 8, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 3, 0, NULL, 45},
+         MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 0, 0},
+        {{2, 32, 8, 1024, 2048, 4, 0, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_ZIPF, 0, 3, 0, NULL, 46},
+         MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 0, 0},
+        /* captured once, replayed */
+        {{2, 16, 4, 256, 256, 4, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_MASKED, MFP_ROUTING_UNIFORM, 0, 3, 0, NULL, 47},
+         MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 1, 0},
+        /* R = 1, T = 128, T K = 1024: its own plan at both limits, tokens in four mask words */
+        {{1, 256, 8, 256, 256, 128, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 3, 0, NULL, 49},
+         MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 0, 0},
+        /* R = 1, T = 160 > 128: the small kernel with the plan kernel's tables under switch 3 */
+        {{1, 512, 4, 256, 256, 160, 0, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 3, 0, NULL, 51},
+         MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 0, 0},
+        /* its own plan under a graph, W13 K blocks past the ring, a hot expert over two token blocks */
+        {{1, 32, 8, 1024, 2048, 16, 0, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_HOT, 5, 3, 0.1, NULL, 50},
+         MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 1, 0},
+    };
+    enum { kCases = sizeof cases / sizeof cases[0] };
+    for (int i = 0; i < kCases; i++) {
+        const layer_case_t *c = &cases[i].layer;
+        mfp_problem_t p;
+        MFT_CHECK(generate_case(c, &p) == 0);
+        uint16_t *y[kSmallModes][MF_MAX_RANKS], *y_cpu[MF_MAX_RANKS];
+        const size_t nd = (size_t)c->R * 3 * 2; /* [R][calls 3][dispatch 0, y] */
+        uint64_t *dig[kSmallModes];
+        for (int small = 0; small < kSmallModes; small++) dig[small] = mft_alloc(nd * 8);
+        const uint64_t seed = 5000 + 10 * (uint64_t)i;
+        const int own_plan = /* the test's shapes fit its other conditions */
+            c->R == 1 && c->T <= kSmallOwnTokens && c->T * c->K <= kSmallOwnEntries;
+        char err[512] = "";
+        for (int small = 0; small < kSmallModes; small++) {
+            uint64_t launches0, sums0, plans0, launches1, sums1, plans1;
+            mf__gemm_small_counts(&launches0, &sums0, &plans0);
+            mf_result_t res = switch_run(&cases[i], &p, &mf__cuda_small, small, y[small], dig[small], seed, err,
+                                         sizeof err);
+            mf__gemm_small_counts(&launches1, &sums1, &plans1);
+            MFT_CHECK_MSG(res == MF_SUCCESS, "case %d, small kernel %d: %s", i, small, err);
+            MFT_CHECK_MSG(small ? launches1 > launches0 : launches1 == launches0, "case %d: switch %d, %llu small launches",
+                          i, small, (unsigned long long)(launches1 - launches0));
+            MFT_CHECK_MSG((small >= 2 && c->R == 1) == (sums1 > sums0), "case %d: switch %d at R = %d, %llu own sums", i,
+                          small, c->R, (unsigned long long)(sums1 - sums0));
+            MFT_CHECK_MSG((small == 3 && own_plan) == (plans1 > plans0), "case %d: switch %d at R = %d, T K = %d, %llu own plans",
+                          i, small, c->R, c->T * c->K, (unsigned long long)(plans1 - plans0));
+        }
+        for (int small = 1; small < kSmallModes; small++)
+            MFT_CHECK_MSG(memcmp(dig[0], dig[small], nd * 8) == 0,
+                          "case %d: a call's y with switch %d differs from the two GEMMs'", i, small);
+        for (int32_t r = 0; r < c->R; r++) y_cpu[r] = mft_alloc((size_t)p.T[r] * c->H * 2 + 2);
+        mf_result_t res = pdl_run_on(MF_BACKEND_CPU, &cases[i], &p, y_cpu, NULL, seed, err, sizeof err);
+        MFT_CHECK_MSG(res == MF_SUCCESS, "cpu run failed: %s", err);
+        char label[32];
+        snprintf(label, sizeof label, "small case %d", i);
+        if (check_layer_y(label, "cpu", c->dtype, c->R, p.T, c->H, y[3], y_cpu, NULL)) return 1;
+        for (int32_t r = 0; r < c->R; r++) {
+            for (int small = 0; small < kSmallModes; small++) free(y[small][r]);
+            free(y_cpu[r]);
+        }
+        for (int small = 0; small < kSmallModes; small++) free(dig[small]);
+        mfp_free(&p);
+    }
+    return 0;
 }
 
 /* The small plan (the DISPATCH sync and the plan in one block; mf__cuda_plan_small) against the
@@ -783,17 +903,9 @@ static int cuda_plan_small_bitwise(void) {
         uint16_t *y[2][MF_MAX_RANKS];
         char err[512] = "";
         for (int small = 0; small < 2; small++) {
-            for (int32_t r = 0; r < c->R; r++) {
-                y[small][r] = mft_alloc((size_t)p.T[r] * c->H * 2 + 2);
-                mft_poison(y[small][r], (size_t)p.T[r] * c->H * 2);
-            }
-            __atomic_store_n(&mf__cuda_plan_small, small, __ATOMIC_RELAXED);
-            mfp_run_opts_t o = MFP_RUN_OPTS_INIT;
-            o.backend = MF_BACKEND_CUDA, o.iters = 3, o.timeout_ms = peer_timeout_ms(), o.dataflow = cases[i].dataflow;
-            o.op = cases[i].op, o.graph = cases[i].graph;
-            if (cases[i].op == MFP_OP_DISPATCH_COMBINE) o.digests = dig[small];
-            mf_result_t res = mfp_run(&p, &o, y[small], NULL, err, sizeof err);
-            __atomic_store_n(&mf__cuda_plan_small, 1, __ATOMIC_RELAXED);
+            uint64_t *digests = cases[i].op == MFP_OP_DISPATCH_COMBINE ? dig[small] : NULL;
+            mf_result_t res =
+                switch_run(&cases[i], &p, &mf__cuda_plan_small, small, y[small], digests, 0, err, sizeof err);
             MFT_CHECK_MSG(res == MF_SUCCESS, "case %d, small plan %d: %s", i, small, err);
         }
         if (cases[i].op == MFP_OP_DISPATCH_COMBINE)
@@ -1123,13 +1235,13 @@ static int cuda_timeout(void) {
     return 0;
 }
 
-/* Out-of-range and repeated device ids on rank 0: the call fails on every rank (y untouched on
- * both), each rank reports it once (rank 0 the id, rank 1 that rank 0 failed it), and once both
+/* Out-of-range and repeated device ids on rank 0 of R: the call fails on every rank (y untouched on
+ * each), each rank reports it once (rank 0 the id, rank 1 that rank 0 failed it), and once all
  * reported it the group works again: the next forward equals the CPU layer. With no_clear, a
  * second forward is issued before anyone reads the fault: it writes nothing either. */
-static int bad_ids_case(int32_t no_clear) {
+static int bad_ids_case(int32_t no_clear, int32_t R) {
     mfp_problem_t p;
-    MFT_CHECK(fault_problem(&p, 2) == 0);
+    MFT_CHECK(fault_problem(&p, R) == 0);
     int32_t T = p.T[0], K = p.spec.K;
     int32_t *bad = mft_alloc((size_t)T * K * 4);
     memcpy(bad, p.topk_ids[0], (size_t)T * K * 4);
@@ -1143,12 +1255,12 @@ static int bad_ids_case(int32_t no_clear) {
     f.bad_ids = bad;
     f.no_clear = no_clear;
     mf_group_config_t gc = MF_GROUP_CONFIG_INIT;
-    gc.backend = MF_BACKEND_CUDA, gc.num_ranks = 2, gc.timeout_ms = peer_timeout_ms();
-    pthread_barrier_init(&f.ready, NULL, 2);
+    gc.backend = MF_BACKEND_CUDA, gc.num_ranks = R, gc.timeout_ms = peer_timeout_ms();
+    pthread_barrier_init(&f.ready, NULL, (unsigned)R);
     MFT_CHECK_OK(mf_group_create(&gc, &f.group));
-    MFT_CHECK(mft_run_ranks(2, fault_rank, &f) == 0);
+    MFT_CHECK(mft_run_ranks(R, fault_rank, &f) == 0);
     MFT_CHECK_OK(mf_group_destroy(f.group));
-    for (int r = 0; r < 2; r++) {
+    for (int r = 0; r < R; r++) {
         mft_verbose("  rank %d: first %s, second %s, async %s: %s; last %s\n", r, mft_result_name(f.first[r]),
                     mft_result_name(f.second[r]), mft_result_name(f.async[r]), f.msg[r], mft_result_name(f.last[r]));
         /* Asynchronous: the host learns of the device's fault at the first look after it. */
@@ -1162,11 +1274,12 @@ static int bad_ids_case(int32_t no_clear) {
         MFT_CHECK_EQ_INT(f.last[r], MF_SUCCESS);
     }
     /* The last forward (good ids) equals the CPU layer. */
-    uint16_t *y_cpu[2] = {mft_alloc((size_t)T * p.spec.H * 2), mft_alloc((size_t)p.T[1] * p.spec.H * 2)};
+    uint16_t *y_cpu[MF_MAX_RANKS];
+    for (int r = 0; r < R; r++) y_cpu[r] = mft_alloc((size_t)p.T[r] * p.spec.H * 2);
     char err[512];
     MFT_CHECK_MSG(mfp_run_forward(&p, MF_BACKEND_CPU, 1, 0, y_cpu, NULL, err, sizeof err) == MF_SUCCESS, "%s", err);
-    if (check_layer_y("after recovery", "cpu", p.spec.dtype, 2, p.T, p.spec.H, f.y, y_cpu, NULL)) return 1;
-    for (int r = 0; r < 2; r++) {
+    if (check_layer_y("after recovery", "cpu", p.spec.dtype, R, p.T, p.spec.H, f.y, y_cpu, NULL)) return 1;
+    for (int r = 0; r < R; r++) {
         free(y_cpu[r]);
         free(f.y[r]);
     }
@@ -1175,7 +1288,12 @@ static int bad_ids_case(int32_t no_clear) {
     return 0;
 }
 
-static int cuda_bad_ids(void) { return bad_ids_case(0) || bad_ids_case(1); }
+/* R = 1 too: the forward there skips the COMBINE sync and (MF_SMALL's default) its small kernel plans
+ * for itself behind a publish that syncs (no plan kernel) and sums y itself; a faulted call must
+ * leave y untouched all the same, and the call after the fault is reported must run as before. */
+static int cuda_bad_ids(void) {
+    return bad_ids_case(0, 2) || bad_ids_case(1, 2) || bad_ids_case(0, 1) || bad_ids_case(1, 1);
+}
 
 /* The small cases on R ranks: FP8 EXPERT_MAJOR and BF16 MASKED layers, FP8 dispatch / combine. */
 static int small_cases(int32_t R) {
@@ -1251,6 +1369,14 @@ static int cuda_debug_report(void) {
     layer_case_t dec = {1, 8, 2, 256, 256, 4, 4, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_UNIFORM, 0, 3, 0,
                         NULL, 11};
     if (debug_case(&dec, text, sizeof text)) return 1;
+    const char *ds[] = {"moeflow DEBUG", "gemm layer 0 w13 + w2 fp8_e4m3 H 256 I 256 L 8 rows_hint 1", "A gathered",
+                        "to combine slots", "ran small fp8 W13 + W2, T 8", "its own plan", NULL};
+    MFT_CHECK_MSG(debug_lines(text, ds) == 1, "decode shape (the small-batch kernel), stderr:\n%s", text);
+    const int32_t small = __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED);
+    __atomic_store_n(&mf__cuda_small, 0, __ATOMIC_RELAXED); /* the two GEMMs' reports */
+    const int failed = debug_case(&dec, text, sizeof text);
+    __atomic_store_n(&mf__cuda_small, small, __ATOMIC_RELAXED);
+    if (failed) return 1;
     const char *d13[] = {"moeflow DEBUG", "gemm layer 0 w13 fp8_e4m3 H 256 I 256 L 8 rows_hint 1", "A gathered",
                          "ran decode fp8 swiglu T 8, A gathered in place", "tma: not tried (rows_hint 1 <= kMfDecodeMaxRows 64)",
                          NULL};
@@ -1279,6 +1405,7 @@ const mft_test_t mft_tests_cuda[] = {
     {"cuda_dataflow_bitwise", cuda_dataflow_bitwise, 300},
     {"cuda_pdl_bitwise", cuda_pdl_bitwise, 300},
     {"cuda_plan_small_bitwise", cuda_plan_small_bitwise, 300},
+    {"cuda_small_bitwise", cuda_small_bitwise, 300},
     {"cuda_layers_share_workspace", cuda_layers_share_workspace, 300},
     {"cuda_timeout", cuda_timeout, 60},
     {"cuda_bad_ids", cuda_bad_ids, 60},

@@ -5,11 +5,13 @@
  *
  * Dimension legend: T tokens on this rank, S capacity, H hidden, E experts, R ranks, L local
  * experts (with balancing: this rank's slots Lp + B), K top-k, C masked expert capacity, P physical
- * slots, Lp = P / R, B spare slots per rank, N = P + R * B replica entries. Every kernel reads peers only through the peer table
- * (`heap[R]`), so it runs unchanged on every transport. All of them match the CPU backend bit for
- * bit: same per-element functions (numerics.h), same row order, same fixed-order K-sum with
- * separate fp32 multiply and add (no contraction into FMA). Each kernel calls mf__pdl_wait() before
- * its first global access and mf__pdl_trigger() right after it (cuda/pdl.cuh).
+ * slots, Lp = P / R, B spare slots per rank, N = P + R * B replica entries. Every kernel reaches the
+ * heap only through the heap view in its parameters (cuda/heap_view.h: the peer table `heap[R]`
+ * and the slot's region offsets; this rank's own heap is heap[rank]), so it runs unchanged on every
+ * transport. All of them match the CPU backend bit for bit: same per-element functions
+ * (numerics.h), same row order, same fixed-order K-sum with separate fp32 multiply and add (no
+ * contraction into FMA). Each kernel calls mf__pdl_wait() before its first global access and
+ * mf__pdl_trigger() right after it (cuda/pdl.cuh).
  */
 #ifndef MF_CUDA_MOVEMENT_CUH
 #define MF_CUDA_MOVEMENT_CUH
@@ -18,14 +20,9 @@
 
 #include "core/layout.h"
 #include "core/numerics.h"
+#include "cuda/heap_view.h"
+#include "cuda/kernels/sum.cuh"
 #include "cuda/kernels/sync.cuh"
-
-/* Offsets of the symmetric-heap regions (mf__heap_layout_t) and the peer table. */
-typedef struct mf__heap_view {
-    uint8_t *heap[MF_MAX_RANKS];
-    unsigned long long meta, x, scales, ids, weights, combine;
-    int32_t num_ranks, rank;
-} mf__heap_view_t;
 
 /* ---- publish ------------------------------------------------------------------------------ */
 
@@ -35,8 +32,7 @@ typedef struct mf__publish_params {
     const float *weights;  /* [T, K] or NULL */
     int32_t T, H, K, E, fp8, ue8m0;
     int32_t meta_words[MF__META_WORDS - 1]; /* map hash, prefetch count, weights count (all ranks check) */
-    uint8_t *heap;         /* my heap */
-    unsigned long long meta, x_off, scales_off, ids_off, weights_off;
+    mf__heap_view_t view;  /* the slot's: writes my heap, view.heap[view.rank] */
     mf__fault_sink_t sink;
 } mf__publish_params_t;
 
@@ -46,13 +42,15 @@ typedef struct mf__publish_params {
 /* Grid (max(T, 1), ceil(H / kMfPublishCols)): block (t, g) publishes columns [g, g + 1) x
  * kMfPublishCols of token t, every warp one 128-wide block, so that a few tokens still spread over
  * many SMs with one load in flight per lane (a loop of 7 dependent blocks per warp cost ~7 us at
- * T = 1); blocks (t, 0) also validate and copy the routing, block (0, 0) writes T. */
-__global__ void __launch_bounds__(kMfPublishThreads) mf__publish_kernel(mf__publish_params_t p) {
+ * T = 1); blocks (t, 0) also validate and copy the routing, block (0, 0) writes T. One block's part
+ * (both publish kernels below). */
+__device__ __forceinline__ void mf__publish_block(const mf__publish_params_t &p) {
     const int32_t t = blockIdx.x, tid = threadIdx.x, lane = tid % kMfWarp, warp = tid / kMfWarp;
+    uint8_t *const heap = p.view.heap[p.view.rank]; /* my heap */
     mf__pdl_wait(); /* a call's first kernel is launched without the attribute: returns at once */
     mf__pdl_trigger();
     if (t == 0 && blockIdx.y == 0 && tid < MF__META_WORDS)
-        ((int32_t *)(p.heap + p.meta))[tid] = tid ? p.meta_words[tid - 1] : p.T;
+        ((int32_t *)(heap + p.view.meta))[tid] = tid ? p.meta_words[tid - 1] : p.T;
     if (t >= p.T) return;
 
     /* Routing: validate, then copy; a bad or repeated id becomes -1 and raises a fault. */
@@ -68,21 +66,21 @@ __global__ void __launch_bounds__(kMfPublishThreads) mf__publish_kernel(mf__publ
                 mf__raise(p.sink, MF_ERR_INVALID_ARGUMENT, kMfFaultDupId, MF__PHASE_DISPATCH, -1, t, tid, id);
                 id = -1;
             }
-        ((int32_t *)(p.heap + p.ids_off))[(size_t)t * p.K + tid] = id;
-        if (p.weights) ((float *)(p.heap + p.weights_off))[(size_t)t * p.K + tid] = p.weights[(size_t)t * p.K + tid];
+        ((int32_t *)(heap + p.view.ids))[(size_t)t * p.K + tid] = id;
+        if (p.weights) ((float *)(heap + p.view.weights))[(size_t)t * p.K + tid] = p.weights[(size_t)t * p.K + tid];
     }
 
     const uint16_t *xr = p.x + (size_t)t * p.H;
     const int32_t c0 = (int32_t)blockIdx.y * kMfPublishCols, c1 = min(c0 + kMfPublishCols, p.H);
     if (!p.fp8) {
         const uint4 *src = (const uint4 *)xr;
-        uint4 *dst = (uint4 *)(p.heap + p.x_off + (size_t)t * p.H * 2);
+        uint4 *dst = (uint4 *)(heap + p.view.x + (size_t)t * p.H * 2);
         for (int32_t i = c0 / 8 + tid; i < c1 / 8; i += blockDim.x) dst[i] = src[i];
         return;
     }
     /* FP8 1x128: one warp per 128-wide block, 4 values per lane. */
-    uint8_t *q = p.heap + p.x_off + (size_t)t * p.H;
-    float *scales = (float *)(p.heap + p.scales_off) + (size_t)t * (p.H / MF__QUANT_BLOCK);
+    uint8_t *q = heap + p.view.x + (size_t)t * p.H;
+    float *scales = (float *)(heap + p.view.scales) + (size_t)t * (p.H / MF__QUANT_BLOCK);
     for (int32_t b = c0 / MF__QUANT_BLOCK + warp; b < c1 / MF__QUANT_BLOCK; b += blockDim.x / kMfWarp) {
         uint2 raw = *(const uint2 *)(xr + b * MF__QUANT_BLOCK + lane * 4);
         float v[4] = {mf__bf16_to_float((uint16_t)(raw.x & 0xffff)), mf__bf16_to_float((uint16_t)(raw.x >> 16)),
@@ -103,6 +101,37 @@ __global__ void __launch_bounds__(kMfPublishThreads) mf__publish_kernel(mf__publ
         *(uint32_t *)(q + b * MF__QUANT_BLOCK + lane * 4) = packed;
         if (lane == 0) scales[b] = scale;
     }
+}
+
+__global__ void __launch_bounds__(kMfPublishThreads) mf__publish_kernel(mf__publish_params_t p) {
+    mf__publish_block(p);
+}
+
+/* Publish and the DISPATCH sync in one kernel, for a forward at R = 1 whose small-batch kernel plans
+ * for itself (kernels/sm90_small_gemm.cuh kOwn; backend.cu): no plan kernel runs, so the sync that
+ * turns this call's fresh fault into the comm's sticky one (sync.cuh) runs here, in the block that
+ * finishes last: each block counts itself out in `finished` (zero between calls; the last block
+ * zeroes it again) after its writes and claims (a barrier, then one thread's fence and add, as a
+ * grid-wide barrier does), and the last one, after a fence, runs mf__sync_block (with one rank its
+ * wait is for its own arrival). The kernel after it (launched with the PDL attribute) may start at
+ * once: publish triggers at its start; what it reads of this kernel (the published rows, ids and
+ * weights, the fault verdict) it reads after its own mf__pdl_wait, i.e. after this grid's end. */
+static_assert(kMfPublishThreads >= kMfWaitThreads, "mf__sync_block needs kMfWaitThreads threads");
+__global__ void __launch_bounds__(kMfPublishThreads) mf__publish_sync_kernel(mf__sync_params_t sp,
+                                                                             mf__publish_params_t p,
+                                                                             int32_t *finished) {
+    __shared__ int32_t last;
+    mf__publish_block(p);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicAdd(finished, 1) == (int32_t)(gridDim.x * gridDim.y) - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (threadIdx.x == 0) *finished = 0;
+    mf__sync_block(sp);
 }
 
 /* ---- plan ---------------------------------------------------------------------------------
@@ -582,8 +611,7 @@ __global__ void __launch_bounds__(kMfMoveThreads) mf__keep_weights_kernel(const 
 /* ---- the owner's K-sum -------------------------------------------------------------------- */
 
 typedef struct mf__sum_params {
-    const uint8_t *heap;  /* my heap: ids and combine slots */
-    unsigned long long ids, combine;
+    mf__heap_view_t view; /* the slot's: reads my heap's ids and combine slots, view.heap[view.rank] */
     const float *weights; /* [T, K] */
     uint16_t *y;          /* [T, H] */
     int32_t T, H, K;
@@ -592,42 +620,18 @@ typedef struct mf__sum_params {
 
 /* Grid (T, column groups): each thread owns 8 columns of one token (16-byte loads and stores), so
  * a few tokens still spread over many SMs. A thread loads up to kMfSumBatch partials before adding
- * them, in k order (docs/DESIGN.md's fixed order; skipped k add nothing, not even a zero). */
+ * them, in k order (kernels/sum.cuh: the one definition of that arithmetic). */
 __global__ void __launch_bounds__(kMfSumThreads) mf__sum_kernel(mf__sum_params_t p) {
     const int32_t t = blockIdx.x;
     const int32_t c = blockIdx.y * blockDim.x + threadIdx.x;
     mf__pdl_wait();
     mf__pdl_trigger();
     if (c >= p.H / 8 || mf__faulted(p.sink)) return;
-    const int32_t *ids = (const int32_t *)(p.heap + p.ids) + (size_t)t * p.K;
-    const uint16_t *slots = (const uint16_t *)(p.heap + p.combine) + (size_t)t * p.K * p.H;
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int32_t k0 = 0; k0 < p.K; k0 += kMfSumBatch) {
-        bool use[kMfSumBatch];
-        float w[kMfSumBatch];
-        uint4 v[kMfSumBatch];
-#pragma unroll
-        for (int j = 0; j < kMfSumBatch; j++) {
-            const int32_t k = k0 + j;
-            use[j] = k < p.K && ids[k] >= 0;
-            w[j] = use[j] ? p.weights[(size_t)t * p.K + k] : 0.0f;
-            v[j] = use[j] ? *(const uint4 *)(slots + (size_t)k * p.H + c * 8) : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int j = 0; j < kMfSumBatch; j++) {
-            if (!use[j]) continue;
-            const uint32_t words[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                uint16_t b = (uint16_t)(words[i / 2] >> (16 * (i % 2)));
-                acc[i] = __fadd_rn(acc[i], __fmul_rn(w[j], mf__bf16_to_float(b)));
-            }
-        }
-    }
-    uint32_t out[4];
-    for (int i = 0; i < 4; i++)
-        out[i] = (uint32_t)mf__bf16_from_float(acc[2 * i]) | ((uint32_t)mf__bf16_from_float(acc[2 * i + 1]) << 16);
-    *(uint4 *)(p.y + (size_t)t * p.H + c * 8) = make_uint4(out[0], out[1], out[2], out[3]);
+    const uint8_t *heap = p.view.heap[p.view.rank]; /* my heap */
+    const int32_t *ids = (const int32_t *)(heap + p.view.ids) + (size_t)t * p.K;
+    const uint16_t *slots = (const uint16_t *)(heap + p.view.combine) + (size_t)t * p.K * p.H;
+    *(uint4 *)(p.y + (size_t)t * p.H + c * 8) =
+        mf__sum_columns<false>(ids, p.weights + (size_t)t * p.K, slots, p.K, p.H, c);
 }
 
 #endif /* MF_CUDA_MOVEMENT_CUH */

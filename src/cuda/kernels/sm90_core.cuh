@@ -59,33 +59,47 @@ struct gemm_params {
     const float *w_scales;     /* FP8: [L, N/128, K/128] */
     uint8_t *out;              /* plain: [rows, N] BF16 (unless use_ret); swiglu: [rows, N/2] BF16 or FP8 */
     float *out_scales;         /* swiglu FP8: [rows, N/256] */
-    mf__gemm_gather_t gather;  /* decode W13 with gathered rows: rows and FP8 scales read at their owners */
-    mf__gemm_return_t ret;     /* plain with use_ret: rows to the owners' combine slots */
+    mf__heap_view_t view;      /* rows at their owners (cuda/heap_view.h): decode W13 with gathered rows
+                                  reads them and their FP8 scales there (x, scales), plain with use_ret
+                                  sends them to the combine slots (combine) */
+    const int32_t *src;        /* [rows, 3] (rank, token, k) of each gathered or returned receive row */
+    int32_t num_topk;          /* K, with use_ret */
     int32_t use_ret;
     int32_t num_experts;       /* L */
     int32_t max_rows;          /* counts are clamped to [0, max_rows] */
     int32_t N, K;              /* weight rows per expert, reduction elements */
     int32_t ue8m0;             /* swiglu FP8: power-of-two h scales */
-    int32_t *sched;            /* TMA family: the dynamic schedule's (ticket, finished CTAs), or NULL */
+    int32_t *sched;            /* the dynamic schedule's (ticket, finished CTAs), or NULL: the static walk */
     uint64_t *timeline;        /* decode family, the lab's --timeline only: kTimelineStamps %globaltimer
                                   stamps per CTA (entry, prologue done, last store), or NULL */
+    mf__fault_sink_t sink;     /* the comm's: where an expired pipeline wait records itself */
 };
 
-/* W13 + SwiGLU: N = 2I weight rows, K = H (the tensor maps are the launcher's). */
-static inline gemm_params w13_params(const mf__gemm_segments_t *seg, int32_t ue8m0, mf__gemm_operand_t a,
-                                     mf__gemm_operand_t w13, int32_t H, int32_t I, void *h, float *h_scales) {
+/* What every launch takes from its segments (both GEMMs below). */
+static inline gemm_params seg_params(const mf__gemm_segments_t *seg) {
     gemm_params p;
     memset(&p, 0, sizeof p);
     p.counts = seg->counts;
     p.offsets = seg->offsets;
     p.sched = seg->sched;
+    p.sink = seg->sink;
+    p.num_experts = seg->num_experts;
+    p.max_rows = seg->max_rows_per_expert;
+    return p;
+}
+
+/* W13 + SwiGLU: N = 2I weight rows, K = H (the tensor maps are the launcher's). */
+static inline gemm_params w13_params(const mf__gemm_segments_t *seg, int32_t ue8m0, mf__gemm_operand_t a,
+                                     mf__gemm_operand_t w13, int32_t H, int32_t I, void *h, float *h_scales) {
+    gemm_params p = seg_params(seg);
     p.a_scales = a.gather ? NULL : a.scales;
     p.w_scales = w13.scales;
     p.out = (uint8_t *)h;
     p.out_scales = h_scales;
-    if (a.gather) p.gather = *a.gather;
-    p.num_experts = seg->num_experts;
-    p.max_rows = seg->max_rows_per_expert;
+    if (a.gather) {
+        p.view = *a.gather->view;
+        p.src = a.gather->src;
+    }
     p.N = 2 * I;
     p.K = H;
     p.ue8m0 = ue8m0 ? 1 : 0;
@@ -95,20 +109,16 @@ static inline gemm_params w13_params(const mf__gemm_segments_t *seg, int32_t ue8
 /* W2: N = H weight rows, K = I; rows to `out` or, with `ret`, to the owners' combine slots. */
 static inline gemm_params w2_params(const mf__gemm_segments_t *seg, mf__gemm_operand_t h, mf__gemm_operand_t w2,
                                     int32_t H, int32_t I, uint16_t *out, const mf__gemm_return_t *ret) {
-    gemm_params p;
-    memset(&p, 0, sizeof p);
-    p.counts = seg->counts;
-    p.offsets = seg->offsets;
-    p.sched = seg->sched;
+    gemm_params p = seg_params(seg);
     p.a_scales = h.scales;
     p.w_scales = w2.scales;
     p.out = (uint8_t *)out;
     if (ret) {
-        p.ret = *ret;
+        p.view = *ret->view;
+        p.src = ret->src;
+        p.num_topk = ret->num_topk;
         p.use_ret = 1;
     }
-    p.num_experts = seg->num_experts;
-    p.max_rows = seg->max_rows_per_expert;
     p.N = H;
     p.K = I;
     return p;
@@ -143,24 +153,16 @@ __device__ __forceinline__ void tables_at(tables_t &tb, uint8_t *at) {
     tb.first = tb.row0 + kMaxExperts;
 }
 
-/* Reads the counts (clamped to [0, max_rows]) and offsets into the tables and scans units(rows),
- * an expert's work units, into first[] (each lane of warp 0 sums a run of experts, then a warp
- * scan). Every thread of the CTA calls it; it ends with the tables visible to all. */
-template <int kThreads, class Units>
-__device__ __forceinline__ void build_tables(const gemm_params &p, const tables_t &tb, Units units) {
-    const int L = p.num_experts;
-    for (int e = (int)threadIdx.x; e < L; e += kThreads) {
-        int32_t n = p.counts[e];
-        n = n < 0 ? 0 : (n > p.max_rows ? p.max_rows : n);
-        tb.rows[e] = n;
-        tb.row0[e] = p.offsets[e];
-    }
-    __syncthreads();
+/* out[e] = the sum of f(in[e']) over e' < e, for e in [0, L), and (kTotal) out[L] = the sum over all
+ * (each lane of warp 0 sums a run of experts, then a warp scan). Every thread of the CTA calls it,
+ * after a barrier that made in[] visible; it ends with out[] visible to all. */
+template <bool kTotal, class F>
+__device__ __forceinline__ void scan_into(int32_t *out, const int32_t *in, int L, F f) {
     if (threadIdx.x < 32) {
         const int lane = (int)threadIdx.x, per = (L + 31) / 32;
         const int lo = min_int(L, lane * per), hi = min_int(L, lo + per);
         int32_t local = 0;
-        for (int e = lo; e < hi; e++) local += units(tb.rows[e]);
+        for (int e = lo; e < hi; e++) local += f(in[e]);
         int32_t incl = local;
 #pragma unroll
         for (int off = 1; off < 32; off <<= 1) {
@@ -169,12 +171,33 @@ __device__ __forceinline__ void build_tables(const gemm_params &p, const tables_
         }
         int32_t base = incl - local;
         for (int e = lo; e < hi; e++) {
-            tb.first[e] = base;
-            base += units(tb.rows[e]);
+            out[e] = base;
+            base += f(in[e]);
         }
-        if (lane == 31) tb.first[L] = incl;
+        if (kTotal && lane == 31) out[L] = incl;
     }
     __syncthreads();
+}
+
+/* first[] from rows[]: units(rows) are an expert's work units (scan_into). */
+template <class Units>
+__device__ __forceinline__ void scan_units(const tables_t &tb, int L, Units units) {
+    scan_into<true>(tb.first, tb.rows, L, units);
+}
+
+/* Reads the counts (clamped to [0, max_rows]) and offsets into the tables and scans them into
+ * first[] (scan_units). Every thread of the CTA calls it; it ends with the tables visible to all. */
+template <int kThreads, class Params, class Units>
+__device__ __forceinline__ void build_tables(const Params &p, const tables_t &tb, Units units) {
+    const int L = p.num_experts;
+    for (int e = (int)threadIdx.x; e < L; e += kThreads) {
+        int32_t n = p.counts[e];
+        n = n < 0 ? 0 : (n > p.max_rows ? p.max_rows : n);
+        tb.rows[e] = n;
+        tb.row0[e] = p.offsets[e];
+    }
+    __syncthreads();
+    scan_units(tb, L, units);
 }
 
 /* One tile: expert, n-block, receive row of tile row (decode: column) 0, first tile row that
@@ -234,6 +257,35 @@ __device__ __forceinline__ int32_t clamp_row(const tile_t &t, int j) {
     return t.row0 + (j < t.lo ? t.lo : (j < kRows ? j : kRows - 1));
 }
 
+/* ---- the schedule: static or dynamic (both families' producers) ------------------------------- */
+
+/* The producer's next tile after `idx`: static (sched NULL), idx + grid; dynamic (a schedule pair),
+ * grid + the next ticket (lane 0 takes it, the warp shares it), so a CTA whose SM streams faster
+ * takes more tiles. Tickets only grow, so every CTA's tiles ascend (the walk's cursor relies on
+ * it); the first tile of every CTA is blockIdx.x in both. The producer publishes each stage's tile
+ * (tile_of[slot], before the stage's arrival) and ends with a stage of tile -1: the consumers follow
+ * it instead of walking on their own. */
+__device__ __forceinline__ int32_t next_idx(int32_t *sched, int32_t idx, int lane) {
+    if (!sched) return idx + (int32_t)gridDim.x;
+    int32_t ticket = 0;
+    if (lane == 0) ticket = atomicAdd(sched, 1);
+    return (int32_t)gridDim.x + __shfl_sync(0xffffffffu, ticket, 0);
+}
+
+/* Dynamic schedule, the producer warp after its last tile: the last CTA to finish takes its
+ * past-the-end ticket back to zero; every CTA counts itself only after its last ticket, so nothing
+ * takes a ticket after the reset. The next launch on this pair starts after this grid completes
+ * (stream order; under PDL it takes tickets only after its griddepcontrol.wait). */
+__device__ __forceinline__ void end_schedule(int32_t *sched, int lane) {
+    if (sched && lane == 0) {
+        __threadfence();
+        if (atomicAdd(sched + 1, 1) == (int32_t)gridDim.x - 1) {
+            atomicExch(sched, 0);
+            atomicExch(sched + 1, 0);
+        }
+    }
+}
+
 /* ---- the stage ring -------------------------------------------------------------------------- */
 
 /* Ring position `it` counts stages over the whole persistent walk in every role: slot it % kStages,
@@ -241,16 +293,18 @@ __device__ __forceinline__ int32_t clamp_row(const tile_t &t, int j) {
  * cp.async arrival per producer lane when lanes copy into the stage); empty[s]: one arrival per
  * consumer warp once it is done with the stage. The producer waits empty with the opposite parity
  * (a fresh barrier's "previous phase" counts as done). Every wait is bounded (kWaitTimeoutNs): an
- * expired one records its tag in the fault record and returns (mf__mbar_wait_bounded). */
+ * expired one records its tag in the comm's fault sink and returns (mf__mbar_wait_bounded). */
 template <int kStages>
 struct ring {
     static __device__ __forceinline__ uint32_t slot(uint32_t it) { return it % kStages; }
     static __device__ __forceinline__ uint32_t parity(uint32_t it) { return (it / kStages) & 1u; }
-    static __device__ __forceinline__ void wait_full(uint64_t *full, uint32_t it) {
-        mf__mbar_wait_bounded(&full[slot(it)], parity(it), kTagConsumerFull, kWaitTimeoutNs);
+    static __device__ __forceinline__ void wait_full(uint64_t *full, uint32_t it, const mf__fault_sink_t &sink) {
+        mf__mbar_wait_bounded(&full[slot(it)], parity(it), kTagConsumerFull, kWaitTimeoutNs, &sink);
     }
+    /* The producer's: it drains on expiry but records nothing (mf__mbar_wait_bounded: its consumers'
+     * full waits then fail or drain and record it). */
     static __device__ __forceinline__ void wait_empty(uint64_t *empty, uint32_t it) {
-        mf__mbar_wait_bounded(&empty[slot(it)], parity(it) ^ 1u, kTagProducerEmpty, kWaitTimeoutNs);
+        mf__mbar_wait_bounded(&empty[slot(it)], parity(it) ^ 1u, kTagProducerEmpty, kWaitTimeoutNs, NULL);
     }
     /* One thread: full[s] expects `full_arrivals`, empty[s] one per consumer warp. */
     static __device__ __forceinline__ void init(uint64_t *full, uint64_t *empty, uint32_t full_arrivals) {
@@ -282,12 +336,12 @@ __device__ __forceinline__ void prefetch_maps(const gemm_params &p) {
  * the tensor maps, which depend on no earlier kernel, so under PDL they run while it drains; then
  * the wait for the previous kernel (counts, offsets and the activations are its results:
  * cuda/pdl.cuh), the trigger that lets the next one start, and the expert tables. */
-template <int kStages, bool kPrefetch, class Units>
-__device__ __forceinline__ void prologue(const gemm_params &p, uint64_t *full, uint64_t *empty, uint32_t full_arrivals,
+template <int kStages, bool kPrefetch, class Params, class Units>
+__device__ __forceinline__ void prologue(const Params &p, uint64_t *full, uint64_t *empty, uint32_t full_arrivals,
                                          const tables_t &tb, Units units) {
     if (threadIdx.x == 0) {
         ring<kStages>::init(full, empty, full_arrivals);
-        if (kPrefetch) prefetch_maps<true>(p);
+        if constexpr (kPrefetch) prefetch_maps<true>(p);
     }
     mf__pdl_wait();
     mf__pdl_trigger();
@@ -308,17 +362,19 @@ __device__ __forceinline__ bool producer_role(void) {
 
 /* ---- epilogue targets ------------------------------------------------------------------------ */
 
-/* W2 with `ret`: where receive row `row` goes, its owner's combine slot *dst = ret.slots[rank] +
- * (token K + k) n BF16, n = N (the caller adds its columns), (rank, token, k) = ret.src[3 row];
- * false when that entry is invalid (the row is not stored). Without `ret` rows go to out + row * N
- * BF16, which each epilogue computes itself. */
-__device__ __forceinline__ bool ret_row(const gemm_params &p, int64_t row, int64_t n, uint8_t *&dst) {
-    const int32_t *src = p.ret.src + 3 * row;
+/* W2 with `ret`: where receive row `row` goes, its owner's combine slot *dst = view.heap[rank] +
+ * view.combine + (token K + k) n BF16, n = N (the caller adds its columns), (rank, token, k) =
+ * table[3 row] (the plan's src, p.src, or the small kernel's own copy in shared memory); false when
+ * that entry is invalid or its heap is NULL (the row is not stored). Without `ret` rows go to out +
+ * row * N BF16, which each epilogue computes itself. */
+template <class Params>
+__device__ __forceinline__ bool ret_row(const Params &p, const int32_t *table, int64_t row, int64_t n, uint8_t *&dst) {
+    const int32_t *src = table + 3 * row;
     const int32_t rank = src[0], token = src[1], k = src[2];
-    if ((uint32_t)rank >= (uint32_t)MF_MAX_RANKS || token < 0 || k < 0 || k >= p.ret.num_topk) return false;
-    uint16_t *slots = p.ret.slots[rank];
-    if (!slots) return false;
-    dst = (uint8_t *)(slots + ((int64_t)token * p.ret.num_topk + k) * n);
+    if ((uint32_t)rank >= (uint32_t)MF_MAX_RANKS || token < 0 || k < 0 || k >= p.num_topk) return false;
+    uint8_t *heap = p.view.heap[rank];
+    if (!heap) return false;
+    dst = (uint8_t *)((uint16_t *)(heap + p.view.combine) + ((int64_t)token * p.num_topk + k) * n);
     return true;
 }
 

@@ -11,7 +11,8 @@
  * tokens (receive rows of one expert) per tile, C masked capacity.
  *
  *   plain (W2):      out[rows, N] = bf16(a[rows, K] . W[e]^T)      W[e] = [N, K]; rows go to out[row]
- *                    or, with `ret`, to the owner's combine slot ret.slots[rank] + (token K + k) H
+ *                    or, with `ret`, to the owner's combine slot (token K + k) H at view.heap[rank] +
+ *                    view.combine
  *   swiglu (W13):    h[rows, I] = silu(a . Wg^T) * (a . Wu^T)      W[e] = [Wg; Wu] = [2I, K]
  *                    BF16: h rounded to BF16; FP8: h requantised 1x128 (h_fp8 + h_scales [rows, I/128])
  *
@@ -31,8 +32,8 @@
  *
  * Activation sources (kGather, W13 only):
  *   contiguous: one TMA box [kBlockT rows x 128 B] per K block at (k, row0), 128B swizzle.
- *   gathered:   a.gather (the direct dataflow): column j's row lives at its owner, heap[rank] + x +
- *               token * K bytes (src[3 row] = (rank, token, k)); the producer warp copies it with
+ *   gathered:   a.gather (the direct dataflow): column j's row lives at its owner, view.heap[rank] +
+ *               view.x + token * K bytes (src[3 row] = (rank, token, k)); the producer warp copies it with
  *               16-byte cp.asyncs into the layout TMA would produce (chunk c of row j at chunk
  *               c ^ (j & 7) of the row's 128 B, rows 128 B apart, tile 1024-B aligned) and arrives
  *               on the full barrier with cp.async.mbarrier.arrive.noinc. Columns below lo are not
@@ -48,7 +49,11 @@
  * the same layout and a token's 128 h columns (one FP8 scale block) are all in the tile. Token
  * blocks (more than kBlockT rows in one expert) are the innermost tile index: their CTAs run at the
  * same time and read the same weights, the second one from L2. The grid is persistent (one CTA per
- * SM, tiles b, b + grid, ...); experts without rows have no tiles, so they cost nothing. The
+ * SM): CTA b's first tile is b; then, with a schedule pair (seg->sched) and more tiles than CTAs,
+ * the producer takes the next tile by ticket (sm90_core.cuh next_idx: an SM that streams faster
+ * takes more tiles; CTAs' rates differ by up to 1.5x at T = 1, `sm90_decode_lab --timeline`),
+ * otherwise b + grid, ...; it puts each stage's tile into tile_of[slot] and ends with a stage of
+ * tile -1, which the consumers follow. Experts without rows have no tiles, so they cost nothing. The
  * counts and offsets are read on the device (CUDA-graph capturable) into shared-memory tables
  * at kernel start (a warp scan gives each expert's first tile); counts are clamped to
  * [0, max_rows]. Before that read the kernel waits for the previous kernel (mf__pdl_wait,
@@ -71,8 +76,8 @@
  * barrier's "previous phase" counts as done).
  *
  * Bounded waits. Every mbarrier wait gives up after kWaitTimeoutNs (20 s) of %globaltimer, records
- * itself in the fault record and returns (mf__mbar_wait_bounded, sm90_ptx.cuh; the labs trap
- * instead). The bound is far above any healthy wait, a slow but live peer included (gathered rows
+ * itself in the calling comm's fault sink (gemm_params.sink) and returns (mf__mbar_wait_bounded,
+ * sm90_ptx.cuh). The bound is far above any healthy wait, a slow but live peer included (gathered rows
  * are peer reads): it exists only so that a broken pipeline can never hang the GPU.
  *
  * FP8 (docs/DESIGN.md "Numerics"): for each 128-wide K block the four k32 wgmmas go into a temporary
@@ -132,7 +137,9 @@ struct cfg {
     static constexpr int kEpiBytes = align_up(kBlockT * kEpiRowBytes, 128);
     static constexpr int kRedBytes = kConsumerWarps * kBlockT * 4;
     static constexpr int kTableBytes = align_up((3 * kMaxExperts + 1) * 4, 16);
-    static constexpr int kFixedBytes = kMfSwizzleAtomBytes /* base alignment slack */ + kEpiBytes + kRedBytes + kTableBytes;
+    static constexpr int kTileOfBytes = align_up(kMaxStages * 4, 16);  /* tile_of[kStages] */
+    static constexpr int kFixedBytes =
+        kMfSwizzleAtomBytes /* base alignment slack */ + kEpiBytes + kRedBytes + kTableBytes + kTileOfBytes;
     static constexpr int kPerStageBytes = kStageBytes + kScaleBytes + 2 * 8;
     static constexpr int kStages = min_int(kMaxStages, (kSmemLimit - kFixedBytes - 16) / kPerStageBytes);
 
@@ -141,7 +148,8 @@ struct cfg {
     static constexpr int kOffScales = kOffEpi + kEpiBytes;
     static constexpr int kOffRed = kOffScales + align_up(kStages * kScaleBytes, 16);
     static constexpr int kOffTables = kOffRed + kRedBytes;
-    static constexpr int kOffBars = align_up(kOffTables + kTableBytes, 8);
+    static constexpr int kOffTileOf = kOffTables + kTableBytes;
+    static constexpr int kOffBars = align_up(kOffTileOf + kTileOfBytes, 8);
     static constexpr int kSmemBytes = kOffBars + kStages * 2 * 8 + kMfSwizzleAtomBytes;
 
     static_assert(kBlockT == 8 || kBlockT == 16 || kBlockT == 32 || kBlockT == 64, "wgmma N (tokens per tile)");
@@ -156,7 +164,7 @@ struct cfg {
 
 template <bool kFp8, int kEpi, int kBlockT, bool kGather>
 __device__ __forceinline__ void producer(const gemm_params &p, const tables_t &tb, uint8_t *stages, float *scales,
-                                         uint64_t *full, uint64_t *empty) {
+                                         int32_t *tile_of, uint64_t *full, uint64_t *empty) {
     using C = cfg<kFp8, kEpi, kBlockT>;
     constexpr bool kCpAsync = kFp8 || kGather;                  /* lanes arrive on full[] */
     const int lane = (int)(threadIdx.x & 31);
@@ -170,8 +178,12 @@ __device__ __forceinline__ void producer(const gemm_params &p, const tables_t &t
     uint32_t it = 0;
     int32_t cursor = 0;
     tile_t t;
+    /* tiles by ticket only when there are more tiles than CTAs: with one tile per CTA (T = 1's W13)
+     * a ticket buys nothing and its end (a fence, two atomics) holds the SM (every CTA decides
+     * alike, from the same tables) */
+    int32_t *const sched = tb.first[p.num_experts] > (int32_t)gridDim.x ? p.sched : NULL;
     for (int32_t idx = (int32_t)blockIdx.x; next_tile<kBlockT, kRowsInner>(tb, p.num_experts, 0, idx, cursor, t);
-         idx += (int32_t)gridDim.x) {
+         idx = next_idx(sched, idx, lane)) {
         /* weight rows of box b (gate, up) and its scale row */
         const int32_t wrow0 = t.e * p.N + t.nb * kBoxRows;
         const int32_t srow0 = t.e * scale_rows + t.nb;
@@ -186,11 +198,11 @@ __device__ __forceinline__ void producer(const gemm_params &p, const tables_t &t
             arow[i] = NULL;
             srow[i] = p.a_scales;
             if constexpr (kGather) {
-                const int32_t *src = p.gather.src + 3 * (int64_t)row;
+                const int32_t *src = p.src + 3 * (int64_t)row;
                 const int32_t rank = src[0], token = src[1];
-                const uint8_t *heap = (uint32_t)rank < (uint32_t)MF_MAX_RANKS ? p.gather.heap[rank] : NULL;
-                if (heap && j >= t.lo && j < kBlockT) arow[i] = heap + p.gather.x + (int64_t)token * kbytes;
-                if (heap) srow[i] = (const float *)(heap + p.gather.scales) + (int64_t)token * kblocks;
+                const uint8_t *heap = (uint32_t)rank < (uint32_t)MF_MAX_RANKS ? p.view.heap[rank] : NULL;
+                if (heap && j >= t.lo && j < kBlockT) arow[i] = heap + p.view.x + (int64_t)token * kbytes;
+                if (heap) srow[i] = (const float *)(heap + p.view.scales) + (int64_t)token * kblocks;
             } else if constexpr (kFp8) {
                 srow[i] = p.a_scales + (int64_t)row * kblocks;
             }
@@ -228,6 +240,7 @@ __device__ __forceinline__ void producer(const gemm_params &p, const tables_t &t
             if constexpr (kCpAsync) mf__cp_async_mbar_arrive_noinc(&full[slot]); /* one of full's 1 + 32 */
             __syncwarp();
             if (lane == 0) {
+                tile_of[slot] = idx; /* published by the arrive below */
                 mf__mbar_arrive_expect_tx(&full[slot], (uint32_t)(kGather ? C::kWeightBytes : C::kStageBytes));
                 const int32_t kc = kb * (kKBlock / C::kEsz); /* K coordinate, elements */
 #pragma unroll
@@ -237,16 +250,27 @@ __device__ __forceinline__ void producer(const gemm_params &p, const tables_t &t
             }
         }
     }
+    /* The end: one more stage, tile -1 and no data, full by plain arrivals (with lanes' copies: 32 + 1
+     * in place of the 32 cp.async arrivals and the expect_tx): the consumers' "no next tile". */
+    const uint32_t slot = ring<C::kStages>::slot(it);
+    ring<C::kStages>::wait_empty(empty, it);
+    if (lane == 0) tile_of[slot] = -1;
+    __syncwarp();
+    if constexpr (kCpAsync) mf__mbar_arrive(&full[slot]);
+    if (lane == 0) mf__mbar_arrive(&full[slot]);
+    end_schedule(sched, lane);
     if constexpr (kCpAsync) mf__cp_async_wait_all();
 }
 
 /* ---- consumers: two warpgroups, 64 weight rows each per box ----------------------------------- */
 
 /* Staging tile -> output rows of columns [lo, kBlockT), columns [nb 128, nb 128 + 128) of the row,
- * 16 bytes per store: out[row0 + token], or (plain with ret) the owner's combine slot. */
-template <int kEpi, int kBlockT, int kOutEsz, int kEpiRowBytes>
-__device__ __forceinline__ void store_tile(const gemm_params &p, const uint8_t *epi, int64_t out_ld, const tile_t &t,
-                                           int ctid) {
+ * 16 bytes per store: out[row0 + token], or (plain with use_ret) the owner's combine slot (ret_row:
+ * p's view and num_topk, the rows' sources in `src`). Shared with the small-batch kernel
+ * (kernels/sm90_small_gemm.cuh). */
+template <int kEpi, int kBlockT, int kOutEsz, int kEpiRowBytes, class Params>
+__device__ __forceinline__ void store_tile(const Params &p, const int32_t *src, uint8_t *out, bool use_ret,
+                                           const uint8_t *epi, int64_t out_ld, const tile_t &t, int ctid) {
     constexpr int kChunksPerRow = kTileCols * kOutEsz / kChunk;
     const int64_t col_bytes = (int64_t)t.nb * kTileCols * kOutEsz;
 #pragma unroll
@@ -255,29 +279,164 @@ __device__ __forceinline__ void store_tile(const gemm_params &p, const uint8_t *
         if (token < t.lo) continue;
         const int64_t row = (int64_t)t.row0 + token;
         uint8_t *dst;
-        if (kEpi == kEpiPlain && p.use_ret) {
-            if (!ret_row(p, row, out_ld, dst)) continue;
+        if (kEpi == kEpiPlain && use_ret) {
+            if (!ret_row(p, src, row, out_ld, dst)) continue;
         } else {
-            dst = p.out + row * out_ld * kOutEsz;
+            dst = out + row * out_ld * kOutEsz;
         }
         *(uint4 *)(dst + col_bytes + ch * kChunk) = *(const uint4 *)(epi + token * kEpiRowBytes + ch * kChunk);
     }
 }
 
+/* One K block of a tile into acc (the consumer warpgroup's kBoxes weight boxes at descriptors da[b],
+ * the activation tile at db). FP8: the four k32 wgmmas of each box into tmp (scale-d = 0 on the
+ * first), then the promotion acc += tmp * (as[column] * *ws[b]) with as = the K block's a_scale per
+ * tile column and ws[b] its box's w_scale; BF16: straight into acc. Shared with the small-batch
+ * kernel (kernels/sm90_small_gemm.cuh), whose boxes of one K block sit in separate ring slots. */
+template <bool kFp8, int kBoxes, int kBlockT>
+__device__ __forceinline__ void mma_kblock(float (&acc)[kBoxes][kBlockT / 2], float (&tmp)[kBoxes][kBlockT / 2],
+                                           const uint64_t (&da)[kBoxes], uint64_t db, const float *as,
+                                           const float *const *ws, int quad) {
+    if constexpr (kFp8) {
+        /* issued like the BF16 branch below, on purpose: one helper templated on the dtype
+         * changed the SASS of the two W2 T = 64 kernels (dev/cubin_diff.py) */
+#pragma unroll
+        for (int b = 0; b < kBoxes; b++) mf__fence_fragment<kBlockT>(tmp[b]); /* last promotion's reads first */
+        mf__wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < kKSteps; k++)
+#pragma unroll
+            for (int b = 0; b < kBoxes; b++)
+                mf__wgmma_e4m3<kBlockT>(tmp[b], mf__wgmma_desc_advance(da[b], k * kKStepBytes),
+                                        mf__wgmma_desc_advance(db, k * kKStepBytes), k > 0 ? 1 : 0);
+        mf__wgmma_commit();
+        mf__wgmma_wait<0>();
+#pragma unroll
+        for (int b = 0; b < kBoxes; b++) mf__fence_fragment<kBlockT>(tmp[b]);
+        /* promotion of this K block: acc += tmp * (a_scale[column] * w_scale[box]) */
+        float w[kBoxes];
+#pragma unroll
+        for (int b = 0; b < kBoxes; b++) w[b] = *ws[b];
+#pragma unroll
+        for (int j = 0; j < kBlockT / 8; j++) {
+            const float2 a = *(const float2 *)(as + 8 * j + 2 * quad);
+#pragma unroll
+            for (int b = 0; b < kBoxes; b++) {
+                const float s0 = a.x * w[b], s1 = a.y * w[b];
+                acc[b][4 * j + 0] += tmp[b][4 * j + 0] * s0;
+                acc[b][4 * j + 1] += tmp[b][4 * j + 1] * s1;
+                acc[b][4 * j + 2] += tmp[b][4 * j + 2] * s0;
+                acc[b][4 * j + 3] += tmp[b][4 * j + 3] * s1;
+            }
+        }
+    } else {
+        /* issued like the FP8 branch above, on purpose (there) */
+#pragma unroll
+        for (int b = 0; b < kBoxes; b++) mf__fence_fragment<kBlockT>(acc[b]); /* zeroing first */
+        mf__wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < kKSteps; k++)
+#pragma unroll
+            for (int b = 0; b < kBoxes; b++)
+                mf__wgmma_bf16<kBlockT>(acc[b], mf__wgmma_desc_advance(da[b], k * kKStepBytes),
+                                        mf__wgmma_desc_advance(db, k * kKStepBytes), 1);
+        mf__wgmma_commit();
+        mf__wgmma_wait<0>();
+#pragma unroll
+        for (int b = 0; b < kBoxes; b++) mf__fence_fragment<kBlockT>(acc[b]);
+    }
+}
+
+/* A finished tile's accumulators -> the staging tile `epi` (BF16, or FP8 with its scales written to
+ * out_scales[(row0 + token) h_blocks + nb] for the tile's tokens), between the 256 consumer threads'
+ * named barriers: the first waits for the previous tile's stores, the last leaves the staging tile
+ * complete for store_tile. swiglu: h = silu(acc[0]) * acc[1] first (acc[0] is overwritten). */
+template <bool kFp8, int kEpi, int kBlockT, int kOutEsz, int kEpiRowBytes, int kBoxes>
+__device__ __forceinline__ void stage_tile(float (&acc)[kBoxes][kBlockT / 2], uint8_t *epi, float *red, int32_t ue8m0,
+                                           float *out_scales, int32_t h_blocks, const tile_t &t, int ctid) {
+    constexpr int kFrag = kBlockT / 2;
+    const int wg = ctid / kMfWarpgroupThreads;
+    const int warp = (ctid / 32) % 4, lane = ctid & 31;
+    const int quad = lane & 3, group = lane >> 2;
+    /* fragment (j, h, b) = acc[4j + 2h + b] sits at D[row 16 warp + group + 8h][column 8j + 2 quad + b] */
+    const int col_base = wg * kWgRows + warp * 16 + group; /* tile column (weight row) of h = 0 */
+    if constexpr (kEpi == kEpiSwiglu) {
+#pragma unroll
+        for (int i = 0; i < kFrag; i++) acc[0][i] = mf__silu(acc[0][i]) * acc[1][i];
+    }
+    mf__named_barrier_sync(kBarEpilogue, kConsumerThreads); /* the previous tile's stores are done */
+    if constexpr (kOutEsz == 2) {
+#pragma unroll
+        for (int j = 0; j < kBlockT / 8; j++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int b = 0; b < 2; b++) {
+                    const int token = 8 * j + 2 * quad + b, col = col_base + 8 * h;
+                    *(uint16_t *)(epi + token * kEpiRowBytes + col * 2) = mf__bf16_from_float(acc[0][4 * j + 2 * h + b]);
+                }
+    } else {
+        /* FP8 h: amax of each token over the tile's 128 h columns */
+        float m[kBlockT / 8][2];
+#pragma unroll
+        for (int j = 0; j < kBlockT / 8; j++)
+#pragma unroll
+            for (int b = 0; b < 2; b++) {
+                float v = 0.0f;
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const float a = fabsf(acc[0][4 * j + 2 * h + b]);
+                    v = a > v ? a : v; /* NaN never wins, as in the host quantiser */
+                }
+#pragma unroll
+                for (int off = 4; off < 32; off <<= 1) {
+                    const float o = __shfl_xor_sync(0xffffffffu, v, off);
+                    v = o > v ? o : v;
+                }
+                m[j][b] = v;
+            }
+        if (group == 0)
+#pragma unroll
+            for (int j = 0; j < kBlockT / 8; j++)
+#pragma unroll
+                for (int b = 0; b < 2; b++) red[(wg * 4 + warp) * kBlockT + 8 * j + 2 * quad + b] = m[j][b];
+        mf__named_barrier_sync(kBarEpilogue, kConsumerThreads);
+#pragma unroll
+        for (int j = 0; j < kBlockT / 8; j++)
+#pragma unroll
+            for (int b = 0; b < 2; b++) {
+                const int token = 8 * j + 2 * quad + b;
+                float amax = 0.0f;
+#pragma unroll
+                for (int w = 0; w < kConsumerWarps; w++) {
+                    const float o = red[w * kBlockT + token];
+                    amax = o > amax ? o : amax;
+                }
+                float scale, inv;
+                mf__fp8_block_scale(amax, ue8m0, &scale, &inv);
+#pragma unroll
+                for (int h = 0; h < 2; h++)
+                    epi[token * kEpiRowBytes + col_base + 8 * h] = mf__fp8_from_float(acc[0][4 * j + 2 * h + b] * inv);
+                if (wg == 0 && warp == 0 && group == 0 && token >= t.lo)
+                    out_scales[(int64_t)(t.row0 + token) * h_blocks + t.nb] = scale;
+            }
+    }
+    mf__named_barrier_sync(kBarEpilogue, kConsumerThreads); /* the staging tile is complete */
+}
+
 template <bool kFp8, int kEpi, int kBlockT, bool kGather>
 __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &tb, uint8_t *stages, const float *scales,
-                                         uint8_t *epi, float *red, uint64_t *full, uint64_t *empty) {
+                                         const int32_t *tile_of, uint8_t *epi, float *red, uint64_t *full,
+                                         uint64_t *empty) {
     using C = cfg<kFp8, kEpi, kBlockT>;
     constexpr int kFrag = kBlockT / 2;          /* accumulators per thread per 64-row block */
     const int ctid = (int)threadIdx.x - kMfWarpgroupThreads; /* 0..255 */
     const int wg = ctid / kMfWarpgroupThreads;  /* consumer warpgroup: weight rows [64 wg, 64 wg + 64) */
-    const int warp = (ctid / 32) % 4, lane = ctid & 31;
-    const int quad = lane & 3, group = lane >> 2;
+    const int lane = ctid & 31;
+    const int quad = lane & 3;
     const int32_t kblocks = p.K * C::kEsz / kKBlock;
     const int64_t out_ld = kEpi == kEpiSwiglu ? p.N / 2 : p.N;
     const uint64_t desc_stages = mf__wgmma_desc_sw128(stages);
-    /* fragment (j, h, b) = acc[4j + 2h + b] sits at D[row 16 warp + group + 8h][column 8j + 2 quad + b] */
-    const int col_base = wg * kWgRows + warp * 16 + group; /* tile column (weight row) of h = 0 */
 
     float tmp[C::kBoxes][kFrag];
 #pragma unroll
@@ -288,8 +447,11 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
     uint32_t it = 0;
     int32_t cursor = 0;
     tile_t t;
-    for (int32_t idx = (int32_t)blockIdx.x; next_tile<kBlockT, kRowsInner>(tb, p.num_experts, 0, idx, cursor, t);
-         idx += (int32_t)gridDim.x) {
+    /* The next tile is the one the producer put into the next stage (tile_of; -1: the end) */
+    for (;;) {
+        ring<C::kStages>::wait_full(full, it, p.sink);
+        const int32_t idx = tile_of[ring<C::kStages>::slot(it)];
+        if (idx < 0 || !next_tile<kBlockT, kRowsInner>(tb, p.num_experts, 0, idx, cursor, t)) break;
         float acc[C::kBoxes][kFrag];
 #pragma unroll
         for (int b = 0; b < C::kBoxes; b++)
@@ -298,130 +460,25 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
 
         for (int32_t kb = 0; kb < kblocks; kb++, it++) {
             const uint32_t slot = ring<C::kStages>::slot(it);
-            ring<C::kStages>::wait_full(full, it);
+            ring<C::kStages>::wait_full(full, it, p.sink);
             if constexpr (kGather) mf__fence_proxy_async_smem(); /* cp.async (generic) -> wgmma (async) */
             const uint64_t dslot = desc_stages + (uint64_t)((slot * C::kStageBytes) >> 4);
             uint64_t da[C::kBoxes];
 #pragma unroll
             for (int b = 0; b < C::kBoxes; b++) da[b] = mf__wgmma_desc_advance(dslot, b * kBoxBytes + wg * kWgOperandBytes);
             const uint64_t db = mf__wgmma_desc_advance(dslot, C::kWeightBytes);
-            if constexpr (kFp8) {
-                /* issued like the BF16 branch below, on purpose: one helper templated on the dtype
-                 * changed the SASS of the two W2 T = 64 kernels (dev/cubin_diff.py) */
+            const float *sc_slot = scales + slot * C::kScaleStride; /* FP8: this K block's scales */
+            const float *wsp[C::kBoxes];
 #pragma unroll
-                for (int b = 0; b < C::kBoxes; b++) mf__fence_fragment<kBlockT>(tmp[b]); /* last promotion's reads first */
-                mf__wgmma_fence();
-#pragma unroll
-                for (int k = 0; k < kKSteps; k++)
-#pragma unroll
-                    for (int b = 0; b < C::kBoxes; b++)
-                        mf__wgmma_e4m3<kBlockT>(tmp[b], mf__wgmma_desc_advance(da[b], k * kKStepBytes),
-                                                mf__wgmma_desc_advance(db, k * kKStepBytes), k > 0 ? 1 : 0);
-                mf__wgmma_commit();
-                mf__wgmma_wait<0>();
-#pragma unroll
-                for (int b = 0; b < C::kBoxes; b++) mf__fence_fragment<kBlockT>(tmp[b]);
-                /* promotion of this K block: acc += tmp * (a_scale[column] * w_scale[box]) */
-                const float *sc = scales + slot * C::kScaleStride;
-                float ws[C::kBoxes];
-#pragma unroll
-                for (int b = 0; b < C::kBoxes; b++) ws[b] = sc[kBlockT + b];
-#pragma unroll
-                for (int j = 0; j < kBlockT / 8; j++) {
-                    const float2 as = *(const float2 *)(sc + 8 * j + 2 * quad);
-#pragma unroll
-                    for (int b = 0; b < C::kBoxes; b++) {
-                        const float s0 = as.x * ws[b], s1 = as.y * ws[b];
-                        acc[b][4 * j + 0] += tmp[b][4 * j + 0] * s0;
-                        acc[b][4 * j + 1] += tmp[b][4 * j + 1] * s1;
-                        acc[b][4 * j + 2] += tmp[b][4 * j + 2] * s0;
-                        acc[b][4 * j + 3] += tmp[b][4 * j + 3] * s1;
-                    }
-                }
-            } else {
-                /* issued like the FP8 branch above, on purpose (there) */
-#pragma unroll
-                for (int b = 0; b < C::kBoxes; b++) mf__fence_fragment<kBlockT>(acc[b]); /* zeroing first */
-                mf__wgmma_fence();
-#pragma unroll
-                for (int k = 0; k < kKSteps; k++)
-#pragma unroll
-                    for (int b = 0; b < C::kBoxes; b++)
-                        mf__wgmma_bf16<kBlockT>(acc[b], mf__wgmma_desc_advance(da[b], k * kKStepBytes),
-                                                mf__wgmma_desc_advance(db, k * kKStepBytes), 1);
-                mf__wgmma_commit();
-                mf__wgmma_wait<0>();
-#pragma unroll
-                for (int b = 0; b < C::kBoxes; b++) mf__fence_fragment<kBlockT>(acc[b]);
-            }
+            for (int b = 0; b < C::kBoxes; b++) wsp[b] = sc_slot + kBlockT + b;
+            mma_kblock<kFp8, C::kBoxes, kBlockT>(acc, tmp, da, db, sc_slot, wsp, quad);
             release_stage(empty, slot, lane); /* this warp is done with the stage */
         }
 
         /* ---- epilogue ---- */
-        if constexpr (kEpi == kEpiSwiglu) {
-#pragma unroll
-            for (int i = 0; i < kFrag; i++) acc[0][i] = mf__silu(acc[0][i]) * acc[1][i];
-        }
-        mf__named_barrier_sync(kBarEpilogue, kConsumerThreads); /* the previous tile's stores are done */
-        if constexpr (C::kOutEsz == 2) {
-#pragma unroll
-            for (int j = 0; j < kBlockT / 8; j++)
-#pragma unroll
-                for (int h = 0; h < 2; h++)
-#pragma unroll
-                    for (int b = 0; b < 2; b++) {
-                        const int token = 8 * j + 2 * quad + b, col = col_base + 8 * h;
-                        *(uint16_t *)(epi + token * C::kEpiRowBytes + col * 2) = mf__bf16_from_float(acc[0][4 * j + 2 * h + b]);
-                    }
-        } else {
-            /* FP8 h: amax of each token over the tile's 128 h columns */
-            float m[kBlockT / 8][2];
-#pragma unroll
-            for (int j = 0; j < kBlockT / 8; j++)
-#pragma unroll
-                for (int b = 0; b < 2; b++) {
-                    float v = 0.0f;
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        const float a = fabsf(acc[0][4 * j + 2 * h + b]);
-                        v = a > v ? a : v; /* NaN never wins, as in the host quantiser */
-                    }
-#pragma unroll
-                    for (int off = 4; off < 32; off <<= 1) {
-                        const float o = __shfl_xor_sync(0xffffffffu, v, off);
-                        v = o > v ? o : v;
-                    }
-                    m[j][b] = v;
-                }
-            if (group == 0)
-#pragma unroll
-                for (int j = 0; j < kBlockT / 8; j++)
-#pragma unroll
-                    for (int b = 0; b < 2; b++) red[(wg * 4 + warp) * kBlockT + 8 * j + 2 * quad + b] = m[j][b];
-            mf__named_barrier_sync(kBarEpilogue, kConsumerThreads);
-            const int32_t h_blocks = (int32_t)(out_ld / MF__QUANT_BLOCK);
-#pragma unroll
-            for (int j = 0; j < kBlockT / 8; j++)
-#pragma unroll
-                for (int b = 0; b < 2; b++) {
-                    const int token = 8 * j + 2 * quad + b;
-                    float amax = 0.0f;
-#pragma unroll
-                    for (int w = 0; w < kConsumerWarps; w++) {
-                        const float o = red[w * kBlockT + token];
-                        amax = o > amax ? o : amax;
-                    }
-                    float scale, inv;
-                    mf__fp8_block_scale(amax, p.ue8m0, &scale, &inv);
-#pragma unroll
-                    for (int h = 0; h < 2; h++)
-                        epi[token * C::kEpiRowBytes + col_base + 8 * h] = mf__fp8_from_float(acc[0][4 * j + 2 * h + b] * inv);
-                    if (wg == 0 && warp == 0 && group == 0 && token >= t.lo)
-                        p.out_scales[(int64_t)(t.row0 + token) * h_blocks + t.nb] = scale;
-                }
-        }
-        mf__named_barrier_sync(kBarEpilogue, kConsumerThreads); /* the staging tile is complete */
-        store_tile<kEpi, kBlockT, C::kOutEsz, C::kEpiRowBytes>(p, epi, out_ld, t, ctid);
+        stage_tile<kFp8, kEpi, kBlockT, C::kOutEsz, C::kEpiRowBytes>(acc, epi, red, p.ue8m0, p.out_scales,
+                                                                      (int32_t)(out_ld / MF__QUANT_BLOCK), t, ctid);
+        store_tile<kEpi, kBlockT, C::kOutEsz, C::kEpiRowBytes>(p, p.src, p.out, p.use_ret != 0, epi, out_ld, t, ctid);
     }
 }
 
@@ -444,6 +501,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_decode_kernel(const __grid_c
     float *red = (float *)(smem + C::kOffRed);
     tables_t tb;
     tables_at<kMaxExperts>(tb, smem + C::kOffTables);
+    int32_t *tile_of = (int32_t *)(smem + C::kOffTileOf);
     uint64_t *full = (uint64_t *)(smem + C::kOffBars);
     uint64_t *empty = full + C::kStages;
     const int32_t nblocks = kEpi == kEpiSwiglu ? p.N / (2 * kTileCols) : p.N / kTileCols; /* n-blocks per expert */
@@ -457,9 +515,10 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_decode_kernel(const __grid_c
     if (timed && threadIdx.x == 0) stamp(p, 1);
 
     if (producer_role()) {
-        if (mf__warp_id() == 0) producer<kFp8, kEpi, kBlockT, kGather>(p, tb, stages, scales, full, empty);
+        if (mf__warp_id() == 0) producer<kFp8, kEpi, kBlockT, kGather>(p, tb, stages, scales, tile_of, full, empty);
     } else {
-        consumer<kFp8, kEpi, kBlockT, kGather>(p, tb, stages, scales, epi, red, full, empty);
+        consumer<kFp8, kEpi, kBlockT, kGather>(p, tb, stages, scales, tile_of, epi, red, full, empty);
+        if (threadIdx.x == kMfWarpgroupThreads) mf__pipeline_check(p.sink, kTagProducerEmpty);
         if (timed && threadIdx.x == kMfWarpgroupThreads) stamp(p, 2);
     }
 }
@@ -472,9 +531,6 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_decode_kernel(const __grid_c
 typedef struct mf__gemm_variant_info mf__gemm_variant_info_t;
 int mf__sm90_decode_variants(mf__gemm_variant_info_t *out, int max);
 
-/* Registers a fault record (see sm90_ptx.cuh; NULL turns reporting off) for the decode kernels of
- * gemm_decode.cu, whose translation unit holds its own copy of the record pointer. */
-cudaError_t mf__sm90_decode_set_fault_record(mf__sm90_fault_t *record);
 
 /* The decode lab's timeline: `stamps` (device, kTimelineStamps uint64 per CTA of the largest grid) or NULL (off,
  * the library's state) for the decode launches on the current device that follow (gemm_params.timeline).

@@ -93,7 +93,8 @@ struct w13_params {
     mf__gemm_segments_t seg;
     const uint8_t *a;        /* [rows, H] FP8 or BF16 (bytes), when use_gather == 0 */
     const float *a_scales;   /* FP8: [rows, H/128] */
-    mf__gemm_gather_t gather; /* when use_gather == 1: rows read in place at their owners */
+    mf__heap_view_t view;    /* when use_gather == 1: rows read in place at their owners (heap_view.h) */
+    const int32_t *src;      /* when use_gather == 1: [rows, 3] (rank, token, k) of each receive row */
     int32_t use_gather;
     const uint8_t *w;        /* [L, 2I, H] */
     const float *w_scales;   /* FP8: [L, 2I/128, H/128] */
@@ -110,7 +111,9 @@ struct w2_params {
     const uint8_t *w;        /* [L, H, I] */
     const float *w_scales;   /* FP8: [L, H/128, I/128] */
     uint16_t *out;           /* [rows, H] BF16, when use_ret == 0 */
-    mf__gemm_return_t ret;   /* when use_ret == 1 */
+    mf__heap_view_t view;    /* when use_ret == 1: rows to the owners' combine slots (heap_view.h) */
+    const int32_t *src;      /* when use_ret == 1: [rows, 3] (rank, token, k) of each receive row */
+    int32_t num_topk;        /* K, when use_ret == 1 */
     int32_t use_ret;
     int32_t H, I;
 };
@@ -288,12 +291,12 @@ struct operands {
 };
 
 /* Fills the tile's A row pointer table: row i of the tile (i < rows) starts at a + i * k_bytes
- * (scales at a_scales + i * K_/128), or, with a gather, at its owner's published row (the direct
- * dataflow: src[row] = (rank, token, k), no receive tensor). The main loop's first barrier
- * publishes the table; the previous tile's main loop is past its last read of it. */
+ * (scales at a_scales + i * K_/128), or, with a heap view (a gather), at its owner's published row
+ * (the direct dataflow: src_rows[row] = (rank, token, k), no receive tensor). The main loop's
+ * first barrier publishes the table; the previous tile's main loop is past its last read of it. */
 __device__ __forceinline__ void set_a_rows(uint8_t *smem, const coords &c, const tile &t, int32_t k_bytes,
                                            const uint8_t *a, const float *a_scales,
-                                           const mf__gemm_gather_t *gather) {
+                                           const mf__heap_view_t *view, const int32_t *src_rows) {
     if (c.tid >= kBlockM) return;
     const int32_t kb = k_bytes / kStageBytes; /* FP8 scale columns (FP8: one byte per element) */
     const uint8_t **rows = (const uint8_t **)(smem + kSmemARowsOffset);
@@ -302,11 +305,11 @@ __device__ __forceinline__ void set_a_rows(uint8_t *smem, const coords &c, const
     const uint8_t *r = a;
     const float *sr = a_scales;
     if (c.tid < t.rows) {
-        if (gather) {
-            const int32_t *src = gather->src + 3 * row;
-            const uint8_t *heap = gather->heap[src[0]];
-            r = heap + gather->x + (int64_t)src[1] * k_bytes;
-            sr = (const float *)(heap + gather->scales) + (int64_t)src[1] * kb;
+        if (view) {
+            const int32_t *src = src_rows + 3 * row;
+            const uint8_t *heap = view->heap[src[0]];
+            r = heap + view->x + (int64_t)src[1] * k_bytes;
+            sr = (const float *)(heap + view->scales) + (int64_t)src[1] * kb;
         } else {
             r = a + row * k_bytes;
             sr = a_scales ? a_scales + row * kb : nullptr;
@@ -517,7 +520,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_w13_swiglu_kernel(const __gr
         const int32_t n0 = t.col * kW13BlockN;
         const int32_t n_valid = p.I - n0 < kHalfN ? p.I - n0 : kHalfN;
         const uint8_t *w_e = p.w + (int64_t)t.expert * 2 * p.I * k_bytes;
-        set_a_rows(smem, c, t, k_bytes, p.a, p.a_scales, p.use_gather ? &p.gather : nullptr);
+        set_a_rows(smem, c, t, k_bytes, p.a, p.a_scales, p.use_gather ? &p.view : nullptr, p.src);
         operands op;
         op.b[0] = w_e + (int64_t)n0 * k_bytes;          /* gate rows [n0, n0 + 128) */
         op.b[1] = w_e + (int64_t)(p.I + n0) * k_bytes;  /* up rows [I + n0, I + n0 + 128) */
@@ -635,7 +638,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_w2_kernel(const __grid_const
     for (int64_t index = blockIdx.x; walker.next(p.seg, col_tiles, index, t); index += gridDim.x) {
         const int32_t n0 = t.col * kW2BlockN;
         const uint8_t *w_e = p.w + (int64_t)t.expert * p.H * k_bytes;
-        set_a_rows(smem, c, t, k_bytes, p.h, p.h_scales, nullptr);
+        set_a_rows(smem, c, t, k_bytes, p.h, p.h_scales, nullptr, nullptr);
         operands op;
         op.rows = t.rows;
         op.k_bytes = k_bytes;
@@ -671,12 +674,12 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_w2_kernel(const __grid_const
             const int64_t grow = t.row0 + row;
             uint16_t *dst;
             if (p.use_ret) {
-                const int32_t *src = p.ret.src + 3 * grow;
+                const int32_t *src = p.src + 3 * grow;
                 const int32_t rank = src[0], token = src[1], k = src[2];
-                if (rank < 0 || rank >= MF_MAX_RANKS || token < 0 || k < 0 || k >= p.ret.num_topk) continue;
-                uint16_t *slots = p.ret.slots[rank];
-                if (!slots) continue;
-                dst = slots + ((int64_t)token * p.ret.num_topk + k) * p.H + n;
+                if (rank < 0 || rank >= MF_MAX_RANKS || token < 0 || k < 0 || k >= p.num_topk) continue;
+                uint8_t *heap = p.view.heap[rank];
+                if (!heap) continue;
+                dst = (uint16_t *)(heap + p.view.combine) + ((int64_t)token * p.num_topk + k) * p.H + n;
             } else {
                 dst = p.out + grow * p.H + n;
             }

@@ -8,9 +8,9 @@
  * Every device function is `__device__ __forceinline__` and prefixed `mf__`; each is one
  * instruction (or one short, fixed sequence) from the PTX ISA, named after it. Shared-memory
  * addresses are passed as generic pointers and converted here. Every spin-wait is bounded by
- * kMfSm90WaitTimeoutNs of %globaltimer: on expiry it records the barrier, parity and site in a
- * host-mapped fault record (when one is registered) and traps, so the host sees a launch failure
- * instead of a hung GPU, and can say which wait expired.
+ * %globaltimer: on expiry it records its block, thread and site in the comm's fault sink
+ * (kernels/fault.cuh) and returns (the library's kernels) or traps (the labs' own), so the host
+ * sees a fault instead of a hung GPU, and can say which wait expired.
  *
  * Dimension legend (wgmma): a warpgroup (4 warps, 128 threads) computes D[64, N] += A[64, K] . B[N, K]^T
  * with K = 16 (BF16) or 32 (E4M3) per instruction, fp32 accumulators. Both operands are read from
@@ -39,6 +39,7 @@
 /* ---- constants: warpgroup and swizzle sizes, the default wait bound (cuda/gemm_configs.cuh) ---- */
 
 #include "cuda/gemm_configs.cuh"
+#include "cuda/kernels/fault.cuh" /* the comm's fault sink: where an expired wait records itself */
 #include "cuda/pdl.cuh" /* mf__pdl_wait / mf__pdl_trigger: griddepcontrol, for every kernel built on this file */
 
 /* wgmma descriptor layout types (bits 62-63). */
@@ -143,41 +144,36 @@ __device__ __forceinline__ bool mf__mbar_try_wait(uint64_t *bar, uint32_t parity
     return done != 0;
 }
 
-/* Where a timed-out wait reports itself before it traps. A trap kills the context, so device memory
- * can no longer be read: the record is host memory mapped into the device (cudaHostAllocMapped),
- * which stays readable. Registered per translation unit with mf__sm90_set_fault_record (host);
- * without one, an expired wait just traps. The cold path is inline (no printf, no call: a call in a
- * kernel that issues wgmma makes ptxas serialise every wgmma). */
-typedef struct mf__sm90_fault {
-    volatile uint32_t magic; /* kMfSm90FaultMagic once written */
-    volatile uint32_t block, thread, smem, parity, tag;
-} mf__sm90_fault_t;
-static constexpr uint32_t kMfSm90FaultMagic = 0x54494157u; /* "WAIT" */
-static __device__ mf__sm90_fault_t *mf__sm90_fault_record;
-
-/* Writes the fault record `f` of the wait on `bar` that expired: its site, then its magic (the host
- * reads the fields once the magic is there). */
-__device__ __forceinline__ void mf__sm90_write_fault(mf__sm90_fault_t *f, uint64_t *bar, uint32_t parity, uint32_t tag) {
-    f->block = blockIdx.x;
-    f->thread = threadIdx.x;
-    f->smem = mf__smem_addr(bar);
-    f->parity = parity;
-    f->tag = tag;
+/* A pipeline wait that expired (drained = 0), or that returned because another wait of this
+ * process had expired (1), records itself in the comm's fault sink (kernels/fault.cuh), in the
+ * record's pipeline words: the first one wins; the host then reports MF_ERR_INTERNAL naming block,
+ * thread and wait site, and breaks the comm. A sink without state (a caller outside a comm) records
+ * nothing. The cold path is inline (no printf, no call: a call in a kernel that issues wgmma makes
+ * ptxas serialise every wgmma). */
+__device__ __forceinline__ void mf__pipeline_fault(const mf__fault_sink_t &sink, uint32_t tag, int32_t drained) {
+    if (!sink.state || atomicCAS(&sink.state->pipeline, 0, 1) != 0) return;
+    mf__device_error_t *r = sink.record;
+    r->pipeline_drained = drained;
+    r->pipeline_block = (long long)blockIdx.x;
+    r->pipeline_thread = (long long)threadIdx.x;
+    r->pipeline_site = (long long)tag;
     __threadfence_system();
-    f->magic = kMfSm90FaultMagic;
+    r->pipeline = 1;
     __threadfence_system();
 }
 
 /* Waits until the phase of parity `parity` has completed (the usual ring idiom: a consumer of slot s
  * waits full[s] with parity (round & 1), a producer waits empty[s] with parity ((round & 1) ^ 1)).
- * Bounded by kMfSm90WaitTimeoutNs; `tag` names the wait site in the fault record. */
-__device__ __forceinline__ void mf__mbar_wait_tag(uint64_t *bar, uint32_t parity, uint32_t tag) {
+ * Bounded by kMfSm90WaitTimeoutNs; on expiry it records itself in `sink` and traps (the labs'
+ * own kernels; the library's waits return instead: mf__mbar_wait_bounded). */
+__device__ __forceinline__ void mf__mbar_wait_tag(uint64_t *bar, uint32_t parity, uint32_t tag,
+                                                  const mf__fault_sink_t &sink) {
     if (mf__mbar_try_wait(bar, parity)) return;
     uint64_t t0 = mf__globaltimer();
     while (!mf__mbar_try_wait(bar, parity)) {
         if (mf__globaltimer() - t0 > kMfSm90WaitTimeoutNs) {
-            mf__sm90_fault_t *f = mf__sm90_fault_record;
-            if (f) mf__sm90_write_fault(f, bar, parity, tag);
+            mf__pipeline_fault(sink, tag, 0);
+            __threadfence_system();
             asm volatile("trap;");
         }
     }
@@ -453,19 +449,6 @@ __device__ __forceinline__ void mf__wgmma_bf16<256>(float *d, uint64_t desc_a, u
 }
 
 
-/* ---- host: the fault record of timed-out waits (see mf__mbar_wait_tag) ----------------------- */
-
-/* Registers `record` (cudaHostAllocMapped host memory, zeroed; NULL turns reporting off) for the
- * kernels of this translation unit. */
-static inline cudaError_t mf__sm90_set_fault_record(mf__sm90_fault_t *record) {
-    mf__sm90_fault_t *dev = NULL;
-    if (record) {
-        cudaError_t e = cudaHostGetDevicePointer((void **)&dev, record, 0);
-        if (e != cudaSuccess) return e;
-    }
-    return cudaMemcpyToSymbol(mf__sm90_fault_record, &dev, sizeof dev);
-}
-
 /* ---- host: tensor maps ------------------------------------------------------------------------- */
 
 /* The driver's cuTensorMapEncodeTiled, fetched once through the runtime (no -lcuda needed). NULL
@@ -527,25 +510,40 @@ __device__ __forceinline__ void mf__cp_async_wait_all(void) { asm volatile("cp.a
  * GEMM pipelines are no longer trusted); every bounded wait then returns at once. */
 static __device__ volatile uint32_t mf__sm90_expired;
 
-/* The library's pipeline wait: mf__mbar_wait_tag with the bound `timeout_ns` (far above any healthy
- * wait) and no trap. A trap kills the CUDA context of every rank of the process, so an expired
- * wait records itself in the fault record (the CUDA backend registers one and turns it into
- * MF_ERR_INTERNAL, breaking the comm), raises mf__sm90_expired and returns: every other wait of
- * the kernel then returns at once too, so all warps drain and the kernel ends (its output is
- * garbage, and the comm is broken). The labs keep the trapping wait. */
-__device__ __forceinline__ void mf__mbar_wait_bounded(uint64_t *bar, uint32_t parity, uint32_t tag, uint64_t timeout_ns) {
+/* The library's pipeline wait: bounded by `timeout_ns` (far above any healthy wait) and no trap. A
+ * trap kills the CUDA context of every rank of the process, so an expired wait records itself in
+ * the comm's fault sink (mf__pipeline_fault: the comm breaks), raises mf__sm90_expired (one per
+ * translation unit: per GEMM family) and returns: every other wait of the kernel, and of the
+ * family's later kernels, then records itself as drained and returns at once too, so all warps
+ * drain and the kernels end (their output is garbage). sink NULL: the wait drains and raises the
+ * flag but records nothing: the producers' waits (the record code would cost the 40-register
+ * producer a spill); each kernel's consumers record a raised flag at their end
+ * (mf__pipeline_check), so an expiry is never silent. The host turns the first record of the
+ * process into a broken comm for every comm (cuda/backend.cu). The labs' own kernels trap instead
+ * (mf__mbar_wait_tag). */
+__device__ __forceinline__ void mf__mbar_wait_bounded(uint64_t *bar, uint32_t parity, uint32_t tag, uint64_t timeout_ns,
+                                                      const mf__fault_sink_t *sink) {
     if (mf__mbar_try_wait(bar, parity)) return;
     uint64_t t0 = mf__globaltimer();
     while (!mf__mbar_try_wait(bar, parity)) {
-        if (mf__sm90_expired) return;
+        if (mf__sm90_expired) {
+            if (sink) mf__pipeline_fault(*sink, tag, 1);
+            return;
+        }
         if (mf__globaltimer() - t0 > timeout_ns) {
-            mf__sm90_fault_t *f = mf__sm90_fault_record;
-            if (f && !f->magic) mf__sm90_write_fault(f, bar, parity, tag);
+            if (sink) mf__pipeline_fault(*sink, tag, 0);
             mf__sm90_expired = 1;
             __threadfence();
             return;
         }
     }
+}
+
+/* At a GEMM kernel's end, one consumer thread per CTA: a wait of this family that expired (a
+ * producer's records nothing) or drained is recorded in the comm's sink, whether or not this CTA's
+ * consumers spun on a wait afterwards. */
+__device__ __forceinline__ void mf__pipeline_check(const mf__fault_sink_t &sink, uint32_t tag) {
+    if (mf__sm90_expired) mf__pipeline_fault(sink, tag, 1);
 }
 
 /* ---- appended: hardware float -> BF16 / E4M3 pair conversions (the library's TMA GEMMs) -------- */

@@ -10,8 +10,8 @@
  * capacity, rows = receive rows (all experts).
  *
  *   plain (W2):   out[rows, N] = bf16(a[rows, K] . W[e]^T)        W[e] = [N, K], rows of expert e only;
- *                 a row goes to out[row] or, with `ret`, to its owner's combine slot
- *                 ret.slots[rank] + (token K + k) H, (rank, token, k) = ret.src[3 row]
+ *                 a row goes to out[row] or, with `ret`, to its owner's combine slot (token K + k) H
+ *                 at view.heap[rank] + view.combine, (rank, token, k) = src[3 row]
  *   swiglu (W13): h[rows, I] = silu(a . Wg^T) * (a . Wu^T)       W[e] = [Wg; Wu] = [2I, K]
  *                 BF16: h rounded to BF16; FP8: h requantised 1x128 (h_fp8 + h_scales [rows, I/128])
  *
@@ -92,8 +92,8 @@
  * the 4 lanes of a quad, then mf__fp8_block_scale and q = e4m3(h * inv_scale), as the CPU does it.
  *
  * Bounded waits. Every mbarrier wait gives up after kWaitTimeoutNs (20 s, >= 10 s) of %globaltimer,
- * records itself in the fault record and returns (mf__mbar_wait_bounded, sm90_ptx.cuh; the labs
- * trap instead). The bound is far above any healthy wait (time-sliced or preempted GPUs included);
+ * records itself in the calling comm's fault sink (gemm_params.sink) and returns
+ * (mf__mbar_wait_bounded, sm90_ptx.cuh). The bound is far above any healthy wait (time-sliced or preempted GPUs included);
  * it exists only so that a broken pipeline can never hang the GPU.
  *
  * Limits (the launchers decline anything else): plain N a multiple of 256, swiglu N = 2I with I a
@@ -155,16 +155,6 @@ __device__ __forceinline__ int32_t weight_row(const gemm_params &p, const tile_t
 
 /* ---- producer: warp 0; lane 0 issues the TMA, FP8: all lanes copy the scales ---------------- */
 
-/* The producer's next tile after `idx`: static, idx + grid; dynamic, grid + the next ticket (lane 0
- * takes it, the warp shares it). Tickets only grow, so every CTA's tiles ascend (the walk's cursor
- * relies on it); the first tile of every CTA is blockIdx.x in both. */
-__device__ __forceinline__ int32_t next_idx(const gemm_params &p, int32_t idx, int lane) {
-    if (!p.sched) return idx + (int32_t)gridDim.x;
-    int32_t ticket = 0;
-    if (lane == 0) ticket = atomicAdd(p.sched, 1);
-    return (int32_t)gridDim.x + __shfl_sync(0xffffffffu, ticket, 0);
-}
-
 template <bool kFp8, int kEpi>
 __device__ __forceinline__ void producer(const gemm_params &p, const tables_t &tb, int32_t nblocks, uint8_t *stages,
                                          float *a_sc, float *w_sc, int32_t *tile_of, uint64_t *full, uint64_t *empty) {
@@ -174,7 +164,7 @@ __device__ __forceinline__ void producer(const gemm_params &p, const tables_t &t
     int32_t cursor = 0;
     tile_t t;
     for (int32_t idx = (int32_t)blockIdx.x; next_tile<kBlockM, kNInner>(tb, p.num_experts, nblocks, idx, cursor, t);
-         idx = next_idx(p, idx, lane)) {
+         idx = next_idx(p.sched, idx, lane)) {
         int32_t wrow[kBoxes];
 #pragma unroll
         for (int b = 0; b < kBoxes; b++) wrow[b] = weight_row<kEpi>(p, t, b);
@@ -219,17 +209,7 @@ __device__ __forceinline__ void producer(const gemm_params &p, const tables_t &t
     __syncwarp();
     if (kFp8) mf__mbar_arrive(&full[slot]);
     if (lane == 0) mf__mbar_arrive(&full[slot]);
-    /* Dynamic schedule: the last CTA to finish takes its past-the-end ticket back to zero; every
-     * CTA counts itself only after its last ticket, so nothing takes a ticket after the reset. The
-     * next launch on this pair starts after this grid completes (stream order; under PDL it takes
-     * tickets only after its griddepcontrol.wait). */
-    if (p.sched && lane == 0) {
-        __threadfence();
-        if (atomicAdd(p.sched + 1, 1) == (int32_t)gridDim.x - 1) {
-            atomicExch(p.sched, 0);
-            atomicExch(p.sched + 1, 0);
-        }
-    }
+    end_schedule(p.sched, lane);
     /* a thread must not exit with copies still writing its CTA's shared memory */
     if constexpr (kFp8) mf__cp_async_wait_all();
 }
@@ -281,6 +261,7 @@ struct consumer_t {
     uint8_t *epi;           /* this warp's staging buffer */
     int wg, warp, lane;     /* consumer warpgroup (0, 1), warp in it, lane */
     int row_lo;             /* tile row of acc[4j + 0, 1]; acc[4j + 2, 3] are row_lo + 8 */
+    const mf__fault_sink_t *sink; /* the params' (an expired wait records itself there) */
 };
 
 __device__ __forceinline__ void release(const consumer_t &c, uint32_t slot) { release_stage(c.empty, slot, c.lane); }
@@ -291,7 +272,7 @@ __device__ __forceinline__ void fp8_kblock(const consumer_t &c, float *acc, floa
     const uint32_t slot = ring_t::slot(it);
     const uint64_t desc_st = mf__wgmma_desc_advance(c.desc_stages, slot * kStageBytes);
     if (!kIssued) {
-        ring_t::wait_full(c.full, it);
+        ring_t::wait_full(c.full, it, *c.sink);
         fp8_issue(tmp, desc_st, c.wg, 0);
     }
     /* this stage's scales, read before the stage is released */
@@ -313,7 +294,7 @@ __device__ __forceinline__ void bf16_mainloop(const consumer_t &c, float *acc, u
     mf__fence_fragment<kTileN>(acc); /* the previous epilogue's reads of acc come first */
     for (int32_t kb = 0; kb < kblocks; kb++, it++) {
         const uint32_t slot = ring_t::slot(it);
-        ring_t::wait_full(c.full, it);
+        ring_t::wait_full(c.full, it, *c.sink);
         const uint64_t desc_st = mf__wgmma_desc_advance(c.desc_stages, slot * kStageBytes);
         const uint64_t da = mf__wgmma_desc_advance(desc_st, c.wg * kWgOperandBytes);
         const uint64_t db = mf__wgmma_desc_advance(desc_st, kABytes);
@@ -342,14 +323,14 @@ __device__ __forceinline__ uint8_t *row_target(const gemm_params &p, const consu
     const int64_t row = (int64_t)t.row0 + tr;
     if (kEpi == kEpiPlain && p.use_ret) {
         uint8_t *dst;
-        return ret_row(p, row, p.N, dst) ? dst + col_bytes : NULL;
+        return ret_row(p, p.src, row, p.N, dst) ? dst + col_bytes : NULL;
     }
     return p.out + row * row_bytes + col_bytes;
 }
 
 /* The targets of the 4 rows lane `c.lane` copies out of the staging buffer (rows 4 i + lane / 8,
  * its 16-byte chunk lane % 8 of each), at column byte `col_bytes`: NULL where the row is not stored.
- * Computed once per tile (row_target reads `ret.src` for `ret`); every pass adds its column offset. */
+ * Computed once per tile (row_target reads `src` for `ret`); every pass adds its column offset. */
 template <int kEpi>
 __device__ __forceinline__ void row_targets(const gemm_params &p, const consumer_t &c, const tile_t &t, int64_t row_bytes,
                                             int64_t col_bytes, uint8_t *(&dst)[4]) {
@@ -465,7 +446,7 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
     if (kFp8 && c.wg == 1) mf__named_barrier_arrive(kBarIssued1, kConsumerThreads);
     /* FP8: the next tile's first wgmmas overlap this tile's epilogue (see "Epilogue overlap") */
     if constexpr (kFp8) {
-        ring_t::wait_full(c.full, 0);
+        ring_t::wait_full(c.full, 0, p.sink);
         fp8_issue(tmp, c.desc_stages, c.wg, 0);
     }
     for (;;) {
@@ -479,7 +460,7 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
          * FP8, with the overlap, learns it before its epilogue, BF16 after. */
         int32_t idx_next = -1;
         if constexpr (kFp8) {
-            ring_t::wait_full(c.full, it);
+            ring_t::wait_full(c.full, it, *c.sink);
             idx_next = c.tile_of[ring_t::slot(it)];
             /* issued unconditionally (wgmmas on a divergent path serialise too): without a next
              * tile it reruns the last, consumed stage into tmp and the result is dropped */
@@ -488,7 +469,7 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
         }
         epilogue<kFp8, kEpi>(p, c, t, acc);
         if constexpr (!kFp8) {
-            ring_t::wait_full(c.full, it);
+            ring_t::wait_full(c.full, it, *c.sink);
             idx_next = c.tile_of[ring_t::slot(it)];
         }
         if (idx_next < 0) break;
@@ -536,11 +517,13 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_tma_kernel(const __grid_cons
         c.empty = empty;
         c.tile_of = tile_of;
         c.epi = smem + kOffEpi + (c.wg * 4 + c.warp) * kEpiWarpBytes;
+        c.sink = &p.sink;
         float acc[kAcc];
         float tmp[kFp8 ? kBoxAcc : 1];
 #pragma unroll
         for (int i = 0; i < (kFp8 ? kBoxAcc : 1); i++) tmp[i] = 0.0f;
         consumer<kFp8, kEpi>(p, tb, nblocks, c, acc, tmp);
+        if (threadIdx.x == kMfWarpgroupThreads) mf__pipeline_check(p.sink, kTagProducerEmpty);
     }
 }
 
@@ -577,8 +560,5 @@ static inline int grid_of(const gemm_params *p, int32_t max_rows, int sms) {
 typedef struct mf__gemm_variant_info mf__gemm_variant_info_t;
 int mf__sm90_tma_variants(mf__gemm_variant_info_t *out, int max);
 
-/* Registers a fault record (see sm90_ptx.cuh; NULL turns reporting off) for the kernels of
- * gemm_tma.cu, whose translation unit holds its own copy of the record pointer. */
-cudaError_t mf__sm90_tma_set_fault_record(mf__sm90_fault_t *record);
 
 #endif /* MF_CUDA_KERNELS_SM90_TMA_GEMM_CUH */

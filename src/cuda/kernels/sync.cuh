@@ -39,35 +39,8 @@
 
 #include "core/layout.h"
 #include "cuda/configs.cuh"
+#include "cuda/kernels/fault.cuh"
 #include "cuda/pdl.cuh"
-
-/* The host's view of the comm's fault, in mapped host memory; `code` is written last. */
-typedef struct mf__device_error {
-    volatile int32_t code;         /* sticky fault code (mf_result_t); 0 = healthy */
-    int32_t kind;                  /* kMfFault* */
-    int32_t rank, phase, peer;     /* rank whose fault it is (the raiser), phase, peer (per kind) */
-    int32_t reported;              /* 1: this rank's host already returned it (its own rejection) */
-    long long a, b, c;             /* kind-specific details */
-    volatile unsigned long long fault_id; /* the fault's id, the same on every rank */
-    volatile int32_t abort;        /* the host sets 1 (mf_comm_abort): this rank's waits end */
-    int32_t pad;
-    unsigned long long one;        /* 1: the source of abort words copied into the peers' signals */
-} mf__device_error_t;
-
-/* The comm's fault state in device memory (only this rank's kernels touch it, in stream order). */
-typedef struct mf__device_state {
-    int32_t claim;                 /* a fresh fault of this call: the first raiser wins */
-    int32_t fault;                 /* sticky fault code; 0 = healthy */
-    unsigned long long fault_id;   /* incremented by every new sticky fault */
-    int32_t code, kind, phase, peer; /* the fresh fault's details */
-    long long a, b, c;
-} mf__device_state_t;
-
-typedef struct mf__fault_sink {
-    mf__device_state_t *state;     /* device memory */
-    mf__device_error_t *record;    /* mapped host memory (device pointer) */
-    int32_t rank;
-} mf__fault_sink_t;
 
 __device__ __forceinline__ uint64_t mf__ld_acquire_sys(const uint64_t *p) {
     uint64_t v;
@@ -83,51 +56,6 @@ __device__ __forceinline__ uint64_t mf__globaltimer_ns(void) {
     uint64_t t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
-}
-
-/* Whether the comm is faulted: kernels after a sync write nothing then. */
-__device__ __forceinline__ bool mf__faulted(const mf__fault_sink_t &sink) {
-    return *(volatile const int32_t *)&sink.state->fault != 0;
-}
-
-/* A fresh fault, before the call's first sync (any thread; the first raiser's details win). Its
- * field-by-field copy is like mf__set_fault's on purpose: two records (this rank's claim in device
- * memory, the host's mapped copy with its own fences and field order), not one struct to share. */
-__device__ __forceinline__ void mf__raise(const mf__fault_sink_t &sink, int32_t code, int32_t kind, int32_t phase,
-                                          int32_t peer, long long a, long long b, long long c) {
-    mf__device_state_t *s = sink.state;
-    if (atomicCAS(&s->claim, 0, 1) != 0) return;
-    s->code = code;
-    s->kind = kind;
-    s->phase = phase;
-    s->peer = peer;
-    s->a = a;
-    s->b = b;
-    s->c = c;
-    __threadfence();
-}
-
-/* Makes the comm faulted (sticky) unless it already is; any thread, the first one wins. Its copy is
- * like mf__raise's on purpose (there). */
-__device__ __forceinline__ void mf__set_fault(const mf__fault_sink_t &sink, int32_t code, int32_t kind, int32_t rank,
-                                              int32_t phase, int32_t peer, int32_t reported, long long a, long long b,
-                                              long long c) {
-    mf__device_state_t *s = sink.state;
-    if (atomicCAS(&s->fault, 0, code) != 0) return;
-    const unsigned long long id = ++s->fault_id;
-    mf__device_error_t *r = sink.record;
-    r->kind = kind;
-    r->rank = rank;
-    r->phase = phase;
-    r->peer = peer;
-    r->reported = reported;
-    r->a = a;
-    r->b = b;
-    r->c = c;
-    r->fault_id = id;
-    __threadfence_system();
-    r->code = code;
-    __threadfence_system();
 }
 
 /* Status bits of an arrival (below the epoch): the failure code, whether the raising rank's host
