@@ -44,7 +44,8 @@
 #        R = 1, FP8, gated, no phase events, T = 1..128, 3 rounds per process; each preset with
 #        MF_SMALL=0 (the two decode GEMMs and the sum kernel), MF_SMALL=1 (the small kernel, then the sum
 #        kernel), MF_SMALL=2 (the small kernel summing itself) and MF_SMALL=3, the default (also its own
-#        plan: publish syncs, no plan kernel; T <= 128, T K <= 1024), the order rotating; small_ab.md:
+#        plan: publish syncs, no plan kernel; T <= 128, T K <= 1024), the order rotating (above 64
+#        routed rows AUTO runs the two GEMMs under every switch: mf__small::kMaxRows); small_ab.md:
 #        bench/summarize.py ab MF_SMALL; MF_PRESETS="a b" runs only those presets (a call of the
 #        device tool lasts at most 600 s). Not in `all`.
 # timeline: the small kernel's per-CTA stamps (moeflow bench layer --timeline) at T = 1..8 for

@@ -166,6 +166,7 @@ extern "C" int32_t mf__cuda_plan_small = 1;  /* balance/prefetch.h */
  * own sum only, 1 without either, 0 off; lowered for the rest of the process by a comm init that reads
  * MF_SMALL (core/params.c); the GPU tests set it directly. */
 extern "C" int32_t mf__cuda_small = 3;
+extern "C" int32_t mf__cuda_small_rows = mf__small::kMaxRows; /* grouped_gemm.h */
 
 /* ---- comm and memory ---------------------------------------------------------------------- */
 
@@ -539,10 +540,17 @@ static int32_t mf__cuda_rows_bound(mf_moe_t moe) {
  * can). Made once per forward and carried to every GEMM of it. The choice is local (peers only
  * publish). */
 static mf__gemm_choice_t mf__cuda_gemm_choice(mf_moe_t moe, int32_t T) {
-    mf__gemm_choice_t c = mf__gemm_choose(mf__cuda_rows_hint(moe, T), mf__cuda_rows_bound(moe), moe->config.dataflow);
-    /* the small-batch kernel has no spare-slot launch: a layer with spare slots runs the two GEMMs */
+    const mf_moe_config_t *cfg = &moe->config;
+    mf__gemm_choice_t c = mf__gemm_choose(mf__cuda_rows_hint(moe, T), mf__cuda_rows_bound(moe), cfg->dataflow);
+    /* the small-batch kernel has no spare-slot launch: a layer with spare slots runs the two GEMMs;
+     * and it runs only where this rank expects few routed rows (T K R over the experts, times its
+     * local ones), where it leads the two GEMMs (mf__small::kMaxRows) */
     const mf__cuda_moe_t *s = (const mf__cuda_moe_t *)moe->backend_state;
-    if ((s && s->B) || __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED) == 0) c.fused = 0;
+    const int64_t rows = (int64_t)T * cfg->num_topk * moe->comm->num_ranks * moe->info.num_local_experts /
+                         (cfg->num_experts > 0 ? cfg->num_experts : 1);
+    if ((s && s->B) || __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED) == 0 ||
+        rows > __atomic_load_n(&mf__cuda_small_rows, __ATOMIC_RELAXED))
+        c.fused = 0;
     return c;
 }
 

@@ -105,6 +105,11 @@ constexpr int kOwnEntries = 1024; /* kOwn: routing entries T K at most (src in s
 constexpr int kOwnMaxTokens = 128; /* kOwn: T at most (a bit per token in each expert's mask) */
 constexpr int kOwnWords = kOwnMaxTokens / 32; /* kOwn: mask words per expert */
 constexpr int kStamps = 4;       /* the timeline's %globaltimer stamps per CTA (mf__gemm_small_set_timeline) */
+/* AUTO takes the kernel where this rank expects at most this many routed rows (T K R L / E; T K at
+ * R = 1): measured on the H200 (2026-12-05, bench/NOTES.md), it led the two decode GEMMs at T K <= 64
+ * (deepseek-v3 and qwen3-235b-a22b T <= 8, -0.8 to -12.6 %) and trailed them at 128 and above
+ * (T = 16..128, +0.8 to +4.5 %). The GPU tests lift it (mf__cuda_small_rows) to cover the kernel. */
+constexpr int kMaxRows = 64;
 
 } /* namespace mf__small */
 

@@ -125,6 +125,9 @@ mf__gemm_choice_t mf__gemm_choose(int32_t rows_hint, int32_t max_rows_per_expert
  * for itself there as well (no plan kernel); a comm init lowers it to MF_SMALL (core/params.c) for
  * the rest of the process. */
 extern "C" int32_t mf__cuda_small;
+/* The routed rows (T K R L / E) up to which AUTO takes the small-batch kernel: mf__small::kMaxRows
+ * (defined in cuda/backend.cu); the GPU tests raise it to run the kernel at every shape it takes. */
+extern "C" int32_t mf__cuda_small_rows;
 
 /* The types of a W13 and of a W2 launcher: the dispatchers' (below) and the decode family's, so
  * that their arguments are written once. */

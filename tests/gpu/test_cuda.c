@@ -768,8 +768,10 @@ static mf_result_t switch_run(const pdl_case_t *c, const mfp_problem_t *p, int32
 /* ---- the small-batch kernel: W13 + W2 in one launch, the same y as the two GEMMs ---------------- */
 
 extern int32_t mf__cuda_small; /* cuda/grouped_gemm.h: 0 clears choice.fused, 1 keeps the sum kernel */
+extern int32_t mf__cuda_small_rows; /* cuda/grouped_gemm.h: the routed rows up to which AUTO takes it */
 void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums, uint64_t *plans); /* testing.h (gemm_bench.h) */
 enum { kSmallModes = 4, kSmallOwnTokens = 128, kSmallOwnEntries = 1024 /* mf__small::kOwnMaxTokens, kOwnEntries */ };
+enum { kSmallMaxRows = 64 /* mf__small::kMaxRows */ };
 
 /* Every case four times: without the small kernel (switch 0: the two decode GEMMs), with it and the
  * sum kernel (1), with it summing itself at R = 1 (2), and planning for itself there too (3, the
@@ -781,7 +783,9 @@ enum { kSmallModes = 4, kSmallOwnTokens = 128, kSmallOwnEntries = 1024 /* mf__sm
  * (several token blocks, several W13 tiles per W2 dependency), W13 K blocks past the ring (two
  * positions each; with its own plan the first ring's weights go out before the PDL wait) and W2 K
  * blocks past it (the weights issued before the wait, then the rest), dropped k, more entries than
- * its own plan holds, a captured graph replayed, and PDL (the forward's default). */
+ * its own plan holds, a captured graph replayed, and PDL (the forward's default). The four switches
+ * run with AUTO's row bound lifted (the kernel at every shape it takes); a fifth run keeps the bound:
+ * at R = 1 the kernel runs exactly where T K <= 64, and y is the two GEMMs' bits either way. */
 static int cuda_small_bitwise(void) {
     const int32_t idle[4] = {2, 0, 5, 1};
     const pdl_case_t cases[] = {
@@ -829,6 +833,8 @@ static int cuda_small_bitwise(void) {
         const int own_plan = /* the test's shapes fit its other conditions */
             c->R == 1 && c->T <= kSmallOwnTokens && c->T * c->K <= kSmallOwnEntries;
         char err[512] = "";
+        const int32_t bound = __atomic_load_n(&mf__cuda_small_rows, __ATOMIC_RELAXED);
+        __atomic_store_n(&mf__cuda_small_rows, INT32_MAX, __ATOMIC_RELAXED);
         for (int small = 0; small < kSmallModes; small++) {
             uint64_t launches0, sums0, plans0, launches1, sums1, plans1;
             mf__gemm_small_counts(&launches0, &sums0, &plans0);
@@ -843,9 +849,25 @@ static int cuda_small_bitwise(void) {
             MFT_CHECK_MSG((small == 3 && own_plan) == (plans1 > plans0), "case %d: switch %d at R = %d, T K = %d, %llu own plans",
                           i, small, c->R, c->T * c->K, (unsigned long long)(plans1 - plans0));
         }
+        __atomic_store_n(&mf__cuda_small_rows, bound, __ATOMIC_RELAXED);
         for (int small = 1; small < kSmallModes; small++)
             MFT_CHECK_MSG(memcmp(dig[0], dig[small], nd * 8) == 0,
                           "case %d: a call's y with switch %d differs from the two GEMMs'", i, small);
+        {
+            uint16_t *y_auto[MF_MAX_RANKS];
+            uint64_t *dig_auto = mft_alloc(nd * 8), launches0, launches1, sums, plans;
+            mf__gemm_small_counts(&launches0, &sums, &plans);
+            mf_result_t res = switch_run(&cases[i], &p, &mf__cuda_small, 3, y_auto, dig_auto, seed, err, sizeof err);
+            mf__gemm_small_counts(&launches1, &sums, &plans);
+            MFT_CHECK_MSG(res == MF_SUCCESS, "case %d, AUTO's row bound: %s", i, err);
+            if (c->R == 1)
+                MFT_CHECK_MSG((c->T * c->K <= kSmallMaxRows) == (launches1 > launches0),
+                              "case %d: T K = %d, %llu small launches under AUTO's bound", i, c->T * c->K,
+                              (unsigned long long)(launches1 - launches0));
+            MFT_CHECK_MSG(memcmp(dig[0], dig_auto, nd * 8) == 0, "case %d: y under AUTO's bound differs", i);
+            for (int32_t r = 0; r < c->R; r++) free(y_auto[r]);
+            free(dig_auto);
+        }
         for (int32_t r = 0; r < c->R; r++) y_cpu[r] = mft_alloc((size_t)p.T[r] * c->H * 2 + 2);
         mf_result_t res = pdl_run_on(MF_BACKEND_CPU, &cases[i], &p, y_cpu, NULL, seed, err, sizeof err);
         MFT_CHECK_MSG(res == MF_SUCCESS, "cpu run failed: %s", err);
