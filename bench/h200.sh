@@ -49,7 +49,9 @@
 #        bench/summarize.py ab MF_SMALL; MF_PRESETS="a b" runs only those presets (a call of the
 #        device tool lasts at most 600 s). Not in `all`.
 # timeline: the small kernel's per-CTA stamps (moeflow bench layer --timeline) at T = 1..8 for
-#        deepseek-v3 and qwen3-235b-a22b, MF_SMALL=2 (the plan kernel) and 3 (its own plan), ~2 min.
+#        deepseek-v3 and qwen3-235b-a22b, MF_SMALL=2 (the plan kernel) and 3 (its own plan), ~2 min:
+#        per row the phases' medians, then the late entries and their SMs, the producers' time per
+#        W13 and W2 unit and the spread of their walks' ends.
 #        Not in `all`.
 # overlap: moeflow bench overlap (issue 28: two micro-batches through the split halves beside the
 #        pair back to back; deepseek-v3, T = 64, 128, R = 1, 8). Not in `all`.
@@ -184,7 +186,7 @@ if [ "$what" = timeline ]; then
             MF_SMALL=$v timeout 120 ./build/moeflow bench layer --preset $preset -R 1 --dtype fp8 --gated \
                 --phases off --no-check --rounds 1 -T 1,2,4,8 --timeline \
                 > "$dir/timeline_${preset}_$v.log" 2>&1 || rc=1
-            grep -E "^# timeline" "$dir/timeline_${preset}_$v.log" | sed "s/^/$preset MF_SMALL=$v /"
+            grep -E "^# timeline|^# +late entries" "$dir/timeline_${preset}_$v.log" | sed "s/^/$preset MF_SMALL=$v /"
         done
     done
 fi
