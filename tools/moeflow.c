@@ -200,7 +200,8 @@ static void usage(FILE *f) {
             "      --timeline               bench, CUDA, R = 1, local: after each row's run, where its\n"
             "                               last small-batch kernel's time went, per CTA (stamps:\n"
             "                               entry, tables, first ring position, consumers done;\n"
-            "                               late entries and their SMs, time per unit, walk's end)\n"
+            "                               late entries and their SMs, the wait for publish,\n"
+            "                               time per unit, the walks' end)\n"
             "      --gated                  CUDA: hold each rank's stream until its forward is\n"
             "                               enqueued (device time without host launch gaps;\n"
             "                               a graph replay of the forward can still be faster)\n"
@@ -1266,7 +1267,8 @@ static void timeline_begin(void) {
  * (the walk's end, where a CTA took fewer than that many units). */
 static void timeline_units(const uint64_t *s, uint64_t first) {
     static double d13[TIMELINE_CTAS * MF__GEMM_SMALL_UNIT_STAMPS], d2[TIMELINE_CTAS * MF__GEMM_SMALL_UNIT_STAMPS];
-    int n13 = 0, n2 = 0, late = 0, shown = 0;
+    static double wait[TIMELINE_CTAS], rest[TIMELINE_CTAS];
+    int n13 = 0, n2 = 0, nw = 0, late = 0, shown = 0;
     uint64_t end_lo = UINT64_MAX, end_hi = 0;
     char sms[128] = "";
     for (int b = 0; b < TIMELINE_CTAS; b++) {
@@ -1280,7 +1282,11 @@ static void timeline_units(const uint64_t *s, uint64_t first) {
                 shown++;
             }
         }
-        const uint64_t *u = x + 5;
+        if (x[5] >= x[1] && x[2] >= x[5] && x[5]) { /* its own plan: tables -> publish waited -> first position */
+            wait[nw] = (x[5] - x[1]) * 1e-3;
+            rest[nw++] = (x[2] - x[5]) * 1e-3;
+        }
+        const uint64_t *u = x + 6;
         for (int k = 0; k < MF__GEMM_SMALL_UNIT_STAMPS && u[2 * k + 1]; k++) {
             const uint64_t what = u[2 * k], when = u[2 * k + 1];
             if (what >> 33 & 1) { /* the ticket past the end */
@@ -1295,8 +1301,13 @@ static void timeline_units(const uint64_t *s, uint64_t first) {
             }
         }
     }
-    printf("#          late entries (> 2 us after the first) %d%s%s%s; per unit (a producer's ticket to its next): ", late,
-           late ? " on SMs " : "", sms, late > shown ? " ..." : "");
+    printf("#          late entries (> 2 us after the first) %d%s%s%s; ", late, late ? " on SMs " : "", sms,
+           late > shown ? " ..." : "");
+    if (nw) {
+        const double w = median_of(wait, nw), r = median_of(rest, nw);
+        printf("publish waited for %.1f us after the tables, then %.1f to the first position; ", w, r);
+    }
+    printf("per unit (a producer's ticket to its next): ");
     if (n13) {
         const double med = median_of(d13, n13); /* sorts d13: the p90 after it */
         printf("W13 %.1f us (p90 %.1f, %d units)", med, d13[(int)(0.9 * (n13 - 1))], n13);

@@ -123,8 +123,9 @@ struct small_params {
  * tables built (with the plan's tables this includes the PDL wait for the plan kernel; with its own
  * plan no wait); 2 its first ring position full (weights and rows in shared memory; with its own plan
  * this includes the wait for publish; a CTA that took no unit: its end marker); 3 its consumers done
- * (before the count-out); 4 its SM (%smid); then, for the first kUnitStamps tickets its producer
- * took, pairs (what: the unit's index, bit 32 set for a W2 unit, bit 33 for the end; when). */
+ * (before the count-out); 4 its SM (%smid); 5 (kOwn) its producer's PDL wait for publish returned;
+ * then, for the first kUnitStamps tickets its producer took, pairs (what: the unit's index, bit 32
+ * set for a W2 unit, bit 33 for the end; when). */
 __device__ __forceinline__ void stamp(const small_params &p, int i) {
     p.timeline[kStamps * (int64_t)blockIdx.x + i] = mf__globaltimer();
 }
@@ -136,7 +137,7 @@ __device__ __forceinline__ void stamp_sm(const small_params &p) {
 /* The producer's lane 0, at its u-th ticket (idx; w2, end: its kind). */
 __device__ __forceinline__ void stamp_unit(const small_params &p, int32_t u, int32_t idx, bool w2, bool end) {
     if (u >= kUnitStamps) return;
-    uint64_t *const s = p.timeline + kStamps * (int64_t)blockIdx.x + 5 + 2 * u;
+    uint64_t *const s = p.timeline + kStamps * (int64_t)blockIdx.x + 6 + 2 * u;
     s[0] = (uint64_t)(uint32_t)idx | (uint64_t)w2 << 32 | (uint64_t)end << 33;
     s[1] = mf__globaltimer();
 }
@@ -396,6 +397,7 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
                     __syncwarp();
                     mf__pdl_wait();
                     published = true;
+                    if (p.timeline && lane == 0) stamp(p, 5);
                     for (int32_t x = 0; x < early; x++) copy_x(x, R::slot(it + 2 * x), R::slot(it + 2 * x + 1));
                     it += 2 * early;
                 }
@@ -414,6 +416,7 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
                                      faulted call's stop word reaches it too (its h waits are longer) */
                     mf__pdl_wait();
                     published = true;
+                    if (p.timeline && lane == 0) stamp(p, 5);
                 }
             }
             if (copy) arow = p.h + (int64_t)row * kbytes2;
