@@ -544,7 +544,8 @@ static mf__gemm_choice_t mf__cuda_gemm_choice(mf_moe_t moe, int32_t T) {
     mf__gemm_choice_t c = mf__gemm_choose(mf__cuda_rows_hint(moe, T), mf__cuda_rows_bound(moe), cfg->dataflow);
     /* the small-batch kernel has no spare-slot launch: a layer with spare slots runs the two GEMMs;
      * and it runs only where this rank expects few routed rows (T K R over the experts, times its
-     * local ones), where it leads the two GEMMs (mf__small::kMaxRows) */
+     * local ones; this rank's T stands for every rank's, as in rows_hint), where it leads the two
+     * GEMMs (mf__small::kMaxRows) */
     const mf__cuda_moe_t *s = (const mf__cuda_moe_t *)moe->backend_state;
     const int64_t rows = (int64_t)T * cfg->num_topk * moe->comm->num_ranks * moe->info.num_local_experts /
                          (cfg->num_experts > 0 ? cfg->num_experts : 1);

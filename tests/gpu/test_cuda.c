@@ -771,7 +771,29 @@ extern int32_t mf__cuda_small; /* cuda/grouped_gemm.h: 0 clears choice.fused, 1 
 extern int32_t mf__cuda_small_rows; /* cuda/grouped_gemm.h: the routed rows up to which AUTO takes it */
 void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums, uint64_t *plans); /* testing.h (gemm_bench.h) */
 enum { kSmallModes = 4, kSmallOwnTokens = 128, kSmallOwnEntries = 1024 /* mf__small::kOwnMaxTokens, kOwnEntries */ };
-enum { kSmallMaxRows = 64 /* mf__small::kMaxRows */ };
+enum { kSmallMaxRows = 64 /* mf__small::kMaxRows (cuda/gemm_configs.cuh): the fifth run fails if they part */ };
+
+/* Case i under the small kernel's four switches (cuda_small_bitwise): each run's y into y[switch],
+ * its digests into dig[switch], and the counters say which kernels ran. */
+static int small_switches(int i, const pdl_case_t *pc, const mfp_problem_t *p, uint16_t *y[][MF_MAX_RANKS],
+                          uint64_t **dig, uint64_t seed, int own_plan) {
+    const layer_case_t *c = &pc->layer;
+    char err[512] = "";
+    for (int small = 0; small < kSmallModes; small++) {
+        uint64_t launches0, sums0, plans0, launches1, sums1, plans1;
+        mf__gemm_small_counts(&launches0, &sums0, &plans0);
+        mf_result_t res = switch_run(pc, p, &mf__cuda_small, small, y[small], dig[small], seed, err, sizeof err);
+        mf__gemm_small_counts(&launches1, &sums1, &plans1);
+        MFT_CHECK_MSG(res == MF_SUCCESS, "case %d, small kernel %d: %s", i, small, err);
+        MFT_CHECK_MSG(small ? launches1 > launches0 : launches1 == launches0, "case %d: switch %d, %llu small launches",
+                      i, small, (unsigned long long)(launches1 - launches0));
+        MFT_CHECK_MSG((small >= 2 && c->R == 1) == (sums1 > sums0), "case %d: switch %d at R = %d, %llu own sums", i,
+                      small, c->R, (unsigned long long)(sums1 - sums0));
+        MFT_CHECK_MSG((small == 3 && own_plan) == (plans1 > plans0), "case %d: switch %d at R = %d, T K = %d, %llu own plans",
+                      i, small, c->R, c->T * c->K, (unsigned long long)(plans1 - plans0));
+    }
+    return 0;
+}
 
 /* Every case four times: without the small kernel (switch 0: the two decode GEMMs), with it and the
  * sum kernel (1), with it summing itself at R = 1 (2), and planning for itself there too (3, the
@@ -833,23 +855,12 @@ static int cuda_small_bitwise(void) {
         const int own_plan = /* the test's shapes fit its other conditions */
             c->R == 1 && c->T <= kSmallOwnTokens && c->T * c->K <= kSmallOwnEntries;
         char err[512] = "";
+        /* the four switches with AUTO's row bound lifted, put back whatever they report */
         const int32_t bound = __atomic_load_n(&mf__cuda_small_rows, __ATOMIC_RELAXED);
         __atomic_store_n(&mf__cuda_small_rows, INT32_MAX, __ATOMIC_RELAXED);
-        for (int small = 0; small < kSmallModes; small++) {
-            uint64_t launches0, sums0, plans0, launches1, sums1, plans1;
-            mf__gemm_small_counts(&launches0, &sums0, &plans0);
-            mf_result_t res = switch_run(&cases[i], &p, &mf__cuda_small, small, y[small], dig[small], seed, err,
-                                         sizeof err);
-            mf__gemm_small_counts(&launches1, &sums1, &plans1);
-            MFT_CHECK_MSG(res == MF_SUCCESS, "case %d, small kernel %d: %s", i, small, err);
-            MFT_CHECK_MSG(small ? launches1 > launches0 : launches1 == launches0, "case %d: switch %d, %llu small launches",
-                          i, small, (unsigned long long)(launches1 - launches0));
-            MFT_CHECK_MSG((small >= 2 && c->R == 1) == (sums1 > sums0), "case %d: switch %d at R = %d, %llu own sums", i,
-                          small, c->R, (unsigned long long)(sums1 - sums0));
-            MFT_CHECK_MSG((small == 3 && own_plan) == (plans1 > plans0), "case %d: switch %d at R = %d, T K = %d, %llu own plans",
-                          i, small, c->R, c->T * c->K, (unsigned long long)(plans1 - plans0));
-        }
+        const int failed = small_switches(i, &cases[i], &p, y, dig, seed, own_plan);
         __atomic_store_n(&mf__cuda_small_rows, bound, __ATOMIC_RELAXED);
+        if (failed) return 1;
         for (int small = 1; small < kSmallModes; small++)
             MFT_CHECK_MSG(memcmp(dig[0], dig[small], nd * 8) == 0,
                           "case %d: a call's y with switch %d differs from the two GEMMs'", i, small);
