@@ -1241,7 +1241,7 @@ static void aggregate_rounds(const opts_t *o, row_t *row) {
 #if MF_WITH_CUDA
 /* The median of v[0, n), n >= 1; v is left sorted. */
 static double median_of(double *v, int n) {
-    for (int i = 1; i < n; i++) /* insertion sort: n <= TIMELINE_CTAS, once per row */
+    for (int i = 1; i < n; i++) /* insertion sort: n <= TIMELINE_CTAS x MF__GEMM_SMALL_UNIT_STAMPS, once per row */
         for (int j = i; j > 0 && v[j - 1] > v[j]; j--) {
             const double x = v[j];
             v[j] = v[j - 1], v[j - 1] = x;
@@ -1261,9 +1261,11 @@ static void timeline_begin(void) {
 }
 
 /* The second line of a row's timeline: the CTAs that entered late (more than 2 us after the first;
- * their SMs: where publish's blocks still ran, if that is what holds them back), the time each
- * producer spent per unit (from a ticket to its next: W13 and W2 apart, medians and p90 over the
- * CTAs' first MF__GEMM_SMALL_UNIT_STAMPS tickets) and the spread of the producers' last tickets
+ * their SMs: where publish's blocks still ran, if that is what holds them back), with its own plan
+ * the producers' wait for publish after the tables and the time from there to the first full ring
+ * position, the time each producer spent per unit (from a ticket to its next: W13 and W2 apart,
+ * medians and p90 over the CTAs' first MF__GEMM_SMALL_UNIT_STAMPS tickets; with its own plan a
+ * CTA's first unit includes the wait for publish) and the spread of the producers' last tickets
  * (the walk's end, where a CTA took fewer than that many units). */
 static void timeline_units(const uint64_t *s, uint64_t first) {
     static double d13[TIMELINE_CTAS * MF__GEMM_SMALL_UNIT_STAMPS], d2[TIMELINE_CTAS * MF__GEMM_SMALL_UNIT_STAMPS];
@@ -1307,7 +1309,7 @@ static void timeline_units(const uint64_t *s, uint64_t first) {
         const double w = median_of(wait, nw), r = median_of(rest, nw);
         printf("publish waited for %.1f us after the tables, then %.1f to the first position; ", w, r);
     }
-    printf("per unit (a producer's ticket to its next): ");
+    if (n13 || n2) printf("per unit (a producer's ticket to its next): ");
     if (n13) {
         const double med = median_of(d13, n13); /* sorts d13: the p90 after it */
         printf("W13 %.1f us (p90 %.1f, %d units)", med, d13[(int)(0.9 * (n13 - 1))], n13);
@@ -1335,7 +1337,7 @@ static void timeline_end(const row_t *row, int32_t rnd) {
     int n = 0;
     for (int b = 0; b < TIMELINE_CTAS; b++) {
         const uint64_t *x = s + (size_t)b * MF__GEMM_SMALL_STAMPS;
-        if (!x[0] || !x[2] || !x[3]) continue; /* a CTA writes all four, in order */
+        if (!x[0] || !x[2] || !x[3]) continue; /* a CTA writes its four stamps, in order */
         first = x[0] < first ? x[0] : first;
         last = x[0] > last ? x[0] : last;
         end_lo = x[3] < end_lo ? x[3] : end_lo;
