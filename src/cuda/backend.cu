@@ -44,12 +44,12 @@
  * peer's arrival runs on the same GPU: a resident kernel that waits holds its SMs, so no rank may
  * fill the GPU with CTAs that wait behind its spinning sync while a peer still needs SMs to reach
  * its arrival. Only the sync's successor can be resident during that spin (the trigger follows the
- * wait: at most one grid per stream runs ahead), and it gets the attribute only when its grid has at most this rank's share of
- * the SMs, comm->num_sms = SMs / ranks on the device (mf__pdl_after_sync: the plan fetch, R x 8
- * CTAs, and the sum, T x H/1024 CTAs; larger grids launch without it). So the waiting CTAs of all
- * the other ranks together touch fewer SMs than the GPU has. Every other successor waits for a
- * predecessor that depends on no peer (GEMMs, moves, plan kernels) and is fully resident before it
- * triggers, so it finishes. The small plan (sync + plan in one block, movement.cuh) replaces
+ * wait: at most one grid per stream runs ahead), and it gets the attribute only when its grid has
+ * at most this rank's share of the SMs, comm->num_sms = SMs / ranks on the device
+ * (mf__pdl_after_sync: the plan fetch, R x 8 CTAs, and the sum, T x H/1024 CTAs; larger grids
+ * launch without it). So the waiting CTAs of all the other ranks together touch fewer SMs than
+ * the GPU has. Every other successor waits for a predecessor that depends on no peer (GEMMs,
+ * moves, plan kernels) and is fully resident before it triggers, so it finishes. The small plan (sync + plan in one block, movement.cuh) replaces
  * sync DISPATCH -> fetch -> offsets -> fill: it gets the attribute after publish, and triggers its
  * successor (a GEMM or the gather, large grids) only after its sync wait, never during the spin.
  *
