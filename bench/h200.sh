@@ -180,8 +180,9 @@ fi
 
 if [ "$what" = timeline ]; then
     # where the small kernel's time goes, per CTA (moeflow bench layer --timeline), with the plan kernel
-    # (MF_SMALL=2) and with its own plan (3): deepseek-v3 and qwen3-235b-a22b, T = 1..8, one round
-    for preset in deepseek-v3 qwen3-235b-a22b; do
+    # (MF_SMALL=2) and with its own plan (3): deepseek-v3, kimi-k2 (deepseek-v3's shapes at E = 384)
+    # and qwen3-235b-a22b (MF_PRESETS: only those), T = 1..8, one round
+    for preset in ${MF_PRESETS:-deepseek-v3 kimi-k2 qwen3-235b-a22b}; do
         for v in 2 3; do
             MF_SMALL=$v timeout 120 ./build/moeflow bench layer --preset $preset -R 1 --dtype fp8 --gated \
                 --phases off --no-check --rounds 1 -T 1,2,4,8 --timeline \
