@@ -49,7 +49,9 @@
 #        bench/summarize.py ab MF_SMALL; MF_PRESETS="a b" runs only those presets (a call of the
 #        device tool lasts at most 600 s). Not in `all`.
 # timeline: the small kernel's per-CTA stamps (moeflow bench layer --timeline) at T = 1..8 for
-#        deepseek-v3 and qwen3-235b-a22b, MF_SMALL=2 (the plan kernel) and 3 (its own plan), ~2 min.
+#        deepseek-v3 and qwen3-235b-a22b, MF_SMALL=2 (the plan kernel) and 3 (its own plan), ~2 min:
+#        per row the phases' medians, then the late entries and their SMs, the producers' time per
+#        W13 and W2 unit and the spread of their walks' ends.
 #        Not in `all`.
 # overlap: moeflow bench overlap (issue 28: two micro-batches through the split halves beside the
 #        pair back to back; deepseek-v3, T = 64, 128, R = 1, 8). Not in `all`.
@@ -178,13 +180,14 @@ fi
 
 if [ "$what" = timeline ]; then
     # where the small kernel's time goes, per CTA (moeflow bench layer --timeline), with the plan kernel
-    # (MF_SMALL=2) and with its own plan (3): deepseek-v3 and qwen3-235b-a22b, T = 1..8, one round
-    for preset in deepseek-v3 qwen3-235b-a22b; do
+    # (MF_SMALL=2) and with its own plan (3): deepseek-v3, kimi-k2 (deepseek-v3's shapes at E = 384)
+    # and qwen3-235b-a22b (MF_PRESETS: only those), T = 1..8, one round
+    for preset in ${MF_PRESETS:-deepseek-v3 kimi-k2 qwen3-235b-a22b}; do
         for v in 2 3; do
             MF_SMALL=$v timeout 120 ./build/moeflow bench layer --preset $preset -R 1 --dtype fp8 --gated \
                 --phases off --no-check --rounds 1 -T 1,2,4,8 --timeline \
                 > "$dir/timeline_${preset}_$v.log" 2>&1 || rc=1
-            grep -E "^# timeline" "$dir/timeline_${preset}_$v.log" | sed "s/^/$preset MF_SMALL=$v /"
+            grep -E "^# timeline|^# +late entries" "$dir/timeline_${preset}_$v.log" | sed "s/^/$preset MF_SMALL=$v /"
         done
     done
 fi

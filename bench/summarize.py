@@ -198,8 +198,10 @@ def smallbatch(a):
     peers = {}
     with open(os.path.join(a.dir, "peer", "vllm_layer_peer.json")) as f:
         for r in json.load(f)["rows"]:
+            naive = r.get("naive") or {}
             cands = [("torch glue", r.get("time_us")), ("1-kernel glue", r.get("time_triton_glue_us")),
-                     ("small-batch", (r.get("naive") or {}).get("time_us"))]
+                     ("small-batch", naive.get("time_us")),
+                     ("small-batch 1-kernel glue", naive.get("time_triton_glue_us"))]
             name, best = min(((n, t) for n, t in cands if t), key=lambda x: x[1])
             peers[(r["preset"], r["T"])] = (best, r["floor_us"], name)
     print("| preset | T | floor (us) | moeflow graph (us) | x floor | moeflow C gated (us) | x floor "

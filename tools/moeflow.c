@@ -199,7 +199,9 @@ static void usage(FILE *f) {
             "      --per-rank               bench: each rank's own phase medians too\n"
             "      --timeline               bench, CUDA, R = 1, local: after each row's run, where its\n"
             "                               last small-batch kernel's time went, per CTA (stamps:\n"
-            "                               entry, tables, first ring position, consumers done)\n"
+            "                               entry, tables, first ring position, consumers done;\n"
+            "                               late entries and their SMs, the wait for publish,\n"
+            "                               time per unit, the walks' end)\n"
             "      --gated                  CUDA: hold each rank's stream until its forward is\n"
             "                               enqueued (device time without host launch gaps;\n"
             "                               a graph replay of the forward can still be faster)\n"
@@ -1239,7 +1241,7 @@ static void aggregate_rounds(const opts_t *o, row_t *row) {
 #if MF_WITH_CUDA
 /* The median of v[0, n), n >= 1; v is left sorted. */
 static double median_of(double *v, int n) {
-    for (int i = 1; i < n; i++) /* insertion sort: n <= TIMELINE_CTAS, once per row */
+    for (int i = 1; i < n; i++) /* insertion sort: n <= TIMELINE_CTAS x MF__GEMM_SMALL_UNIT_STAMPS, once per row */
         for (int j = i; j > 0 && v[j - 1] > v[j]; j--) {
             const double x = v[j];
             v[j] = v[j - 1], v[j - 1] = x;
@@ -1258,13 +1260,75 @@ static void timeline_begin(void) {
         die_io("--timeline: cannot set the stamps up");
 }
 
+/* The second line of a row's timeline: the CTAs that entered late (more than 2 us after the first;
+ * their SMs: where publish's blocks still ran, if that is what holds them back), with its own plan
+ * the producers' wait for publish after the tables and the time from there to the first full ring
+ * position, the time each producer spent per unit (from a ticket to its next: W13 and W2 apart,
+ * medians and p90 over the CTAs' first MF__GEMM_SMALL_UNIT_STAMPS tickets; with its own plan a
+ * CTA's first unit includes the wait for publish) and the spread of the producers' last tickets
+ * (the walk's end, where a CTA took fewer than that many units). */
+static void timeline_units(const uint64_t *s, uint64_t first) {
+    static double d13[TIMELINE_CTAS * MF__GEMM_SMALL_UNIT_STAMPS], d2[TIMELINE_CTAS * MF__GEMM_SMALL_UNIT_STAMPS];
+    static double wait[TIMELINE_CTAS], rest[TIMELINE_CTAS];
+    int n13 = 0, n2 = 0, nw = 0, late = 0, shown = 0;
+    uint64_t end_lo = UINT64_MAX, end_hi = 0;
+    char sms[128] = "";
+    for (int b = 0; b < TIMELINE_CTAS; b++) {
+        const uint64_t *x = s + (size_t)b * MF__GEMM_SMALL_STAMPS;
+        if (!x[0] || !x[2] || !x[3]) continue;
+        if (x[0] - first > 2000) {
+            late++;
+            if (shown < 16) {
+                const size_t at = strlen(sms);
+                snprintf(sms + at, sizeof sms - at, "%s%llu", shown ? " " : "", (unsigned long long)x[4]);
+                shown++;
+            }
+        }
+        if (x[5] >= x[1] && x[2] >= x[5] && x[5]) { /* its own plan: tables -> publish waited -> first position */
+            wait[nw] = (x[5] - x[1]) * 1e-3;
+            rest[nw++] = (x[2] - x[5]) * 1e-3;
+        }
+        const uint64_t *u = x + 6;
+        for (int k = 0; k < MF__GEMM_SMALL_UNIT_STAMPS && u[2 * k + 1]; k++) {
+            const uint64_t what = u[2 * k], when = u[2 * k + 1];
+            if (what >> 33 & 1) { /* the ticket past the end */
+                end_lo = when < end_lo ? when : end_lo;
+                end_hi = when > end_hi ? when : end_hi;
+                break;
+            }
+            if (k + 1 < MF__GEMM_SMALL_UNIT_STAMPS && u[2 * k + 3]) {
+                const double us = (u[2 * k + 3] - when) * 1e-3;
+                if (what >> 32 & 1) d2[n2++] = us;
+                else d13[n13++] = us;
+            }
+        }
+    }
+    printf("#          late entries (> 2 us after the first) %d%s%s%s; ", late, late ? " on SMs " : "", sms,
+           late > shown ? " ..." : "");
+    if (nw) {
+        const double w = median_of(wait, nw), r = median_of(rest, nw);
+        printf("publish waited for %.1f us after the tables, then %.1f to the first position; ", w, r);
+    }
+    if (n13 || n2) printf("per unit (a producer's ticket to its next): ");
+    if (n13) {
+        const double med = median_of(d13, n13); /* sorts d13: the p90 after it */
+        printf("W13 %.1f us (p90 %.1f, %d units)", med, d13[(int)(0.9 * (n13 - 1))], n13);
+    }
+    if (n2) {
+        const double med = median_of(d2, n2);
+        printf("%sW2 %.1f us (p90 %.1f, %d units)", n13 ? ", " : "", med, d2[(int)(0.9 * (n2 - 1))], n2);
+    }
+    if (end_hi) printf("; walk's end spread %.1f us", (end_hi - end_lo) * 1e-3);
+    printf("\n");
+}
+
 /* After a run: the last small-kernel launch's CTAs (us): when the last one entered after the first,
  * and medians (min - max over CTAs) of: tables built after entry (with the plan kernel: its PDL wait
  * included), first ring position full after that (with its own plan: the wait for publish included),
  * consumers done after that; the spread of the CTAs' ends; entry of the first to end of the last.
  * A row that ran no small kernel prints so. */
 static void timeline_end(const row_t *row, int32_t rnd) {
-    uint64_t s[TIMELINE_CTAS * MF__GEMM_SMALL_STAMPS];
+    static uint64_t s[TIMELINE_CTAS * MF__GEMM_SMALL_STAMPS];
     mf__gemm_small_set_timeline(NULL);
     if (row->code != MF_SUCCESS) return;
     if (cudaMemcpy(s, g_stamps, sizeof s, cudaMemcpyDeviceToHost) != cudaSuccess) die_io("--timeline: cudaMemcpy failed");
@@ -1273,7 +1337,7 @@ static void timeline_end(const row_t *row, int32_t rnd) {
     int n = 0;
     for (int b = 0; b < TIMELINE_CTAS; b++) {
         const uint64_t *x = s + (size_t)b * MF__GEMM_SMALL_STAMPS;
-        if (!x[0] || !x[2] || !x[3]) continue; /* a CTA writes all four, in order */
+        if (!x[0] || !x[2] || !x[3]) continue; /* a CTA writes its four stamps, in order */
         first = x[0] < first ? x[0] : first;
         last = x[0] > last ? x[0] : last;
         end_lo = x[3] < end_lo ? x[3] : end_lo;
@@ -1298,6 +1362,7 @@ static void timeline_end(const row_t *row, int32_t rnd) {
            "consumers %.1f (%.1f-%.1f); ends %.1f apart; span %.1f us\n",
            n, (last - first) * 1e-3, med[0], lo[0], hi[0], med[1], lo[1], hi[1], med[2], lo[2], hi[2],
            (end_hi - end_lo) * 1e-3, (end_hi - first) * 1e-3);
+    timeline_units(s, first);
 }
 #else
 static void timeline_begin(void) {}

@@ -74,10 +74,15 @@ void mf__gemm_bench_choose(int32_t rows_hint, int32_t max_rows_per_expert, int32
 void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums, uint64_t *plans);
 
 /* `moeflow bench layer --timeline`: the small-batch kernel launches that follow on the current device
- * write MF__GEMM_SMALL_STAMPS %globaltimer stamps per CTA into `stamps` (device memory, grid <= its
- * SMs: 0 entry, 1 tables built, 2 first ring position full, 3 consumers done; each launch overwrites
- * its CTAs'); NULL turns it off (the library's state). 0, or -1 without a current device. */
-#define MF__GEMM_SMALL_STAMPS 4
+ * write MF__GEMM_SMALL_STAMPS words per CTA into `stamps` (device memory, grid <= its SMs; each
+ * launch overwrites its CTAs'): %globaltimer stamps 0 entry, 1 tables built, 2 first ring position
+ * full, 3 consumers done; 4 the CTA's SM; 5 with its own plan, its producer's wait for publish
+ * returned (else 0); then MF__GEMM_SMALL_UNIT_STAMPS pairs (unit, when) for the
+ * first tickets its producer took: the unit's index in its low 32 bits, bit 32 set for a W2 unit,
+ * bit 33 for the ticket past the end (sm90_small_gemm.cuh). NULL turns it off (the library's
+ * state). 0, or -1 without a current device. */
+#define MF__GEMM_SMALL_UNIT_STAMPS 8
+#define MF__GEMM_SMALL_STAMPS (6 + 2 * MF__GEMM_SMALL_UNIT_STAMPS)
 int mf__gemm_small_set_timeline(uint64_t *stamps);
 
 /* 1 when the library has `op` for `dtype`, else 0. */

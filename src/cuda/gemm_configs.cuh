@@ -104,7 +104,8 @@ constexpr int kMaxVariants = 4; /* FP8, BF16; each with its own plan (kOwn) too 
 constexpr int kOwnEntries = 1024; /* kOwn: routing entries T K at most (src in shared memory) */
 constexpr int kOwnMaxTokens = 128; /* kOwn: T at most (a bit per token in each expert's mask) */
 constexpr int kOwnWords = kOwnMaxTokens / 32; /* kOwn: mask words per expert */
-constexpr int kStamps = 4;       /* the timeline's %globaltimer stamps per CTA (mf__gemm_small_set_timeline) */
+constexpr int kUnitStamps = 8;   /* the timeline: the first units a CTA's producer takes, stamped */
+constexpr int kStamps = 6 + 2 * kUnitStamps; /* the timeline's words per CTA (mf__gemm_small_set_timeline) */
 /* AUTO takes the kernel where this rank expects at most this many routed rows (T K R L / E; T K at
  * R = 1): measured on the H200 (2026-12-05, bench/NOTES.md), it led the two decode GEMMs at T K <= 64
  * (deepseek-v3 and qwen3-235b-a22b T <= 8, -0.8 to -12.6 %) and trailed them at 128 and above

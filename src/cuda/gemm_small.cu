@@ -58,7 +58,8 @@ mf__gemm_family_t g_family = {kMfGemmFamilySmall, kLaunchRegs, variant_count, va
 
 std::atomic<uint64_t> g_launches, g_sums, g_plans; /* mf__gemm_small_counts (testing.h) */
 std::atomic<uint64_t *> g_timeline[kMfGemmMaxDevices]; /* mf__gemm_small_set_timeline, per device; NULL: off */
-static_assert(MF__GEMM_SMALL_STAMPS == kStamps, "gemm_bench.h spells the stamps per CTA for C");
+static_assert(MF__GEMM_SMALL_STAMPS == kStamps && MF__GEMM_SMALL_UNIT_STAMPS == kUnitStamps,
+              "gemm_bench.h spells the stamps per CTA for C");
 
 } /* namespace */
 

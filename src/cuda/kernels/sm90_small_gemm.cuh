@@ -119,13 +119,27 @@ struct small_params {
     uint64_t *timeline;        /* `moeflow bench layer --timeline` only (NULL otherwise): kStamps stamps per CTA */
 };
 
-/* The timeline (small_params.timeline): this CTA's stamp i = %globaltimer: 0 entry; 1 tables built
- * (with the plan's tables this includes the PDL wait for the plan kernel; with its own plan no wait);
- * 2 its first ring position full (weights and rows in shared memory; with its own plan this includes
- * the wait for publish; a CTA that took no unit: its end marker); 3 its consumers done (before the
- * count-out). */
+/* The timeline (small_params.timeline), kStamps words per CTA: word i = %globaltimer: 0 entry; 1
+ * tables built (with the plan's tables this includes the PDL wait for the plan kernel; with its own
+ * plan no wait); 2 its first ring position full (weights and rows in shared memory; with its own plan
+ * this includes the wait for publish; a CTA that took no unit: its end marker); 3 its consumers done
+ * (before the count-out); 4 its SM (%smid); 5 (kOwn) its producer's PDL wait for publish returned;
+ * then, for the first kUnitStamps tickets its producer took, pairs (what: the unit's index, bit 32
+ * set for a W2 unit, bit 33 for the end; when). */
 __device__ __forceinline__ void stamp(const small_params &p, int i) {
     p.timeline[kStamps * (int64_t)blockIdx.x + i] = mf__globaltimer();
+}
+__device__ __forceinline__ void stamp_sm(const small_params &p) {
+    uint32_t sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    p.timeline[kStamps * (int64_t)blockIdx.x + 4] = sm;
+}
+/* The producer's lane 0, at its u-th ticket (idx; w2, end: its kind). */
+__device__ __forceinline__ void stamp_unit(const small_params &p, int32_t u, int32_t idx, bool w2, bool end) {
+    if (u >= kUnitStamps) return;
+    uint64_t *const s = p.timeline + kStamps * (int64_t)blockIdx.x + 6 + 2 * u;
+    s[0] = (uint64_t)(uint32_t)idx | (uint64_t)w2 << 32 | (uint64_t)end << 33;
+    s[1] = mf__globaltimer();
 }
 
 template <bool kFp8, int kBlockT, bool kOwn = false>
@@ -323,8 +337,11 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
     bool w2;
     tile_t t;
     bool published = !kOwn; /* kOwn: publish (the kernel before this one) has not been waited for yet */
-    for (int32_t idx = take(p.sync, lane); locate<kBlockT>(tb, L, nb13, nb2, idx, cur13, cur2, w2, t);
+    int32_t taken = 0;      /* the timeline's count of tickets */
+    int32_t idx = take(p.sync, lane);
+    for (; locate<kBlockT>(tb, L, nb13, nb2, idx, cur13, cur2, w2, t);
          idx = take(p.sync, lane, kOwn && published ? p.fault : nullptr)) {
+        if (p.timeline && lane == 0) stamp_unit(p, taken++, idx, w2, false);
         /* this lane's column j = lane (kBlockT <= 32): its row's data and FP8 scales; columns below
          * lo read row lo's scales and copy no data (their D columns are never stored) */
         const int j = lane;
@@ -380,6 +397,7 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
                     __syncwarp();
                     mf__pdl_wait();
                     published = true;
+                    if (p.timeline && lane == 0) stamp(p, 5);
                     for (int32_t x = 0; x < early; x++) copy_x(x, R::slot(it + 2 * x), R::slot(it + 2 * x + 1));
                     it += 2 * early;
                 }
@@ -398,6 +416,7 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
                                      faulted call's stop word reaches it too (its h waits are longer) */
                     mf__pdl_wait();
                     published = true;
+                    if (p.timeline && lane == 0) stamp(p, 5);
                 }
             }
             if (copy) arow = p.h + (int64_t)row * kbytes2;
@@ -452,6 +471,7 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
             it += kb2;
         }
     }
+    if (p.timeline && lane == 0) stamp_unit(p, taken, idx, false, true);
     /* The end: one more position, unit -1 and no data, full by plain arrivals (32 + 1) */
     const uint32_t s = R::slot(it);
     R::wait_empty(empty, it);
@@ -647,7 +667,10 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_small_kernel(const __grid_co
     int32_t *unit = (int32_t *)(smem + C::kOffUnit);
     uint64_t *full = (uint64_t *)(smem + C::kOffBars);
     uint64_t *empty = full + C::kSlots;
-    if (p.timeline && threadIdx.x == 0) stamp(p, 0);
+    if (p.timeline && threadIdx.x == 0) {
+        stamp(p, 0);
+        stamp_sm(p);
+    }
     /* first[e]: the token blocks of the experts < e (units = blocks x n-blocks of each phase) */
     if constexpr (kOwn) { /* the prologue without the PDL wait: the tables are the kernel's own */
         if (threadIdx.x == 0) ring<C::kSlots>::init(full, empty, 1 + 32);
