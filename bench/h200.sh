@@ -40,16 +40,17 @@
 #        moeflow as an engine runs it), then vLLM's Triton path (the layer peer, from
 #        ${MF_PEERS:-../shared/peers}; never copied into the repository); table.md: the comparison
 #        (bench/summarize.py smallbatch). Not in `all`.
-# small: the small-batch kernel's A/B (issue 25 item 1, ~6 min): deepseek-v3, kimi-k2, qwen3-235b-a22b at
-#        R = 1, FP8, gated, no phase events, T = 1..128, 3 rounds per process; each preset with
-#        MF_SMALL=0 (the two decode GEMMs and the sum kernel), MF_SMALL=1 (the small kernel, then the sum
-#        kernel), MF_SMALL=2 (the small kernel summing itself) and MF_SMALL=3, the default (also its own
-#        plan: publish syncs, no plan kernel; T <= 128, T K <= 1024), the order rotating (above 64
-#        routed rows AUTO runs the two GEMMs under every switch: mf__small::kMaxRows); small_ab.md:
+# small: the small-batch kernel's A/B (issue 25 item 1, ~4 min): deepseek-v3, kimi-k2, qwen3-235b-a22b at
+#        R = 1, FP8, gated, no phase events, T = 1..8 (where AUTO takes the kernel: at most 64 routed
+#        rows, mf__small::kMaxRows), 3 rounds per process; each preset under every MF_SMALL value of
+#        MF_SMALL_VALUES (default "3 4": its own plan without and with the L2 prefetch of a waiting W2
+#        unit, the default; 0 is the two decode GEMMs and the sum kernel, 1 the small kernel then the
+#        sum kernel, 2 the small kernel summing itself), the order rotating per preset; small_ab.md:
 #        bench/summarize.py ab MF_SMALL; MF_PRESETS="a b" runs only those presets (a call of the
 #        device tool lasts at most 600 s). Not in `all`.
 # timeline: the small kernel's per-CTA stamps (moeflow bench layer --timeline) at T = 1..8 for
-#        deepseek-v3 and qwen3-235b-a22b, MF_SMALL=2 (the plan kernel) and 3 (its own plan), ~2 min:
+#        deepseek-v3, kimi-k2 and qwen3-235b-a22b (MF_PRESETS: only those), under each MF_SMALL value
+#        of MF_SMALL_VALUES (default "3 4"), ~3 min:
 #        per row the phases' medians, then the late entries and their SMs, the producers' time per
 #        W13 and W2 unit and the spread of their walks' ends.
 #        Not in `all`.
@@ -164,26 +165,29 @@ if [ "$what" = rebalance ]; then
     tail -1 "$dir/$name.log"
 fi
 if [ "$what" = small ]; then
-    common=(-R 1 --dtype fp8 --gated --phases off --no-check --rounds 3 -T 1,2,4,8,16,32,64,128)
-    orders=("0 1 2 3" "1 2 3 0" "2 3 0 1")
+    common=(-R 1 --dtype fp8 --gated --phases off --no-check --rounds 3 -T 1,2,4,8)
+    values=(${MF_SMALL_VALUES:-3 4})
     n=0
     for preset in ${MF_PRESETS:-deepseek-v3 kimi-k2 qwen3-235b-a22b}; do
-        for v in ${orders[$n]}; do
+        for k in "${!values[@]}"; do
+            v=${values[$(((k + n) % ${#values[@]}))]}
             MF_SMALL=$v timeout 150 ./build/moeflow bench layer --preset $preset "${common[@]}" \
                 --json "$dir/small_${preset}_$v.json" > "$dir/small_${preset}_$v.log" 2>&1 || rc=1
         done
         n=$((n + 1))
     done
-    python3 bench/summarize.py ab MF_SMALL "$dir"/small_*_0.json "$dir"/small_*_1.json "$dir"/small_*_2.json \
-        "$dir"/small_*_3.json | tee "$dir/small_ab.md" || rc=1
+    recs=()
+    for v in "${values[@]}"; do recs+=("$dir"/small_*_"$v".json); done
+    python3 bench/summarize.py ab MF_SMALL "${recs[@]}" | tee "$dir/small_ab.md" || rc=1
 fi
 
 if [ "$what" = timeline ]; then
-    # where the small kernel's time goes, per CTA (moeflow bench layer --timeline), with the plan kernel
-    # (MF_SMALL=2) and with its own plan (3): deepseek-v3, kimi-k2 (deepseek-v3's shapes at E = 384)
-    # and qwen3-235b-a22b (MF_PRESETS: only those), T = 1..8, one round
+    # where the small kernel's time goes, per CTA (moeflow bench layer --timeline), under each switch
+    # of MF_SMALL_VALUES (default 3 and 4: without and with the L2 prefetch of a waiting W2 unit):
+    # deepseek-v3, kimi-k2 (deepseek-v3's shapes at E = 384) and qwen3-235b-a22b (MF_PRESETS: only
+    # those), T = 1..8, one round
     for preset in ${MF_PRESETS:-deepseek-v3 kimi-k2 qwen3-235b-a22b}; do
-        for v in 2 3; do
+        for v in ${MF_SMALL_VALUES:-3 4}; do
             MF_SMALL=$v timeout 120 ./build/moeflow bench layer --preset $preset -R 1 --dtype fp8 --gated \
                 --phases off --no-check --rounds 1 -T 1,2,4,8 --timeline \
                 > "$dir/timeline_${preset}_$v.log" 2>&1 || rc=1

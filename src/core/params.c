@@ -12,8 +12,9 @@
  *                 (default 1; cuda/pdl.cuh), for A/B measurements
  * MF_SMALL        0: the CUDA backend never runs the small-batch kernel (W13 and W2 in one launch,
  *                 kernels/sm90_small_gemm.cuh) and launches the two decode GEMMs instead; 1: it runs it
- *                 but keeps the sum kernel after it; 2: at R = 1 it sums too; 3 (default): at R = 1
- *                 it also plans for itself (no plan kernel); for A/B measurements */
+ *                 but keeps the sum kernel after it; 2: at R = 1 it sums too; 3: at R = 1 it also
+ *                 plans for itself (no plan kernel); 4 (default): a W2 unit that waits for its
+ *                 expert's W13 sends the next round's W2 weights into L2; for A/B measurements */
 
 /* The integer value of `name`, or `fallback` when it is unset, not an integer, or below `min`. */
 static int64_t mf__env_int(const char *name, int64_t fallback, int64_t min) {
@@ -31,6 +32,6 @@ int32_t mf__param_pdl(void) { return mf__env_int("MF_PDL", 1, 0) != 0; }
 int32_t mf__param_debug(void) { return mf__env_int("MF_DEBUG", 0, 1) > 0; }
 
 int32_t mf__param_small(void) {
-    const int64_t v = mf__env_int("MF_SMALL", 3, 0);
-    return v > 3 ? 3 : (int32_t)v;
+    const int64_t v = mf__env_int("MF_SMALL", 4, 0);
+    return v > 4 ? 4 : (int32_t)v;
 }

@@ -162,10 +162,11 @@ static mf__cuda_comm_t *mf__cc(mf_comm_t comm) { return (mf__cuda_comm_t *)comm-
 
 extern "C" int32_t mf__cuda_plan_serial = 0; /* balance/prefetch.h */
 extern "C" int32_t mf__cuda_plan_small = 1;  /* balance/prefetch.h */
-/* The small-batch kernel's switch (grouped_gemm.h): 3 with its own plan and sum at R = 1, 2 with its
- * own sum only, 1 without either, 0 off; lowered for the rest of the process by a comm init that reads
- * MF_SMALL (core/params.c); the GPU tests set it directly. */
-extern "C" int32_t mf__cuda_small = 3;
+/* The small-batch kernel's switch (grouped_gemm.h): 4 with the W2 weights of the next round sent to L2
+ * by a waiting W2 unit, 3 without, 2 with its own sum only, 1 without either, 0 off; lowered for the
+ * rest of the process by a comm init that reads MF_SMALL (core/params.c); the GPU tests set it
+ * directly. */
+extern "C" int32_t mf__cuda_small = 4;
 extern "C" int32_t mf__cuda_small_rows = mf__small::kMaxRows; /* grouped_gemm.h */
 
 /* ---- comm and memory ---------------------------------------------------------------------- */

@@ -770,10 +770,10 @@ static mf_result_t switch_run(const pdl_case_t *c, const mfp_problem_t *p, int32
 extern int32_t mf__cuda_small; /* cuda/grouped_gemm.h: 0 clears choice.fused, 1 keeps the sum kernel */
 extern int32_t mf__cuda_small_rows; /* cuda/grouped_gemm.h: the routed rows up to which AUTO takes it */
 void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums, uint64_t *plans); /* testing.h (gemm_bench.h) */
-enum { kSmallModes = 4, kSmallOwnTokens = 128, kSmallOwnEntries = 1024 /* mf__small::kOwnMaxTokens, kOwnEntries */ };
+enum { kSmallModes = 5, kSmallOwnTokens = 128, kSmallOwnEntries = 1024 /* mf__small::kOwnMaxTokens, kOwnEntries */ };
 enum { kSmallMaxRows = 64 /* mf__small::kMaxRows (cuda/gemm_configs.cuh): the fifth run fails if they part */ };
 
-/* Case i under the small kernel's four switches (cuda_small_bitwise): each run's y into y[switch],
+/* Case i under the small kernel's five switches (cuda_small_bitwise): each run's y into y[switch],
  * its digests into dig[switch], and the counters say which kernels ran. */
 static int small_switches(int i, const pdl_case_t *pc, const mfp_problem_t *p, uint16_t *y[][MF_MAX_RANKS],
                           uint64_t **dig, uint64_t seed, int own_plan) {
@@ -789,23 +789,24 @@ static int small_switches(int i, const pdl_case_t *pc, const mfp_problem_t *p, u
                       i, small, (unsigned long long)(launches1 - launches0));
         MFT_CHECK_MSG((small >= 2 && c->R == 1) == (sums1 > sums0), "case %d: switch %d at R = %d, %llu own sums", i,
                       small, c->R, (unsigned long long)(sums1 - sums0));
-        MFT_CHECK_MSG((small == 3 && own_plan) == (plans1 > plans0), "case %d: switch %d at R = %d, T K = %d, %llu own plans",
+        MFT_CHECK_MSG((small >= 3 && own_plan) == (plans1 > plans0), "case %d: switch %d at R = %d, T K = %d, %llu own plans",
                       i, small, c->R, c->T * c->K, (unsigned long long)(plans1 - plans0));
     }
     return 0;
 }
 
-/* Every case four times: without the small kernel (switch 0: the two decode GEMMs), with it and the
- * sum kernel (1), with it summing itself at R = 1 (2), and planning for itself there too (3, the
- * default: publish runs the DISPATCH sync, no plan kernel), three calls each on inputs redrawn per
+/* Every case five times: without the small kernel (switch 0: the two decode GEMMs), with it and the
+ * sum kernel (1), with it summing itself at R = 1 (2), planning for itself there too (3: publish runs
+ * the DISPATCH sync, no plan kernel), and with a waiting W2 unit's L2 prefetch of the next round's
+ * W2 weights (4, the default: a hint, the same bits), three calls each on inputs redrawn per
  * call: every call's y equal bit for bit (digests), the last call of the default run within the
  * contract's bounds of the CPU backend's, and the counters say which ran (switch 2 and 3 sum in the
- * kernel exactly at R = 1, switch 3 plans there where T <= 128 and T K <= 1024). Cases: one and
+ * kernel exactly at R = 1, switches 3 and 4 plan there where T <= 128 and T K <= 1024). Cases: one and
  * several ranks, idle ranks, both dtypes and layouts, a hot expert with more rows than a tile
  * (several token blocks, several W13 tiles per W2 dependency), W13 K blocks past the ring (two
  * positions each; with its own plan the first ring's weights go out before the PDL wait) and W2 K
  * blocks past it (the weights issued before the wait, then the rest), dropped k, more entries than
- * its own plan holds, a captured graph replayed, and PDL (the forward's default). The four switches
+ * its own plan holds, a captured graph replayed, and PDL (the forward's default). The five switches
  * run with AUTO's row bound lifted (the kernel at every shape it takes); a fifth run keeps the bound:
  * at R = 1 the kernel runs exactly where T K <= 64, and y is the two GEMMs' bits either way. */
 static int cuda_small_bitwise(void) {
@@ -855,7 +856,7 @@ static int cuda_small_bitwise(void) {
         const int own_plan = /* the test's shapes fit its other conditions */
             c->R == 1 && c->T <= kSmallOwnTokens && c->T * c->K <= kSmallOwnEntries;
         char err[512] = "";
-        /* the four switches with AUTO's row bound lifted, put back whatever they report */
+        /* the five switches with AUTO's row bound lifted, put back whatever they report */
         const int32_t bound = __atomic_load_n(&mf__cuda_small_rows, __ATOMIC_RELAXED);
         __atomic_store_n(&mf__cuda_small_rows, INT32_MAX, __ATOMIC_RELAXED);
         const int failed = small_switches(i, &cases[i], &p, y, dig, seed, own_plan);
@@ -868,7 +869,8 @@ static int cuda_small_bitwise(void) {
             uint16_t *y_auto[MF_MAX_RANKS];
             uint64_t *dig_auto = mft_alloc(nd * 8), launches0, launches1, sums, plans;
             mf__gemm_small_counts(&launches0, &sums, &plans);
-            mf_result_t res = switch_run(&cases[i], &p, &mf__cuda_small, 3, y_auto, dig_auto, seed, err, sizeof err);
+            mf_result_t res = switch_run(&cases[i], &p, &mf__cuda_small, kSmallModes - 1, y_auto, dig_auto, seed, err,
+                                         sizeof err);
             mf__gemm_small_counts(&launches1, &sums, &plans);
             MFT_CHECK_MSG(res == MF_SUCCESS, "case %d, AUTO's row bound: %s", i, err);
             if (c->R == 1)
@@ -884,7 +886,7 @@ static int cuda_small_bitwise(void) {
         MFT_CHECK_MSG(res == MF_SUCCESS, "cpu run failed: %s", err);
         char label[32];
         snprintf(label, sizeof label, "small case %d", i);
-        if (check_layer_y(label, "cpu", c->dtype, c->R, p.T, c->H, y[3], y_cpu, NULL)) return 1;
+        if (check_layer_y(label, "cpu", c->dtype, c->R, p.T, c->H, y[kSmallModes - 1], y_cpu, NULL)) return 1;
         for (int32_t r = 0; r < c->R; r++) {
             for (int small = 0; small < kSmallModes; small++) free(y[small][r]);
             free(y_cpu[r]);

@@ -200,6 +200,13 @@ __device__ __forceinline__ void mf__prefetch_tensormap(const CUtensorMap *map) {
     asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)map) : "memory");
 }
 
+/* Box of `map` at coordinates (c0 innermost, c1) into L2 only: a hint, nothing waits for it. */
+__device__ __forceinline__ void mf__tma_prefetch_2d(const CUtensorMap *map, int c0, int c1) {
+    asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" ::"l"((uint64_t)map), "r"(c0),
+                 "r"(c1)
+                 : "memory");
+}
+
 /* Box of `map` at coordinates (c0 innermost, c1) into smem `dst`; the box's full byte count
  * (out-of-bounds elements are zero-filled and still counted) completes on `bar`. */
 __device__ __forceinline__ void mf__tma_load_2d(void *dst, const CUtensorMap *map, uint64_t *bar, int c0, int c1) {

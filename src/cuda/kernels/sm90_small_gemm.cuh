@@ -39,6 +39,15 @@
  *        when the ring would otherwise wait on this unit's own positions.
  * Each position carries its unit in tile_of[slot]; the consumers follow it and stop at -1.
  *
+ * L2 ahead (switch 4, params.l2_ahead). A W2 unit waits for all of its expert's W13 tiles, and its
+ * whole unit of weights fits the ring, so a CTA that takes one while the expert's slowest W13 tile
+ * still streams (the W13 -> W2 seam; at T = 1 every CTA's first W13 unit is 1.8 MB and they end
+ * ~6 us apart) loads nothing for that time. Such a unit, when its first poll of done[e] fails, first
+ * sends the W2 weights of unit idx + grid, the unit of the walk's next round, into L2
+ * (cp.async.bulk.prefetch.tensor: a hint, nothing waits for it, the bits do not change): the next
+ * round then reads them from L2. At most one unit (262 KB at deepseek-v3 FP8) per parked unit:
+ * 132 of them are 35 MB, within the 50 MB L2 that W13's evict-first weights leave alone.
+ *
  * The consumers (warpgroups 1 and 2): W13 as the decode swiglu kernel (two boxes), W2 as the decode
  * plain kernel with `ret` (one box): rows go to the owners' combine slots. After a W13 unit's stores:
  * one more named barrier, then one thread publishes.
@@ -117,6 +126,8 @@ struct small_params {
     mf__fault_sink_t sink;     /* the comm's: where an expired wait records itself */
     const int32_t *ids;        /* kOwn: the caller's routing [T, K] (its own plan; counts, offsets, src unread) */
     uint64_t *timeline;        /* `moeflow bench layer --timeline` only (NULL otherwise): kStamps stamps per CTA */
+    int32_t l2_ahead;          /* switch 4: a W2 unit that waits for its expert's W13 sends the W2 weights of
+                                  unit idx + grid into L2 (see "L2 ahead" in the file comment) */
 };
 
 /* The timeline (small_params.timeline), kStamps words per CTA: word i = %globaltimer: 0 entry; 1
@@ -342,6 +353,20 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
     for (; locate<kBlockT>(tb, L, nb13, nb2, idx, cur13, cur2, w2, t);
          idx = take(p.sync, lane, kOwn && published ? p.fault : nullptr)) {
         if (p.timeline && lane == 0) stamp_unit(p, taken++, idx, w2, false);
+        if (w2 && p.l2_ahead) { /* L2 ahead (file comment): parked, so first the weights of unit idx +
+                                   grid, W2 unit j (locate's arithmetic: expert t.e or a later one) */
+            int32_t parked = 0;
+            if (lane == 0) parked = ld_acquire(done + t.e) < nb13 * (tb.first[t.e + 1] - tb.first[t.e]);
+            const int32_t j = idx + (int32_t)gridDim.x - nb13 * tb.first[L];
+            if (__shfl_sync(0xffffffffu, parked, 0) && j < nb2 * tb.first[L]) {
+                int32_t e = t.e;
+                while (nb2 * tb.first[e + 1] <= j) e++;
+                const int32_t w = e * p.H + (j - nb2 * tb.first[e]) / (tb.first[e + 1] - tb.first[e]) * kBoxRows;
+                if (lane < kb2) /* a box per lane: the unit's first 32 K blocks (all of them while I
+                                   x element bytes <= 4 KB: every preset's) */
+                    mf__tma_prefetch_2d(&p.tmap_w2, lane * (kKBlock / C::kEsz), w);
+            }
+        }
         /* this lane's column j = lane (kBlockT <= 32): its row's data and FP8 scales; columns below
          * lo read row lo's scales and copy no data (their D columns are never stored) */
         const int j = lane;
