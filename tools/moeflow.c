@@ -1265,12 +1265,15 @@ static void timeline_begin(void) {
  * the producers' wait for publish after the tables and the time from there to the first full ring
  * position, the time each producer spent per unit (from a ticket to its next: W13 and W2 apart,
  * medians and p90 over the CTAs' first MF__GEMM_SMALL_UNIT_STAMPS tickets; with its own plan a
- * CTA's first unit includes the wait for publish) and the spread of the producers' last tickets
- * (the walk's end, where a CTA took fewer than that many units). */
+ * CTA's first unit includes the wait for publish; W2 units also apart by what the producer ran
+ * before: the first W2 unit after W13 units, or none, holds the wait for its expert's W13, the seam,
+ * and one after a W2 unit mostly streams) and the spread of the producers' last tickets (the walk's
+ * end, where a CTA took fewer than that many units). */
 static void timeline_units(const uint64_t *s, uint64_t first) {
     static double d13[TIMELINE_CTAS * MF__GEMM_SMALL_UNIT_STAMPS], d2[TIMELINE_CTAS * MF__GEMM_SMALL_UNIT_STAMPS];
+    static double seam[TIMELINE_CTAS * MF__GEMM_SMALL_UNIT_STAMPS], after2[TIMELINE_CTAS * MF__GEMM_SMALL_UNIT_STAMPS];
     static double wait[TIMELINE_CTAS], rest[TIMELINE_CTAS];
-    int n13 = 0, n2 = 0, nw = 0, late = 0, shown = 0;
+    int n13 = 0, n2 = 0, nseam = 0, nafter2 = 0, nw = 0, late = 0, shown = 0;
     uint64_t end_lo = UINT64_MAX, end_hi = 0;
     char sms[128] = "";
     for (int b = 0; b < TIMELINE_CTAS; b++) {
@@ -1298,8 +1301,13 @@ static void timeline_units(const uint64_t *s, uint64_t first) {
             }
             if (k + 1 < MF__GEMM_SMALL_UNIT_STAMPS && u[2 * k + 3]) {
                 const double us = (u[2 * k + 3] - when) * 1e-3;
-                if (what >> 32 & 1) d2[n2++] = us;
-                else d13[n13++] = us;
+                if (what >> 32 & 1) {
+                    d2[n2++] = us;
+                    if (k && (u[2 * k - 2] >> 32 & 1)) after2[nafter2++] = us;
+                    else seam[nseam++] = us;
+                } else {
+                    d13[n13++] = us;
+                }
             }
         }
     }
@@ -1316,7 +1324,10 @@ static void timeline_units(const uint64_t *s, uint64_t first) {
     }
     if (n2) {
         const double med = median_of(d2, n2);
-        printf("%sW2 %.1f us (p90 %.1f, %d units)", n13 ? ", " : "", med, d2[(int)(0.9 * (n2 - 1))], n2);
+        printf("%sW2 %.1f us (p90 %.1f, %d units", n13 ? ", " : "", med, d2[(int)(0.9 * (n2 - 1))], n2);
+        if (nseam) printf("; after W13 or first %.1f, %d", median_of(seam, nseam), nseam);
+        if (nafter2) printf("; after W2 %.1f, %d", median_of(after2, nafter2), nafter2);
+        printf(")");
     }
     if (end_hi) printf("; walk's end spread %.1f us", (end_hi - end_lo) * 1e-3);
     printf("\n");
