@@ -19,6 +19,7 @@
 #include <time.h>
 
 #include "core/alloc.h" /* mf__test_fail_alloc_after: the allocator's failure switch */
+#include "core/params.h"
 #include "harness.h"
 
 #define API_TIMEOUT_MS 15000
@@ -1230,7 +1231,31 @@ static int test_alloc_failure(void) {
     return 0;
 }
 
+/* The A/B switches' parsing (core/params.c): MF_SMALL 0..4 (4 by default and above 4), and
+ * MF_DECODE_TOKENS one of the decode tiles below 64 or else 64; the variables are put back. */
+static int test_params(void) {
+    static const struct { const char *name, *value; int32_t want; } cases[] = {
+        {"MF_SMALL", NULL, 4},          {"MF_SMALL", "0", 0},          {"MF_SMALL", "3", 3},
+        {"MF_SMALL", "9", 4},           {"MF_SMALL", "-1", 4},         {"MF_SMALL", "x", 4},
+        {"MF_DECODE_TOKENS", NULL, 64}, {"MF_DECODE_TOKENS", "8", 8},  {"MF_DECODE_TOKENS", "16", 16},
+        {"MF_DECODE_TOKENS", "32", 32}, {"MF_DECODE_TOKENS", "24", 64}, {"MF_DECODE_TOKENS", "128", 64},
+        {"MF_DECODE_TOKENS", "4", 64},  {"MF_DECODE_TOKENS", "", 64},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        const char *old = getenv(cases[i].name);
+        char *keep = old ? strdup(old) : NULL;
+        MFT_CHECK(cases[i].value ? setenv(cases[i].name, cases[i].value, 1) == 0 : unsetenv(cases[i].name) == 0);
+        const int32_t got = strcmp(cases[i].name, "MF_SMALL") == 0 ? mf__param_small() : mf__param_decode_tokens();
+        MFT_CHECK(keep ? setenv(cases[i].name, keep, 1) == 0 : unsetenv(cases[i].name) == 0);
+        free(keep);
+        MFT_CHECK_MSG(got == cases[i].want, "%s=%s read as %d, want %d", cases[i].name,
+                      cases[i].value ? cases[i].value : "(unset)", got, cases[i].want);
+    }
+    return 0;
+}
+
 const mft_test_t mft_tests_api[] = {
+    {"api_params", test_params, 5},
     {"api_abi", test_abi, 0},
     {"api_version_strings", test_version_strings, 10},
     {"api_destroy_null", test_destroy_null, 10},

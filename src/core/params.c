@@ -14,7 +14,10 @@
  *                 kernels/sm90_small_gemm.cuh) and launches the two decode GEMMs instead; 1: it runs it
  *                 but keeps the sum kernel after it; 2: at R = 1 it sums too; 3: at R = 1 it also
  *                 plans for itself (no plan kernel); 4 (default): a W2 unit that waits for its
- *                 expert's W13 sends the next round's W2 weights into L2; for A/B measurements */
+ *                 expert's W13 sends the next round's W2 weights into L2; for A/B measurements
+ * MF_DECODE_TOKENS the largest decode tile AUTO's choice may take, 8, 16, 32 or 64 (default) tokens
+ *                 (cuda/grouped_gemm.cu mf__gemm_choose: the tile that holds most experts' rows; an
+ *                 expert past it takes more tiles); other values read as 64; for A/B measurements */
 
 /* The integer value of `name`, or `fallback` when it is unset, not an integer, or below `min`. */
 static int64_t mf__env_int(const char *name, int64_t fallback, int64_t min) {
@@ -30,6 +33,11 @@ int64_t mf__param_timeout_ms(void) { return mf__env_int("MF_TIMEOUT_MS", 30000, 
 int32_t mf__param_pdl(void) { return mf__env_int("MF_PDL", 1, 0) != 0; }
 
 int32_t mf__param_debug(void) { return mf__env_int("MF_DEBUG", 0, 1) > 0; }
+
+int32_t mf__param_decode_tokens(void) {
+    const int64_t v = mf__env_int("MF_DECODE_TOKENS", 64, 8);
+    return v == 8 || v == 16 || v == 32 ? (int32_t)v : 64;
+}
 
 int32_t mf__param_small(void) {
     const int64_t v = mf__env_int("MF_SMALL", 4, 0);

@@ -168,6 +168,7 @@ extern "C" int32_t mf__cuda_plan_small = 1;  /* balance/prefetch.h */
  * directly. */
 extern "C" int32_t mf__cuda_small = 4;
 extern "C" int32_t mf__cuda_small_rows = mf__small::kMaxRows; /* grouped_gemm.h */
+extern "C" int32_t mf__cuda_decode_tokens = 64;                 /* grouped_gemm.h: MF_DECODE_TOKENS */
 
 /* ---- comm and memory ---------------------------------------------------------------------- */
 
@@ -253,6 +254,9 @@ static mf_result_t mf__cuda_comm_init(mf_comm_t comm) {
     if (!mf__param_pdl()) __atomic_store_n(&mf__cuda_pdl, 0, __ATOMIC_RELAXED); /* MF_PDL=0 (cuda/pdl.cuh) */
     const int32_t small = mf__param_small(); /* MF_SMALL=0 or 1 lowers the switch for the process */
     if (small < __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED)) __atomic_store_n(&mf__cuda_small, small, __ATOMIC_RELAXED);
+    const int32_t tokens = mf__param_decode_tokens(); /* MF_DECODE_TOKENS lowers the largest decode tile */
+    if (tokens < __atomic_load_n(&mf__cuda_decode_tokens, __ATOMIC_RELAXED))
+        __atomic_store_n(&mf__cuda_decode_tokens, tokens, __ATOMIC_RELAXED);
 
     mf__cuda_comm_t *c = (mf__cuda_comm_t *)mf__calloc(1, sizeof *c);
     if (!c) return mf__error(MF_ERR_OUT_OF_MEMORY, "cuda backend: out of host memory");

@@ -237,11 +237,14 @@ mf__gemm_choice_t mf__gemm_choose(int32_t rows_hint, int32_t max_rows_per_expert
          * routing: sd ~ sqrt(mean)), and an expert past the tile takes a second tile that streams its
          * weights again: deepseek-v3 at T = 512 (mean 16) read 2935 us with 16-token tiles, T = 513
          * (mean 17: 32-token tiles) 2700 us (bench/NOTES.md, issue 25 third session). So the tile
-         * holds the mean + 2 sd. */
+         * holds the mean + 2 sd. A process may lower the largest tile (MF_DECODE_TOKENS, for A/B
+         * measurements). */
         int32_t m = rows_hint > 0 ? rows_hint + (int32_t)ceil(2.0 * sqrt((double)rows_hint)) : max_rows_per_expert;
         if (max_rows_per_expert > 0 && max_rows_per_expert < m) m = max_rows_per_expert;
         c.family = kMfGemmFamilyDecode;
         c.block_rows = m <= 8 ? 8 : m <= 16 ? 16 : m <= 32 ? 32 : 64;
+        const int32_t most = __atomic_load_n(&mf__cuda_decode_tokens, __ATOMIC_RELAXED); /* MF_DECODE_TOKENS */
+        if (c.block_rows > most) c.block_rows = most;
     } else {
         c.family = kMfGemmFamilyTma;
         c.block_rows = mf__tma::kBlockM;
