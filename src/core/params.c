@@ -15,7 +15,7 @@
  *                 but keeps the sum kernel after it; 2: at R = 1 it sums too; 3: at R = 1 it also
  *                 plans for itself (no plan kernel); 4 (default): a W2 unit that waits for its
  *                 expert's W13 sends the next round's W2 weights into L2; for A/B measurements
- * MF_DECODE_TOKENS the largest decode tile AUTO's choice may take, 8, 16, 32 or 64 (default) tokens
+ * MF_DECODE_TOKENS the largest decode tile the GEMM choice may take, 8, 16, 32 or 64 (default) tokens
  *                 (cuda/grouped_gemm.cu mf__gemm_choose: the tile that holds most experts' rows; an
  *                 expert past it takes more tiles); other values read as 64; for A/B measurements */
 

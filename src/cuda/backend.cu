@@ -252,7 +252,7 @@ static mf_result_t mf__cuda_comm_init(mf_comm_t comm) {
     }
     MF_CHECK(mf__cuda_gemm_preload());
     if (!mf__param_pdl()) __atomic_store_n(&mf__cuda_pdl, 0, __ATOMIC_RELAXED); /* MF_PDL=0 (cuda/pdl.cuh) */
-    const int32_t small = mf__param_small(); /* MF_SMALL=0 or 1 lowers the switch for the process */
+    const int32_t small = mf__param_small(); /* MF_SMALL=0 to 3 lowers the switch for the process */
     if (small < __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED)) __atomic_store_n(&mf__cuda_small, small, __ATOMIC_RELAXED);
     const int32_t tokens = mf__param_decode_tokens(); /* MF_DECODE_TOKENS lowers the largest decode tile */
     if (tokens < __atomic_load_n(&mf__cuda_decode_tokens, __ATOMIC_RELAXED))
@@ -562,7 +562,7 @@ static mf__gemm_choice_t mf__cuda_gemm_choice(mf_moe_t moe, int32_t T) {
 
 /* Whether a forward of T tokens with `choice` plans inside the small-batch kernel (its own tables,
  * kernels/sm90_small_gemm.cuh own_tables) instead of in a plan kernel, publish running the DISPATCH
- * sync (switch `small` 3): at R = 1 with the kernel's own sum, T K entries it holds, no balancing
+ * sync (switch `small` >= 3): at R = 1 with the kernel's own sum, T K entries it holds, no balancing
  * and every expert local (L = E: the kernel validates ids as publish does), and no capacity verdict
  * the plan could reach: an expert holds at most T rows, so MASKED T <= C, and EXPERT_MAJOR's worst
  * padding (at most min(T K, L) experts with rows, each padded to block_m) fits the receive rows. The

@@ -129,8 +129,9 @@ extern "C" int32_t mf__cuda_small;
 /* The routed rows (T K R L / E) up to which AUTO takes the small-batch kernel: mf__small::kMaxRows
  * (defined in cuda/backend.cu); the GPU tests raise it to run the kernel at every shape it takes. */
 extern "C" int32_t mf__cuda_small_rows;
-/* The largest decode tile (tokens) a forward's choice may take: 64, lowered by MF_DECODE_TOKENS
- * (core/params.c) at a comm init for the rest of the process (defined in cuda/backend.cu). */
+/* The largest decode tile (tokens) mf__gemm_choose may take: 64, lowered by MF_DECODE_TOKENS
+ * (core/params.c) at a comm init for every choice of the rest of the process (defined in
+ * cuda/backend.cu). */
 extern "C" int32_t mf__cuda_decode_tokens;
 
 /* The types of a W13 and of a W2 launcher: the dispatchers' (below) and the decode family's, so

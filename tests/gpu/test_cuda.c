@@ -771,7 +771,7 @@ extern int32_t mf__cuda_small; /* cuda/grouped_gemm.h: 0 clears choice.fused, 1 
 extern int32_t mf__cuda_small_rows; /* cuda/grouped_gemm.h: the routed rows up to which AUTO takes it */
 void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums, uint64_t *plans); /* testing.h (gemm_bench.h) */
 enum { kSmallModes = 5, kSmallOwnTokens = 128, kSmallOwnEntries = 1024 /* mf__small::kOwnMaxTokens, kOwnEntries */ };
-enum { kSmallMaxRows = 64 /* mf__small::kMaxRows (cuda/gemm_configs.cuh): the fifth run fails if they part */ };
+enum { kSmallMaxRows = 64 /* mf__small::kMaxRows (cuda/gemm_configs.cuh): the sixth run fails if they part */ };
 
 /* Case i under the small kernel's five switches (cuda_small_bitwise): each run's y into y[switch],
  * its digests into dig[switch], and the counters say which kernels ran. */
@@ -800,14 +800,14 @@ static int small_switches(int i, const pdl_case_t *pc, const mfp_problem_t *p, u
  * the DISPATCH sync, no plan kernel), and with a waiting W2 unit's L2 prefetch of the next round's
  * W2 weights (4, the default: a hint, the same bits), three calls each on inputs redrawn per
  * call: every call's y equal bit for bit (digests), the last call of the default run within the
- * contract's bounds of the CPU backend's, and the counters say which ran (switch 2 and 3 sum in the
+ * contract's bounds of the CPU backend's, and the counters say which ran (switches 2 to 4 sum in the
  * kernel exactly at R = 1, switches 3 and 4 plan there where T <= 128 and T K <= 1024). Cases: one and
  * several ranks, idle ranks, both dtypes and layouts, a hot expert with more rows than a tile
  * (several token blocks, several W13 tiles per W2 dependency), W13 K blocks past the ring (two
  * positions each; with its own plan the first ring's weights go out before the PDL wait) and W2 K
  * blocks past it (the weights issued before the wait, then the rest), dropped k, more entries than
  * its own plan holds, a captured graph replayed, and PDL (the forward's default). The five switches
- * run with AUTO's row bound lifted (the kernel at every shape it takes); a fifth run keeps the bound:
+ * run with AUTO's row bound lifted (the kernel at every shape it takes); a sixth run keeps the bound:
  * at R = 1 the kernel runs exactly where T K <= 64, and y is the two GEMMs' bits either way. */
 static int cuda_small_bitwise(void) {
     const int32_t idle[4] = {2, 0, 5, 1};

@@ -39,14 +39,17 @@
  *        when the ring would otherwise wait on this unit's own positions.
  * Each position carries its unit in tile_of[slot]; the consumers follow it and stop at -1.
  *
- * L2 ahead (switch 4, params.l2_ahead). A W2 unit waits for all of its expert's W13 tiles, and its
- * whole unit of weights fits the ring, so a CTA that takes one while the expert's slowest W13 tile
- * still streams (the W13 -> W2 seam; at T = 1 every CTA's first W13 unit is 1.8 MB and they end
- * ~6 us apart) loads nothing for that time. Such a unit, when its first poll of done[e] fails, first
- * sends the W2 weights of unit idx + grid, the unit of the walk's next round, into L2
- * (cp.async.bulk.prefetch.tensor: a hint, nothing waits for it, the bits do not change): the next
- * round then reads them from L2. At most one unit (262 KB at deepseek-v3 FP8) per parked unit:
- * 132 of them are 35 MB, within the 50 MB L2 that W13's evict-first weights leave alone.
+ * L2 ahead (switch 4, params.l2_ahead; at any R). A W2 unit waits for all of its expert's W13 tiles;
+ * its producer issues the weights of the K blocks the ring holds (12 slots: 12 of deepseek-v3's 16
+ * FP8 K blocks) and then blocks, so a CTA that takes one while the expert's slowest W13 tile still
+ * streams (the W13 -> W2 seam; at T = 1 every CTA's first W13 unit is 1.8 MB and they end ~6 us
+ * apart) loads next to nothing for that time. Such a unit, when its first poll of done[e] (after
+ * its first K block's load) fails, sends the W2 weights of unit idx + grid, the unit of the walk's
+ * next round, into L2 (cp.async.bulk.prefetch.tensor, one 16 KB box per producer lane, the unit's
+ * first 32 K blocks: all of deepseek-v3's, kimi-k2's and qwen3's; a hint, nothing waits for it, the
+ * bits do not change): the next round then reads them from L2. At most one unit per parked unit:
+ * for deepseek-v3 FP8 262 KB, 132 of them 35 MB, within the 50 MB L2 that W13's evict-first weights
+ * leave alone.
  *
  * The consumers (warpgroups 1 and 2): W13 as the decode swiglu kernel (two boxes), W2 as the decode
  * plain kernel with `ret` (one box): rows go to the owners' combine slots. After a W13 unit's stores:
@@ -353,20 +356,6 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
     for (; locate<kBlockT>(tb, L, nb13, nb2, idx, cur13, cur2, w2, t);
          idx = take(p.sync, lane, kOwn && published ? p.fault : nullptr)) {
         if (p.timeline && lane == 0) stamp_unit(p, taken++, idx, w2, false);
-        if (w2 && p.l2_ahead) { /* L2 ahead (file comment): parked, so first the weights of unit idx +
-                                   grid, W2 unit j (locate's arithmetic: expert t.e or a later one) */
-            int32_t parked = 0;
-            if (lane == 0) parked = ld_acquire(done + t.e) < nb13 * (tb.first[t.e + 1] - tb.first[t.e]);
-            const int32_t j = idx + (int32_t)gridDim.x - nb13 * tb.first[L];
-            if (__shfl_sync(0xffffffffu, parked, 0) && j < nb2 * tb.first[L]) {
-                int32_t e = t.e;
-                while (nb2 * tb.first[e + 1] <= j) e++;
-                const int32_t w = e * p.H + (j - nb2 * tb.first[e]) / (tb.first[e + 1] - tb.first[e]) * kBoxRows;
-                if (lane < kb2) /* a box per lane: the unit's first 32 K blocks (all of them while I
-                                   x element bytes <= 4 KB: every preset's) */
-                    mf__tma_prefetch_2d(&p.tmap_w2, lane * (kKBlock / C::kEsz), w);
-            }
-        }
         /* this lane's column j = lane (kBlockT <= 32): its row's data and FP8 scales; columns below
          * lo read row lo's scales and copy no data (their D columns are never stored) */
         const int j = lane;
@@ -487,6 +476,17 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
                 }
                 /* every lane's own acquire (its copies follow it), one verdict for the warp */
                 if (!ready) ready = __all_sync(0xffffffffu, ld_acquire(dep) >= target);
+                if (kb == 0 && !ready && p.l2_ahead) { /* L2 ahead (file comment): parked, so the weights of
+                    unit idx + grid, W2 unit j2 (locate's arithmetic: expert t.e or a later one) */
+                    const int32_t j2 = idx + (int32_t)gridDim.x - nb13 * tb.first[L];
+                    if (j2 < nb2 * tb.first[L]) {
+                        int32_t e = t.e;
+                        while (nb2 * tb.first[e + 1] <= j2) e++;
+                        const int32_t w = e * p.H + (j2 - nb2 * tb.first[e]) / (tb.first[e + 1] - tb.first[e]) * kBoxRows;
+                        if (lane < kb2) /* a box per lane: the unit's first 32 K blocks */
+                            mf__tma_prefetch_2d(&p.tmap_w2, lane * (kKBlock / C::kEsz), w);
+                    }
+                }
                 if (ready) issue_h(kb + 1);
             }
             if (!ready) {
