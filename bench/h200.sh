@@ -49,7 +49,8 @@
 #        bench/summarize.py ab MF_SMALL; MF_PRESETS="a b" runs only those presets (a call of the
 #        device tool lasts at most 600 s). Not in `all`.
 # timeline: the small kernel's per-CTA stamps (moeflow bench layer --timeline) at T = 1..8 for
-#        deepseek-v3 and qwen3-235b-a22b, MF_SMALL=2 (the plan kernel) and 3 (its own plan), ~2 min:
+#        deepseek-v3, kimi-k2 and qwen3-235b-a22b (MF_PRESETS: only those), MF_SMALL=2 (the plan
+#        kernel) and 3 (its own plan), ~3 min:
 #        per row the phases' medians, then the late entries and their SMs, the producers' time per
 #        W13 and W2 unit and the spread of their walks' ends.
 #        Not in `all`.
