@@ -1260,8 +1260,8 @@ static void timeline_begin(void) {
         die_io("--timeline: cannot set the stamps up");
 }
 
-/* The second line of a row's timeline: the CTAs that entered late (more than 2 us after the first;
- * their SMs: where publish's blocks still ran, if that is what holds them back), with its own plan
+/* The second line of a row's timeline: the CTAs that entered late (more than 2 us after the first)
+ * and their SMs (on the H200 at T tokens: T CTAs on SMs 124-131, bench/NOTES.md), with its own plan
  * the producers' wait for publish after the tables and the time from there to the first full ring
  * position, the time each producer spent per unit (from a ticket to its next: W13 and W2 apart,
  * medians and p90 over the CTAs' first MF__GEMM_SMALL_UNIT_STAMPS tickets; with its own plan a

@@ -49,9 +49,10 @@
  * (mf__pdl_after_sync: the plan fetch, R x 8 CTAs, and the sum, T x H/1024 CTAs; larger grids
  * launch without it). So the waiting CTAs of all the other ranks together touch fewer SMs than
  * the GPU has. Every other successor waits for a predecessor that depends on no peer (GEMMs,
- * moves, plan kernels) and is fully resident before it triggers, so it finishes. The small plan (sync + plan in one block, movement.cuh) replaces
- * sync DISPATCH -> fetch -> offsets -> fill: it gets the attribute after publish, and triggers its
- * successor (a GEMM or the gather, large grids) only after its sync wait, never during the spin.
+ * moves, plan kernels) and is fully resident before it triggers, so it finishes. The small plan
+ * (sync + plan in one block, movement.cuh) replaces sync DISPATCH -> fetch -> offsets -> fill: it
+ * gets the attribute after publish, and triggers its successor (a GEMM or the gather, large grids)
+ * only after its sync wait, never during the spin.
  *
  * Balanced EP (docs/DESIGN.md "Balanced EP"): the plan's units are slots (Lp static + B spare;
  * L = E / R of them without balancing); the GEMMs run once over the static slots with the caller's
