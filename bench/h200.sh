@@ -40,17 +40,18 @@
 #        moeflow as an engine runs it), then vLLM's Triton path (the layer peer, from
 #        ${MF_PEERS:-../shared/peers}; never copied into the repository); table.md: the comparison
 #        (bench/summarize.py smallbatch). Not in `all`.
-# small: the small-batch kernel's A/B (issue 25 item 1, ~4 min): deepseek-v3, kimi-k2, qwen3-235b-a22b at
-#        R = 1, FP8, gated, no phase events, T = 1..8 (where AUTO takes the kernel: at most 64 routed
-#        rows, mf__small::kMaxRows), 3 rounds per process; each preset under every MF_SMALL value of
-#        MF_SMALL_VALUES (default "3 4": its own plan without and with the L2 prefetch of a waiting W2
-#        unit, the default; 0 is the two decode GEMMs and the sum kernel, 1 the small kernel then the
-#        sum kernel, 2 the small kernel summing itself), the order rotating per preset; small_ab.md:
+# small: the small-batch kernel's A/B (issue 25 item 1, ~6 min with three values): deepseek-v3, kimi-k2,
+#        qwen3-235b-a22b at R = 1, FP8, gated, no phase events, T = 1..8 (where AUTO takes the kernel:
+#        at most 64 routed rows, mf__small::kMaxRows), 3 rounds per process; each preset under every
+#        MF_SMALL value of MF_SMALL_VALUES (default "3 4 5": its own plan, with the L2 prefetch of a
+#        waiting W2 unit, and with its own rows made from x, the default; 0 is the two decode GEMMs
+#        and the sum kernel, 1 the small kernel then the sum kernel, 2 the small kernel summing
+#        itself), the order rotating per preset; small_ab.md:
 #        bench/summarize.py ab MF_SMALL; MF_PRESETS="a b" runs only those presets (a call of the
 #        device tool lasts at most 600 s). Not in `all`.
 # timeline: the small kernel's per-CTA stamps (moeflow bench layer --timeline) at T = 1..8 for
 #        deepseek-v3, kimi-k2 and qwen3-235b-a22b (MF_PRESETS: only those), under each MF_SMALL value
-#        of MF_SMALL_VALUES (default "3 4"), ~3 min:
+#        of MF_SMALL_VALUES (default "3 4 5"), ~4 min:
 #        per row the phases' medians, then the late entries and their SMs, the producers' time per
 #        W13 and W2 unit and the spread of their walks' ends.
 #        Not in `all`.
@@ -166,7 +167,7 @@ if [ "$what" = rebalance ]; then
 fi
 if [ "$what" = small ]; then
     common=(-R 1 --dtype fp8 --gated --phases off --no-check --rounds 3 -T 1,2,4,8)
-    values=(${MF_SMALL_VALUES:-3 4})
+    values=(${MF_SMALL_VALUES:-3 4 5})
     n=0
     for preset in ${MF_PRESETS:-deepseek-v3 kimi-k2 qwen3-235b-a22b}; do
         for k in "${!values[@]}"; do
@@ -183,11 +184,12 @@ fi
 
 if [ "$what" = timeline ]; then
     # where the small kernel's time goes, per CTA (moeflow bench layer --timeline), under each switch
-    # of MF_SMALL_VALUES (default 3 and 4: without and with the L2 prefetch of a waiting W2 unit):
+    # of MF_SMALL_VALUES (default 3, 4 and 5: its own plan, the L2 prefetch of a waiting W2 unit, its
+    # own rows):
     # deepseek-v3, kimi-k2 (deepseek-v3's shapes at E = 384) and qwen3-235b-a22b (MF_PRESETS: only
     # those), T = 1..8, one round
     for preset in ${MF_PRESETS:-deepseek-v3 kimi-k2 qwen3-235b-a22b}; do
-        for v in ${MF_SMALL_VALUES:-3 4}; do
+        for v in ${MF_SMALL_VALUES:-3 4 5}; do
             MF_SMALL=$v timeout 120 ./build/moeflow bench layer --preset $preset -R 1 --dtype fp8 --gated \
                 --phases off --no-check --rounds 1 -T 1,2,4,8 --timeline \
                 > "$dir/timeline_${preset}_$v.log" 2>&1 || rc=1

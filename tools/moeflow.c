@@ -1263,9 +1263,10 @@ static void timeline_begin(void) {
 /* The second line of a row's timeline: the CTAs that entered late (more than 2 us after the first)
  * and their SMs (on the H200 at T tokens: T CTAs on SMs 124-131, bench/NOTES.md), with its own plan
  * the producers' wait for publish after the tables and the time from there to the first full ring
- * position, the time each producer spent per unit (from a ticket to its next: W13 and W2 apart,
- * medians and p90 over the CTAs' first MF__GEMM_SMALL_UNIT_STAMPS tickets; with its own plan a
- * CTA's first unit includes the wait for publish; W2 units also apart by what the producer ran
+ * position (not with its own rows, MF_SMALL=5, where that wait follows the CTA's first unit), the
+ * time each producer spent per unit (from a ticket to its next: W13 and W2 apart, medians and p90
+ * over the CTAs' first MF__GEMM_SMALL_UNIT_STAMPS tickets; with its own plan a CTA's first unit
+ * includes the wait for publish; W2 units also apart by what the producer ran
  * before: the first W2 unit after W13 units, or none, holds the wait for its expert's W13, the seam,
  * and one after a W2 unit mostly streams) and the spread of the producers' last tickets (the walk's
  * end, where a CTA took fewer than that many units). */

@@ -13,8 +13,9 @@
  * MF_SMALL        0: the CUDA backend never runs the small-batch kernel (W13 and W2 in one launch,
  *                 kernels/sm90_small_gemm.cuh) and launches the two decode GEMMs instead; 1: it runs it
  *                 but keeps the sum kernel after it; 2: at R = 1 it sums too; 3: at R = 1 it also
- *                 plans for itself (no plan kernel); 4 (default): a W2 unit that waits for its
- *                 expert's W13 sends the next round's W2 weights into L2; for A/B measurements
+ *                 plans for itself (no plan kernel); 4: a W2 unit that waits for its expert's W13
+ *                 sends the next round's W2 weights into L2; 5 (default): at R = 1 the small kernel
+ *                 makes the W13 rows from x itself (publish writes no x); for A/B measurements
  * MF_DECODE_TOKENS the largest decode tile the GEMM choice may take, 8, 16, 32 or 64 (default) tokens
  *                 (cuda/grouped_gemm.cu mf__gemm_choose: the tile that holds most experts' rows; an
  *                 expert past it takes more tiles); other values read as 64; for A/B measurements */
@@ -40,6 +41,6 @@ int32_t mf__param_decode_tokens(void) {
 }
 
 int32_t mf__param_small(void) {
-    const int64_t v = mf__env_int("MF_SMALL", 4, 0);
-    return v > 4 ? 4 : (int32_t)v;
+    const int64_t v = mf__env_int("MF_SMALL", 5, 0);
+    return v > 5 ? 5 : (int32_t)v;
 }

@@ -163,11 +163,12 @@ static mf__cuda_comm_t *mf__cc(mf_comm_t comm) { return (mf__cuda_comm_t *)comm-
 
 extern "C" int32_t mf__cuda_plan_serial = 0; /* balance/prefetch.h */
 extern "C" int32_t mf__cuda_plan_small = 1;  /* balance/prefetch.h */
-/* The small-batch kernel's switch (grouped_gemm.h): 4 with the W2 weights of the next round sent to L2
- * by a waiting W2 unit, 3 without, 2 with its own sum only, 1 without either, 0 off; lowered for the
+/* The small-batch kernel's switch (grouped_gemm.h): 5 with its own W13 rows made from x at R = 1, 4
+ * without, with the W2 weights of the next round sent to L2 by a waiting W2 unit, 3 without, 2 with
+ * its own sum only, 1 without either, 0 off; lowered for the
  * rest of the process by a comm init that reads MF_SMALL (core/params.c); the GPU tests set it
  * directly. */
-extern "C" int32_t mf__cuda_small = 4;
+extern "C" int32_t mf__cuda_small = 5;
 extern "C" int32_t mf__cuda_small_rows = mf__small::kMaxRows; /* grouped_gemm.h */
 extern "C" int32_t mf__cuda_decode_tokens = 64;                 /* grouped_gemm.h: MF_DECODE_TOKENS */
 
@@ -253,7 +254,7 @@ static mf_result_t mf__cuda_comm_init(mf_comm_t comm) {
     }
     MF_CHECK(mf__cuda_gemm_preload());
     if (!mf__param_pdl()) __atomic_store_n(&mf__cuda_pdl, 0, __ATOMIC_RELAXED); /* MF_PDL=0 (cuda/pdl.cuh) */
-    const int32_t small = mf__param_small(); /* MF_SMALL=0 to 3 lowers the switch for the process */
+    const int32_t small = mf__param_small(); /* MF_SMALL=0 to 4 lowers the switch for the process */
     if (small < __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED)) __atomic_store_n(&mf__cuda_small, small, __ATOMIC_RELAXED);
     const int32_t tokens = mf__param_decode_tokens(); /* MF_DECODE_TOKENS lowers the largest decode tile */
     if (tokens < __atomic_load_n(&mf__cuda_decode_tokens, __ATOMIC_RELAXED))
@@ -784,12 +785,14 @@ static mf_result_t mf__cuda_sync(mf_comm_t comm, uint32_t layer, int32_t phase, 
 
 /* Publishes x, ids (and weights) into the slot of `view`. `epochs` (a forward at R = 1 whose small
  * kernel plans for itself, mf__cuda_own_plan): the slot's epochs, and the DISPATCH sync runs in
- * publish's last block (mf__publish_sync_kernel) instead of a plan kernel. Never with the PDL
- * attribute: the small kernel behind it takes tickets and loads weights before its own wait, which
- * is safe because nothing of the previous call can still run when publish starts. */
+ * publish's last block (mf__publish_sync_kernel) instead of a plan kernel; `no_x` (with `epochs`,
+ * switch 5: the small kernel makes its rows from x itself) leaves x out, one block per token. Never
+ * with the PDL attribute: the small kernel behind it takes tickets, loads weights and reads x before
+ * its own wait, which is safe because nothing of the previous call can still run when publish
+ * starts. */
 static mf_result_t mf__cuda_publish_at(mf_moe_t moe, const mf__heap_view_t *view, const mf_tensor_t *x,
                                        const mf_tensor_t *ids, const float *weights, unsigned long long *epochs,
-                                       cudaStream_t stream) {
+                                       int32_t no_x, cudaStream_t stream) {
     const mf_moe_config_t *c = &moe->config;
     mf__publish_params_t p;
     memset(&p, 0, sizeof p);
@@ -807,8 +810,9 @@ static mf_result_t mf__cuda_publish_at(mf_moe_t moe, const mf__heap_view_t *view
     p.meta_words[2] = (int32_t)moe->weights_count;
     p.view = *view;
     p.sink = mf__sink(moe->comm);
+    p.no_x = epochs && no_x;
     /* A call's first kernel: no PDL attribute (it follows the caller's kernels) */
-    const dim3 grid(p.T > 0 ? (unsigned)p.T : 1u, (unsigned)((p.H + kMfPublishCols - 1) / kMfPublishCols));
+    const dim3 grid(p.T > 0 ? (unsigned)p.T : 1u, p.no_x ? 1u : (unsigned)((p.H + kMfPublishCols - 1) / kMfPublishCols));
     if (!epochs) {
         MF_CUDA_CHECK(mf__cuda_launch(mf__publish_kernel, grid, dim3(kMfPublishThreads), 0, stream, 0, p));
         return MF_SUCCESS;
@@ -1017,11 +1021,13 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     const int32_t small = __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED);
     const int32_t own_sum = choice.fused && moe->comm->num_ranks == 1 && T > 0 && small >= 2;
     const int32_t own_plan = mf__cuda_own_plan(moe, &choice, T, small);
+    const int32_t own_rows = own_plan && small >= 5; /* 5: it makes the W13 rows from x too (publish: no x) */
+    const mf__gemm_own_t own = {(const int32_t *)in->topk_ids.data, own_rows ? (const uint16_t *)in->x.data : NULL};
 
     MF__MARK(MF_PHASE_PREPARE);
     const mf__cuda_slot_t slot0 = mf__cuda_slot0(moe);
     MF_CHECK(mf__cuda_publish_at(moe, slot0.view, &in->x, &in->topk_ids, (const float *)in->topk_weights.data,
-                                 own_plan ? slot0.epochs : NULL, stream));
+                                 own_plan ? slot0.epochs : NULL, own_rows, stream));
     MF__MARK(MF_PHASE_DISPATCH);
     if (!own_plan) MF_CHECK(mf__cuda_plan(moe, T, NULL, NULL, stream));
     if (flow != MF_DATAFLOW_DIRECT) MF_CHECK(mf__cuda_gather(moe, s->recv_x, s->recv_scales, NULL, stream));
@@ -1050,8 +1056,7 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
         const mf__gemm_sum_t sum = {(uint16_t *)out->y.data, T, &mf__cc(moe->comm)->state->fault};
         MF_CHECK(mf__cuda_w13_w2(&choice, &seg, s->sched + 2 * kMfSchedW2, c->dtype, c->ue8m0_scales, a, w13, w2,
                                  c->hidden, c->intermediate, s->h, s->h_scales, &ret, s->small_sync,
-                                 own_sum ? &sum : NULL, own_plan ? (const int32_t *)in->topk_ids.data : NULL,
-                                 &summed, stream, 1));
+                                 own_sum ? &sum : NULL, own_plan ? &own : NULL, &summed, stream, 1));
         MF__MARK(MF_PHASE_W2);
         MF__MARK(MF_PHASE_COMBINE);
     } else {
@@ -1128,7 +1133,7 @@ static mf_result_t mf__cuda_dispatch_launch(mf_moe_t moe, struct mf_exchange *x,
                                             uint32_t halves, cudaStream_t stream) {
     const mf__cuda_slot_t slot = mf__cuda_slot(moe, x->slot);
     if (halves & MF__HALF_SEND)
-        MF_CHECK(mf__cuda_publish_at(moe, slot.view, &in->x, &in->topk_ids, NULL, NULL, stream));
+        MF_CHECK(mf__cuda_publish_at(moe, slot.view, &in->x, &in->topk_ids, NULL, NULL, 0, stream));
     if (halves == MF__HALF_SEND)
         return mf__cuda_sync(moe->comm, moe->id, MF__PHASE_DISPATCH, MF_SUCCESS, kMfSyncArrive, slot.epochs, 1, stream);
     const mf_dispatch_out_t *out = &x->dispatch_out;

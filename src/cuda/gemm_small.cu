@@ -10,7 +10,7 @@
  * (cuda/gemm_family.cuh).
  *
  * Variants (4): FP8 and BF16, 8 tokens per tile (the choice takes the kernel only with 8-token
- * decode tiles), each also with its own plan (kOwn: `plan_ids`, R = 1), whose shape checks the forward
+ * decode tiles), each also with its own plan (kOwn: `own`, R = 1), whose shape checks the forward
  * asks first (mf__sm90_small_takes): nothing falls back there, no plan kernel ran.
  */
 #include <atomic>
@@ -94,7 +94,7 @@ mf_result_t mf__sm90_small_takes(const mf__gemm_choice_t *choice, int32_t L, int
 mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t dtype,
                                    int32_t ue8m0, mf__gemm_operand_t a, mf__gemm_operand_t w13, mf__gemm_operand_t w2,
                                    int32_t H, int32_t I, void *h, float *h_scales, const mf__gemm_return_t *ret,
-                                   int32_t *sync, const mf__gemm_sum_t *sum, const int32_t *plan_ids,
+                                   int32_t *sync, const mf__gemm_sum_t *sum, const mf__gemm_own_t *own,
                                    cudaStream_t stream, int32_t pdl) {
     const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
     const int esz = fp8 ? 1 : 2;
@@ -104,12 +104,12 @@ mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__ge
         return mf__gemm_decline(&g_family, "rows gathered and returned through different views or plans");
     if (sum && ret->view->num_ranks != 1)
         return mf__gemm_decline(&g_family, "the sum over %d ranks (one rank only)", ret->view->num_ranks);
-    if (plan_ids && (!sum || sum->T < 1 || sum->T > kOwnMaxTokens || (int64_t)sum->T * ret->num_topk > kOwnEntries ||
+    if (own && (!sum || sum->T < 1 || sum->T > kOwnMaxTokens || (int64_t)sum->T * ret->num_topk > kOwnEntries ||
                      seg->max_rows_per_expert < sum->T))
         return mf__gemm_decline(&g_family, "its own plan: one rank with its sum, 1 <= T <= %d, T K <= %d, T <= the "
                                            "rows bound", kOwnMaxTokens, kOwnEntries);
     int vi = 0, sms = 0;
-    MF_CHECK(check_shape(choice, seg->num_experts, dtype, H, I, plan_ids != NULL, &vi, &sms));
+    MF_CHECK(check_shape(choice, seg->num_experts, dtype, H, I, own != NULL, &vi, &sms));
     if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) /* no rows: nothing to launch (y: the sum kernel) */
         return sum ? mf__gemm_decline(&g_family, "no rows to compute: the sum runs alone") : MF_SUCCESS;
     const mf__gemm_variant_info_t v = variant_info(vi);
@@ -145,7 +145,10 @@ mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__ge
         p.fault = sum->fault;
         p.T = sum->T;
     }
-    p.ids = plan_ids;
+    if (own) {
+        p.ids = own->ids;
+        p.x = own->x;
+    }
     p.l2_ahead = __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED) >= 4;
     int dev = 0;
     MF__GEMM_CUDA(cudaGetDevice(&dev), __func__);
@@ -161,9 +164,9 @@ mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__ge
                   __func__);
     g_launches.fetch_add(1, std::memory_order_relaxed);
     if (sum) g_sums.fetch_add(1, std::memory_order_relaxed);
-    if (plan_ids) g_plans.fetch_add(1, std::memory_order_relaxed);
+    if (own) g_plans.fetch_add(1, std::memory_order_relaxed);
     mf__gemm_report_launch(&g_family, "small %s W13 + W2, T %d, %d slots, %d B smem, grid %d%s", fp8 ? "fp8" : "bf16",
-                           kTokens, v.stages, v.smem_bytes, grid, plan_ids ? ", its own plan" : "");
+                           kTokens, v.stages, v.smem_bytes, grid, !own ? "" : own->x ? ", its own plan and rows" : ", its own plan");
     return MF_SUCCESS;
 }
 

@@ -406,7 +406,7 @@ mf_result_t mf__cuda_w13_w2(const mf__gemm_choice_t *choice, const mf__gemm_segm
                             int32_t dtype, int32_t ue8m0, mf__gemm_operand_t a, mf__gemm_operand_t w13,
                             mf__gemm_operand_t w2, int32_t H, int32_t I, void *h, float *h_scales,
                             const mf__gemm_return_t *ret, int32_t *sync, const mf__gemm_sum_t *sum,
-                            const int32_t *plan_ids, int32_t *summed, cudaStream_t stream, int32_t pdl) {
+                            const mf__gemm_own_t *own, int32_t *summed, cudaStream_t stream, int32_t pdl) {
     static const char *who = "mf__cuda_w13_w2";
     MF_REQUIRE(choice && summed, "%s: choice and summed must not be NULL", who);
     *summed = 0;
@@ -420,10 +420,10 @@ mf_result_t mf__cuda_w13_w2(const mf__gemm_choice_t *choice, const mf__gemm_segm
             MF_REQUIRE(sum->T >= 0 && sum->fault, "%s: sum->T (%d) must be >= 0 and sum->fault set", who, sum->T);
             MF_CHECK(check_data(who, "sum->y", sum->y));
         }
-        MF_REQUIRE(!plan_ids || sum, "%s: its own plan (plan_ids) only with its sum", who);
+        MF_REQUIRE(!own || (sum && own->ids), "%s: its own plan (own) only with its sum and the routing", who);
         const mf_result_t r = mf__sm90_small_experts(choice, seg, dtype, ue8m0, a, w13, w2, H, I, h, h_scales, ret,
-                                                     sync, sum, plan_ids, stream, pdl);
-        if (r == MF_ERR_NOT_SUPPORTED && plan_ids)
+                                                     sync, sum, own, stream, pdl);
+        if (r == MF_ERR_NOT_SUPPORTED && own)
             return mf__error(MF_ERR_INTERNAL, "%s: the small kernel declined a forward planned for it (%s)", who,
                              mf__gemm_last_decline(kMfGemmFamilySmall));
         if (r == MF_SUCCESS) *summed = sum != NULL;

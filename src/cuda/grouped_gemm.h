@@ -122,8 +122,9 @@ mf__gemm_choice_t mf__gemm_choose(int32_t rows_hint, int32_t max_rows_per_expert
 
 /* The small-batch kernel's switch (defined in cuda/backend.cu): 0 clears choice->fused in every
  * forward, 1 keeps the sum kernel after it, 2 lets it sum at R = 1 too, 3 lets it plan for itself
- * there as well (no plan kernel), 4 (the default) lets a W2 unit that waits for its expert's W13 send
- * the next round's W2 weights into L2 (kernels/sm90_small_gemm.cuh, `l2_ahead`); a comm init lowers
+ * there as well (no plan kernel), 4 lets a W2 unit that waits for its expert's W13 send the next
+ * round's W2 weights into L2 (kernels/sm90_small_gemm.cuh, `l2_ahead`), 5 (the default) lets it make
+ * its W13 rows from x itself where it plans for itself (`x`: publish writes no x); a comm init lowers
  * it to MF_SMALL (core/params.c) for the rest of the process. */
 extern "C" int32_t mf__cuda_small;
 /* The routed rows (T K R L / E) up to which AUTO takes the small-batch kernel: mf__small::kMaxRows
@@ -168,11 +169,19 @@ typedef struct mf__gemm_sum {
     const int32_t *fault;
 } mf__gemm_sum_t;
 
+/* The small kernel's own plan (R = 1, with its sum): the caller's routing `ids` [T, K], from which it
+ * plans for itself, and (switch 5; NULL: the rows publish wrote) the caller's `x` [T, H] BF16, from
+ * which it makes the W13 rows itself (publish then writes no x: mf__cuda_publish_at's `no_x`). */
+typedef struct mf__gemm_own {
+    const int32_t *ids;
+    const uint16_t *x;
+} mf__gemm_own_t;
+
 /* The small-batch kernel (choice->fused): W13 + SwiGLU into h (+ h_scales), then W2 of h returned to
  * the owners' combine slots (`ret`), in one launch; rows gathered at their owners (a.gather); with
  * `sum` (one rank) also y. `sync`: device, zeroed int32 of this launch alone, 2 + L (+ T H/128 with
- * the sum); the kernel zeroes them again at its end. `plan_ids` (with `sum`; NULL: the plan's
- * seg->counts, seg->offsets and a.gather->src): the caller's routing [T, K], from which the kernel
+ * the sum); the kernel zeroes them again at its end. `own` (with `sum`; NULL: the plan's
+ * seg->counts, seg->offsets and a.gather->src): the caller's routing (and x), from which the kernel
  * plans for itself, launched right after a publish that ran the DISPATCH sync
  * (kernels/movement.cuh mf__publish_sync_kernel) with no plan kernel between (kernels/sm90_small_gemm.cuh
  * own_tables: the caller makes sure the plan could not have faulted). Declines (MF_ERR_NOT_SUPPORTED)
@@ -181,7 +190,7 @@ typedef struct mf__gemm_sum {
 mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t dtype,
                                    int32_t ue8m0, mf__gemm_operand_t a, mf__gemm_operand_t w13, mf__gemm_operand_t w2,
                                    int32_t H, int32_t I, void *h, float *h_scales, const mf__gemm_return_t *ret,
-                                   int32_t *sync, const mf__gemm_sum_t *sum, const int32_t *plan_ids,
+                                   int32_t *sync, const mf__gemm_sum_t *sum, const mf__gemm_own_t *own,
                                    cudaStream_t stream, int32_t pdl);
 /* MF_SUCCESS when the small kernel with its own plan takes these shapes (8-token tiles, L experts,
  * dtype, H, I) on the current device, else its decline (MF_ERR_NOT_SUPPORTED; or MF_ERR_CUDA): the
@@ -208,7 +217,7 @@ mf__gemm_w2_fn mf__cuda_w2;
  * (*summed = 1: y is written); where it declines (or without `fused`) mf__cuda_w13_swiglu then
  * mf__cuda_w2 (seg->sched W13's schedule pair, w2_sched W2's) and *summed = 0: the caller sums. The
  * same bits either way. The small kernel takes the rows through one heap view and plan: a.gather and
- * ret with the same view and src (else it declines). With `plan_ids` (the small kernel's own plan,
+ * ret with the same view and src (else it declines). With `own` (the small kernel's own plan,
  * mf__sm90_small_experts) nothing can fall back: no plan kernel ran, so a decline is an error
  * (MF_ERR_INTERNAL: the caller asked mf__sm90_small_takes first; only the weight tensor maps' encoding
  * is not asked there, which the argument checks' alignment rules leave nothing to fail on). */
@@ -216,6 +225,6 @@ mf_result_t mf__cuda_w13_w2(const mf__gemm_choice_t *choice, const mf__gemm_segm
                             int32_t dtype, int32_t ue8m0, mf__gemm_operand_t a, mf__gemm_operand_t w13,
                             mf__gemm_operand_t w2, int32_t H, int32_t I, void *h, float *h_scales,
                             const mf__gemm_return_t *ret, int32_t *sync, const mf__gemm_sum_t *sum,
-                            const int32_t *plan_ids, int32_t *summed, cudaStream_t stream, int32_t pdl);
+                            const mf__gemm_own_t *own, int32_t *summed, cudaStream_t stream, int32_t pdl);
 
 #endif /* MF_CUDA_GROUPED_GEMM_H */

@@ -351,12 +351,15 @@ __device__ __forceinline__ void prologue(const Params &p, uint64_t *full, uint64
 /* The register split, at the end of the prologue: warpgroup 0 gives registers back and is the
  * producer (true; its warp 0 issues the loads), warpgroups 1 and 2 take them and are the consumers
  * (false). */
+template <int kProducer = kProducerRegs, int kConsumer = kConsumerRegs>
 __device__ __forceinline__ bool producer_role(void) {
+    static_assert(kProducer * kMfWarpgroupThreads + kConsumer * kConsumerThreads <= kLaunchRegs * kThreads,
+                  "the split must fit the launch's registers");
     if (mf__warpgroup_id() == 0) {
-        mf__setmaxnreg_dec<kProducerRegs>();
+        mf__setmaxnreg_dec<kProducer>();
         return true;
     }
-    mf__setmaxnreg_inc<kConsumerRegs>();
+    mf__setmaxnreg_inc<kConsumer>();
     return false;
 }
 

@@ -75,6 +75,17 @@
  * predecessor, is a call's first kernel and has no PDL attribute, so the previous launch on these
  * sync words has completed before this one can start (backend.cu mf__cuda_publish_at).
  *
+ * Its own rows (kOwn, switch 5, params.x set): publish then writes no x (routing, weights and the
+ * DISPATCH sync only, one block per token), and the producer makes each W13 K block's rows itself
+ * from the caller's x (BF16: its bytes by cp.async, what publish would copy; FP8: quantised with
+ * publish's arithmetic, quantise_kblock, so the same bits). x, like ids, was written before publish
+ * started, so nothing of a CTA's first W13 unit waits for publish: its producer streams that unit
+ * whole and its consumers compute and store it (h and done[e] are this kernel's own); both wait for
+ * publish after it, before the next ticket (whose stop word is publish's verdict), any W2 unit (the
+ * sum reads the published ids and weights) or the end. What this removes (bench/NOTES.md "Issue 25:
+ * its own rows"): the ring stood still behind the wait, 6 W13 K blocks issued of a unit's 56, and
+ * publish's T x H/1024 blocks held the SMs that the small kernel's CTAs enter.
+ *
  * The end: every CTA, once its consumers are done, counts itself in sync[1]; the last one zeroes the
  * ticket, the count, done[0 .. L) and the sum's counters: the next launch starts from zeros (stream
  * order; under PDL the next launch on this buffer is at least one kernel later, a call's first,
@@ -131,6 +142,8 @@ struct small_params {
     uint64_t *timeline;        /* `moeflow bench layer --timeline` only (NULL otherwise): kStamps stamps per CTA */
     int32_t l2_ahead;          /* switch 4: a W2 unit that waits for its expert's W13 sends the W2 weights of
                                   unit idx + grid into L2 (see "L2 ahead" in the file comment) */
+    const uint16_t *x;         /* kOwn, switch 5: the caller's x [T, H] BF16, from which the producer makes the
+                                  W13 rows itself (see "Its own rows"); NULL: the rows publish wrote */
 };
 
 /* The timeline (small_params.timeline), kStamps words per CTA: word i = %globaltimer: 0 entry; 1
@@ -328,6 +341,60 @@ __device__ __forceinline__ void copy_kblock(uint8_t *act, const uint8_t *row, in
         mf__cp_async_16(act + j * kKBlock + ((c ^ (j & 7)) * kChunk), g + c * kChunk);
 }
 
+/* Its own rows (switch 5, p.x): K block kb of a W13 unit's activation rows made from the caller's x
+ * into the activation tile at `act` (128B-swizzled as a TMA box: chunk c of row r at c ^ (r & 7))
+ * and their scales into a_scale[r], with publish's arithmetic (kernels/movement.cuh
+ * mf__publish_block: the amax of |x| over the 128-wide block, NaN never winning, mf__fp8_block_scale,
+ * __fmul_rn, mf__fp8_from_float), so the tile holds the bits the published rows would. Eight lanes
+ * per tile row, one 16-byte chunk (16 columns) each, four rows per pass; rows below lo are zeros
+ * (their D columns are never stored). Generic stores: the caller fences them for the async proxy
+ * before its release arrivals. */
+template <int kBlockT>
+__device__ __forceinline__ void quantise_kblock(uint8_t *act, float *a_scale, const uint16_t *x, int32_t H,
+                                                const int32_t *src, const tile_t &t, int32_t kb, int lane,
+                                                int32_t ue8m0) {
+    static_assert(kBlockT % 4 == 0, "four tile rows per pass");
+    const int c = lane & 7;
+#pragma unroll 1
+    for (int r = lane >> 3; r < kBlockT; r += 4) {
+        uint4 raw[2] = {make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)};
+        if (r >= t.lo) {
+            const int64_t token = src[3 * (int64_t)clamp_row<kBlockT>(t, r) + 1];
+            const uint4 *g = (const uint4 *)(x + token * H + (int64_t)kb * MF__QUANT_BLOCK + c * 16);
+            raw[0] = g[0];
+            raw[1] = g[1];
+        }
+        const uint32_t w[8] = {raw[0].x, raw[0].y, raw[0].z, raw[0].w, raw[1].x, raw[1].y, raw[1].z, raw[1].w};
+        float amax = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 16; k++) {
+            const float a = fabsf(mf__bf16_to_float((uint16_t)(w[k / 2] >> (16 * (k % 2)))));
+            amax = a > amax ? a : amax; /* NaN never wins, as on the CPU */
+        }
+#pragma unroll
+        for (int off = 1; off < 8; off *= 2) { /* the row's 8 lanes */
+            const float o = __shfl_xor_sync(0xffffffffu, amax, off);
+            amax = o > amax ? o : amax;
+        }
+        float scale, inv;
+        mf__fp8_block_scale(amax, ue8m0, &scale, &inv);
+        uint32_t out[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            uint32_t packed = 0;
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const int e = 4 * i + k;
+                const float v = mf__bf16_to_float((uint16_t)(w[e / 2] >> (16 * (e % 2))));
+                packed |= (uint32_t)mf__fp8_from_float(__fmul_rn(v, inv)) << (8 * k);
+            }
+            out[i] = packed;
+        }
+        *(uint4 *)(act + r * kKBlock + ((c ^ (r & 7)) * kChunk)) = make_uint4(out[0], out[1], out[2], out[3]);
+        if (c == 0) a_scale[r] = scale;
+    }
+}
+
 template <bool kFp8, int kBlockT, bool kOwn>
 __device__ __forceinline__ void producer(const small_params &p, const tables_t &tb, const int32_t *own_src,
                                          uint8_t *slots, float *scales, int32_t *tile_of, uint64_t *full,
@@ -351,6 +418,7 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
     bool w2;
     tile_t t;
     bool published = !kOwn; /* kOwn: publish (the kernel before this one) has not been waited for yet */
+    const bool from_x = kOwn && p.x; /* its own rows (switch 5): publish is waited for after the first unit */
     int32_t taken = 0;      /* the timeline's count of tickets */
     int32_t idx = take(p.sync, lane);
     for (; locate<kBlockT>(tb, L, nb13, nb2, idx, cur13, cur2, w2, t);
@@ -367,8 +435,12 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
             const int32_t *src = (kOwn ? own_src : p.src) + 3 * (int64_t)row;
             const int32_t rank = src[0], token = src[1];
             const uint8_t *heap = (uint32_t)rank < (uint32_t)MF_MAX_RANKS ? p.view.heap[rank] : NULL;
-            if (heap && copy) arow = heap + p.view.x + (int64_t)token * kbytes13;
-            if (heap) srow = (const float *)(heap + p.view.scales) + (int64_t)token * kb13;
+            if (from_x) { /* its own rows: BF16 copies x's bytes (what publish copies), FP8 quantises them */
+                if (copy) arow = (const uint8_t *)(p.x + (int64_t)token * p.H);
+            } else {
+                if (heap && copy) arow = heap + p.view.x + (int64_t)token * kbytes13;
+                if (heap) srow = (const float *)(heap + p.view.scales) + (int64_t)token * kb13;
+            }
             const int32_t wrow = t.e * 2 * p.I + t.nb * kBoxRows; /* gate; up at + I */
             const int64_t ws = ((int64_t)t.e * srows13 + t.nb) * kb13; /* FP8: the gate box's w_scales */
             const int64_t ws_up = ws + (int64_t)(p.I / kBoxRows) * kb13;
@@ -386,6 +458,18 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
                 mf__cp_async_mbar_arrive_noinc(&full[sg]);
                 mf__cp_async_mbar_arrive_noinc(&full[su]);
             };
+            /* FP8 with its own rows: K block kb quantised from x by generic loads and stores, the
+             * weight scales too; then the async-proxy fence and release arrivals */
+            auto make_x = [&](int32_t kb, uint32_t sg, uint32_t su) {
+                float *scg = scales + sg * C::kScaleStride, *scu = scales + su * C::kScaleStride;
+                quantise_kblock<kBlockT>(slots + sg * C::kSlotBytes + kBoxBytes, scg, p.x, p.H, own_src, t, kb, lane,
+                                         p.ue8m0);
+                if (lane == 0) scg[kBlockT] = p.w13_scales[ws + kb];
+                if (lane == 1) scu[kBlockT] = p.w13_scales[ws_up + kb];
+                mf__fence_proxy_async_smem();
+                mf__mbar_arrive(&full[sg]);
+                mf__mbar_arrive(&full[su]);
+            };
             auto load_w = [&](int32_t kb, uint32_t sg, uint32_t su) {
                 if (lane == 0) {
                     tile_of[sg] = idx; /* published by the arrivals below */
@@ -399,7 +483,7 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
             };
             int32_t kb = 0;
             if constexpr (kOwn) {
-                if (!published) {
+                if (!published && !from_x) {
                     /* The CTA's first unit (W13 units come first): the weights of the K blocks the ring
                      * holds go out before publish has ended, its rows after the PDL wait. */
                     const int32_t early = kb13 < C::kSlots / 2 ? kb13 : C::kSlots / 2;
@@ -420,9 +504,15 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
                 const uint32_t sg = R::slot(it), su = R::slot(it + 1);
                 R::wait_empty(empty, it);
                 R::wait_empty(empty, it + 1);
-                copy_x(kb, sg, su);
-                __syncwarp();
-                load_w(kb, sg, su);
+                if (kFp8 && from_x) { /* the weights first: the rows take a load's latency */
+                    load_w(kb, sg, su);
+                    __syncwarp();
+                    make_x(kb, sg, su);
+                } else {
+                    copy_x(kb, sg, su);
+                    __syncwarp();
+                    load_w(kb, sg, su);
+                }
             }
         } else {
             if constexpr (kOwn) {
@@ -494,6 +584,15 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
                 issue_h(kb2);
             }
             it += kb2;
+        }
+        if constexpr (kOwn) {
+            if (!published) { /* its own rows: the first unit read nothing of publish; the next ticket's
+                                 stop word is its verdict */
+                __syncwarp();
+                mf__pdl_wait();
+                published = true;
+                if (p.timeline && lane == 0) stamp(p, 5);
+            }
         }
     }
     if (p.timeline && lane == 0) stamp_unit(p, taken, idx, false, true);
@@ -599,9 +698,16 @@ __device__ __forceinline__ void consumer(const small_params &p, const tables_t &
     for (int i = 0; i < kFrag; i++) tmp2[0][i] = 0.0f;
 
     const int32_t *const src = kOwn ? own_src : p.src;
-    if constexpr (kOwn) mf__pdl_wait(); /* publish's rows, ids, weights and fault verdict (the producer waits
-                                           for them before its first activation copy) */
-    if (p.y) sum_dropped(p, ctid);
+    /* publish's rows, ids, weights and fault verdict (the producer waits for them before its first
+     * activation copy); with its own rows (switch 5) a first W13 unit reads nothing of publish: the
+     * wait comes before the second unit, a W2 unit or the end */
+    bool published = false;
+    auto wait_publish = [&]() {
+        if constexpr (kOwn) mf__pdl_wait();
+        if (p.y) sum_dropped(p, ctid);
+        published = true;
+    };
+    if (!kOwn || !p.x) wait_publish();
 
     uint32_t it = 0;
     int32_t cur13 = 0, cur2 = 0;
@@ -618,6 +724,7 @@ __device__ __forceinline__ void consumer(const small_params &p, const tables_t &
         mf__named_barrier_sync(kBarEpilogue, kConsumerThreads);
         const int32_t idx = unit[u & 1];
         if (idx < 0 || !locate<kBlockT>(tb, L, nb13, nb2, idx, cur13, cur2, w2, t)) break;
+        if (!published && (u > 0 || w2)) wait_publish();
         if (!w2) {
             float acc[2][kFrag];
 #pragma unroll
@@ -668,6 +775,7 @@ __device__ __forceinline__ void consumer(const small_params &p, const tables_t &
             if (p.y) sum_tile<kBlockT>(p, src, t, nb2, ctid, sum_flags);
         }
     }
+    if (!published) wait_publish();
 }
 
 /* ---- the kernel -------------------------------------------------------------------------------- */
@@ -707,7 +815,9 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_small_kernel(const __grid_co
     }
     if (p.timeline && threadIdx.x == 0) stamp(p, 1);
 
-    if (producer_role()) {
+    /* the split: 72 registers for the producer (its own rows' quantisation spilled at 40 and 64), 216
+     * for the consumers (8-token tiles need far fewer; no variant spills) */
+    if (producer_role<72, 216>()) {
         if (mf__warp_id() == 0) producer<kFp8, kBlockT, kOwn>(p, tb, own_src, slots, scales, tile_of, full, empty);
         return;
     }
