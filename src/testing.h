@@ -15,7 +15,8 @@
  *                                                                runs (CUDA builds, no GPU needed)
  *   mf__gemm_small_counts                       cuda/gemm_bench.h  tests/gpu/test_cuda.c checks which of
  *                                                                the small kernel, its sum, its own
- *                                                                plan and the two GEMMs ran
+ *                                                                plan, its own rows and the two GEMMs
+ *                                                                ran
  *   mf__gemm_small_set_timeline                 cuda/gemm_bench.h  `moeflow bench layer --timeline`: the
  *                                                                small kernel's per-CTA stamps
  *   the GEMM element bounds: mf__gemm_ref_dot,  cuda/gemm_bench.h  `bench gemm --check` and

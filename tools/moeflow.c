@@ -1336,8 +1336,8 @@ static void timeline_units(const uint64_t *s, uint64_t first) {
 
 /* After a run: the last small-kernel launch's CTAs (us): when the last one entered after the first,
  * and medians (min - max over CTAs) of: tables built after entry (with the plan kernel: its PDL wait
- * included), first ring position full after that (with its own plan: the wait for publish included),
- * consumers done after that; the spread of the CTAs' ends; entry of the first to end of the last.
+ * included), first ring position full after that (with its own plan: the wait for publish included,
+ * but not with its own rows, MF_SMALL=5), consumers done after that; the spread of the CTAs' ends; entry of the first to end of the last.
  * A row that ran no small kernel prints so. */
 static void timeline_end(const row_t *row, int32_t rnd) {
     static uint64_t s[TIMELINE_CTAS * MF__GEMM_SMALL_STAMPS];

@@ -68,10 +68,10 @@ typedef struct mf__gemm_bench_args {
 void mf__gemm_bench_choose(int32_t rows_hint, int32_t max_rows_per_expert, int32_t dataflow, int32_t *family,
                            int32_t *block_rows, int32_t *dataflow_out, int32_t *fused);
 
-/* The small-batch kernel's launches in this process so far, those of them that summed y and those
- * that planned for themselves (the CUDA suite checks which of the small kernel, its own sum, its own
- * plan and the two GEMMs ran). */
-void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums, uint64_t *plans);
+/* The small-batch kernel's launches in this process so far, those of them that summed y, those that
+ * planned for themselves and those that also made their rows from x (the CUDA suite checks which of
+ * the small kernel, its own sum, its own plan, its own rows and the two GEMMs ran). */
+void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums, uint64_t *plans, uint64_t *rows);
 
 /* `moeflow bench layer --timeline`: the small-batch kernel launches that follow on the current device
  * write MF__GEMM_SMALL_STAMPS words per CTA into `stamps` (device memory, grid <= its SMs; each

@@ -56,7 +56,7 @@ mf__gemm_variant_info_t variant_info(int i) {
 
 mf__gemm_family_t g_family = {kMfGemmFamilySmall, kLaunchRegs, variant_count, variant_fn, variant_info};
 
-std::atomic<uint64_t> g_launches, g_sums, g_plans; /* mf__gemm_small_counts (testing.h) */
+std::atomic<uint64_t> g_launches, g_sums, g_plans, g_rows; /* mf__gemm_small_counts (testing.h) */
 std::atomic<uint64_t *> g_timeline[kMfGemmMaxDevices]; /* mf__gemm_small_set_timeline, per device; NULL: off */
 static_assert(MF__GEMM_SMALL_STAMPS == kStamps && MF__GEMM_SMALL_UNIT_STAMPS == kUnitStamps,
               "gemm_bench.h spells the stamps per CTA for C");
@@ -165,15 +165,17 @@ mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__ge
     g_launches.fetch_add(1, std::memory_order_relaxed);
     if (sum) g_sums.fetch_add(1, std::memory_order_relaxed);
     if (own) g_plans.fetch_add(1, std::memory_order_relaxed);
+    if (own && own->x) g_rows.fetch_add(1, std::memory_order_relaxed);
     mf__gemm_report_launch(&g_family, "small %s W13 + W2, T %d, %d slots, %d B smem, grid %d%s", fp8 ? "fp8" : "bf16",
                            kTokens, v.stages, v.smem_bytes, grid, !own ? "" : own->x ? ", its own plan and rows" : ", its own plan");
     return MF_SUCCESS;
 }
 
-extern "C" void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums, uint64_t *plans) {
+extern "C" void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums, uint64_t *plans, uint64_t *rows) {
     *launches = g_launches.load(std::memory_order_relaxed);
     *sums = g_sums.load(std::memory_order_relaxed);
     *plans = g_plans.load(std::memory_order_relaxed);
+    *rows = g_rows.load(std::memory_order_relaxed);
 }
 
 extern "C" int mf__gemm_small_set_timeline(uint64_t *stamps) {

@@ -27,11 +27,13 @@
  * K block takes two consecutive positions (it: gate box, activation and scales; it + 1: up box and
  * its w_scale), a W2 K block one, so W2 keeps twice the K blocks in flight that W13 does at the same
  * bytes. Every position's full barrier expects the producer lane 0's arrive.expect_tx (16 KB) and one
- * cp.async arrival per producer lane (1 + 32; a lane with nothing to copy arrives at once).
+ * arrival per producer lane (1 + 32): a cp.async arrival (a lane with nothing to copy arrives at
+ * once), or, for the rows it makes itself (switch 5, FP8), a plain release arrival after its stores.
  *
  * The producer (warp 0 of warpgroup 0), per unit:
  *   W13: the rows gathered at their owners (view.x, src) by cp.async, as the decode kernel's DIRECT
- *        variant does, the gate and up boxes by TMA;
+ *        variant does (switch 5: made from the caller's x, "Its own rows"), the gate and up boxes by
+ *        TMA;
  *   W2:  every position's weight box by TMA at once; its h rows (contiguous in h, written by other
  *        CTAs: generic stores read by generic cp.async after each lane's ld.acquire, which on sm_90
  *        also invalidates L1 for the 4-byte scale copies, CCTL.IVALL) and scales as soon as done[e]
@@ -71,7 +73,9 @@
  * this rank's scratch at R = 1; y stays untouched), and since every W13 unit is taken before any W2
  * unit, no W2 unit waits on a W13 unit that nobody took. Unlike the PDL rule of the other kernels
  * (cuda/pdl.cuh: wait, then trigger, then global memory) this one triggers, takes tickets and
- * issues weight loads before its wait: that is the point, and it is safe only because publish, its
+ * issues weight loads before its wait (with its own rows, below, it also reads x and computes and
+ * stores its whole first unit: h, h_scales and done[e] are its own): that is the point, and it is
+ * safe only because publish, its
  * predecessor, is a call's first kernel and has no PDL attribute, so the previous launch on these
  * sync words has completed before this one can start (backend.cu mf__cuda_publish_at).
  *
@@ -124,8 +128,8 @@ struct small_params {
     const float *w2_scales;    /* FP8: [L, H/128, I/128] */
     uint8_t *h;                /* [rows, I] FP8 or BF16: W13's output, W2's input */
     float *h_scales;           /* FP8: [rows, I/128] */
-    mf__heap_view_t view;      /* W13 rows and FP8 scales at their owners (x, scales); W2 rows to the
-                                  owners' combine slots (combine) */
+    mf__heap_view_t view;      /* W13 rows and FP8 scales at their owners (x, scales; not with `x` below);
+                                  W2 rows to the owners' combine slots (combine) */
     const int32_t *src;        /* [rows, 3] (rank, token, k) of each receive row */
     int32_t num_topk;          /* K */
     int32_t num_experts;       /* L */
@@ -149,8 +153,9 @@ struct small_params {
 /* The timeline (small_params.timeline), kStamps words per CTA: word i = %globaltimer: 0 entry; 1
  * tables built (with the plan's tables this includes the PDL wait for the plan kernel; with its own
  * plan no wait); 2 its first ring position full (weights and rows in shared memory; with its own plan
- * this includes the wait for publish; a CTA that took no unit: its end marker); 3 its consumers done
- * (before the count-out); 4 its SM (%smid); 5 (kOwn) its producer's PDL wait for publish returned;
+ * this includes the wait for publish, but not with its own rows; a CTA that took no unit: its end
+ * marker); 3 its consumers done (before the count-out); 4 its SM (%smid); 5 (kOwn) its producer's
+ * PDL wait for publish returned (with its own rows: after its first unit);
  * then, for the first kUnitStamps tickets its producer took, pairs (what: the unit's index, bit 32
  * set for a W2 unit, bit 33 for the end; when). */
 __device__ __forceinline__ void stamp(const small_params &p, int i) {
@@ -354,17 +359,25 @@ __device__ __forceinline__ void quantise_kblock(uint8_t *act, float *a_scale, co
                                                 const int32_t *src, const tile_t &t, int32_t kb, int lane,
                                                 int32_t ue8m0) {
     static_assert(kBlockT % 4 == 0, "four tile rows per pass");
+    constexpr int kPasses = kBlockT / 4;
     const int c = lane & 7;
-#pragma unroll 1
-    for (int r = lane >> 3; r < kBlockT; r += 4) {
-        uint4 raw[2] = {make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)};
+    uint4 raw[kPasses][2]; /* every pass's loads first: one latency per K block, not one per pass */
+#pragma unroll
+    for (int pass = 0; pass < kPasses; pass++) {
+        const int r = 4 * pass + (lane >> 3);
+        raw[pass][0] = raw[pass][1] = make_uint4(0u, 0u, 0u, 0u);
         if (r >= t.lo) {
             const int64_t token = src[3 * (int64_t)clamp_row<kBlockT>(t, r) + 1];
             const uint4 *g = (const uint4 *)(x + token * H + (int64_t)kb * MF__QUANT_BLOCK + c * 16);
-            raw[0] = g[0];
-            raw[1] = g[1];
+            raw[pass][0] = g[0];
+            raw[pass][1] = g[1];
         }
-        const uint32_t w[8] = {raw[0].x, raw[0].y, raw[0].z, raw[0].w, raw[1].x, raw[1].y, raw[1].z, raw[1].w};
+    }
+#pragma unroll
+    for (int pass = 0; pass < kPasses; pass++) {
+        const int r = 4 * pass + (lane >> 3);
+        const uint32_t w[8] = {raw[pass][0].x, raw[pass][0].y, raw[pass][0].z, raw[pass][0].w,
+                               raw[pass][1].x, raw[pass][1].y, raw[pass][1].z, raw[pass][1].w};
         float amax = 0.0f;
 #pragma unroll
         for (int k = 0; k < 16; k++) {
@@ -699,8 +712,8 @@ __device__ __forceinline__ void consumer(const small_params &p, const tables_t &
 
     const int32_t *const src = kOwn ? own_src : p.src;
     /* publish's rows, ids, weights and fault verdict (the producer waits for them before its first
-     * activation copy); with its own rows (switch 5) a first W13 unit reads nothing of publish: the
-     * wait comes before the second unit, a W2 unit or the end */
+     * activation copy; with its own rows, switch 5, after its first unit); with its own rows a first
+     * W13 unit reads nothing of publish: the wait comes before the second unit, a W2 unit or the end */
     bool published = false;
     auto wait_publish = [&]() {
         if constexpr (kOwn) mf__pdl_wait();
@@ -735,7 +748,7 @@ __device__ __forceinline__ void consumer(const small_params &p, const tables_t &
                 const uint32_t sg = R::slot(it), su = R::slot(it + 1);
                 R::wait_full(full, it, p.sink);
                 R::wait_full(full, it + 1, p.sink);
-                mf__fence_proxy_async_smem(); /* cp.async (generic) -> wgmma (async) */
+                mf__fence_proxy_async_smem(); /* cp.async or st.shared (generic) -> wgmma (async) */
                 const uint64_t da[2] = {
                     mf__wgmma_desc_advance(desc_slots, sg * C::kSlotBytes + wg * kWgOperandBytes),
                     mf__wgmma_desc_advance(desc_slots, su * C::kSlotBytes + wg * kWgOperandBytes)};
