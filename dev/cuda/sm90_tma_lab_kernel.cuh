@@ -70,10 +70,9 @@ __device__ __forceinline__ void fp8_issue(float *tmp, uint64_t desc_st, int wg, 
         if (kOrder == kOrderStagger && k == kKSteps / 2 - 1) mf__wgmma_commit();
     }
     mf__wgmma_commit();
-    if constexpr (kOrder == kOrderStagger) {
-        mf__wgmma_wait<1>(); /* the first half is done: the other warpgroup's group queues behind the second */
-        mf__fence_fragment<kBoxRows>(tmp);
-    }
+    /* the first half is done: the other warpgroup's group queues behind the second (tmp is still
+     * being written: no fence on it until the caller's wait_group 0) */
+    if constexpr (kOrder == kOrderStagger) mf__wgmma_wait<1>();
     if (kOrder != kOrderNone) mf__named_barrier_arrive(wg == 0 ? kBarIssued0 : kBarIssued1, kConsumerThreads);
 }
 
