@@ -16,7 +16,8 @@
  *                               three small cases of the shipped kernels (memchecked by test-gpu)
  *   sm90_gemm_lab --validate    small, awkward and DeepSeek-shaped cases vs the CPU reference below
  *   sm90_gemm_lab --bench [--json FILE]   DeepSeek-V3 W13 / W2 shapes, kernel time, L2 flushed
- *   sm90_gemm_lab --ab                  only the A/B of FP8 W13 SwiGLU with and without the epilogue overlap
+ *   sm90_gemm_lab --ab                  only the interleaved A/Bs (no bench table): epilogue overlap,
+ *                                       staggered turns, probes, schedule
  *   sm90_gemm_lab               selftest, validate, bench
  *
  * Dimension legend: L local experts, N weight rows per expert of a plain GEMM (its output columns),
@@ -52,7 +53,8 @@
  * then an A/B of the FP8 kernels without the issue order (the lab switch, mf__tma_lab::set_switch,
  * sm90_tma_lab_kernel.cuh; validated above with "[unordered]" cases) and the SwiGLU epilogue's
  * cost against plain W13; then, interleaved over 3 rounds on the same data: the FP8 SwiGLU
- * epilogue overlap (ships against kMfTmaLabNoOverlap), and two timing probes, whose results are
+ * epilogue overlap (ships against kMfTmaLabNoOverlap), the staggered turns of the FP8 consumers
+ * (kMfTmaLabStagger against what ships, W13 swiglu and W2 plain), and two timing probes, whose results are
  * not the GEMM (so they are never validated): the FP8 promotion's cost (no overlap against no
  * overlap without the promotion, kMfTmaLabNoPromote) and the BF16 epilogue's (ships against no
  * epilogue, kMfTmaLabNoStore).
@@ -472,7 +474,8 @@ struct vcase {
     int capacity;             /* 0: EXPERT_MAJOR (128-aligned segments), else MASKED with C = capacity */
     int ue8m0;
     int ret;                  /* plain: rows to R fake owners' combine slots */
-    int unordered;            /* FP8 lab-only GEMM kernels (A/B): kMfTmaLabUnordered, kMfTmaLabNoOverlap; 0 ships */
+    int unordered;            /* FP8 lab-only GEMM kernels (A/B): kMfTmaLabUnordered, kMfTmaLabNoOverlap,
+                                 kMfTmaLabStagger; 0 ships */
 };
 
 static void parallel_for(int n, const std::function<void(int)> &f) {
@@ -937,6 +940,15 @@ static void run_validate(void) {
                      kMfTmaLabNoOverlap});
     cases.push_back({"fp8 expert_major W2 plain L=40 N=256 K=256 [unordered]", 1, 0, 256, 256,
                      {1, 300, 0, 129, 128, 77, 256, 5, 0, 200}, 0, 0, 0, 1});
+    /* the staggered turns (kMfTmaLabStagger): tails, masked, one K block per tile, ret */
+    cases.push_back({"fp8 expert_major W13 swiglu I=2048 H=7168 [staggered]", 1, 1, 2048, 7168, {3, 130}, 0, 0, 0,
+                     kMfTmaLabStagger});
+    cases.push_back({"fp8 masked W2 plain N=512 K=384 [staggered]", 1, 0, 512, 384, {130, 0, 257}, 320, 0, 0,
+                     kMfTmaLabStagger});
+    cases.push_back({"fp8 masked W13 swiglu ue8m0 L=10 I=128 K=128 [staggered]", 1, 1, 128, 128,
+                     {1, 300, 0, 129, 128, 77, 256, 5, 0, 200}, 300, 1, 0, kMfTmaLabStagger});
+    cases.push_back({"fp8 expert_major W2 ret H=7168 I=2048 [staggered]", 1, 0, 7168, 2048, {70, 129}, 0, 0, 1,
+                     kMfTmaLabStagger});
     for (auto &c : cases) run_case(c);
     run_declines();
 }
@@ -1159,6 +1171,29 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
                    L, M, on, fl / on, off_us, fl / off_us, 100.0 * (off_us / on - 1.0));
             fflush(stdout);
         }
+    }
+    /* A/B: FP8 with the staggered turns (lab) against what ships (the issue order), W13 swiglu and W2
+     * plain, interleaved over 3 rounds on the same data */
+    {
+        fill_random(d_a, a_bytes, 0);
+        fill_random(d_w, w_bytes, 0);
+        printf("# A/B: FP8 staggered turns (kMfTmaLabStagger) vs the issue order (ships), 3 rounds interleaved\n");
+        const int ab[4][2] = {{4, 4096}, {4, 8192}, {32, 256}, {32, 1024}};
+        for (int si : {0, 2})
+            for (int ci = 0; ci < 4; ci++) {
+                const shape &sh = shapes[si];
+                const int L = ab[ci][0], M = ab[ci][1];
+                const gemm_call g = equal_call(1, sh, L, M);
+                char name[128];
+                snprintf(name, sizeof name, "bench fp8 %s L=%d M=%d stagger A/B", sh.name, L, M);
+                g_case = name;
+                double ships = 0, stag = 0;
+                time_ab_us(g, kMfTmaLabShipped, kMfTmaLabStagger, d_flush, ev0, ev1, &ships, &stag);
+                const double fl = 2.0 * L * M * (double)sh.nw * sh.k * 1e-6;
+                printf("  fp8   %-11s L=%2d M=%5d  ships %9.1f us %7.1f TF/s   staggered %9.1f us %7.1f TF/s   gain %+5.1f %%\n",
+                       sh.name, L, M, ships, fl / ships, stag, fl / stag, 100.0 * (ships / stag - 1.0));
+                fflush(stdout);
+            }
     }
     /* The interleaved A/Bs below: body(fp8, shape, L, M, call) for FP8 then BF16, W13 swiglu and W2
      * plain, over the (L, M) pairs `ab`, with the case named for error messages. */

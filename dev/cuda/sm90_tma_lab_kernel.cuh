@@ -9,8 +9,14 @@
  * Dimension legend: as sm90_tma_gemm.cuh (L local experts, N weight rows per expert, K the
  * reduction dim, H hidden, I intermediate, rows = receive rows).
  *
- *   kOrdered    the FP8 issue order ("Issue order" in the kernel header); false: both warpgroups
- *               issue as soon as the stage is full
+ *   kOrder      the FP8 issue order: kOrderIssue, what ships ("Issue order" in the kernel header);
+ *               kOrderNone, both warpgroups issue as soon as the stage is full; kOrderStagger, the
+ *               warpgroups take turns by completion: each box's 4 wgmmas go out as two commit
+ *               groups, and a warpgroup hands the turn over once its first group has completed
+ *               (wait_group 1), so the other's group queues behind its second half instead of
+ *               running interleaved with all of it, and each promotion runs while the other
+ *               warpgroup's wgmmas keep the tensor cores busy (bench/NOTES.md "Issue 27: the FP8
+ *               consumers staggered")
  *   kNoOverlap  FP8 without the epilogue overlap (the next tile's first wgmmas are issued after
  *               the epilogue, not before it)
  *   kProbe      a timing probe whose results are not the GEMM: kProbeNoPromote, FP8 without the
@@ -18,7 +24,8 @@
  *               scales, no promotion); kProbeNoStore, no epilogue (its code stays behind a test that
  *               is never true, so the main loop is compiled as in what ships)
  *
- * <kFp8, kEpi, true, false, kProbeNone> is the shipped kernel's arithmetic; the lab runs that one
+ * <kFp8, kEpi, kOrderIssue, false, kProbeNone> is the shipped kernel's arithmetic (kOrderStagger's
+ * too: the same wgmmas in the same order, only their commit groups and the turns differ); the lab runs that one
  * through the library's launchers, never from here. Launching: tma_lab_w13_swiglu / tma_lab_w2
  * below take the library launchers' arguments and run the variant the lab switch (kMfTmaLab*)
  * selects, with the launchers' tensor maps and persistent grid (shapes are the lab's and valid:
@@ -30,48 +37,60 @@
 #include "cuda/kernels/sm90_tma_gemm.cuh"
 
 /* The lab switch (bits): 0 = what ships; FP8: 1 = without the issue order, 2 = without the epilogue
- * overlap, 4 = without the overlap and without the promotion (timing only); BF16: 8 = without the
- * epilogue (timing only, nothing is written). */
-enum { kMfTmaLabShipped = 0, kMfTmaLabUnordered = 1, kMfTmaLabNoOverlap = 2, kMfTmaLabNoPromote = 4, kMfTmaLabNoStore = 8 };
+ * overlap, 4 = without the overlap and without the promotion (timing only), 16 = the staggered
+ * turns (kOrderStagger, with the overlap); BF16: 8 = without the epilogue (timing only, nothing is
+ * written). */
+enum { kMfTmaLabShipped = 0, kMfTmaLabUnordered = 1, kMfTmaLabNoOverlap = 2, kMfTmaLabNoPromote = 4, kMfTmaLabNoStore = 8,
+       kMfTmaLabStagger = 16 };
 
 namespace mf__tma_lab {
 
 using namespace mf__tma;
 
 enum { kProbeNone = 0, kProbeNoPromote = 1, kProbeNoStore = 2 };
+enum { kOrderNone = 0, kOrderIssue = 1, kOrderStagger = 2 };
 
-/* fp8_issue of the shipped kernel, with the issue order optional and (kZero = false) accumulating
- * from the first wgmma on (the promotion probe). */
-template <bool kOrdered, bool kZero = true>
+/* fp8_issue of the shipped kernel, with the issue order optional or staggered (kOrder) and (kZero =
+ * false) accumulating from the first wgmma on (the promotion probe). kOrderStagger: the turn (the
+ * same two named barriers, one sync before and one arrival per group as kOrderIssue) passes once
+ * the first two k-steps have completed; the caller's wait_group 0 then waits for the other two.
+ * Both commit groups and the wait_group 1 stay within this function (no group issued before a loop
+ * edge is waited on with wait_group 1: ptxas would serialise every wgmma, bench/NOTES.md). */
+template <int kOrder, bool kZero = true>
 __device__ __forceinline__ void fp8_issue(float *tmp, uint64_t desc_st, int wg, int b) {
     const uint64_t da = mf__wgmma_desc_advance(desc_st, wg * kWgOperandBytes);
     const uint64_t db = mf__wgmma_desc_advance(desc_st, kABytes + b * kBoxBytes);
     mf__fence_fragment<kBoxRows>(tmp);
-    if (kOrdered) mf__named_barrier_sync(wg == 0 ? kBarIssued1 : kBarIssued0, kConsumerThreads);
+    if (kOrder != kOrderNone) mf__named_barrier_sync(wg == 0 ? kBarIssued1 : kBarIssued0, kConsumerThreads);
     mf__wgmma_fence();
 #pragma unroll
-    for (int k = 0; k < kKSteps; k++)
+    for (int k = 0; k < kKSteps; k++) {
         mf__wgmma_e4m3<kBoxRows>(tmp, mf__wgmma_desc_advance(da, k * kKStepBytes), mf__wgmma_desc_advance(db, k * kKStepBytes),
                                  (k > 0 || !kZero) ? 1 : 0);
+        if (kOrder == kOrderStagger && k == kKSteps / 2 - 1) mf__wgmma_commit();
+    }
     mf__wgmma_commit();
-    if (kOrdered) mf__named_barrier_arrive(wg == 0 ? kBarIssued0 : kBarIssued1, kConsumerThreads);
+    /* the first half is done: the other warpgroup's group queues behind the second (tmp is still
+     * being written: no fence on it until the caller's wait_group 0) */
+    if constexpr (kOrder == kOrderStagger) mf__wgmma_wait<1>();
+    if (kOrder != kOrderNone) mf__named_barrier_arrive(wg == 0 ? kBarIssued0 : kBarIssued1, kConsumerThreads);
 }
 
-/* fp8_kblock of the shipped kernel with the issue order optional. */
-template <bool kOrdered, bool kFirst, bool kIssued>
+/* fp8_kblock of the shipped kernel with the issue order optional or staggered. */
+template <int kOrder, bool kFirst, bool kIssued>
 __device__ __forceinline__ void fp8_kblock(const consumer_t &c, float *acc, float *tmp, uint32_t it) {
     const uint32_t slot = ring_t::slot(it);
     const uint64_t desc_st = mf__wgmma_desc_advance(c.desc_stages, slot * kStageBytes);
     if (!kIssued) {
         ring_t::wait_full(c.full, it, *c.sink);
-        fp8_issue<kOrdered>(tmp, desc_st, c.wg, 0);
+        fp8_issue<kOrder>(tmp, desc_st, c.wg, 0);
     }
     const float sa_lo = c.a_sc[slot * kBlockM + c.row_lo], sa_hi = c.a_sc[slot * kBlockM + c.row_lo + 8];
     const float sw0 = c.w_sc[slot * kWScaleSlots], sw1 = c.w_sc[slot * kWScaleSlots + 1];
     mf__wgmma_wait<0>();
     mf__fence_fragment<kBoxRows>(tmp);
     fp8_promote<kFirst>(acc, tmp, sa_lo * sw0, sa_hi * sw0);
-    fp8_issue<kOrdered>(tmp, desc_st, c.wg, 1);
+    fp8_issue<kOrder>(tmp, desc_st, c.wg, 1);
     mf__wgmma_wait<0>();
     mf__fence_fragment<kBoxRows>(tmp);
     release(c, slot);
@@ -80,22 +99,22 @@ __device__ __forceinline__ void fp8_kblock(const consumer_t &c, float *acc, floa
 
 /* kProbeNoPromote: fp8_kblock's issues and waits, each box's wgmmas straight into its half of acc
  * (zeroed on the tile's first K block), no scales, no promotion. */
-template <bool kOrdered, bool kFirst>
+template <int kOrder, bool kFirst>
 __device__ __forceinline__ void fp8_kblock_probe(const consumer_t &c, float *acc, uint32_t it) {
     const uint32_t slot = ring_t::slot(it);
     const uint64_t desc_st = mf__wgmma_desc_advance(c.desc_stages, slot * kStageBytes);
     ring_t::wait_full(c.full, it, *c.sink);
-    fp8_issue<kOrdered, kFirst>(acc, desc_st, c.wg, 0);
+    fp8_issue<kOrder, kFirst>(acc, desc_st, c.wg, 0);
     mf__wgmma_wait<0>();
     mf__fence_fragment<kBoxRows>(acc);
-    fp8_issue<kOrdered, kFirst>(acc + kBoxAcc, desc_st, c.wg, 1);
+    fp8_issue<kOrder, kFirst>(acc + kBoxAcc, desc_st, c.wg, 1);
     mf__wgmma_wait<0>();
     mf__fence_fragment<kBoxRows>(acc + kBoxAcc);
     release(c, slot);
 }
 
 /* The shipped consumer with the lab's three parameters. */
-template <bool kFp8, int kEpi, bool kOrdered, bool kNoOverlap, int kProbe>
+template <bool kFp8, int kEpi, int kOrder, bool kNoOverlap, int kProbe>
 __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &tb, int32_t nblocks, consumer_t &c,
                                          float *acc, float *tmp) {
     constexpr bool kOverlap = kFp8 && !kNoOverlap;
@@ -105,18 +124,18 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
     int32_t cursor = 0, idx = (int32_t)blockIdx.x;
     tile_t t;
     if (!next_tile<kBlockM, kNInner>(tb, p.num_experts, nblocks, idx, cursor, t)) return;
-    if (kFp8 && kOrdered && c.wg == 1) mf__named_barrier_arrive(kBarIssued1, kConsumerThreads);
+    if (kFp8 && kOrder != kOrderNone && c.wg == 1) mf__named_barrier_arrive(kBarIssued1, kConsumerThreads);
     if constexpr (kOverlap) {
         ring_t::wait_full(c.full, 0, *c.sink);
-        fp8_issue<kOrdered>(tmp, c.desc_stages, c.wg, 0);
+        fp8_issue<kOrder>(tmp, c.desc_stages, c.wg, 0);
     }
     for (;;) {
         if constexpr (kProbe == kProbeNoPromote) {
-            fp8_kblock_probe<kOrdered, true>(c, acc, it++);
-            for (int32_t kb = 1; kb < kblocks; kb++) fp8_kblock_probe<kOrdered, false>(c, acc, it++);
+            fp8_kblock_probe<kOrder, true>(c, acc, it++);
+            for (int32_t kb = 1; kb < kblocks; kb++) fp8_kblock_probe<kOrder, false>(c, acc, it++);
         } else if constexpr (kFp8) {
-            fp8_kblock<kOrdered, true, kOverlap>(c, acc, tmp, it++);
-            for (int32_t kb = 1; kb < kblocks; kb++) fp8_kblock<kOrdered, false, false>(c, acc, tmp, it++);
+            fp8_kblock<kOrder, true, kOverlap>(c, acc, tmp, it++);
+            for (int32_t kb = 1; kb < kblocks; kb++) fp8_kblock<kOrder, false, false>(c, acc, tmp, it++);
         } else {
             bf16_mainloop(c, acc, it, kblocks);
         }
@@ -125,7 +144,7 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
             ring_t::wait_full(c.full, it, *c.sink);
             idx_next = c.tile_of[ring_t::slot(it)];
             const uint32_t at = idx_next >= 0 ? it : it - 1;
-            fp8_issue<kOrdered>(tmp, mf__wgmma_desc_advance(c.desc_stages, ring_t::slot(at) * kStageBytes), c.wg, 0);
+            fp8_issue<kOrder>(tmp, mf__wgmma_desc_advance(c.desc_stages, ring_t::slot(at) * kStageBytes), c.wg, 0);
         }
         /* kProbeNoStore: ue8m0 is 0 or 1, so the epilogue never runs, yet it keeps acc, hence the
          * main loop's wgmmas, alive (the wgmma asm has no side effect of its own) */
@@ -139,7 +158,7 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
         next_tile<kBlockM, kNInner>(tb, p.num_experts, nblocks, idx, cursor, t);
     }
     if constexpr (kOverlap) mf__wgmma_wait<0>();
-    if (kFp8 && kOrdered && c.wg == 0) mf__named_barrier_sync(kBarIssued1, kConsumerThreads);
+    if (kFp8 && kOrder != kOrderNone && c.wg == 0) mf__named_barrier_sync(kBarIssued1, kConsumerThreads);
 }
 
 /* A consumer thread's state from the kernel's aligned shared-memory base (the shipped kernel sets
@@ -160,7 +179,7 @@ __device__ __forceinline__ void consumer_at(consumer_t &c, uint8_t *smem) {
 }
 
 /* The shipped kernel's body around the lab's consumer. */
-template <bool kFp8, int kEpi, bool kOrdered, bool kNoOverlap, int kProbe>
+template <bool kFp8, int kEpi, int kOrder, bool kNoOverlap, int kProbe>
 __global__ void __launch_bounds__(kThreads, 1) sm90_tma_lab_kernel(const __grid_constant__ gemm_params p) {
     constexpr uint32_t kFullArrivals = kFp8 ? 1 + 32 : 1;
     extern __shared__ uint8_t smem_raw[];
@@ -186,7 +205,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_tma_lab_kernel(const __grid_
         float tmp[kFp8 ? kBoxAcc : 1];
 #pragma unroll
         for (int i = 0; i < (kFp8 ? kBoxAcc : 1); i++) tmp[i] = 0.0f;
-        consumer<kFp8, kEpi, kOrdered, kNoOverlap, kProbe>(p, tb, nblocks, c, acc, tmp);
+        consumer<kFp8, kEpi, kOrder, kNoOverlap, kProbe>(p, tb, nblocks, c, acc, tmp);
     }
 }
 
@@ -194,24 +213,26 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_tma_lab_kernel(const __grid_
 
 struct variant_t {
     const void *fn;
-    int fp8, swiglu, ordered, overlap, probe;
+    int fp8, swiglu, order, overlap, probe; /* order: kOrder* */
     const char *tag;
 };
 
 /* Every lab kernel (what the former library table held in its slots 4-11). */
 static const variant_t kVariants[] = {
-    {(const void *)sm90_tma_lab_kernel<true, kEpiPlain, false, false, kProbeNone>, 1, 0, 0, 1, kProbeNone, "unordered"},
-    {(const void *)sm90_tma_lab_kernel<true, kEpiSwiglu, false, false, kProbeNone>, 1, 1, 0, 1, kProbeNone, "unordered"},
-    {(const void *)sm90_tma_lab_kernel<true, kEpiSwiglu, true, true, kProbeNone>, 1, 1, 1, 0, kProbeNone, "no overlap"},
-    {(const void *)sm90_tma_lab_kernel<true, kEpiPlain, true, true, kProbeNone>, 1, 0, 1, 0, kProbeNone, "no overlap"},
-    {(const void *)sm90_tma_lab_kernel<true, kEpiPlain, true, true, kProbeNoPromote>, 1, 0, 1, 0, kProbeNoPromote,
+    {(const void *)sm90_tma_lab_kernel<true, kEpiPlain, kOrderNone, false, kProbeNone>, 1, 0, 0, 1, kProbeNone, "unordered"},
+    {(const void *)sm90_tma_lab_kernel<true, kEpiSwiglu, kOrderNone, false, kProbeNone>, 1, 1, 0, 1, kProbeNone, "unordered"},
+    {(const void *)sm90_tma_lab_kernel<true, kEpiSwiglu, kOrderIssue, true, kProbeNone>, 1, 1, 1, 0, kProbeNone, "no overlap"},
+    {(const void *)sm90_tma_lab_kernel<true, kEpiPlain, kOrderIssue, true, kProbeNone>, 1, 0, 1, 0, kProbeNone, "no overlap"},
+    {(const void *)sm90_tma_lab_kernel<true, kEpiPlain, kOrderIssue, true, kProbeNoPromote>, 1, 0, 1, 0, kProbeNoPromote,
      "probe: no promotion"},
-    {(const void *)sm90_tma_lab_kernel<true, kEpiSwiglu, true, true, kProbeNoPromote>, 1, 1, 1, 0, kProbeNoPromote,
+    {(const void *)sm90_tma_lab_kernel<true, kEpiSwiglu, kOrderIssue, true, kProbeNoPromote>, 1, 1, 1, 0, kProbeNoPromote,
      "probe: no promotion"},
-    {(const void *)sm90_tma_lab_kernel<false, kEpiPlain, true, false, kProbeNoStore>, 0, 0, 0, 0, kProbeNoStore,
+    {(const void *)sm90_tma_lab_kernel<false, kEpiPlain, kOrderIssue, false, kProbeNoStore>, 0, 0, 0, 0, kProbeNoStore,
      "probe: no epilogue"},
-    {(const void *)sm90_tma_lab_kernel<false, kEpiSwiglu, true, false, kProbeNoStore>, 0, 1, 0, 0, kProbeNoStore,
+    {(const void *)sm90_tma_lab_kernel<false, kEpiSwiglu, kOrderIssue, false, kProbeNoStore>, 0, 1, 0, 0, kProbeNoStore,
      "probe: no epilogue"},
+    {(const void *)sm90_tma_lab_kernel<true, kEpiPlain, kOrderStagger, false, kProbeNone>, 1, 0, 2, 1, kProbeNone, "staggered"},
+    {(const void *)sm90_tma_lab_kernel<true, kEpiSwiglu, kOrderStagger, false, kProbeNone>, 1, 1, 2, 1, kProbeNone, "staggered"},
 };
 static const int kNumVariants = (int)(sizeof kVariants / sizeof kVariants[0]);
 
@@ -224,6 +245,7 @@ static inline int get_switch(void) { return g_switch; }
  * runs the library's launcher). */
 static inline int variant_index(int lab, int fp8, int swiglu) {
     if (!fp8) return (lab & kMfTmaLabNoStore) ? 6 + swiglu : -1;
+    if (lab & kMfTmaLabStagger) return 8 + swiglu;
     if (lab & kMfTmaLabNoPromote) return 4 + swiglu;
     if (lab & kMfTmaLabNoOverlap) return swiglu ? 2 : 3;
     return (lab & kMfTmaLabUnordered) ? swiglu : -1;
