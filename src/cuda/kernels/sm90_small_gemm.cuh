@@ -212,7 +212,7 @@ __device__ __forceinline__ bool locate(const tables_t &tb, int32_t L, int32_t nb
     if (w2) idx -= nb13 * blocks_all;
     if (idx >= nb * blocks_all) return false;
     int32_t e = w2 ? cur2 : cur13;
-    while (nb * tb.first[e + 1] <= idx) e++;
+    e = mf__prefix_find(tb.first, L, e, idx / nb); /* nb first[e + 1] <= idx: first[e + 1] <= idx / nb */
     if (w2) cur2 = e;
     else cur13 = e;
     const int32_t blocks = tb.first[e + 1] - tb.first[e], local = idx - nb * tb.first[e];
