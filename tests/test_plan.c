@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "core/alloc.h" /* mf__test_fail_alloc_after: the allocator's failure switch */
+#include "core/prefix.h" /* mf__prefix_find: the kernels' tile walks */
 #include "harness.h"
 #include "plan/plan.h"
 
@@ -170,7 +171,40 @@ static int plan_alloc_failure(void) {
     return 0;
 }
 
+/* mf__prefix_find (core/prefix.h; the CUDA kernels' cursors run it on the device) against the walk
+ * one segment at a time that it replaced: prefix sums of n segments where most are empty (a few
+ * tokens over hundreds of experts), some long and some of one unit, every position from every cursor
+ * a walker can hold there (first[s0] <= g), and a walker's ascending positions keeping its cursor. */
+static int plan_prefix_find(void) {
+    mft_rng_t rng = {77};
+    int32_t first[400];
+    for (int round = 0; round < 300; round++) {
+        const int32_t n = 1 + mft_rng_int(&rng, 384);
+        const int32_t empty_pct = round % 3 == 0 ? 0 : (round % 3 == 1 ? 60 : 98);
+        first[0] = 0;
+        for (int32_t s = 0; s < n; s++)
+            first[s + 1] = first[s] + (mft_rng_int(&rng, 100) < empty_pct ? 0 : 1 + mft_rng_int(&rng, round % 2 ? 3 : 40));
+        if (first[n] == 0) first[n] = 1; /* at least one position */
+        for (int32_t g = 0; g < first[n]; g++) {
+            int32_t walk = 0;
+            while (first[walk + 1] <= g) walk++;
+            for (int32_t s0 = 0; s0 <= walk; s0++) {
+                if (first[s0] > g) continue;
+                const int32_t got = mf__prefix_find(first, n, s0, g);
+                MFT_CHECK_MSG(got == walk, "n %d, g %d from %d: %d, the walk %d", n, g, s0, got, walk);
+            }
+        }
+        int32_t cursor = 0; /* a walker: positions ascend, the cursor carries over */
+        for (int32_t g = 0; g < first[n]; g += 1 + mft_rng_int(&rng, 5)) {
+            cursor = mf__prefix_find(first, n, cursor, g);
+            MFT_CHECK(first[cursor] <= g && g < first[cursor + 1]);
+        }
+    }
+    return 0;
+}
+
 const mft_test_t mft_tests_plan[] = {
+    {"plan_prefix_find", plan_prefix_find, 30},
     {"plan_hand_checked", plan_hand_checked, 10},
     {"plan_expert_major", plan_expert_major, 30},
     {"plan_masked", plan_masked, 30},

@@ -35,6 +35,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "core/prefix.h"
 #include "cuda/gemm_configs.cuh"
 #include "cuda/grouped_gemm.h"
 #include "cuda/kernels/sm90_ptx.cuh"
@@ -229,20 +230,20 @@ __device__ __forceinline__ void place_block(const tables_t &tb, int32_t e, int32
     t.row0 = tb.row0[e] + blk * kRows - t.lo;
 }
 
-/* Tile `idx` of the walk (monotonic idx; `e` is the walker's cursor, starting at 0); false past the
- * last tile. nblocks: n-blocks per expert. */
+/* Tile `idx` of the walk (monotonic idx; `e` is the walker's cursor, starting at 0, moved by
+ * mf__prefix_find: core/prefix.h); false past the last tile. nblocks: n-blocks per expert. */
 template <int kRows, int kOrder>
 __device__ __forceinline__ bool next_tile(const tables_t &tb, int32_t L, int32_t nblocks, int32_t idx, int32_t &e,
                                           tile_t &t) {
     if (kOrder == kNInner) {
         const int32_t gm = idx / nblocks;
         if (gm >= tb.first[L]) return false;
-        while (tb.first[e + 1] <= gm) e++;
+        e = mf__prefix_find(tb.first, L, e, gm);
         place_block<kRows>(tb, e, gm - tb.first[e], t);
         t.nb = idx - gm * nblocks;
     } else {
         if (idx >= tb.first[L]) return false;
-        while (tb.first[e + 1] <= idx) e++;
+        e = mf__prefix_find(tb.first, L, e, idx);
         const int32_t blocks = (tb.rows[e] + kRows - 1) / kRows, local = idx - tb.first[e];
         place_block<kRows>(tb, e, local % blocks, t);
         t.nb = local / blocks;

@@ -230,7 +230,7 @@ __device__ __forceinline__ bool locate(const tables_t &tb, int32_t L, int32_t nb
     if (w2) idx -= nb13 * blocks_all;
     if (idx >= nb * blocks_all) return false;
     int32_t e = w2 ? cur2 : cur13;
-    while (nb * tb.first[e + 1] <= idx) e++;
+    e = mf__prefix_find(tb.first, L, e, idx / nb); /* nb first[e + 1] <= idx: first[e + 1] <= idx / nb */
     if (w2) cur2 = e;
     else cur13 = e;
     const int32_t blocks = tb.first[e + 1] - tb.first[e], local = idx - nb * tb.first[e];
@@ -583,8 +583,7 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
                     unit idx + grid, W2 unit j2 (locate's arithmetic: expert t.e or a later one) */
                     const int32_t j2 = idx + (int32_t)gridDim.x - nb13 * tb.first[L];
                     if (j2 < nb2 * tb.first[L]) {
-                        int32_t e = t.e;
-                        while (nb2 * tb.first[e + 1] <= j2) e++;
+                        const int32_t e = mf__prefix_find(tb.first, L, t.e, j2 / nb2);
                         const int32_t w = e * p.H + (j2 - nb2 * tb.first[e]) / (tb.first[e + 1] - tb.first[e]) * kBoxRows;
                         if (lane < kb2) /* a box per lane: the unit's first 32 K blocks */
                             mf__tma_prefetch_2d(&p.tmap_w2, lane * (kKBlock / C::kEsz), w);
