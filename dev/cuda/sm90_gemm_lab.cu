@@ -975,7 +975,20 @@ static void run_validate(void) {
                          kMfTmaLabHalf});
         cases.push_back({"fp8 expert_major W13 swiglu L=40 I=256 K=256 [tail tiles]", 1, 1, 256, 256, cnt, 0, 0, 0,
                          kMfTmaLabHalf});
+        cases.push_back({"bf16 expert_major W2 plain L=40 N=256 K=256 [tail tiles]", 0, 0, 256, 256, cnt, 0, 0, 0,
+                         kMfTmaLabHalf});
+        cases.push_back({"bf16 masked W13 swiglu L=40 I=128 K=256 [tail tiles]", 0, 1, 128, 256, cnt, 300, 0, 0,
+                         kMfTmaLabHalf});
     }
+    /* BF16 tail tiles: K tails inside a 64-element stage (TMA zero fill along K), ret, DeepSeek shapes */
+    cases.push_back({"bf16 expert_major W13 swiglu I=128 K=200 counts 77,129,1 [tail tiles]", 0, 1, 128, 200, {77, 129, 1},
+                     0, 0, 0, kMfTmaLabHalf});
+    cases.push_back({"bf16 masked W2 plain N=256 K=136 [tail tiles]", 0, 0, 256, 136, {77, 200, 63}, 256, 0, 0,
+                     kMfTmaLabHalf});
+    cases.push_back({"bf16 expert_major W2 ret N=512 K=384 [tail tiles]", 0, 0, 512, 384, {130, 0, 257}, 0, 0, 1,
+                     kMfTmaLabHalf});
+    cases.push_back({"bf16 expert_major W13 swiglu I=2048 H=7168 [tail tiles]", 0, 1, 2048, 7168, {3, 130, 192}, 0, 0, 0,
+                     kMfTmaLabHalf});
     for (auto &c : cases) run_case(c);
     run_declines();
 }
@@ -1222,15 +1235,16 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
                 fflush(stdout);
             }
     }
-    /* A/B: FP8 with the 64-row tail tiles (lab) against what ships, W13 swiglu and W2 plain, on the
+    /* A/B: the 64-row tail tiles (lab) against what ships, FP8 then BF16, W13 swiglu and W2 plain, on the
      * counts of a layer at T = 4096 per rank (L = 32 experts drawn like deepseek-v3's 256 at mean 128
      * rows, qwen3's 128 at mean 256: mean + sqrt(mean) z, z standard normal, offsets contiguous as
      * the layer's receive rows; about half the experts end in a tail of <= 64 rows), and on equal
      * counts M = 256 (no tail tile: what the kind's bookkeeping costs), 3 rounds interleaved */
-    {
-        fill_random(d_a, a_bytes, 0);
-        fill_random(d_w, w_bytes, 0);
-        printf("# A/B: FP8 64-row tail tiles (kMfTmaLabHalf) vs full tiles (ships), L = 32, 3 rounds interleaved\n");
+    for (int fp8 = 1; fp8 >= 0; fp8--) {
+        fill_random(d_a, a_bytes / (fp8 ? 1 : 2), fp8 ? 0 : 1);
+        fill_random(d_w, w_bytes / (fp8 ? 1 : 2), fp8 ? 0 : 1);
+        printf("# A/B: %s 64-row tail tiles (kMfTmaLabHalf) vs full tiles (ships), L = 32, 3 rounds interleaved\n",
+               fp8 ? "FP8" : "BF16");
         for (int mean : {128, 256, 0}) {
             const int L = 32;
             std::vector<int32_t> cnt(L, 256), off(L);
@@ -1248,18 +1262,18 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
             }
             for (int si : {0, 2}) {
                 const shape &sh = shapes[si];
-                gemm_call g = equal_call(1, sh, L, 256); /* then the counts above */
+                gemm_call g = equal_call(fp8, sh, L, 256); /* then the counts above */
                 CUDA_OK(cudaMemcpy(d_cnt, cnt.data(), L * 4, cudaMemcpyHostToDevice));
                 CUDA_OK(cudaMemcpy(d_off, off.data(), L * 4, cudaMemcpyHostToDevice));
                 g.max_rows = max_rows;
                 char name[128];
-                snprintf(name, sizeof name, "bench fp8 %s L=%d mean=%d tail A/B", sh.name, L, mean);
+                snprintf(name, sizeof name, "bench %s %s L=%d mean=%d tail A/B", fp8 ? "fp8" : "bf16", sh.name, L, mean);
                 g_case = name;
                 double ships = 0, half = 0;
                 time_ab_us(g, kMfTmaLabShipped, kMfTmaLabHalf, d_flush, ev0, ev1, &ships, &half);
                 const double fl = 2.0 * rows * (double)sh.nw * sh.k * 1e-6;
-                printf("  fp8   %-11s L=%2d rows %5d (%s, %2d tails)  ships %9.1f us %7.1f TF/s   tail tiles %9.1f us %7.1f TF/s   "
-                       "gain %+5.1f %%\n", sh.name, L, rows, mean ? (mean == 128 ? "mean 128" : "mean 256") : "M = 256 ",
+                printf("  %-5s %-11s L=%2d rows %5d (%s, %2d tails)  ships %9.1f us %7.1f TF/s   tail tiles %9.1f us %7.1f TF/s   "
+                       "gain %+5.1f %%\n", fp8 ? "fp8" : "bf16", sh.name, L, rows, mean ? (mean == 128 ? "mean 128" : "mean 256") : "M = 256 ",
                        tails, ships, fl / ships, half, fl / half, 100.0 * (ships / half - 1.0));
                 fflush(stdout);
             }

@@ -40,7 +40,7 @@
  * overlap, 4 = without the overlap and without the promotion (timing only), 16 = the staggered
  * turns (kOrderStagger, with the overlap), 32 = the 64-row tail tiles (sm90_tma_half_kernel, with
  * the issue order and the overlap); BF16: 8 = without the epilogue (timing only, nothing is
- * written). */
+ * written), 32 = the 64-row tail tiles. */
 enum { kMfTmaLabShipped = 0, kMfTmaLabUnordered = 1, kMfTmaLabNoOverlap = 2, kMfTmaLabNoPromote = 4, kMfTmaLabNoStore = 8,
        kMfTmaLabStagger = 16, kMfTmaLabHalf = 32 };
 
@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_tma_lab_kernel(const __grid_
     }
 }
 
-/* ---- the 64-row tail tile (kMfTmaLabHalf, FP8; bench/NOTES.md "Issue 27: the 64-row tail tile") ---
+/* ---- the 64-row tail tile (kMfTmaLabHalf, FP8 and BF16; bench/NOTES.md "Issue 27: the 64-row tail tile") ---
  *
  * A tile whose rows that belong to it are all in its second half (t.lo >= 64: an expert's last,
  * partial m-block of at most 64 rows, or a whole expert of at most 64) is a tail tile. What ships
@@ -232,7 +232,8 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_tma_lab_kernel(const __grid_
  * 64 columns to shared memory (two buffers, alternating per tail tile), a named barrier of the 256
  * consumer threads, each takes the max with the other's (max is exact: the same scale). The lab's
  * validate checks the bits against what ships (run 3 of a lab case is the library's kernel).
- * BF16 keeps the full tile here (the pairs' A/B, bench/NOTES.md, lost BF16 19-26 %: not tried). */
+ * BF16 the same way with m64n128k16 (no temporary, no promotion, no overlap, so no kind in the
+ * overlap's issue; the SwiGLU h needs no amax). */
 
 struct half_params {
     gemm_params p;        /* what ships launches with */
@@ -241,6 +242,7 @@ struct half_params {
 };
 
 constexpr int kHalfRows = kWgRows;                                    /* a tail tile's rows: [64, 128) */
+constexpr int kHalfN = kBoxRows;                                      /* a warpgroup's columns (wgmma N) */
 constexpr int kHalfStageBytes = kWgOperandBytes + kBoxes * kBoxBytes; /* 40 KB of TMA */
 enum { kBarAmax = 3 };                                                /* named barrier: the h amax exchange */
 constexpr int kOffAmax = align_up(kOffTables + (3 * kMaxExperts + 1) * 4, 16); /* [2][2 wg][64 rows] f32 */
@@ -332,6 +334,32 @@ __device__ __forceinline__ void half_kblock(const consumer_t &c, float *acc, flo
     }
 }
 
+/* BF16: a tail tile's whole K loop into acc[0, 64) (the layout of half_kblock's), as the shipped
+ * bf16_mainloop: one group kept in flight, a stage released when the next one's group is issued. */
+__device__ __forceinline__ void bf16_half_mainloop(const consumer_t &c, float *acc, uint32_t &it, int32_t kblocks) {
+    int32_t prev = -1;
+    mf__fence_fragment<kHalfN>(acc);
+    for (int32_t kb = 0; kb < kblocks; kb++, it++) {
+        const uint32_t slot = ring_t::slot(it);
+        ring_t::wait_full(c.full, it, *c.sink);
+        const uint64_t desc_st = mf__wgmma_desc_advance(c.desc_stages, slot * kStageBytes);
+        const uint64_t da = mf__wgmma_desc_advance(desc_st, a_off(true, c.wg));
+        const uint64_t db = mf__wgmma_desc_advance(desc_st, b_off(true, c.wg, 0));
+        mf__wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < kKSteps; k++)
+            mf__wgmma_bf16<kHalfN>(acc, mf__wgmma_desc_advance(da, k * kKStepBytes), mf__wgmma_desc_advance(db, k * kKStepBytes),
+                                   (kb > 0 || k > 0) ? 1 : 0);
+        mf__wgmma_commit();
+        mf__wgmma_wait<1>();
+        if (prev >= 0) release(c, (uint32_t)prev);
+        prev = (int32_t)slot;
+    }
+    mf__wgmma_wait<0>();
+    if (prev >= 0) release(c, (uint32_t)prev);
+    mf__fence_fragment<kHalfN>(acc);
+}
+
 /* row_target for tile row tr (a tail tile's rows are [64, 128) in both warpgroups). */
 template <int kEpi>
 __device__ __forceinline__ uint8_t *half_row_target(const gemm_params &p, const tile_t &t, int tr, int64_t row_bytes,
@@ -348,7 +376,7 @@ __device__ __forceinline__ uint8_t *half_row_target(const gemm_params &p, const 
 /* A tail tile's epilogue, per consumer warp (its 16 of the 64 rows); par: which of the two amax
  * buffers [2 wg][64 rows] at kOffAmax (SwiGLU FP8; found from the warp's staging buffer, so that no
  * pointer stays live through the main loop). */
-template <int kEpi>
+template <bool kFp8, int kEpi>
 __device__ __forceinline__ void half_epilogue(const gemm_params &p, const consumer_t &c, const tile_t &t, float *acc,
                                               uint32_t par) {
     const int wr = kHalfRows + (int)(tid_here() / 32 % 4) * kWarpRows; /* tile row of the warp's first row */
@@ -364,6 +392,19 @@ __device__ __forceinline__ void half_epilogue(const gemm_params &p, const consum
             stage_bf16(c, acc, pass);
             copy_out(c, dst, pass * 64 * 2);
         }
+    } else if constexpr (!kFp8) {
+        /* h = silu(gate) * up over the warpgroup's 64 h columns: one pass of 64 BF16 */
+        constexpr int kH = kBoxAcc / 2;
+#pragma unroll
+        for (int i = 0; i < kH; i++) acc[i] = mf__silu(acc[i]) * acc[kH + i];
+        const int32_t I = p.N / 2;
+        uint8_t *dst[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            dst[i] = half_row_target<kEpi>(p, t, wr + 4 * i + c.lane / 8, (int64_t)I * 2,
+                                           ((int64_t)t.nb * kHCols + c.wg * (kHCols / 2)) * 2 + (c.lane % 8) * kChunk);
+        stage_bf16(c, acc, 0);
+        copy_out(c, dst, 0);
     } else {
         constexpr int kH = kBoxAcc / 2; /* 32 accumulators: 64 h columns */
 #pragma unroll
@@ -427,13 +468,13 @@ __device__ __forceinline__ void half_epilogue(const gemm_params &p, const consum
 /* The producer (warp 0) with tail tiles: a full tile's loads as shipped; a tail tile's 64-row A box
  * at the stage's second 8 KB and its weights (plain: the two boxes as shipped; SwiGLU: four 64-row
  * boxes, each warpgroup's gate and up rows next to each other). Scales as shipped. */
-template <int kEpi>
+template <bool kFp8, int kEpi>
 __device__ __forceinline__ void half_producer(const half_params &hp, const tables_t &tb, uint8_t *stages, float *a_sc,
                                               float *w_sc, int32_t *tile_of, uint64_t *full, uint64_t *empty) {
     const gemm_params &p = hp.p;
     const int32_t nblocks = n_blocks<kEpi>(p);
     const int lane = (int)(threadIdx.x & 31);
-    const int32_t kblocks = p.K / kKBlock, kbs = kblocks; /* FP8: a K block is one scale column */
+    const int32_t kblocks = (p.K * (kFp8 ? 1 : 2) + kKBlock - 1) / kKBlock, kbs = p.K / kKBlock; /* FP8: K/128 scale columns */
     uint32_t it = 0;
     int32_t cursor = 0;
     tile_t t;
@@ -444,21 +485,25 @@ __device__ __forceinline__ void half_producer(const half_params &hp, const table
 #pragma unroll
         for (int b = 0; b < kBoxes; b++) wrow[b] = weight_row<kEpi>(p, t, b);
         const float *srow[kBlockM / 32];
-#pragma unroll
-        for (int i = 0; i < kBlockM / 32; i++) srow[i] = p.a_scales + (int64_t)clamp_row<kBlockM>(t, lane + 32 * i) * kbs;
         const float *wsrc = p.w_scales;
-        if (lane < kBoxes) wsrc = p.w_scales + (int64_t)((lane == 0 ? wrow[0] : wrow[1]) / kBoxRows) * kbs;
+        if constexpr (kFp8) {
+#pragma unroll
+            for (int i = 0; i < kBlockM / 32; i++) srow[i] = p.a_scales + (int64_t)clamp_row<kBlockM>(t, lane + 32 * i) * kbs;
+            if (lane < kBoxes) wsrc = p.w_scales + (int64_t)((lane == 0 ? wrow[0] : wrow[1]) / kBoxRows) * kbs;
+        }
         for (int32_t kb = 0; kb < kblocks; kb++, it++) {
             const uint32_t slot = ring_t::slot(it);
             ring_t::wait_empty(empty, it);
+            if constexpr (kFp8) {
 #pragma unroll
-            for (int i = 0; i < kBlockM / 32; i++) mf__cp_async_4(a_sc + slot * kBlockM + lane + 32 * i, srow[i] + kb);
-            if (lane < kBoxes) mf__cp_async_4(w_sc + slot * kWScaleSlots + lane, wsrc + kb);
-            mf__cp_async_mbar_arrive_noinc(&full[slot]);
+                for (int i = 0; i < kBlockM / 32; i++) mf__cp_async_4(a_sc + slot * kBlockM + lane + 32 * i, srow[i] + kb);
+                if (lane < kBoxes) mf__cp_async_4(w_sc + slot * kWScaleSlots + lane, wsrc + kb);
+                mf__cp_async_mbar_arrive_noinc(&full[slot]);
+            }
             __syncwarp();
             if (lane == 0) {
                 uint8_t *st = stages + slot * kStageBytes;
-                const int32_t kc = kb * kKBlock;
+                const int32_t kc = kb * (kFp8 ? kKBlock : kKBlock / 2); /* K coordinate, elements */
                 tile_of[slot] = idx << 1 | (half ? 1 : 0); /* the tile and its kind (the consumers' overlap needs it) */
                 mf__mbar_arrive_expect_tx(&full[slot], (uint32_t)(half ? kHalfStageBytes : kStageBytes));
                 if (!half) {
@@ -482,13 +527,39 @@ __device__ __forceinline__ void half_producer(const half_params &hp, const table
     ring_t::wait_empty(empty, it);
     if (lane == 0) tile_of[slot] = -1;
     __syncwarp();
-    mf__mbar_arrive(&full[slot]);
+    if (kFp8) mf__mbar_arrive(&full[slot]);
     if (lane == 0) mf__mbar_arrive(&full[slot]);
     end_schedule(p.sched, lane);
-    mf__cp_async_wait_all();
+    if constexpr (kFp8) mf__cp_async_wait_all();
 }
 
-/* The shipped FP8 consumer (issue order, epilogue overlap) with tail tiles: a tile's kind picks its
+/* BF16: the shipped consumer with tail tiles (a tile's kind picks its main loop and epilogue). */
+template <int kEpi>
+__device__ __forceinline__ void half_consumer_bf16(const gemm_params &p, const tables_t &tb, consumer_t &c, float *acc) {
+    const int32_t nblocks = n_blocks<kEpi>(p);
+    const int32_t kblocks = (p.K * 2 + kKBlock - 1) / kKBlock;
+    uint32_t it = 0;
+    int32_t cursor = 0, idx = (int32_t)blockIdx.x;
+    tile_t t;
+    if (!next_tile<kBlockM, kNInner>(tb, p.num_experts, nblocks, idx, cursor, t)) return;
+    bool half = is_half(t);
+    for (;;) {
+        if (half) {
+            bf16_half_mainloop(c, acc, it, kblocks);
+            half_epilogue<false, kEpi>(p, c, t, acc, 0);
+        } else {
+            bf16_mainloop(c, acc, it, kblocks);
+            epilogue<false, kEpi>(p, c, t, acc);
+        }
+        ring_t::wait_full(c.full, it, *c.sink);
+        const int32_t code = c.tile_of[ring_t::slot(it)];
+        if (code < 0) break;
+        next_tile<kBlockM, kNInner>(tb, p.num_experts, nblocks, code >> 1, cursor, t);
+        half = code & 1;
+    }
+}
+
+/* FP8: the shipped consumer (issue order, epilogue overlap) with tail tiles: a tile's kind picks its
  * main loop and epilogue; the overlap's issue takes the next tile's kind from tile_of. */
 template <int kEpi>
 __device__ __forceinline__ void half_consumer(const gemm_params &p, const tables_t &tb, consumer_t &c, float *acc,
@@ -524,7 +595,7 @@ __device__ __forceinline__ void half_consumer(const gemm_params &p, const tables
                          a_off(half_next, wg), b_off(half_next, wg, 0));
         }
         if (half) {
-            half_epilogue<kEpi>(p, c, t, acc, par);
+            half_epilogue<true, kEpi>(p, c, t, acc, par);
             par ^= 1u;
         } else {
             epilogue<true, kEpi>(p, c, t, acc);
@@ -538,11 +609,11 @@ __device__ __forceinline__ void half_consumer(const gemm_params &p, const tables
     if (c.wg == 0) mf__named_barrier_sync(kBarIssued1, kConsumerThreads);
 }
 
-/* The shipped kernel's body (FP8) with the tail-tile producer and consumer. */
-template <int kEpi>
+/* The shipped kernel's body with the tail-tile producer and consumer. */
+template <bool kFp8, int kEpi>
 __global__ void __launch_bounds__(kThreads, 1) sm90_tma_half_kernel(const __grid_constant__ half_params hp) {
     const gemm_params &p = hp.p;
-    constexpr uint32_t kFullArrivals = 1 + 32;
+    constexpr uint32_t kFullArrivals = kFp8 ? 1 + 32 : 1;
     extern __shared__ uint8_t smem_raw[];
     uint8_t *smem = smem_raw + align_pad(smem_raw);
     uint8_t *stages = smem + kOffStages;
@@ -560,16 +631,20 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_tma_half_kernel(const __grid
     prologue<kStages, true>(p, full, empty, kFullArrivals, tb, [](int32_t rows) { return (rows + kBlockM - 1) / kBlockM; });
 
     if (producer_role()) {
-        if (mf__warp_id() == 0) half_producer<kEpi>(hp, tb, stages, a_sc, w_sc, tile_of, full, empty);
+        if (mf__warp_id() == 0) half_producer<kFp8, kEpi>(hp, tb, stages, a_sc, w_sc, tile_of, full, empty);
     } else {
         consumer_t c;
         consumer_at(c, smem);
         c.sink = &p.sink;
         float acc[kAcc];
-        float tmp[kBoxAcc];
+        if constexpr (kFp8) {
+            float tmp[kBoxAcc];
 #pragma unroll
-        for (int i = 0; i < kBoxAcc; i++) tmp[i] = 0.0f;
-        half_consumer<kEpi>(p, tb, c, acc, tmp);
+            for (int i = 0; i < kBoxAcc; i++) tmp[i] = 0.0f;
+            half_consumer<kEpi>(p, tb, c, acc, tmp);
+        } else {
+            half_consumer_bf16<kEpi>(p, tb, c, acc);
+        }
     }
 }
 
@@ -598,8 +673,10 @@ static const variant_t kVariants[] = {
      "probe: no epilogue"},
     {(const void *)sm90_tma_lab_kernel<true, kEpiPlain, kOrderStagger, false, kProbeNone>, 1, 0, 2, 1, kProbeNone, "staggered"},
     {(const void *)sm90_tma_lab_kernel<true, kEpiSwiglu, kOrderStagger, false, kProbeNone>, 1, 1, 2, 1, kProbeNone, "staggered"},
-    {(const void *)sm90_tma_half_kernel<kEpiPlain>, 1, 0, 1, 1, kProbeNone, "tail tiles", 1},
-    {(const void *)sm90_tma_half_kernel<kEpiSwiglu>, 1, 1, 1, 1, kProbeNone, "tail tiles", 1},
+    {(const void *)sm90_tma_half_kernel<true, kEpiPlain>, 1, 0, 1, 1, kProbeNone, "tail tiles", 1},
+    {(const void *)sm90_tma_half_kernel<true, kEpiSwiglu>, 1, 1, 1, 1, kProbeNone, "tail tiles", 1},
+    {(const void *)sm90_tma_half_kernel<false, kEpiPlain>, 0, 0, 0, 0, kProbeNone, "tail tiles", 1},
+    {(const void *)sm90_tma_half_kernel<false, kEpiSwiglu>, 0, 1, 0, 0, kProbeNone, "tail tiles", 1},
 };
 static const int kNumVariants = (int)(sizeof kVariants / sizeof kVariants[0]);
 
@@ -611,8 +688,8 @@ static inline int get_switch(void) { return g_switch; }
 /* The lab variant the switch selects for (fp8, swiglu), or -1 when that is what ships (the lab then
  * runs the library's launcher). */
 static inline int variant_index(int lab, int fp8, int swiglu) {
+    if (lab & kMfTmaLabHalf) return (fp8 ? 10 : 12) + swiglu;
     if (!fp8) return (lab & kMfTmaLabNoStore) ? 6 + swiglu : -1;
-    if (lab & kMfTmaLabHalf) return 10 + swiglu;
     if (lab & kMfTmaLabStagger) return 8 + swiglu;
     if (lab & kMfTmaLabNoPromote) return 4 + swiglu;
     if (lab & kMfTmaLabNoOverlap) return swiglu ? 2 : 3;
@@ -645,13 +722,14 @@ static inline mf_result_t launch(int vi, const mf__gemm_segments_t *seg, int fp8
     half_params hp;
     memset(&hp, 0, sizeof hp);
     hp.p = *p;
-    if (half) {
-        const uint64_t kbytes = (uint64_t)p->K; /* FP8 only */
-        if (mf__tma_encode_2d(&hp.tmap_a64, CU_TENSOR_MAP_DATA_TYPE_UINT8, a, (uint64_t)p->K, (uint64_t)kMaxRowCoord, kbytes,
-                              (uint32_t)kKBlock, (uint32_t)kHalfRows, CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS ||
-            mf__tma_encode_2d(&hp.tmap_w64, CU_TENSOR_MAP_DATA_TYPE_UINT8, w, (uint64_t)p->K,
-                              (uint64_t)p->num_experts * p->N, kbytes, (uint32_t)kKBlock, (uint32_t)kHalfRows,
-                              CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS)
+    if (half) { /* encode_maps' two maps with 64-row boxes */
+        const int esz = fp8 ? 1 : 2;
+        const uint64_t kbytes = (uint64_t)p->K * esz;
+        const CUtensorMapDataType dt = fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+        if (mf__tma_encode_2d(&hp.tmap_a64, dt, a, (uint64_t)p->K, (uint64_t)kMaxRowCoord, kbytes, (uint32_t)(kKBlock / esz),
+                              (uint32_t)kHalfRows, CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS ||
+            mf__tma_encode_2d(&hp.tmap_w64, dt, w, (uint64_t)p->K, (uint64_t)p->num_experts * p->N, kbytes,
+                              (uint32_t)(kKBlock / esz), (uint32_t)kHalfRows, CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS)
             return MF_ERR_NOT_SUPPORTED;
     }
     void *args[] = {half ? (void *)&hp : (void *)p};
