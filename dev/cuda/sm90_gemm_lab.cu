@@ -922,7 +922,8 @@ static void run_validate(void) {
             cases.push_back({"bf16 expert_major W13 swiglu I=128 K=200", 0, 1, 128, 200, {77, 129}, 0, 0, 0});
             cases.push_back({"bf16 masked W2 plain N=256 K=136", 0, 0, 256, 136, {77, 200}, 256, 0, 0});
         }
-        /* many experts, a long persistent walk (more tiles than CTAs), empty experts mixed in */
+        /* many experts, empty experts mixed in (56-112 tiles: one per CTA on 132 SMs; the [tail tiles]
+         * cases below walk several per CTA) */
         std::vector<int> cnt;
         for (int e = 0; e < 40; e++) cnt.push_back(e % 5 == 3 ? 0 : (int)(1 + (rnd_u64() % 300)));
         snprintf(buf, sizeof buf, "%s expert_major W2 plain L=40 N=256 K=256", dn);
@@ -956,8 +957,9 @@ static void run_validate(void) {
     cases.push_back({"fp8 expert_major W2 ret H=7168 I=2048 [staggered]", 1, 0, 7168, 2048, {70, 129}, 0, 0, 1,
                      kMfTmaLabStagger});
     /* the 64-row tail tiles (kMfTmaLabHalf): tails of 1 (expert 0's box at row -63: zero fill), 2, 44,
-     * 63, 64 (lo = 64 exactly) rows and 65 (a full tile), whole experts of <= 64 rows, tail and full
-     * tiles alternating in one CTA's walk (the amax buffers' turns), masked, ue8m0, ret, one K block */
+     * 63, 64 (lo = 64 exactly) rows and 65 (a full tile), whole experts of <= 64 rows, masked, ue8m0,
+     * ret, one K block; and walks of several tiles per CTA (over 132 tiles: tail and full tiles
+     * alternating, the overlap's next-tile kind, runs of tail tiles: the amax buffers' turns) */
     cases.push_back({"fp8 expert_major W13 swiglu ue8m0 I=384 K=512 counts 1,64,300,129 [tail tiles]", 1, 1, 384, 512,
                      {1, 64, 300, 129}, 0, 1, 0, kMfTmaLabHalf});
     cases.push_back({"fp8 masked W2 plain N=512 K=384 [tail tiles]", 1, 0, 512, 384, {130, 0, 257, 63, 65}, 320, 0, 0,
@@ -969,7 +971,23 @@ static void run_validate(void) {
     cases.push_back({"fp8 masked W13 swiglu L=10 I=128 K=128 [tail tiles]", 1, 1, 128, 128,
                      {1, 300, 0, 129, 128, 77, 256, 5, 0, 200}, 300, 0, 0, kMfTmaLabHalf});
     {
-        std::vector<int> cnt; /* a long walk: more tiles than CTAs, tails and full tiles mixed */
+        /* ~1000 tiles, tails and full tiles mixed; 600 or 1200 tail tiles only (runs of them in every CTA) */
+        std::vector<int> mixed, tails;
+        for (int e = 0; e < 300; e++) mixed.push_back(e % 7 == 3 ? 0 : (int)(1 + (rnd_u64() % 300)));
+        for (int e = 0; e < 600; e++) tails.push_back((int)(1 + (rnd_u64() % 64)));
+        cases.push_back({"fp8 expert_major W13 swiglu L=300 I=256 K=128 [tail tiles]", 1, 1, 256, 128, mixed, 0, 0, 0,
+                         kMfTmaLabHalf});
+        cases.push_back({"fp8 expert_major W13 swiglu ue8m0 L=600 I=256 K=256 all tails [tail tiles]", 1, 1, 256, 256,
+                         tails, 0, 1, 0, kMfTmaLabHalf});
+        cases.push_back({"fp8 expert_major W2 plain L=300 N=512 K=256 [tail tiles]", 1, 0, 512, 256, mixed, 0, 0, 0,
+                         kMfTmaLabHalf});
+        cases.push_back({"bf16 expert_major W13 swiglu L=300 I=256 K=128 [tail tiles]", 0, 1, 256, 128, mixed, 0, 0, 0,
+                         kMfTmaLabHalf});
+        cases.push_back({"bf16 expert_major W2 plain L=600 N=256 K=192 all tails [tail tiles]", 0, 0, 256, 192, tails, 0,
+                         0, 0, kMfTmaLabHalf});
+    }
+    {
+        std::vector<int> cnt; /* 40 experts of up to 300 rows */
         for (int e = 0; e < 40; e++) cnt.push_back(e % 5 == 3 ? 0 : (int)(1 + (rnd_u64() % 300)));
         cases.push_back({"fp8 expert_major W2 plain L=40 N=256 K=256 [tail tiles]", 1, 0, 256, 256, cnt, 0, 0, 0,
                          kMfTmaLabHalf});

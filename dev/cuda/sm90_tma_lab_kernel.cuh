@@ -207,6 +207,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_tma_lab_kernel(const __grid_
 #pragma unroll
         for (int i = 0; i < (kFp8 ? kBoxAcc : 1); i++) tmp[i] = 0.0f;
         consumer<kFp8, kEpi, kOrder, kNoOverlap, kProbe>(p, tb, nblocks, c, acc, tmp);
+        if (threadIdx.x == kMfWarpgroupThreads) mf__pipeline_check(p.sink, kTagProducerEmpty);
     }
 }
 
@@ -565,7 +566,7 @@ template <int kEpi>
 __device__ __forceinline__ void half_consumer(const gemm_params &p, const tables_t &tb, consumer_t &c, float *acc,
                                               float *tmp) {
     const int32_t nblocks = n_blocks<kEpi>(p);
-    const int32_t kblocks = p.K / kKBlock;
+    const int32_t kblocks = (p.K + kKBlock - 1) / kKBlock; /* the producer's count */
     uint32_t it = 0, par = 0;
     int32_t cursor = 0, idx = (int32_t)blockIdx.x;
     tile_t t;
@@ -645,6 +646,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_tma_half_kernel(const __grid
         } else {
             half_consumer_bf16<kEpi>(p, tb, c, acc);
         }
+        if (threadIdx.x == kMfWarpgroupThreads) mf__pipeline_check(p.sink, kTagProducerEmpty);
     }
 }
 
