@@ -17,7 +17,7 @@
  *   sm90_gemm_lab --validate    small, awkward and DeepSeek-shaped cases vs the CPU reference below
  *   sm90_gemm_lab --bench [--json FILE]   DeepSeek-V3 W13 / W2 shapes, kernel time, L2 flushed
  *   sm90_gemm_lab --ab                  only the interleaved A/Bs (no bench table): epilogue overlap,
- *                                       staggered turns, probes, schedule
+ *                                       staggered turns, tail tiles, probes, schedule
  *   sm90_gemm_lab               selftest, validate, bench
  *
  * Dimension legend: L local experts, N weight rows per expert of a plain GEMM (its output columns),
@@ -43,7 +43,8 @@
  *   untouched   every byte of rows no expert owns (and of slots no row returns to) still 0xFF;
  *               every owned row written
  *   repeat      a second launch writes the same bits; the dispatcher (mf__cuda_w13_swiglu /
- *               mf__cuda_w2 with rows_hint 128) writes the same bits too
+ *               mf__cuda_w2 with rows_hint 128) writes the same bits too; a lab variant's case
+ *               ("[unordered]", "[tail tiles]", ...) writes the bits of what ships
  *   ret         W2 into R fake owners' combine slots [S, Kt, N]: row -> (token Kt + k) N of its
  *               rank's slots; rows whose src entry is invalid are dropped
  *   declines    shapes the kernel does not take return MF_ERR_NOT_SUPPORTED
@@ -54,10 +55,11 @@
  * sm90_tma_lab_kernel.cuh; validated above with "[unordered]" cases) and the SwiGLU epilogue's
  * cost against plain W13; then, interleaved over 3 rounds on the same data: the FP8 SwiGLU
  * epilogue overlap (ships against kMfTmaLabNoOverlap), the staggered turns of the FP8 consumers
- * (kMfTmaLabStagger against what ships, W13 swiglu and W2 plain), and two timing probes, whose results are
- * not the GEMM (so they are never validated): the FP8 promotion's cost (no overlap against no
- * overlap without the promotion, kMfTmaLabNoPromote) and the BF16 epilogue's (ships against no
- * epilogue, kMfTmaLabNoStore).
+ * (kMfTmaLabStagger against what ships, W13 swiglu and W2 plain), the 64-row tail tiles
+ * (kMfTmaLabHalf against what ships on uneven counts of mean 128 and 256 rows, and on equal
+ * counts), and two timing probes, whose results are not the GEMM (so they are never validated):
+ * the FP8 promotion's cost (no overlap against no overlap without the promotion,
+ * kMfTmaLabNoPromote) and the BF16 epilogue's (ships against no epilogue, kMfTmaLabNoStore).
  */
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -475,7 +477,7 @@ struct vcase {
     int ue8m0;
     int ret;                  /* plain: rows to R fake owners' combine slots */
     int unordered;            /* FP8 lab-only GEMM kernels (A/B): kMfTmaLabUnordered, kMfTmaLabNoOverlap,
-                                 kMfTmaLabStagger; 0 ships */
+                                 kMfTmaLabStagger, kMfTmaLabHalf; 0 ships */
 };
 
 static void parallel_for(int n, const std::function<void(int)> &f) {
@@ -670,14 +672,16 @@ static void run_case(const vcase &c) {
 
     /* three runs: the launcher with the static walk, again with the dynamic schedule (bitwise the
      * same: a tile's arithmetic does not depend on which CTA runs it), the dispatcher (dynamic,
-     * bitwise the same); after each dynamic run the schedule pair must be zero again */
+     * bitwise the same; for a lab case the library's kernel: every lab variant computes each element
+     * with the shipped kernel's instructions in the same order, so it must write the same bits);
+     * after each dynamic run the schedule pair must be zero again */
     std::vector<uint8_t> out[3];
     std::vector<float> osc[3];
     int32_t *d_sched = dev_alloc<int32_t>(2);
     CUDA_OK(cudaMemset(d_sched, 0, 8));
     bool sched_ok = true;
-    mf__tma_lab::set_switch(c.unordered);
     for (int run = 0; run < 3; run++) {
+        mf__tma_lab::set_switch(run < 2 ? c.unordered : kMfTmaLabShipped);
         CUDA_OK(cudaMemset(d_out, kPoison, out_bytes));
         if (sc_n) CUDA_OK(cudaMemset(d_osc, kPoison, sc_n * 4));
         g.sched = run == 0 ? NULL : d_sched;
@@ -786,7 +790,9 @@ static void run_case(const vcase &c) {
     if (!ok) g_failures++;
     printf("%s %-60s rows %6lld diff %.2e max_abs %.3e wrong %ld nan %ld unwritten %ld overwritten %ld scales %ld %s %s\n",
            ok ? "PASS" : "FAIL", c.name, (long long)live_rows, diff, max_abs, wrong, nan_count, unwritten, overwritten,
-           scale_bad, repeat_ok ? "static-dynamic-identical" : "STATIC-DYNAMIC-DIFFER", dispatch_ok ? "dispatcher-identical" : "DISPATCHER-DIFFERS");
+           scale_bad, repeat_ok ? "static-dynamic-identical" : "STATIC-DYNAMIC-DIFFER",
+           c.unordered ? (dispatch_ok ? "ships-identical" : "DIFFERS-FROM-SHIPS")
+                       : (dispatch_ok ? "dispatcher-identical" : "DISPATCHER-DIFFERS"));
     fflush(stdout);
     CUDA_OK(cudaFree(d_a));
     CUDA_OK(cudaFree(d_w));
@@ -916,7 +922,8 @@ static void run_validate(void) {
             cases.push_back({"bf16 expert_major W13 swiglu I=128 K=200", 0, 1, 128, 200, {77, 129}, 0, 0, 0});
             cases.push_back({"bf16 masked W2 plain N=256 K=136", 0, 0, 256, 136, {77, 200}, 256, 0, 0});
         }
-        /* many experts, a long persistent walk (more tiles than CTAs), empty experts mixed in */
+        /* many experts, empty experts mixed in (56-112 tiles: one per CTA on 132 SMs; the [tail tiles]
+         * cases below walk several per CTA) */
         std::vector<int> cnt;
         for (int e = 0; e < 40; e++) cnt.push_back(e % 5 == 3 ? 0 : (int)(1 + (rnd_u64() % 300)));
         snprintf(buf, sizeof buf, "%s expert_major W2 plain L=40 N=256 K=256", dn);
@@ -949,6 +956,57 @@ static void run_validate(void) {
                      {1, 300, 0, 129, 128, 77, 256, 5, 0, 200}, 300, 1, 0, kMfTmaLabStagger});
     cases.push_back({"fp8 expert_major W2 ret H=7168 I=2048 [staggered]", 1, 0, 7168, 2048, {70, 129}, 0, 0, 1,
                      kMfTmaLabStagger});
+    /* the 64-row tail tiles (kMfTmaLabHalf): tails of 1 (expert 0's box at row -63: zero fill), 2, 44,
+     * 63, 64 (lo = 64 exactly) rows and 65 (a full tile), whole experts of <= 64 rows, masked, ue8m0,
+     * ret, one K block; and walks of several tiles per CTA (over 132 tiles: tail and full tiles
+     * alternating, the overlap's next-tile kind, runs of tail tiles: the amax buffers' turns) */
+    cases.push_back({"fp8 expert_major W13 swiglu ue8m0 I=384 K=512 counts 1,64,300,129 [tail tiles]", 1, 1, 384, 512,
+                     {1, 64, 300, 129}, 0, 1, 0, kMfTmaLabHalf});
+    cases.push_back({"fp8 masked W2 plain N=512 K=384 [tail tiles]", 1, 0, 512, 384, {130, 0, 257, 63, 65}, 320, 0, 0,
+                     kMfTmaLabHalf});
+    cases.push_back({"fp8 expert_major W13 swiglu I=2048 H=7168 [tail tiles]", 1, 1, 2048, 7168, {3, 130, 192}, 0, 0, 0,
+                     kMfTmaLabHalf});
+    cases.push_back({"fp8 expert_major W2 ret H=7168 I=2048 [tail tiles]", 1, 0, 7168, 2048, {70, 129, 44}, 0, 0, 1,
+                     kMfTmaLabHalf});
+    cases.push_back({"fp8 masked W13 swiglu L=10 I=128 K=128 [tail tiles]", 1, 1, 128, 128,
+                     {1, 300, 0, 129, 128, 77, 256, 5, 0, 200}, 300, 0, 0, kMfTmaLabHalf});
+    {
+        /* ~1000 tiles, tails and full tiles mixed; 600 or 1200 tail tiles only (runs of them in every CTA) */
+        std::vector<int> mixed, tails;
+        for (int e = 0; e < 300; e++) mixed.push_back(e % 7 == 3 ? 0 : (int)(1 + (rnd_u64() % 300)));
+        for (int e = 0; e < 600; e++) tails.push_back((int)(1 + (rnd_u64() % 64)));
+        cases.push_back({"fp8 expert_major W13 swiglu L=300 I=256 K=128 [tail tiles]", 1, 1, 256, 128, mixed, 0, 0, 0,
+                         kMfTmaLabHalf});
+        cases.push_back({"fp8 expert_major W13 swiglu ue8m0 L=600 I=256 K=256 all tails [tail tiles]", 1, 1, 256, 256,
+                         tails, 0, 1, 0, kMfTmaLabHalf});
+        cases.push_back({"fp8 expert_major W2 plain L=300 N=512 K=256 [tail tiles]", 1, 0, 512, 256, mixed, 0, 0, 0,
+                         kMfTmaLabHalf});
+        cases.push_back({"bf16 expert_major W13 swiglu L=300 I=256 K=128 [tail tiles]", 0, 1, 256, 128, mixed, 0, 0, 0,
+                         kMfTmaLabHalf});
+        cases.push_back({"bf16 expert_major W2 plain L=600 N=256 K=192 all tails [tail tiles]", 0, 0, 256, 192, tails, 0,
+                         0, 0, kMfTmaLabHalf});
+    }
+    {
+        std::vector<int> cnt; /* 40 experts of up to 300 rows */
+        for (int e = 0; e < 40; e++) cnt.push_back(e % 5 == 3 ? 0 : (int)(1 + (rnd_u64() % 300)));
+        cases.push_back({"fp8 expert_major W2 plain L=40 N=256 K=256 [tail tiles]", 1, 0, 256, 256, cnt, 0, 0, 0,
+                         kMfTmaLabHalf});
+        cases.push_back({"fp8 expert_major W13 swiglu L=40 I=256 K=256 [tail tiles]", 1, 1, 256, 256, cnt, 0, 0, 0,
+                         kMfTmaLabHalf});
+        cases.push_back({"bf16 expert_major W2 plain L=40 N=256 K=256 [tail tiles]", 0, 0, 256, 256, cnt, 0, 0, 0,
+                         kMfTmaLabHalf});
+        cases.push_back({"bf16 masked W13 swiglu L=40 I=128 K=256 [tail tiles]", 0, 1, 128, 256, cnt, 300, 0, 0,
+                         kMfTmaLabHalf});
+    }
+    /* BF16 tail tiles: K tails inside a 64-element stage (TMA zero fill along K), ret, DeepSeek shapes */
+    cases.push_back({"bf16 expert_major W13 swiglu I=128 K=200 counts 77,129,1 [tail tiles]", 0, 1, 128, 200, {77, 129, 1},
+                     0, 0, 0, kMfTmaLabHalf});
+    cases.push_back({"bf16 masked W2 plain N=256 K=136 [tail tiles]", 0, 0, 256, 136, {77, 200, 63}, 256, 0, 0,
+                     kMfTmaLabHalf});
+    cases.push_back({"bf16 expert_major W2 ret N=512 K=384 [tail tiles]", 0, 0, 512, 384, {130, 0, 257}, 0, 0, 1,
+                     kMfTmaLabHalf});
+    cases.push_back({"bf16 expert_major W13 swiglu I=2048 H=7168 [tail tiles]", 0, 1, 2048, 7168, {3, 130, 192}, 0, 0, 0,
+                     kMfTmaLabHalf});
     for (auto &c : cases) run_case(c);
     run_declines();
 }
@@ -1194,6 +1252,50 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
                        sh.name, L, M, ships, fl / ships, stag, fl / stag, 100.0 * (ships / stag - 1.0));
                 fflush(stdout);
             }
+    }
+    /* A/B: the 64-row tail tiles (lab) against what ships, FP8 then BF16, W13 swiglu and W2 plain, on the
+     * counts of a layer at T = 4096 per rank (L = 32 experts drawn like deepseek-v3's 256 at mean 128
+     * rows, qwen3's 128 at mean 256: mean + sqrt(mean) z, z standard normal, offsets contiguous as
+     * the layer's receive rows; about half the experts end in a tail of <= 64 rows), and on equal
+     * counts M = 256 (no tail tile: what the kind's bookkeeping costs), 3 rounds interleaved */
+    for (int fp8 = 1; fp8 >= 0; fp8--) {
+        fill_random(d_a, a_bytes / (fp8 ? 1 : 2), fp8 ? 0 : 1);
+        fill_random(d_w, w_bytes / (fp8 ? 1 : 2), fp8 ? 0 : 1);
+        printf("# A/B: %s 64-row tail tiles (kMfTmaLabHalf) vs full tiles (ships), L = 32, 3 rounds interleaved\n",
+               fp8 ? "FP8" : "BF16");
+        for (int mean : {128, 256, 0}) {
+            const int L = 32;
+            std::vector<int32_t> cnt(L, 256), off(L);
+            int tails = 0, max_rows = 0, rows = 0;
+            for (int e = 0; e < L && mean > 0; e++) {
+                const double u1 = ((double)(rnd_u64() >> 11) + 0.5) / 9007199254740992.0, u2 = (double)(rnd_u64() >> 11) / 9007199254740992.0;
+                const double z = sqrt(-2.0 * log(u1)) * cos(2.0 * M_PI * u2);
+                cnt[e] = std::max(1, (int)lround(mean + sqrt((double)mean) * z));
+            }
+            for (int e = 0; e < L; e++) {
+                off[e] = rows;
+                rows += cnt[e];
+                max_rows = std::max(max_rows, (int)cnt[e]);
+                tails += cnt[e] % kBlockM != 0 && cnt[e] % kBlockM <= 64;
+            }
+            for (int si : {0, 2}) {
+                const shape &sh = shapes[si];
+                gemm_call g = equal_call(fp8, sh, L, 256); /* then the counts above */
+                CUDA_OK(cudaMemcpy(d_cnt, cnt.data(), L * 4, cudaMemcpyHostToDevice));
+                CUDA_OK(cudaMemcpy(d_off, off.data(), L * 4, cudaMemcpyHostToDevice));
+                g.max_rows = max_rows;
+                char name[128];
+                snprintf(name, sizeof name, "bench %s %s L=%d mean=%d tail A/B", fp8 ? "fp8" : "bf16", sh.name, L, mean);
+                g_case = name;
+                double ships = 0, half = 0;
+                time_ab_us(g, kMfTmaLabShipped, kMfTmaLabHalf, d_flush, ev0, ev1, &ships, &half);
+                const double fl = 2.0 * rows * (double)sh.nw * sh.k * 1e-6;
+                printf("  %-5s %-11s L=%2d rows %5d (%s, %2d tails)  ships %9.1f us %7.1f TF/s   tail tiles %9.1f us %7.1f TF/s   "
+                       "gain %+5.1f %%\n", fp8 ? "fp8" : "bf16", sh.name, L, rows, mean ? (mean == 128 ? "mean 128" : "mean 256") : "M = 256 ",
+                       tails, ships, fl / ships, half, fl / half, 100.0 * (ships / half - 1.0));
+                fflush(stdout);
+            }
+        }
     }
     /* The interleaved A/Bs below: body(fp8, shape, L, M, call) for FP8 then BF16, W13 swiglu and W2
      * plain, over the (L, M) pairs `ab`, with the case named for error messages. */

@@ -312,7 +312,8 @@ __device__ __forceinline__ void mf__cp_async_mbar_arrive_noinc(uint64_t *bar) {
 
 /* ---- wgmma specialisations: exactly the N the kernels use ------------------------------------------
  * decode (kernels/sm90_decode_gemm.cuh): N = tokens per tile kBlockT in {8, 16, 32, 64}, both dtypes;
- * TMA (kernels/sm90_tma_gemm.cuh): FP8 N = kBoxRows = 128 (one weight box), BF16 N = kTileN = 256.
+ * TMA (kernels/sm90_tma_gemm.cuh): FP8 N = kBoxRows = 128 (one weight box), BF16 N = kTileN = 256;
+ * the lab's TMA tail tile (dev/cuda/sm90_tma_lab_kernel.cuh): BF16 N = 128.
  * A new tile size adds its N here, in the same regular form, and its operand lists below (the
  * other 14 of wgmma's N were written once and never used: deleted, issue 27). The specialisations
  * are alike on purpose: each is one instruction, whose PTX text (shape, dtype, operand numbers)
@@ -443,6 +444,15 @@ __device__ __forceinline__ void mf__wgmma_bf16<64>(float *d, uint64_t desc_a, ui
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16\n"
                  "{" MF__WGMMA_REGS_N64 "},\n %32, %33, p, 1, 1, 0, 0;\n}\n"
                  : MF__WGMMA_ACC_N64
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+template <>
+__device__ __forceinline__ void mf__wgmma_bf16<128>(float *d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16\n"
+                 "{" MF__WGMMA_REGS_N128 "},\n %64, %65, p, 1, 1, 0, 0;\n}\n"
+                 : MF__WGMMA_ACC_N128
                  : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
