@@ -292,6 +292,11 @@ __device__ __forceinline__ void mf__wgmma_e4m3(float *d, uint64_t desc_a, uint64
 template <int kN>
 __device__ __forceinline__ void mf__wgmma_bf16(float *d, uint64_t desc_a, uint64_t desc_b, int scale_d);
 
+/* A hint: the 128-byte line holding `p` (global) into L1 (and L2); nothing waits for it. */
+__device__ __forceinline__ void mf__prefetch_l1(const void *p) {
+    asm volatile("prefetch.global.L1 [%0];" ::"l"((uint64_t)p) : "memory");
+}
+
 /* ---- cp.async (non-bulk) with mbarrier completion: small scattered loads (scales) --------------- */
 
 /* Copies 4 bytes global -> shared asynchronously (both 4-byte aligned). */

@@ -371,6 +371,9 @@ __device__ __forceinline__ void quantise_kblock(uint8_t *act, float *a_scale, co
             const uint4 *g = (const uint4 *)(x + token * H + (int64_t)kb * MF__QUANT_BLOCK + c * 16);
             raw[pass][0] = g[0];
             raw[pass][1] = g[1];
+            /* the next K block's 32 bytes into L1 meanwhile: the producer's next make_x then waits
+             * on an L1 hit, not on L2 (it issues the next weights only after this one) */
+            if ((kb + 1) * MF__QUANT_BLOCK < H) mf__prefetch_l1(g + MF__QUANT_BLOCK / 8);
         }
     }
 #pragma unroll
@@ -472,13 +475,28 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
                 mf__cp_async_mbar_arrive_noinc(&full[su]);
             };
             /* FP8 with its own rows: K block kb quantised from x by generic loads and stores, the
-             * weight scales too; then the async-proxy fence and release arrivals */
+             * weight scales too; then the async-proxy fence and release arrivals. The scales are
+             * loaded 64 K blocks at a time into the lanes' registers (lane l: K blocks 64 c + l and
+             * 64 c + 32 + l), with the first K block's x loads: a load of its own per K block, the
+             * first of each 128-byte line an HBM miss, stopped the producer, and with it the next
+             * weights' issue, for a DRAM latency under full load. */
+            float wg_lo = 0.0f, wg_hi = 0.0f, wu_lo = 0.0f, wu_hi = 0.0f;
             auto make_x = [&](int32_t kb, uint32_t sg, uint32_t su) {
                 float *scg = scales + sg * C::kScaleStride, *scu = scales + su * C::kScaleStride;
+                if ((kb & 63) == 0) {
+                    const int32_t k0 = kb + lane, k1 = kb + 32 + lane;
+                    wg_lo = k0 < kb13 ? p.w13_scales[ws + k0] : 0.0f;
+                    wu_lo = k0 < kb13 ? p.w13_scales[ws_up + k0] : 0.0f;
+                    wg_hi = k1 < kb13 ? p.w13_scales[ws + k1] : 0.0f;
+                    wu_hi = k1 < kb13 ? p.w13_scales[ws_up + k1] : 0.0f;
+                }
                 quantise_kblock<kBlockT>(slots + sg * C::kSlotBytes + kBoxBytes, scg, p.x, p.H, own_src, t, kb, lane,
                                          p.ue8m0);
-                if (lane == 0) scg[kBlockT] = p.w13_scales[ws + kb];
-                if (lane == 1) scu[kBlockT] = p.w13_scales[ws_up + kb];
+                const bool hi = (kb & 32) != 0;
+                const float wsg = __shfl_sync(0xffffffffu, hi ? wg_hi : wg_lo, kb & 31);
+                const float wsu = __shfl_sync(0xffffffffu, hi ? wu_hi : wu_lo, kb & 31);
+                if (lane == 0) scg[kBlockT] = wsg;
+                if (lane == 1) scu[kBlockT] = wsu;
                 mf__fence_proxy_async_smem();
                 mf__mbar_arrive(&full[sg]);
                 mf__mbar_arrive(&full[su]);
