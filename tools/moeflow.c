@@ -1270,7 +1270,7 @@ static void timeline_begin(const opts_t *o) {
 /* The second line of a row's timeline: the CTAs that entered late (more than 2 us after the first)
  * and their SMs (on the H200 at T tokens: T CTAs on SMs 124-131, bench/NOTES.md), with its own plan
  * the producers' wait for publish after the tables and the time from there to the first full ring
- * position (not with its own rows, MF_SMALL=5, where that wait follows the CTA's first unit), the
+ * position (not with its own rows, MF_SMALL >= 5, where that wait follows the CTA's first unit), the
  * time each producer spent per unit (from a ticket to its next: W13 and W2 apart, medians and p90
  * over the CTAs' first MF__GEMM_SMALL_UNIT_STAMPS tickets; with its own plan a CTA's first unit
  * includes the wait for publish; W2 units also apart by what the producer ran
@@ -1387,7 +1387,7 @@ static void timeline_raw(const row_t *row, int32_t rnd, const uint64_t *s, uint6
 /* After a run: the last small-kernel launch's CTAs (us): when the last one entered after the first,
  * and medians (min - max over CTAs) of: tables built after entry (with the plan kernel: its PDL wait
  * included), first ring position full after that (with its own plan: the wait for publish included,
- * but not with its own rows, MF_SMALL=5), consumers done after that; the spread of the CTAs' ends; entry of the first to end of the last.
+ * but not with its own rows, MF_SMALL >= 5), consumers done after that; the spread of the CTAs' ends; entry of the first to end of the last.
  * A row that ran no small kernel prints so. */
 static void timeline_end(const row_t *row, int32_t rnd) {
     static uint64_t s[TIMELINE_CTAS * MF__GEMM_SMALL_STAMPS];

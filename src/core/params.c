@@ -14,8 +14,9 @@
  *                 kernels/sm90_small_gemm.cuh) and launches the two decode GEMMs instead; 1: it runs it
  *                 but keeps the sum kernel after it; 2: at R = 1 it sums too; 3: at R = 1 it also
  *                 plans for itself (no plan kernel); 4: a W2 unit that waits for its expert's W13
- *                 sends the next round's W2 weights into L2; 5 (default): at R = 1 the small kernel
- *                 makes the W13 rows from x itself (publish writes no x); for A/B measurements
+ *                 sends the next round's W2 weights into L2; 5: at R = 1 the small kernel makes the
+ *                 W13 rows from x itself (publish writes no x); 6 (default): a W13 unit sends its
+ *                 weights into L2 a ring ahead of its loads; for A/B measurements
  * MF_DECODE_TOKENS the largest decode tile the GEMM choice may take, 8, 16, 32 or 64 (default) tokens
  *                 (cuda/grouped_gemm.cu mf__gemm_choose: the tile that holds most experts' rows; an
  *                 expert past it takes more tiles); other values read as 64; for A/B measurements */
@@ -41,6 +42,6 @@ int32_t mf__param_decode_tokens(void) {
 }
 
 int32_t mf__param_small(void) {
-    const int64_t v = mf__env_int("MF_SMALL", 5, 0);
-    return v > 5 ? 5 : (int32_t)v;
+    const int64_t v = mf__env_int("MF_SMALL", 6, 0);
+    return v > 6 ? 6 : (int32_t)v;
 }

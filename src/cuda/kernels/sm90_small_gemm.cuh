@@ -53,6 +53,14 @@
  * for deepseek-v3 FP8 262 KB, 132 of them 35 MB, within the 50 MB L2 that W13's evict-first weights
  * leave alone.
  *
+ * L2 a ring ahead (switch 6, params.l2_ring; at any R). A W13 unit's producer, with K block kb's two
+ * boxes, sends K block kb + kSlots / 2's into L2 (a hint, as above): a CTA's stream then has twice
+ * the ring's bytes on their way. Where every SM streams (deepseek-v3 at T = 1: 128 W13 units on 132
+ * SMs, ~4.2 TB/s) that changes nothing; where fewer W13 units than SMs stream (qwen3 at T = 1: 96
+ * units, each SM at ~32 GB/s, the rate of 192 KB in flight, while DRAM had room) it is what lets one
+ * SM's stream go faster (bench/NOTES.md "Issue 25: L2 a ring ahead"). At most kSlots / 2 K blocks
+ * (192 KB) per CTA, 25 MB over 132 CTAs.
+ *
  * The consumers (warpgroups 1 and 2): W13 as the decode swiglu kernel (two boxes), W2 as the decode
  * plain kernel with `ret` (one box): rows go to the owners' combine slots. After a W13 unit's stores:
  * one more named barrier, then one thread publishes.
@@ -148,6 +156,8 @@ struct small_params {
                                   unit idx + grid into L2 (see "L2 ahead" in the file comment) */
     const uint16_t *x;         /* kOwn, switch 5: the caller's x [T, H] BF16, from which the producer makes the
                                   W13 rows itself (see "Its own rows"); NULL: the rows publish wrote */
+    int32_t l2_ring;           /* switch 6: a W13 unit sends its weights into L2 a ring ahead of its loads
+                                  (see "L2 a ring ahead" in the file comment) */
 };
 
 /* The timeline (small_params.timeline), kStamps words per CTA: word i = %globaltimer: 0 entry; 1
@@ -510,6 +520,11 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
                     mf__tma_load_2d_hint(slots + sg * C::kSlotBytes, &p.tmap_w13, &full[sg], kc, wrow, pol_w);
                     mf__mbar_arrive_expect_tx(&full[su], (uint32_t)kBoxBytes);
                     mf__tma_load_2d_hint(slots + su * C::kSlotBytes, &p.tmap_w13, &full[su], kc, wrow + p.I, pol_w);
+                    if (p.l2_ring && kb + C::kSlots / 2 < kb13) { /* L2 a ring ahead (file comment) */
+                        const int32_t ka = (kb + C::kSlots / 2) * (kKBlock / C::kEsz);
+                        mf__tma_prefetch_2d(&p.tmap_w13, ka, wrow);
+                        mf__tma_prefetch_2d(&p.tmap_w13, ka, wrow + p.I);
+                    }
                 }
             };
             int32_t kb = 0;
