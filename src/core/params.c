@@ -15,8 +15,8 @@
  *                 but keeps the sum kernel after it; 2: at R = 1 it sums too; 3: at R = 1 it also
  *                 plans for itself (no plan kernel); 4: a W2 unit that waits for its expert's W13
  *                 sends the next round's W2 weights into L2; 5: at R = 1 the small kernel makes the
- *                 W13 rows from x itself (publish writes no x); 6 (default): a W13 unit sends its
- *                 weights into L2 a ring ahead of its loads; for A/B measurements
+ *                 W13 rows from x itself (publish writes no x); 6 (default): a W13 or W2 unit sends
+ *                 its weights into L2 a ring ahead of its loads; for A/B measurements
  * MF_DECODE_TOKENS the largest decode tile the GEMM choice may take, 8, 16, 32 or 64 (default) tokens
  *                 (cuda/grouped_gemm.cu mf__gemm_choose: the tile that holds most experts' rows; an
  *                 expert past it takes more tiles); other values read as 64; for A/B measurements */

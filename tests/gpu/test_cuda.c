@@ -803,7 +803,7 @@ static int small_switches(int i, const pdl_case_t *pc, const mfp_problem_t *p, u
  * the DISPATCH sync, no plan kernel), with a waiting W2 unit's L2 prefetch of the next round's W2
  * weights (4: a hint, the same bits), and making its W13 rows from x itself where it plans for
  * itself (5: publish writes no x, the kernel quantises as publish does, the same bits), and with a
- * W13 unit's weights sent into L2 a ring ahead of its loads (6, the default: a hint, the same bits),
+ * unit's weights sent into L2 a ring ahead of its loads (6, the default: a hint, the same bits),
  * three calls each on inputs redrawn per call: every call's y equal bit for bit (digests), the last
  * call of the default run within the contract's bounds of the CPU backend's, and the counters say
  * which ran (switches 2 to 6 sum in the kernel exactly at R = 1, switches 3 to 6 plan there where

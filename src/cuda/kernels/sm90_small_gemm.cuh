@@ -55,11 +55,12 @@
  *
  * L2 a ring ahead (switch 6, params.l2_ring; at any R). A W13 unit's producer, with K block kb's two
  * boxes, sends K block kb + kSlots / 2's into L2 (a hint, as above): a CTA's stream then has twice
- * the ring's bytes on their way. Where every SM streams (deepseek-v3 at T = 1: 128 W13 units on 132
- * SMs, ~4.2 TB/s) that changes nothing; where fewer W13 units than SMs stream (qwen3 at T = 1: 96
- * units, each SM at ~32 GB/s, the rate of 192 KB in flight, while DRAM had room) it is what lets one
- * SM's stream go faster (bench/NOTES.md "Issue 25: L2 a ring ahead"). At most kSlots / 2 K blocks
- * (192 KB) per CTA, 25 MB over 132 CTAs.
+ * the ring's bytes on their way; a W2 unit, with position kb's box, K block kb + kSlots's (those of
+ * its K blocks the ring cannot hold: deepseek-v3's last 4 of 16). Where every SM streams
+ * (deepseek-v3 at T = 1: 128 W13 units on 132 SMs, ~4.2 TB/s) that changes nothing; where fewer units
+ * than SMs stream (qwen3's W13 at T = 1: 96 units, each SM at ~32 GB/s, the rate of 192 KB in flight,
+ * while DRAM had room; every preset's last W2 units) it is what lets one SM's stream go faster
+ * (bench/NOTES.md "Issue 25: L2 a ring ahead"). At most 192 KB per CTA ahead, 25 MB over 132 CTAs.
  *
  * The consumers (warpgroups 1 and 2): W13 as the decode swiglu kernel (two boxes), W2 as the decode
  * plain kernel with `ret` (one box): rows go to the owners' combine slots. After a W13 unit's stores:
@@ -156,8 +157,8 @@ struct small_params {
                                   unit idx + grid into L2 (see "L2 ahead" in the file comment) */
     const uint16_t *x;         /* kOwn, switch 5: the caller's x [T, H] BF16, from which the producer makes the
                                   W13 rows itself (see "Its own rows"); NULL: the rows publish wrote */
-    int32_t l2_ring;           /* switch 6: a W13 unit sends its weights into L2 a ring ahead of its loads
-                                  (see "L2 a ring ahead" in the file comment) */
+    int32_t l2_ring;           /* switch 6: a unit sends its weights into L2 a ring ahead of its loads (see
+                                  "L2 a ring ahead" in the file comment) */
 };
 
 /* The timeline (small_params.timeline), kStamps words per CTA: word i = %globaltimer: 0 entry; 1
@@ -609,6 +610,8 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
                     mf__mbar_arrive_expect_tx(&full[s], (uint32_t)kBoxBytes);
                     mf__tma_load_2d_hint(slots + s * C::kSlotBytes, &p.tmap_w2, &full[s], kb * (kKBlock / C::kEsz),
                                          wrow, pol_w);
+                    if (p.l2_ring && kb + C::kSlots < kb2) /* L2 a ring ahead (file comment) */
+                        mf__tma_prefetch_2d(&p.tmap_w2, (kb + C::kSlots) * (kKBlock / C::kEsz), wrow);
                 }
                 /* every lane's own acquire (its copies follow it), one verdict for the warp */
                 if (!ready) ready = __all_sync(0xffffffffu, ld_acquire(dep) >= target);
