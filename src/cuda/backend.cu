@@ -163,11 +163,11 @@ static mf__cuda_comm_t *mf__cc(mf_comm_t comm) { return (mf__cuda_comm_t *)comm-
 
 extern "C" int32_t mf__cuda_plan_serial = 0; /* balance/prefetch.h */
 extern "C" int32_t mf__cuda_plan_small = 1;  /* balance/prefetch.h */
-/* The small-batch kernel's switch (grouped_gemm.h): 5 with its own W13 rows made from x at R = 1, 4
- * without, with the W2 weights of the next round sent to L2 by a waiting W2 unit, 3 without, 2 with
- * its own sum only, 1 without either, 0 off; lowered for the
- * rest of the process by a comm init that reads MF_SMALL (core/params.c); the GPU tests set it
- * directly. */
+/* The small-batch kernel's switch (grouped_gemm.h): 6 with each unit's weights sent to L2 a ring
+ * ahead of its loads, 5 without, with its own W13 rows made from x at R = 1, 4 without, with the W2
+ * weights of the next round sent to L2 by a waiting W2 unit, 3 without, 2 with its own sum only, 1
+ * without either, 0 off; lowered for the rest of the process by a comm init that reads MF_SMALL
+ * (core/params.c); the GPU tests set it directly. */
 extern "C" int32_t mf__cuda_small = 6;
 extern "C" int32_t mf__cuda_small_rows = mf__small::kMaxRows; /* grouped_gemm.h */
 extern "C" int32_t mf__cuda_decode_tokens = 64;                 /* grouped_gemm.h: MF_DECODE_TOKENS */

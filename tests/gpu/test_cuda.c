@@ -771,7 +771,7 @@ extern int32_t mf__cuda_small; /* cuda/grouped_gemm.h: 0 clears choice.fused, 1 
 extern int32_t mf__cuda_small_rows; /* cuda/grouped_gemm.h: the routed rows up to which AUTO takes it */
 void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums, uint64_t *plans, uint64_t *rows); /* testing.h */
 enum { kSmallModes = 7, kSmallOwnTokens = 128, kSmallOwnEntries = 1024 /* mf__small::kOwnMaxTokens, kOwnEntries */ };
-enum { kSmallMaxRows = 64 /* mf__small::kMaxRows (cuda/gemm_configs.cuh): the seventh run fails if they part */ };
+enum { kSmallMaxRows = 64 /* mf__small::kMaxRows (cuda/gemm_configs.cuh): the eighth run fails if they part */ };
 
 /* Case i under the small kernel's seven switches (cuda_small_bitwise): each run's y into y[switch],
  * its digests into dig[switch], and the counters say which kernels ran. */
