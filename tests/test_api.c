@@ -1231,8 +1231,9 @@ static int test_alloc_failure(void) {
     return 0;
 }
 
-/* The A/B switches' parsing (core/params.c): MF_SMALL 0..6 (6 by default and above 6), and
- * MF_DECODE_TOKENS one of the decode tiles below 64 or else 64; the variables are put back. */
+/* The A/B switches' parsing (core/params.c): MF_SMALL 0..6 (6 by default and above 6),
+ * MF_DECODE_TOKENS one of the decode tiles below 64 or else 64, MF_DECODE_L2 on only at 1; the
+ * variables are put back. */
 static int test_params(void) {
     static const struct { const char *name, *value; int32_t want; } cases[] = {
         {"MF_SMALL", NULL, 6},          {"MF_SMALL", "0", 0},          {"MF_SMALL", "5", 5},
@@ -1240,12 +1241,16 @@ static int test_params(void) {
         {"MF_DECODE_TOKENS", NULL, 64}, {"MF_DECODE_TOKENS", "8", 8},  {"MF_DECODE_TOKENS", "16", 16},
         {"MF_DECODE_TOKENS", "32", 32}, {"MF_DECODE_TOKENS", "24", 64}, {"MF_DECODE_TOKENS", "128", 64},
         {"MF_DECODE_TOKENS", "4", 64},  {"MF_DECODE_TOKENS", "", 64},
+        {"MF_DECODE_L2", NULL, 0},      {"MF_DECODE_L2", "1", 1},      {"MF_DECODE_L2", "0", 0},
+        {"MF_DECODE_L2", "2", 0},       {"MF_DECODE_L2", "on", 0},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         const char *old = getenv(cases[i].name);
         char *keep = old ? strdup(old) : NULL;
         MFT_CHECK(cases[i].value ? setenv(cases[i].name, cases[i].value, 1) == 0 : unsetenv(cases[i].name) == 0);
-        const int32_t got = strcmp(cases[i].name, "MF_SMALL") == 0 ? mf__param_small() : mf__param_decode_tokens();
+        const int32_t got = strcmp(cases[i].name, "MF_SMALL") == 0           ? mf__param_small()
+                            : strcmp(cases[i].name, "MF_DECODE_TOKENS") == 0 ? mf__param_decode_tokens()
+                                                                             : mf__param_decode_l2();
         MFT_CHECK(keep ? setenv(cases[i].name, keep, 1) == 0 : unsetenv(cases[i].name) == 0);
         free(keep);
         MFT_CHECK_MSG(got == cases[i].want, "%s=%s read as %d, want %d", cases[i].name,

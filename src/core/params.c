@@ -17,6 +17,8 @@
  *                 sends the next round's W2 weights into L2; 5: at R = 1 the small kernel makes the
  *                 W13 rows from x itself (publish writes no x); 6 (default): a W13 or W2 unit sends
  *                 its weights into L2 a ring ahead of its loads; for A/B measurements
+ * MF_DECODE_L2    1: the decode GEMMs send their weights into L2 a ring ahead of their loads
+ *                 (kernels/sm90_decode_gemm.cuh, "L2 a ring ahead"; default 0); for A/B measurements
  * MF_DECODE_TOKENS the largest decode tile the GEMM choice may take, 8, 16, 32 or 64 (default) tokens
  *                 (cuda/grouped_gemm.cu mf__gemm_choose: the tile that holds most experts' rows; an
  *                 expert past it takes more tiles); other values read as 64; for A/B measurements */
@@ -40,6 +42,8 @@ int32_t mf__param_decode_tokens(void) {
     const int64_t v = mf__env_int("MF_DECODE_TOKENS", 64, 8);
     return v == 8 || v == 16 || v == 32 ? (int32_t)v : 64;
 }
+
+int32_t mf__param_decode_l2(void) { return mf__env_int("MF_DECODE_L2", 0, 0) == 1; }
 
 int32_t mf__param_small(void) {
     const int64_t v = mf__env_int("MF_SMALL", 6, 0);

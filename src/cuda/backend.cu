@@ -171,6 +171,7 @@ extern "C" int32_t mf__cuda_plan_small = 1;  /* balance/prefetch.h */
 extern "C" int32_t mf__cuda_small = 6;
 extern "C" int32_t mf__cuda_small_rows = mf__small::kMaxRows; /* grouped_gemm.h */
 extern "C" int32_t mf__cuda_decode_tokens = 64;                 /* grouped_gemm.h: MF_DECODE_TOKENS */
+extern "C" int32_t mf__cuda_decode_l2 = 0;                       /* grouped_gemm.h: MF_DECODE_L2 */
 
 /* ---- comm and memory ---------------------------------------------------------------------- */
 
@@ -259,6 +260,7 @@ static mf_result_t mf__cuda_comm_init(mf_comm_t comm) {
     const int32_t tokens = mf__param_decode_tokens(); /* MF_DECODE_TOKENS lowers the largest decode tile */
     if (tokens < __atomic_load_n(&mf__cuda_decode_tokens, __ATOMIC_RELAXED))
         __atomic_store_n(&mf__cuda_decode_tokens, tokens, __ATOMIC_RELAXED);
+    if (mf__param_decode_l2()) __atomic_store_n(&mf__cuda_decode_l2, 1, __ATOMIC_RELAXED); /* MF_DECODE_L2=1 */
 
     mf__cuda_comm_t *c = (mf__cuda_comm_t *)mf__calloc(1, sizeof *c);
     if (!c) return mf__error(MF_ERR_OUT_OF_MEMORY, "cuda backend: out of host memory");

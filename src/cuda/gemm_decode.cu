@@ -157,6 +157,7 @@ mf_result_t launch(const char *who, const mf__gemm_choice_t *choice, const mf__g
     const int grid = grid_of(seg, p->N, swiglu, block_t, sms);
     if (grid <= 0) return MF_SUCCESS;
     p->timeline = g_timeline[dev].load();
+    p->l2_ring = __atomic_load_n(&mf__cuda_decode_l2, __ATOMIC_RELAXED);
     void *args[] = {(void *)p};
     MF__GEMM_CUDA(mf__cuda_launch(v.fn, dim3((unsigned)grid), dim3(kThreads), (size_t)v.smem, stream, pdl, args), who);
     mf__gemm_report_launch(&g_family, "decode %s %s T %d, A %s (%d stages, %d B smem, grid %d)", fp8 ? "fp8" : "bf16",

@@ -135,6 +135,10 @@ extern "C" int32_t mf__cuda_small_rows;
  * (core/params.c) at a comm init for every choice of the rest of the process (defined in
  * cuda/backend.cu). */
 extern "C" int32_t mf__cuda_decode_tokens;
+/* 1: the decode GEMMs send their weights into L2 a ring ahead of their loads (gemm_params.l2_ring);
+ * 0 (the default), raised to 1 by MF_DECODE_L2=1 (core/params.c) at a comm init for the rest of the
+ * process (defined in cuda/backend.cu). */
+extern "C" int32_t mf__cuda_decode_l2;
 
 /* The types of a W13 and of a W2 launcher: the dispatchers' (below) and the decode family's, so
  * that their arguments are written once. */

@@ -769,6 +769,7 @@ static mf_result_t switch_run(const pdl_case_t *c, const mfp_problem_t *p, int32
 
 extern int32_t mf__cuda_small; /* cuda/grouped_gemm.h: 0 clears choice.fused, 1 keeps the sum kernel */
 extern int32_t mf__cuda_small_rows; /* cuda/grouped_gemm.h: the routed rows up to which AUTO takes it */
+extern int32_t mf__cuda_decode_l2;  /* cuda/grouped_gemm.h: MF_DECODE_L2, the decode GEMMs' L2 prefetch */
 void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums, uint64_t *plans, uint64_t *rows); /* testing.h */
 enum { kSmallModes = 7, kSmallOwnTokens = 128, kSmallOwnEntries = 1024 /* mf__small::kOwnMaxTokens, kOwnEntries */ };
 enum { kSmallMaxRows = 64 /* mf__small::kMaxRows (cuda/gemm_configs.cuh): the eighth run fails if they part */ };
@@ -815,7 +816,8 @@ static int small_switches(int i, const pdl_case_t *pc, const mfp_problem_t *p, u
  * entries than its own plan holds, a captured graph replayed, and PDL (the forward's default). The
  * seven switches run with AUTO's row bound lifted (the kernel at every shape it takes); an eighth run
  * keeps the bound: at R = 1 the kernel runs exactly where T K <= 64, and y is the two GEMMs' bits
- * either way. */
+ * either way; and the two GEMMs run once more with their weights sent into L2 a ring ahead
+ * (MF_DECODE_L2's switch): the same bits. */
 static int cuda_small_bitwise(void) {
     const int32_t idle[4] = {2, 0, 5, 1};
     const pdl_case_t cases[] = {
@@ -872,6 +874,18 @@ static int cuda_small_bitwise(void) {
         for (int small = 1; small < kSmallModes; small++)
             MFT_CHECK_MSG(memcmp(dig[0], dig[small], nd * 8) == 0,
                           "case %d: a call's y with switch %d differs from the two GEMMs'", i, small);
+        { /* the two GEMMs again with their weights sent into L2 a ring ahead (MF_DECODE_L2): a hint */
+            uint16_t *y_l2[MF_MAX_RANKS];
+            uint64_t *dig_l2 = mft_alloc(nd * 8);
+            const int32_t small_before = __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED);
+            __atomic_store_n(&mf__cuda_small, 0, __ATOMIC_RELAXED);
+            mf_result_t res = switch_run(&cases[i], &p, &mf__cuda_decode_l2, 1, y_l2, dig_l2, seed, err, sizeof err);
+            __atomic_store_n(&mf__cuda_small, small_before, __ATOMIC_RELAXED);
+            MFT_CHECK_MSG(res == MF_SUCCESS, "case %d, the decode GEMMs' L2 prefetch: %s", i, err);
+            MFT_CHECK_MSG(memcmp(dig[0], dig_l2, nd * 8) == 0, "case %d: y with the decode GEMMs' L2 prefetch differs", i);
+            for (int32_t r = 0; r < c->R; r++) free(y_l2[r]);
+            free(dig_l2);
+        }
         {
             uint16_t *y_auto[MF_MAX_RANKS];
             uint64_t *dig_auto = mft_alloc(nd * 8), launches0, launches1, sums, plans, rows;

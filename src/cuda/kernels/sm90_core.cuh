@@ -73,6 +73,8 @@ struct gemm_params {
     int32_t *sched;            /* the dynamic schedule's (ticket, finished CTAs), or NULL: the static walk */
     uint64_t *timeline;        /* decode family, the lab's --timeline only: kTimelineStamps %globaltimer
                                   stamps per CTA (entry, prologue done, last store), or NULL */
+    int32_t l2_ring;           /* decode family, MF_DECODE_L2=1: the producer sends each tile's weights into
+                                  L2 a ring ahead of its loads (sm90_decode_gemm.cuh, "L2 a ring ahead") */
     mf__fault_sink_t sink;     /* the comm's: where an expired pipeline wait records itself */
 };
 

@@ -75,6 +75,13 @@
  * parity = (it / kStages) & 1 (the producer waits empty with the opposite parity; a fresh
  * barrier's "previous phase" counts as done).
  *
+ * L2 a ring ahead (gemm_params.l2_ring, MF_DECODE_L2=1; off by default, for A/B measurements). With
+ * K block kb's weight boxes the producer sends K block kb + kStages's into L2
+ * (cp.async.bulk.prefetch.tensor, a hint: nothing waits for it, the bits do not change), so a CTA
+ * has twice the ring's weight bytes on their way. The question it answers (bench/NOTES.md "Issue
+ * 25: L2 a ring ahead"): whether the 64-token tile streams at 80 % of DRAM where the 32-token one
+ * reaches 89 % (Nsight Compute, qwen3 W13 at L = 128) because its ring holds fewer stages.
+ *
  * Bounded waits. Every mbarrier wait gives up after kWaitTimeoutNs (20 s) of %globaltimer, records
  * itself in the calling comm's fault sink (gemm_params.sink) and returns (mf__mbar_wait_bounded,
  * sm90_ptx.cuh). The bound is far above any healthy wait, a slow but live peer included (gathered rows
@@ -247,6 +254,11 @@ __device__ __forceinline__ void producer(const gemm_params &p, const tables_t &t
                 for (int b = 0; b < C::kBoxes; b++)
                     mf__tma_load_2d_hint(st + b * kBoxBytes, &p.tmap_w, &full[slot], kc, wrow0 + b * half, pol_w);
                 if constexpr (!kGather) mf__tma_load_2d_hint(act, &p.tmap_a, &full[slot], kc, t.row0, pol_a);
+                if (p.l2_ring && kb + C::kStages < kblocks) { /* L2 a ring ahead (file comment) */
+                    const int32_t ka = (kb + C::kStages) * (kKBlock / C::kEsz);
+#pragma unroll
+                    for (int b = 0; b < C::kBoxes; b++) mf__tma_prefetch_2d(&p.tmap_w, ka, wrow0 + b * half);
+                }
             }
         }
     }
