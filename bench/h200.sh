@@ -52,7 +52,9 @@
 #        deepseek-v3, kimi-k2 and qwen3-235b-a22b (MF_PRESETS: only those), MF_SMALL=2 (the plan
 #        kernel) and 3 (its own plan), ~3 min:
 #        per row the phases' medians, then the late entries and their SMs, the producers' time per
-#        W13 and W2 unit and the spread of their walks' ends.
+#        W13 and W2 unit and the spread of their walks' ends; every CTA's stamps in
+#        timeline_raw.jsonl (--timeline-raw) and timeline.md from them (bench/summarize.py timeline:
+#        the W2 units at the seam, mid-walk and last, the CTAs' ends, the SM-time idle at the end).
 #        Not in `all`.
 # overlap: moeflow bench overlap (issue 28: two micro-batches through the split halves beside the
 #        pair back to back; deepseek-v3, T = 64, 128, R = 1, 8). Not in `all`.
@@ -186,11 +188,12 @@ if [ "$what" = timeline ]; then
     for preset in ${MF_PRESETS:-deepseek-v3 kimi-k2 qwen3-235b-a22b}; do
         for v in 2 3; do
             MF_SMALL=$v timeout 120 ./build/moeflow bench layer --preset $preset -R 1 --dtype fp8 --gated \
-                --phases off --no-check --rounds 1 -T 1,2,4,8 --timeline \
+                --phases off --no-check --rounds 1 -T 1,2,4,8 --timeline-raw "$dir/timeline_raw.jsonl" \
                 > "$dir/timeline_${preset}_$v.log" 2>&1 || rc=1
             grep -E "^# timeline|^# +late entries" "$dir/timeline_${preset}_$v.log" | sed "s/^/$preset MF_SMALL=$v /"
         done
     done
+    python3 bench/summarize.py timeline "$dir/timeline_raw.jsonl" | tee "$dir/timeline.md" || rc=1
 fi
 
 if [ "$what" = capacity ]; then

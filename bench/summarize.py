@@ -7,6 +7,7 @@
   python3 bench/summarize.py capacity RECORD.json [RECORD.json ...]
   python3 bench/summarize.py smallbatch DIR
   python3 bench/summarize.py ab KEY RECORD.json [RECORD.json ...]
+  python3 bench/summarize.py timeline RAW.jsonl [RAW.jsonl ...]
 
 Every figure is printed beside the peers of the same record (one run, one machine state), and the
 comparison columns compare only like with like:
@@ -43,6 +44,16 @@ ab:    an A/B over one environment switch KEY (e.g. MF_SMALL, bench/h200.sh DIR 
        of every record grouped by preset and T, one column per value of KEY in the records' meta.env
        (unset reads "default"), each `median (min-max)` over its rounds, and the change of each value
        against the first (KEY=0 when present: the switch off).
+timeline: the small-batch kernel's raw stamps (`moeflow bench layer --timeline-raw FILE`, one JSON
+       line per run: bench/h200.sh DIR timeline), one row per run, times in us after the earliest
+       CTA's entry: `stream` the median CTA's first full ring position (weights and rows landed);
+       per unit, a producer's ticket to its next (its first MF__GEMM_SMALL_UNIT_STAMPS tickets):
+       W13, and W2 by what ran before it: `seam` the first W2 unit after W13 (or a CTA's first
+       unit: it holds the wait for its expert's W13 tiles), `mid` a W2 unit after a W2 unit that is
+       not the CTA's last, `last` the CTA's last unit before its end ticket; then the CTAs' ends
+       (consumers done) at the 10th / 50th / 90th percentile and the last, and `idle` the SM-time
+       the CTAs spent ended before the last one, as us of the span (the mean over CTAs) and as a
+       share of all SM-time from the first entry: what a perfectly even end would give back.
 """
 import argparse
 import json
@@ -261,6 +272,67 @@ def ab(a):
         print("| " + " | ".join(row) + " |")
 
 
+def pct(v, q):
+    """The q-quantile of v (nearest rank, v non-empty), or None."""
+    if not v:
+        return None
+    v = sorted(v)
+    return v[min(len(v) - 1, int(q * (len(v) - 1) + 0.5))]
+
+
+def timeline_row(run):
+    """One run's numbers (us) from its CTAs' raw stamps (see the module doc)."""
+    ctas = run["ctas"]
+    w13, seam, mid, last = [], [], [], []
+    for c in ctas:
+        units = c[7]
+        for k, (idx, kind, when) in enumerate(units):
+            if kind == 2 or k + 1 >= len(units):
+                break
+            us = (units[k + 1][2] - when) * 1e-3
+            if kind == 0:
+                w13.append(us)
+            elif units[k + 1][1] == 2:
+                last.append(us)
+            elif k and units[k - 1][1] == 1:
+                mid.append(us)
+            else:
+                seam.append(us)
+    ends = [c[5] * 1e-3 for c in ctas]
+    span = max(ends)
+    idle = [span - e for e in ends]
+    return {
+        "ctas": len(ctas), "span": span, "stream": pct([c[4] * 1e-3 for c in ctas], 0.5),
+        "w13": (pct(w13, 0.5), pct(w13, 0.9), len(w13)), "seam": (pct(seam, 0.5), len(seam)),
+        "mid": (pct(mid, 0.5), len(mid)), "last": (pct(last, 0.5), len(last)),
+        "ends": (pct(ends, 0.1), pct(ends, 0.5), pct(ends, 0.9), span),
+        "idle": (sum(idle) / len(idle), 100.0 * sum(idle) / (len(ctas) * span) if span > 0 else 0.0),
+    }
+
+
+def timeline(a):
+    """One row per run of the raw timeline files."""
+    print("| preset | T | MF_SMALL | round | CTAs | span | stream | W13 unit (p90, n) | W2 seam (n) | W2 mid (n) "
+          "| W2 last (n) | ends p10 / p50 / p90 / last | idle us (% SM-time) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for path in a.files:
+        for line in open(path):
+            line = line.strip()
+            if not line:
+                continue
+            run = json.loads(line)
+            if not run.get("ctas"):
+                continue
+            r = timeline_row(run)
+            w13, ends = r["w13"], r["ends"]
+            cell = lambda v: f"{fmt(v[0])} ({v[1]})" if v[-1] else "-"
+            print(f"| {run['preset']} | {run['T']} | {run.get('MF_SMALL') or 'default'} | {run['round']} | {r['ctas']} "
+                  f"| {fmt(r['span'])} | {fmt(r['stream'])} "
+                  f"| {fmt(w13[0])} ({fmt(w13[1])}, {w13[2]}) | {cell(r['seam'])} | {cell(r['mid'])} "
+                  f"| {cell(r['last'])} | {' / '.join(fmt(e) for e in ends)} "
+                  f"| {fmt(r['idle'][0])} ({fmt(r['idle'][1])} %) |")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
@@ -288,6 +360,9 @@ def main():
     ab_.add_argument("key")
     ab_.add_argument("records", nargs="+")
     ab_.set_defaults(fn=ab)
+    tl = sub.add_parser("timeline")
+    tl.add_argument("files", nargs="+")
+    tl.set_defaults(fn=timeline)
     a = p.parse_args()
     a.fn(a)
 

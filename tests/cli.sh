@@ -101,6 +101,9 @@ expect capacity_below_T 2 '-S 1 is below -T 2' -- bench "${tiny[@]}" -S T,1
 expect run_capacities 2 'run takes one -S' -- run "${tiny[@]}" -S 2,4
 expect bad_phases 2 "--phases: 'maybe' is not on or off" -- bench "${tiny[@]}" --phases on,maybe
 expect timeline_not_here 2 '--timeline is for bench of the layer on CUDA at R = 1' -- bench "${tiny[@]}" --backend cpu --timeline
+expect timeline_raw_not_here 2 '--timeline is for bench of the layer on CUDA at R = 1' -- bench "${tiny[@]}" --backend cpu \
+    --timeline-raw "$tmp/not_made.jsonl"
+[ ! -e "$tmp/not_made.jsonl" ] || fail "timeline_raw_not_here: a refused --timeline-raw left $tmp/not_made.jsonl behind"
 [ ! -e "$tmp/not_made.json" ] || fail "bad_combination: the --json check left $tmp/not_made.json behind"
 
 # ---- the memory check: a limit that nothing fits, the fp8 hint only for BF16, no check -----------

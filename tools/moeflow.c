@@ -125,6 +125,7 @@ typedef struct opts {
     const char *json;
     int32_t balance;   /* --balance B: spare slots per rank; each row also runs with B (0 = off) */
     int32_t timeline;  /* --timeline: the small-batch kernel's per-CTA stamps after each row's run */
+    const char *timeline_raw; /* --timeline-raw FILE: and every CTA's stamps appended there (JSON lines) */
     double link_gbps;  /* the step-time model's link rate */
     int32_t rebalance; /* --rebalance N: each row stages a new map, N experts per step (-1 = off) */
     double memory_limit_gb; /* --memory-limit G: -1 = MEM_FRACTION of MemAvailable, 0 = no check */
@@ -202,6 +203,9 @@ static void usage(FILE *f) {
             "                               entry, tables, first ring position, consumers done;\n"
             "                               late entries and their SMs, the wait for publish,\n"
             "                               time per unit, the walks' end)\n"
+            "      --timeline-raw FILE      --timeline, and each run's stamps of every CTA appended\n"
+            "                               to FILE, one JSON line per run (bench/summarize.py\n"
+            "                               timeline reads them)\n"
             "      --gated                  CUDA: hold each rank's stream until its forward is\n"
             "                               enqueued (device time without host launch gaps;\n"
             "                               a graph replay of the forward can still be faster)\n"
@@ -343,7 +347,7 @@ static const struct {
     {0, "warmup", 1},   {0, "json", 1},      {0, "timeout-ms", 1},   {0, "no-check", 0},
     {0, "dataflow", 1}, {0, "per-rank", 0}, {0, "gated", 0}, {0, "no-phases", 0}, {0, "transport", 1}, {0, "op", 1},
     {0, "balance", 1},  {0, "link-gbps", 1}, {0, "rebalance", 1}, {0, "memory-limit", 1},
-    {0, "rounds", 1},   {0, "phases", 1},    {0, "timeline", 0},
+    {0, "rounds", 1},   {0, "phases", 1},    {0, "timeline", 0},  {0, "timeline-raw", 1},
     {'h', "help", 0},   {0, "version", 0},
 };
 #define NUM_FLAGS ((int)(sizeof k_flags / sizeof k_flags[0]))
@@ -439,6 +443,7 @@ static void parse_args(int argc, char **argv, opts_t *o) {
         else if (!strcmp(name, "--per-rank")) o->per_rank = 1;
         else if (!strcmp(name, "--gated")) o->gated = 1;
         else if (!strcmp(name, "--timeline")) o->timeline = 1;
+        else if (!strcmp(name, "--timeline-raw")) o->timeline = 1, o->timeline_raw = v;
         else if (!strcmp(name, "--no-phases")) o->events[0] = 0, o->nevents = 1;
         else if (!strcmp(name, "--phases")) parse_events(o, v);
         else if (!strcmp(name, "--rounds")) o->rounds = (int32_t)parse_int(name, v, 1, MAX_ROUNDS);
@@ -1250,8 +1255,10 @@ static double median_of(double *v, int n) {
 }
 
 static uint64_t *g_stamps; /* device: TIMELINE_CTAS x MF__GEMM_SMALL_STAMPS, zeroed before each run */
+static const opts_t *g_timeline_opts; /* --timeline-raw's file and the preset's name */
 
-static void timeline_begin(void) {
+static void timeline_begin(const opts_t *o) {
+    g_timeline_opts = o;
     const size_t bytes = (size_t)TIMELINE_CTAS * MF__GEMM_SMALL_STAMPS * 8;
     if (!g_stamps && cudaMalloc((void **)&g_stamps, bytes) != cudaSuccess) die_io("--timeline: cudaMalloc failed");
     /* the ranks' streams do not wait for the legacy stream: the zeros land before the run starts */
@@ -1333,6 +1340,49 @@ static void timeline_units(const uint64_t *s, uint64_t first) {
     printf("\n");
 }
 
+/* --timeline-raw: one JSON line per run appended to the file: the row, the switches that shape the
+ * kernel (MF_SMALL, MF_DECODE_TOKENS), and per CTA that ran [block, SM, entry, tables, first
+ * position, consumers done, publish waited (0: none), [[unit, kind, when] ...]] with every time in ns
+ * after the earliest entry and kind 0 W13, 1 W2, 2 the ticket past the end: the first
+ * MF__GEMM_SMALL_UNIT_STAMPS tickets of each producer (bench/summarize.py timeline). */
+/* An environment switch's value for the JSON line: itself where it is a plain token, else "?". */
+static const char *env_token(const char *name) {
+    const char *v = getenv(name);
+    if (!v) return "";
+    for (const char *c = v; *c; c++)
+        if (!((*c >= '0' && *c <= '9') || (*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z') || *c == '_' || *c == '-'))
+            return "?";
+    return v;
+}
+
+static void timeline_raw(const row_t *row, int32_t rnd, const uint64_t *s, uint64_t first) {
+    const opts_t *o = g_timeline_opts;
+    FILE *f = fopen(o->timeline_raw, "a");
+    if (!f) die_io("--timeline-raw: cannot open '%s'", o->timeline_raw);
+    const char *sw = env_token("MF_SMALL"), *dt = env_token("MF_DECODE_TOKENS");
+    fprintf(f, "{\"preset\": \"%s\", \"dtype\": \"%s\", \"T\": %d, \"S\": %d, \"events\": %d, \"round\": %d, "
+               "\"MF_SMALL\": \"%s\", \"MF_DECODE_TOKENS\": \"%s\", \"ctas\": [",
+            o->preset ? o->preset->name : "-", dtype_name(row->dtype), row->T, row->S, row->events, rnd, sw, dt);
+    int n = 0;
+    for (int b = 0; b < TIMELINE_CTAS; b++) {
+        const uint64_t *x = s + (size_t)b * MF__GEMM_SMALL_STAMPS;
+        if (!x[0] || !x[2] || !x[3]) continue;
+        const long long at = (long long)first;
+        fprintf(f, "%s[%d, %llu, %lld, %lld, %lld, %lld, %lld, [", n++ ? ", " : "", b, (unsigned long long)x[4],
+                (long long)x[0] - at, (long long)x[1] - at, (long long)x[2] - at, (long long)x[3] - at,
+                x[5] ? (long long)x[5] - at : 0LL);
+        const uint64_t *u = x + 6;
+        for (int k = 0; k < MF__GEMM_SMALL_UNIT_STAMPS && u[2 * k + 1]; k++) {
+            const uint64_t what = u[2 * k];
+            fprintf(f, "%s[%u, %d, %lld]", k ? ", " : "", (unsigned)(what & 0xffffffffu),
+                    (what >> 33 & 1) ? 2 : (int)(what >> 32 & 1), (long long)u[2 * k + 1] - at);
+        }
+        fprintf(f, "]]");
+    }
+    fprintf(f, "]}\n");
+    if (fclose(f) != 0) die_io("--timeline-raw: cannot write '%s'", o->timeline_raw);
+}
+
 /* After a run: the last small-kernel launch's CTAs (us): when the last one entered after the first,
  * and medians (min - max over CTAs) of: tables built after entry (with the plan kernel: its PDL wait
  * included), first ring position full after that (with its own plan: the wait for publish included),
@@ -1374,9 +1424,10 @@ static void timeline_end(const row_t *row, int32_t rnd) {
            n, (last - first) * 1e-3, med[0], lo[0], hi[0], med[1], lo[1], hi[1], med[2], lo[2], hi[2],
            (end_hi - end_lo) * 1e-3, (end_hi - first) * 1e-3);
     timeline_units(s, first);
+    if (g_timeline_opts && g_timeline_opts->timeline_raw) timeline_raw(row, rnd, s, first);
 }
 #else
-static void timeline_begin(void) {}
+static void timeline_begin(const opts_t *o) { (void)o; }
 static void timeline_end(const row_t *row, int32_t rnd) { (void)row, (void)rnd; }
 #endif
 
@@ -1416,7 +1467,7 @@ static void run_row(const opts_t *o, mfp_problem_t *p, row_t *row, int32_t rnd, 
              o->warmup + o->iters > 1 ? "s" : "", o->rounds > 1 ? " (a round)" : "");
     progress_start(&pg, what);
     mfp_timing_t *t = &row->round_timing[rnd];
-    if (o->timeline) timeline_begin();
+    if (o->timeline) timeline_begin(o);
     row->code = mfp_run(p, &ro, y, t, err, sizeof err);
     progress_end(&pg);
     if (o->timeline) timeline_end(row, rnd);
