@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "core/errors.h" /* C linkage through its own guards */
+#include "core/params.h" /* MF_DECODE_L2 */
 #include "core/numerics.h"
 #include "cuda/gemm_bench.h"
 #include "cuda/gemm_configs.cuh" /* kMfFill*: the filler's launch shape */
@@ -91,6 +92,8 @@ mf_result_t mf__gemm_bench_run(const mf__gemm_bench_args_t *args, void *stream) 
     if (args->family == MF__GEMM_BENCH_DECODE && hint > kMfDecodeMaxRows) hint = kMfDecodeMaxRows;
     if (args->family == MF__GEMM_BENCH_TMA && hint <= kMfDecodeMaxRows) hint = kMfDecodeMaxRows + 1;
     const mf__gemm_choice_t choice = mf__gemm_choose(hint, seg.max_rows_per_expert, MF_DATAFLOW_PULL);
+    /* no comm reads the environment here: MF_DECODE_L2=1 raises the decode prefetch for the process */
+    if (mf__param_decode_l2()) __atomic_store_n(&mf__cuda_decode_l2, 1, __ATOMIC_RELAXED);
     mf__gemm_operand_t a = {args->a, args->a_scales, NULL}, w = {args->w, args->w_scales, NULL};
     cudaStream_t s = (cudaStream_t)stream;
     /* pdl 0: back-to-back timed launches stay serialised, as the records were taken */
