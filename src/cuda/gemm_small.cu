@@ -124,6 +124,9 @@ mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__ge
     r = mf__tma_encode_2d(&p.tmap_w2, dt, w2.data, (uint64_t)I, L * (uint64_t)H, (uint64_t)I * esz,
                           (uint32_t)(kKBlock / esz), (uint32_t)kBoxRows, CU_TENSOR_MAP_SWIZZLE_128B);
     if (r != CUDA_SUCCESS) return mf__gemm_decline(&g_family, "W2 tensor map: CUresult %d", (int)r);
+    r = mf__tma_encode_2d(&p.tmap_w2h, dt, w2.data, (uint64_t)I, L * (uint64_t)H, (uint64_t)I * esz,
+                          (uint32_t)(kKBlock / esz), (uint32_t)(kBoxRows / 2), CU_TENSOR_MAP_SWIZZLE_128B);
+    if (r != CUDA_SUCCESS) return mf__gemm_decline(&g_family, "W2 half tensor map: CUresult %d", (int)r);
     p.counts = seg->counts;
     p.offsets = seg->offsets;
     p.w13_scales = w13.scales;
@@ -151,6 +154,7 @@ mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__ge
     }
     p.l2_ahead = __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED) >= 4;
     p.l2_ring = __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED) >= 6;
+    p.w2_split = __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED) >= 7;
     int dev = 0;
     MF__GEMM_CUDA(cudaGetDevice(&dev), __func__);
     p.timeline = dev < kMfGemmMaxDevices ? g_timeline[dev].load() : NULL;

@@ -62,6 +62,18 @@
  * while DRAM had room; every preset's last W2 units) it is what lets one SM's stream go faster
  * (bench/NOTES.md "Issue 25: L2 a ring ahead"). At most 192 KB per CTA ahead, 25 MB over 132 CTAs.
  *
+ * The walk's end (switch 7, params.w2_split; at any R). The walk's last round is its last W2 units:
+ * at T = 1 (deepseek-v3: 448 units of 262 KB on 132 CTAs, 3.4 rounds) ~53 units stream while the
+ * other SMs have ended, and the walks end ~13 us apart. The units of the split expert, the last one
+ * with rows (whose units come last), run in halves of 64 output columns instead (2 nb2 units per
+ * token block: n-block, half, token block), so the last round's grain is half a unit. A half loads
+ * its 64 weight rows by their own map (box [64 rows, 128 B]) into the slot's first 8 KB, so
+ * warpgroup 0 computes them; warpgroup 1 runs the same wgmmas on the slot's stale second half (no
+ * wgmma on a divergent path) and its columns are not stored (store_half); the scales are the whole
+ * box's (one 128-row scale block). Each output element is the same wgmma over the same bytes in the
+ * same K order: the same bits. The in-kernel sum counts two arrivals on (token, n-block) for the
+ * split expert (sum_tile). bench/NOTES.md "Issue 25: the walk's end".
+ *
  * The consumers (warpgroups 1 and 2): W13 as the decode swiglu kernel (two boxes), W2 as the decode
  * plain kernel with `ret` (one box): rows go to the owners' combine slots. After a W13 unit's stores:
  * one more named barrier, then one thread publishes.
@@ -131,6 +143,7 @@ using namespace mf__decode; /* tile columns, scale pad, epilogue barrier; mma_kb
 struct small_params {
     CUtensorMap tmap_w13;      /* [L 2I, H] box [128 rows, 128 B], 128B swizzle */
     CUtensorMap tmap_w2;       /* [L H, I] */
+    CUtensorMap tmap_w2h;      /* [L H, I], box [64 rows, 128 B]: switch 7's half units */
     const int32_t *counts;     /* [L] device: rows of each expert */
     const int32_t *offsets;    /* [L] device: first receive row of each expert */
     const float *w13_scales;   /* FP8: [L, 2I/128, H/128] */
@@ -159,6 +172,7 @@ struct small_params {
                                   W13 rows itself (see "Its own rows"); NULL: the rows publish wrote */
     int32_t l2_ring;           /* switch 6: a unit sends its weights into L2 a ring ahead of its loads (see
                                   "L2 a ring ahead" in the file comment) */
+    int32_t w2_split;          /* switch 7: the last expert's W2 units in halves (see "The walk's end") */
 };
 
 /* The timeline (small_params.timeline), kStamps words per CTA: word i = %globaltimer: 0 entry; 1
@@ -229,22 +243,57 @@ struct cfg {
 
 /* ---- the unit walk ----------------------------------------------------------------------------- */
 
+/* Switch 7's split expert: the last expert with rows (its units are the walk's last), or -1. */
+__device__ __forceinline__ int32_t split_expert(const small_params &p, const tables_t &tb) {
+    const int32_t L = p.num_experts;
+    return p.w2_split && tb.first[L] > 0 ? mf__prefix_find(tb.first, L, 0, tb.first[L] - 1) : -1;
+}
+
+/* W2 unit j (counted from the first W2 unit): false past the last; else its expert e, n-block nb,
+ * token block blk and half (-1: a whole unit; 0, 1: switch 7's halves of the split expert's, whose
+ * units come last, 2 nb2 of them per token block: n-block, then half, then token block), the
+ * expert found from `cursor` (<= it). Also the L2-ahead unit's arithmetic (one mapping). */
+__device__ __forceinline__ bool w2_unit(const tables_t &tb, int32_t L, int32_t nb2, int32_t split_e, int32_t j,
+                                        int32_t cursor, int32_t &e, int32_t &nb, int32_t &blk, int32_t &half) {
+    const int32_t whole = nb2 * tb.first[split_e >= 0 ? split_e : L];
+    if (j < whole) {
+        e = mf__prefix_find(tb.first, L, cursor, j / nb2); /* nb2 first[e + 1] <= j: first[e + 1] <= j / nb2 */
+        const int32_t blocks = tb.first[e + 1] - tb.first[e], local = j - nb2 * tb.first[e];
+        blk = local % blocks;
+        nb = local / blocks;
+        half = -1;
+        return true;
+    }
+    if (split_e < 0) return false;
+    const int32_t blocks = tb.first[split_e + 1] - tb.first[split_e], local = j - whole;
+    if (local >= 2 * nb2 * blocks) return false;
+    e = split_e;
+    nb = local / (2 * blocks);
+    half = local % (2 * blocks) / blocks;
+    blk = local % blocks;
+    return true;
+}
+
 /* Unit `idx` (tables' first[] counts token blocks): false past the last unit; else w2 (false: W13)
- * and the tile (expert, n-block, rows), with the phase's cursor (one per phase: each role's units
- * ascend, so each cursor only moves forward). */
+ * and the tile (expert, n-block, rows) and, W2, its half (w2_unit), with the phase's cursor (one per
+ * phase: each role's units ascend, so each cursor only moves forward). */
 template <int kBlockT>
-__device__ __forceinline__ bool locate(const tables_t &tb, int32_t L, int32_t nb13, int32_t nb2, int32_t idx,
-                                       int32_t &cur13, int32_t &cur2, bool &w2, tile_t &t) {
+__device__ __forceinline__ bool locate(const tables_t &tb, int32_t L, int32_t nb13, int32_t nb2, int32_t split_e,
+                                       int32_t idx, int32_t &cur13, int32_t &cur2, bool &w2, tile_t &t, int32_t &half) {
     const int32_t blocks_all = tb.first[L];
     w2 = idx >= nb13 * blocks_all;
-    const int32_t nb = w2 ? nb2 : nb13;
-    if (w2) idx -= nb13 * blocks_all;
-    if (idx >= nb * blocks_all) return false;
-    int32_t e = w2 ? cur2 : cur13;
-    e = mf__prefix_find(tb.first, L, e, idx / nb); /* nb first[e + 1] <= idx: first[e + 1] <= idx / nb */
-    if (w2) cur2 = e;
-    else cur13 = e;
-    const int32_t blocks = tb.first[e + 1] - tb.first[e], local = idx - nb * tb.first[e];
+    half = -1;
+    if (w2) {
+        int32_t e, nb, blk;
+        if (!w2_unit(tb, L, nb2, split_e, idx - nb13 * blocks_all, cur2, e, nb, blk, half)) return false;
+        cur2 = e;
+        place_block<kBlockT>(tb, e, blk, t);
+        t.nb = nb;
+        return true;
+    }
+    int32_t e = mf__prefix_find(tb.first, L, cur13, idx / nb13); /* nb13 first[e + 1] <= idx */
+    cur13 = e;
+    const int32_t blocks = tb.first[e + 1] - tb.first[e], local = idx - nb13 * tb.first[e];
     place_block<kBlockT>(tb, e, local % blocks, t);
     t.nb = local / blocks;
     return true;
@@ -448,7 +497,9 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
     const bool from_x = kOwn && p.x; /* its own rows (switch 5): publish is waited for after the first unit */
     int32_t taken = 0;      /* the timeline's count of tickets */
     int32_t idx = take(p.sync, lane);
-    for (; locate<kBlockT>(tb, L, nb13, nb2, idx, cur13, cur2, w2, t);
+    const int32_t split_e = split_expert(p, tb);
+    int32_t half;
+    for (; locate<kBlockT>(tb, L, nb13, nb2, split_e, idx, cur13, cur2, w2, t, half);
          idx = take(p.sync, lane, kOwn && published ? p.fault : nullptr)) {
         if (p.timeline && lane == 0) stamp_unit(p, taken++, idx, w2, false);
         /* this lane's column j = lane (kBlockT <= 32): its row's data and FP8 scales; columns below
@@ -572,8 +623,11 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
             }
             if (copy) arow = p.h + (int64_t)row * kbytes2;
             if constexpr (kFp8) srow = p.h_scales + (int64_t)row * kb2;
-            const int32_t wrow = t.e * p.H + t.nb * kBoxRows;
-            const int64_t ws = ((int64_t)t.e * srows2 + t.nb) * kb2; /* FP8: the box's w_scales */
+            /* the box's rows: a half unit's (switch 7) 64 of them by its own map, into the slot's first 8 KB */
+            const int32_t wrow = t.e * p.H + t.nb * kBoxRows + (half > 0 ? kBoxRows / 2 : 0);
+            const CUtensorMap *const wmap = half >= 0 ? &p.tmap_w2h : &p.tmap_w2;
+            const uint32_t wbytes = half >= 0 ? kBoxBytes / 2 : kBoxBytes;
+            const int64_t ws = ((int64_t)t.e * srows2 + t.nb) * kb2; /* FP8: the box's w_scales (a half's too) */
             /* The weights do not depend on h: each position's TMA goes out at once. h does: until the
              * expert's W13 tiles are all stored (done[e], polled once per position) the positions
              * wait for their h rows, which then follow for every position issued so far; the poll
@@ -607,23 +661,20 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
                 R::wait_empty(empty, it + kb);
                 if (lane == 0) {
                     tile_of[s] = idx; /* published by the arrivals */
-                    mf__mbar_arrive_expect_tx(&full[s], (uint32_t)kBoxBytes);
-                    mf__tma_load_2d_hint(slots + s * C::kSlotBytes, &p.tmap_w2, &full[s], kb * (kKBlock / C::kEsz),
-                                         wrow, pol_w);
+                    mf__mbar_arrive_expect_tx(&full[s], wbytes);
+                    mf__tma_load_2d_hint(slots + s * C::kSlotBytes, wmap, &full[s], kb * (kKBlock / C::kEsz), wrow, pol_w);
                     if (p.l2_ring && kb + C::kSlots < kb2) /* L2 a ring ahead (file comment) */
-                        mf__tma_prefetch_2d(&p.tmap_w2, (kb + C::kSlots) * (kKBlock / C::kEsz), wrow);
+                        mf__tma_prefetch_2d(wmap, (kb + C::kSlots) * (kKBlock / C::kEsz), wrow);
                 }
                 /* every lane's own acquire (its copies follow it), one verdict for the warp */
                 if (!ready) ready = __all_sync(0xffffffffu, ld_acquire(dep) >= target);
                 if (kb == 0 && !ready && p.l2_ahead) { /* L2 ahead (file comment): parked, so the weights of
                     unit idx + grid, W2 unit j2 (locate's arithmetic: expert t.e or a later one) */
-                    const int32_t j2 = idx + (int32_t)gridDim.x - nb13 * tb.first[L];
-                    if (j2 < nb2 * tb.first[L]) {
-                        const int32_t e = mf__prefix_find(tb.first, L, t.e, j2 / nb2);
-                        const int32_t w = e * p.H + (j2 - nb2 * tb.first[e]) / (tb.first[e + 1] - tb.first[e]) * kBoxRows;
-                        if (lane < kb2) /* a box per lane: the unit's first 32 K blocks */
-                            mf__tma_prefetch_2d(&p.tmap_w2, lane * (kKBlock / C::kEsz), w);
-                    }
+                    int32_t e2, nb2_, blk2, half2;
+                    if (w2_unit(tb, L, nb2, split_e, idx + (int32_t)gridDim.x - nb13 * tb.first[L], t.e, e2, nb2_, blk2,
+                                half2) &&
+                        lane < kb2) /* a box per lane: the unit's first 32 K blocks (a half's whole box) */
+                        mf__tma_prefetch_2d(&p.tmap_w2, lane * (kKBlock / C::kEsz), e2 * p.H + nb2_ * kBoxRows);
                 }
                 if (ready) issue_h(kb + 1);
             }
@@ -681,7 +732,7 @@ __device__ __forceinline__ void sum_dropped(const small_params &p, int ctid) {
  * the rows of one tile are distinct tokens. */
 template <int kBlockT>
 __device__ __forceinline__ void sum_tile(const small_params &p, const int32_t *src_table, const tile_t &t, int32_t nb2,
-                                         int ctid, int32_t *flags) {
+                                         int32_t split_e, int ctid, int32_t *flags) {
     static_assert(kBlockT * 16 <= kConsumerThreads, "16 threads per token row");
     const uint8_t *heap = p.view.heap[p.view.rank];
     const int32_t *ids_all = (const int32_t *)(heap + p.view.ids);
@@ -695,7 +746,9 @@ __device__ __forceinline__ void sum_tile(const small_params &p, const int32_t *s
             if (src[0] == p.view.rank && token >= 0 && token < p.T) {
                 const int32_t *ids = ids_all + (int64_t)token * p.num_topk;
                 int32_t want = 0;
-                for (int32_t k = 0; k < p.num_topk; k++) want += ids[k] >= 0;
+                /* switch 7: the split expert's rows arrive twice, once per half (R = 1: id = local
+                 * expert) */
+                for (int32_t k = 0; k < p.num_topk; k++) want += ids[k] < 0 ? 0 : ids[k] == split_e ? 2 : 1;
                 __threadfence();
                 if (atomicAdd(arrive + (int64_t)token * nb2 + t.nb, 1) + 1 == want) {
                     __threadfence();
@@ -717,6 +770,24 @@ __device__ __forceinline__ void sum_tile(const small_params &p, const int32_t *s
     }
 }
 
+/* Switch 7's half W2 unit: the staged tile's first 64 columns (warpgroup 0's: the half's weight rows;
+ * warpgroup 1 computed stale rows of the slot) into the owners' combine slots at columns
+ * 128 nb + 64 half: store_tile's W2 path over half the columns. */
+template <int kBlockT, int kEpiRowBytes>
+__device__ __forceinline__ void store_half(const small_params &p, const int32_t *src, const uint8_t *epi, const tile_t &t,
+                                           int32_t half, int ctid) {
+    constexpr int kChunksPerRow = kTileCols / 2 * 2 / kChunk; /* 64 BF16 columns */
+    const int64_t col_bytes = ((int64_t)t.nb * kTileCols + half * (kTileCols / 2)) * 2;
+#pragma unroll
+    for (int c = ctid; c < kBlockT * kChunksPerRow; c += kConsumerThreads) {
+        const int token = c / kChunksPerRow, ch = c % kChunksPerRow;
+        if (token < t.lo) continue;
+        uint8_t *dst;
+        if (!ret_row(p, src, (int64_t)t.row0 + token, p.H, dst)) continue;
+        *(uint4 *)(dst + col_bytes + ch * kChunk) = *(const uint4 *)(epi + token * kEpiRowBytes + ch * kChunk);
+    }
+}
+
 /* ---- consumers --------------------------------------------------------------------------------- */
 
 template <bool kFp8, int kBlockT, bool kOwn>
@@ -735,6 +806,7 @@ __device__ __forceinline__ void consumer(const small_params &p, const tables_t &
     const int32_t kb13 = p.H * C::kEsz / kKBlock, kb2 = p.I * C::kEsz / kKBlock;
     const uint64_t desc_slots = mf__wgmma_desc_sw128(slots);
     int32_t *const done = p.sync + 2;
+    const int32_t split_e = split_expert(p, tb); /* switch 7 */
 
     float tmp[2][kFrag];
 #pragma unroll
@@ -771,7 +843,8 @@ __device__ __forceinline__ void consumer(const small_params &p, const tables_t &
         if (ctid == 0) unit[u & 1] = mf__sm90_expired ? -1 : tile_of[R::slot(it)];
         mf__named_barrier_sync(kBarEpilogue, kConsumerThreads);
         const int32_t idx = unit[u & 1];
-        if (idx < 0 || !locate<kBlockT>(tb, L, nb13, nb2, idx, cur13, cur2, w2, t)) break;
+        int32_t half;
+        if (idx < 0 || !locate<kBlockT>(tb, L, nb13, nb2, split_e, idx, cur13, cur2, w2, t, half)) break;
         if (!published && (u > 0 || w2)) wait_publish();
         if (!w2) {
             float acc[2][kFrag];
@@ -819,8 +892,9 @@ __device__ __forceinline__ void consumer(const small_params &p, const tables_t &
                 release_stage(empty, s, lane);
             }
             stage_tile<kFp8, kEpiPlain, kBlockT, 2, C::kEpiRowBytes2>(acc, epi, red, p.ue8m0, NULL, 0, t, ctid);
-            store_tile<kEpiPlain, kBlockT, 2, C::kEpiRowBytes2>(p, src, NULL, true, epi, p.H, t, ctid);
-            if (p.y) sum_tile<kBlockT>(p, src, t, nb2, ctid, sum_flags);
+            if (half < 0) store_tile<kEpiPlain, kBlockT, 2, C::kEpiRowBytes2>(p, src, NULL, true, epi, p.H, t, ctid);
+            else store_half<kBlockT, C::kEpiRowBytes2>(p, src, epi, t, half, ctid);
+            if (p.y) sum_tile<kBlockT>(p, src, t, nb2, split_e, ctid, sum_flags);
         }
     }
     if (!published) wait_publish();
