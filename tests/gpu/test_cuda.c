@@ -853,6 +853,10 @@ static int cuda_small_bitwise(void) {
         /* its own plan under a graph, W13 K blocks past the ring, a hot expert over two token blocks */
         {{1, 32, 8, 1024, 2048, 16, 0, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_HOT, 5, 3, 0.1, NULL, 50},
          MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 1, 0},
+        /* the hot expert is the last (E - 1) over two token blocks: switch 7's halves of a split
+         * expert with blocks > 1, and the in-kernel sum's two arrivals per half pair */
+        {{1, 16, 4, 256, 256, 16, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_HOT, 15, 3, 0, NULL, 52},
+         MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 0, 0},
     };
     enum { kCases = sizeof cases / sizeof cases[0] };
     for (int i = 0; i < kCases; i++) {

@@ -71,8 +71,10 @@
  * warpgroup 0 computes them; warpgroup 1 runs the same wgmmas on the slot's stale second half (no
  * wgmma on a divergent path) and its columns are not stored (store_half); the scales are the whole
  * box's (one 128-row scale block). Each output element is the same wgmma over the same bytes in the
- * same K order: the same bits. The in-kernel sum counts two arrivals on (token, n-block) for the
- * split expert (sum_tile). bench/NOTES.md "Issue 25: the walk's end".
+ * same K order: the same bits. The in-kernel sum counts by weight: each valid k is worth 2 on its
+ * token's (token, n-block) counter, a whole unit's row arrives with 2, a half's with 1 (sum_tile;
+ * by slot it could not: with replicas or an expert map a slot is not an expert id). bench/NOTES.md
+ * "Issue 25: the walk's end".
  *
  * The consumers (warpgroups 1 and 2): W13 as the decode swiglu kernel (two boxes), W2 as the decode
  * plain kernel with `ret` (one box): rows go to the owners' combine slots. After a W13 unit's stores:
@@ -488,6 +490,7 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
     if (lane == 0) {
         mf__prefetch_tensormap(&p.tmap_w13);
         mf__prefetch_tensormap(&p.tmap_w2);
+        if (p.w2_split) mf__prefetch_tensormap(&p.tmap_w2h);
     }
     uint32_t it = 0;
     int32_t cur13 = 0, cur2 = 0;
@@ -732,7 +735,7 @@ __device__ __forceinline__ void sum_dropped(const small_params &p, int ctid) {
  * the rows of one tile are distinct tokens. */
 template <int kBlockT>
 __device__ __forceinline__ void sum_tile(const small_params &p, const int32_t *src_table, const tile_t &t, int32_t nb2,
-                                         int32_t split_e, int ctid, int32_t *flags) {
+                                         int32_t half, int ctid, int32_t *flags) {
     static_assert(kBlockT * 16 <= kConsumerThreads, "16 threads per token row");
     const uint8_t *heap = p.view.heap[p.view.rank];
     const int32_t *ids_all = (const int32_t *)(heap + p.view.ids);
@@ -746,11 +749,12 @@ __device__ __forceinline__ void sum_tile(const small_params &p, const int32_t *s
             if (src[0] == p.view.rank && token >= 0 && token < p.T) {
                 const int32_t *ids = ids_all + (int64_t)token * p.num_topk;
                 int32_t want = 0;
-                /* switch 7: the split expert's rows arrive twice, once per half (R = 1: id = local
-                 * expert) */
-                for (int32_t k = 0; k < p.num_topk; k++) want += ids[k] < 0 ? 0 : ids[k] == split_e ? 2 : 1;
+                /* by weight (switch 7's halves, file comment "The walk's end"): a valid k is worth 2,
+                 * a whole unit's row brings 2, a half's 1 */
+                const int32_t step = half < 0 ? 2 : 1;
+                for (int32_t k = 0; k < p.num_topk; k++) want += ids[k] >= 0 ? 2 : 0;
                 __threadfence();
-                if (atomicAdd(arrive + (int64_t)token * nb2 + t.nb, 1) + 1 == want) {
+                if (atomicAdd(arrive + (int64_t)token * nb2 + t.nb, step) + step == want) {
                     __threadfence();
                     flag = token + 1;
                 }
@@ -894,7 +898,7 @@ __device__ __forceinline__ void consumer(const small_params &p, const tables_t &
             stage_tile<kFp8, kEpiPlain, kBlockT, 2, C::kEpiRowBytes2>(acc, epi, red, p.ue8m0, NULL, 0, t, ctid);
             if (half < 0) store_tile<kEpiPlain, kBlockT, 2, C::kEpiRowBytes2>(p, src, NULL, true, epi, p.H, t, ctid);
             else store_half<kBlockT, C::kEpiRowBytes2>(p, src, epi, t, half, ctid);
-            if (p.y) sum_tile<kBlockT>(p, src, t, nb2, split_e, ctid, sum_flags);
+            if (p.y) sum_tile<kBlockT>(p, src, t, nb2, half, ctid, sum_flags);
         }
     }
     if (!published) wait_publish();
