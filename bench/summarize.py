@@ -50,7 +50,8 @@ timeline: the small-batch kernel's raw stamps (`moeflow bench layer --timeline-r
        per unit, a producer's ticket to its next (its first MF__GEMM_SMALL_UNIT_STAMPS tickets):
        W13, and W2 by what ran before it: `seam` the first W2 unit after W13 (or a CTA's first
        unit: it holds the wait for its expert's W13 tiles), `mid` a W2 unit after a W2 unit that is
-       not the CTA's last, `last` the CTA's last unit before its end ticket; then the CTAs' ends
+       not the CTA's last, `last` the CTA's last unit before its end ticket (a half W2 unit of the
+       small kernel's switch 7, kind 3, counts as W2 there and in `halves`); then the CTAs' ends
        (consumers done) at the 10th / 50th / 90th percentile and the last, and `idle` the SM-time
        the CTAs spent ended before the last one, as us of the span (the mean over CTAs) and as a
        share of all SM-time from the first entry: what a perfectly even end would give back.
@@ -283,18 +284,20 @@ def pct(v, q):
 def timeline_row(run):
     """One run's numbers (us) from its CTAs' raw stamps (see the module doc)."""
     ctas = run["ctas"]
-    w13, seam, mid, last = [], [], [], []
+    w13, seam, mid, last, halves = [], [], [], [], []
     for c in ctas:
         units = c[7]
         for k, (idx, kind, when) in enumerate(units):
             if kind == 2 or k + 1 >= len(units):
                 break
             us = (units[k + 1][2] - when) * 1e-3
+            if kind == 3:
+                halves.append(us)
             if kind == 0:
                 w13.append(us)
             elif units[k + 1][1] == 2:
                 last.append(us)
-            elif k and units[k - 1][1] == 1:
+            elif k and units[k - 1][1] in (1, 3):
                 mid.append(us)
             else:
                 seam.append(us)
@@ -305,6 +308,7 @@ def timeline_row(run):
         "ctas": len(ctas), "span": span, "stream": pct([c[4] * 1e-3 for c in ctas], 0.5),
         "w13": (pct(w13, 0.5), pct(w13, 0.9), len(w13)), "seam": (pct(seam, 0.5), len(seam)),
         "mid": (pct(mid, 0.5), len(mid)), "last": (pct(last, 0.5), len(last)),
+        "halves": (pct(halves, 0.5), len(halves)),
         "ends": (pct(ends, 0.1), pct(ends, 0.5), pct(ends, 0.9), span),
         "idle": (sum(idle) / len(idle), 100.0 * sum(idle) / (len(ctas) * span) if span > 0 else 0.0),
     }
@@ -313,8 +317,8 @@ def timeline_row(run):
 def timeline(a):
     """One row per run of the raw timeline files."""
     print("| preset | T | MF_SMALL | round | CTAs | span | stream | W13 unit (p90, n) | W2 seam (n) | W2 mid (n) "
-          "| W2 last (n) | ends p10 / p50 / p90 / last | idle us (% SM-time) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| W2 last (n) | W2 halves (n) | ends p10 / p50 / p90 / last | idle us (% SM-time) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for path in a.files:
         for line in open(path):
             line = line.strip()
@@ -329,7 +333,7 @@ def timeline(a):
             print(f"| {run['preset']} | {run['T']} | {run.get('MF_SMALL') or 'default'} | {run['round']} | {r['ctas']} "
                   f"| {fmt(r['span'])} | {fmt(r['stream'])} "
                   f"| {fmt(w13[0])} ({fmt(w13[1])}, {w13[2]}) | {cell(r['seam'])} | {cell(r['mid'])} "
-                  f"| {cell(r['last'])} | {' / '.join(fmt(e) for e in ends)} "
+                  f"| {cell(r['last'])} | {cell(r['halves'])} | {' / '.join(fmt(e) for e in ends)} "
                   f"| {fmt(r['idle'][0])} ({fmt(r['idle'][1])} %) |")
 
 

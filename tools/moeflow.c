@@ -1344,8 +1344,9 @@ static void timeline_units(const uint64_t *s, uint64_t first) {
 /* --timeline-raw: one JSON line per run appended to the file: the row, the switches that shape the
  * kernel (MF_SMALL, MF_DECODE_TOKENS), and per CTA that ran [block, SM, entry, tables, first
  * position, consumers done, publish waited (0: none), [[unit, kind, when] ...]] with every time in ns
- * after the earliest entry and kind 0 W13, 1 W2, 2 the ticket past the end: the first
- * MF__GEMM_SMALL_UNIT_STAMPS tickets of each producer (bench/summarize.py timeline). */
+ * after the earliest entry and kind 0 W13, 1 W2, 2 the ticket past the end, 3 a half W2 unit (the
+ * small kernel's switch 7): the first MF__GEMM_SMALL_UNIT_STAMPS tickets of each producer
+ * (bench/summarize.py timeline). */
 /* An environment switch's value for the JSON line: itself where it is a plain token, else "?". */
 static const char *env_token(const char *name) {
     const char *v = getenv(name);
@@ -1376,7 +1377,7 @@ static void timeline_raw(const row_t *row, int32_t rnd, const uint64_t *s, uint6
         for (int k = 0; k < MF__GEMM_SMALL_UNIT_STAMPS && u[2 * k + 1]; k++) {
             const uint64_t what = u[2 * k];
             fprintf(f, "%s[%u, %d, %lld]", k ? ", " : "", (unsigned)(what & 0xffffffffu),
-                    (what >> 33 & 1) ? 2 : (int)(what >> 32 & 1), (long long)u[2 * k + 1] - at);
+                    (what >> 33 & 1) ? 2 : (what >> 34 & 1) ? 3 : (int)(what >> 32 & 1), (long long)u[2 * k + 1] - at);
         }
         fprintf(f, "]]");
     }

@@ -38,9 +38,19 @@ def test_timeline_row_numbers():
     assert r["seam"] == (10.5, 2)  # CTA 0's first W2 after its W13 (10 us), CTA 1's first unit (10.5)
     assert r["mid"] == (8.0, 1)  # CTA 0's W2 after a W2, not its last
     assert r["last"] == (8.0, 2)  # the units before the end tickets: 7 and 8 us
+    assert r["halves"] == (None, 0)  # no half W2 unit (kind 3) in this run
     assert r["ends"] == (25.0, 50.0, 60.0, 60.0)
     assert abs(r["idle"][0] - 15.0) < 1e-9  # (10 + 35 + 0) / 3
     assert abs(r["idle"][1] - 25.0) < 1e-9  # 45 of 180 SM-us
+
+
+def test_timeline_halves():
+    """Switch 7's half W2 units (kind 3): W2 for the seam / mid / last split, and in `halves`."""
+    run = dict(RUN, ctas=[[0, 10, 0, 1000, 2000, 30000, 0,
+                           [[0, 0, 3000], [130, 3, 20000], [131, 3, 24000], [132, 2, 28000]]]])
+    r = load().timeline_row(run)
+    assert r["w13"] == (17.0, 17.0, 1) and r["seam"] == (4.0, 1) and r["last"] == (4.0, 1) and r["mid"] == (None, 0)
+    assert r["halves"] == (4.0, 2)
 
 
 def test_timeline_table(tmp_path):
