@@ -184,7 +184,7 @@ struct small_params {
  * marker); 3 its consumers done (before the count-out); 4 its SM (%smid); 5 (kOwn) its producer's
  * PDL wait for publish returned (with its own rows: after its first unit);
  * then, for the first kUnitStamps tickets its producer took, pairs (what: the unit's index, bit 32
- * set for a W2 unit, bit 33 for the end; when). */
+ * set for a W2 unit, bit 33 for the end, bit 34 for a half W2 unit of switch 7; when). */
 __device__ __forceinline__ void stamp(const small_params &p, int i) {
     p.timeline[kStamps * (int64_t)blockIdx.x + i] = mf__globaltimer();
 }
@@ -193,11 +193,12 @@ __device__ __forceinline__ void stamp_sm(const small_params &p) {
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
     p.timeline[kStamps * (int64_t)blockIdx.x + 4] = sm;
 }
-/* The producer's lane 0, at its u-th ticket (idx; w2, end: its kind). */
-__device__ __forceinline__ void stamp_unit(const small_params &p, int32_t u, int32_t idx, bool w2, bool end) {
+/* The producer's lane 0, at its u-th ticket (idx; w2, end, half: its kind). */
+__device__ __forceinline__ void stamp_unit(const small_params &p, int32_t u, int32_t idx, bool w2, bool end,
+                                           bool half = false) {
     if (u >= kUnitStamps) return;
     uint64_t *const s = p.timeline + kStamps * (int64_t)blockIdx.x + 6 + 2 * u;
-    s[0] = (uint64_t)(uint32_t)idx | (uint64_t)w2 << 32 | (uint64_t)end << 33;
+    s[0] = (uint64_t)(uint32_t)idx | (uint64_t)w2 << 32 | (uint64_t)end << 33 | (uint64_t)half << 34;
     s[1] = mf__globaltimer();
 }
 
@@ -504,7 +505,7 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
     int32_t half;
     for (; locate<kBlockT>(tb, L, nb13, nb2, split_e, idx, cur13, cur2, w2, t, half);
          idx = take(p.sync, lane, kOwn && published ? p.fault : nullptr)) {
-        if (p.timeline && lane == 0) stamp_unit(p, taken++, idx, w2, false);
+        if (p.timeline && lane == 0) stamp_unit(p, taken++, idx, w2, false, half >= 0);
         /* this lane's column j = lane (kBlockT <= 32): its row's data and FP8 scales; columns below
          * lo read row lo's scales and copy no data (their D columns are never stored) */
         const int j = lane;
