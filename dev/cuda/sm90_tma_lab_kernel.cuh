@@ -2,9 +2,11 @@
  * sm90_tma_lab_kernel.cuh — the lab's fork of the shipped TMA grouped GEMM (src/cuda/kernels/
  * sm90_tma_gemm.cuh), for A/B measurements and timing probes only; included by
  * dev/cuda/sm90_gemm_lab.cu, never by the library (llm.c's dev/: the lab forks what it varies, the
- * shipped kernel carries no lab parameter). What varies is the FP8 consumer's schedule; the
- * producer, the BF16 main loop, the epilogues and the whole host contract are the shipped kernel's,
- * reused from its header, so an A/B measures one change.
+ * shipped kernel carries no lab parameter). What varies in sm90_tma_lab_kernel is the FP8
+ * consumer's schedule; the producer, the BF16 main loop, the epilogues and the whole host contract
+ * are the shipped kernel's, reused from its header, so an A/B measures one change. Its second
+ * kernel, sm90_tma_half_kernel (below, "the 64-row tail tile"), forks the producer, the consumers
+ * and the launch (two more tensor maps) for the tail tiles, and reuses the rest.
  *
  * Dimension legend: as sm90_tma_gemm.cuh (L local experts, N weight rows per expert, K the
  * reduction dim, H hidden, I intermediate, rows = receive rows).
@@ -25,8 +27,9 @@
  *               is never true, so the main loop is compiled as in what ships)
  *
  * <kFp8, kEpi, kOrderIssue, false, kProbeNone> is the shipped kernel's arithmetic (kOrderStagger's
- * too: the same wgmmas in the same order, only their commit groups and the turns differ); the lab runs that one
- * through the library's launchers, never from here. Launching: tma_lab_w13_swiglu / tma_lab_w2
+ * and the tail tiles' too: the same wgmmas over the same bytes in the same order; the lab's validate
+ * requires the shipped kernel's bits of every lab variant); the lab runs that one through the
+ * library's launchers, never from here. Launching: tma_lab_w13_swiglu / tma_lab_w2
  * below take the library launchers' arguments and run the variant the lab switch (kMfTmaLab*)
  * selects, with the launchers' tensor maps and persistent grid (shapes are the lab's and valid:
  * nothing is declined but a kernel of the wrong register count).
@@ -659,7 +662,8 @@ struct variant_t {
     int half; /* sm90_tma_half_kernel: launched with half_params and kHalfSmemBytes */
 };
 
-/* Every lab kernel (what the former library table held in its slots 4-11). */
+/* Every lab kernel: 0-7 what the former library table held in its slots 4-11, 8-9 the staggered
+ * turns, 10-13 the tail tiles (half = 1: launched with half_params). */
 static const variant_t kVariants[] = {
     {(const void *)sm90_tma_lab_kernel<true, kEpiPlain, kOrderNone, false, kProbeNone>, 1, 0, 0, 1, kProbeNone, "unordered"},
     {(const void *)sm90_tma_lab_kernel<true, kEpiSwiglu, kOrderNone, false, kProbeNone>, 1, 1, 0, 1, kProbeNone, "unordered"},
