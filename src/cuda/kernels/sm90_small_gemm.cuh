@@ -252,34 +252,10 @@ __device__ __forceinline__ int32_t split_expert(const small_params &p, const tab
     return p.w2_split && tb.first[L] > 0 ? mf__prefix_find(tb.first, L, 0, tb.first[L] - 1) : -1;
 }
 
-/* W2 unit j (counted from the first W2 unit): false past the last; else its expert e, n-block nb,
- * token block blk and half (-1: a whole unit; 0, 1: switch 7's halves of the split expert's, whose
- * units come last, 2 nb2 of them per token block: n-block, then half, then token block), the
- * expert found from `cursor` (<= it). Also the L2-ahead unit's arithmetic (one mapping). */
-__device__ __forceinline__ bool w2_unit(const tables_t &tb, int32_t L, int32_t nb2, int32_t split_e, int32_t j,
-                                        int32_t cursor, int32_t &e, int32_t &nb, int32_t &blk, int32_t &half) {
-    const int32_t whole = nb2 * tb.first[split_e >= 0 ? split_e : L];
-    if (j < whole) {
-        e = mf__prefix_find(tb.first, L, cursor, j / nb2); /* nb2 first[e + 1] <= j: first[e + 1] <= j / nb2 */
-        const int32_t blocks = tb.first[e + 1] - tb.first[e], local = j - nb2 * tb.first[e];
-        blk = local % blocks;
-        nb = local / blocks;
-        half = -1;
-        return true;
-    }
-    if (split_e < 0) return false;
-    const int32_t blocks = tb.first[split_e + 1] - tb.first[split_e], local = j - whole;
-    if (local >= 2 * nb2 * blocks) return false;
-    e = split_e;
-    nb = local / (2 * blocks);
-    half = local % (2 * blocks) / blocks;
-    blk = local % blocks;
-    return true;
-}
-
 /* Unit `idx` (tables' first[] counts token blocks): false past the last unit; else w2 (false: W13)
- * and the tile (expert, n-block, rows) and, W2, its half (w2_unit), with the phase's cursor (one per
- * phase: each role's units ascend, so each cursor only moves forward). */
+ * and the tile (expert, n-block, rows) and, W2, its half (core/prefix.h mf__w2_unit: the one W2
+ * mapping, the L2-ahead unit's too), with the phase's cursor (one per phase: each role's units
+ * ascend, so each cursor only moves forward). */
 template <int kBlockT>
 __device__ __forceinline__ bool locate(const tables_t &tb, int32_t L, int32_t nb13, int32_t nb2, int32_t split_e,
                                        int32_t idx, int32_t &cur13, int32_t &cur2, bool &w2, tile_t &t, int32_t &half) {
@@ -288,7 +264,7 @@ __device__ __forceinline__ bool locate(const tables_t &tb, int32_t L, int32_t nb
     half = -1;
     if (w2) {
         int32_t e, nb, blk;
-        if (!w2_unit(tb, L, nb2, split_e, idx - nb13 * blocks_all, cur2, e, nb, blk, half)) return false;
+        if (!mf__w2_unit(tb.first, L, nb2, split_e, idx - nb13 * blocks_all, cur2, &e, &nb, &blk, &half)) return false;
         cur2 = e;
         place_block<kBlockT>(tb, e, blk, t);
         t.nb = nb;
@@ -675,8 +651,8 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
                 if (kb == 0 && !ready && p.l2_ahead) { /* L2 ahead (file comment): parked, so the weights of
                     unit idx + grid, W2 unit j2 (locate's arithmetic: expert t.e or a later one) */
                     int32_t e2, nb2_, blk2, half2;
-                    if (w2_unit(tb, L, nb2, split_e, idx + (int32_t)gridDim.x - nb13 * tb.first[L], t.e, e2, nb2_, blk2,
-                                half2) &&
+                    if (mf__w2_unit(tb.first, L, nb2, split_e, idx + (int32_t)gridDim.x - nb13 * tb.first[L], t.e, &e2,
+                                    &nb2_, &blk2, &half2) &&
                         lane < kb2) /* a box per lane: the unit's first 32 K blocks (a half's whole box) */
                         mf__tma_prefetch_2d(&p.tmap_w2, lane * (kKBlock / C::kEsz), e2 * p.H + nb2_ * kBoxRows);
                 }
