@@ -13,7 +13,10 @@
  * MF_SMALL        0: the CUDA backend never runs the small-batch kernel (W13 and W2 in one launch,
  *                 kernels/sm90_small_gemm.cuh) and launches the two decode GEMMs instead; 1: it runs it
  *                 but keeps the sum kernel after it; 2: at R = 1 it sums too; 3 (default): at R = 1
- *                 it also plans for itself (no plan kernel); for A/B measurements */
+ *                 it also plans for itself (no plan kernel); for A/B measurements
+ * MF_TMA_TAILS    0: the CUDA backend's TMA GEMMs (more than 64 rows per expert) compute every tile
+ *                 at 128 rows, an expert's tail of at most 64 rows included (default 1: such a tail
+ *                 runs as a 64-row tile, the same bits); for A/B measurements */
 
 /* The integer value of `name`, or `fallback` when it is unset, not an integer, or below `min`. */
 static int64_t mf__env_int(const char *name, int64_t fallback, int64_t min) {
@@ -34,3 +37,5 @@ int32_t mf__param_small(void) {
     const int64_t v = mf__env_int("MF_SMALL", 3, 0);
     return v > 3 ? 3 : (int32_t)v;
 }
+
+int32_t mf__param_tma_tails(void) { return mf__env_int("MF_TMA_TAILS", 1, 0) != 0; }

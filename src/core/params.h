@@ -1,6 +1,6 @@
 /*
- * params.h — the tunables: the environment variables (MF_TIMEOUT_MS, MF_DEBUG, MF_PDL, MF_SMALL), all read
- * in params.c, which holds their one table.
+ * params.h — the tunables: the environment variables (MF_TIMEOUT_MS, MF_DEBUG, MF_PDL, MF_SMALL,
+ * MF_TMA_TAILS), all read in params.c, which holds their one table.
  */
 #ifndef MF_CORE_PARAMS_H
 #define MF_CORE_PARAMS_H
@@ -14,6 +14,7 @@ extern "C" {
 int64_t mf__param_timeout_ms(void); /* MF_TIMEOUT_MS, default 30000 */
 int32_t mf__param_pdl(void);        /* MF_PDL: 0 when it is 0, else 1 (read by each CUDA comm's init) */
 int32_t mf__param_small(void);      /* MF_SMALL: 0 to 3 (default; read by each CUDA comm's init) */
+int32_t mf__param_tma_tails(void);  /* MF_TMA_TAILS: 0 off, else 1 (default; each CUDA comm's init) */
 int32_t mf__param_debug(void);      /* MF_DEBUG: 1 when it is a positive integer, else 0 (core/debug.h) */
 /* Resolves a config's timeout: 0 = mf__param_timeout_ms(). */
 static inline int64_t mf__timeout_or_default(int64_t ms) { return ms ? ms : mf__param_timeout_ms(); }

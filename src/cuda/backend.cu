@@ -168,6 +168,9 @@ extern "C" int32_t mf__cuda_plan_small = 1;  /* balance/prefetch.h */
  * MF_SMALL (core/params.c); the GPU tests set it directly. */
 extern "C" int32_t mf__cuda_small = 3;
 extern "C" int32_t mf__cuda_small_rows = mf__small::kMaxRows; /* grouped_gemm.h */
+/* The TMA family's tail tiles (grouped_gemm.h): cleared for the rest of the process by a comm init
+ * that reads MF_TMA_TAILS=0 (core/params.c), and by `moeflow bench gemm`. */
+extern "C" int32_t mf__cuda_tma_tails = 1;
 
 /* ---- comm and memory ---------------------------------------------------------------------- */
 
@@ -253,6 +256,7 @@ static mf_result_t mf__cuda_comm_init(mf_comm_t comm) {
     if (!mf__param_pdl()) __atomic_store_n(&mf__cuda_pdl, 0, __ATOMIC_RELAXED); /* MF_PDL=0 (cuda/pdl.cuh) */
     const int32_t small = mf__param_small(); /* MF_SMALL=0 or 1 lowers the switch for the process */
     if (small < __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED)) __atomic_store_n(&mf__cuda_small, small, __ATOMIC_RELAXED);
+    if (!mf__param_tma_tails()) __atomic_store_n(&mf__cuda_tma_tails, 0, __ATOMIC_RELAXED); /* MF_TMA_TAILS=0 */
 
     mf__cuda_comm_t *c = (mf__cuda_comm_t *)mf__calloc(1, sizeof *c);
     if (!c) return mf__error(MF_ERR_OUT_OF_MEMORY, "cuda backend: out of host memory");
