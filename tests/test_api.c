@@ -1232,8 +1232,8 @@ static int test_alloc_failure(void) {
 }
 
 /* The A/B switches' parsing (core/params.c): MF_SMALL 0..7 (7 by default and above 7),
- * MF_DECODE_TOKENS one of the decode tiles below 64 or else 64, MF_DECODE_L2 on only at 1; the
- * variables are put back. */
+ * MF_DECODE_TOKENS one of the decode tiles below 64 or else 64, MF_DECODE_L2 on only at 1,
+ * MF_TMA_TAILS off only at 0; the variables are put back. */
 static int test_params(void) {
     static const struct { const char *name, *value; int32_t want; } cases[] = {
         {"MF_SMALL", NULL, 7},          {"MF_SMALL", "0", 0},          {"MF_SMALL", "6", 6},
@@ -1243,6 +1243,8 @@ static int test_params(void) {
         {"MF_DECODE_TOKENS", "4", 64},  {"MF_DECODE_TOKENS", "", 64},
         {"MF_DECODE_L2", NULL, 0},      {"MF_DECODE_L2", "1", 1},      {"MF_DECODE_L2", "0", 0},
         {"MF_DECODE_L2", "2", 0},       {"MF_DECODE_L2", "on", 0},
+        {"MF_TMA_TAILS", NULL, 1},      {"MF_TMA_TAILS", "0", 0},      {"MF_TMA_TAILS", "1", 1},
+        {"MF_TMA_TAILS", "off", 1},     {"MF_TMA_TAILS", "-1", 1},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         const char *old = getenv(cases[i].name);
@@ -1250,7 +1252,8 @@ static int test_params(void) {
         MFT_CHECK(cases[i].value ? setenv(cases[i].name, cases[i].value, 1) == 0 : unsetenv(cases[i].name) == 0);
         const int32_t got = strcmp(cases[i].name, "MF_SMALL") == 0           ? mf__param_small()
                             : strcmp(cases[i].name, "MF_DECODE_TOKENS") == 0 ? mf__param_decode_tokens()
-                                                                             : mf__param_decode_l2();
+                            : strcmp(cases[i].name, "MF_DECODE_L2") == 0     ? mf__param_decode_l2()
+                                                                             : mf__param_tma_tails();
         MFT_CHECK(keep ? setenv(cases[i].name, keep, 1) == 0 : unsetenv(cases[i].name) == 0);
         free(keep);
         MFT_CHECK_MSG(got == cases[i].want, "%s=%s read as %d, want %d", cases[i].name,

@@ -240,35 +240,44 @@ static int test_swiglu_h(void) {
 
 /* The GEMM choice's decode tile (docs/DESIGN.md step 5): the hint is the MEAN rows per expert; the
  * tile holds mean + 2 sqrt(mean) (an expert past its tile streams its weights twice), capped by the
- * bound; above 64 expected rows the TMA family with 128-row tiles, and DIRECT only with decode. A
+ * bound; above 64 expected rows the TMA family with 128-row tiles and 64-row tail tiles (none under
+ * MF_TMA_TAILS=0), and DIRECT only with decode. A
  * host function of a CUDA build (no GPU needed); a build without CUDA has no GEMM choice and does
  * not list this test. */
 #if MF_WITH_CUDA
+extern int32_t mf__cuda_tma_tails; /* cuda/grouped_gemm.h: 1 (the default) lets the choice take tail tiles */
+
 static int test_choice(void) {
     static const int32_t hint_tile[][2] = {{1, 8}, {4, 8}, {5, 16}, {8, 16}, {9, 16}, {10, 32},
                                            {16, 32}, {22, 32}, {23, 64}, {32, 64}, {64, 64}};
     for (size_t i = 0; i < sizeof hint_tile / sizeof hint_tile[0]; i++) {
-        int32_t family = -1, block = -1, flow = -1, fused = -1;
-        mf__gemm_bench_choose(hint_tile[i][0], 4096, MF_DATAFLOW_AUTO, &family, &block, &flow, &fused);
+        int32_t family = -1, block = -1, flow = -1, fused = -1, tail = -1;
+        mf__gemm_bench_choose(hint_tile[i][0], 4096, MF_DATAFLOW_AUTO, &family, &block, &flow, &fused, &tail);
         MFT_CHECK_MSG(family == 0 && block == hint_tile[i][1] && flow == MF_DATAFLOW_DIRECT,
                       "hint %d: family %d, %d tokens per tile, dataflow %d", hint_tile[i][0], family, block, flow);
         /* the small-batch kernel exactly with 8-token tiles (DIRECT) */
         MFT_CHECK_MSG(fused == (block == 8), "hint %d: fused %d with %d tokens per tile", hint_tile[i][0], fused, block);
+        MFT_CHECK_MSG(tail == 0, "hint %d: decode tiles with tail tiles (%d rows)", hint_tile[i][0], tail);
     }
-    int32_t family = -1, block = -1, flow = -1, fused = -1;
-    mf__gemm_bench_choose(16, 16, MF_DATAFLOW_AUTO, &family, &block, &flow, &fused); /* the bound caps the tile */
+    int32_t family = -1, block = -1, flow = -1, fused = -1, tail = -1;
+    mf__gemm_bench_choose(16, 16, MF_DATAFLOW_AUTO, &family, &block, &flow, &fused, &tail); /* the bound caps the tile */
     MFT_CHECK(family == 0 && block == 16 && !fused);
-    mf__gemm_bench_choose(12, 8, MF_DATAFLOW_DIRECT, &family, &block, &flow, &fused); /* capped to 8: fused */
+    mf__gemm_bench_choose(12, 8, MF_DATAFLOW_DIRECT, &family, &block, &flow, &fused, &tail); /* capped to 8: fused */
     MFT_CHECK(family == 0 && block == 8 && flow == MF_DATAFLOW_DIRECT && fused == 1);
-    mf__gemm_bench_choose(1, 4096, MF_DATAFLOW_PULL, &family, &block, &flow, &fused); /* PULL: the two GEMMs */
+    mf__gemm_bench_choose(1, 4096, MF_DATAFLOW_PULL, &family, &block, &flow, &fused, &tail); /* PULL: the two GEMMs */
     MFT_CHECK(family == 0 && block == 8 && flow == MF_DATAFLOW_PULL && !fused);
-    mf__gemm_bench_choose(1, 4096, MF_DATAFLOW_UNFUSED, &family, &block, &flow, &fused);
+    mf__gemm_bench_choose(1, 4096, MF_DATAFLOW_UNFUSED, &family, &block, &flow, &fused, &tail);
     MFT_CHECK(flow == MF_DATAFLOW_UNFUSED && !fused);
-    mf__gemm_bench_choose(0, 40, MF_DATAFLOW_PULL, &family, &block, &flow, &fused); /* unknown hint: the bound */
+    mf__gemm_bench_choose(0, 40, MF_DATAFLOW_PULL, &family, &block, &flow, &fused, &tail); /* unknown hint: the bound */
     MFT_CHECK(family == 0 && block == 64 && flow == MF_DATAFLOW_PULL && !fused);
-    mf__gemm_bench_choose(65, 4096, MF_DATAFLOW_AUTO, &family, &block, &flow, &fused);
-    MFT_CHECK(family == 1 && block == 128 && flow == MF_DATAFLOW_PULL && !fused);
-    mf__gemm_bench_choose(65, 4096, MF_DATAFLOW_UNFUSED, &family, &block, &flow, &fused);
+    mf__gemm_bench_choose(65, 4096, MF_DATAFLOW_AUTO, &family, &block, &flow, &fused, &tail);
+    MFT_CHECK(family == 1 && block == 128 && flow == MF_DATAFLOW_PULL && !fused && tail == 64); /* tail tiles */
+    const int32_t tails = __atomic_load_n(&mf__cuda_tma_tails, __ATOMIC_RELAXED);
+    __atomic_store_n(&mf__cuda_tma_tails, 0, __ATOMIC_RELAXED); /* MF_TMA_TAILS=0: full tiles only */
+    mf__gemm_bench_choose(4096, 4096, MF_DATAFLOW_AUTO, &family, &block, &flow, &fused, &tail);
+    __atomic_store_n(&mf__cuda_tma_tails, tails, __ATOMIC_RELAXED);
+    MFT_CHECK(family == 1 && block == 128 && tail == 0);
+    mf__gemm_bench_choose(65, 4096, MF_DATAFLOW_UNFUSED, &family, &block, &flow, &fused, &tail);
     MFT_CHECK(family == 1 && flow == MF_DATAFLOW_UNFUSED && !fused);
     return 0;
 }

@@ -44,7 +44,9 @@
  *               every owned row written
  *   repeat      a second launch writes the same bits; the dispatcher (mf__cuda_w13_swiglu /
  *               mf__cuda_w2 with rows_hint 128) writes the same bits too; a lab variant's case
- *               ("[unordered]", "[tail tiles]", ...) writes the bits of what ships
+ *               ("[unordered]", "[tail tiles]", ...) writes the bits of what ships (a
+ *               "[tail tiles]" case: the full tiles' kernel, kMfTmaLabFullTiles, against the
+ *               shipped one with its 64-row tail tiles)
  *   ret         W2 into R fake owners' combine slots [S, Kt, N]: row -> (token Kt + k) N of its
  *               rank's slots; rows whose src entry is invalid are dropped
  *   declines    shapes the kernel does not take return MF_ERR_NOT_SUPPORTED
@@ -56,8 +58,8 @@
  * cost against plain W13; then, interleaved over 3 rounds on the same data: the FP8 SwiGLU
  * epilogue overlap (ships against kMfTmaLabNoOverlap), the staggered turns of the FP8 consumers
  * (kMfTmaLabStagger against what ships, W13 swiglu and W2 plain), the 64-row tail tiles
- * (kMfTmaLabHalf against what ships on uneven counts of mean 128 and 256 rows, and on equal
- * counts), and two timing probes, whose results are not the GEMM (so they are never validated):
+ * (what ships against full tiles only, kMfTmaLabFullTiles, on uneven counts of mean 128 and 256
+ * rows, and on equal counts: what the tails' code costs where there is no tail), and two timing probes, whose results are not the GEMM (so they are never validated):
  * the FP8 promotion's cost (no overlap against no overlap without the promotion,
  * kMfTmaLabNoPromote) and the BF16 epilogue's (ships against no epilogue, kMfTmaLabNoStore).
  */
@@ -477,7 +479,8 @@ struct vcase {
     int ue8m0;
     int ret;                  /* plain: rows to R fake owners' combine slots */
     int unordered;            /* FP8 lab-only GEMM kernels (A/B): kMfTmaLabUnordered, kMfTmaLabNoOverlap,
-                                 kMfTmaLabStagger, kMfTmaLabHalf; 0 ships */
+                                 kMfTmaLabStagger, kMfTmaLabFullTiles (then what ships has its
+                                 tail tiles); 0 ships */
 };
 
 static void parallel_for(int n, const std::function<void(int)> &f) {
@@ -956,57 +959,57 @@ static void run_validate(void) {
                      {1, 300, 0, 129, 128, 77, 256, 5, 0, 200}, 300, 1, 0, kMfTmaLabStagger});
     cases.push_back({"fp8 expert_major W2 ret H=7168 I=2048 [staggered]", 1, 0, 7168, 2048, {70, 129}, 0, 0, 1,
                      kMfTmaLabStagger});
-    /* the 64-row tail tiles (kMfTmaLabHalf): tails of 1 (expert 0's box at row -63: zero fill), 2, 44,
+    /* the 64-row tail tiles (what ships against kMfTmaLabFullTiles): tails of 1 (expert 0's box at row -63: zero fill), 2, 44,
      * 63, 64 (lo = 64 exactly) rows and 65 (a full tile), whole experts of <= 64 rows, masked, ue8m0,
      * ret, one K block; and walks of several tiles per CTA (over 132 tiles: tail and full tiles
      * alternating, the overlap's next-tile kind, runs of tail tiles: the amax buffers' turns) */
     cases.push_back({"fp8 expert_major W13 swiglu ue8m0 I=384 K=512 counts 1,64,300,129 [tail tiles]", 1, 1, 384, 512,
-                     {1, 64, 300, 129}, 0, 1, 0, kMfTmaLabHalf});
+                     {1, 64, 300, 129}, 0, 1, 0, kMfTmaLabFullTiles});
     cases.push_back({"fp8 masked W2 plain N=512 K=384 [tail tiles]", 1, 0, 512, 384, {130, 0, 257, 63, 65}, 320, 0, 0,
-                     kMfTmaLabHalf});
+                     kMfTmaLabFullTiles});
     cases.push_back({"fp8 expert_major W13 swiglu I=2048 H=7168 [tail tiles]", 1, 1, 2048, 7168, {3, 130, 192}, 0, 0, 0,
-                     kMfTmaLabHalf});
+                     kMfTmaLabFullTiles});
     cases.push_back({"fp8 expert_major W2 ret H=7168 I=2048 [tail tiles]", 1, 0, 7168, 2048, {70, 129, 44}, 0, 0, 1,
-                     kMfTmaLabHalf});
+                     kMfTmaLabFullTiles});
     cases.push_back({"fp8 masked W13 swiglu L=10 I=128 K=128 [tail tiles]", 1, 1, 128, 128,
-                     {1, 300, 0, 129, 128, 77, 256, 5, 0, 200}, 300, 0, 0, kMfTmaLabHalf});
+                     {1, 300, 0, 129, 128, 77, 256, 5, 0, 200}, 300, 0, 0, kMfTmaLabFullTiles});
     {
         /* ~1000 tiles, tails and full tiles mixed; 600 or 1200 tail tiles only (runs of them in every CTA) */
         std::vector<int> mixed, tails;
         for (int e = 0; e < 300; e++) mixed.push_back(e % 7 == 3 ? 0 : (int)(1 + (rnd_u64() % 300)));
         for (int e = 0; e < 600; e++) tails.push_back((int)(1 + (rnd_u64() % 64)));
         cases.push_back({"fp8 expert_major W13 swiglu L=300 I=256 K=128 [tail tiles]", 1, 1, 256, 128, mixed, 0, 0, 0,
-                         kMfTmaLabHalf});
+                         kMfTmaLabFullTiles});
         cases.push_back({"fp8 expert_major W13 swiglu ue8m0 L=600 I=256 K=256 all tails [tail tiles]", 1, 1, 256, 256,
-                         tails, 0, 1, 0, kMfTmaLabHalf});
+                         tails, 0, 1, 0, kMfTmaLabFullTiles});
         cases.push_back({"fp8 expert_major W2 plain L=300 N=512 K=256 [tail tiles]", 1, 0, 512, 256, mixed, 0, 0, 0,
-                         kMfTmaLabHalf});
+                         kMfTmaLabFullTiles});
         cases.push_back({"bf16 expert_major W13 swiglu L=300 I=256 K=128 [tail tiles]", 0, 1, 256, 128, mixed, 0, 0, 0,
-                         kMfTmaLabHalf});
+                         kMfTmaLabFullTiles});
         cases.push_back({"bf16 expert_major W2 plain L=600 N=256 K=192 all tails [tail tiles]", 0, 0, 256, 192, tails, 0,
-                         0, 0, kMfTmaLabHalf});
+                         0, 0, kMfTmaLabFullTiles});
     }
     {
         std::vector<int> cnt; /* 40 experts of up to 300 rows */
         for (int e = 0; e < 40; e++) cnt.push_back(e % 5 == 3 ? 0 : (int)(1 + (rnd_u64() % 300)));
         cases.push_back({"fp8 expert_major W2 plain L=40 N=256 K=256 [tail tiles]", 1, 0, 256, 256, cnt, 0, 0, 0,
-                         kMfTmaLabHalf});
+                         kMfTmaLabFullTiles});
         cases.push_back({"fp8 expert_major W13 swiglu L=40 I=256 K=256 [tail tiles]", 1, 1, 256, 256, cnt, 0, 0, 0,
-                         kMfTmaLabHalf});
+                         kMfTmaLabFullTiles});
         cases.push_back({"bf16 expert_major W2 plain L=40 N=256 K=256 [tail tiles]", 0, 0, 256, 256, cnt, 0, 0, 0,
-                         kMfTmaLabHalf});
+                         kMfTmaLabFullTiles});
         cases.push_back({"bf16 masked W13 swiglu L=40 I=128 K=256 [tail tiles]", 0, 1, 128, 256, cnt, 300, 0, 0,
-                         kMfTmaLabHalf});
+                         kMfTmaLabFullTiles});
     }
     /* BF16 tail tiles: K tails inside a 64-element stage (TMA zero fill along K), ret, DeepSeek shapes */
     cases.push_back({"bf16 expert_major W13 swiglu I=128 K=200 counts 77,129,1 [tail tiles]", 0, 1, 128, 200, {77, 129, 1},
-                     0, 0, 0, kMfTmaLabHalf});
+                     0, 0, 0, kMfTmaLabFullTiles});
     cases.push_back({"bf16 masked W2 plain N=256 K=136 [tail tiles]", 0, 0, 256, 136, {77, 200, 63}, 256, 0, 0,
-                     kMfTmaLabHalf});
+                     kMfTmaLabFullTiles});
     cases.push_back({"bf16 expert_major W2 ret N=512 K=384 [tail tiles]", 0, 0, 512, 384, {130, 0, 257}, 0, 0, 1,
-                     kMfTmaLabHalf});
+                     kMfTmaLabFullTiles});
     cases.push_back({"bf16 expert_major W13 swiglu I=2048 H=7168 [tail tiles]", 0, 1, 2048, 7168, {3, 130, 192}, 0, 0, 0,
-                     kMfTmaLabHalf});
+                     kMfTmaLabFullTiles});
     for (auto &c : cases) run_case(c);
     run_declines();
 }
@@ -1253,7 +1256,7 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
                 fflush(stdout);
             }
     }
-    /* A/B: the 64-row tail tiles (lab) against what ships, FP8 then BF16, W13 swiglu and W2 plain, on the
+    /* A/B: the 64-row tail tiles (what ships) against full tiles only (lab), FP8 then BF16, W13 swiglu and W2 plain, on the
      * counts of a layer at T = 4096 per rank (L = 32 experts drawn like deepseek-v3's 256 at mean 128
      * rows, qwen3's 128 at mean 256: mean + sqrt(mean) z, z standard normal, offsets contiguous as
      * the layer's receive rows; about half the experts end in a tail of <= 64 rows), and on equal
@@ -1261,7 +1264,7 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
     for (int fp8 = 1; fp8 >= 0; fp8--) {
         fill_random(d_a, a_bytes / (fp8 ? 1 : 2), fp8 ? 0 : 1);
         fill_random(d_w, w_bytes / (fp8 ? 1 : 2), fp8 ? 0 : 1);
-        printf("# A/B: %s 64-row tail tiles (kMfTmaLabHalf) vs full tiles (ships), L = 32, 3 rounds interleaved\n",
+        printf("# A/B: %s 64-row tail tiles (ships) vs full tiles only (kMfTmaLabFullTiles), L = 32, 3 rounds interleaved\n",
                fp8 ? "FP8" : "BF16");
         for (int mean : {128, 256, 0}) {
             const int L = 32;
@@ -1287,12 +1290,12 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
                 char name[128];
                 snprintf(name, sizeof name, "bench %s %s L=%d mean=%d tail A/B", fp8 ? "fp8" : "bf16", sh.name, L, mean);
                 g_case = name;
-                double ships = 0, half = 0;
-                time_ab_us(g, kMfTmaLabShipped, kMfTmaLabHalf, d_flush, ev0, ev1, &ships, &half);
+                double full = 0, ships = 0;
+                time_ab_us(g, kMfTmaLabFullTiles, kMfTmaLabShipped, d_flush, ev0, ev1, &full, &ships);
                 const double fl = 2.0 * rows * (double)sh.nw * sh.k * 1e-6;
-                printf("  %-5s %-11s L=%2d rows %5d (%s, %2d tails)  ships %9.1f us %7.1f TF/s   tail tiles %9.1f us %7.1f TF/s   "
+                printf("  %-5s %-11s L=%2d rows %5d (%s, %2d tails)  full tiles %9.1f us %7.1f TF/s   ships (tails) %9.1f us %7.1f TF/s   "
                        "gain %+5.1f %%\n", fp8 ? "fp8" : "bf16", sh.name, L, rows, mean ? (mean == 128 ? "mean 128" : "mean 256") : "M = 256 ",
-                       tails, ships, fl / ships, half, fl / half, 100.0 * (ships / half - 1.0));
+                       tails, full, fl / full, ships, fl / ships, 100.0 * (full / ships - 1.0));
                 fflush(stdout);
             }
         }

@@ -22,7 +22,10 @@
  *                 (kernels/sm90_decode_gemm.cuh, "L2 a ring ahead"; default 0); for A/B measurements
  * MF_DECODE_TOKENS the largest decode tile the GEMM choice may take, 8, 16, 32 or 64 (default) tokens
  *                 (cuda/grouped_gemm.cu mf__gemm_choose: the tile that holds most experts' rows; an
- *                 expert past it takes more tiles); other values read as 64; for A/B measurements */
+ *                 expert past it takes more tiles); other values read as 64; for A/B measurements
+ * MF_TMA_TAILS    0: the CUDA backend's TMA GEMMs (more than 64 rows per expert) compute every tile
+ *                 at 128 rows, an expert's tail of at most 64 rows included (default 1: such a tail
+ *                 runs as a 64-row tile, the same bits); for A/B measurements */
 
 /* The integer value of `name`, or `fallback` when it is unset, not an integer, or below `min`. */
 static int64_t mf__env_int(const char *name, int64_t fallback, int64_t min) {
@@ -50,3 +53,5 @@ int32_t mf__param_small(void) {
     const int64_t v = mf__env_int("MF_SMALL", 7, 0);
     return v > 7 ? 7 : (int32_t)v;
 }
+
+int32_t mf__param_tma_tails(void) { return mf__env_int("MF_TMA_TAILS", 1, 0) != 0; }

@@ -172,6 +172,9 @@ extern "C" int32_t mf__cuda_small = 7;
 extern "C" int32_t mf__cuda_small_rows = mf__small::kMaxRows; /* grouped_gemm.h */
 extern "C" int32_t mf__cuda_decode_tokens = 64;                 /* grouped_gemm.h: MF_DECODE_TOKENS */
 extern "C" int32_t mf__cuda_decode_l2 = 0;                       /* grouped_gemm.h: MF_DECODE_L2 */
+/* The TMA family's tail tiles (grouped_gemm.h): cleared for the rest of the process by a comm init
+ * that reads MF_TMA_TAILS=0 (core/params.c), and by `moeflow bench gemm`. */
+extern "C" int32_t mf__cuda_tma_tails = 1;
 
 /* ---- comm and memory ---------------------------------------------------------------------- */
 
@@ -261,6 +264,7 @@ static mf_result_t mf__cuda_comm_init(mf_comm_t comm) {
     if (tokens < __atomic_load_n(&mf__cuda_decode_tokens, __ATOMIC_RELAXED))
         __atomic_store_n(&mf__cuda_decode_tokens, tokens, __ATOMIC_RELAXED);
     if (mf__param_decode_l2()) __atomic_store_n(&mf__cuda_decode_l2, 1, __ATOMIC_RELAXED); /* MF_DECODE_L2=1 */
+    if (!mf__param_tma_tails()) __atomic_store_n(&mf__cuda_tma_tails, 0, __ATOMIC_RELAXED); /* MF_TMA_TAILS=0 */
 
     mf__cuda_comm_t *c = (mf__cuda_comm_t *)mf__calloc(1, sizeof *c);
     if (!c) return mf__error(MF_ERR_OUT_OF_MEMORY, "cuda backend: out of host memory");

@@ -11,6 +11,7 @@
 #include "core/errors.h" /* C linkage through its own guards */
 #include "core/params.h" /* MF_DECODE_L2 */
 #include "core/numerics.h"
+#include "core/params.h"
 #include "cuda/gemm_bench.h"
 #include "cuda/gemm_configs.cuh" /* kMfFill*: the filler's launch shape */
 #include "cuda/grouped_gemm.h"
@@ -57,12 +58,13 @@ __global__ void bench_fill_kernel(fill_params p) {
 } /* namespace */
 
 void mf__gemm_bench_choose(int32_t rows_hint, int32_t max_rows_per_expert, int32_t dataflow, int32_t *family,
-                           int32_t *block_rows, int32_t *dataflow_out, int32_t *fused) {
+                           int32_t *block_rows, int32_t *dataflow_out, int32_t *fused, int32_t *tail_rows) {
     const mf__gemm_choice_t c = mf__gemm_choose(rows_hint, max_rows_per_expert, dataflow);
     *family = c.family;
     *block_rows = c.block_rows;
     *dataflow_out = c.dataflow;
     *fused = c.fused;
+    *tail_rows = c.tail_rows;
 }
 
 int32_t mf__gemm_bench_supported(int32_t op, int32_t dtype) {
@@ -91,6 +93,8 @@ mf_result_t mf__gemm_bench_run(const mf__gemm_bench_args_t *args, void *stream) 
     int32_t hint = seg.rows_hint;
     if (args->family == MF__GEMM_BENCH_DECODE && hint > kMfDecodeMaxRows) hint = kMfDecodeMaxRows;
     if (args->family == MF__GEMM_BENCH_TMA && hint <= kMfDecodeMaxRows) hint = kMfDecodeMaxRows + 1;
+    /* MF_TMA_TAILS=0: full TMA tiles only (no comm reads the environment here), for the tails' A/B */
+    if (!mf__param_tma_tails()) __atomic_store_n(&mf__cuda_tma_tails, 0, __ATOMIC_RELAXED);
     const mf__gemm_choice_t choice = mf__gemm_choose(hint, seg.max_rows_per_expert, MF_DATAFLOW_PULL);
     /* no comm reads the environment here: MF_DECODE_L2=1 raises the decode prefetch for the process */
     if (mf__param_decode_l2()) __atomic_store_n(&mf__cuda_decode_l2, 1, __ATOMIC_RELAXED);

@@ -63,10 +63,10 @@ typedef struct mf__gemm_bench_args {
 /* The library's GEMM choice for these host facts (cuda/grouped_gemm.h mf__gemm_choose): *family 0
  * decode or 1 TMA, *block_rows the tokens (decode) or rows (TMA) per tile, *dataflow_out the
  * dataflow it runs (MF_DATAFLOW_*), *fused 1 when the tiles allow the small-batch kernel (the layer
- * also bounds its routed rows: cuda/backend.cu, mf__small::kMaxRows). Pure host arithmetic, no GPU
- * needed. */
+ * also bounds its routed rows: cuda/backend.cu, mf__small::kMaxRows), *tail_rows the TMA tail tiles'
+ * rows (64, or 0: none). Pure host arithmetic, no GPU needed. */
 void mf__gemm_bench_choose(int32_t rows_hint, int32_t max_rows_per_expert, int32_t dataflow, int32_t *family,
-                           int32_t *block_rows, int32_t *dataflow_out, int32_t *fused);
+                           int32_t *block_rows, int32_t *dataflow_out, int32_t *fused, int32_t *tail_rows);
 
 /* The small-batch kernel's launches in this process so far, those of them that summed y, those that
  * planned for themselves and those that also made their rows from x (the CUDA suite checks which of

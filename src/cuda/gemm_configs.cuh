@@ -134,6 +134,7 @@ constexpr int kEpiRowBytes = 128;                          /* staging row: 64 BF
 constexpr int kEpiWarpBytes = kWarpRows * kEpiRowBytes;    /* 2 KB staging per consumer warp */
 constexpr int kWScaleSlots = 4;                            /* w_scale floats per stage (2 used) */
 constexpr int kMaxExperts = 1024;                          /* shared-memory tables */
+constexpr int kHalfRows = kWgRows;                         /* a tail tile's rows, [64, 128) of its tile */
 
 } /* namespace mf__tma */
 

@@ -2,7 +2,7 @@
  * gemm_tma.cu — launchers of the sm90 TMA grouped GEMMs (cuda/grouped_gemm.h; the kernel and its
  * design are in kernels/sm90_tma_gemm.cuh, validated and timed by dev/cuda/sm90_gemm_lab.cu through
  * these launchers). Each launcher checks the shape, encodes the activation and weight tensor maps on
- * the host (two cuTensorMapEncodeTiled calls, about a microsecond each) into the kernel's
+ * the host (two cuTensorMapEncodeTiled calls, four with tail tiles, about a microsecond each) into the kernel's
  * __grid_constant__ parameter, and launches once on a persistent grid (one CTA per SM, never more
  * than the tiles of the largest possible problem). They never synchronise and never allocate, so
  * they are CUDA-graph capturable.
@@ -18,7 +18,8 @@
  * multiple of 128); L <= kMaxExperts; L * N < 2^31; tiles within an int32 index.
  *
  * Variants (4): {FP8, BF16} x {W13 SwiGLU, W2 plain}; W2 sends rows to `out` or, with `ret`, to the
- * owners' combine slots (a runtime flag). The lab's A/B kernels and timing probes are its own fork
+ * owners' combine slots, and the 64-row tail tiles are on where the choice says (choice->tail_rows,
+ * mf__gemm_choose): runtime flags. The lab's A/B kernels and timing probes are its own fork
  * of the kernel with its own launcher (dev/cuda/sm90_tma_lab_kernel.cuh), never compiled or
  * registered here. mf__sm90_tma_preload loads every variant and raises its shared-memory limit
  * (group init calls it before any rank can spin: no lazy module load ever happens on the data
@@ -29,6 +30,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "core/errors.h"
 #include "cuda/gemm_family.cuh"
@@ -75,56 +77,63 @@ mf_result_t check_shape(const mf__gemm_segments_t *seg, int32_t dtype, int swigl
         return mf__gemm_decline(&g_family, "K = %lld: rows must be 16-byte multiples (FP8: K a multiple of %d)",
                                 (long long)K, MF__QUANT_BLOCK);
     const int64_t tiles = (int64_t)seg->num_experts * ((seg->max_rows_per_expert + kBlockM - 1) / kBlockM) * (N / kTileN);
-    if (tiles > kMaxRowCoord)
-        return mf__gemm_decline(&g_family, "%lld tiles exceed the kernel's int32 tile index", (long long)tiles);
+    if (tiles >= kMaxTiles)
+        return mf__gemm_decline(&g_family, "%lld tiles: the kernel's tile codes hold fewer than %lld", (long long)tiles,
+                                (long long)kMaxTiles);
     return MF_SUCCESS;
 }
 
-/* Encodes the tensor maps and launches variant (fp8, swiglu) on a persistent grid. */
-mf_result_t launch(const char *who, const mf__gemm_segments_t *seg, int fp8, int swiglu, const void *a, const void *w,
-                   gemm_params *p, cudaStream_t stream, int32_t pdl) {
+/* Encodes the tensor maps and launches variant (fp8, swiglu) on a persistent grid, with tail tiles
+ * where the choice says (choice->tail_rows). */
+mf_result_t launch(const char *who, const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int fp8,
+                   int swiglu, const void *a, const void *w, const gemm_params &p, cudaStream_t stream, int32_t pdl) {
     if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) return MF_SUCCESS; /* no rows: nothing to launch */
+    if (choice->tail_rows != 0 && choice->tail_rows != kHalfRows)
+        return mf__gemm_decline(&g_family, "tail tiles of %d rows: the kernel's are %d", choice->tail_rows, kHalfRows);
     int dev = 0, sms = 0;
     MF_CHECK(mf__gemm_configure(&g_family, who, &dev, &sms));
     const int vi = 2 * fp8 + swiglu;
     MF_CHECK(mf__gemm_require(&g_family, dev, vi));
+    tma_params tp;
+    memset(&tp, 0, sizeof tp);
+    tp.p = p;
+    tp.tails = choice->tail_rows != 0;
     const char *map = NULL;
-    const CUresult r = encode_maps(p, fp8, a, w, &map);
+    const CUresult r = encode_maps(&tp, fp8, a, w, &map);
     if (r != CUDA_SUCCESS) return mf__gemm_decline(&g_family, "%s tensor map: CUresult %d", map, (int)r);
-    const int grid = grid_of(p, seg->max_rows_per_expert, sms);
+    const int grid = grid_of(&tp.p, seg->max_rows_per_expert, sms);
     if (grid <= 0) return MF_SUCCESS;
-    void *args[] = {(void *)p};
+    void *args[] = {(void *)&tp};
     MF__GEMM_CUDA(mf__cuda_launch(variant_fn(vi), dim3((unsigned)grid), dim3(kThreads), (size_t)kSmemBytes, stream, pdl,
                                  args),
                  who);
-    mf__gemm_report_launch(&g_family, "tma %s %s (%d-row tiles, %d stages, %d B smem, grid %d, %s schedule)",
-                           fp8 ? "fp8" : "bf16", swiglu ? "swiglu" : "plain", kBlockM, kStages,
-                           kSmemBytes, grid, p->sched ? "dynamic" : "static");
+    mf__gemm_report_launch(&g_family, "tma %s %s (%d-row tiles%s, %d stages, %d B smem, grid %d, %s schedule)",
+                           fp8 ? "fp8" : "bf16", swiglu ? "swiglu" : "plain", kBlockM, tp.tails ? ", 64-row tails" : "",
+                           kStages, kSmemBytes, grid, tp.p.sched ? "dynamic" : "static");
     return MF_SUCCESS;
 }
 
 } /* namespace */
 
-mf_result_t mf__sm90_tma_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, int32_t ue8m0, mf__gemm_operand_t a,
-                                    mf__gemm_operand_t w13, int32_t H, int32_t I, void *h, float *h_scales,
-                                    cudaStream_t stream, int32_t pdl) {
+mf_result_t mf__sm90_tma_w13_swiglu(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t dtype,
+                                    int32_t ue8m0, mf__gemm_operand_t a, mf__gemm_operand_t w13, int32_t H, int32_t I,
+                                    void *h, float *h_scales, cudaStream_t stream, int32_t pdl) {
     if (a.gather)
         return mf__gemm_decline(&g_family, "a.gather: TMA cannot gather rows (mf__gemm_choose never asks it to)");
     const int64_t N = 2 * (int64_t)I, K = H;
     const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
     MF_CHECK(check_shape(seg, dtype, 1, N, K));
-    gemm_params p = w13_params(seg, ue8m0, a, w13, H, I, h, h_scales);
-    return launch(__func__, seg, fp8, 1, a.data, w13.data, &p, stream, pdl);
+    return launch(__func__, choice, seg, fp8, 1, a.data, w13.data, w13_params(seg, ue8m0, a, w13, H, I, h, h_scales),
+                  stream, pdl);
 }
 
-mf_result_t mf__sm90_tma_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__gemm_operand_t h, mf__gemm_operand_t w2,
-                            int32_t H, int32_t I, uint16_t *out, const mf__gemm_return_t *ret, cudaStream_t stream,
-                            int32_t pdl) {
+mf_result_t mf__sm90_tma_w2(const mf__gemm_choice_t *choice, const mf__gemm_segments_t *seg, int32_t dtype,
+                            mf__gemm_operand_t h, mf__gemm_operand_t w2, int32_t H, int32_t I, uint16_t *out,
+                            const mf__gemm_return_t *ret, cudaStream_t stream, int32_t pdl) {
     const int64_t N = H, K = I;
     const int fp8 = dtype == MF_DTYPE_FP8_E4M3;
     MF_CHECK(check_shape(seg, dtype, 0, N, K));
-    gemm_params p = w2_params(seg, h, w2, H, I, out, ret);
-    return launch(__func__, seg, fp8, 0, h.data, w2.data, &p, stream, pdl);
+    return launch(__func__, choice, seg, fp8, 0, h.data, w2.data, w2_params(seg, h, w2, H, I, out, ret), stream, pdl);
 }
 
 mf_result_t mf__sm90_tma_preload(void) { return mf__gemm_preload(&g_family, __func__); }

@@ -245,9 +245,13 @@ mf__gemm_choice_t mf__gemm_choose(int32_t rows_hint, int32_t max_rows_per_expert
         c.block_rows = m <= 8 ? 8 : m <= 16 ? 16 : m <= 32 ? 32 : 64;
         const int32_t most = __atomic_load_n(&mf__cuda_decode_tokens, __ATOMIC_RELAXED); /* MF_DECODE_TOKENS */
         if (c.block_rows > most) c.block_rows = most;
+        c.tail_rows = 0;
     } else {
         c.family = kMfGemmFamilyTma;
         c.block_rows = mf__tma::kBlockM;
+        /* an expert's last m-block of at most 64 rows as a 64-row tile: about half the experts at a
+         * mean of ~128 rows (prefill) end in one (kernels/sm90_tma_gemm.cuh "Tail tiles") */
+        c.tail_rows = __atomic_load_n(&mf__cuda_tma_tails, __ATOMIC_RELAXED) ? mf__tma::kHalfRows : 0;
     }
     /* rows read in place at their owners: only the decode family gathers them */
     const int32_t may_gather = dataflow == MF_DATAFLOW_AUTO || dataflow == MF_DATAFLOW_DIRECT;
@@ -302,7 +306,7 @@ mf_result_t mf__cuda_w13_swiglu(const mf__gemm_choice_t *choice, const mf__gemm_
     const mf_result_t r =
         choice->family == kMfGemmFamilyDecode
             ? mf__sm90_decode_w13_swiglu(choice, seg, dtype, ue8m0, a, w13, H, I, h, h_scales, stream, pdl)
-            : mf__sm90_tma_w13_swiglu(seg, dtype, ue8m0, a, w13, H, I, h, h_scales, stream, pdl);
+            : mf__sm90_tma_w13_swiglu(choice, seg, dtype, ue8m0, a, w13, H, I, h, h_scales, stream, pdl);
     if (dbg) note_declines(&d, choice, seg, r);
     if (r != MF_ERR_NOT_SUPPORTED) {
         if (dbg && r == MF_SUCCESS)
@@ -354,7 +358,7 @@ mf_result_t mf__cuda_w2(const mf__gemm_choice_t *choice, const mf__gemm_segments
     const bool fp8 = dtype == MF_DTYPE_FP8_E4M3;
     const mf_result_t r = choice->family == kMfGemmFamilyDecode
                               ? mf__sm90_decode_w2(choice, seg, dtype, h, w2, H, I, out, ret, stream, pdl)
-                              : mf__sm90_tma_w2(seg, dtype, h, w2, H, I, out, ret, stream, pdl);
+                              : mf__sm90_tma_w2(choice, seg, dtype, h, w2, H, I, out, ret, stream, pdl);
     const bool dbg = mf__debug_on() && debug_first(1, seg, dtype, H, I, 0, ret != NULL);
     decision_t d;
     d.n = 0;

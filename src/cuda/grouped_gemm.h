@@ -106,6 +106,9 @@ enum { kMfGemmFamilyDecode = 0, kMfGemmFamilyTma = 1, kMfGemmFamilySmall = 2, kM
 typedef struct mf__gemm_choice {
     int32_t family;     /* kMfGemmFamilyDecode or kMfGemmFamilyTma */
     int32_t block_rows; /* receive rows per tile: decode 8, 16, 32 or 64 tokens; TMA 128 */
+    int32_t tail_rows;  /* TMA: 64, an expert's last m-block of at most 64 rows runs as a 64-row tail tile
+                           (kernels/sm90_tma_gemm.cuh "Tail tiles"; the same bits), or 0: full tiles only
+                           (MF_TMA_TAILS=0); decode: 0 */
     int32_t dataflow;   /* MF_DATAFLOW_*: DIRECT only with the decode family */
     int32_t fused;      /* 1: W13 and W2 in one launch, the small-batch kernel (kernels/sm90_small_gemm.cuh):
                            decode with 8-token tiles and DIRECT (mf__cuda_w13_w2; a layer with spare
@@ -119,6 +122,11 @@ typedef struct mf__gemm_choice {
  * do: DIRECT with decode, else PULL; PULL and UNFUSED are kept; rows that are already contiguous
  * pass PULL). Pure host arithmetic: never fails, never launches. */
 mf__gemm_choice_t mf__gemm_choose(int32_t rows_hint, int32_t max_rows_per_expert, int32_t dataflow);
+
+/* The TMA family's tail tiles (defined in cuda/backend.cu): 1 (the default) lets mf__gemm_choose
+ * choose them, 0 never (MF_TMA_TAILS=0, read by each CUDA comm's init and by `moeflow bench gemm`,
+ * for A/B measurements). */
+extern "C" int32_t mf__cuda_tma_tails;
 
 /* The small-batch kernel's switch (defined in cuda/backend.cu): 0 clears choice->fused in every
  * forward, 1 keeps the sum kernel after it, 2 lets it sum at R = 1 too, 3 lets it plan for itself
@@ -151,19 +159,15 @@ typedef mf_result_t mf__gemm_w2_fn(const mf__gemm_choice_t *choice, const mf__ge
                                    mf__gemm_operand_t h, mf__gemm_operand_t w2, int32_t H, int32_t I, uint16_t *out,
                                    const mf__gemm_return_t *ret, cudaStream_t stream, int32_t pdl);
 
-/* The families' launchers: every variant takes the arguments of its dispatcher and honours the same
- * contract; decode's have the dispatchers' types (the choice gives its tokens per tile), tma's drop
- * the choice (one tile). decode and tma configure, decline and report through one skeleton
+/* The families' launchers: every variant takes the arguments of its dispatcher (the dispatchers'
+ * types: the choice gives decode its tokens per tile, TMA its tail tiles) and honours the same
+ * contract. decode and tma configure, decline and report through one skeleton
  * (cuda/gemm_family.cuh). */
 mf__gemm_w13_swiglu_fn mf__sm90_decode_w13_swiglu;
 mf__gemm_w2_fn mf__sm90_decode_w2;
 mf_result_t mf__sm90_decode_preload(void);
-mf_result_t mf__sm90_tma_w13_swiglu(const mf__gemm_segments_t *seg, int32_t dtype, int32_t ue8m0,
-                                    mf__gemm_operand_t a, mf__gemm_operand_t w13, int32_t H, int32_t I, void *h,
-                                    float *h_scales, cudaStream_t stream, int32_t pdl);
-mf_result_t mf__sm90_tma_w2(const mf__gemm_segments_t *seg, int32_t dtype, mf__gemm_operand_t h,
-                            mf__gemm_operand_t w2, int32_t H, int32_t I, uint16_t *out, const mf__gemm_return_t *ret,
-                            cudaStream_t stream, int32_t pdl);
+mf__gemm_w13_swiglu_fn mf__sm90_tma_w13_swiglu;
+mf__gemm_w2_fn mf__sm90_tma_w2;
 mf_result_t mf__sm90_tma_preload(void);
 /* The owner's K-sum done by the small-batch kernel itself (R = 1): y [T, H] BF16 = the sum of the
  * token's partials in its combine slots, with its published ids and weights (the heap view's ids
