@@ -17,6 +17,9 @@
  *                                                                the small kernel, its sum, its own
  *                                                                plan, its own rows and the two GEMMs
  *                                                                ran
+ *   mf__gemm_bench_launches                     cuda/gemm_bench.h  tests/gpu/test_gemm_bounds.c checks that
+ *                                                                the family it tests ran (a decline falls
+ *                                                                back to the mma.sync kernels silently)
  *   mf__gemm_small_set_timeline                 cuda/gemm_bench.h  `moeflow bench layer --timeline`: the
  *                                                                small kernel's per-CTA stamps
  *   the GEMM element bounds: mf__gemm_ref_dot,  cuda/gemm_bench.h  `bench gemm --check` and

@@ -259,6 +259,8 @@ static inline mf_result_t launch(int vi, const mf__gemm_segments_t *seg, int fp8
     }
     if (fa.numRegs != kLaunchRegs) return MF_ERR_NOT_SUPPORTED; /* setmaxnreg.inc would wait forever */
     if (seg->num_experts == 0 || seg->max_rows_per_expert == 0) return MF_SUCCESS;
+    if ((int64_t)p.num_experts * ((seg->max_rows_per_expert + kBlockM - 1) / kBlockM) * (p.N / kTileN) >= kMaxTiles)
+        return MF_ERR_NOT_SUPPORTED; /* tile_of holds idx << 1 (the shipped producer) */
     tma_params tp;
     memset(&tp, 0, sizeof tp);
     tp.p = p;
@@ -278,8 +280,8 @@ static inline mf_result_t launch(int vi, const mf__gemm_segments_t *seg, int fp8
 } /* namespace mf__tma_lab */
 
 /* The library launchers' arguments (cuda/grouped_gemm.h, pdl 0): the variant the switch selects,
- * or the library's own launcher with the library's choice (tail tiles on, unless MF_TMA_TAILS=0)
- * where that is what ships. */
+ * or the library's own launcher with the library's choice where that is what ships (tail tiles on:
+ * the lab creates no comm, so nothing reads MF_TMA_TAILS here). */
 static inline mf__gemm_choice_t tma_lab_choice(const mf__gemm_segments_t *seg) {
     return mf__gemm_choose(kMfDecodeMaxRows + 1, seg->max_rows_per_expert, MF_DATAFLOW_PULL);
 }

@@ -14,6 +14,7 @@
 #include "core/params.h"
 #include "cuda/gemm_bench.h"
 #include "cuda/gemm_configs.cuh" /* kMfFill*: the filler's launch shape */
+#include "cuda/gemm_family.cuh" /* mf__gemm_launches */
 #include "cuda/grouped_gemm.h"
 
 
@@ -65,6 +66,12 @@ void mf__gemm_bench_choose(int32_t rows_hint, int32_t max_rows_per_expert, int32
     *dataflow_out = c.dataflow;
     *fused = c.fused;
     *tail_rows = c.tail_rows;
+}
+
+uint64_t mf__gemm_bench_launches(int32_t family) {
+    return family == MF__GEMM_BENCH_DECODE ? mf__gemm_launches(kMfGemmFamilyDecode)
+           : family == MF__GEMM_BENCH_TMA  ? mf__gemm_launches(kMfGemmFamilyTma)
+                                           : 0;
 }
 
 int32_t mf__gemm_bench_supported(int32_t op, int32_t dtype) {

@@ -85,6 +85,10 @@ void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums, uint64_t *plans, 
 #define MF__GEMM_SMALL_STAMPS (6 + 2 * MF__GEMM_SMALL_UNIT_STAMPS)
 int mf__gemm_small_set_timeline(uint64_t *stamps);
 
+/* The launches of a family (MF__GEMM_BENCH_DECODE or MF__GEMM_BENCH_TMA) in this process so far, by
+ * every caller (layers, benches, tests); 0 for any other value. */
+uint64_t mf__gemm_bench_launches(int32_t family);
+
 /* 1 when the library has `op` for `dtype`, else 0. */
 int32_t mf__gemm_bench_supported(int32_t op, int32_t dtype);
 

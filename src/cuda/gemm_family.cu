@@ -12,6 +12,9 @@ namespace {
 /* Why the last call of this thread declined, and (MF_DEBUG) what its last launch ran, per family. */
 thread_local char g_decline[kMfGemmFamilies][256];
 thread_local char g_ran[kMfGemmFamilies][256];
+/* Launches per family in this process (the tests check which family ran: a decline falls back
+ * silently by design). */
+std::atomic<uint64_t> g_launches[kMfGemmFamilies];
 } /* namespace */
 
 mf_result_t mf__gemm_decline(const mf__gemm_family_t *f, const char *fmt, ...) {
@@ -23,6 +26,7 @@ mf_result_t mf__gemm_decline(const mf__gemm_family_t *f, const char *fmt, ...) {
 }
 
 void mf__gemm_report_launch(const mf__gemm_family_t *f, const char *fmt, ...) {
+    g_launches[f->id].fetch_add(1, std::memory_order_relaxed);
     if (!mf__debug_on()) return;
     va_list ap;
     va_start(ap, fmt);
@@ -33,6 +37,8 @@ void mf__gemm_report_launch(const mf__gemm_family_t *f, const char *fmt, ...) {
 const char *mf__gemm_last_decline(int family) { return g_decline[family]; }
 
 const char *mf__gemm_last_launch(int family) { return g_ran[family]; }
+
+uint64_t mf__gemm_launches(int family) { return g_launches[family].load(std::memory_order_relaxed); }
 
 mf_result_t mf__gemm_configure(mf__gemm_family_t *f, const char *who, int *dev_out, int *sms_out) {
     int dev = 0;

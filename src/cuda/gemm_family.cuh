@@ -69,7 +69,8 @@ static inline bool mf__gemm_aligned(const void *p, uintptr_t a) { return ((uintp
 /* Records why this thread's call declined and returns MF_ERR_NOT_SUPPORTED. */
 mf_result_t mf__gemm_decline(const mf__gemm_family_t *f, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
-/* Under MF_DEBUG (mf__debug_on): records what this thread's launch ran; otherwise nothing. */
+/* Counts a launch of family f (mf__gemm_launches) and, under MF_DEBUG (mf__debug_on), records what
+ * this thread's launch ran. Every family calls it once per launch. */
 void mf__gemm_report_launch(const mf__gemm_family_t *f, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* Why the calling thread's last call of family `family` (kMfGemmFamily*) declined
@@ -79,6 +80,9 @@ const char *mf__gemm_last_decline(int family);
 /* Under MF_DEBUG: what the calling thread's last launch of family `family` ran (variant, stages,
  * grid); "" before any. Not written when MF_DEBUG is off. */
 const char *mf__gemm_last_launch(int family);
+
+/* The launches of family `family` (kMfGemmFamily*) in this process so far. */
+uint64_t mf__gemm_launches(int family);
 
 /* The current device (dev) and its SM count (sms), the device examined first if it was not yet
  * (see the file comment). A device beyond the tables declines; CUDA errors are MF_ERR_CUDA. */

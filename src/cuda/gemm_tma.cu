@@ -2,7 +2,7 @@
  * gemm_tma.cu — launchers of the sm90 TMA grouped GEMMs (cuda/grouped_gemm.h; the kernel and its
  * design are in kernels/sm90_tma_gemm.cuh, validated and timed by dev/cuda/sm90_gemm_lab.cu through
  * these launchers). Each launcher checks the shape, encodes the activation and weight tensor maps on
- * the host (two cuTensorMapEncodeTiled calls, four with tail tiles, about a microsecond each) into the kernel's
+ * the host (two cuTensorMapEncodeTiled calls, three or four with tail tiles, about a microsecond each) into the kernel's
  * __grid_constant__ parameter, and launches once on a persistent grid (one CTA per SM, never more
  * than the tiles of the largest possible problem). They never synchronise and never allocate, so
  * they are CUDA-graph capturable.
@@ -97,10 +97,11 @@ mf_result_t launch(const char *who, const mf__gemm_choice_t *choice, const mf__g
     tma_params tp;
     memset(&tp, 0, sizeof tp);
     tp.p = p;
-    tp.tails = choice->tail_rows != 0;
     const char *map = NULL;
     const CUresult r = encode_maps(&tp, fp8, a, w, &map);
     if (r != CUDA_SUCCESS) return mf__gemm_decline(&g_family, "%s tensor map: CUresult %d", map, (int)r);
+    /* tail tiles where chosen and their maps encode (else full tiles only: the same bits) */
+    tp.tails = choice->tail_rows != 0 && encode_tail_maps(&tp, fp8, swiglu, a, w) == CUDA_SUCCESS;
     const int grid = grid_of(&tp.p, seg->max_rows_per_expert, sms);
     if (grid <= 0) return MF_SUCCESS;
     void *args[] = {(void *)&tp};

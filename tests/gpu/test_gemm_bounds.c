@@ -5,8 +5,10 @@
  * the same check must fail.
  *
  *   families  decode (rows_hint <= kMfDecodeMaxRows), TMA (above it: M = 200, whose last m-block
- *             of 72 rows is a full tile, and M = 180, whose 52 run as a 64-row tail tile; every TMA
- *             case is run a second time with the tail tiles off and must write the same bits),
+ *             of 72 rows is a full tile, and M = 180, whose 52 run as a 64-row tail tile, with L = 72
+ *             too: more tiles than CTAs; every TMA case runs again with the tail tiles off and on
+ *             the static walk, which must write the same bits; each case checks that its family
+ *             ran, not the fallback),
  *             v1 (the mma.sync fallback:
  *             W2 with H not a multiple of the TMA tile's 256 columns, BF16 W13 with 2I = 384,
  *             FP8 W13 with L past the TMA tables' 1024 experts); FP8 and BF16; W13 + SwiGLU
@@ -166,34 +168,51 @@ static int run_case(const gcase_t *c) {
     args.counts = dcounts, args.offsets = doffsets, args.sched = dsched;
     args.a = da, args.a_scales = fp8 ? das : NULL, args.w = dw, args.w_scales = fp8 ? dws : NULL;
     args.out = dout, args.out_scales = swiglu && fp8 ? dos : NULL;
+    const int32_t bench_family = strcmp(c->family, "decode") == 0 ? MF__GEMM_BENCH_DECODE
+                                 : strcmp(c->family, "tma") == 0  ? MF__GEMM_BENCH_TMA
+                                                                  : -1;
+    const uint64_t ran0 = mf__gemm_bench_launches(bench_family);
     MFT_CHECK_OK(mf__gemm_bench_run(&args, NULL));
     CUDA_OK(cudaDeviceSynchronize());
-    if (strcmp(c->family, "tma") == 0) { /* the tail tiles off: the same bits (kernels/sm90_tma_gemm.cuh) */
+    if (bench_family == MF__GEMM_BENCH_TMA) {
+        /* the same bits with the tail tiles off and on the static walk (kernels/sm90_tma_gemm.cuh:
+         * neither the tile's kind nor the CTA that computes it changes an element) */
         void *dout2, *dos2;
         CUDA_OK(cudaMalloc(&dout2, ob));
         CUDA_OK(cudaMalloc(&dos2, osb));
-        CUDA_OK(cudaMemset(dout2, 0xFF, ob));
-        CUDA_OK(cudaMemset(dos2, 0xFF, osb));
-        const int32_t tails = __atomic_load_n(&mf__cuda_tma_tails, __ATOMIC_RELAXED);
-        __atomic_store_n(&mf__cuda_tma_tails, 0, __ATOMIC_RELAXED);
-        args.out = dout2, args.out_scales = swiglu && fp8 ? dos2 : NULL;
-        const mf_result_t r = mf__gemm_bench_run(&args, NULL);
-        __atomic_store_n(&mf__cuda_tma_tails, tails, __ATOMIC_RELAXED);
-        MFT_CHECK_OK(r);
-        CUDA_OK(cudaDeviceSynchronize());
         uint8_t *o1 = malloc(ob), *o2 = malloc(ob), *s1 = malloc(osb), *s2 = malloc(osb);
         MFT_CHECK(o1 && o2 && s1 && s2);
         CUDA_OK(cudaMemcpy(o1, dout, ob, cudaMemcpyDeviceToHost));
-        CUDA_OK(cudaMemcpy(o2, dout2, ob, cudaMemcpyDeviceToHost));
         CUDA_OK(cudaMemcpy(s1, dos, osb, cudaMemcpyDeviceToHost));
-        CUDA_OK(cudaMemcpy(s2, dos2, osb, cudaMemcpyDeviceToHost));
-        MFT_CHECK_MSG(memcmp(o1, o2, ob) == 0 && memcmp(s1, s2, osb) == 0,
-                      "tma %s %s M %d: tail tiles on and off wrote different bits", swiglu ? "w13" : "w2",
-                      fp8 ? "fp8" : "bf16", c->M);
+        static const struct { int32_t tails, dynamic; const char *what; } runs[] = {
+            {0, 0, "tail tiles off, static walk"}, {1, 0, "tail tiles on, static walk"}};
+        const int32_t tails = __atomic_load_n(&mf__cuda_tma_tails, __ATOMIC_RELAXED);
+        for (int r = 0; r < 2; r++) {
+            CUDA_OK(cudaMemset(dout2, 0xFF, ob));
+            CUDA_OK(cudaMemset(dos2, 0xFF, osb));
+            __atomic_store_n(&mf__cuda_tma_tails, runs[r].tails, __ATOMIC_RELAXED);
+            args.out = dout2, args.out_scales = swiglu && fp8 ? dos2 : NULL;
+            args.sched = runs[r].dynamic ? dsched : NULL;
+            const mf_result_t res = mf__gemm_bench_run(&args, NULL);
+            __atomic_store_n(&mf__cuda_tma_tails, tails, __ATOMIC_RELAXED);
+            MFT_CHECK_OK(res);
+            CUDA_OK(cudaDeviceSynchronize());
+            CUDA_OK(cudaMemcpy(o2, dout2, ob, cudaMemcpyDeviceToHost));
+            CUDA_OK(cudaMemcpy(s2, dos2, osb, cudaMemcpyDeviceToHost));
+            MFT_CHECK_MSG(memcmp(o1, o2, ob) == 0 && memcmp(s1, s2, osb) == 0,
+                          "tma %s %s L %d M %d: %s wrote other bits than tail tiles on, dynamic walk",
+                          swiglu ? "w13" : "w2", fp8 ? "fp8" : "bf16", L, c->M, runs[r].what);
+        }
         free(o1), free(o2), free(s1), free(s2);
         cudaFree(dout2), cudaFree(dos2);
-        args.out = dout, args.out_scales = swiglu && fp8 ? dos : NULL;
+        args.out = dout, args.out_scales = swiglu && fp8 ? dos : NULL, args.sched = dsched;
     }
+    /* the family under test ran (a decline would have fallen back to v1 silently) */
+    if (bench_family >= 0)
+        MFT_CHECK_MSG(mf__gemm_bench_launches(bench_family) == ran0 + (bench_family == MF__GEMM_BENCH_TMA ? 3 : 1),
+                      "%s %s %s: the family did not run every launch (%llu of them)", c->family,
+                      swiglu ? "w13" : "w2", fp8 ? "fp8" : "bf16",
+                      (unsigned long long)(mf__gemm_bench_launches(bench_family) - ran0));
 
     host_t h;
     h.a = malloc(ab), h.as = malloc(asb), h.w = malloc(wb), h.ws = malloc(wsb), h.out = malloc(ob), h.os = malloc(osb);
@@ -259,8 +278,12 @@ static int gemm_bounds_tma(void) {
         {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_BF16, 512, 256, 3, 180},
         {"tma", MF__GEMM_OP_W2, MF_DTYPE_FP8_E4M3, 512, 256, 3, 180},
         {"tma", MF__GEMM_OP_W2, MF_DTYPE_BF16, 512, 256, 3, 180},
+        /* 288 tiles, more than a grid: CTAs walk full and tail tiles in turn (the overlap's next
+         * kind, the amax buffers' turns) */
+        {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_FP8_E4M3, 512, 256, 72, 180},
+        {"tma", MF__GEMM_OP_W2, MF_DTYPE_BF16, 512, 256, 72, 180},
     };
-    return run_cases(cs, 8);
+    return run_cases(cs, 10);
 }
 
 static int gemm_bounds_v1(void) {

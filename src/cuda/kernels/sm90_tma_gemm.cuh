@@ -159,7 +159,7 @@ constexpr int64_t kMaxTiles = (int64_t)1 << 30;                       /* tile_of
 struct tma_params {
     gemm_params p;
     CUtensorMap tmap_a64; /* activations [kMaxRowCoord, K], box [64 rows, 128 B], 128B swizzle (tails only) */
-    CUtensorMap tmap_w64; /* weights [L N, K], box [64 rows, 128 B], 128B swizzle (tails only) */
+    CUtensorMap tmap_w64; /* weights [L N, K], box [64 rows, 128 B], 128B swizzle (SwiGLU tails only) */
     int32_t tails;        /* 1: tail tiles (the producer marks them); 0: every tile is a full one */
 };
 
@@ -795,7 +795,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_tma_kernel(const __grid_cons
     tables_at<kMaxExperts>(tb, smem + kOffTables);
     if (threadIdx.x == 0 && tp.tails) {
         mf__prefetch_tensormap(&tp.tmap_a64);
-        mf__prefetch_tensormap(&tp.tmap_w64);
+        if (kEpi == kEpiSwiglu) mf__prefetch_tensormap(&tp.tmap_w64);
     }
     /* first[e]: the m-blocks of the experts < e */
     prologue<kStages, true>(p, full, empty, kFullArrivals, tb, [](int32_t rows) { return (rows + kBlockM - 1) / kBlockM; });
@@ -822,30 +822,35 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_tma_kernel(const __grid_cons
 /* ---- host: what every launch of the kernel (gemm_tma.cu, the lab's fork) sets up ------------------ */
 
 /* Encodes tp's activation map ([kMaxRowCoord, K] from `a`, 128-row boxes) and weight map ([L N, K]
- * from `w`, 128-row boxes), both 128B-swizzled, and with tp->tails the tail tiles' two maps of 64-row
- * boxes; tp->p's K, N and num_experts must be set. CUDA_SUCCESS, or the driver's result with *which
- * naming the map ("activation", "weight", "64-row activation", "64-row weight"). */
+ * from `w`, 128-row boxes), both 128B-swizzled; tp->p's K, N and num_experts must be set.
+ * CUDA_SUCCESS, or the driver's result with *which naming the map ("activation", "weight"). */
 static inline CUresult encode_maps(tma_params *tp, int fp8, const void *a, const void *w, const char **which) {
     gemm_params *p = &tp->p;
     const int esz = fp8 ? 1 : 2;
-    const uint64_t kbytes = (uint64_t)p->K * esz, wrows = (uint64_t)p->num_experts * p->N;
+    const uint64_t kbytes = (uint64_t)p->K * esz;
     const CUtensorMapDataType dt = fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-    const uint32_t box_k = (uint32_t)(kKBlock / esz);
     *which = "activation";
-    CUresult r = mf__tma_encode_2d(&p->tmap_a, dt, a, (uint64_t)p->K, (uint64_t)kMaxRowCoord, kbytes, box_k,
-                                   (uint32_t)kBlockM, CU_TENSOR_MAP_SWIZZLE_128B);
+    CUresult r = mf__tma_encode_2d(&p->tmap_a, dt, a, (uint64_t)p->K, (uint64_t)kMaxRowCoord, kbytes,
+                                   (uint32_t)(kKBlock / esz), (uint32_t)kBlockM, CU_TENSOR_MAP_SWIZZLE_128B);
     if (r != CUDA_SUCCESS) return r;
     *which = "weight";
-    r = mf__tma_encode_2d(&p->tmap_w, dt, w, (uint64_t)p->K, wrows, kbytes, box_k, (uint32_t)kBoxRows,
-                          CU_TENSOR_MAP_SWIZZLE_128B);
-    if (r != CUDA_SUCCESS || !tp->tails) return r;
-    *which = "64-row activation";
-    r = mf__tma_encode_2d(&tp->tmap_a64, dt, a, (uint64_t)p->K, (uint64_t)kMaxRowCoord, kbytes, box_k,
-                          (uint32_t)kHalfRows, CU_TENSOR_MAP_SWIZZLE_128B);
-    if (r != CUDA_SUCCESS) return r;
-    *which = "64-row weight";
-    return mf__tma_encode_2d(&tp->tmap_w64, dt, w, (uint64_t)p->K, wrows, kbytes, box_k, (uint32_t)kHalfRows,
-                             CU_TENSOR_MAP_SWIZZLE_128B);
+    return mf__tma_encode_2d(&p->tmap_w, dt, w, (uint64_t)p->K, (uint64_t)p->num_experts * p->N, kbytes,
+                             (uint32_t)(kKBlock / esz), (uint32_t)kBoxRows, CU_TENSOR_MAP_SWIZZLE_128B);
+}
+
+/* The tail tiles' maps: activations with 64-row boxes and (SwiGLU only: plain tail tiles load the
+ * full tile's weight boxes) weights with 64-row boxes, like encode_maps'. CUDA_SUCCESS or the
+ * driver's result (the launcher then runs full tiles only). */
+static inline CUresult encode_tail_maps(tma_params *tp, int fp8, int swiglu, const void *a, const void *w) {
+    const gemm_params *p = &tp->p;
+    const int esz = fp8 ? 1 : 2;
+    const uint64_t kbytes = (uint64_t)p->K * esz;
+    const CUtensorMapDataType dt = fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+    CUresult r = mf__tma_encode_2d(&tp->tmap_a64, dt, a, (uint64_t)p->K, (uint64_t)kMaxRowCoord, kbytes,
+                                   (uint32_t)(kKBlock / esz), (uint32_t)kHalfRows, CU_TENSOR_MAP_SWIZZLE_128B);
+    if (r != CUDA_SUCCESS || !swiglu) return r;
+    return mf__tma_encode_2d(&tp->tmap_w64, dt, w, (uint64_t)p->K, (uint64_t)p->num_experts * p->N, kbytes,
+                             (uint32_t)(kKBlock / esz), (uint32_t)kHalfRows, CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
 /* The persistent grid: one CTA per SM, never more than the tiles of the largest possible problem
