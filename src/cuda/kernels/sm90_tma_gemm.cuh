@@ -534,6 +534,46 @@ __device__ __forceinline__ void stage_bf16(const consumer_t &c, const float *v, 
     }
 }
 
+/* SwiGLU in place over the kH gate accumulators (up at acc + kH): h = mf__silu(gate) * up in fp32. */
+template <int kH>
+__device__ __forceinline__ void swiglu(float *acc) {
+#pragma unroll
+    for (int i = 0; i < kH; i++) acc[i] = mf__silu(acc[i]) * acc[kH + i];
+}
+
+/* FP8 1x128: swiglu, then the amax of the thread's two rows (r: lo, r + 8: hi) over its kH h
+ * accumulators, across the 4 lanes of a quad that hold a row's values. */
+template <int kH>
+__device__ __forceinline__ void swiglu_amax(float *acc, float &amax_lo, float &amax_hi) {
+    swiglu<kH>(acc);
+    amax_lo = 0.0f, amax_hi = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kH / 4; j++) {
+        amax_lo = fmaxf(amax_lo, fmaxf(fabsf(acc[4 * j + 0]), fabsf(acc[4 * j + 1])));
+        amax_hi = fmaxf(amax_hi, fmaxf(fabsf(acc[4 * j + 2]), fabsf(acc[4 * j + 3])));
+    }
+#pragma unroll
+    for (int o = 1; o < 4; o <<= 1) {
+        amax_lo = fmaxf(amax_lo, __shfl_xor_sync(0xffffffffu, amax_lo, o));
+        amax_hi = fmaxf(amax_hi, __shfl_xor_sync(0xffffffffu, amax_hi, o));
+    }
+}
+
+/* FP8 h of the kH accumulators, q = e4m3(h * inv), into the warp's staging rows g = lane / 4 and
+ * g + 8: columns 8 j + 2 q, + 1 at chunk j / 2, bytes (j & 1) 8 + 2 q of it (rows g and g + 8 share
+ * the swizzle). */
+template <int kH>
+__device__ __forceinline__ void stage_fp8(const consumer_t &c, const float *acc, float inv_lo, float inv_hi) {
+    const int g = c.lane / 4, q = c.lane % 4;
+    uint8_t *row_lo = c.epi + g * kEpiRowBytes, *row_hi = c.epi + (g + 8) * kEpiRowBytes;
+#pragma unroll
+    for (int j = 0; j < kH / 4; j++) {
+        const int at = (((j >> 1) ^ g) * kChunk) + (j & 1) * 8 + 2 * q;
+        *(uint16_t *)(row_lo + at) = mf__cvt_e4m3x2(acc[4 * j + 0] * inv_lo, acc[4 * j + 1] * inv_lo);
+        *(uint16_t *)(row_hi + at) = mf__cvt_e4m3x2(acc[4 * j + 2] * inv_hi, acc[4 * j + 3] * inv_hi);
+    }
+}
+
 template <bool kFp8, int kEpi>
 __device__ __forceinline__ void epilogue(const gemm_params &p, const consumer_t &c, const tile_t &t, float *acc) {
     if constexpr (kEpi == kEpiPlain) {
@@ -545,9 +585,7 @@ __device__ __forceinline__ void epilogue(const gemm_params &p, const consumer_t 
             copy_out(c, dst, pass * 64 * 2);
         }
     } else if constexpr (!kFp8) {
-        /* SwiGLU: h = silu(gate) * up, in place over the gate fragment */
-#pragma unroll
-        for (int i = 0; i < kBoxAcc; i++) acc[i] = mf__silu(acc[i]) * acc[kBoxAcc + i];
+        swiglu<kBoxAcc>(acc); /* in place over the gate fragment */
         const int32_t I = p.N / 2;
         uint8_t *dst[4];
         row_targets<kEpi>(p, c, t, c.wg * kWgRows + c.warp * kWarpRows, (int64_t)I * 2, (int64_t)t.nb * kHCols * 2, dst);
@@ -557,34 +595,15 @@ __device__ __forceinline__ void epilogue(const gemm_params &p, const consumer_t 
             copy_out(c, dst, pass * 64 * 2);
         }
     } else {
-#pragma unroll
-        for (int i = 0; i < kBoxAcc; i++) acc[i] = mf__silu(acc[i]) * acc[kBoxAcc + i];
+        /* FP8 1x128: the tile's 128 h columns are one scale block */
         const int32_t I = p.N / 2;
-        /* FP8 1x128: the tile's 128 h columns are one scale block; a row's values sit in the 4
-         * lanes of a quad */
-        float amax_lo = 0.0f, amax_hi = 0.0f;
-#pragma unroll
-        for (int j = 0; j < kBoxAcc / 4; j++) {
-            amax_lo = fmaxf(amax_lo, fmaxf(fabsf(acc[4 * j + 0]), fabsf(acc[4 * j + 1])));
-            amax_hi = fmaxf(amax_hi, fmaxf(fabsf(acc[4 * j + 2]), fabsf(acc[4 * j + 3])));
-        }
-#pragma unroll
-        for (int o = 1; o < 4; o <<= 1) {
-            amax_lo = fmaxf(amax_lo, __shfl_xor_sync(0xffffffffu, amax_lo, o));
-            amax_hi = fmaxf(amax_hi, __shfl_xor_sync(0xffffffffu, amax_hi, o));
-        }
+        float amax_lo, amax_hi;
+        swiglu_amax<kBoxAcc>(acc, amax_lo, amax_hi);
         float sc_lo, inv_lo, sc_hi, inv_hi;
         mf__fp8_block_scale(amax_lo, p.ue8m0, &sc_lo, &inv_lo);
         mf__fp8_block_scale(amax_hi, p.ue8m0, &sc_hi, &inv_hi);
-        const int g = c.lane / 4, q = c.lane % 4;
-        uint8_t *row_lo = c.epi + g * kEpiRowBytes, *row_hi = c.epi + (g + 8) * kEpiRowBytes;
-#pragma unroll
-        for (int j = 0; j < kBoxAcc / 4; j++) {
-            /* columns 8 j + 2 q, + 1: chunk j / 2, bytes (j & 1) 8 + 2 q of it; rows g and g + 8 share the swizzle */
-            const int at = (((j >> 1) ^ g) * kChunk) + (j & 1) * 8 + 2 * q;
-            *(uint16_t *)(row_lo + at) = mf__cvt_e4m3x2(acc[4 * j + 0] * inv_lo, acc[4 * j + 1] * inv_lo);
-            *(uint16_t *)(row_hi + at) = mf__cvt_e4m3x2(acc[4 * j + 2] * inv_hi, acc[4 * j + 3] * inv_hi);
-        }
+        const int q = c.lane % 4;
+        stage_fp8<kBoxAcc>(c, acc, inv_lo, inv_hi);
         if (q == 0) {
             const int32_t sblocks = I / MF__QUANT_BLOCK;
             const int tr = c.row_lo;
@@ -614,31 +633,16 @@ __device__ __forceinline__ void half_epilogue(const gemm_params &p, const consum
             copy_out(c, dst, pass * 64 * 2);
         }
     } else if constexpr (!kFp8) {
-        /* h = silu(gate) * up over the warpgroup's 64 h columns: one pass of 64 BF16 */
-        constexpr int kH = kBoxAcc / 2;
-#pragma unroll
-        for (int i = 0; i < kH; i++) acc[i] = mf__silu(acc[i]) * acc[kH + i];
+        swiglu<kBoxAcc / 2>(acc); /* the warpgroup's 64 h columns: one pass of 64 BF16 */
         const int32_t I = p.N / 2;
         uint8_t *dst[4];
         row_targets<kEpi>(p, c, t, wr, (int64_t)I * 2, ((int64_t)t.nb * kHCols + c.wg * (kHCols / 2)) * 2, dst);
         stage_bf16(c, acc, 0);
         copy_out(c, dst, 0);
     } else {
-        constexpr int kH = kBoxAcc / 2; /* 32 accumulators: 64 h columns */
-#pragma unroll
-        for (int i = 0; i < kH; i++) acc[i] = mf__silu(acc[i]) * acc[kH + i];
+        float amax_lo, amax_hi;
+        swiglu_amax<kBoxAcc / 2>(acc, amax_lo, amax_hi); /* 32 accumulators: 64 h columns */
         const int32_t I = p.N / 2;
-        float amax_lo = 0.0f, amax_hi = 0.0f;
-#pragma unroll
-        for (int j = 0; j < kH / 4; j++) {
-            amax_lo = fmaxf(amax_lo, fmaxf(fabsf(acc[4 * j + 0]), fabsf(acc[4 * j + 1])));
-            amax_hi = fmaxf(amax_hi, fmaxf(fabsf(acc[4 * j + 2]), fabsf(acc[4 * j + 3])));
-        }
-#pragma unroll
-        for (int o = 1; o < 4; o <<= 1) {
-            amax_lo = fmaxf(amax_lo, __shfl_xor_sync(0xffffffffu, amax_lo, o));
-            amax_hi = fmaxf(amax_hi, __shfl_xor_sync(0xffffffffu, amax_hi, o));
-        }
         /* the row's other 64 h columns are the other warpgroup's */
         const int g = c.lane / 4, q = c.lane % 4;
         {
@@ -658,13 +662,7 @@ __device__ __forceinline__ void half_epilogue(const gemm_params &p, const consum
         float sc_lo, inv_lo, sc_hi, inv_hi;
         mf__fp8_block_scale(amax_lo, p.ue8m0, &sc_lo, &inv_lo);
         mf__fp8_block_scale(amax_hi, p.ue8m0, &sc_hi, &inv_hi);
-        uint8_t *row_lo = c.epi + g * kEpiRowBytes, *row_hi = c.epi + (g + 8) * kEpiRowBytes;
-#pragma unroll
-        for (int j = 0; j < kH / 4; j++) {
-            const int at = (((j >> 1) ^ g) * kChunk) + (j & 1) * 8 + 2 * q;
-            *(uint16_t *)(row_lo + at) = mf__cvt_e4m3x2(acc[4 * j + 0] * inv_lo, acc[4 * j + 1] * inv_lo);
-            *(uint16_t *)(row_hi + at) = mf__cvt_e4m3x2(acc[4 * j + 2] * inv_hi, acc[4 * j + 3] * inv_hi);
-        }
+        stage_fp8<kBoxAcc / 2>(c, acc, inv_lo, inv_hi);
         if (q == 0 && c.wg == 0) { /* both warpgroups hold the same scale: one writes it */
             const int32_t sblocks = I / MF__QUANT_BLOCK;
             if (wr + g >= t.lo) p.out_scales[(int64_t)(t.row0 + wr + g) * sblocks + t.nb] = sc_lo;
