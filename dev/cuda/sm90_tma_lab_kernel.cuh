@@ -142,7 +142,7 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
             fp8_kblock<kOrder, true, kOverlap>(c, acc, tmp, it++);
             for (int32_t kb = 1; kb < kblocks; kb++) fp8_kblock<kOrder, false, false>(c, acc, tmp, it++);
         } else {
-            bf16_mainloop(c, acc, it, kblocks);
+            bf16_mainloop<false>(c, acc, it, kblocks);
         }
         int32_t idx_next = -1;
         if constexpr (kOverlap) {

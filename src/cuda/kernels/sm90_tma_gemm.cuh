@@ -422,21 +422,25 @@ __device__ __forceinline__ void half_kblock(const consumer_t &c, float *acc, flo
     }
 }
 
-/* BF16: the whole K loop of one tile into acc (the first wgmma overwrites). */
+/* BF16: the whole K loop of one tile into acc (the first wgmma overwrites): one group kept in flight,
+ * a stage released when the next one's group is issued. A full tile: m64n256 into acc[0, 128); a
+ * tail tile (kHalf): m64n128 into acc[0, 64), half_kblock's layout. */
+template <bool kHalf>
 __device__ __forceinline__ void bf16_mainloop(const consumer_t &c, float *acc, uint32_t &it, int32_t kblocks) {
+    constexpr int kN = kHalf ? kHalfN : kTileN;
     int32_t prev = -1;
-    mf__fence_fragment<kTileN>(acc); /* the previous epilogue's reads of acc come first */
+    mf__fence_fragment<kN>(acc); /* the previous epilogue's reads of acc come first */
     for (int32_t kb = 0; kb < kblocks; kb++, it++) {
         const uint32_t slot = ring_t::slot(it);
         ring_t::wait_full(c.full, it, *c.sink);
         const uint64_t desc_st = mf__wgmma_desc_advance(c.desc_stages, slot * kStageBytes);
-        const uint64_t da = mf__wgmma_desc_advance(desc_st, c.wg * kWgOperandBytes);
-        const uint64_t db = mf__wgmma_desc_advance(desc_st, kABytes);
+        const uint64_t da = mf__wgmma_desc_advance(desc_st, a_off(kHalf, c.wg));
+        const uint64_t db = mf__wgmma_desc_advance(desc_st, b_off(kHalf, c.wg, 0));
         mf__wgmma_fence();
 #pragma unroll
         for (int k = 0; k < kKSteps; k++)
-            mf__wgmma_bf16<kTileN>(acc, mf__wgmma_desc_advance(da, k * kKStepBytes),
-                                   mf__wgmma_desc_advance(db, k * kKStepBytes), (kb > 0 || k > 0) ? 1 : 0);
+            mf__wgmma_bf16<kN>(acc, mf__wgmma_desc_advance(da, k * kKStepBytes), mf__wgmma_desc_advance(db, k * kKStepBytes),
+                               (kb > 0 || k > 0) ? 1 : 0);
         mf__wgmma_commit();
         mf__wgmma_wait<1>();
         if (prev >= 0) release(c, (uint32_t)prev);
@@ -444,33 +448,7 @@ __device__ __forceinline__ void bf16_mainloop(const consumer_t &c, float *acc, u
     }
     mf__wgmma_wait<0>();
     if (prev >= 0) release(c, (uint32_t)prev);
-    mf__fence_fragment<kTileN>(acc);
-}
-
-/* BF16: a tail tile's whole K loop into acc[0, 64) (half_kblock's layout), as bf16_mainloop: one
- * group kept in flight, a stage released when the next one's group is issued. */
-__device__ __forceinline__ void bf16_half_mainloop(const consumer_t &c, float *acc, uint32_t &it, int32_t kblocks) {
-    int32_t prev = -1;
-    mf__fence_fragment<kHalfN>(acc);
-    for (int32_t kb = 0; kb < kblocks; kb++, it++) {
-        const uint32_t slot = ring_t::slot(it);
-        ring_t::wait_full(c.full, it, *c.sink);
-        const uint64_t desc_st = mf__wgmma_desc_advance(c.desc_stages, slot * kStageBytes);
-        const uint64_t da = mf__wgmma_desc_advance(desc_st, a_off(true, c.wg));
-        const uint64_t db = mf__wgmma_desc_advance(desc_st, b_off(true, c.wg, 0));
-        mf__wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < kKSteps; k++)
-            mf__wgmma_bf16<kHalfN>(acc, mf__wgmma_desc_advance(da, k * kKStepBytes), mf__wgmma_desc_advance(db, k * kKStepBytes),
-                                   (kb > 0 || k > 0) ? 1 : 0);
-        mf__wgmma_commit();
-        mf__wgmma_wait<1>();
-        if (prev >= 0) release(c, (uint32_t)prev);
-        prev = (int32_t)slot;
-    }
-    mf__wgmma_wait<0>();
-    if (prev >= 0) release(c, (uint32_t)prev);
-    mf__fence_fragment<kHalfN>(acc);
+    mf__fence_fragment<kN>(acc);
 }
 
 /* Where tile row tr goes (bytes), or NULL when the row does not belong to the tile (or, with `ret`,
@@ -701,10 +679,10 @@ __device__ __forceinline__ void consumer_bf16(const tma_params &tp, const tables
     bool half = code_half(c.tile_of[0]);
     for (;;) {
         if (half) {
-            bf16_half_mainloop(c, acc, it, kblocks);
+            bf16_mainloop<true>(c, acc, it, kblocks);
             half_epilogue<false, kEpi>(p, c, t, acc, 0);
         } else {
-            bf16_mainloop(c, acc, it, kblocks);
+            bf16_mainloop<false>(c, acc, it, kblocks);
             epilogue<false, kEpi>(p, c, t, acc);
         }
         /* the next tile is the one the producer put into the next stage (-1: none) */
