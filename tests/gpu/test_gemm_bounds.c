@@ -6,7 +6,9 @@
  *
  *   families  decode (rows_hint <= kMfDecodeMaxRows), TMA (above it: M = 200, whose last m-block
  *             of 72 rows is a full tile, and M = 180, whose 52 run as a 64-row tail tile, with L = 72
- *             too: more tiles than CTAs; every TMA case runs again with the tail tiles off and on
+ *             too: more tiles than CTAs, and uneven counts (180, 130, 80, 40: tails of 52 and 2, a
+ *             full tile of 80, a whole expert as a tail); rows past an expert's count must keep
+ *             their poison; every TMA case runs again with the tail tiles off and on
  *             the static walk, which must write the same bits; each case checks that its family
  *             ran, not the fallback),
  *             v1 (the mma.sync fallback:
@@ -39,6 +41,8 @@ extern int32_t mf__cuda_tma_tails; /* cuda/grouped_gemm.h: 1 lets the choice tak
 typedef struct gcase {
     const char *family;
     int32_t op, dtype, H, I, L, M;
+    int32_t vary; /* 1: expert e gets M, M - 50, M - 100 or 40 rows as e % 4 (full and tail tiles, a
+                     whole expert in one tail); 0: M each */
 } gcase_t;
 
 typedef struct verdict {
@@ -65,9 +69,10 @@ static void judge_one(verdict_t *v, double got, double exact, double bound) {
     if (r > v->max_ratio || r != r) v->max_ratio = r != r ? INFINITY : r;
 }
 
-/* Judges rows [r0, r0 + n) of expert e of the host copies; `ctrl` makes the reference (or the
- * output read) wrong on purpose. */
-static int judge_expert(const gcase_t *c, const host_t *h, int32_t e, int64_t off, int ctrl, verdict_t *v) {
+/* Judges the `rows` rows of expert e (from receive row `off`) of the host copies; `ctrl` makes the
+ * reference (or the output read) wrong on purpose. */
+static int judge_expert(const gcase_t *c, const host_t *h, int32_t e, int64_t off, int32_t rows, int ctrl,
+                        verdict_t *v) {
     const int fp8 = c->dtype == MF_DTYPE_FP8_E4M3, swiglu = c->op == MF__GEMM_OP_W13_SWIGLU;
     const int32_t N = swiglu ? 2 * c->I : c->H, K = swiglu ? c->H : c->I, kbs = K / QB;
     const int32_t ocols = swiglu ? c->I : c->H, oesz = swiglu && fp8 ? 1 : 2;
@@ -75,8 +80,8 @@ static int judge_expert(const gcase_t *c, const host_t *h, int32_t e, int64_t of
     float *wsr = malloc(sizeof(float) * (size_t)(kbs + 1));
     double *acc = malloc(sizeof(double) * (size_t)N), *err = malloc(sizeof(double) * (size_t)N);
     if (!ar || !wr || !wsr || !acc || !err) return -1;
-    for (int32_t i = 0; i < c->M; i++) {
-        const int64_t row = off + i, ref_row = ctrl == CTRL_ROW ? off + (i + 1) % c->M : row;
+    for (int32_t i = 0; i < rows; i++) {
+        const int64_t row = off + i, ref_row = ctrl == CTRL_ROW ? off + (i + 1) % rows : row;
         for (int32_t k = 0; k < K; k++) ar[k] = decode(h->a, (size_t)ref_row * K + k, fp8);
         for (int32_t n = 0; n < N; n++) {
             for (int32_t k = 0; k < K; k++) wr[k] = decode(h->w, ((size_t)e * N + n) * K + k, fp8);
@@ -129,8 +134,9 @@ static int run_case(const gcase_t *c) {
     const int64_t slot = (c->M + SEG_ALIGN - 1) / SEG_ALIGN * SEG_ALIGN, rows = slot * L;
     int32_t *counts = malloc(sizeof(int32_t) * (size_t)L), *offsets = malloc(sizeof(int32_t) * (size_t)(L + 1));
     MFT_CHECK(counts && offsets);
+    static const int32_t k_less[4] = {0, 50, 100, -1}; /* vary: M - less, or 40 rows (-1) */
     for (int32_t e = 0; e <= L; e++) {
-        if (e < L) counts[e] = c->M;
+        if (e < L) counts[e] = !c->vary ? c->M : k_less[e % 4] < 0 ? 40 : c->M - k_less[e % 4];
         offsets[e] = (int32_t)(e * slot);
     }
     const size_t ab = (size_t)rows * K * esz, asb = fp8 ? (size_t)rows * kbs * 4 : 16, wb = (size_t)L * N * K * esz;
@@ -224,15 +230,32 @@ static int run_case(const gcase_t *c) {
     CUDA_OK(cudaMemcpy(h.out, dout, ob, cudaMemcpyDeviceToHost));
     CUDA_OK(cudaMemcpy(h.os, dos, osb, cudaMemcpyDeviceToHost));
 
-    const int32_t ex[3] = {0, L / 2, L - 1};
+    /* the experts judged: the first four (every count of `vary`), the middle one and the last */
+    int32_t ex[6], nex = 0;
+    const int32_t pick[6] = {0, 1, 2, 3, L / 2, L - 1};
+    for (int x = 0; x < 6; x++) {
+        int seen = pick[x] >= L;
+        for (int y = 0; y < nex; y++) seen |= ex[y] == pick[x];
+        if (!seen) ex[nex++] = pick[x];
+    }
+    /* rows past an expert's count (its slot's padding, where the row shift puts the rows of its next
+     * expert's last tile below lo) are never written: every byte still the 0xFF poison */
+    for (int x = 0; x < nex; x++)
+        for (int64_t row = offsets[ex[x]] + counts[ex[x]]; row < offsets[ex[x]] + slot; row++) {
+            const uint8_t *o = h.out + (size_t)row * ocols * oesz;
+            int bad = 0;
+            for (size_t b = 0; b < (size_t)ocols * oesz; b++) bad |= o[b] != 0xFF;
+            if (swiglu && fp8)
+                for (int32_t j = 0; j < c->I / QB; j++) bad |= (uint32_t)((const int32_t *)h.os)[row * (c->I / QB) + j] != 0xFFFFFFFFu;
+            MFT_CHECK_MSG(!bad, "%s %s %s L %d M %d: expert %d's row %lld past its %d rows was written", c->family,
+                          swiglu ? "w13" : "w2", fp8 ? "fp8" : "bf16", L, c->M, ex[x], (long long)(row - offsets[ex[x]]),
+                          counts[ex[x]]);
+        }
     for (int ctrl = CTRL_NONE; ctrl <= CTRL_HSCALE; ctrl++) {
         if ((ctrl == CTRL_HSCALE && !(swiglu && fp8)) || (ctrl == CTRL_SCALE && !fp8)) continue; /* BF16: no scales */
         verdict_t v;
         memset(&v, 0, sizeof v);
-        for (int x = 0; x < 3; x++) {
-            if (x > 0 && ex[x] == ex[x - 1]) continue;
-            MFT_CHECK(judge_expert(c, &h, ex[x], offsets[ex[x]], ctrl, &v) == 0);
-        }
+        for (int x = 0; x < nex; x++) MFT_CHECK(judge_expert(c, &h, ex[x], offsets[ex[x]], counts[ex[x]], ctrl, &v) == 0);
         mft_verbose("  %-6s %s %s H %d I %d L %d M %d, %-18s: %lld elements, %lld outside, %lld h scales bad, max "
                     "|err| / bound %.3g\n",
                     c->family, swiglu ? "w13" : "w2", fp8 ? "fp8" : "bf16", c->H, c->I, L, c->M, k_ctrl[ctrl],
@@ -260,38 +283,44 @@ static int run_cases(const gcase_t *cs, int n) {
 
 static int gemm_bounds_decode(void) {
     static const gcase_t cs[] = {
-        {"decode", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_FP8_E4M3, 512, 256, 4, 40},
-        {"decode", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_BF16, 512, 256, 4, 40},
-        {"decode", MF__GEMM_OP_W2, MF_DTYPE_FP8_E4M3, 512, 256, 4, 40},
-        {"decode", MF__GEMM_OP_W2, MF_DTYPE_BF16, 512, 256, 4, 40},
+        {"decode", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_FP8_E4M3, 512, 256, 4, 40, 0},
+        {"decode", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_BF16, 512, 256, 4, 40, 0},
+        {"decode", MF__GEMM_OP_W2, MF_DTYPE_FP8_E4M3, 512, 256, 4, 40, 0},
+        {"decode", MF__GEMM_OP_W2, MF_DTYPE_BF16, 512, 256, 4, 40, 0},
     };
     return run_cases(cs, 4);
 }
 
 static int gemm_bounds_tma(void) {
     static const gcase_t cs[] = {
-        {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_FP8_E4M3, 512, 256, 3, 200},
-        {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_BF16, 512, 256, 3, 200},
-        {"tma", MF__GEMM_OP_W2, MF_DTYPE_FP8_E4M3, 512, 256, 3, 200},
-        {"tma", MF__GEMM_OP_W2, MF_DTYPE_BF16, 512, 256, 3, 200},
-        {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_FP8_E4M3, 512, 256, 3, 180},
-        {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_BF16, 512, 256, 3, 180},
-        {"tma", MF__GEMM_OP_W2, MF_DTYPE_FP8_E4M3, 512, 256, 3, 180},
-        {"tma", MF__GEMM_OP_W2, MF_DTYPE_BF16, 512, 256, 3, 180},
+        {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_FP8_E4M3, 512, 256, 3, 200, 0},
+        {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_BF16, 512, 256, 3, 200, 0},
+        {"tma", MF__GEMM_OP_W2, MF_DTYPE_FP8_E4M3, 512, 256, 3, 200, 0},
+        {"tma", MF__GEMM_OP_W2, MF_DTYPE_BF16, 512, 256, 3, 200, 0},
+        {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_FP8_E4M3, 512, 256, 3, 180, 0},
+        {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_BF16, 512, 256, 3, 180, 0},
+        {"tma", MF__GEMM_OP_W2, MF_DTYPE_FP8_E4M3, 512, 256, 3, 180, 0},
+        {"tma", MF__GEMM_OP_W2, MF_DTYPE_BF16, 512, 256, 3, 180, 0},
         /* 288 tiles, more than a grid: CTAs walk full and tail tiles in turn (the overlap's next
          * kind, the amax buffers' turns) */
-        {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_FP8_E4M3, 512, 256, 72, 180},
-        {"tma", MF__GEMM_OP_W2, MF_DTYPE_BF16, 512, 256, 72, 180},
+        {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_FP8_E4M3, 512, 256, 72, 180, 0},
+        {"tma", MF__GEMM_OP_W2, MF_DTYPE_BF16, 512, 256, 72, 180, 0},
+        /* uneven: 180 (a tail of 52), 130 (a tail of 2), 80 (one full tile, lo = 48) and 40 rows
+         * (one tail tile whose rows below lo are the previous slot's padding) */
+        {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_FP8_E4M3, 512, 256, 72, 180, 1},
+        {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_BF16, 512, 256, 72, 180, 1},
+        {"tma", MF__GEMM_OP_W2, MF_DTYPE_FP8_E4M3, 512, 256, 72, 180, 1},
+        {"tma", MF__GEMM_OP_W2, MF_DTYPE_BF16, 512, 256, 72, 180, 1},
     };
-    return run_cases(cs, 10);
+    return run_cases(cs, 14);
 }
 
 static int gemm_bounds_v1(void) {
     static const gcase_t cs[] = {
-        {"v1", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_FP8_E4M3, 256, 128, 1030, 72},
-        {"v1", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_BF16, 256, 192, 3, 200},
-        {"v1", MF__GEMM_OP_W2, MF_DTYPE_FP8_E4M3, 384, 256, 3, 200},
-        {"v1", MF__GEMM_OP_W2, MF_DTYPE_BF16, 384, 256, 3, 200},
+        {"v1", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_FP8_E4M3, 256, 128, 1030, 72, 0},
+        {"v1", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_BF16, 256, 192, 3, 200, 0},
+        {"v1", MF__GEMM_OP_W2, MF_DTYPE_FP8_E4M3, 384, 256, 3, 200, 0},
+        {"v1", MF__GEMM_OP_W2, MF_DTYPE_BF16, 384, 256, 3, 200, 0},
     };
     return run_cases(cs, 4);
 }
