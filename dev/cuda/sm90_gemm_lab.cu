@@ -16,8 +16,9 @@
  *                               three small cases of the shipped kernels (memchecked by test-gpu)
  *   sm90_gemm_lab --validate    small, awkward and DeepSeek-shaped cases vs the CPU reference below
  *   sm90_gemm_lab --bench [--json FILE]   DeepSeek-V3 W13 / W2 shapes, kernel time, L2 flushed
- *   sm90_gemm_lab --ab                  only the interleaved A/Bs (no bench table): epilogue overlap,
- *                                       staggered turns, tail tiles, probes, schedule
+ *   sm90_gemm_lab --ab [--json FILE]    only the interleaved A/Bs (no bench table): epilogue overlap,
+ *                                       staggered turns, tail tiles, probes, schedule (with --json:
+ *                                       one row per A/B side B, side A as its peer, and ab_gain_pct)
  *   sm90_gemm_lab               selftest, validate, bench
  *
  * Dimension legend: L local experts, N weight rows per expert of a plain GEMM (its output columns),
@@ -1047,6 +1048,9 @@ struct bench_row {
     std::string name, dtype;
     int L, N, K, M;
     double us, tflops;
+    std::string peer; /* an A/B row: the other side's name and time, and the gain of this side */
+    double peer_us, gain_pct;
+    int rows;         /* an A/B row on uneven counts: the rows of all experts (M is then 0) */
 };
 
 /* One GEMM call timed as the bench times every call: kWarmupRuns untimed then kTimedRuns timed
@@ -1135,6 +1139,17 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
     int32_t *d_sched = dev_alloc<int32_t>(2);
     CUDA_OK(cudaMemset(d_sched, 0, 8));
     std::vector<bench_row> rows_out;
+    /* An interleaved A/B's result for the JSON record: side b (the row) against side a (its peer) */
+    auto ab_row = [&](const std::string &name, int fp8, int L, int nw, int k, int M, int rows, const char *a,
+                      double a_us, const char *b, double b_us, double flop) {
+        bench_row r{};
+        r.name = name + ": " + b + " vs " + a;
+        r.dtype = fp8 ? "fp8" : "bf16";
+        r.L = L, r.N = nw, r.K = k, r.M = M, r.rows = rows;
+        r.us = b_us, r.tflops = flop / b_us * 1e-6;
+        r.peer = a, r.peer_us = a_us, r.gain_pct = 100.0 * (a_us / b_us - 1.0);
+        rows_out.push_back(r);
+    };
     /* The call on L experts of M rows each (EXPERT_MAJOR, offsets e M; M a multiple of 128), its
      * counts and offsets uploaded; W2 ret shapes send rows to the combine slots. */
     auto equal_call = [&](int fp8, const shape &sh, int L, int M) {
@@ -1171,7 +1186,7 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
                     g_case = name;
                     const gemm_call g = equal_call(fp8, sh, L, M);
                     const double median_us = time_call_us(g, d_flush, ev0, ev1);
-                    bench_row br;
+                    bench_row br{};
                     br.name = sh.name;
                     br.dtype = fp8 ? "fp8" : "bf16";
                     br.L = L;
@@ -1228,6 +1243,7 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
             double on = 0, off_us = 0;
             time_ab_us(g, kMfTmaLabShipped, kMfTmaLabNoOverlap, d_flush, ev0, ev1, &on, &off_us);
             const double fl = 2.0 * L * M * (double)sh.nw * sh.k * 1e-6;
+            ab_row("ab overlap W13 swiglu", 1, L, sh.nw, sh.k, M, 0, "no overlap", off_us, "ships (overlap)", on, fl * 1e6);
             printf("  fp8   W13 swiglu  L=%2d M=%5d  overlap %9.1f us %7.1f TF/s   no overlap %9.1f us %7.1f TF/s   gain %+5.1f %%\n",
                    L, M, on, fl / on, off_us, fl / off_us, 100.0 * (off_us / on - 1.0));
             fflush(stdout);
@@ -1251,6 +1267,8 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
                 double ships = 0, stag = 0;
                 time_ab_us(g, kMfTmaLabShipped, kMfTmaLabStagger, d_flush, ev0, ev1, &ships, &stag);
                 const double fl = 2.0 * L * M * (double)sh.nw * sh.k * 1e-6;
+                ab_row(std::string("ab stagger ") + sh.name, 1, L, sh.nw, sh.k, M, 0, "ships", ships, "staggered", stag,
+                       fl * 1e6);
                 printf("  fp8   %-11s L=%2d M=%5d  ships %9.1f us %7.1f TF/s   staggered %9.1f us %7.1f TF/s   gain %+5.1f %%\n",
                        sh.name, L, M, ships, fl / ships, stag, fl / stag, 100.0 * (ships / stag - 1.0));
                 fflush(stdout);
@@ -1293,6 +1311,8 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
                 double full = 0, ships = 0;
                 time_ab_us(g, kMfTmaLabFullTiles, kMfTmaLabShipped, d_flush, ev0, ev1, &full, &ships);
                 const double fl = 2.0 * rows * (double)sh.nw * sh.k * 1e-6;
+                ab_row(std::string("ab tails ") + sh.name + (mean ? (mean == 128 ? " mean 128" : " mean 256") : " M 256"), fp8, L,
+                       sh.nw, sh.k, mean ? 0 : 256, rows, "full tiles", full, "ships (tail tiles)", ships, fl * 1e6);
                 printf("  %-5s %-11s L=%2d rows %5d (%s, %2d tails)  full tiles %9.1f us %7.1f TF/s   ships (tails) %9.1f us %7.1f TF/s   "
                        "gain %+5.1f %%\n", fp8 ? "fp8" : "bf16", sh.name, L, rows, mean ? (mean == 128 ? "mean 128" : "mean 256") : "M = 256 ",
                        tails, full, fl / full, ships, fl / ships, 100.0 * (full / ships - 1.0));
@@ -1332,6 +1352,8 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
         else
             time_ab_us(g, kMfTmaLabShipped, kMfTmaLabNoStore, d_flush, ev0, ev1, &with_us, &without_us);
         const double fl = 2.0 * L * M * (double)sh.nw * sh.k * 1e-6;
+        ab_row(std::string("probe ") + sh.name, fp8, L, sh.nw, sh.k, M, 0, fp8 ? "no promotion" : "no epilogue", without_us,
+               fp8 ? "promotion" : "epilogue", with_us, fl * 1e6);
         printf("  %-5s %-11s L=%2d M=%5d  %-12s %9.1f us %7.1f TF/s   %-14s %9.1f us %7.1f TF/s   cost %+5.1f %%\n",
                fp8 ? "fp8" : "bf16", sh.name, L, M, fp8 ? "promotion" : "epilogue", with_us, fl / with_us,
                fp8 ? "no promotion" : "no epilogue", without_us, fl / without_us, 100.0 * (with_us / without_us - 1.0));
@@ -1347,6 +1369,7 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
             }
         for (int v = 0; v < 2; v++) std::sort(med[v].begin(), med[v].end());
         const double dyn = med[0][1], stat = med[1][1], fl = 2.0 * L * M * (double)sh.nw * sh.k * 1e-6;
+        ab_row(std::string("ab schedule ") + sh.name, fp8, L, sh.nw, sh.k, M, 0, "static", stat, "dynamic", dyn, fl * 1e6);
         printf("  %-5s %-11s L=%2d M=%5d  dynamic %9.1f us %7.1f TF/s   static %9.1f us %7.1f TF/s   gain %+5.1f %%\n",
                fp8 ? "fp8" : "bf16", sh.name, L, M, dyn, fl / dyn, stat, fl / stat, 100.0 * (stat / dyn - 1.0));
     });
@@ -1374,9 +1397,19 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
                    "\"backend\": \"cuda\"},\n \"rows\": [\n", date, commit ? commit : "unknown", cmd.c_str());
         for (size_t i = 0; i < rows_out.size(); i++) {
             const bench_row &r = rows_out[i];
+            char shape[128], peers[256];
+            if (r.M > 0 || r.rows == 0)
+                snprintf(shape, sizeof shape, "{\"E\": %d, \"N\": %d, \"K\": %d, \"M\": %d}", r.L, r.N, r.K, r.M);
+            else /* uneven counts: the rows of all experts, no M */
+                snprintf(shape, sizeof shape, "{\"E\": %d, \"N\": %d, \"K\": %d, \"rows\": %d}", r.L, r.N, r.K, r.rows);
+            if (r.peer.empty())
+                snprintf(peers, sizeof peers, "[]");
+            else
+                snprintf(peers, sizeof peers, "[{\"name\": \"%s\", \"time_us\": %.2f}], \"ab_gain_pct\": %.2f", r.peer.c_str(),
+                         r.peer_us, r.gain_pct);
             fprintf(f, "  {\"op\": \"gemm\", \"name\": \"tma %s\", \"dtype\": \"%s\", \"layout\": \"expert_major\", \"shape\": "
-                       "{\"E\": %d, \"N\": %d, \"K\": %d, \"M\": %d}, \"time_us\": %.2f, \"tflops\": %.1f, \"peers\": []}%s\n",
-                    r.name.c_str(), r.dtype.c_str(), r.L, r.N, r.K, r.M, r.us, r.tflops, i + 1 < rows_out.size() ? "," : "");
+                       "%s, \"time_us\": %.2f, \"tflops\": %.1f, \"peers\": %s}%s\n",
+                    r.name.c_str(), r.dtype.c_str(), shape, r.us, r.tflops, peers, i + 1 < rows_out.size() ? "," : "");
         }
         fprintf(f, " ]}\n");
         fclose(f);
@@ -1410,7 +1443,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--ab")) bench = ab_only = true;
         else if (!strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
         else {
-            fprintf(stderr, "usage: %s [--selftest] [--validate] [--bench [--json FILE] | --ab]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--selftest] [--validate] [--bench | --ab] [--json FILE]\n", argv[0]);
             return 2;
         }
     }
