@@ -2,9 +2,9 @@
  * gemm_tma.cu — launchers of the sm90 TMA grouped GEMMs (cuda/grouped_gemm.h; the kernel and its
  * design are in kernels/sm90_tma_gemm.cuh, validated and timed by dev/cuda/sm90_gemm_lab.cu through
  * these launchers). Each launcher checks the shape, encodes the activation and weight tensor maps on
- * the host (two cuTensorMapEncodeTiled calls, three or four with tail tiles, about a microsecond each) into the kernel's
- * __grid_constant__ parameter, and launches once on a persistent grid (one CTA per SM, never more
- * than the tiles of the largest possible problem). They never synchronise and never allocate, so
+ * the host (two cuTensorMapEncodeTiled calls, three or four with tail tiles, about a microsecond
+ * each) into the kernel's __grid_constant__ parameter, and launches once on a persistent grid (one
+ * CTA per SM, never more than the tiles of the largest possible problem). They never synchronise and never allocate, so
  * they are CUDA-graph capturable.
  *
  * Declining: a shape the kernel does not take returns MF_ERR_NOT_SUPPORTED without launching and
@@ -15,7 +15,7 @@
  * Configuring, declining and the MF_DEBUG report go through the families' one skeleton,
  * cuda/gemm_family.cuh. The kernel takes: W13: contiguous A (a.gather declines: TMA cannot gather
  * rows), I a multiple of 128; W2: H a multiple of 256; K * element bytes a multiple of 16 (FP8: K a
- * multiple of 128); L <= kMaxExperts; L * N < 2^31; tiles within an int32 index.
+ * multiple of 128); L <= kMaxExperts; L * N < 2^31; fewer than 2^30 tiles (kMaxTiles).
  *
  * Variants (4): {FP8, BF16} x {W13 SwiGLU, W2 plain}; W2 sends rows to `out` or, with `ret`, to the
  * owners' combine slots, and the 64-row tail tiles are on where the choice says (choice->tail_rows,
