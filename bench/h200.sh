@@ -44,8 +44,8 @@
 #        qwen3-235b-a22b at R = 1, FP8, gated, no phase events, T = 1..8 (where AUTO takes the kernel:
 #        at most 64 routed rows, mf__small::kMaxRows), 3 rounds per process; each preset under every
 #        MF_SMALL value of MF_SMALL_VALUES (default "4 5 6 7": its own plan with the L2 prefetch of
-#        a waiting W2 unit, with its own rows made from x, with the weights sent into L2 a ring
-#        ahead, and with the last expert's W2 units in halves, the default; 0 is the two decode GEMMs
+#        a waiting W2 unit, the library's default, with its own rows made from x, with the weights
+#        sent into L2 a ring ahead, and with the last expert's W2 units in halves; 0 is the two decode GEMMs
 #        and the sum kernel, 1 the small kernel then the sum kernel, 2 the small kernel summing
 #        itself, 3 its own plan), the order rotating per preset (~8 min for three presets: split
 #        them with MF_PRESETS across two calls of the device tool); small_ab.md:
@@ -53,7 +53,7 @@
 #        device tool lasts at most 600 s). Not in `all`.
 # timeline: the small kernel's per-CTA stamps (moeflow bench layer --timeline) at T = 1..8 for
 #        deepseek-v3, kimi-k2 and qwen3-235b-a22b (MF_PRESETS: only those), under each MF_SMALL value
-#        of MF_SMALL_VALUES (default "5 6 7"), ~4 min:
+#        of MF_SMALL_VALUES (default "5 6 7"; 4 is the library's default), ~4 min:
 #        per row the phases' medians, then the late entries and their SMs, the producers' time per
 #        W13 and W2 unit and the spread of their walks' ends; every CTA's stamps in
 #        timeline_raw.jsonl (--timeline-raw) and timeline.md from them (bench/summarize.py timeline:

@@ -164,11 +164,14 @@ static mf__cuda_comm_t *mf__cc(mf_comm_t comm) { return (mf__cuda_comm_t *)comm-
 extern "C" int32_t mf__cuda_plan_serial = 0; /* balance/prefetch.h */
 extern "C" int32_t mf__cuda_plan_small = 1;  /* balance/prefetch.h */
 /* The small-batch kernel's switch (grouped_gemm.h): 7 with the last expert's W2 units in halves, 6
- * without, with each unit's weights sent to L2 a ring ahead of its loads, 5 without, with its own W13 rows made from x at R = 1, 4 without, with the W2
- * weights of the next round sent to L2 by a waiting W2 unit, 3 without, 2 with its own sum only, 1
- * without either, 0 off; lowered for the rest of the process by a comm init that reads MF_SMALL
+ * without, with each unit's weights sent to L2 a ring ahead of its loads, 5 without, with its own
+ * W13 rows made from x at R = 1, 4 (the default) without, with the W2 weights of the next round sent
+ * to L2 by a waiting W2 unit, 3 without, 2 with its own sum only, 1 without either, 0 off. 5 to 7 are
+ * off by default: on an H100 (2026-12-05, bench/results/h100/) 5 ran deepseek-v3 T = 1 in 323 us
+ * against 146 us under 4 (its producer makes each K block's rows from x between weight loads), and
+ * 6 and 7 build on 5. A comm init that reads MF_SMALL sets it for the rest of the process
  * (core/params.c); the GPU tests set it directly. */
-extern "C" int32_t mf__cuda_small = 7;
+extern "C" int32_t mf__cuda_small = 4;
 extern "C" int32_t mf__cuda_small_rows = mf__small::kMaxRows; /* grouped_gemm.h */
 extern "C" int32_t mf__cuda_decode_tokens = 64;                 /* grouped_gemm.h: MF_DECODE_TOKENS */
 extern "C" int32_t mf__cuda_decode_l2 = 0;                       /* grouped_gemm.h: MF_DECODE_L2 */
@@ -258,8 +261,8 @@ static mf_result_t mf__cuda_comm_init(mf_comm_t comm) {
     }
     MF_CHECK(mf__cuda_gemm_preload());
     if (!mf__param_pdl()) __atomic_store_n(&mf__cuda_pdl, 0, __ATOMIC_RELAXED); /* MF_PDL=0 (cuda/pdl.cuh) */
-    const int32_t small = mf__param_small(); /* MF_SMALL=0 to 6 lowers the switch for the process */
-    if (small < __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED)) __atomic_store_n(&mf__cuda_small, small, __ATOMIC_RELAXED);
+    const int32_t small = mf__param_small(); /* MF_SMALL=0 to 7 sets the switch for the process */
+    if (small >= 0) __atomic_store_n(&mf__cuda_small, small, __ATOMIC_RELAXED);
     const int32_t tokens = mf__param_decode_tokens(); /* MF_DECODE_TOKENS lowers the largest decode tile */
     if (tokens < __atomic_load_n(&mf__cuda_decode_tokens, __ATOMIC_RELAXED))
         __atomic_store_n(&mf__cuda_decode_tokens, tokens, __ATOMIC_RELAXED);

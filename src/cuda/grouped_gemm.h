@@ -106,9 +106,11 @@ enum { kMfGemmFamilyDecode = 0, kMfGemmFamilyTma = 1, kMfGemmFamilySmall = 2, kM
 typedef struct mf__gemm_choice {
     int32_t family;     /* kMfGemmFamilyDecode or kMfGemmFamilyTma */
     int32_t block_rows; /* receive rows per tile: decode 8, 16, 32 or 64 tokens; TMA 128 */
-    int32_t tail_rows;  /* TMA: 64, an expert's last m-block of at most 64 rows runs as a 64-row tail tile
-                           (kernels/sm90_tma_gemm.cuh "Tail tiles"; the same bits), or 0: full tiles only
-                           (MF_TMA_TAILS=0); decode: 0 */
+    int32_t tail_rows;  /* TMA: 64, an FP8 GEMM's expert whose last m-block has at most 64 rows runs it
+                           as a 64-row tail tile (kernels/sm90_tma_gemm.cuh "Tail tiles"; the same
+                           bits), or 0: full tiles only (MF_TMA_TAILS=0); decode: 0. BF16 GEMMs never
+                           take them: measured 7-10 % slower on W13 + SwiGLU (H100, 2026-12-05,
+                           bench/results/h100/), where FP8 gained 7-11 % */
     int32_t dataflow;   /* MF_DATAFLOW_*: DIRECT only with the decode family */
     int32_t fused;      /* 1: W13 and W2 in one launch, the small-batch kernel (kernels/sm90_small_gemm.cuh):
                            decode with 8-token tiles and DIRECT (mf__cuda_w13_w2; a layer with spare
@@ -133,8 +135,8 @@ extern "C" int32_t mf__cuda_tma_tails;
  * there as well (no plan kernel), 4 lets a W2 unit that waits for its expert's W13 send the next
  * round's W2 weights into L2 (kernels/sm90_small_gemm.cuh, `l2_ahead`), 5 lets it make its W13 rows
  * from x itself where it plans for itself (`x`: publish writes no x), 6 lets a unit send its weights
- * into L2 a ring ahead of its loads (`l2_ring`), 7 (the default) runs the last expert's W2 units in
- * halves (`w2_split`); a comm init lowers it to MF_SMALL
+ * into L2 a ring ahead of its loads (`l2_ring`), 7 runs the last expert's W2 units in halves
+ * (`w2_split`); the default is 4 (5 to 7 measured slower: cuda/backend.cu); a comm init sets it to MF_SMALL
  * (core/params.c) for the rest of the process. */
 extern "C" int32_t mf__cuda_small;
 /* The routed rows (T K R L / E) up to which AUTO takes the small-batch kernel: mf__small::kMaxRows
