@@ -67,6 +67,17 @@ what=${2:-all}
 mkdir -p "$dir"
 : "${MF_COMMIT:=unknown}"
 export MF_COMMIT
+# the card every record names (meta.card): the GPU's, from nvidia-smi, unless MF_CARD says (the
+# tools' own default is the label h200: an H100 run of 2026-12-05 was written as h200 that way)
+if [ -z "${MF_CARD:-}" ]; then
+    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+    case "$gpu" in
+        *H200*) MF_CARD=h200 ;;
+        *H100*) MF_CARD=h100 ;;
+        *) MF_CARD=$(echo "${gpu:-unknown}" | tr -cs 'A-Za-z0-9' '-' | tr 'A-Z' 'a-z' | sed 's/^-*//; s/-*$//') ;;
+    esac
+fi
+export MF_CARD
 rc=0
 
 if [ "$what" = gemm ] || [ "$what" = all ]; then

@@ -1390,11 +1390,12 @@ static void run_bench(const char *json_path, int argc, char **argv, bool ab_only
         char date[32];
         time_t now = time(NULL);
         strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", gmtime(&now));
-        const char *commit = getenv("MF_COMMIT");
+        const char *commit = getenv("MF_COMMIT"), *card = getenv("MF_CARD");
         std::string cmd;
         for (int i = 0; i < argc; i++) cmd += (i ? " " : "") + std::string(argv[i]);
-        fprintf(f, "{\"meta\": {\"card\": \"h200\", \"date\": \"%s\", \"commit\": \"%s\", \"command\": \"%s\", "
-                   "\"backend\": \"cuda\"},\n \"rows\": [\n", date, commit ? commit : "unknown", cmd.c_str());
+        fprintf(f, "{\"meta\": {\"card\": \"%s\", \"date\": \"%s\", \"commit\": \"%s\", \"command\": \"%s\", "
+                   "\"backend\": \"cuda\"},\n \"rows\": [\n", card && *card ? card : "h200", date, commit ? commit : "unknown",
+                cmd.c_str());
         for (size_t i = 0; i < rows_out.size(); i++) {
             const bench_row &r = rows_out[i];
             char shape[128], peers[256];
