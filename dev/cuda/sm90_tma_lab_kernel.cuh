@@ -280,8 +280,9 @@ static inline mf_result_t launch(int vi, const mf__gemm_segments_t *seg, int fp8
 } /* namespace mf__tma_lab */
 
 /* The library launchers' arguments (cuda/grouped_gemm.h, pdl 0): the variant the switch selects,
- * or the library's own launcher with the library's choice where that is what ships (tail tiles on:
- * the lab creates no comm, so nothing reads MF_TMA_TAILS here). */
+ * or the library's own launcher with the library's choice where that is what ships (tail tiles on,
+ * for BF16 too: the lab's main sets mf__cuda_tma_tails to 2; it creates no comm, so nothing reads
+ * MF_TMA_TAILS here). */
 static inline mf__gemm_choice_t tma_lab_choice(const mf__gemm_segments_t *seg) {
     return mf__gemm_choose(kMfDecodeMaxRows + 1, seg->max_rows_per_expert, MF_DATAFLOW_PULL);
 }

@@ -27,8 +27,8 @@
  *                 (cuda/grouped_gemm.cu mf__gemm_choose: the tile that holds most experts' rows; an
  *                 expert past it takes more tiles); other values read as 64; for A/B measurements
  * MF_TMA_TAILS    0: the CUDA backend's TMA GEMMs (more than 64 rows per expert) compute every tile
- *                 at 128 rows, an expert's tail of at most 64 rows included (default 1: such a tail
- *                 runs as a 64-row tile, the same bits); for A/B measurements */
+ *                 at 128 rows, an expert's tail of at most 64 rows included (default 1: in FP8 GEMMs
+ *                 such a tail runs as a 64-row tile, the same bits); for A/B measurements */
 
 /* The integer value of `name`, or `fallback` when it is unset, not an integer, or below `min`. */
 static int64_t mf__env_int(const char *name, int64_t fallback, int64_t min) {

@@ -100,9 +100,10 @@ mf_result_t launch(const char *who, const mf__gemm_choice_t *choice, const mf__g
     const char *map = NULL;
     const CUresult r = encode_maps(&tp, fp8, a, w, &map);
     if (r != CUDA_SUCCESS) return mf__gemm_decline(&g_family, "%s tensor map: CUresult %d", map, (int)r);
-    /* tail tiles where chosen (FP8 only: choice.tail_rows, grouped_gemm.h) and their maps encode
-     * (else full tiles only: the same bits) */
-    tp.tails = fp8 && choice->tail_rows != 0 && encode_tail_maps(&tp, fp8, swiglu, a, w) == CUDA_SUCCESS;
+    /* tail tiles where chosen (BF16 only with choice.tail_bf16, grouped_gemm.h) and their maps
+     * encode (else full tiles only: the same bits) */
+    tp.tails = choice->tail_rows != 0 && (fp8 || choice->tail_bf16) &&
+               encode_tail_maps(&tp, fp8, swiglu, a, w) == CUDA_SUCCESS;
     const int grid = grid_of(&tp.p, seg->max_rows_per_expert, sms);
     if (grid <= 0) return MF_SUCCESS;
     void *args[] = {(void *)&tp};

@@ -246,12 +246,15 @@ mf__gemm_choice_t mf__gemm_choose(int32_t rows_hint, int32_t max_rows_per_expert
         const int32_t most = __atomic_load_n(&mf__cuda_decode_tokens, __ATOMIC_RELAXED); /* MF_DECODE_TOKENS */
         if (c.block_rows > most) c.block_rows = most;
         c.tail_rows = 0;
+        c.tail_bf16 = 0;
     } else {
         c.family = kMfGemmFamilyTma;
         c.block_rows = mf__tma::kBlockM;
         /* an expert's last m-block of at most 64 rows as a 64-row tile: about half the experts at a
          * mean of ~128 rows (prefill) end in one (kernels/sm90_tma_gemm.cuh "Tail tiles") */
-        c.tail_rows = __atomic_load_n(&mf__cuda_tma_tails, __ATOMIC_RELAXED) ? mf__tma::kHalfRows : 0;
+        const int32_t tails = __atomic_load_n(&mf__cuda_tma_tails, __ATOMIC_RELAXED);
+        c.tail_rows = tails ? mf__tma::kHalfRows : 0;
+        c.tail_bf16 = tails == 2; /* BF16 measured slower with them (grouped_gemm.h) */
     }
     /* rows read in place at their owners: only the decode family gathers them */
     const int32_t may_gather = dataflow == MF_DATAFLOW_AUTO || dataflow == MF_DATAFLOW_DIRECT;

@@ -108,9 +108,11 @@ typedef struct mf__gemm_choice {
     int32_t block_rows; /* receive rows per tile: decode 8, 16, 32 or 64 tokens; TMA 128 */
     int32_t tail_rows;  /* TMA: 64, an FP8 GEMM's expert whose last m-block has at most 64 rows runs it
                            as a 64-row tail tile (kernels/sm90_tma_gemm.cuh "Tail tiles"; the same
-                           bits), or 0: full tiles only (MF_TMA_TAILS=0); decode: 0. BF16 GEMMs never
-                           take them: measured 7-10 % slower on W13 + SwiGLU (H100, 2026-12-05,
-                           bench/results/h100/), where FP8 gained 7-11 % */
+                           bits), or 0: full tiles only (MF_TMA_TAILS=0); decode: 0. BF16 GEMMs take
+                           them only with tail_bf16: measured 7-10 % slower on W13 + SwiGLU (H100,
+                           2026-12-05, bench/results/h100/), where FP8 gained 7-11 % */
+    int32_t tail_bf16;  /* 1: BF16 GEMMs take the tail tiles too (mf__cuda_tma_tails 2: the lab's A/B and
+                           validate, which keep that path measured and checked); 0 otherwise */
     int32_t dataflow;   /* MF_DATAFLOW_*: DIRECT only with the decode family */
     int32_t fused;      /* 1: W13 and W2 in one launch, the small-batch kernel (kernels/sm90_small_gemm.cuh):
                            decode with 8-token tiles and DIRECT (mf__cuda_w13_w2; a layer with spare
@@ -126,8 +128,8 @@ typedef struct mf__gemm_choice {
 mf__gemm_choice_t mf__gemm_choose(int32_t rows_hint, int32_t max_rows_per_expert, int32_t dataflow);
 
 /* The TMA family's tail tiles (defined in cuda/backend.cu): 1 (the default) lets mf__gemm_choose
- * choose them, 0 never (MF_TMA_TAILS=0, read by each CUDA comm's init and by `moeflow bench gemm`,
- * for A/B measurements). */
+ * choose them for FP8 GEMMs, 0 never (MF_TMA_TAILS=0, read by each CUDA comm's init and by `moeflow
+ * bench gemm`, for A/B measurements), 2 for BF16 GEMMs too (set by the TMA lab only). */
 extern "C" int32_t mf__cuda_tma_tails;
 
 /* The small-batch kernel's switch (defined in cuda/backend.cu): 0 clears choice->fused in every

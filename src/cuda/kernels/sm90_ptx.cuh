@@ -318,7 +318,7 @@ __device__ __forceinline__ void mf__cp_async_mbar_arrive_noinc(uint64_t *bar) {
 /* ---- wgmma specialisations: exactly the N the kernels use ------------------------------------------
  * decode (kernels/sm90_decode_gemm.cuh): N = tokens per tile kBlockT in {8, 16, 32, 64}, both dtypes;
  * TMA (kernels/sm90_tma_gemm.cuh): FP8 N = kBoxRows = 128 (one weight box), BF16 N = kTileN = 256;
- * the lab's TMA tail tile (dev/cuda/sm90_tma_lab_kernel.cuh): BF16 N = 128.
+ * the TMA kernel's tail tiles: BF16 N = 128 (taken only under mf__cuda_tma_tails 2, the lab's).
  * A new tile size adds its N here, in the same regular form, and its operand lists below (the
  * other 14 of wgmma's N were written once and never used: deleted, issue 27). The specialisations
  * are alike on purpose: each is one instruction, whose PTX text (shape, dtype, operand numbers)
