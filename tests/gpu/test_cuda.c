@@ -792,7 +792,7 @@ static int small_switches(int i, const pdl_case_t *pc, const mfp_problem_t *p, u
                       small, c->R, (unsigned long long)(sums1 - sums0));
         MFT_CHECK_MSG((small >= 3 && own_plan) == (plans1 > plans0), "case %d: switch %d at R = %d, T K = %d, %llu own plans",
                       i, small, c->R, c->T * c->K, (unsigned long long)(plans1 - plans0));
-        MFT_CHECK_MSG((small >= 5 && own_plan) == (rows1 - rows0 == plans1 - plans0 && rows1 > rows0),
+        MFT_CHECK_MSG((small == 5 && own_plan) == (rows1 - rows0 == plans1 - plans0 && rows1 > rows0),
                       "case %d: switch %d, %llu of %llu own plans made their rows from x", i, small,
                       (unsigned long long)(rows1 - rows0), (unsigned long long)(plans1 - plans0));
     }
@@ -802,15 +802,15 @@ static int small_switches(int i, const pdl_case_t *pc, const mfp_problem_t *p, u
 /* Every case eight times: without the small kernel (switch 0: the two decode GEMMs), with it and the
  * sum kernel (1), with it summing itself at R = 1 (2), planning for itself there too (3: publish runs
  * the DISPATCH sync, no plan kernel), with a waiting W2 unit's L2 prefetch of the next round's W2
- * weights (4: a hint, the same bits), and making its W13 rows from x itself where it plans for
- * itself (5: publish writes no x, the kernel quantises as publish does, the same bits), and with a
- * unit's weights sent into L2 a ring ahead of its loads (6: a hint, the same bits), and with the last
- * expert's W2 units in halves of 64 columns (7, the default: the same bits, its in-kernel sum
- * counting two arrivals for that expert),
+ * weights (4, the default: a hint, the same bits), and making its W13 rows from x itself where it
+ * plans for itself (5 alone: publish writes no x, the kernel quantises as publish does, the same
+ * bits), and with a unit's weights sent into L2 a ring ahead of its loads (6 = 4 and that: a hint,
+ * the same bits), and with the last expert's W2 units in halves of 64 columns (7 = 6 and that: the
+ * same bits, its in-kernel sum counting two arrivals for that expert),
  * three calls each on inputs redrawn per call: every call's y equal bit for bit (digests), the last
  * call of the default run within the contract's bounds of the CPU backend's, and the counters say
  * which ran (switches 2 to 7 sum in the kernel exactly at R = 1, switches 3 to 7 plan there where
- * T <= 128 and T K <= 1024, switches 5 to 7 make their rows there too). Cases: one and several ranks, idle
+ * T <= 128 and T K <= 1024, switch 5 makes its rows there too). Cases: one and several ranks, idle
  * ranks, both dtypes and layouts, a hot expert with more rows than a tile (several token blocks,
  * several W13 tiles per W2 dependency), W13 K blocks past the ring (two positions each; with its own
  * plan the first ring's weights go out before the PDL wait, under switch 5 the whole first unit)
