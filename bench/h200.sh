@@ -44,8 +44,8 @@
 #        qwen3-235b-a22b at R = 1, FP8, gated, no phase events, T = 1..8 (where AUTO takes the kernel:
 #        at most 64 routed rows, mf__small::kMaxRows), 3 rounds per process; each preset under every
 #        MF_SMALL value of MF_SMALL_VALUES (default "4 5 6 7": its own plan with the L2 prefetch of
-#        a waiting W2 unit, the library's default, with its own rows made from x, with the weights
-#        sent into L2 a ring ahead, and with the last expert's W2 units in halves; 0 is the two decode GEMMs
+#        a waiting W2 unit, the library's default; 4 with its own rows made from x; 4 with the weights
+#        sent into L2 a ring ahead; that and the last expert's W2 units in halves; 0 is the two decode GEMMs
 #        and the sum kernel, 1 the small kernel then the sum kernel, 2 the small kernel summing
 #        itself, 3 its own plan), the order rotating per preset (~8 min for three presets: split
 #        them with MF_PRESETS across two calls of the device tool); small_ab.md:
@@ -199,8 +199,8 @@ fi
 
 if [ "$what" = timeline ]; then
     # where the small kernel's time goes, per CTA (moeflow bench layer --timeline), under each switch
-    # of MF_SMALL_VALUES (default 5, 6 and 7: its own rows, the weights into L2 a ring ahead, the last
-    # expert's W2 units in halves):
+    # of MF_SMALL_VALUES (default 5, 6 and 7: 4 with its own rows, 4 with the weights into L2 a ring
+    # ahead, 6 with the last expert's W2 units in halves):
     # deepseek-v3, kimi-k2 (deepseek-v3's shapes at E = 384) and qwen3-235b-a22b (MF_PRESETS: only
     # those), T = 1..8, one round
     for preset in ${MF_PRESETS:-deepseek-v3 kimi-k2 qwen3-235b-a22b}; do
