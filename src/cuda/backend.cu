@@ -163,14 +163,14 @@ static mf__cuda_comm_t *mf__cc(mf_comm_t comm) { return (mf__cuda_comm_t *)comm-
 
 extern "C" int32_t mf__cuda_plan_serial = 0; /* balance/prefetch.h */
 extern "C" int32_t mf__cuda_plan_small = 1;  /* balance/prefetch.h */
-/* The small-batch kernel's switch (grouped_gemm.h): 7 = 6 with the last expert's W2 units in halves,
- * 6 = 4 with each unit's weights sent to L2 a ring ahead of its loads, 5 = 4 with its own W13 rows
- * made from x at R = 1 (5 alone: 6 and 7 publish x as 4 does), 4 (the default) = 3 with the W2
- * weights of the next round sent to L2 by a waiting W2 unit, 3 without, 2 with its own sum only, 1
- * without either, 0 off. 5 is off by default: on an H100 (2026-12-05, bench/results/h100/) it ran
- * deepseek-v3 T = 1 in 323 us against 146 us under 4 (its producer makes each K block's rows from x
- * between weight loads); 6 and 7 were measured then only on top of 5. A comm init that reads
- * MF_SMALL sets it for the rest of the process (core/params.c); the GPU tests set it directly. */
+/* The small-batch kernel's switch (grouped_gemm.h): 6 = 4 with the last expert's W2 units in halves,
+ * 5 = 4 with its own W13 rows made from x at R = 1, 4 (the default) = 3 with the W2 weights of the
+ * next round sent to L2 by a waiting W2 unit, 3 without, 2 with its own sum only, 1 without either,
+ * 0 off. On an H100 (2026-12-05, bench/results/h100/) 5 ran deepseek-v3 T = 1 in 323 us against
+ * 146 us under 4 (its producer makes each K block's rows from x between weight loads), and a switch
+ * that sent each unit's weights into L2 a ring ahead of its loads ran every row of T = 1..8 17-25 %
+ * slower (removed; bench/NOTES.md). A comm init that reads MF_SMALL sets it for the rest of the
+ * process (core/params.c); the GPU tests set it directly. */
 extern "C" int32_t mf__cuda_small = 4;
 extern "C" int32_t mf__cuda_small_rows = mf__small::kMaxRows; /* grouped_gemm.h */
 extern "C" int32_t mf__cuda_decode_tokens = 64;                 /* grouped_gemm.h: MF_DECODE_TOKENS */

@@ -153,8 +153,7 @@ mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__ge
         p.x = own->x;
     }
     p.l2_ahead = __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED) >= 4;
-    p.l2_ring = __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED) >= 6;
-    p.w2_split = __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED) >= 7;
+    p.w2_split = __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED) == 6;
     int dev = 0;
     MF__GEMM_CUDA(cudaGetDevice(&dev), __func__);
     p.timeline = dev < kMfGemmMaxDevices ? g_timeline[dev].load() : NULL;

@@ -135,11 +135,10 @@ extern "C" int32_t mf__cuda_tma_tails;
 /* The small-batch kernel's switch (defined in cuda/backend.cu): 0 clears choice->fused in every
  * forward, 1 keeps the sum kernel after it, 2 lets it sum at R = 1 too, 3 lets it plan for itself
  * there as well (no plan kernel), 4 lets a W2 unit that waits for its expert's W13 send the next
- * round's W2 weights into L2 (kernels/sm90_small_gemm.cuh, `l2_ahead`), 5 (and only 5) lets it make its
- * W13 rows from x itself where it plans for itself (`x`: publish writes no x), 6 lets a unit send its
- * weights into L2 a ring ahead of its loads (`l2_ring`), 7 runs the last expert's W2 units in halves
- * (`w2_split`) too; the default is 4 (5 measured slower: cuda/backend.cu); a comm init sets it to MF_SMALL
- * (core/params.c) for the rest of the process. */
+ * round's W2 weights into L2 (kernels/sm90_small_gemm.cuh, `l2_ahead`), 5 is 4 and lets it make
+ * its W13 rows from x itself where it plans for itself (`x`: publish writes no x), 6 is 4 and runs
+ * the last expert's W2 units in halves (`w2_split`); the default is 4 (5 measured slower:
+ * cuda/backend.cu); a comm init sets it to MF_SMALL (core/params.c) for the rest of the process. */
 extern "C" int32_t mf__cuda_small;
 /* The routed rows (T K R L / E) up to which AUTO takes the small-batch kernel: mf__small::kMaxRows
  * (defined in cuda/backend.cu); the GPU tests raise it to run the kernel at every shape it takes. */

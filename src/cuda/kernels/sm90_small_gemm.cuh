@@ -53,16 +53,7 @@
  * for deepseek-v3 FP8 262 KB, 132 of them 35 MB, within the 50 MB L2 that W13's evict-first weights
  * leave alone.
  *
- * L2 a ring ahead (switch 6, params.l2_ring; at any R). A W13 unit's producer, with K block kb's two
- * boxes, sends K block kb + kSlots / 2's into L2 (a hint, as above): a CTA's stream then has twice
- * the ring's bytes on their way; a W2 unit, with position kb's box, K block kb + kSlots's (those of
- * its K blocks the ring cannot hold: deepseek-v3's last 4 of 16). Where every SM streams
- * (deepseek-v3 at T = 1: 128 W13 units on 132 SMs, ~4.2 TB/s) that changes nothing; where fewer units
- * than SMs stream (qwen3's W13 at T = 1: 96 units, each SM at ~32 GB/s, the rate of 192 KB in flight,
- * while DRAM had room; every preset's last W2 units) it is what lets one SM's stream go faster
- * (bench/NOTES.md "Issue 25: L2 a ring ahead"). At most 192 KB per CTA ahead, 25 MB over 132 CTAs.
- *
- * The walk's end (switch 7, params.w2_split; at any R). The walk's last round is its last W2 units:
+ * The walk's end (switch 6, params.w2_split; at any R). The walk's last round is its last W2 units:
  * at T = 1 (deepseek-v3: 448 units of 262 KB on 132 CTAs, 3.4 rounds) ~53 units stream while the
  * other SMs have ended, and the walks end ~13 us apart. The units of the split expert, the last one
  * with rows (whose units come last), run in halves of 64 output columns instead (2 nb2 units per
@@ -145,7 +136,7 @@ using namespace mf__decode; /* tile columns, scale pad, epilogue barrier; mma_kb
 struct small_params {
     CUtensorMap tmap_w13;      /* [L 2I, H] box [128 rows, 128 B], 128B swizzle */
     CUtensorMap tmap_w2;       /* [L H, I] */
-    CUtensorMap tmap_w2h;      /* [L H, I], box [64 rows, 128 B]: switch 7's half units */
+    CUtensorMap tmap_w2h;      /* [L H, I], box [64 rows, 128 B]: switch 6's half units */
     const int32_t *counts;     /* [L] device: rows of each expert */
     const int32_t *offsets;    /* [L] device: first receive row of each expert */
     const float *w13_scales;   /* FP8: [L, 2I/128, H/128] */
@@ -172,9 +163,7 @@ struct small_params {
                                   unit idx + grid into L2 (see "L2 ahead" in the file comment) */
     const uint16_t *x;         /* kOwn, switch 5: the caller's x [T, H] BF16, from which the producer makes the
                                   W13 rows itself (see "Its own rows"); NULL: the rows publish wrote */
-    int32_t l2_ring;           /* switch 6: a unit sends its weights into L2 a ring ahead of its loads (see
-                                  "L2 a ring ahead" in the file comment) */
-    int32_t w2_split;          /* switch 7: the last expert's W2 units in halves (see "The walk's end") */
+    int32_t w2_split;          /* switch 6: the last expert's W2 units in halves (see "The walk's end") */
 };
 
 /* The timeline (small_params.timeline), kStamps words per CTA: word i = %globaltimer: 0 entry; 1
@@ -184,7 +173,7 @@ struct small_params {
  * marker); 3 its consumers done (before the count-out); 4 its SM (%smid); 5 (kOwn) its producer's
  * PDL wait for publish returned (with its own rows: after its first unit);
  * then, for the first kUnitStamps tickets its producer took, pairs (what: the unit's index, bit 32
- * set for a W2 unit, bit 33 for the end, bit 34 for a half W2 unit of switch 7; when). */
+ * set for a W2 unit, bit 33 for the end, bit 34 for a half W2 unit of switch 6; when). */
 __device__ __forceinline__ void stamp(const small_params &p, int i) {
     p.timeline[kStamps * (int64_t)blockIdx.x + i] = mf__globaltimer();
 }
@@ -552,11 +541,6 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
                     mf__tma_load_2d_hint(slots + sg * C::kSlotBytes, &p.tmap_w13, &full[sg], kc, wrow, pol_w);
                     mf__mbar_arrive_expect_tx(&full[su], (uint32_t)kBoxBytes);
                     mf__tma_load_2d_hint(slots + su * C::kSlotBytes, &p.tmap_w13, &full[su], kc, wrow + p.I, pol_w);
-                    if (p.l2_ring && kb + C::kSlots / 2 < kb13) { /* L2 a ring ahead (file comment) */
-                        const int32_t ka = (kb + C::kSlots / 2) * (kKBlock / C::kEsz);
-                        mf__tma_prefetch_2d(&p.tmap_w13, ka, wrow);
-                        mf__tma_prefetch_2d(&p.tmap_w13, ka, wrow + p.I);
-                    }
                 }
             };
             int32_t kb = 0;
@@ -603,7 +587,7 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
             }
             if (copy) arow = p.h + (int64_t)row * kbytes2;
             if constexpr (kFp8) srow = p.h_scales + (int64_t)row * kb2;
-            /* the box's rows: a half unit's (switch 7) 64 of them by its own map, into the slot's first 8 KB */
+            /* the box's rows: a half unit's (switch 6) 64 of them by its own map, into the slot's first 8 KB */
             const int32_t wrow = t.e * p.H + t.nb * kBoxRows + (half > 0 ? kBoxRows / 2 : 0);
             const CUtensorMap *const wmap = half >= 0 ? &p.tmap_w2h : &p.tmap_w2;
             const uint32_t wbytes = half >= 0 ? kBoxBytes / 2 : kBoxBytes;
@@ -643,8 +627,6 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
                     tile_of[s] = idx; /* published by the arrivals */
                     mf__mbar_arrive_expect_tx(&full[s], wbytes);
                     mf__tma_load_2d_hint(slots + s * C::kSlotBytes, wmap, &full[s], kb * (kKBlock / C::kEsz), wrow, pol_w);
-                    if (p.l2_ring && kb + C::kSlots < kb2) /* L2 a ring ahead (file comment) */
-                        mf__tma_prefetch_2d(wmap, (kb + C::kSlots) * (kKBlock / C::kEsz), wrow);
                 }
                 /* every lane's own acquire (its copies follow it), one verdict for the warp */
                 if (!ready) ready = __all_sync(0xffffffffu, ld_acquire(dep) >= target);
@@ -726,7 +708,7 @@ __device__ __forceinline__ void sum_tile(const small_params &p, const int32_t *s
             if (src[0] == p.view.rank && token >= 0 && token < p.T) {
                 const int32_t *ids = ids_all + (int64_t)token * p.num_topk;
                 int32_t want = 0;
-                /* by weight (switch 7's halves, file comment "The walk's end"): a valid k is worth 2,
+                /* by weight (switch 6's halves, file comment "The walk's end"): a valid k is worth 2,
                  * a whole unit's row brings 2, a half's 1 */
                 const int32_t step = half < 0 ? 2 : 1;
                 for (int32_t k = 0; k < p.num_topk; k++) want += ids[k] >= 0 ? 2 : 0;
@@ -787,7 +769,7 @@ __device__ __forceinline__ void consumer(const small_params &p, const tables_t &
     const int32_t kb13 = p.H * C::kEsz / kKBlock, kb2 = p.I * C::kEsz / kKBlock;
     const uint64_t desc_slots = mf__wgmma_desc_sw128(slots);
     int32_t *const done = p.sync + 2;
-    const int32_t split_e = split_expert(p, tb); /* switch 7 */
+    const int32_t split_e = split_expert(p, tb); /* switch 6 */
 
     float tmp[2][kFrag];
 #pragma unroll
