@@ -163,8 +163,9 @@ static mf__cuda_comm_t *mf__cc(mf_comm_t comm) { return (mf__cuda_comm_t *)comm-
 
 extern "C" int32_t mf__cuda_plan_serial = 0; /* balance/prefetch.h */
 extern "C" int32_t mf__cuda_plan_small = 1;  /* balance/prefetch.h */
-/* The small-batch kernel's switch (grouped_gemm.h): 6 = 4 with the last expert's W2 units in halves,
- * 5 = 4 with its own W13 rows made from x at R = 1, 4 (the default) = 3 with the W2 weights of the
+/* The small-batch kernel's switch (grouped_gemm.h): 7 = 4 with its first unit's W13 rows made from x
+ * by the producer warpgroup's idle warps at R = 1 (publish still writes x for the rest), 6 = 4 with
+ * the last expert's W2 units in halves, 5 = 4 with its own W13 rows made from x at R = 1, 4 (the default) = 3 with the W2 weights of the
  * next round sent to L2 by a waiting W2 unit, 3 without, 2 with its own sum only, 1 without either,
  * 0 off. On an H100 (2026-12-05, bench/results/h100/) 5 ran deepseek-v3 T = 1 in 323 us against
  * 146 us under 4 (its producer makes each K block's rows from x between weight loads), and a switch
@@ -1030,13 +1031,14 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     const int32_t small = __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED);
     const int32_t own_sum = choice.fused && moe->comm->num_ranks == 1 && T > 0 && small >= 2;
     const int32_t own_plan = mf__cuda_own_plan(moe, &choice, T, small);
-    const int32_t own_rows = own_plan && small == 5; /* 5 alone: it makes the W13 rows from x too (publish: no x) */
+    /* 5: it makes every W13 row from x (publish: no x); 7: warps 1-3 make its first unit's (publish: x) */
+    const int32_t own_rows = own_plan && (small == 5 || small == 7);
     const mf__gemm_own_t own = {(const int32_t *)in->topk_ids.data, own_rows ? (const uint16_t *)in->x.data : NULL};
 
     MF__MARK(MF_PHASE_PREPARE);
     const mf__cuda_slot_t slot0 = mf__cuda_slot0(moe);
     MF_CHECK(mf__cuda_publish_at(moe, slot0.view, &in->x, &in->topk_ids, (const float *)in->topk_weights.data,
-                                 own_plan ? slot0.epochs : NULL, own_rows, stream));
+                                 own_plan ? slot0.epochs : NULL, own_plan && small == 5, stream));
     MF__MARK(MF_PHASE_DISPATCH);
     if (!own_plan) MF_CHECK(mf__cuda_plan(moe, T, NULL, NULL, stream));
     if (flow != MF_DATAFLOW_DIRECT) MF_CHECK(mf__cuda_gather(moe, s->recv_x, s->recv_scales, NULL, stream));

@@ -84,6 +84,7 @@ constexpr int kMaxStages = 16;
 constexpr int kScalePad = 4;                              /* w_scale slots after a K block's a_scales */
 constexpr int kEpiPadBytes = 16;                          /* staging row pad (bank spread) */
 constexpr int kBarEpilogue = 1;                           /* named barrier of the 256 consumer threads */
+constexpr int kBarFront = 2;                              /* the small kernel's first ticket, producer warpgroup */
 constexpr int kChunksPerKBlock = kKBlock / kChunk;        /* 8 chunks of an activation row per K block */
 constexpr int kTimelineStamps = 3;                        /* the lab's --timeline: entry, prologue, last store */
 

@@ -154,6 +154,7 @@ mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__ge
     }
     p.l2_ahead = __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED) >= 4;
     p.w2_split = __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED) == 6;
+    p.front_rows = p.x && __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED) == 7;
     int dev = 0;
     MF__GEMM_CUDA(cudaGetDevice(&dev), __func__);
     p.timeline = dev < kMfGemmMaxDevices ? g_timeline[dev].load() : NULL;
@@ -170,8 +171,12 @@ mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__ge
     if (sum) g_sums.fetch_add(1, std::memory_order_relaxed);
     if (own) g_plans.fetch_add(1, std::memory_order_relaxed);
     if (own && own->x) g_rows.fetch_add(1, std::memory_order_relaxed);
+    const char *own_label = !own      ? ""
+                            : !own->x     ? ", its own plan"
+                            : p.front_rows ? ", its own plan and first rows"
+                                           : ", its own plan and rows";
     mf__gemm_report_launch(&g_family, "small %s W13 + W2, T %d, %d slots, %d B smem, grid %d%s", fp8 ? "fp8" : "bf16",
-                           kTokens, v.stages, v.smem_bytes, grid, !own ? "" : own->x ? ", its own plan and rows" : ", its own plan");
+                           kTokens, v.stages, v.smem_bytes, grid, own_label);
     return MF_SUCCESS;
 }
 

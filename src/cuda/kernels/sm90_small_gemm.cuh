@@ -104,6 +104,16 @@
  * its own rows"): the ring stood still behind the wait, 6 W13 K blocks issued of a unit's 56, and
  * publish's T x H/1024 blocks held the SMs that the small kernel's CTAs enter.
  *
+ * Its first rows (kOwn, switch 7, params.front_rows with x set): what switch 5 wanted without its
+ * cost. Under 5 the producer warp made every K block's rows between its weight loads, so the stream
+ * ran at one warp's serial pace (2.2x slower, bench/NOTES.md); under 7 warp 0 issues the weights
+ * alone and warps 1-3 of its warpgroup, idle otherwise, make the rows of the CTA's first unit only
+ * (front_rows: the first ticket handed over through shared memory and a named barrier, K blocks
+ * round-robin over the three warps, each giving the full barriers the 32 arrivals warp 0's lanes
+ * give elsewhere). Publish still writes x: the CTA's later units gather it as under 4, after the
+ * wait for publish that follows the first unit (the consumers likewise, as under 5). At T = 1 a
+ * CTA has one W13 unit, so none of its W13 rows waits for publish.
+ *
  * The end: every CTA, once its consumers are done, counts itself in sync[1]; the last one zeroes the
  * ticket, the count, done[0 .. L) and the sum's counters: the next launch starts from zeros (stream
  * order; under PDL the next launch on this buffer is at least one kernel later, a call's first,
@@ -164,6 +174,8 @@ struct small_params {
     const uint16_t *x;         /* kOwn, switch 5: the caller's x [T, H] BF16, from which the producer makes the
                                   W13 rows itself (see "Its own rows"); NULL: the rows publish wrote */
     int32_t w2_split;          /* switch 6: the last expert's W2 units in halves (see "The walk's end") */
+    int32_t front_rows;        /* kOwn, switch 7 (with x set): only the CTA's first unit's W13 rows are made
+                                  from x, by warps 1-3 (see "Its first rows"); publish writes x as usual */
 };
 
 /* The timeline (small_params.timeline), kStamps words per CTA: word i = %globaltimer: 0 entry; 1
@@ -217,7 +229,8 @@ struct cfg {
     static constexpr int kOffRed = kOffScales + align_up(kSlots * kScaleBytes, 16);
     static constexpr int kOffTables = kOffRed + kRedBytes;
     static constexpr int kOffTileOf = kOffTables + kTableBytes;
-    static constexpr int kOffFlag = kOffTileOf + kTileOfBytes;          /* the count-out's "last CTA" */
+    static constexpr int kOffFlag = kOffTileOf + kTileOfBytes;          /* the count-out's "last CTA", then
+                                                                           switch 7's first ticket */
     static constexpr int kOffSumFlags = kOffFlag + 16;                  /* the sum: [kBlockT] token + 1 or 0 */
     static constexpr int kOffSrc = align_up(kOffSumFlags + kBlockT * 4, 16); /* kOwn: the plan's src */
     static constexpr int kOffUnit = kOffSrc + kSrcBytes;                /* the consumers' next unit, [2] */
@@ -442,7 +455,7 @@ __device__ __forceinline__ void quantise_kblock(uint8_t *act, float *a_scale, co
 template <bool kFp8, int kBlockT, bool kOwn>
 __device__ __forceinline__ void producer(const small_params &p, const tables_t &tb, const int32_t *own_src,
                                          uint8_t *slots, float *scales, int32_t *tile_of, uint64_t *full,
-                                         uint64_t *empty) {
+                                         uint64_t *empty, int32_t *front) {
     using C = cfg<kFp8, kBlockT, kOwn>;
     using R = ring<C::kSlots>;
     const int lane = (int)(threadIdx.x & 31);
@@ -463,9 +476,15 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
     bool w2;
     tile_t t;
     bool published = !kOwn; /* kOwn: publish (the kernel before this one) has not been waited for yet */
-    const bool from_x = kOwn && p.x; /* its own rows (switch 5): publish is waited for after the first unit */
+    const bool from_x = kOwn && p.x && !p.front_rows; /* its own rows (switch 5): publish is waited for after
+                                                          the first unit */
     int32_t taken = 0;      /* the timeline's count of tickets */
     int32_t idx = take(p.sync, lane);
+    if (kOwn && p.front_rows) { /* its first rows (switch 7): the first ticket to warps 1-3 (front_rows) */
+        if (lane == 0) *front = idx;
+        __syncwarp();
+        mf__named_barrier_arrive(kBarFront, kMfWarpgroupThreads);
+    }
     const int32_t split_e = split_expert(p, tb);
     int32_t half;
     for (; locate<kBlockT>(tb, L, nb13, nb2, split_e, idx, cur13, cur2, w2, t, half);
@@ -543,9 +562,11 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
                     mf__tma_load_2d_hint(slots + su * C::kSlotBytes, &p.tmap_w13, &full[su], kc, wrow + p.I, pol_w);
                 }
             };
+            /* its first rows (switch 7): this unit's rows come from warps 1-3, its weights from here */
+            const bool front_unit = kOwn && p.front_rows && !published;
             int32_t kb = 0;
             if constexpr (kOwn) {
-                if (!published && !from_x) {
+                if (!published && !from_x && !front_unit) {
                     /* The CTA's first unit (W13 units come first): the weights of the K blocks the ring
                      * holds go out before publish has ended, its rows after the PDL wait. */
                     const int32_t early = kb13 < C::kSlots / 2 ? kb13 : C::kSlots / 2;
@@ -566,7 +587,9 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
                 const uint32_t sg = R::slot(it), su = R::slot(it + 1);
                 R::wait_empty(empty, it);
                 R::wait_empty(empty, it + 1);
-                if (kFp8 && from_x) { /* the weights first: the rows take a load's latency */
+                if (front_unit) {
+                    load_w(kb, sg, su); /* lane 0's arrival; the other 32 are the row warp's */
+                } else if (kFp8 && from_x) { /* the weights first: the rows take a load's latency */
                     load_w(kb, sg, su);
                     __syncwarp();
                     make_x(kb, sg, su);
@@ -664,6 +687,73 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
     __syncwarp();
     mf__mbar_arrive(&full[s]);
     if (lane == 0) mf__mbar_arrive(&full[s]);
+    mf__cp_async_wait_all();
+}
+
+/* Its first rows (kOwn, switch 7, p.front_rows with p.x): warps 1-3 of the producer warpgroup, idle
+ * otherwise, make the activation rows of the CTA's first unit, if it is a W13 unit, from the caller's
+ * x while warp 0 issues that unit's weights without waiting for publish (file comment "Its first
+ * rows"). The first ticket comes from warp 0 through `front` and a named barrier; locate from it, as
+ * warp 0 does, gives the same unit. Warp w makes K blocks w, w + 3, ...: the unit's first positions
+ * are the ring's 0, 1, ..., so K block kb's are 2 kb and 2 kb + 1; each waits for its two slots to
+ * be free and gives each full barrier the 32 arrivals that warp 0's lanes give elsewhere (FP8: the
+ * rows quantised as publish does, quantise_kblock, and the weight scales by generic stores, then the
+ * async-proxy fence and release arrivals; BF16: x's bytes by cp.async, arriving on completion). No
+ * cycle: the warp with the lowest K block kb waits only for the consumers to pass K block kb -
+ * kSlots / 2, whose rows and every earlier K block's are made (each warp goes in order). */
+template <bool kFp8, int kBlockT>
+__device__ __forceinline__ void front_rows(const small_params &p, const tables_t &tb, const int32_t *own_src,
+                                           uint8_t *slots, float *scales, uint64_t *full, uint64_t *empty,
+                                           const int32_t *front) {
+    using C = cfg<kFp8, kBlockT, true>;
+    using R = ring<C::kSlots>;
+    constexpr int kRowWarps = kMfWarpgroupThreads / kMfWarp - 1;
+    mf__named_barrier_sync(kBarFront, kMfWarpgroupThreads);
+    const int32_t idx = *front;
+    const int32_t L = p.num_experts, nb13 = p.I / kTileCols, nb2 = p.H / kTileCols;
+    int32_t cur13 = 0, cur2 = 0, half;
+    bool w2;
+    tile_t t;
+    if (!locate<kBlockT>(tb, L, nb13, nb2, split_expert(p, tb), idx, cur13, cur2, w2, t, half) || w2) return;
+    const int lane = (int)(threadIdx.x & 31), w = mf__warp_id() - 1;
+    const int32_t kb13 = p.H * C::kEsz / kKBlock;
+    const int32_t srows13 = 2 * p.I / kBoxRows;
+    const int64_t ws = ((int64_t)t.e * srows13 + t.nb) * kb13; /* FP8: the gate box's w_scales */
+    const int64_t ws_up = ws + (int64_t)(p.I / kBoxRows) * kb13;
+    const int j = lane;
+    const bool copy = j >= t.lo && j < kBlockT;
+    const uint8_t *arow = copy ? (const uint8_t *)(p.x + (int64_t)own_src[3 * (int64_t)clamp_row<kBlockT>(t, j) + 1] * p.H)
+                               : NULL;
+    /* FP8: the weight scales of this warp's first 32 K blocks in its lanes' registers (lane l: K block
+     * w + 3 l), loaded before the first wait: a load per K block would put an HBM latency on each */
+    float wg = 0.0f, wu = 0.0f;
+    if constexpr (kFp8) {
+        const int32_t k = w + kRowWarps * lane;
+        if (k < kb13) {
+            wg = p.w13_scales[ws + k];
+            wu = p.w13_scales[ws_up + k];
+        }
+    }
+    for (int32_t i = 0, kb = w; kb < kb13; i++, kb += kRowWarps) {
+        const uint32_t sg = R::slot(2 * kb), su = R::slot(2 * kb + 1);
+        R::wait_empty(empty, 2 * kb);
+        R::wait_empty(empty, 2 * kb + 1);
+        if constexpr (kFp8) {
+            float *scg = scales + sg * C::kScaleStride, *scu = scales + su * C::kScaleStride;
+            quantise_kblock<kBlockT>(slots + sg * C::kSlotBytes + kBoxBytes, scg, p.x, p.H, own_src, t, kb, lane,
+                                     p.ue8m0);
+            const float wsg = __shfl_sync(0xffffffffu, wg, i & 31), wsu = __shfl_sync(0xffffffffu, wu, i & 31);
+            if (lane == 0) scg[kBlockT] = i < 32 ? wsg : p.w13_scales[ws + kb];
+            if (lane == 1) scu[kBlockT] = i < 32 ? wsu : p.w13_scales[ws_up + kb];
+            mf__fence_proxy_async_smem();
+            mf__mbar_arrive(&full[sg]);
+            mf__mbar_arrive(&full[su]);
+        } else {
+            if (arow) copy_kblock(slots + sg * C::kSlotBytes + kBoxBytes, arow, kb, j);
+            mf__cp_async_mbar_arrive_noinc(&full[sg]);
+            mf__cp_async_mbar_arrive_noinc(&full[su]);
+        }
+    }
     mf__cp_async_wait_all();
 }
 
@@ -903,7 +993,10 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_small_kernel(const __grid_co
     /* the split: 72 registers for the producer (its own rows' quantisation spilled at 40 and 64), 216
      * for the consumers (8-token tiles need far fewer; no variant spills) */
     if (producer_role<72, 216>()) {
-        if (mf__warp_id() == 0) producer<kFp8, kBlockT, kOwn>(p, tb, own_src, slots, scales, tile_of, full, empty);
+        if (mf__warp_id() == 0)
+            producer<kFp8, kBlockT, kOwn>(p, tb, own_src, slots, scales, tile_of, full, empty, last + 1);
+        else if constexpr (kOwn)
+            if (p.front_rows) front_rows<kFp8, kBlockT>(p, tb, own_src, slots, scales, full, empty, last + 1);
         return;
     }
     consumer<kFp8, kBlockT, kOwn>(p, tb, own_src, slots, scales, tile_of, epi, red, sum_flags, unit, full, empty);
