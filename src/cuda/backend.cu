@@ -165,9 +165,9 @@ extern "C" int32_t mf__cuda_plan_serial = 0; /* balance/prefetch.h */
 extern "C" int32_t mf__cuda_plan_small = 1;  /* balance/prefetch.h */
 /* The small-batch kernel's switch (grouped_gemm.h): 7 = 4 with its first unit's W13 rows made from x
  * by the producer warpgroup's idle warps at R = 1 (publish still writes x for the rest), 6 = 4 with
- * the last expert's W2 units in halves, 5 = 4 with its own W13 rows made from x at R = 1, 4 (the default) = 3 with the W2 weights of the
- * next round sent to L2 by a waiting W2 unit, 3 without, 2 with its own sum only, 1 without either,
- * 0 off. On an H100 (2026-12-05, bench/results/h100/) 5 ran deepseek-v3 T = 1 in 323 us against
+ * the last expert's W2 units in halves, 5 = 4 with its own W13 rows made from x at R = 1, 4 (the
+ * default) = 3 with the W2 weights of the next round sent to L2 by a waiting W2 unit, 3 without, 2
+ * with its own sum only, 1 without either, 0 off. On an H100 (2026-12-05, bench/results/h100/) 5 ran deepseek-v3 T = 1 in 323 us against
  * 146 us under 4 (its producer makes each K block's rows from x between weight loads), and a switch
  * that sent each unit's weights into L2 a ring ahead of its loads ran every row of T = 1..8 17-25 %
  * slower (removed; bench/NOTES.md). A comm init that reads MF_SMALL sets it for the rest of the

@@ -722,8 +722,8 @@ __device__ __forceinline__ void front_rows(const small_params &p, const tables_t
     const int64_t ws_up = ws + (int64_t)(p.I / kBoxRows) * kb13;
     const int j = lane;
     const bool copy = j >= t.lo && j < kBlockT;
-    const uint8_t *arow = copy ? (const uint8_t *)(p.x + (int64_t)own_src[3 * (int64_t)clamp_row<kBlockT>(t, j) + 1] * p.H)
-                               : NULL;
+    const int64_t token = own_src[3 * (int64_t)clamp_row<kBlockT>(t, j) + 1];
+    const uint8_t *arow = copy ? (const uint8_t *)(p.x + token * p.H) : NULL; /* BF16: x's bytes */
     /* FP8: the weight scales of this warp's first 32 K blocks in its lanes' registers (lane l: K block
      * w + 3 l), loaded before the first wait: a load per K block would put an HBM latency on each */
     float wg = 0.0f, wu = 0.0f;
@@ -993,10 +993,11 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_small_kernel(const __grid_co
     /* the split: 72 registers for the producer (its own rows' quantisation spilled at 40 and 64), 216
      * for the consumers (8-token tiles need far fewer; no variant spills) */
     if (producer_role<72, 216>()) {
-        if (mf__warp_id() == 0)
+        if (mf__warp_id() == 0) {
             producer<kFp8, kBlockT, kOwn>(p, tb, own_src, slots, scales, tile_of, full, empty, last + 1);
-        else if constexpr (kOwn)
+        } else if constexpr (kOwn) { /* warps 1-3: switch 7's first rows, else nothing */
             if (p.front_rows) front_rows<kFp8, kBlockT>(p, tb, own_src, slots, scales, full, empty, last + 1);
+        }
         return;
     }
     consumer<kFp8, kBlockT, kOwn>(p, tb, own_src, slots, scales, tile_of, epi, red, sum_flags, unit, full, empty);
