@@ -80,7 +80,9 @@
  * (cp.async.bulk.prefetch.tensor, a hint: nothing waits for it, the bits do not change), so a CTA
  * has twice the ring's weight bytes on their way. The question it answers (bench/NOTES.md "Issue
  * 25: L2 a ring ahead"): whether the 64-token tile streams at 80 % of DRAM where the 32-token one
- * reaches 89 % (Nsight Compute, qwen3 W13 at L = 128) because its ring holds fewer stages.
+ * reaches 89 % (Nsight Compute, qwen3 W13 at L = 128) because its ring holds fewer stages. Not yet
+ * measured here; the same prefetch in the small kernel ran every decode row 17-25 % slower on an
+ * H100 (2026-12-05) and was removed there: measure it before anything relies on it.
  *
  * Bounded waits. Every mbarrier wait gives up after kWaitTimeoutNs (20 s) of %globaltimer, records
  * itself in the calling comm's fault sink (gemm_params.sink) and returns (mf__mbar_wait_bounded,
