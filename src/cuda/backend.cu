@@ -1033,7 +1033,8 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     const int32_t own_plan = mf__cuda_own_plan(moe, &choice, T, small);
     /* 5: it makes every W13 row from x (publish: no x); 7: warps 1-3 make its first unit's (publish: x) */
     const int32_t own_rows = own_plan && (small == 5 || small == 7);
-    const mf__gemm_own_t own = {(const int32_t *)in->topk_ids.data, own_rows ? (const uint16_t *)in->x.data : NULL};
+    const mf__gemm_own_t own = {(const int32_t *)in->topk_ids.data, own_rows ? (const uint16_t *)in->x.data : NULL,
+                                own_rows && small == 7}; /* one read of the switch decides publish and the kernel */
 
     MF__MARK(MF_PHASE_PREPARE);
     const mf__cuda_slot_t slot0 = mf__cuda_slot0(moe);

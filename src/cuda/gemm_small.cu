@@ -56,7 +56,7 @@ mf__gemm_variant_info_t variant_info(int i) {
 
 mf__gemm_family_t g_family = {kMfGemmFamilySmall, kLaunchRegs, variant_count, variant_fn, variant_info};
 
-std::atomic<uint64_t> g_launches, g_sums, g_plans, g_rows; /* mf__gemm_small_counts (testing.h) */
+std::atomic<uint64_t> g_launches, g_sums, g_plans, g_rows, g_fronts; /* mf__gemm_small_counts (testing.h) */
 std::atomic<uint64_t *> g_timeline[kMfGemmMaxDevices]; /* mf__gemm_small_set_timeline, per device; NULL: off */
 static_assert(MF__GEMM_SMALL_STAMPS == kStamps && MF__GEMM_SMALL_UNIT_STAMPS == kUnitStamps,
               "gemm_bench.h spells the stamps per CTA for C");
@@ -151,10 +151,10 @@ mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__ge
     if (own) {
         p.ids = own->ids;
         p.x = own->x;
+        p.front_rows = own->x && own->front;
     }
     p.l2_ahead = __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED) >= 4;
     p.w2_split = __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED) == 6;
-    p.front_rows = p.x && __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED) == 7;
     int dev = 0;
     MF__GEMM_CUDA(cudaGetDevice(&dev), __func__);
     p.timeline = dev < kMfGemmMaxDevices ? g_timeline[dev].load() : NULL;
@@ -170,7 +170,7 @@ mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__ge
     g_launches.fetch_add(1, std::memory_order_relaxed);
     if (sum) g_sums.fetch_add(1, std::memory_order_relaxed);
     if (own) g_plans.fetch_add(1, std::memory_order_relaxed);
-    if (own && own->x) g_rows.fetch_add(1, std::memory_order_relaxed);
+    if (own && own->x) (p.front_rows ? g_fronts : g_rows).fetch_add(1, std::memory_order_relaxed);
     const char *own_label = !own      ? ""
                             : !own->x     ? ", its own plan"
                             : p.front_rows ? ", its own plan and first rows"
@@ -180,11 +180,13 @@ mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__ge
     return MF_SUCCESS;
 }
 
-extern "C" void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums, uint64_t *plans, uint64_t *rows) {
+extern "C" void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums, uint64_t *plans, uint64_t *rows,
+                                      uint64_t *fronts) {
     *launches = g_launches.load(std::memory_order_relaxed);
     *sums = g_sums.load(std::memory_order_relaxed);
     *plans = g_plans.load(std::memory_order_relaxed);
     *rows = g_rows.load(std::memory_order_relaxed);
+    *fronts = g_fronts.load(std::memory_order_relaxed);
 }
 
 extern "C" int mf__gemm_small_set_timeline(uint64_t *stamps) {

@@ -190,6 +190,7 @@ typedef struct mf__gemm_sum {
 typedef struct mf__gemm_own {
     const int32_t *ids;
     const uint16_t *x;
+    int32_t front; /* with x (switch 7): only the first unit's rows from x, by idle warps; publish wrote x */
 } mf__gemm_own_t;
 
 /* The small-batch kernel (choice->fused): W13 + SwiGLU into h (+ h_scales), then W2 of h returned to

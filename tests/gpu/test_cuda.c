@@ -770,7 +770,8 @@ static mf_result_t switch_run(const pdl_case_t *c, const mfp_problem_t *p, int32
 extern int32_t mf__cuda_small; /* cuda/grouped_gemm.h: 0 clears choice.fused, 1 keeps the sum kernel */
 extern int32_t mf__cuda_small_rows; /* cuda/grouped_gemm.h: the routed rows up to which AUTO takes it */
 extern int32_t mf__cuda_decode_l2;  /* cuda/grouped_gemm.h: MF_DECODE_L2, the decode GEMMs' L2 prefetch */
-void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums, uint64_t *plans, uint64_t *rows); /* testing.h */
+void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums, uint64_t *plans, uint64_t *rows,
+                           uint64_t *fronts); /* testing.h */
 enum { kSmallModes = 8, kSmallOwnTokens = 128, kSmallOwnEntries = 1024 /* mf__small::kOwnMaxTokens, kOwnEntries */ };
 enum { kSmallMaxRows = 64 /* mf__small::kMaxRows (cuda/gemm_configs.cuh): the ninth run fails if they part */ };
 
@@ -781,10 +782,10 @@ static int small_switches(int i, const pdl_case_t *pc, const mfp_problem_t *p, u
     const layer_case_t *c = &pc->layer;
     char err[512] = "";
     for (int small = 0; small < kSmallModes; small++) {
-        uint64_t launches0, sums0, plans0, rows0, launches1, sums1, plans1, rows1;
-        mf__gemm_small_counts(&launches0, &sums0, &plans0, &rows0);
+        uint64_t launches0, sums0, plans0, rows0, fronts0, launches1, sums1, plans1, rows1, fronts1;
+        mf__gemm_small_counts(&launches0, &sums0, &plans0, &rows0, &fronts0);
         mf_result_t res = switch_run(pc, p, &mf__cuda_small, small, y[small], dig[small], seed, err, sizeof err);
-        mf__gemm_small_counts(&launches1, &sums1, &plans1, &rows1);
+        mf__gemm_small_counts(&launches1, &sums1, &plans1, &rows1, &fronts1);
         MFT_CHECK_MSG(res == MF_SUCCESS, "case %d, small kernel %d: %s", i, small, err);
         MFT_CHECK_MSG(small ? launches1 > launches0 : launches1 == launches0, "case %d: switch %d, %llu small launches",
                       i, small, (unsigned long long)(launches1 - launches0));
@@ -792,9 +793,12 @@ static int small_switches(int i, const pdl_case_t *pc, const mfp_problem_t *p, u
                       small, c->R, (unsigned long long)(sums1 - sums0));
         MFT_CHECK_MSG((small >= 3 && own_plan) == (plans1 > plans0), "case %d: switch %d at R = %d, T K = %d, %llu own plans",
                       i, small, c->R, c->T * c->K, (unsigned long long)(plans1 - plans0));
-        MFT_CHECK_MSG(((small == 5 || small == 7) && own_plan) == (rows1 - rows0 == plans1 - plans0 && rows1 > rows0),
+        MFT_CHECK_MSG((small == 5 && own_plan) == (rows1 - rows0 == plans1 - plans0 && rows1 > rows0),
                       "case %d: switch %d, %llu of %llu own plans made their rows from x", i, small,
                       (unsigned long long)(rows1 - rows0), (unsigned long long)(plans1 - plans0));
+        MFT_CHECK_MSG((small == 7 && own_plan) == (fronts1 - fronts0 == plans1 - plans0 && fronts1 > fronts0),
+                      "case %d: switch %d, %llu of %llu own plans made their first rows from x", i, small,
+                      (unsigned long long)(fronts1 - fronts0), (unsigned long long)(plans1 - plans0));
     }
     return 0;
 }
@@ -808,9 +812,9 @@ static int small_switches(int i, const pdl_case_t *pc, const mfp_problem_t *p, u
  * its in-kernel sum counting two arrivals for that expert), and with its first unit's W13 rows made from
  * x by the producer warpgroup's idle warps (7 = 4 and that: publish writes x, the same bits),
  * three calls each on inputs redrawn per call: every call's y equal bit for bit (digests), the last
- * call of the default run within the contract's bounds of the CPU backend's, and the counters say
+ * call of the last switch's run (7) within the contract's bounds of the CPU backend's, and the counters say
  * which ran (switches 2 to 7 sum in the kernel exactly at R = 1, switches 3 to 7 plan there where
- * T <= 128 and T K <= 1024, switches 5 and 7 make rows there too). Cases: one and several ranks, idle
+ * T <= 128 and T K <= 1024, switch 5 makes its rows there too and 7 its first unit's). Cases: one and several ranks, idle
  * ranks, both dtypes and layouts, a hot expert with more rows than a tile (several token blocks,
  * several W13 tiles per W2 dependency), W13 K blocks past the ring (two positions each; with its own
  * plan the first ring's weights go out before the PDL wait, under switch 5 the whole first unit)
@@ -894,11 +898,11 @@ static int cuda_small_bitwise(void) {
         }
         {
             uint16_t *y_auto[MF_MAX_RANKS];
-            uint64_t *dig_auto = mft_alloc(nd * 8), launches0, launches1, sums, plans, rows;
-            mf__gemm_small_counts(&launches0, &sums, &plans, &rows);
+            uint64_t *dig_auto = mft_alloc(nd * 8), launches0, launches1, sums, plans, rows, fronts;
+            mf__gemm_small_counts(&launches0, &sums, &plans, &rows, &fronts);
             mf_result_t res = switch_run(&cases[i], &p, &mf__cuda_small, kSmallModes - 1, y_auto, dig_auto, seed, err,
                                          sizeof err);
-            mf__gemm_small_counts(&launches1, &sums, &plans, &rows);
+            mf__gemm_small_counts(&launches1, &sums, &plans, &rows, &fronts);
             MFT_CHECK_MSG(res == MF_SUCCESS, "case %d, AUTO's row bound: %s", i, err);
             if (c->R == 1)
                 MFT_CHECK_MSG((c->T * c->K <= kSmallMaxRows) == (launches1 > launches0),

@@ -28,7 +28,8 @@
  * its w_scale), a W2 K block one, so W2 keeps twice the K blocks in flight that W13 does at the same
  * bytes. Every position's full barrier expects the producer lane 0's arrive.expect_tx (16 KB) and one
  * arrival per producer lane (1 + 32): a cp.async arrival (a lane with nothing to copy arrives at
- * once), or, for the rows it makes itself (switch 5, FP8), a plain release arrival after its stores.
+ * once), or, for the rows it makes itself (switch 5, FP8), a plain release arrival after its stores;
+ * under switch 7 the 32 of the first unit's positions come from the row warp that made them.
  *
  * The producer (warp 0 of warpgroup 0), per unit:
  *   W13: the rows gathered at their owners (view.x, src) by cp.async, as the decode kernel's DIRECT
@@ -181,9 +182,10 @@ struct small_params {
 /* The timeline (small_params.timeline), kStamps words per CTA: word i = %globaltimer: 0 entry; 1
  * tables built (with the plan's tables this includes the PDL wait for the plan kernel; with its own
  * plan no wait); 2 its first ring position full (weights and rows in shared memory; with its own plan
- * this includes the wait for publish, but not with its own rows; a CTA that took no unit: its end
+ * this includes the wait for publish, but not with its own or first rows; a CTA that took no unit: its end
  * marker); 3 its consumers done (before the count-out); 4 its SM (%smid); 5 (kOwn) its producer's
- * PDL wait for publish returned (with its own rows: after its first unit);
+ * PDL wait for publish returned (with its own rows, switch 5, or its first rows, 7: after its first
+ * unit);
  * then, for the first kUnitStamps tickets its producer took, pairs (what: the unit's index, bit 32
  * set for a W2 unit, bit 33 for the end, bit 34 for a half W2 unit of switch 6; when). */
 __device__ __forceinline__ void stamp(const small_params &p, int i) {
