@@ -19,6 +19,7 @@
  *             from the next block (a kernel reading the wrong scale column), the next row's
  *             values (a wrong row), one element moved by twice its bound, and (FP8 W13) an h
  *             scale doubled. Each must be caught.
+ *   drain     the TMA kernels after an expired wait (cuda_gemm_drain_tma): they must end.
  */
 #include <cuda_runtime_api.h>
 #include <math.h>
@@ -325,9 +326,74 @@ static int gemm_bounds_v1(void) {
     return run_cases(cs, 4);
 }
 
+/* The drain (kernels/sm90_tma_gemm.cuh "Bounded waits"): with the TMA family's expired flag raised,
+ * as after a wait that expired, every wait that has to wait gives up at once and the producer
+ * overwrites stages whose tile codes the consumers are still to read; the kernels must end anyway
+ * (each consumer warpgroup takes every code from one leader, so none waits at a named barrier for
+ * a partner that left). FP8 and BF16, W13 + SwiGLU with the tail tiles (full and tail tiles in turn)
+ * and W2, 288 tiles, each launched 4 times: every launch must be the TMA family's and end within
+ * the test's time limit with no CUDA error. The outputs are garbage and not read. The flag is never
+ * cleared: the test needs a process of its own (the runner forks each test; not with --no-fork). */
+static int gemm_drain_tma(void) {
+    static const gcase_t cs[] = {
+        {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_FP8_E4M3, 512, 256, 72, 180, 1},
+        {"tma", MF__GEMM_OP_W2, MF_DTYPE_FP8_E4M3, 512, 256, 72, 180, 1},
+        {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_BF16, 512, 256, 72, 180, 1},
+        {"tma", MF__GEMM_OP_W2, MF_DTYPE_BF16, 512, 256, 72, 180, 1},
+    };
+    MFT_CHECK(mf__gemm_bench_expire(MF__GEMM_BENCH_TMA) == 0);
+    for (int i = 0; i < 4; i++) {
+        const gcase_t *c = &cs[i];
+        const int fp8 = c->dtype == MF_DTYPE_FP8_E4M3, swiglu = c->op == MF__GEMM_OP_W13_SWIGLU;
+        const int32_t N = swiglu ? 2 * c->I : c->H, K = swiglu ? c->H : c->I, kbs = K / QB, L = c->L;
+        const int64_t slot = (c->M + SEG_ALIGN - 1) / SEG_ALIGN * SEG_ALIGN, rows = slot * L;
+        const size_t esz = fp8 ? 1 : 2, ocols = swiglu ? (size_t)c->I : (size_t)c->H;
+        int32_t counts[72], offsets[73];
+        for (int32_t e = 0; e <= L; e++) {
+            if (e < L) counts[e] = c->M - (e % 4) * 40;
+            offsets[e] = (int32_t)(e * slot);
+        }
+        void *da, *das, *dw, *dws, *dout, *dos, *dcounts, *doffsets, *dsched;
+        CUDA_OK(cudaMalloc(&da, (size_t)rows * K * esz));
+        CUDA_OK(cudaMalloc(&das, (size_t)rows * kbs * 4));
+        CUDA_OK(cudaMalloc(&dw, (size_t)L * N * K * esz));
+        CUDA_OK(cudaMalloc(&dws, (size_t)L * (N / QB) * kbs * 4));
+        CUDA_OK(cudaMalloc(&dout, (size_t)rows * ocols * 2));
+        CUDA_OK(cudaMalloc(&dos, (size_t)rows * (c->I / QB) * 4));
+        CUDA_OK(cudaMalloc(&dcounts, sizeof counts));
+        CUDA_OK(cudaMalloc(&doffsets, sizeof offsets));
+        CUDA_OK(cudaMalloc(&dsched, 2 * sizeof(int32_t)));
+        CUDA_OK(cudaMemset(da, 0, (size_t)rows * K * esz));
+        CUDA_OK(cudaMemset(das, 0, (size_t)rows * kbs * 4));
+        CUDA_OK(cudaMemset(dw, 0, (size_t)L * N * K * esz));
+        CUDA_OK(cudaMemset(dws, 0, (size_t)L * (N / QB) * kbs * 4));
+        CUDA_OK(cudaMemcpy(dcounts, counts, sizeof counts, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(doffsets, offsets, sizeof offsets, cudaMemcpyHostToDevice));
+        mf__gemm_bench_args_t args;
+        memset(&args, 0, sizeof args);
+        args.op = c->op, args.dtype = c->dtype, args.H = c->H, args.I = c->I;
+        args.num_experts = L, args.max_rows_per_expert = c->M, args.rows_hint = c->M;
+        args.counts = dcounts, args.offsets = doffsets, args.sched = dsched;
+        args.a = da, args.a_scales = fp8 ? das : NULL, args.w = dw, args.w_scales = fp8 ? dws : NULL;
+        args.out = dout, args.out_scales = swiglu && fp8 ? dos : NULL;
+        for (int rep = 0; rep < 4; rep++) {
+            const uint64_t ran0 = mf__gemm_bench_launches(MF__GEMM_BENCH_TMA);
+            CUDA_OK(cudaMemset(dsched, 0, 2 * sizeof(int32_t)));
+            MFT_CHECK_OK(mf__gemm_bench_run(&args, NULL));
+            CUDA_OK(cudaDeviceSynchronize());
+            MFT_CHECK(mf__gemm_bench_launches(MF__GEMM_BENCH_TMA) == ran0 + 1);
+        }
+        printf("  drained: %s %s L = %d M = %d: 4 launches ended\n", fp8 ? "fp8" : "bf16", swiglu ? "w13" : "w2", L, c->M);
+        void *bufs[] = {da, das, dw, dws, dout, dos, dcounts, doffsets, dsched};
+        for (int b = 0; b < 9; b++) CUDA_OK(cudaFree(bufs[b]));
+    }
+    return 0;
+}
+
 const mft_test_t mft_tests_cuda_gemm_bounds[] = {
     {"cuda_gemm_bounds_decode", gemm_bounds_decode, 120},
     {"cuda_gemm_bounds_tma", gemm_bounds_tma, 120},
     {"cuda_gemm_bounds_v1", gemm_bounds_v1, 180},
+    {"cuda_gemm_drain_tma", gemm_drain_tma, 60},
     {NULL, NULL, 0},
 };

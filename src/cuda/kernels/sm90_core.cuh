@@ -301,8 +301,9 @@ template <int kStages>
 struct ring {
     static __device__ __forceinline__ uint32_t slot(uint32_t it) { return it % kStages; }
     static __device__ __forceinline__ uint32_t parity(uint32_t it) { return (it / kStages) & 1u; }
-    static __device__ __forceinline__ void wait_full(uint64_t *full, uint32_t it, const mf__fault_sink_t &sink) {
-        mf__mbar_wait_bounded(&full[slot(it)], parity(it), kTagConsumerFull, kWaitTimeoutNs, &sink);
+    /* true: the wait gave up (expired or drained, mf__mbar_wait_bounded) */
+    static __device__ __forceinline__ bool wait_full(uint64_t *full, uint32_t it, const mf__fault_sink_t &sink) {
+        return mf__mbar_wait_bounded(&full[slot(it)], parity(it), kTagConsumerFull, kWaitTimeoutNs, &sink);
     }
     /* The producer's: it drains on expiry but records nothing (mf__mbar_wait_bounded: its consumers'
      * full waits then fail or drain and record it). */

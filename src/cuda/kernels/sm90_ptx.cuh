@@ -542,23 +542,25 @@ static __device__ volatile uint32_t mf__sm90_expired;
  * producer a spill); each kernel's consumers record a raised flag at their end
  * (mf__pipeline_check), so an expiry is never silent. The host turns the first record of the
  * process into a broken comm for every comm (cuda/backend.cu). The labs' own kernels trap instead
- * (mf__mbar_wait_tag). */
-__device__ __forceinline__ void mf__mbar_wait_bounded(uint64_t *bar, uint32_t parity, uint32_t tag, uint64_t timeout_ns,
+ * (mf__mbar_wait_tag). Returns true when it gave up (expired or drained: the phase was not seen
+ * complete), false when the phase completed. */
+__device__ __forceinline__ bool mf__mbar_wait_bounded(uint64_t *bar, uint32_t parity, uint32_t tag, uint64_t timeout_ns,
                                                       const mf__fault_sink_t *sink) {
-    if (mf__mbar_try_wait(bar, parity)) return;
+    if (mf__mbar_try_wait(bar, parity)) return false;
     uint64_t t0 = mf__globaltimer();
     while (!mf__mbar_try_wait(bar, parity)) {
         if (mf__sm90_expired) {
             if (sink) mf__pipeline_fault(*sink, tag, 1);
-            return;
+            return true;
         }
         if (mf__globaltimer() - t0 > timeout_ns) {
             if (sink) mf__pipeline_fault(*sink, tag, 0);
             mf__sm90_expired = 1;
             __threadfence();
-            return;
+            return true;
         }
     }
+    return false;
 }
 
 /* At a GEMM kernel's end, one consumer thread per CTA: a wait of this family that expired (a

@@ -118,7 +118,19 @@
  * Bounded waits. Every mbarrier wait gives up after kWaitTimeoutNs (20 s, >= 10 s) of %globaltimer,
  * records itself in the calling comm's fault sink (gemm_params.sink) and returns
  * (mf__mbar_wait_bounded, sm90_ptx.cuh). The bound is far above any healthy wait (time-sliced or preempted GPUs included);
- * it exists only so that a broken pipeline can never hang the GPU.
+ * it exists only so that a broken pipeline can never hang the GPU. Once a wait has given up, the
+ * producer drains too and overwrites stages whose tile code (tile_of) a consumer is still to read,
+ * so consumer threads that each read the code could disagree on the next tile: one would then wait
+ * forever at a named barrier (FP8: kBarIssued0/1, kBarAmax), which has no bound. So the consumers
+ * take every tile code from one thread (lead_code): a leader reads it (-1 when its own wait gave
+ * up: the consumers end within a tile) into a word of code_of between two named barriers, and the
+ * threads take that word. FP8: the first tile's code from one leader of all 256 threads (kBarLead0
+ * + 1); every later one from WG 0's first thread (code_of[slot], kBarLead0), and WG 1 reads that
+ * word after the issue-order barrier that follows WG 0's first group of the tile
+ * (fp8_issue_first). BF16 (no barrier between the warpgroups): a leader per warpgroup
+ * (code_of[kStages wg + slot], kBarLead0 + wg). A word read again later (FP8, after the epilogue)
+ * is read before its reader's warpgroup can pass the position at which it is next written
+ * (kStages positions on, each of them at least one issue-order group).
  *
  * Limits (the launchers decline anything else): plain N a multiple of 256, swiglu N = 2I with I a
  * multiple of 128; K * element bytes a multiple of 16 (FP8: K a multiple of 128; BF16 K tails past
@@ -148,7 +160,8 @@ using ring_t = ring<kStages>;
 /* FP8 issue order (see "Issue order"): named barriers over the 256 consumer threads */
 enum { kBarIssued0 = 1,                                    /* WG 0 issued group i: WG 1 may issue group i */
        kBarIssued1 = 2,                                    /* WG 1 issued group i: WG 0 may issue group i + 1 */
-       kBarAmax = 3 };                                     /* tail tiles: the FP8 h amax exchange */
+       kBarAmax = 3,                                       /* tail tiles: the FP8 h amax exchange */
+       kBarLead0 = 4 };                                    /* + wg: a warpgroup takes its leader's tile code */
 
 /* Tail tiles ("Tail tiles" above). */
 constexpr int kHalfN = kBoxRows;                                      /* a warpgroup's columns (wgmma N) */
@@ -170,7 +183,8 @@ constexpr int kOffAScales = kOffEpi + kConsumerWarps * kEpiWarpBytes;  /* [kStag
 constexpr int kOffWScales = kOffAScales + kStages * kBlockM * 4;       /* [kStages][4] f32 */
 constexpr int kOffBars = kOffWScales + kStages * kWScaleSlots * 4;    /* full[kStages], empty[kStages] */
 constexpr int kOffTileOf = kOffBars + 2 * kStages * 8;                /* tile_of[kStages]: the tile of each stage */
-constexpr int kOffTables = kOffTileOf + kStages * 4;                  /* rows[L], row0[L], first[L + 1] */
+constexpr int kOffCodeOf = kOffTileOf + kStages * 4;                  /* code_of[2][kStages]: the leaders' codes */
+constexpr int kOffTables = kOffCodeOf + 2 * kStages * 4;              /* rows[L], row0[L], first[L + 1] */
 constexpr int kOffAmax = align_up(kOffTables + (3 * kMaxExperts + 1) * 4, 16); /* tails: [2][2 wg][64 rows] f32 */
 constexpr int kSmemBytes = kOffAmax + 2 * 2 * kHalfRows * 4 + kMfSwizzleAtomBytes /* base slack */;
 
@@ -291,20 +305,25 @@ __device__ __forceinline__ void producer(const tma_params &tp, const tables_t &t
 __device__ __forceinline__ uint32_t a_off(bool half, int wg) { return (uint32_t)(half ? 1 : wg) * kWgOperandBytes; }
 __device__ __forceinline__ uint32_t b_off(bool half, int wg, int b) { return (uint32_t)(kABytes + (half ? wg : b) * kBoxBytes); }
 
-/* FP8: issues the 4 k32 wgmmas of one m64n128 group for warpgroup `wg` into `tmp` (the first
- * overwrites), A and B at byte offsets `aoff`, `boff` of the stage at desc_st, in turn with the other
- * warpgroup (see "Issue order"). */
-__device__ __forceinline__ void fp8_issue_at(float *tmp, uint64_t desc_st, int wg, uint32_t aoff, uint32_t boff) {
-    const uint64_t da = mf__wgmma_desc_advance(desc_st, aoff);
-    const uint64_t db = mf__wgmma_desc_advance(desc_st, boff);
-    mf__fence_fragment<kBoxRows>(tmp); /* the last promotion's reads of tmp come first */
-    mf__named_barrier_sync(wg == 0 ? kBarIssued1 : kBarIssued0, kConsumerThreads);
+/* FP8: the 4 k32 wgmmas of one m64n128 group into `tmp` (the first overwrites), A and B at the
+ * descriptors da, db. */
+__device__ __forceinline__ void fp8_group(float *tmp, uint64_t da, uint64_t db) {
     mf__wgmma_fence();
 #pragma unroll
     for (int k = 0; k < kKSteps; k++)
         mf__wgmma_e4m3<kBoxRows>(tmp, mf__wgmma_desc_advance(da, k * kKStepBytes), mf__wgmma_desc_advance(db, k * kKStepBytes),
                                  k > 0 ? 1 : 0);
     mf__wgmma_commit();
+}
+
+/* FP8: issues one group for warpgroup `wg`, A and B at byte offsets `aoff`, `boff` of the stage at
+ * desc_st, in turn with the other warpgroup (see "Issue order"). */
+__device__ __forceinline__ void fp8_issue_at(float *tmp, uint64_t desc_st, int wg, uint32_t aoff, uint32_t boff) {
+    const uint64_t da = mf__wgmma_desc_advance(desc_st, aoff);
+    const uint64_t db = mf__wgmma_desc_advance(desc_st, boff);
+    mf__fence_fragment<kBoxRows>(tmp); /* the last promotion's reads of tmp come first */
+    mf__named_barrier_sync(wg == 0 ? kBarIssued1 : kBarIssued0, kConsumerThreads);
+    fp8_group(tmp, da, db);
     mf__named_barrier_arrive(wg == 0 ? kBarIssued0 : kBarIssued1, kConsumerThreads);
 }
 
@@ -374,6 +393,46 @@ __device__ __forceinline__ uint32_t tid_here(void) {
     return tid;
 }
 __device__ __forceinline__ int wg_here(void) { return (int)(tid_here() / kMfWarpgroupThreads) - 1; } /* consumer 0, 1 */
+
+/* The leaders' tile codes (code_of[kStages * wg + slot]: behind tile_of, kOffCodeOf). */
+__device__ __forceinline__ int32_t *code_of(const consumer_t &c, int wg) { return (int32_t *)c.tile_of + kStages * (1 + wg); }
+
+/* The code of the tile whose first stage is `slot` (see "Bounded waits"), taken by the kParties
+ * threads of named barrier kBarLead0 + wg (warpgroup wg's 128, or all 256 consumers): their first
+ * thread reads tile_of, or -1 when its own wait for the stage gave up (`gave_up`), into code_of
+ * between two syncs of the barrier (the first: every party has read the word's last code), and
+ * every party takes that word. */
+template <int kParties = kMfWarpgroupThreads>
+__device__ __forceinline__ int32_t lead_code(const consumer_t &c, int wg, uint32_t slot, bool gave_up) {
+    int32_t *code = code_of(c, wg) + slot;
+    mf__named_barrier_sync(kBarLead0 + wg, kParties);
+    if (tid_here() % kParties == 0) *code = gave_up ? -1 : c.tile_of[slot];
+    mf__named_barrier_sync(kBarLead0 + wg, kParties);
+    return *code;
+}
+
+/* The tile a stage's code names (tile_of: idx << 1 | tail; -1: none). */
+__device__ __forceinline__ int32_t code_tile(int32_t code) { return code < 0 ? -1 : code >> 1; }
+__device__ __forceinline__ bool code_half(int32_t code) { return code >= 0 && (code & 1); }
+
+/* FP8: the first group of the tile whose first stage is at ring position `it` (fp8_issue_at), its
+ * kind from WG 0's code (`code0`, lead_code; WG 1 reads WG 0's word after the issue-order barrier
+ * that WG 0 arrives at after writing it): issued from stage `it`, or from `none_at` when the code
+ * is -1 (no next tile: the group is dropped). Returns the code. */
+__device__ __forceinline__ int32_t fp8_issue_first(float *tmp, const consumer_t &c, uint32_t it, uint32_t none_at,
+                                                   int32_t code0) {
+    const int wg = wg_here();
+    mf__fence_fragment<kBoxRows>(tmp); /* the last promotion's reads of tmp come first */
+    mf__named_barrier_sync(wg == 0 ? kBarIssued1 : kBarIssued0, kConsumerThreads);
+    const int32_t code = wg == 0 ? code0 : code_of(c, 0)[ring_t::slot(it)];
+    const bool half = code_half(code);
+    const uint64_t desc_st = mf__wgmma_desc_advance(c.desc_stages, ring_t::slot(code >= 0 ? it : none_at) * kStageBytes);
+    const uint64_t da = mf__wgmma_desc_advance(desc_st, a_off(half, wg));
+    const uint64_t db = mf__wgmma_desc_advance(desc_st, b_off(half, wg, 0));
+    fp8_group(tmp, da, db);
+    mf__named_barrier_arrive(wg == 0 ? kBarIssued0 : kBarIssued1, kConsumerThreads);
+    return code;
+}
 
 /* FP8: one K block at ring position `it`; with kIssued, box 0's group is already in flight. */
 template <bool kFirst, bool kIssued>
@@ -660,9 +719,6 @@ __device__ __forceinline__ void half_epilogue(const gemm_params &p, const consum
     }
 }
 
-/* The tile a stage's code names (tile_of: idx << 1 | tail; -1: none). */
-__device__ __forceinline__ int32_t code_tile(int32_t code) { return code < 0 ? -1 : code >> 1; }
-__device__ __forceinline__ bool code_half(int32_t code) { return code >= 0 && (code & 1); }
 
 /* BF16: a tile's kind picks its main loop and epilogue; the next tile is learnt after the epilogue. */
 template <int kEpi>
@@ -674,9 +730,9 @@ __device__ __forceinline__ void consumer_bf16(const tma_params &tp, const tables
     int32_t cursor = 0, idx = (int32_t)blockIdx.x;
     tile_t t;
     if (!next_tile<kBlockM, kNInner>(tb, p.num_experts, nblocks, idx, cursor, t)) return;
-    /* the first tile's kind is the producer's word too (its stage 0) */
-    ring_t::wait_full(c.full, 0, *c.sink);
-    bool half = code_half(c.tile_of[0]);
+    /* the first tile's kind is the producer's word too (its stage 0); each warpgroup takes every
+     * code from its leader (lead_code: see "Bounded waits") */
+    bool half = code_half(lead_code(c, c.wg, 0, ring_t::wait_full(c.full, 0, *c.sink)));
     for (;;) {
         if (half) {
             bf16_mainloop<true>(c, acc, it, kblocks);
@@ -686,8 +742,7 @@ __device__ __forceinline__ void consumer_bf16(const tma_params &tp, const tables
             epilogue<false, kEpi>(p, c, t, acc);
         }
         /* the next tile is the one the producer put into the next stage (-1: none) */
-        ring_t::wait_full(c.full, it, *c.sink);
-        const int32_t code = c.tile_of[ring_t::slot(it)];
+        const int32_t code = lead_code(c, wg_here(), ring_t::slot(it), ring_t::wait_full(c.full, it, *c.sink));
         if (code < 0) break;
         next_tile<kBlockM, kNInner>(tb, p.num_experts, nblocks, code_tile(code), cursor, t);
         half = code_half(code);
@@ -709,10 +764,14 @@ __device__ __forceinline__ void consumer_fp8(const tma_params &tp, const tables_
     /* issue order: WG 1's arrival lets WG 0 issue its first group; WG 0 takes WG 1's last at the end */
     if (c.wg == 1) mf__named_barrier_arrive(kBarIssued1, kConsumerThreads);
     /* the next tile's first wgmmas overlap this tile's epilogue (see "Epilogue overlap"); the first
-     * tile's kind is the producer's word too (its stage 0) */
-    ring_t::wait_full(c.full, 0, *c.sink);
-    bool half = code_half(c.tile_of[0]);
-    fp8_issue_at(tmp, c.desc_stages, c.wg, a_off(half, c.wg), b_off(half, c.wg, 0));
+     * tile's kind is the producer's word too (its stage 0), taken from WG 0's leader (lead_code,
+     * fp8_issue_first: see "Bounded waits") */
+    bool half;
+    {
+        const bool gave_up = ring_t::wait_full(c.full, 0, *c.sink);
+        half = code_half(lead_code<kConsumerThreads>(c, 1, 0, gave_up));
+        fp8_issue_at(tmp, c.desc_stages, c.wg, a_off(half, c.wg), b_off(half, c.wg, 0));
+    }
     for (;;) {
         if (half) {
             half_kblock<kEpi, true, true>(c, acc, tmp, it++);
@@ -721,19 +780,16 @@ __device__ __forceinline__ void consumer_fp8(const tma_params &tp, const tables_
             fp8_kblock<true, true>(c, acc, tmp, it++);
             for (int32_t kb = 1; kb < kblocks; kb++) fp8_kblock<false, false>(c, acc, tmp, it++);
         }
-        /* The next tile is the one the producer put into the next stage (tile_of; -1: none); its
-         * kind now (its first group goes out before the epilogue), the tile itself after it: its
-         * stage is not released before, so tile_of still names it (nothing of the next tile stays
-         * live through the epilogue). Issued unconditionally (wgmmas on a divergent path serialise
-         * too): without a next tile it reruns the last, consumed stage into tmp and is dropped. */
-        ring_t::wait_full(c.full, it, *c.sink);
+        /* The next tile is the one the producer put into the next stage (WG 0's leader's code of it;
+         * -1: none); its kind now (its first group goes out before the epilogue), the tile itself
+         * after it, from code_of again (nothing of the next tile stays live through the epilogue:
+         * the word is not rewritten before this warpgroup passes kStages more positions). Issued
+         * unconditionally (wgmmas on a divergent path serialise too): without a next tile it reruns
+         * the last, consumed stage into tmp and is dropped. */
         {
-            const int32_t code = c.tile_of[ring_t::slot(it)];
-            const bool half_next = code_half(code);
-            const uint32_t at = code >= 0 ? it : it - 1;
-            const int wg = wg_here();
-            fp8_issue_at(tmp, mf__wgmma_desc_advance(c.desc_stages, ring_t::slot(at) * kStageBytes), c.wg,
-                         a_off(half_next, wg), b_off(half_next, wg, 0));
+            const bool gave_up = ring_t::wait_full(c.full, it, *c.sink);
+            const int32_t code0 = wg_here() == 0 ? lead_code(c, 0, ring_t::slot(it), gave_up) : 0;
+            fp8_issue_first(tmp, c, it, it - 1, code0);
         }
         if (half) {
             half_epilogue<true, kEpi>(p, c, t, acc, par);
@@ -741,7 +797,7 @@ __device__ __forceinline__ void consumer_fp8(const tma_params &tp, const tables_
         } else {
             epilogue<true, kEpi>(p, c, t, acc);
         }
-        const int32_t code = c.tile_of[ring_t::slot(it)];
+        const int32_t code = code_of(c, 0)[ring_t::slot(it)];
         if (code < 0) break;
         next_tile<kBlockM, kNInner>(tb, p.num_experts, nblocks, code_tile(code), cursor, t);
         half = code_half(code);
