@@ -127,54 +127,85 @@ static int judge_expert(const gcase_t *c, const host_t *h, int32_t e, int64_t of
     return 0;
 }
 
-/* Runs one case on the device, copies it back and judges it under every control. */
-static int run_case(const gcase_t *c) {
+/* One case on the device: its buffers, the counts and offsets (host copies too), the operands
+ * drawn by mf__gemm_bench_fill as the benchmark draws them, the outputs poisoned (0xFF), and the
+ * launch's arguments. */
+typedef struct dcase {
+    int32_t *counts, *offsets; /* host: [L], [L + 1] */
+    int64_t slot;              /* rows per expert slot */
+    size_t ab, asb, wb, wsb, ob, osb;
+    void *a, *as, *w, *ws, *out, *os, *dcounts, *doffsets, *sched;
+    mf__gemm_bench_args_t args;
+} dcase_t;
+
+static int case_setup(const gcase_t *c, dcase_t *d) {
     const int fp8 = c->dtype == MF_DTYPE_FP8_E4M3, swiglu = c->op == MF__GEMM_OP_W13_SWIGLU;
     const int32_t N = swiglu ? 2 * c->I : c->H, K = swiglu ? c->H : c->I, kbs = K / QB, L = c->L;
     const int32_t ocols = swiglu ? c->I : c->H, oesz = swiglu && fp8 ? 1 : 2, esz = fp8 ? 1 : 2;
-    const int64_t slot = (c->M + SEG_ALIGN - 1) / SEG_ALIGN * SEG_ALIGN, rows = slot * L;
-    int32_t *counts = malloc(sizeof(int32_t) * (size_t)L), *offsets = malloc(sizeof(int32_t) * (size_t)(L + 1));
-    MFT_CHECK(counts && offsets);
+    memset(d, 0, sizeof *d);
+    d->slot = (c->M + SEG_ALIGN - 1) / SEG_ALIGN * SEG_ALIGN;
+    const int64_t rows = d->slot * L;
+    d->counts = malloc(sizeof(int32_t) * (size_t)L), d->offsets = malloc(sizeof(int32_t) * (size_t)(L + 1));
+    MFT_CHECK(d->counts && d->offsets);
     static const int32_t k_less[4] = {0, 50, 100, -1}; /* vary: M - less, or 40 rows (-1) */
     for (int32_t e = 0; e <= L; e++) {
-        if (e < L) counts[e] = !c->vary ? c->M : k_less[e % 4] < 0 ? 40 : c->M - k_less[e % 4];
-        offsets[e] = (int32_t)(e * slot);
+        if (e < L) d->counts[e] = !c->vary ? c->M : k_less[e % 4] < 0 ? 40 : c->M - k_less[e % 4];
+        d->offsets[e] = (int32_t)(e * d->slot);
     }
-    const size_t ab = (size_t)rows * K * esz, asb = fp8 ? (size_t)rows * kbs * 4 : 16, wb = (size_t)L * N * K * esz;
-    const size_t wsb = fp8 ? (size_t)L * (N / QB) * kbs * 4 : 16, ob = (size_t)rows * ocols * oesz;
-    const size_t osb = swiglu && fp8 ? (size_t)rows * (c->I / QB) * 4 : 16;
-    void *da, *das, *dw, *dws, *dout, *dos, *dcounts, *doffsets, *dsched;
-    CUDA_OK(cudaMalloc(&da, ab));
-    CUDA_OK(cudaMalloc(&das, asb));
-    CUDA_OK(cudaMalloc(&dw, wb));
-    CUDA_OK(cudaMalloc(&dws, wsb));
-    CUDA_OK(cudaMalloc(&dout, ob));
-    CUDA_OK(cudaMalloc(&dos, osb));
-    CUDA_OK(cudaMalloc(&dcounts, sizeof(int32_t) * (size_t)L));
-    CUDA_OK(cudaMalloc(&doffsets, sizeof(int32_t) * (size_t)(L + 1)));
-    CUDA_OK(cudaMalloc(&dsched, 2 * sizeof(int32_t)));
-    CUDA_OK(cudaMemcpy(dcounts, counts, sizeof(int32_t) * (size_t)L, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(doffsets, offsets, sizeof(int32_t) * (size_t)(L + 1), cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemset(dsched, 0, 2 * sizeof(int32_t)));
-    CUDA_OK(cudaMemset(dout, 0xFF, ob));
-    CUDA_OK(cudaMemset(dos, 0xFF, osb));
+    d->ab = (size_t)rows * K * esz, d->asb = fp8 ? (size_t)rows * kbs * 4 : 16, d->wb = (size_t)L * N * K * esz;
+    d->wsb = fp8 ? (size_t)L * (N / QB) * kbs * 4 : 16, d->ob = (size_t)rows * ocols * oesz;
+    d->osb = swiglu && fp8 ? (size_t)rows * (c->I / QB) * 4 : 16;
+    CUDA_OK(cudaMalloc(&d->a, d->ab));
+    CUDA_OK(cudaMalloc(&d->as, d->asb));
+    CUDA_OK(cudaMalloc(&d->w, d->wb));
+    CUDA_OK(cudaMalloc(&d->ws, d->wsb));
+    CUDA_OK(cudaMalloc(&d->out, d->ob));
+    CUDA_OK(cudaMalloc(&d->os, d->osb));
+    CUDA_OK(cudaMalloc(&d->dcounts, sizeof(int32_t) * (size_t)L));
+    CUDA_OK(cudaMalloc(&d->doffsets, sizeof(int32_t) * (size_t)(L + 1)));
+    CUDA_OK(cudaMalloc(&d->sched, 2 * sizeof(int32_t)));
+    CUDA_OK(cudaMemcpy(d->dcounts, d->counts, sizeof(int32_t) * (size_t)L, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d->doffsets, d->offsets, sizeof(int32_t) * (size_t)(L + 1), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemset(d->sched, 0, 2 * sizeof(int32_t)));
+    CUDA_OK(cudaMemset(d->out, 0xFF, d->ob));
+    CUDA_OK(cudaMemset(d->os, 0xFF, d->osb));
     const float wmag = sqrtf(3.0f / (float)K);
     if (fp8) {
-        MFT_CHECK_OK(mf__gemm_bench_fill(da, (int64_t)rows * K, MF__BENCH_FILL_FP8, 11, 0, NULL));
-        MFT_CHECK_OK(mf__gemm_bench_fill(das, (int64_t)rows * kbs, MF__BENCH_FILL_SCALE, 12, 0.25f, NULL));
-        MFT_CHECK_OK(mf__gemm_bench_fill(dw, (int64_t)L * N * K, MF__BENCH_FILL_FP8, 13, 0, NULL));
-        MFT_CHECK_OK(mf__gemm_bench_fill(dws, (int64_t)L * (N / QB) * kbs, MF__BENCH_FILL_SCALE, 14, 0.25f * wmag, NULL));
+        MFT_CHECK_OK(mf__gemm_bench_fill(d->a, (int64_t)rows * K, MF__BENCH_FILL_FP8, 11, 0, NULL));
+        MFT_CHECK_OK(mf__gemm_bench_fill(d->as, (int64_t)rows * kbs, MF__BENCH_FILL_SCALE, 12, 0.25f, NULL));
+        MFT_CHECK_OK(mf__gemm_bench_fill(d->w, (int64_t)L * N * K, MF__BENCH_FILL_FP8, 13, 0, NULL));
+        MFT_CHECK_OK(mf__gemm_bench_fill(d->ws, (int64_t)L * (N / QB) * kbs, MF__BENCH_FILL_SCALE, 14, 0.25f * wmag, NULL));
     } else {
-        MFT_CHECK_OK(mf__gemm_bench_fill(da, (int64_t)rows * K, MF__BENCH_FILL_BF16, 11, 1.0f, NULL));
-        MFT_CHECK_OK(mf__gemm_bench_fill(dw, (int64_t)L * N * K, MF__BENCH_FILL_BF16, 13, wmag, NULL));
+        MFT_CHECK_OK(mf__gemm_bench_fill(d->a, (int64_t)rows * K, MF__BENCH_FILL_BF16, 11, 1.0f, NULL));
+        MFT_CHECK_OK(mf__gemm_bench_fill(d->w, (int64_t)L * N * K, MF__BENCH_FILL_BF16, 13, wmag, NULL));
     }
-    mf__gemm_bench_args_t args;
-    memset(&args, 0, sizeof args);
-    args.op = c->op, args.dtype = c->dtype, args.H = c->H, args.I = c->I;
-    args.num_experts = L, args.max_rows_per_expert = c->M, args.rows_hint = c->M;
-    args.counts = dcounts, args.offsets = doffsets, args.sched = dsched;
-    args.a = da, args.a_scales = fp8 ? das : NULL, args.w = dw, args.w_scales = fp8 ? dws : NULL;
-    args.out = dout, args.out_scales = swiglu && fp8 ? dos : NULL;
+    mf__gemm_bench_args_t *args = &d->args;
+    args->op = c->op, args->dtype = c->dtype, args->H = c->H, args->I = c->I;
+    args->num_experts = L, args->max_rows_per_expert = c->M, args->rows_hint = c->M;
+    args->counts = d->dcounts, args->offsets = d->doffsets, args->sched = d->sched;
+    args->a = d->a, args->a_scales = fp8 ? d->as : NULL, args->w = d->w, args->w_scales = fp8 ? d->ws : NULL;
+    args->out = d->out, args->out_scales = swiglu && fp8 ? d->os : NULL;
+    return 0;
+}
+
+static void case_free(dcase_t *d) {
+    free(d->counts), free(d->offsets);
+    void *bufs[] = {d->a, d->as, d->w, d->ws, d->out, d->os, d->dcounts, d->doffsets, d->sched};
+    for (int b = 0; b < 9; b++) cudaFree(bufs[b]);
+}
+
+/* Runs one case on the device, copies it back and judges it under every control. */
+static int run_case(const gcase_t *c) {
+    const int fp8 = c->dtype == MF_DTYPE_FP8_E4M3, swiglu = c->op == MF__GEMM_OP_W13_SWIGLU;
+    const int32_t L = c->L, ocols = swiglu ? c->I : c->H, oesz = swiglu && fp8 ? 1 : 2;
+    dcase_t d;
+    if (case_setup(c, &d)) return 1;
+    const int32_t *counts = d.counts, *offsets = d.offsets;
+    const int64_t slot = d.slot;
+    const size_t ab = d.ab, asb = d.asb, wb = d.wb, wsb = d.wsb, ob = d.ob, osb = d.osb;
+    void *const da = d.a, *const das = d.as, *const dw = d.w, *const dws = d.ws, *const dout = d.out, *const dos = d.os;
+    void *const dsched = d.sched;
+    mf__gemm_bench_args_t args = d.args;
     const int32_t bench_family = strcmp(c->family, "decode") == 0 ? MF__GEMM_BENCH_DECODE
                                  : strcmp(c->family, "tma") == 0  ? MF__GEMM_BENCH_TMA
                                                                   : -1;
@@ -270,9 +301,8 @@ static int run_case(const gcase_t *c) {
             MFT_CHECK_MSG(caught, "%s %s %s: the control '%s' was not caught (max ratio %.3g)", c->family,
                           swiglu ? "w13" : "w2", fp8 ? "fp8" : "bf16", k_ctrl[ctrl], v.max_ratio);
     }
-    free(h.a), free(h.as), free(h.w), free(h.ws), free(h.out), free(h.os), free(counts), free(offsets);
-    cudaFree(da), cudaFree(das), cudaFree(dw), cudaFree(dws), cudaFree(dout), cudaFree(dos);
-    cudaFree(dcounts), cudaFree(doffsets), cudaFree(dsched);
+    free(h.a), free(h.as), free(h.w), free(h.ws), free(h.out), free(h.os);
+    case_free(&d);
     return 0;
 }
 
@@ -344,48 +374,18 @@ static int gemm_drain_tma(void) {
     MFT_CHECK(mf__gemm_bench_expire(MF__GEMM_BENCH_TMA) == 0);
     for (int i = 0; i < 4; i++) {
         const gcase_t *c = &cs[i];
-        const int fp8 = c->dtype == MF_DTYPE_FP8_E4M3, swiglu = c->op == MF__GEMM_OP_W13_SWIGLU;
-        const int32_t N = swiglu ? 2 * c->I : c->H, K = swiglu ? c->H : c->I, kbs = K / QB, L = c->L;
-        const int64_t slot = (c->M + SEG_ALIGN - 1) / SEG_ALIGN * SEG_ALIGN, rows = slot * L;
-        const size_t esz = fp8 ? 1 : 2, ocols = swiglu ? (size_t)c->I : (size_t)c->H;
-        int32_t counts[72], offsets[73];
-        for (int32_t e = 0; e <= L; e++) {
-            if (e < L) counts[e] = c->M - (e % 4) * 40;
-            offsets[e] = (int32_t)(e * slot);
-        }
-        void *da, *das, *dw, *dws, *dout, *dos, *dcounts, *doffsets, *dsched;
-        CUDA_OK(cudaMalloc(&da, (size_t)rows * K * esz));
-        CUDA_OK(cudaMalloc(&das, (size_t)rows * kbs * 4));
-        CUDA_OK(cudaMalloc(&dw, (size_t)L * N * K * esz));
-        CUDA_OK(cudaMalloc(&dws, (size_t)L * (N / QB) * kbs * 4));
-        CUDA_OK(cudaMalloc(&dout, (size_t)rows * ocols * 2));
-        CUDA_OK(cudaMalloc(&dos, (size_t)rows * (c->I / QB) * 4));
-        CUDA_OK(cudaMalloc(&dcounts, sizeof counts));
-        CUDA_OK(cudaMalloc(&doffsets, sizeof offsets));
-        CUDA_OK(cudaMalloc(&dsched, 2 * sizeof(int32_t)));
-        CUDA_OK(cudaMemset(da, 0, (size_t)rows * K * esz));
-        CUDA_OK(cudaMemset(das, 0, (size_t)rows * kbs * 4));
-        CUDA_OK(cudaMemset(dw, 0, (size_t)L * N * K * esz));
-        CUDA_OK(cudaMemset(dws, 0, (size_t)L * (N / QB) * kbs * 4));
-        CUDA_OK(cudaMemcpy(dcounts, counts, sizeof counts, cudaMemcpyHostToDevice));
-        CUDA_OK(cudaMemcpy(doffsets, offsets, sizeof offsets, cudaMemcpyHostToDevice));
-        mf__gemm_bench_args_t args;
-        memset(&args, 0, sizeof args);
-        args.op = c->op, args.dtype = c->dtype, args.H = c->H, args.I = c->I;
-        args.num_experts = L, args.max_rows_per_expert = c->M, args.rows_hint = c->M;
-        args.counts = dcounts, args.offsets = doffsets, args.sched = dsched;
-        args.a = da, args.a_scales = fp8 ? das : NULL, args.w = dw, args.w_scales = fp8 ? dws : NULL;
-        args.out = dout, args.out_scales = swiglu && fp8 ? dos : NULL;
+        dcase_t d;
+        if (case_setup(c, &d)) return 1;
         for (int rep = 0; rep < 4; rep++) {
             const uint64_t ran0 = mf__gemm_bench_launches(MF__GEMM_BENCH_TMA);
-            CUDA_OK(cudaMemset(dsched, 0, 2 * sizeof(int32_t)));
-            MFT_CHECK_OK(mf__gemm_bench_run(&args, NULL));
+            CUDA_OK(cudaMemset(d.sched, 0, 2 * sizeof(int32_t)));
+            MFT_CHECK_OK(mf__gemm_bench_run(&d.args, NULL));
             CUDA_OK(cudaDeviceSynchronize());
             MFT_CHECK(mf__gemm_bench_launches(MF__GEMM_BENCH_TMA) == ran0 + 1);
         }
-        printf("  drained: %s %s L = %d M = %d: 4 launches ended\n", fp8 ? "fp8" : "bf16", swiglu ? "w13" : "w2", L, c->M);
-        void *bufs[] = {da, das, dw, dws, dout, dos, dcounts, doffsets, dsched};
-        for (int b = 0; b < 9; b++) CUDA_OK(cudaFree(bufs[b]));
+        printf("  drained: %s %s L = %d M = %d: 4 launches ended\n", c->dtype == MF_DTYPE_FP8_E4M3 ? "fp8" : "bf16",
+               c->op == MF__GEMM_OP_W13_SWIGLU ? "w13" : "w2", c->L, c->M);
+        case_free(&d);
     }
     return 0;
 }
