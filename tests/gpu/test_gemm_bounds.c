@@ -322,29 +322,30 @@ static int gemm_bounds_decode(void) {
     return run_cases(cs, 4);
 }
 
-static int gemm_bounds_tma(void) {
-    static const gcase_t cs[] = {
-        {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_FP8_E4M3, 512, 256, 3, 200, 0},
-        {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_BF16, 512, 256, 3, 200, 0},
-        {"tma", MF__GEMM_OP_W2, MF_DTYPE_FP8_E4M3, 512, 256, 3, 200, 0},
-        {"tma", MF__GEMM_OP_W2, MF_DTYPE_BF16, 512, 256, 3, 200, 0},
-        {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_FP8_E4M3, 512, 256, 3, 180, 0},
-        {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_BF16, 512, 256, 3, 180, 0},
-        {"tma", MF__GEMM_OP_W2, MF_DTYPE_FP8_E4M3, 512, 256, 3, 180, 0},
-        {"tma", MF__GEMM_OP_W2, MF_DTYPE_BF16, 512, 256, 3, 180, 0},
-        /* 288 tiles, more than a grid: CTAs walk full and tail tiles in turn (the overlap's next
-         * kind, the amax buffers' turns) */
-        {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_FP8_E4M3, 512, 256, 72, 180, 0},
-        {"tma", MF__GEMM_OP_W2, MF_DTYPE_BF16, 512, 256, 72, 180, 0},
-        /* uneven: 180 (a tail of 52), 130 (a tail of 2), 80 (one full tile, lo = 48) and 40 rows
-         * (one tail tile whose rows below lo are the previous slot's padding) */
-        {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_FP8_E4M3, 512, 256, 72, 180, 1},
-        {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_BF16, 512, 256, 72, 180, 1},
-        {"tma", MF__GEMM_OP_W2, MF_DTYPE_FP8_E4M3, 512, 256, 72, 180, 1},
-        {"tma", MF__GEMM_OP_W2, MF_DTYPE_BF16, 512, 256, 72, 180, 1},
-    };
-    return run_cases(cs, 14);
-}
+/* The TMA family's cases; the last four (uneven counts over 288 tiles) serve the drain test too. */
+static const gcase_t k_tma_cases[] = {
+    {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_FP8_E4M3, 512, 256, 3, 200, 0},
+    {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_BF16, 512, 256, 3, 200, 0},
+    {"tma", MF__GEMM_OP_W2, MF_DTYPE_FP8_E4M3, 512, 256, 3, 200, 0},
+    {"tma", MF__GEMM_OP_W2, MF_DTYPE_BF16, 512, 256, 3, 200, 0},
+    {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_FP8_E4M3, 512, 256, 3, 180, 0},
+    {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_BF16, 512, 256, 3, 180, 0},
+    {"tma", MF__GEMM_OP_W2, MF_DTYPE_FP8_E4M3, 512, 256, 3, 180, 0},
+    {"tma", MF__GEMM_OP_W2, MF_DTYPE_BF16, 512, 256, 3, 180, 0},
+    /* 288 tiles, more than a grid: CTAs walk full and tail tiles in turn (the overlap's next
+     * kind, the amax buffers' turns) */
+    {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_FP8_E4M3, 512, 256, 72, 180, 0},
+    {"tma", MF__GEMM_OP_W2, MF_DTYPE_BF16, 512, 256, 72, 180, 0},
+    /* uneven: 180 (a tail of 52), 130 (a tail of 2), 80 (one full tile, lo = 48) and 40 rows
+     * (one tail tile whose rows below lo are the previous slot's padding) */
+    {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_FP8_E4M3, 512, 256, 72, 180, 1},
+    {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_BF16, 512, 256, 72, 180, 1},
+    {"tma", MF__GEMM_OP_W2, MF_DTYPE_FP8_E4M3, 512, 256, 72, 180, 1},
+    {"tma", MF__GEMM_OP_W2, MF_DTYPE_BF16, 512, 256, 72, 180, 1},
+};
+enum { kTmaCases = sizeof k_tma_cases / sizeof k_tma_cases[0], kDrainCases = 4 };
+
+static int gemm_bounds_tma(void) { return run_cases(k_tma_cases, kTmaCases); }
 
 static int gemm_bounds_v1(void) {
     static const gcase_t cs[] = {
@@ -365,15 +366,9 @@ static int gemm_bounds_v1(void) {
  * the test's time limit with no CUDA error. The outputs are garbage and not read. The flag is never
  * cleared: the test needs a process of its own (the runner forks each test; not with --no-fork). */
 static int gemm_drain_tma(void) {
-    static const gcase_t cs[] = {
-        {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_FP8_E4M3, 512, 256, 72, 180, 1},
-        {"tma", MF__GEMM_OP_W2, MF_DTYPE_FP8_E4M3, 512, 256, 72, 180, 1},
-        {"tma", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_BF16, 512, 256, 72, 180, 1},
-        {"tma", MF__GEMM_OP_W2, MF_DTYPE_BF16, 512, 256, 72, 180, 1},
-    };
     MFT_CHECK(mf__gemm_bench_expire(MF__GEMM_BENCH_TMA) == 0);
-    for (int i = 0; i < 4; i++) {
-        const gcase_t *c = &cs[i];
+    for (int i = kTmaCases - kDrainCases; i < kTmaCases; i++) {
+        const gcase_t *c = &k_tma_cases[i];
         dcase_t d;
         if (case_setup(c, &d)) return 1;
         for (int rep = 0; rep < 4; rep++) {
