@@ -719,7 +719,6 @@ __device__ __forceinline__ void half_epilogue(const gemm_params &p, const consum
     }
 }
 
-
 /* BF16: a tile's kind picks its main loop and epilogue; the next tile is learnt after the epilogue. */
 template <int kEpi>
 __device__ __forceinline__ void consumer_bf16(const tma_params &tp, const tables_t &tb, consumer_t &c, float *acc) {
