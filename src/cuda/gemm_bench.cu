@@ -74,7 +74,11 @@ uint64_t mf__gemm_bench_launches(int32_t family) {
                                            : 0;
 }
 
-int mf__gemm_bench_expire(int32_t family) { return family == MF__GEMM_BENCH_TMA ? mf__sm90_tma_expire() : -1; }
+int mf__gemm_bench_expire(int32_t family) {
+    return family == MF__GEMM_BENCH_DECODE ? mf__sm90_decode_expire()
+           : family == MF__GEMM_BENCH_TMA  ? mf__sm90_tma_expire()
+                                           : -1;
+}
 
 int32_t mf__gemm_bench_supported(int32_t op, int32_t dtype) {
     const int dtype_ok = dtype == MF_DTYPE_BF16 || dtype == MF_DTYPE_FP8_E4M3;

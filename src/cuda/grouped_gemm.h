@@ -173,10 +173,12 @@ mf_result_t mf__sm90_decode_preload(void);
 mf__gemm_w13_swiglu_fn mf__sm90_tma_w13_swiglu;
 mf__gemm_w2_fn mf__sm90_tma_w2;
 mf_result_t mf__sm90_tma_preload(void);
-/* Raises the TMA family's expired flag (kernels/sm90_ptx.cuh mf__sm90_expired) as its first expired
- * wait would: every later wait of the family that has to wait gives up at once and the kernels
- * drain. Never cleared (the process's GEMMs are no longer trusted): for the drain's test only
- * (cuda/gemm_bench.h mf__gemm_bench_expire). 0, or -1 on a CUDA error. */
+/* Raise the decode or the TMA family's expired flag (kernels/sm90_ptx.cuh mf__sm90_expired: one per
+ * family's translation unit) as its first expired wait would: every later wait of the family that
+ * has to wait gives up at once and the kernels drain. Never cleared (the process's GEMMs are no
+ * longer trusted): for the drain's test only (cuda/gemm_bench.h mf__gemm_bench_expire). 0, or -1
+ * on a CUDA error. */
+int mf__sm90_decode_expire(void);
 int mf__sm90_tma_expire(void);
 /* The owner's K-sum done by the small-batch kernel itself (R = 1): y [T, H] BF16 = the sum of the
  * token's partials in its combine slots, with its published ids and weights (the heap view's ids

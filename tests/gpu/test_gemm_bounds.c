@@ -19,7 +19,8 @@
  *             from the next block (a kernel reading the wrong scale column), the next row's
  *             values (a wrong row), one element moved by twice its bound, and (FP8 W13) an h
  *             scale doubled. Each must be caught.
- *   drain     the TMA kernels after an expired wait (cuda_gemm_drain_tma): they must end.
+ *   drain     the decode and TMA kernels after an expired wait (cuda_gemm_drain_decode, _tma): they
+ *             must end.
  */
 #include <cuda_runtime_api.h>
 #include <math.h>
@@ -357,38 +358,56 @@ static int gemm_bounds_v1(void) {
     return run_cases(cs, 4);
 }
 
-/* The drain (kernels/sm90_tma_gemm.cuh "Bounded waits"): with the TMA family's expired flag raised,
- * as after a wait that expired, every wait that has to wait gives up at once and the producer
- * overwrites stages whose tile codes the consumers are still to read; the kernels must end anyway
- * (each consumer warpgroup takes every code from one leader, so none waits at a named barrier for
- * a partner that left). FP8 and BF16, W13 + SwiGLU with the tail tiles (full and tail tiles in turn)
- * and W2, 288 tiles, each launched 4 times: every launch must be the TMA family's and end within
- * the test's time limit with no CUDA error. The outputs are garbage and not read. The flag is never
- * cleared: the test needs a process of its own (the runner forks each test; not with --no-fork). */
-static int gemm_drain_tma(void) {
-    MFT_CHECK(mf__gemm_bench_expire(MF__GEMM_BENCH_TMA) == 0);
-    for (int i = kTmaCases - kDrainCases; i < kTmaCases; i++) {
-        const gcase_t *c = &k_tma_cases[i];
+/* The drain ("Bounded waits" in kernels/sm90_decode_gemm.cuh and sm90_tma_gemm.cuh): with a family's
+ * expired flag raised, as after a wait that expired, every wait that has to wait gives up at once
+ * and the producer overwrites stages whose tile codes the consumers are still to read; the kernels
+ * must end anyway (the consumers take every code from one leader, so none waits at a named barrier
+ * for a partner that left). FP8 and BF16, W13 + SwiGLU and W2, more tiles than CTAs (TMA: the tail
+ * tiles in turn with full ones), each launched 4 times: every launch must be the family's and end
+ * within the test's time limit with no CUDA error. The outputs are garbage and not read. The flag
+ * is never cleared: each family's test needs a process of its own (the runner forks each test; not
+ * with --no-fork). */
+static int drain(int32_t family, const gcase_t *cs, int n) {
+    MFT_CHECK(mf__gemm_bench_expire(family) == 0);
+    for (int i = 0; i < n; i++) {
+        const gcase_t *c = &cs[i];
         dcase_t d;
         if (case_setup(c, &d)) return 1;
         for (int rep = 0; rep < 4; rep++) {
-            const uint64_t ran0 = mf__gemm_bench_launches(MF__GEMM_BENCH_TMA);
+            const uint64_t ran0 = mf__gemm_bench_launches(family);
             CUDA_OK(cudaMemset(d.sched, 0, 2 * sizeof(int32_t)));
             MFT_CHECK_OK(mf__gemm_bench_run(&d.args, NULL));
             CUDA_OK(cudaDeviceSynchronize());
-            MFT_CHECK(mf__gemm_bench_launches(MF__GEMM_BENCH_TMA) == ran0 + 1);
+            MFT_CHECK(mf__gemm_bench_launches(family) == ran0 + 1);
         }
-        printf("  drained: %s %s L = %d M = %d: 4 launches ended\n", c->dtype == MF_DTYPE_FP8_E4M3 ? "fp8" : "bf16",
-               c->op == MF__GEMM_OP_W13_SWIGLU ? "w13" : "w2", c->L, c->M);
+        printf("  drained: %s %s %s L = %d M = %d: 4 launches ended\n", c->family,
+               c->dtype == MF_DTYPE_FP8_E4M3 ? "fp8" : "bf16", c->op == MF__GEMM_OP_W13_SWIGLU ? "w13" : "w2", c->L,
+               c->M);
         case_free(&d);
     }
     return 0;
+}
+
+/* 72 experts of 40 rows: 144 W13 tiles and 288 W2 tiles of the decode family's, more than a grid. */
+static int gemm_drain_decode(void) {
+    static const gcase_t cs[] = {
+        {"decode", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_FP8_E4M3, 512, 256, 72, 40, 0},
+        {"decode", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_BF16, 512, 256, 72, 40, 0},
+        {"decode", MF__GEMM_OP_W2, MF_DTYPE_FP8_E4M3, 512, 256, 72, 40, 0},
+        {"decode", MF__GEMM_OP_W2, MF_DTYPE_BF16, 512, 256, 72, 40, 0},
+    };
+    return drain(MF__GEMM_BENCH_DECODE, cs, 4);
+}
+
+static int gemm_drain_tma(void) {
+    return drain(MF__GEMM_BENCH_TMA, k_tma_cases + kTmaCases - kDrainCases, kDrainCases);
 }
 
 const mft_test_t mft_tests_cuda_gemm_bounds[] = {
     {"cuda_gemm_bounds_decode", gemm_bounds_decode, 120},
     {"cuda_gemm_bounds_tma", gemm_bounds_tma, 120},
     {"cuda_gemm_bounds_v1", gemm_bounds_v1, 180},
+    {"cuda_gemm_drain_decode", gemm_drain_decode, 60},
     {"cuda_gemm_drain_tma", gemm_drain_tma, 60},
     {NULL, NULL, 0},
 };

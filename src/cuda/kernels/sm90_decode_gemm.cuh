@@ -87,7 +87,14 @@
  * Bounded waits. Every mbarrier wait gives up after kWaitTimeoutNs (20 s) of %globaltimer, records
  * itself in the calling comm's fault sink (gemm_params.sink) and returns (mf__mbar_wait_bounded,
  * sm90_ptx.cuh). The bound is far above any healthy wait, a slow but live peer included (gathered rows
- * are peer reads): it exists only so that a broken pipeline can never hang the GPU.
+ * are peer reads): it exists only so that a broken pipeline can never hang the GPU. Once a wait has
+ * given up, every later wait of the family returns at once and the producer drains too, overwriting
+ * stages whose tile code (tile_of) a consumer is still to read: consumer threads that each read the
+ * code could disagree on the next tile, and one would wait forever at the epilogue's named barrier.
+ * So the 256 take every tile code from one thread: it writes the code, or -1 when its own wait gave
+ * up (the consumers end within a tile), into a word after tile_of, then a sync of the epilogue's
+ * barrier (kBarEpilogue) and all read it. The word is next written after the tile's epilogue
+ * barriers, which every reader passes after reading it. Test: `cuda_gemm_drain`.
  *
  * FP8 (docs/DESIGN.md "Numerics"): for each 128-wide K block the four k32 wgmmas go into a temporary
  * fragment (scale-d = 0 on the first), then acc += tmp * (a_scale[column][kb] * w_scale[n/128][kb]):
@@ -146,7 +153,7 @@ struct cfg {
     static constexpr int kEpiBytes = align_up(kBlockT * kEpiRowBytes, 128);
     static constexpr int kRedBytes = kConsumerWarps * kBlockT * 4;
     static constexpr int kTableBytes = align_up((3 * kMaxExperts + 1) * 4, 16);
-    static constexpr int kTileOfBytes = align_up(kMaxStages * 4, 16);  /* tile_of[kStages] */
+    static constexpr int kTileOfBytes = align_up((kMaxStages + 1) * 4, 16); /* tile_of[kStages], the lead's word */
     static constexpr int kFixedBytes =
         kMfSwizzleAtomBytes /* base alignment slack */ + kEpiBytes + kRedBytes + kTableBytes + kTileOfBytes;
     static constexpr int kPerStageBytes = kStageBytes + kScaleBytes + 2 * 8;
@@ -440,7 +447,7 @@ __device__ __forceinline__ void stage_tile(float (&acc)[kBoxes][kBlockT / 2], ui
 
 template <bool kFp8, int kEpi, int kBlockT, bool kGather>
 __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &tb, uint8_t *stages, const float *scales,
-                                         const int32_t *tile_of, uint8_t *epi, float *red, uint64_t *full,
+                                         int32_t *tile_of, uint8_t *epi, float *red, uint64_t *full,
                                          uint64_t *empty) {
     using C = cfg<kFp8, kEpi, kBlockT>;
     constexpr int kFrag = kBlockT / 2;          /* accumulators per thread per 64-row block */
@@ -461,10 +468,15 @@ __device__ __forceinline__ void consumer(const gemm_params &p, const tables_t &t
     uint32_t it = 0;
     int32_t cursor = 0;
     tile_t t;
-    /* The next tile is the one the producer put into the next stage (tile_of; -1: the end) */
+    /* The next tile is the one the producer put into the next stage (tile_of; -1: the end), taken
+     * from one thread's read (see "Bounded waits"): the word is rewritten only after every consumer
+     * thread has passed the tile's epilogue barriers, i.e. after all of them read it. */
+    int32_t *lead = tile_of + kMaxStages;
     for (;;) {
-        ring<C::kStages>::wait_full(full, it, p.sink);
-        const int32_t idx = tile_of[ring<C::kStages>::slot(it)];
+        const bool gave_up = ring<C::kStages>::wait_full(full, it, p.sink);
+        if (ctid == 0) *lead = gave_up ? -1 : tile_of[ring<C::kStages>::slot(it)];
+        mf__named_barrier_sync(kBarEpilogue, kConsumerThreads);
+        const int32_t idx = *lead;
         if (idx < 0 || !next_tile<kBlockT, kRowsInner>(tb, p.num_experts, 0, idx, cursor, t)) break;
         float acc[C::kBoxes][kFrag];
 #pragma unroll
