@@ -40,14 +40,14 @@
 #        moeflow as an engine runs it), then vLLM's Triton path (the layer peer, from
 #        ${MF_PEERS:-../shared/peers}; never copied into the repository); table.md: the comparison
 #        (bench/summarize.py smallbatch). Not in `all`.
-# small: the small-batch kernel's A/B (issue 25 item 1, ~6 min with three values): deepseek-v3, kimi-k2,
+# small: the small-batch kernel's A/B (issue 25 item 1): deepseek-v3, kimi-k2,
 #        qwen3-235b-a22b at R = 1, FP8, gated, no phase events, T = 1..8 (where AUTO takes the kernel:
 #        at most 64 routed rows, mf__small::kMaxRows), 3 rounds per process; each preset under every
 #        MF_SMALL value of MF_SMALL_VALUES (default "4 5": its own plan with the L2 prefetch of a
 #        waiting W2 unit, the library's default; 4 with the first unit's rows made from x by idle
 #        warps; 0 is the two decode GEMMs
 #        and the sum kernel, 1 the small kernel then the sum kernel, 2 the small kernel summing
-#        itself, 3 its own plan), the order rotating per preset (~8 min for three presets: split
+#        itself, 3 its own plan), the order rotating per preset (~40 s a process on the H200: split
 #        them with MF_PRESETS across two calls of the device tool); small_ab.md:
 #        bench/summarize.py ab MF_SMALL; MF_PRESETS="a b" runs only those presets (a call of the
 #        device tool lasts at most 600 s). Not in `all`.

@@ -1030,7 +1030,7 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     const int32_t own_plan = mf__cuda_own_plan(moe, &choice, T, small);
     /* 5: warps 1-3 make its first unit's W13 rows from x */
     const mf__gemm_own_t own = {(const int32_t *)in->topk_ids.data,
-                                own_plan && small == 5 ? (const uint16_t *)in->x.data : NULL};
+                                own_plan && small >= 5 ? (const uint16_t *)in->x.data : NULL};
 
     MF__MARK(MF_PHASE_PREPARE);
     const mf__cuda_slot_t slot0 = mf__cuda_slot0(moe);

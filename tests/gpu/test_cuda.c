@@ -772,7 +772,7 @@ extern int32_t mf__cuda_small_rows; /* cuda/grouped_gemm.h: the routed rows up t
 extern int32_t mf__cuda_decode_l2;  /* cuda/grouped_gemm.h: MF_DECODE_L2, the decode GEMMs' L2 prefetch */
 void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums, uint64_t *plans, uint64_t *fronts); /* testing.h */
 enum { kSmallModes = 6, kSmallOwnTokens = 128, kSmallOwnEntries = 1024 /* mf__small::kOwnMaxTokens, kOwnEntries */ };
-enum { kSmallMaxRows = 64 /* mf__small::kMaxRows (cuda/gemm_configs.cuh): the ninth run fails if they part */ };
+enum { kSmallMaxRows = 64 /* mf__small::kMaxRows (cuda/gemm_configs.cuh): the seventh run fails if they part */ };
 
 /* Case i under the small kernel's six switches (cuda_small_bitwise): each run's y into y[switch],
  * its digests into dig[switch], and the counters say which kernels ran. */
@@ -799,24 +799,22 @@ static int small_switches(int i, const pdl_case_t *pc, const mfp_problem_t *p, u
     return 0;
 }
 
-/* Every case eight times: without the small kernel (switch 0: the two decode GEMMs), with it and the
+/* Every case six times: without the small kernel (switch 0: the two decode GEMMs), with it and the
  * sum kernel (1), with it summing itself at R = 1 (2), planning for itself there too (3: publish runs
  * the DISPATCH sync, no plan kernel), with a waiting W2 unit's L2 prefetch of the next round's W2
- * weights (4, the default: a hint, the same bits), and making its W13 rows from x itself where it
- * plans for itself (5 alone: publish writes no x, the kernel quantises as publish does, the same
- * bits), and with the last expert's W2 units in halves of 64 columns (6 = 4 and that: the same bits,
- * its in-kernel sum counting two arrivals for that expert), and with its first unit's W13 rows made from
- * x by the producer warpgroup's idle warps (7 = 4 and that: publish writes x, the same bits),
- * three calls each on inputs redrawn per call: every call's y equal bit for bit (digests), the last
- * call of the last switch's run (7) within the contract's bounds of the CPU backend's, and the counters say
- * which ran (switches 2 to 7 sum in the kernel exactly at R = 1, switches 3 to 7 plan there where
- * T <= 128 and T K <= 1024, switch 5 makes its rows there too and 7 its first unit's). Cases: one and several ranks, idle
+ * weights (4, the default: a hint, the same bits), and with its first unit's W13 rows made from x
+ * by the producer warpgroup's idle warps where it plans for itself (5 = 4 and that: the kernel
+ * quantises as publish does, the same bits), three calls each on inputs redrawn per call: every
+ * call's y equal bit for bit (digests), the last call of the last switch's run (5) within the
+ * contract's bounds of the CPU backend's, and the counters say which ran (switches 2 to 5 sum in the
+ * kernel exactly at R = 1, switches 3 to 5 plan there where T <= 128 and T K <= 1024, switch 5
+ * makes its first unit's rows there too). Cases: one and several ranks, idle
  * ranks, both dtypes and layouts, a hot expert with more rows than a tile (several token blocks,
  * several W13 tiles per W2 dependency), W13 K blocks past the ring (two positions each; with its own
  * plan the first ring's weights go out before the PDL wait, under switch 5 the whole first unit)
  * and W2 K blocks past it (the weights issued before the wait, then the rest), dropped k, more
  * entries than its own plan holds, a captured graph replayed, and PDL (the forward's default). The
- * eight switches run with AUTO's row bound lifted (the kernel at every shape it takes); a ninth run
+ * six switches run with AUTO's row bound lifted (the kernel at every shape it takes); a seventh run
  * keeps the bound: at R = 1 the kernel runs exactly where T K <= 64, and y is the two GEMMs' bits
  * either way; and the two GEMMs run once more with their weights sent into L2 a ring ahead
  * (MF_DECODE_L2's switch): the same bits. */
@@ -871,7 +869,7 @@ static int cuda_small_bitwise(void) {
         const int own_plan = /* the test's shapes fit its other conditions */
             c->R == 1 && c->T <= kSmallOwnTokens && c->T * c->K <= kSmallOwnEntries;
         char err[512] = "";
-        /* the eight switches with AUTO's row bound lifted, put back whatever they report */
+        /* the six switches with AUTO's row bound lifted, put back whatever they report */
         const int32_t bound = __atomic_load_n(&mf__cuda_small_rows, __ATOMIC_RELAXED);
         __atomic_store_n(&mf__cuda_small_rows, INT32_MAX, __ATOMIC_RELAXED);
         const int failed = small_switches(i, &cases[i], &p, y, dig, seed, own_plan);
