@@ -40,21 +40,20 @@
 #        moeflow as an engine runs it), then vLLM's Triton path (the layer peer, from
 #        ${MF_PEERS:-../shared/peers}; never copied into the repository); table.md: the comparison
 #        (bench/summarize.py smallbatch). Not in `all`.
-# small: the small-batch kernel's A/B (issue 25 item 1, ~6 min with three values): deepseek-v3, kimi-k2,
+# small: the small-batch kernel's A/B (issue 25 item 1): deepseek-v3, kimi-k2,
 #        qwen3-235b-a22b at R = 1, FP8, gated, no phase events, T = 1..8 (where AUTO takes the kernel:
 #        at most 64 routed rows, mf__small::kMaxRows), 3 rounds per process; each preset under every
-#        MF_SMALL value of MF_SMALL_VALUES (default "4 6 7": its own plan with the L2 prefetch of
-#        a waiting W2 unit, the library's default; 4 with the last expert's W2 units in halves; 4
-#        with the first unit's rows made from x by idle warps; 5, 4 with every row made from x by
-#        the producer, measured 2.2x slower; 0 is the two decode GEMMs
+#        MF_SMALL value of MF_SMALL_VALUES (default "4 5": its own plan with the L2 prefetch of a
+#        waiting W2 unit, the library's default; 4 with the first unit's rows made from x by idle
+#        warps; 0 is the two decode GEMMs
 #        and the sum kernel, 1 the small kernel then the sum kernel, 2 the small kernel summing
-#        itself, 3 its own plan), the order rotating per preset (~8 min for three presets: split
+#        itself, 3 its own plan), the order rotating per preset (~40 s a process on the H200: split
 #        them with MF_PRESETS across two calls of the device tool); small_ab.md:
 #        bench/summarize.py ab MF_SMALL; MF_PRESETS="a b" runs only those presets (a call of the
 #        device tool lasts at most 600 s). Not in `all`.
 # timeline: the small kernel's per-CTA stamps (moeflow bench layer --timeline) at T = 1..8 for
 #        deepseek-v3, kimi-k2 and qwen3-235b-a22b (MF_PRESETS: only those), under each MF_SMALL value
-#        of MF_SMALL_VALUES (default "4 6 7"; 4 is the library's default), ~4 min:
+#        of MF_SMALL_VALUES (default "4 5"; 4 is the library's default), ~3 min:
 #        per row the phases' medians, then the late entries and their SMs, the producers' time per
 #        W13 and W2 unit and the spread of their walks' ends; every CTA's stamps in
 #        timeline_raw.jsonl (--timeline-raw) and timeline.md from them (bench/summarize.py timeline:
@@ -183,7 +182,7 @@ if [ "$what" = rebalance ]; then
 fi
 if [ "$what" = small ]; then
     common=(-R 1 --dtype fp8 --gated --phases off --no-check --rounds 3 -T 1,2,4,8)
-    values=(${MF_SMALL_VALUES:-4 6 7})
+    values=(${MF_SMALL_VALUES:-4 5})
     n=0
     for preset in ${MF_PRESETS:-deepseek-v3 kimi-k2 qwen3-235b-a22b}; do
         for k in "${!values[@]}"; do
@@ -200,12 +199,12 @@ fi
 
 if [ "$what" = timeline ]; then
     # where the small kernel's time goes, per CTA (moeflow bench layer --timeline), under each switch
-    # of MF_SMALL_VALUES (default 4, 6 and 7: the library's default, 4 with the last expert's W2
-    # units in halves, 4 with the first unit's rows from x):
+    # of MF_SMALL_VALUES (default 4 and 5: the library's default, 4 with the first unit's rows
+    # from x):
     # deepseek-v3, kimi-k2 (deepseek-v3's shapes at E = 384) and qwen3-235b-a22b (MF_PRESETS: only
     # those), T = 1..8, one round
     for preset in ${MF_PRESETS:-deepseek-v3 kimi-k2 qwen3-235b-a22b}; do
-        for v in ${MF_SMALL_VALUES:-4 6 7}; do
+        for v in ${MF_SMALL_VALUES:-4 5}; do
             MF_SMALL=$v timeout 120 ./build/moeflow bench layer --preset $preset -R 1 --dtype fp8 --gated \
                 --phases off --no-check --rounds 1 -T 1,2,4,8 --timeline-raw "$dir/timeline_raw.jsonl" \
                 > "$dir/timeline_${preset}_$v.log" 2>&1 || rc=1

@@ -51,7 +51,8 @@ timeline: the small-batch kernel's raw stamps (`moeflow bench layer --timeline-r
        W13, and W2 by what ran before it: `seam` the first W2 unit after W13 (or a CTA's first
        unit: it holds the wait for its expert's W13 tiles), `mid` a W2 unit after a W2 unit that is
        not the CTA's last, `last` the CTA's last unit before its end ticket (a half W2 unit of the
-       small kernel's switch 6, kind 3, counts as W2 there and in `halves`); then the CTAs' ends
+       small kernel's removed halves switch, kind 3 in its 2026-12-05 records, counts as W2 there
+       and in `halves`); then the CTAs' ends
        (consumers done) at the 10th / 50th / 90th percentile and the last, and `idle` the SM-time
        the CTAs spent ended before the last one, as us of the span (the mean over CTAs) and as a
        share of all SM-time from the first entry: what a perfectly even end would give back.

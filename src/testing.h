@@ -15,7 +15,7 @@
  *                                                                runs (CUDA builds, no GPU needed)
  *   mf__gemm_small_counts                       cuda/gemm_bench.h  tests/gpu/test_cuda.c checks which of
  *                                                                the small kernel, its sum, its own
- *                                                                plan, its own rows and the two GEMMs
+ *                                                                plan, its first rows and the two GEMMs
  *                                                                ran
  *   mf__gemm_bench_launches                     cuda/gemm_bench.h  tests/gpu/test_gemm_bounds.c checks that
  *                                                                the family it tests ran (a decline falls

@@ -1231,14 +1231,14 @@ static int test_alloc_failure(void) {
     return 0;
 }
 
-/* The A/B switches' parsing (core/params.c): MF_SMALL 0..7 (7 above 7, -1 unset or invalid: the
+/* The A/B switches' parsing (core/params.c): MF_SMALL 0..5 (5 above 5, -1 unset or invalid: the
  * backend's default stays),
  * MF_DECODE_TOKENS one of the decode tiles below 64 or else 64, MF_DECODE_L2 on only at 1,
  * MF_TMA_TAILS off only at 0; the variables are put back. */
 static int test_params(void) {
     static const struct { const char *name, *value; int32_t want; } cases[] = {
-        {"MF_SMALL", NULL, -1},         {"MF_SMALL", "0", 0},          {"MF_SMALL", "6", 6},
-        {"MF_SMALL", "9", 7},           {"MF_SMALL", "-1", -1},        {"MF_SMALL", "x", -1},
+        {"MF_SMALL", NULL, -1},         {"MF_SMALL", "0", 0},          {"MF_SMALL", "5", 5},
+        {"MF_SMALL", "9", 5},           {"MF_SMALL", "-1", -1},        {"MF_SMALL", "x", -1},
         {"MF_DECODE_TOKENS", NULL, 64}, {"MF_DECODE_TOKENS", "8", 8},  {"MF_DECODE_TOKENS", "16", 16},
         {"MF_DECODE_TOKENS", "32", 32}, {"MF_DECODE_TOKENS", "24", 64}, {"MF_DECODE_TOKENS", "128", 64},
         {"MF_DECODE_TOKENS", "4", 64},  {"MF_DECODE_TOKENS", "", 64},

@@ -204,44 +204,32 @@ static int plan_prefix_find(void) {
 }
 
 /* mf__w2_unit (core/prefix.h; the small kernel's W2 walk, kernels/sm90_small_gemm.cuh): over prefix
- * sums of experts with 0-3 token blocks (most empty, as at a few tokens), nb2 n-blocks each, without
- * the split and with switch 7's (the last expert with blocks in halves), the units j = 0, 1, ... with
- * the cursor carried over cover every (expert, n-block, token block) once, the split expert's twice
- * (halves 0 and 1), in ascending experts, and nothing past the count. */
+ * sums of experts with 0-3 token blocks (most empty, as at a few tokens), nb2 n-blocks each, the
+ * units j = 0, 1, ... with the cursor carried over cover every (expert, n-block, token block) once,
+ * in ascending experts, and nothing past the count. */
 static int plan_w2_units(void) {
     mft_rng_t rng = {91};
     int32_t first[130];
-    static uint8_t seen[128][8][4][3]; /* expert, n-block, token block, half + 1 */
+    static uint8_t seen[128][8][4]; /* expert, n-block, token block */
     for (int round = 0; round < 200; round++) {
         const int32_t n = 1 + mft_rng_int(&rng, 128), nb2 = 1 + mft_rng_int(&rng, 8);
         first[0] = 0;
         for (int32_t s = 0; s < n; s++) first[s + 1] = first[s] + (mft_rng_int(&rng, 100) < 70 ? 0 : mft_rng_int(&rng, 4));
-        if (first[n] == 0) first[n] = 1; /* the last expert has a block */
-        int32_t last = n - 1; /* the last expert with blocks */
-        while (first[last + 1] == first[last]) last--;
-        for (int with_split = 0; with_split < 2; with_split++) {
-            const int32_t split = with_split ? last : -1;
-            memset(seen, 0, sizeof seen);
-            int32_t cursor = 0, j = 0, e, nb, blk, half, prev = 0;
-            for (; mf__w2_unit(first, n, nb2, split, j, cursor, &e, &nb, &blk, &half); j++) {
-                MFT_CHECK_MSG(e >= prev && e < n && nb >= 0 && nb < nb2 && blk >= 0 && blk < first[e + 1] - first[e],
-                              "round %d, unit %d: e %d nb %d blk %d", round, j, e, nb, blk);
-                MFT_CHECK_MSG((half >= 0) == (e == split), "round %d, unit %d: expert %d half %d (split %d)", round, j,
-                              e, half, split);
-                seen[e][nb][blk][half + 1]++;
-                prev = cursor = e;
-            }
-            const int32_t want = nb2 * first[n] + (split >= 0 ? nb2 * (first[split + 1] - first[split]) : 0);
-            MFT_CHECK_MSG(j == want, "round %d, split %d: %d units, want %d", round, split, j, want);
-            MFT_CHECK(!mf__w2_unit(first, n, nb2, split, want + 3, cursor, &e, &nb, &blk, &half));
-            for (int32_t x = 0; x < n; x++)
-                for (int32_t y = 0; y < nb2; y++)
-                    for (int32_t b = 0; b < first[x + 1] - first[x]; b++) {
-                        const int whole = seen[x][y][b][0], h0 = seen[x][y][b][1], h1 = seen[x][y][b][2];
-                        MFT_CHECK_MSG(x == split ? (whole == 0 && h0 == 1 && h1 == 1) : (whole == 1 && h0 == 0 && h1 == 0),
-                                      "round %d: expert %d n-block %d block %d seen %d/%d/%d", round, x, y, b, whole, h0, h1);
-                    }
+        memset(seen, 0, sizeof seen);
+        int32_t cursor = 0, j = 0, e, nb, blk, prev = 0;
+        for (; mf__w2_unit(first, n, nb2, j, cursor, &e, &nb, &blk); j++) {
+            MFT_CHECK_MSG(e >= prev && e < n && nb >= 0 && nb < nb2 && blk >= 0 && blk < first[e + 1] - first[e],
+                          "round %d, unit %d: e %d nb %d blk %d", round, j, e, nb, blk);
+            seen[e][nb][blk]++;
+            prev = cursor = e;
         }
+        MFT_CHECK_MSG(j == nb2 * first[n], "round %d: %d units, want %d", round, j, nb2 * first[n]);
+        MFT_CHECK(!mf__w2_unit(first, n, nb2, nb2 * first[n] + 3, cursor, &e, &nb, &blk));
+        for (int32_t x = 0; x < n; x++)
+            for (int32_t y = 0; y < nb2; y++)
+                for (int32_t b = 0; b < first[x + 1] - first[x]; b++)
+                    MFT_CHECK_MSG(seen[x][y][b] == 1, "round %d: expert %d n-block %d block %d seen %d times", round, x,
+                                  y, b, seen[x][y][b]);
     }
     return 0;
 }

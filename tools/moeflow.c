@@ -1270,7 +1270,7 @@ static void timeline_begin(const opts_t *o) {
 /* The second line of a row's timeline: the CTAs that entered late (more than 2 us after the first)
  * and their SMs (on the H200 at T tokens: T CTAs on SMs 124-131, bench/NOTES.md), with its own plan
  * the producers' wait for publish after the tables and the time from there to the first full ring
- * position (not with its own rows, MF_SMALL >= 5, where that wait follows the CTA's first unit), the
+ * position (not with its first rows, MF_SMALL=5, where that wait follows the CTA's first unit), the
  * time each producer spent per unit (from a ticket to its next: W13 and W2 apart, medians and p90
  * over the CTAs' first MF__GEMM_SMALL_UNIT_STAMPS tickets; with its own plan a CTA's first unit
  * includes the wait for publish; W2 units also apart by what the producer ran
@@ -1344,8 +1344,8 @@ static void timeline_units(const uint64_t *s, uint64_t first) {
 /* --timeline-raw: one JSON line per run appended to the file: the row, the switches that shape the
  * kernel (MF_SMALL, MF_DECODE_TOKENS), and per CTA that ran [block, SM, entry, tables, first
  * position, consumers done, publish waited (0: none), [[unit, kind, when] ...]] with every time in ns
- * after the earliest entry and kind 0 W13, 1 W2, 2 the ticket past the end, 3 a half W2 unit (the
- * small kernel's switch 7): the first MF__GEMM_SMALL_UNIT_STAMPS tickets of each producer
+ * after the earliest entry and kind 0 W13, 1 W2, 2 the ticket past the end (3, a half W2 unit, only
+ * in records of a removed switch): the first MF__GEMM_SMALL_UNIT_STAMPS tickets of each producer
  * (bench/summarize.py timeline). */
 /* An environment switch's value for the JSON line: itself where it is a plain token, else "?". */
 static const char *env_token(const char *name) {
@@ -1377,7 +1377,7 @@ static void timeline_raw(const row_t *row, int32_t rnd, const uint64_t *s, uint6
         for (int k = 0; k < MF__GEMM_SMALL_UNIT_STAMPS && u[2 * k + 1]; k++) {
             const uint64_t what = u[2 * k];
             fprintf(f, "%s[%u, %d, %lld]", k ? ", " : "", (unsigned)(what & 0xffffffffu),
-                    (what >> 33 & 1) ? 2 : (what >> 34 & 1) ? 3 : (int)(what >> 32 & 1), (long long)u[2 * k + 1] - at);
+                    (what >> 33 & 1) ? 2 : (int)(what >> 32 & 1), (long long)u[2 * k + 1] - at);
         }
         fprintf(f, "]]");
     }
@@ -1388,7 +1388,7 @@ static void timeline_raw(const row_t *row, int32_t rnd, const uint64_t *s, uint6
 /* After a run: the last small-kernel launch's CTAs (us): when the last one entered after the first,
  * and medians (min - max over CTAs) of: tables built after entry (with the plan kernel: its PDL wait
  * included), first ring position full after that (with its own plan: the wait for publish included,
- * but not with its own rows, MF_SMALL >= 5), consumers done after that; the spread of the CTAs' ends; entry of the first to end of the last.
+ * but not with its first rows, MF_SMALL=5), consumers done after that; the spread of the CTAs' ends; entry of the first to end of the last.
  * A row that ran no small kernel prints so. */
 static void timeline_end(const row_t *row, int32_t rnd) {
     static uint64_t s[TIMELINE_CTAS * MF__GEMM_SMALL_STAMPS];

@@ -14,14 +14,12 @@
  *                 kernels/sm90_small_gemm.cuh) and launches the two decode GEMMs instead; 1: it runs it
  *                 but keeps the sum kernel after it; 2: at R = 1 it sums too; 3: at R = 1 it also
  *                 plans for itself (no plan kernel); 4: a W2 unit that waits for its expert's W13
- *                 sends the next round's W2 weights into L2; 5: 4, and at R = 1 the small kernel
- *                 makes the W13 rows from x itself (publish writes no x); 6: 4, and the last
- *                 expert's W2 units run in halves of 64 columns (the walk's last round); 7: 4, and
- *                 at R = 1 the idle warps of the small kernel's producer warpgroup make its first
- *                 unit's W13 rows from x (publish still writes x); above 7 reads as 7. Default (unset): 4 — 5 was measured slower (H100, 2026-12-05: the
- *                 producer making its rows from x runs the layer 2.2x slower at T = 1), and so was
- *                 a 6 that sent each unit's weights into L2 a ring ahead (+17 to +25 %, removed).
- *                 Set, it sets the switch for the process; for A/B measurements
+ *                 sends the next round's W2 weights into L2; 5: 4, and at R = 1 the idle warps of
+ *                 the small kernel's producer warpgroup make its first unit's W13 rows from x;
+ *                 above 5 reads as 5. Default (unset): 4 — 5 was measured slower (H200,
+ *                 2026-12-05: +34.5 % at deepseek-v3 T = 1), and so were three switches since
+ *                 removed (bench/NOTES.md). Set, it sets the switch for the process; for A/B
+ *                 measurements
  * MF_DECODE_L2    1: the decode GEMMs send their weights into L2 a ring ahead of their loads
  *                 (kernels/sm90_decode_gemm.cuh, "L2 a ring ahead"; default 0); for A/B measurements
  * MF_DECODE_TOKENS the largest decode tile the GEMM choice may take, 8, 16, 32 or 64 (default) tokens
@@ -55,7 +53,7 @@ int32_t mf__param_decode_l2(void) { return mf__env_int("MF_DECODE_L2", 0, 0) == 
 
 int32_t mf__param_small(void) {
     const int64_t v = mf__env_int("MF_SMALL", -1, 0);
-    return v > 7 ? 7 : (int32_t)v;
+    return v > 5 ? 5 : (int32_t)v;
 }
 
 int32_t mf__param_tma_tails(void) { return mf__env_int("MF_TMA_TAILS", 1, 0) != 0; }

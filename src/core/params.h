@@ -13,7 +13,7 @@ extern "C" {
 
 int64_t mf__param_timeout_ms(void); /* MF_TIMEOUT_MS, default 30000 */
 int32_t mf__param_pdl(void);        /* MF_PDL: 0 when it is 0, else 1 (read by each CUDA comm's init) */
-int32_t mf__param_small(void);      /* MF_SMALL: 0 to 7, or -1 when unset (each CUDA comm's init) */
+int32_t mf__param_small(void);      /* MF_SMALL: 0 to 5, or -1 when unset (each CUDA comm's init) */
 int32_t mf__param_decode_tokens(void); /* MF_DECODE_TOKENS: 8, 16, 32 or 64 (default; each CUDA comm's init) */
 int32_t mf__param_decode_l2(void);     /* MF_DECODE_L2: 1 on, else 0 (default; each CUDA comm's init) */
 int32_t mf__param_tma_tails(void);     /* MF_TMA_TAILS: 0 off, else 1 (default; each CUDA comm's init) */

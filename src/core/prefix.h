@@ -40,30 +40,17 @@ MF_HD int32_t mf__prefix_find(const int32_t *first, int32_t n, int32_t s0, int32
     return lo;
 }
 
-/* The small kernel's W2 unit j (counted from its first W2 unit; kernels/sm90_small_gemm.cuh "The
- * walk's end"): 0 past the last; else 1 with its expert *e, n-block *nb, token block *blk and *half
- * (-1: a whole unit; 0, 1: the halves of the split expert's units, split >= 0 being the last expert
- * with token blocks, whose units come last, 2 nb2 per token block: n-block, then half, then token
- * block). first[0 .. n]: the experts' token blocks as a prefix sum; nb2 n-blocks per expert; the
- * expert searched from `cursor` (at most the answer: ascending j may pass the last *e back). */
-MF_HD int mf__w2_unit(const int32_t *first, int32_t n, int32_t nb2, int32_t split, int32_t j, int32_t cursor,
-                      int32_t *e, int32_t *nb, int32_t *blk, int32_t *half) {
-    const int32_t whole = nb2 * first[split >= 0 ? split : n];
-    if (j < whole) {
-        *e = mf__prefix_find(first, n, cursor, j / nb2); /* nb2 first[e + 1] <= j: first[e + 1] <= j / nb2 */
-        const int32_t blocks = first[*e + 1] - first[*e], local = j - nb2 * first[*e];
-        *blk = local % blocks;
-        *nb = local / blocks;
-        *half = -1;
-        return 1;
-    }
-    if (split < 0) return 0;
-    const int32_t blocks = first[split + 1] - first[split], local = j - whole;
-    if (local >= 2 * nb2 * blocks) return 0;
-    *e = split;
-    *nb = local / (2 * blocks);
-    *half = local % (2 * blocks) / blocks;
+/* The small kernel's W2 unit j (counted from its first W2 unit; kernels/sm90_small_gemm.cuh): 0 past
+ * the last; else 1 with its expert *e, n-block *nb and token block *blk (token blocks inner).
+ * first[0 .. n]: the experts' token blocks as a prefix sum; nb2 n-blocks per expert; the expert
+ * searched from `cursor` (at most the answer: ascending j may pass the last *e back). */
+MF_HD int mf__w2_unit(const int32_t *first, int32_t n, int32_t nb2, int32_t j, int32_t cursor, int32_t *e, int32_t *nb,
+                      int32_t *blk) {
+    if (j >= nb2 * first[n]) return 0;
+    *e = mf__prefix_find(first, n, cursor, j / nb2); /* nb2 first[e + 1] <= j: first[e + 1] <= j / nb2 */
+    const int32_t blocks = first[*e + 1] - first[*e], local = j - nb2 * first[*e];
     *blk = local % blocks;
+    *nb = local / blocks;
     return 1;
 }
 

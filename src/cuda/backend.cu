@@ -163,14 +163,13 @@ static mf__cuda_comm_t *mf__cc(mf_comm_t comm) { return (mf__cuda_comm_t *)comm-
 
 extern "C" int32_t mf__cuda_plan_serial = 0; /* balance/prefetch.h */
 extern "C" int32_t mf__cuda_plan_small = 1;  /* balance/prefetch.h */
-/* The small-batch kernel's switch (grouped_gemm.h): 7 = 4 with its first unit's W13 rows made from x
- * by the producer warpgroup's idle warps at R = 1 (publish still writes x for the rest), 6 = 4 with
- * the last expert's W2 units in halves, 5 = 4 with its own W13 rows made from x at R = 1, 4 (the
- * default) = 3 with the W2 weights of the next round sent to L2 by a waiting W2 unit, 3 without, 2
- * with its own sum only, 1 without either, 0 off. On an H100 (2026-12-05, bench/results/h100/) 5 ran deepseek-v3 T = 1 in 323 us against
- * 146 us under 4 (its producer makes each K block's rows from x between weight loads), and a switch
- * that sent each unit's weights into L2 a ring ahead of its loads ran every row of T = 1..8 17-25 %
- * slower (removed; bench/NOTES.md). A comm init that reads MF_SMALL sets it for the rest of the
+/* The small-batch kernel's switch (grouped_gemm.h): 5 = 4 with its first unit's W13 rows made from x
+ * by the producer warpgroup's idle warps at R = 1 (publish still writes x), 4 (the default) = 3 with
+ * the W2 weights of the next round sent to L2 by a waiting W2 unit, 3 without, 2 with its own sum
+ * only, 1 without either, 0 off. 5 ran deepseek-v3 T = 1 34.5 % slower than 4 on the H200 (6c169f7,
+ * bench/NOTES.md); three more were measured slower and removed: a producer that made every W13 row
+ * from x itself (2.2x on an H100), the last expert's W2 units in halves (+0.1 to +2.5 % on the
+ * H200), each unit's weights sent into L2 a ring ahead (17-25 % on an H100). A comm init that reads MF_SMALL sets it for the rest of the
  * process (core/params.c); the GPU tests set it directly. */
 extern "C" int32_t mf__cuda_small = 4;
 extern "C" int32_t mf__cuda_small_rows = mf__small::kMaxRows; /* grouped_gemm.h */
@@ -262,7 +261,7 @@ static mf_result_t mf__cuda_comm_init(mf_comm_t comm) {
     }
     MF_CHECK(mf__cuda_gemm_preload());
     if (!mf__param_pdl()) __atomic_store_n(&mf__cuda_pdl, 0, __ATOMIC_RELAXED); /* MF_PDL=0 (cuda/pdl.cuh) */
-    const int32_t small = mf__param_small(); /* MF_SMALL=0 to 7 sets the switch for the process */
+    const int32_t small = mf__param_small(); /* MF_SMALL=0 to 5 sets the switch for the process */
     if (small >= 0) __atomic_store_n(&mf__cuda_small, small, __ATOMIC_RELAXED);
     const int32_t tokens = mf__param_decode_tokens(); /* MF_DECODE_TOKENS lowers the largest decode tile */
     if (tokens < __atomic_load_n(&mf__cuda_decode_tokens, __ATOMIC_RELAXED))
@@ -795,14 +794,13 @@ static mf_result_t mf__cuda_sync(mf_comm_t comm, uint32_t layer, int32_t phase, 
 
 /* Publishes x, ids (and weights) into the slot of `view`. `epochs` (a forward at R = 1 whose small
  * kernel plans for itself, mf__cuda_own_plan): the slot's epochs, and the DISPATCH sync runs in
- * publish's last block (mf__publish_sync_kernel) instead of a plan kernel; `no_x` (with `epochs`,
- * switch 5: the small kernel makes its rows from x itself) leaves x out, one block per token. Never
+ * publish's last block (mf__publish_sync_kernel) instead of a plan kernel. Never
  * with the PDL attribute: the small kernel behind it takes tickets, loads weights and reads x before
  * its own wait, which is safe because nothing of the previous call can still run when publish
  * starts. */
 static mf_result_t mf__cuda_publish_at(mf_moe_t moe, const mf__heap_view_t *view, const mf_tensor_t *x,
                                        const mf_tensor_t *ids, const float *weights, unsigned long long *epochs,
-                                       int32_t no_x, cudaStream_t stream) {
+                                       cudaStream_t stream) {
     const mf_moe_config_t *c = &moe->config;
     mf__publish_params_t p;
     memset(&p, 0, sizeof p);
@@ -820,9 +818,8 @@ static mf_result_t mf__cuda_publish_at(mf_moe_t moe, const mf__heap_view_t *view
     p.meta_words[2] = (int32_t)moe->weights_count;
     p.view = *view;
     p.sink = mf__sink(moe->comm);
-    p.no_x = epochs && no_x;
     /* A call's first kernel: no PDL attribute (it follows the caller's kernels) */
-    const dim3 grid(p.T > 0 ? (unsigned)p.T : 1u, p.no_x ? 1u : (unsigned)((p.H + kMfPublishCols - 1) / kMfPublishCols));
+    const dim3 grid(p.T > 0 ? (unsigned)p.T : 1u, (unsigned)((p.H + kMfPublishCols - 1) / kMfPublishCols));
     if (!epochs) {
         MF_CUDA_CHECK(mf__cuda_launch(mf__publish_kernel, grid, dim3(kMfPublishThreads), 0, stream, 0, p));
         return MF_SUCCESS;
@@ -1031,15 +1028,14 @@ static mf_result_t mf__cuda_forward_launch(mf_moe_t moe, const mf_moe_forward_in
     const int32_t small = __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED);
     const int32_t own_sum = choice.fused && moe->comm->num_ranks == 1 && T > 0 && small >= 2;
     const int32_t own_plan = mf__cuda_own_plan(moe, &choice, T, small);
-    /* 5: it makes every W13 row from x (publish: no x); 7: warps 1-3 make its first unit's (publish: x) */
-    const int32_t own_rows = own_plan && (small == 5 || small == 7);
-    const mf__gemm_own_t own = {(const int32_t *)in->topk_ids.data, own_rows ? (const uint16_t *)in->x.data : NULL,
-                                own_rows && small == 7}; /* one read of the switch decides publish and the kernel */
+    /* 5: warps 1-3 make its first unit's W13 rows from x */
+    const mf__gemm_own_t own = {(const int32_t *)in->topk_ids.data,
+                                own_plan && small >= 5 ? (const uint16_t *)in->x.data : NULL};
 
     MF__MARK(MF_PHASE_PREPARE);
     const mf__cuda_slot_t slot0 = mf__cuda_slot0(moe);
     MF_CHECK(mf__cuda_publish_at(moe, slot0.view, &in->x, &in->topk_ids, (const float *)in->topk_weights.data,
-                                 own_plan ? slot0.epochs : NULL, own_plan && small == 5, stream));
+                                 own_plan ? slot0.epochs : NULL, stream));
     MF__MARK(MF_PHASE_DISPATCH);
     if (!own_plan) MF_CHECK(mf__cuda_plan(moe, T, NULL, NULL, stream));
     if (flow != MF_DATAFLOW_DIRECT) MF_CHECK(mf__cuda_gather(moe, s->recv_x, s->recv_scales, NULL, stream));
@@ -1145,7 +1141,7 @@ static mf_result_t mf__cuda_dispatch_launch(mf_moe_t moe, struct mf_exchange *x,
                                             uint32_t halves, cudaStream_t stream) {
     const mf__cuda_slot_t slot = mf__cuda_slot(moe, x->slot);
     if (halves & MF__HALF_SEND)
-        MF_CHECK(mf__cuda_publish_at(moe, slot.view, &in->x, &in->topk_ids, NULL, NULL, 0, stream));
+        MF_CHECK(mf__cuda_publish_at(moe, slot.view, &in->x, &in->topk_ids, NULL, NULL, stream));
     if (halves == MF__HALF_SEND)
         return mf__cuda_sync(moe->comm, moe->id, MF__PHASE_DISPATCH, MF_SUCCESS, kMfSyncArrive, slot.epochs, 1, stream);
     const mf_dispatch_out_t *out = &x->dispatch_out;

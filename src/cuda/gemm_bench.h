@@ -69,10 +69,10 @@ void mf__gemm_bench_choose(int32_t rows_hint, int32_t max_rows_per_expert, int32
                            int32_t *block_rows, int32_t *dataflow_out, int32_t *fused, int32_t *tail_rows);
 
 /* The small-batch kernel's launches in this process so far, those of them that summed y, those that
- * planned for themselves, those that also made every W13 row from x (switch 5) and those that made
- * their first unit's rows from x (switch 7) (the CUDA suite checks which of the small kernel, its own
- * sum, its own plan, its own rows and the two GEMMs ran). */
-void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums, uint64_t *plans, uint64_t *rows, uint64_t *fronts);
+ * planned for themselves and those that made their first unit's rows from x (switch 5) (the CUDA
+ * suite checks which of the small kernel, its own sum, its own plan, its first rows and the two
+ * GEMMs ran). */
+void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums, uint64_t *plans, uint64_t *fronts);
 
 /* `moeflow bench layer --timeline`: the small-batch kernel launches that follow on the current device
  * write MF__GEMM_SMALL_STAMPS words per CTA into `stamps` (device memory, grid <= its SMs; each

@@ -56,7 +56,7 @@ mf__gemm_variant_info_t variant_info(int i) {
 
 mf__gemm_family_t g_family = {kMfGemmFamilySmall, kLaunchRegs, variant_count, variant_fn, variant_info};
 
-std::atomic<uint64_t> g_launches, g_sums, g_plans, g_rows, g_fronts; /* mf__gemm_small_counts (testing.h) */
+std::atomic<uint64_t> g_launches, g_sums, g_plans, g_fronts; /* mf__gemm_small_counts (testing.h) */
 std::atomic<uint64_t *> g_timeline[kMfGemmMaxDevices]; /* mf__gemm_small_set_timeline, per device; NULL: off */
 static_assert(MF__GEMM_SMALL_STAMPS == kStamps && MF__GEMM_SMALL_UNIT_STAMPS == kUnitStamps,
               "gemm_bench.h spells the stamps per CTA for C");
@@ -124,9 +124,6 @@ mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__ge
     r = mf__tma_encode_2d(&p.tmap_w2, dt, w2.data, (uint64_t)I, L * (uint64_t)H, (uint64_t)I * esz,
                           (uint32_t)(kKBlock / esz), (uint32_t)kBoxRows, CU_TENSOR_MAP_SWIZZLE_128B);
     if (r != CUDA_SUCCESS) return mf__gemm_decline(&g_family, "W2 tensor map: CUresult %d", (int)r);
-    r = mf__tma_encode_2d(&p.tmap_w2h, dt, w2.data, (uint64_t)I, L * (uint64_t)H, (uint64_t)I * esz,
-                          (uint32_t)(kKBlock / esz), (uint32_t)(kBoxRows / 2), CU_TENSOR_MAP_SWIZZLE_128B);
-    if (r != CUDA_SUCCESS) return mf__gemm_decline(&g_family, "W2 half tensor map: CUresult %d", (int)r);
     p.counts = seg->counts;
     p.offsets = seg->offsets;
     p.w13_scales = w13.scales;
@@ -151,10 +148,8 @@ mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__ge
     if (own) {
         p.ids = own->ids;
         p.x = own->x;
-        p.front_rows = own->x && own->front;
     }
     p.l2_ahead = __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED) >= 4;
-    p.w2_split = __atomic_load_n(&mf__cuda_small, __ATOMIC_RELAXED) == 6;
     int dev = 0;
     MF__GEMM_CUDA(cudaGetDevice(&dev), __func__);
     p.timeline = dev < kMfGemmMaxDevices ? g_timeline[dev].load() : NULL;
@@ -170,22 +165,17 @@ mf_result_t mf__sm90_small_experts(const mf__gemm_choice_t *choice, const mf__ge
     g_launches.fetch_add(1, std::memory_order_relaxed);
     if (sum) g_sums.fetch_add(1, std::memory_order_relaxed);
     if (own) g_plans.fetch_add(1, std::memory_order_relaxed);
-    if (own && own->x) (p.front_rows ? g_fronts : g_rows).fetch_add(1, std::memory_order_relaxed);
-    const char *own_label = !own      ? ""
-                            : !own->x     ? ", its own plan"
-                            : p.front_rows ? ", its own plan and first rows"
-                                           : ", its own plan and rows";
+    if (own && own->x) g_fronts.fetch_add(1, std::memory_order_relaxed);
+    const char *own_label = !own ? "" : !own->x ? ", its own plan" : ", its own plan and first rows";
     mf__gemm_report_launch(&g_family, "small %s W13 + W2, T %d, %d slots, %d B smem, grid %d%s", fp8 ? "fp8" : "bf16",
                            kTokens, v.stages, v.smem_bytes, grid, own_label);
     return MF_SUCCESS;
 }
 
-extern "C" void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums, uint64_t *plans, uint64_t *rows,
-                                      uint64_t *fronts) {
+extern "C" void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums, uint64_t *plans, uint64_t *fronts) {
     *launches = g_launches.load(std::memory_order_relaxed);
     *sums = g_sums.load(std::memory_order_relaxed);
     *plans = g_plans.load(std::memory_order_relaxed);
-    *rows = g_rows.load(std::memory_order_relaxed);
     *fronts = g_fronts.load(std::memory_order_relaxed);
 }
 

@@ -135,11 +135,10 @@ extern "C" int32_t mf__cuda_tma_tails;
 /* The small-batch kernel's switch (defined in cuda/backend.cu): 0 clears choice->fused in every
  * forward, 1 keeps the sum kernel after it, 2 lets it sum at R = 1 too, 3 lets it plan for itself
  * there as well (no plan kernel), 4 lets a W2 unit that waits for its expert's W13 send the next
- * round's W2 weights into L2 (kernels/sm90_small_gemm.cuh, `l2_ahead`), 5 is 4 and lets it make
- * its W13 rows from x itself where it plans for itself (`x`: publish writes no x), 6 is 4 and runs
- * the last expert's W2 units in halves (`w2_split`), 7 is 4 and has the producer warpgroup's idle
- * warps make the first unit's W13 rows from x where it plans for itself (`front_rows`); the default is 4 (5 measured slower:
- * cuda/backend.cu); a comm init sets it to MF_SMALL (core/params.c) for the rest of the process. */
+ * round's W2 weights into L2 (kernels/sm90_small_gemm.cuh, `l2_ahead`), 5 is 4 and has the producer
+ * warpgroup's idle warps make the first unit's W13 rows from x where it plans for itself (`x`); the
+ * default is 4 (5 measured slower: cuda/backend.cu); a comm init sets it to MF_SMALL
+ * (core/params.c) for the rest of the process. */
 extern "C" int32_t mf__cuda_small;
 /* The routed rows (T K R L / E) up to which AUTO takes the small-batch kernel: mf__small::kMaxRows
  * (defined in cuda/backend.cu); the GPU tests raise it to run the kernel at every shape it takes. */
@@ -191,13 +190,11 @@ typedef struct mf__gemm_sum {
 } mf__gemm_sum_t;
 
 /* The small kernel's own plan (R = 1, with its sum): the caller's routing `ids` [T, K], from which it
- * plans for itself, and (switches 5 and 7; NULL: the rows publish wrote) the caller's `x` [T, H] BF16,
- * from which it makes the W13 rows itself (5: all of them, publish then writes no x:
- * mf__cuda_publish_at's `no_x`; 7: its first unit's). */
+ * plans for itself, and (switch 5; NULL: every row is publish's) the caller's `x` [T, H] BF16, from
+ * which idle warps make the CTA's first unit's W13 rows (publish writes x as always). */
 typedef struct mf__gemm_own {
     const int32_t *ids;
     const uint16_t *x;
-    int32_t front; /* with x (switch 7): only the first unit's rows from x, by idle warps; publish wrote x */
 } mf__gemm_own_t;
 
 /* The small-batch kernel (choice->fused): W13 + SwiGLU into h (+ h_scales), then W2 of h returned to

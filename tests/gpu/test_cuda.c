@@ -770,22 +770,21 @@ static mf_result_t switch_run(const pdl_case_t *c, const mfp_problem_t *p, int32
 extern int32_t mf__cuda_small; /* cuda/grouped_gemm.h: 0 clears choice.fused, 1 keeps the sum kernel */
 extern int32_t mf__cuda_small_rows; /* cuda/grouped_gemm.h: the routed rows up to which AUTO takes it */
 extern int32_t mf__cuda_decode_l2;  /* cuda/grouped_gemm.h: MF_DECODE_L2, the decode GEMMs' L2 prefetch */
-void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums, uint64_t *plans, uint64_t *rows,
-                           uint64_t *fronts); /* testing.h */
-enum { kSmallModes = 8, kSmallOwnTokens = 128, kSmallOwnEntries = 1024 /* mf__small::kOwnMaxTokens, kOwnEntries */ };
-enum { kSmallMaxRows = 64 /* mf__small::kMaxRows (cuda/gemm_configs.cuh): the ninth run fails if they part */ };
+void mf__gemm_small_counts(uint64_t *launches, uint64_t *sums, uint64_t *plans, uint64_t *fronts); /* testing.h */
+enum { kSmallModes = 6, kSmallOwnTokens = 128, kSmallOwnEntries = 1024 /* mf__small::kOwnMaxTokens, kOwnEntries */ };
+enum { kSmallMaxRows = 64 /* mf__small::kMaxRows (cuda/gemm_configs.cuh): the seventh run fails if they part */ };
 
-/* Case i under the small kernel's eight switches (cuda_small_bitwise): each run's y into y[switch],
+/* Case i under the small kernel's six switches (cuda_small_bitwise): each run's y into y[switch],
  * its digests into dig[switch], and the counters say which kernels ran. */
 static int small_switches(int i, const pdl_case_t *pc, const mfp_problem_t *p, uint16_t *y[][MF_MAX_RANKS],
                           uint64_t **dig, uint64_t seed, int own_plan) {
     const layer_case_t *c = &pc->layer;
     char err[512] = "";
     for (int small = 0; small < kSmallModes; small++) {
-        uint64_t launches0, sums0, plans0, rows0, fronts0, launches1, sums1, plans1, rows1, fronts1;
-        mf__gemm_small_counts(&launches0, &sums0, &plans0, &rows0, &fronts0);
+        uint64_t launches0, sums0, plans0, fronts0, launches1, sums1, plans1, fronts1;
+        mf__gemm_small_counts(&launches0, &sums0, &plans0, &fronts0);
         mf_result_t res = switch_run(pc, p, &mf__cuda_small, small, y[small], dig[small], seed, err, sizeof err);
-        mf__gemm_small_counts(&launches1, &sums1, &plans1, &rows1, &fronts1);
+        mf__gemm_small_counts(&launches1, &sums1, &plans1, &fronts1);
         MFT_CHECK_MSG(res == MF_SUCCESS, "case %d, small kernel %d: %s", i, small, err);
         MFT_CHECK_MSG(small ? launches1 > launches0 : launches1 == launches0, "case %d: switch %d, %llu small launches",
                       i, small, (unsigned long long)(launches1 - launches0));
@@ -793,34 +792,29 @@ static int small_switches(int i, const pdl_case_t *pc, const mfp_problem_t *p, u
                       small, c->R, (unsigned long long)(sums1 - sums0));
         MFT_CHECK_MSG((small >= 3 && own_plan) == (plans1 > plans0), "case %d: switch %d at R = %d, T K = %d, %llu own plans",
                       i, small, c->R, c->T * c->K, (unsigned long long)(plans1 - plans0));
-        MFT_CHECK_MSG((small == 5 && own_plan) == (rows1 - rows0 == plans1 - plans0 && rows1 > rows0),
-                      "case %d: switch %d, %llu of %llu own plans made their rows from x", i, small,
-                      (unsigned long long)(rows1 - rows0), (unsigned long long)(plans1 - plans0));
-        MFT_CHECK_MSG((small == 7 && own_plan) == (fronts1 - fronts0 == plans1 - plans0 && fronts1 > fronts0),
+        MFT_CHECK_MSG((small == 5 && own_plan) == (fronts1 - fronts0 == plans1 - plans0 && fronts1 > fronts0),
                       "case %d: switch %d, %llu of %llu own plans made their first rows from x", i, small,
                       (unsigned long long)(fronts1 - fronts0), (unsigned long long)(plans1 - plans0));
     }
     return 0;
 }
 
-/* Every case eight times: without the small kernel (switch 0: the two decode GEMMs), with it and the
+/* Every case six times: without the small kernel (switch 0: the two decode GEMMs), with it and the
  * sum kernel (1), with it summing itself at R = 1 (2), planning for itself there too (3: publish runs
  * the DISPATCH sync, no plan kernel), with a waiting W2 unit's L2 prefetch of the next round's W2
- * weights (4, the default: a hint, the same bits), and making its W13 rows from x itself where it
- * plans for itself (5 alone: publish writes no x, the kernel quantises as publish does, the same
- * bits), and with the last expert's W2 units in halves of 64 columns (6 = 4 and that: the same bits,
- * its in-kernel sum counting two arrivals for that expert), and with its first unit's W13 rows made from
- * x by the producer warpgroup's idle warps (7 = 4 and that: publish writes x, the same bits),
- * three calls each on inputs redrawn per call: every call's y equal bit for bit (digests), the last
- * call of the last switch's run (7) within the contract's bounds of the CPU backend's, and the counters say
- * which ran (switches 2 to 7 sum in the kernel exactly at R = 1, switches 3 to 7 plan there where
- * T <= 128 and T K <= 1024, switch 5 makes its rows there too and 7 its first unit's). Cases: one and several ranks, idle
+ * weights (4, the default: a hint, the same bits), and with its first unit's W13 rows made from x
+ * by the producer warpgroup's idle warps where it plans for itself (5 = 4 and that: the kernel
+ * quantises as publish does, the same bits), three calls each on inputs redrawn per call: every
+ * call's y equal bit for bit (digests), the last call of the last switch's run (5) within the
+ * contract's bounds of the CPU backend's, and the counters say which ran (switches 2 to 5 sum in the
+ * kernel exactly at R = 1, switches 3 to 5 plan there where T <= 128 and T K <= 1024, switch 5
+ * makes its first unit's rows there too). Cases: one and several ranks, idle
  * ranks, both dtypes and layouts, a hot expert with more rows than a tile (several token blocks,
  * several W13 tiles per W2 dependency), W13 K blocks past the ring (two positions each; with its own
  * plan the first ring's weights go out before the PDL wait, under switch 5 the whole first unit)
  * and W2 K blocks past it (the weights issued before the wait, then the rest), dropped k, more
  * entries than its own plan holds, a captured graph replayed, and PDL (the forward's default). The
- * eight switches run with AUTO's row bound lifted (the kernel at every shape it takes); a ninth run
+ * six switches run with AUTO's row bound lifted (the kernel at every shape it takes); a seventh run
  * keeps the bound: at R = 1 the kernel runs exactly where T K <= 64, and y is the two GEMMs' bits
  * either way; and the two GEMMs run once more with their weights sent into L2 a ring ahead
  * (MF_DECODE_L2's switch): the same bits. */
@@ -857,8 +851,8 @@ static int cuda_small_bitwise(void) {
         /* its own plan under a graph, W13 K blocks past the ring, a hot expert over two token blocks */
         {{1, 32, 8, 1024, 2048, 16, 0, MF_DTYPE_BF16, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_HOT, 5, 3, 0.1, NULL, 50},
          MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 1, 0},
-        /* the hot expert is the last (E - 1) over two token blocks: switch 6's halves of a split
-         * expert with blocks > 1, and the in-kernel sum's two arrivals per half pair */
+        /* the hot expert is the last (E - 1) over two token blocks: the walk's last units all one
+         * expert's, with blocks > 1 */
         {{1, 16, 4, 256, 256, 16, 0, MF_DTYPE_FP8_E4M3, MF_LAYOUT_EXPERT_MAJOR, MFP_ROUTING_HOT, 15, 3, 0, NULL, 52},
          MF_DATAFLOW_AUTO, MFP_OP_FORWARD, 0, 0},
     };
@@ -875,7 +869,7 @@ static int cuda_small_bitwise(void) {
         const int own_plan = /* the test's shapes fit its other conditions */
             c->R == 1 && c->T <= kSmallOwnTokens && c->T * c->K <= kSmallOwnEntries;
         char err[512] = "";
-        /* the eight switches with AUTO's row bound lifted, put back whatever they report */
+        /* the six switches with AUTO's row bound lifted, put back whatever they report */
         const int32_t bound = __atomic_load_n(&mf__cuda_small_rows, __ATOMIC_RELAXED);
         __atomic_store_n(&mf__cuda_small_rows, INT32_MAX, __ATOMIC_RELAXED);
         const int failed = small_switches(i, &cases[i], &p, y, dig, seed, own_plan);
@@ -898,11 +892,11 @@ static int cuda_small_bitwise(void) {
         }
         {
             uint16_t *y_auto[MF_MAX_RANKS];
-            uint64_t *dig_auto = mft_alloc(nd * 8), launches0, launches1, sums, plans, rows, fronts;
-            mf__gemm_small_counts(&launches0, &sums, &plans, &rows, &fronts);
+            uint64_t *dig_auto = mft_alloc(nd * 8), launches0, launches1, sums, plans, fronts;
+            mf__gemm_small_counts(&launches0, &sums, &plans, &fronts);
             mf_result_t res = switch_run(&cases[i], &p, &mf__cuda_small, kSmallModes - 1, y_auto, dig_auto, seed, err,
                                          sizeof err);
-            mf__gemm_small_counts(&launches1, &sums, &plans, &rows, &fronts);
+            mf__gemm_small_counts(&launches1, &sums, &plans, &fronts);
             MFT_CHECK_MSG(res == MF_SUCCESS, "case %d, AUTO's row bound: %s", i, err);
             if (c->R == 1)
                 MFT_CHECK_MSG((c->T * c->K <= kSmallMaxRows) == (launches1 > launches0),

@@ -45,7 +45,7 @@ def test_timeline_row_numbers():
 
 
 def test_timeline_halves():
-    """Switch 7's half W2 units (kind 3): W2 for the seam / mid / last split, and in `halves`."""
+    """The removed halves switch's W2 units (kind 3, in its records): W2 for the seam / mid / last split, and in `halves`."""
     run = dict(RUN, ctas=[[0, 10, 0, 1000, 2000, 30000, 0,
                            [[0, 0, 3000], [130, 3, 20000], [131, 3, 24000], [132, 2, 28000]]]])
     r = load().timeline_row(run)

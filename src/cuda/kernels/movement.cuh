@@ -31,7 +31,6 @@ typedef struct mf__publish_params {
     const int32_t *ids;    /* [T, K] */
     const float *weights;  /* [T, K] or NULL */
     int32_t T, H, K, E, fp8, ue8m0;
-    int32_t no_x;          /* 1: no x (grid (T, 1)): the small kernel that follows makes its rows from x itself */
     int32_t meta_words[MF__META_WORDS - 1]; /* map hash, prefetch count, weights count (all ranks check) */
     mf__heap_view_t view;  /* the slot's: writes my heap, view.heap[view.rank] */
     mf__fault_sink_t sink;
@@ -43,8 +42,8 @@ typedef struct mf__publish_params {
 /* Grid (max(T, 1), ceil(H / kMfPublishCols)): block (t, g) publishes columns [g, g + 1) x
  * kMfPublishCols of token t, every warp one 128-wide block, so that a few tokens still spread over
  * many SMs with one load in flight per lane (a loop of 7 dependent blocks per warp cost ~7 us at
- * T = 1); blocks (t, 0) also validate and copy the routing, block (0, 0) writes T. With `no_x` the
- * grid is (T, 1) and x is not written. One block's part (both publish kernels below). */
+ * T = 1); blocks (t, 0) also validate and copy the routing, block (0, 0) writes T. One block's part
+ * (both publish kernels below). */
 __device__ __forceinline__ void mf__publish_block(const mf__publish_params_t &p) {
     const int32_t t = blockIdx.x, tid = threadIdx.x, lane = tid % kMfWarp, warp = tid / kMfWarp;
     uint8_t *const heap = p.view.heap[p.view.rank]; /* my heap */
@@ -71,7 +70,6 @@ __device__ __forceinline__ void mf__publish_block(const mf__publish_params_t &p)
         if (p.weights) ((float *)(heap + p.view.weights))[(size_t)t * p.K + tid] = p.weights[(size_t)t * p.K + tid];
     }
 
-    if (p.no_x) return;
     const uint16_t *xr = p.x + (size_t)t * p.H;
     const int32_t c0 = (int32_t)blockIdx.y * kMfPublishCols, c1 = min(c0 + kMfPublishCols, p.H);
     if (!p.fp8) {

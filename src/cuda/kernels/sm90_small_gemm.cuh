@@ -28,13 +28,13 @@
  * its w_scale), a W2 K block one, so W2 keeps twice the K blocks in flight that W13 does at the same
  * bytes. Every position's full barrier expects the producer lane 0's arrive.expect_tx (16 KB) and one
  * arrival per producer lane (1 + 32): a cp.async arrival (a lane with nothing to copy arrives at
- * once), or, for the rows it makes itself (switch 5, FP8), a plain release arrival after its stores;
- * under switch 7 the 32 of the first unit's positions come from the row warp that made them.
+ * once); under switch 5 the 32 of the first unit's positions come from the row warp that made them
+ * (FP8: plain release arrivals after its stores).
  *
  * The producer (warp 0 of warpgroup 0), per unit:
  *   W13: the rows gathered at their owners (view.x, src) by cp.async, as the decode kernel's DIRECT
- *        variant does (switch 5: made from the caller's x, "Its own rows"), the gate and up boxes by
- *        TMA;
+ *        variant does (switch 5: the first unit's made from the caller's x, "Its first rows"), the
+ *        gate and up boxes by TMA;
  *   W2:  every position's weight box by TMA at once; its h rows (contiguous in h, written by other
  *        CTAs: generic stores read by generic cp.async after each lane's ld.acquire, which on sm_90
  *        also invalidates L1 for the 4-byte scale copies, CCTL.IVALL) and scales as soon as done[e]
@@ -53,20 +53,6 @@
  * bits do not change): the next round then reads them from L2. At most one unit per parked unit:
  * for deepseek-v3 FP8 262 KB, 132 of them 35 MB, within the 50 MB L2 that W13's evict-first weights
  * leave alone.
- *
- * The walk's end (switch 6, params.w2_split; at any R). The walk's last round is its last W2 units:
- * at T = 1 (deepseek-v3: 448 units of 262 KB on 132 CTAs, 3.4 rounds) ~53 units stream while the
- * other SMs have ended, and the walks end ~13 us apart. The units of the split expert, the last one
- * with rows (whose units come last), run in halves of 64 output columns instead (2 nb2 units per
- * token block: n-block, half, token block), so the last round's grain is half a unit. A half loads
- * its 64 weight rows by their own map (box [64 rows, 128 B]) into the slot's first 8 KB, so
- * warpgroup 0 computes them; warpgroup 1 runs the same wgmmas on the slot's stale second half (no
- * wgmma on a divergent path) and its columns are not stored (store_half); the scales are the whole
- * box's (one 128-row scale block). Each output element is the same wgmma over the same bytes in the
- * same K order: the same bits. The in-kernel sum counts by weight: each valid k is worth 2 on its
- * token's (token, n-block) counter, a whole unit's row arrives with 2, a half's with 1 (sum_tile;
- * by slot it could not: with replicas or an expert map a slot is not an expert id). bench/NOTES.md
- * "Issue 25: the walk's end".
  *
  * The consumers (warpgroups 1 and 2): W13 as the decode swiglu kernel (two boxes), W2 as the decode
  * plain kernel with `ret` (one box): rows go to the owners' combine slots. After a W13 unit's stores:
@@ -88,32 +74,25 @@
  * this rank's scratch at R = 1; y stays untouched), and since every W13 unit is taken before any W2
  * unit, no W2 unit waits on a W13 unit that nobody took. Unlike the PDL rule of the other kernels
  * (cuda/pdl.cuh: wait, then trigger, then global memory) this one triggers, takes tickets and
- * issues weight loads before its wait (with its own rows, below, it also reads x and computes and
+ * issues weight loads before its wait (with its first rows, below, it also reads x and computes and
  * stores its whole first unit: h, h_scales and done[e] are its own): that is the point, and it is
  * safe only because publish, its
  * predecessor, is a call's first kernel and has no PDL attribute, so the previous launch on these
  * sync words has completed before this one can start (backend.cu mf__cuda_publish_at).
  *
- * Its own rows (kOwn, switch 5, params.x set): publish then writes no x (routing, weights and the
- * DISPATCH sync only, one block per token), and the producer makes each W13 K block's rows itself
- * from the caller's x (BF16: its bytes by cp.async, what publish would copy; FP8: quantised with
- * publish's arithmetic, quantise_kblock, so the same bits). x, like ids, was written before publish
- * started, so nothing of a CTA's first W13 unit waits for publish: its producer streams that unit
- * whole and its consumers compute and store it (h and done[e] are this kernel's own); both wait for
- * publish after it, before the next ticket (whose stop word is publish's verdict), any W2 unit (the
- * sum reads the published ids and weights) or the end. What this removes (bench/NOTES.md "Issue 25:
- * its own rows"): the ring stood still behind the wait, 6 W13 K blocks issued of a unit's 56, and
- * publish's T x H/1024 blocks held the SMs that the small kernel's CTAs enter.
- *
- * Its first rows (kOwn, switch 7, params.front_rows with x set): what switch 5 wanted without its
- * cost. Under 5 the producer warp made every K block's rows between its weight loads, so the stream
- * ran at one warp's serial pace (2.2x slower, bench/NOTES.md); under 7 warp 0 issues the weights
+ * Its first rows (kOwn, switch 5, params.x set): x, like ids, was written before publish started,
+ * so the rows of a CTA's first W13 unit can be made from it without waiting for publish. (A switch
+ * whose producer warp made every K block's rows itself, between its weight loads, ran the stream at
+ * one warp's serial pace, 2.2x slower, and was removed: bench/NOTES.md.) Warp 0 issues the weights
  * alone and warps 1-3 of its warpgroup, idle otherwise, make the rows of the CTA's first unit only
  * (front_rows: the first ticket handed over through shared memory and a named barrier, K blocks
  * round-robin over the three warps, each giving the full barriers the 32 arrivals warp 0's lanes
  * give elsewhere). Publish still writes x: the CTA's later units gather it as under 4, after the
- * wait for publish that follows the first unit (the consumers likewise, as under 5). At T = 1 a
- * CTA has one W13 unit, so none of its W13 rows waits for publish.
+ * wait for publish that follows the first unit; the consumers likewise wait for publish after the
+ * first unit, before the next ticket (whose stop word is publish's verdict), any W2 unit (the sum
+ * reads the published ids and weights) or the end. At T = 1 a CTA has one W13 unit, so none of its
+ * W13 rows waits for publish. Measured +34.5 % at deepseek-v3 T = 1 on the H200 (6c169f7), not
+ * yet explained (bench/NOTES.md): not the default.
  *
  * The end: every CTA, once its consumers are done, counts itself in sync[1]; the last one zeroes the
  * ticket, the count, done[0 .. L) and the sum's counters: the next launch starts from zeros (stream
@@ -147,7 +126,6 @@ using namespace mf__decode; /* tile columns, scale pad, epilogue barrier; mma_kb
 struct small_params {
     CUtensorMap tmap_w13;      /* [L 2I, H] box [128 rows, 128 B], 128B swizzle */
     CUtensorMap tmap_w2;       /* [L H, I] */
-    CUtensorMap tmap_w2h;      /* [L H, I], box [64 rows, 128 B]: switch 6's half units */
     const int32_t *counts;     /* [L] device: rows of each expert */
     const int32_t *offsets;    /* [L] device: first receive row of each expert */
     const float *w13_scales;   /* FP8: [L, 2I/128, H/128] */
@@ -172,22 +150,19 @@ struct small_params {
     uint64_t *timeline;        /* `moeflow bench layer --timeline` only (NULL otherwise): kStamps stamps per CTA */
     int32_t l2_ahead;          /* switch 4: a W2 unit that waits for its expert's W13 sends the W2 weights of
                                   unit idx + grid into L2 (see "L2 ahead" in the file comment) */
-    const uint16_t *x;         /* kOwn, switch 5: the caller's x [T, H] BF16, from which the producer makes the
-                                  W13 rows itself (see "Its own rows"); NULL: the rows publish wrote */
-    int32_t w2_split;          /* switch 6: the last expert's W2 units in halves (see "The walk's end") */
-    int32_t front_rows;        /* kOwn, switch 7 (with x set): only the CTA's first unit's W13 rows are made
-                                  from x, by warps 1-3 (see "Its first rows"); publish writes x as usual */
+    const uint16_t *x;         /* kOwn, switch 5: the caller's x [T, H] BF16, from which warps 1-3 make the
+                                  CTA's first unit's W13 rows (see "Its first rows"); NULL: all rows are
+                                  the ones publish wrote (publish writes x either way) */
 };
 
 /* The timeline (small_params.timeline), kStamps words per CTA: word i = %globaltimer: 0 entry; 1
  * tables built (with the plan's tables this includes the PDL wait for the plan kernel; with its own
  * plan no wait); 2 its first ring position full (weights and rows in shared memory; with its own plan
- * this includes the wait for publish, but not with its own or first rows; a CTA that took no unit: its end
+ * this includes the wait for publish, but not with its first rows; a CTA that took no unit: its end
  * marker); 3 its consumers done (before the count-out); 4 its SM (%smid); 5 (kOwn) its producer's
- * PDL wait for publish returned (with its own rows, switch 5, or its first rows, 7: after its first
- * unit);
+ * PDL wait for publish returned (with its first rows, switch 5: after its first unit);
  * then, for the first kUnitStamps tickets its producer took, pairs (what: the unit's index, bit 32
- * set for a W2 unit, bit 33 for the end, bit 34 for a half W2 unit of switch 6; when). */
+ * set for a W2 unit, bit 33 for the end; when). */
 __device__ __forceinline__ void stamp(const small_params &p, int i) {
     p.timeline[kStamps * (int64_t)blockIdx.x + i] = mf__globaltimer();
 }
@@ -196,12 +171,11 @@ __device__ __forceinline__ void stamp_sm(const small_params &p) {
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
     p.timeline[kStamps * (int64_t)blockIdx.x + 4] = sm;
 }
-/* The producer's lane 0, at its u-th ticket (idx; w2, end, half: its kind). */
-__device__ __forceinline__ void stamp_unit(const small_params &p, int32_t u, int32_t idx, bool w2, bool end,
-                                           bool half = false) {
+/* The producer's lane 0, at its u-th ticket (idx; w2, end: its kind). */
+__device__ __forceinline__ void stamp_unit(const small_params &p, int32_t u, int32_t idx, bool w2, bool end) {
     if (u >= kUnitStamps) return;
     uint64_t *const s = p.timeline + kStamps * (int64_t)blockIdx.x + 6 + 2 * u;
-    s[0] = (uint64_t)(uint32_t)idx | (uint64_t)w2 << 32 | (uint64_t)end << 33 | (uint64_t)half << 34;
+    s[0] = (uint64_t)(uint32_t)idx | (uint64_t)w2 << 32 | (uint64_t)end << 33;
     s[1] = mf__globaltimer();
 }
 
@@ -232,7 +206,7 @@ struct cfg {
     static constexpr int kOffTables = kOffRed + kRedBytes;
     static constexpr int kOffTileOf = kOffTables + kTableBytes;
     static constexpr int kOffFlag = kOffTileOf + kTileOfBytes;          /* the count-out's "last CTA", then
-                                                                           switch 7's first ticket */
+                                                                           switch 5's first ticket */
     static constexpr int kOffSumFlags = kOffFlag + 16;                  /* the sum: [kBlockT] token + 1 or 0 */
     static constexpr int kOffSrc = align_up(kOffSumFlags + kBlockT * 4, 16); /* kOwn: the plan's src */
     static constexpr int kOffUnit = kOffSrc + kSrcBytes;                /* the consumers' next unit, [2] */
@@ -250,25 +224,18 @@ struct cfg {
 
 /* ---- the unit walk ----------------------------------------------------------------------------- */
 
-/* Switch 7's split expert: the last expert with rows (its units are the walk's last), or -1. */
-__device__ __forceinline__ int32_t split_expert(const small_params &p, const tables_t &tb) {
-    const int32_t L = p.num_experts;
-    return p.w2_split && tb.first[L] > 0 ? mf__prefix_find(tb.first, L, 0, tb.first[L] - 1) : -1;
-}
-
 /* Unit `idx` (tables' first[] counts token blocks): false past the last unit; else w2 (false: W13)
- * and the tile (expert, n-block, rows) and, W2, its half (core/prefix.h mf__w2_unit: the one W2
- * mapping, the L2-ahead unit's too), with the phase's cursor (one per phase: each role's units
- * ascend, so each cursor only moves forward). */
+ * and the tile (expert, n-block, rows) (core/prefix.h mf__w2_unit: the one W2 mapping, the L2-ahead
+ * unit's too), with the phase's cursor (one per phase: each role's units ascend, so each cursor only
+ * moves forward). */
 template <int kBlockT>
-__device__ __forceinline__ bool locate(const tables_t &tb, int32_t L, int32_t nb13, int32_t nb2, int32_t split_e,
-                                       int32_t idx, int32_t &cur13, int32_t &cur2, bool &w2, tile_t &t, int32_t &half) {
+__device__ __forceinline__ bool locate(const tables_t &tb, int32_t L, int32_t nb13, int32_t nb2, int32_t idx,
+                                       int32_t &cur13, int32_t &cur2, bool &w2, tile_t &t) {
     const int32_t blocks_all = tb.first[L];
     w2 = idx >= nb13 * blocks_all;
-    half = -1;
     if (w2) {
         int32_t e, nb, blk;
-        if (!mf__w2_unit(tb.first, L, nb2, split_e, idx - nb13 * blocks_all, cur2, &e, &nb, &blk, &half)) return false;
+        if (!mf__w2_unit(tb.first, L, nb2, idx - nb13 * blocks_all, cur2, &e, &nb, &blk)) return false;
         cur2 = e;
         place_block<kBlockT>(tb, e, blk, t);
         t.nb = nb;
@@ -389,7 +356,7 @@ __device__ __forceinline__ void copy_kblock(uint8_t *act, const uint8_t *row, in
         mf__cp_async_16(act + j * kKBlock + ((c ^ (j & 7)) * kChunk), g + c * kChunk);
 }
 
-/* Its own rows (switch 5, p.x): K block kb of a W13 unit's activation rows made from the caller's x
+/* Its first rows (switch 5, p.x): K block kb of a W13 unit's activation rows made from the caller's x
  * into the activation tile at `act` (128B-swizzled as a TMA box: chunk c of row r at c ^ (r & 7))
  * and their scales into a_scale[r], with publish's arithmetic (kernels/movement.cuh
  * mf__publish_block: the amax of |x| over the 128-wide block, NaN never winning, mf__fp8_block_scale,
@@ -414,8 +381,8 @@ __device__ __forceinline__ void quantise_kblock(uint8_t *act, float *a_scale, co
             const uint4 *g = (const uint4 *)(x + token * H + (int64_t)kb * MF__QUANT_BLOCK + c * 16);
             raw[pass][0] = g[0];
             raw[pass][1] = g[1];
-            /* the next K block's 32 bytes into L1 meanwhile: the producer's next make_x then waits
-             * on an L1 hit, not on L2 (it issues the next weights only after this one) */
+            /* the next K block's 32 bytes into L1 meanwhile: a row warp's next K block then waits
+             * on an L1 hit, not on L2 */
             if ((kb + 1) * MF__QUANT_BLOCK < H) mf__prefetch_l1(g + MF__QUANT_BLOCK / 8);
         }
     }
@@ -471,27 +438,22 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
     if (lane == 0) {
         mf__prefetch_tensormap(&p.tmap_w13);
         mf__prefetch_tensormap(&p.tmap_w2);
-        if (p.w2_split) mf__prefetch_tensormap(&p.tmap_w2h);
     }
     uint32_t it = 0;
     int32_t cur13 = 0, cur2 = 0;
     bool w2;
     tile_t t;
     bool published = !kOwn; /* kOwn: publish (the kernel before this one) has not been waited for yet */
-    const bool from_x = kOwn && p.x && !p.front_rows; /* its own rows (switch 5): publish is waited for after
-                                                          the first unit */
     int32_t taken = 0;      /* the timeline's count of tickets */
     int32_t idx = take(p.sync, lane);
-    if (kOwn && p.front_rows) { /* its first rows (switch 7): the first ticket to warps 1-3 (front_rows) */
+    if (kOwn && p.x) { /* its first rows (switch 5): the first ticket to warps 1-3 (front_rows) */
         if (lane == 0) *front = idx;
         __syncwarp();
         mf__named_barrier_arrive(kBarFront, kMfWarpgroupThreads);
     }
-    const int32_t split_e = split_expert(p, tb);
-    int32_t half;
-    for (; locate<kBlockT>(tb, L, nb13, nb2, split_e, idx, cur13, cur2, w2, t, half);
+    for (; locate<kBlockT>(tb, L, nb13, nb2, idx, cur13, cur2, w2, t);
          idx = take(p.sync, lane, kOwn && published ? p.fault : nullptr)) {
-        if (p.timeline && lane == 0) stamp_unit(p, taken++, idx, w2, false, half >= 0);
+        if (p.timeline && lane == 0) stamp_unit(p, taken++, idx, w2, false);
         /* this lane's column j = lane (kBlockT <= 32): its row's data and FP8 scales; columns below
          * lo read row lo's scales and copy no data (their D columns are never stored) */
         const int j = lane;
@@ -503,12 +465,8 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
             const int32_t *src = (kOwn ? own_src : p.src) + 3 * (int64_t)row;
             const int32_t rank = src[0], token = src[1];
             const uint8_t *heap = (uint32_t)rank < (uint32_t)MF_MAX_RANKS ? p.view.heap[rank] : NULL;
-            if (from_x) { /* its own rows: BF16 copies x's bytes (what publish copies), FP8 quantises them */
-                if (copy) arow = (const uint8_t *)(p.x + (int64_t)token * p.H);
-            } else {
-                if (heap && copy) arow = heap + p.view.x + (int64_t)token * kbytes13;
-                if (heap) srow = (const float *)(heap + p.view.scales) + (int64_t)token * kb13;
-            }
+            if (heap && copy) arow = heap + p.view.x + (int64_t)token * kbytes13;
+            if (heap) srow = (const float *)(heap + p.view.scales) + (int64_t)token * kb13;
             const int32_t wrow = t.e * 2 * p.I + t.nb * kBoxRows; /* gate; up at + I */
             const int64_t ws = ((int64_t)t.e * srows13 + t.nb) * kb13; /* FP8: the gate box's w_scales */
             const int64_t ws_up = ws + (int64_t)(p.I / kBoxRows) * kb13;
@@ -526,33 +484,6 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
                 mf__cp_async_mbar_arrive_noinc(&full[sg]);
                 mf__cp_async_mbar_arrive_noinc(&full[su]);
             };
-            /* FP8 with its own rows: K block kb quantised from x by generic loads and stores, the
-             * weight scales too; then the async-proxy fence and release arrivals. The scales are
-             * loaded 64 K blocks at a time into the lanes' registers (lane l: K blocks 64 c + l and
-             * 64 c + 32 + l), with the first K block's x loads: a load of its own per K block, the
-             * first of each 128-byte line an HBM miss, stopped the producer, and with it the next
-             * weights' issue, for a DRAM latency under full load. */
-            float wg_lo = 0.0f, wg_hi = 0.0f, wu_lo = 0.0f, wu_hi = 0.0f;
-            auto make_x = [&](int32_t kb, uint32_t sg, uint32_t su) {
-                float *scg = scales + sg * C::kScaleStride, *scu = scales + su * C::kScaleStride;
-                if ((kb & 63) == 0) {
-                    const int32_t k0 = kb + lane, k1 = kb + 32 + lane;
-                    wg_lo = k0 < kb13 ? p.w13_scales[ws + k0] : 0.0f;
-                    wu_lo = k0 < kb13 ? p.w13_scales[ws_up + k0] : 0.0f;
-                    wg_hi = k1 < kb13 ? p.w13_scales[ws + k1] : 0.0f;
-                    wu_hi = k1 < kb13 ? p.w13_scales[ws_up + k1] : 0.0f;
-                }
-                quantise_kblock<kBlockT>(slots + sg * C::kSlotBytes + kBoxBytes, scg, p.x, p.H, own_src, t, kb, lane,
-                                         p.ue8m0);
-                const bool hi = (kb & 32) != 0;
-                const float wsg = __shfl_sync(0xffffffffu, hi ? wg_hi : wg_lo, kb & 31);
-                const float wsu = __shfl_sync(0xffffffffu, hi ? wu_hi : wu_lo, kb & 31);
-                if (lane == 0) scg[kBlockT] = wsg;
-                if (lane == 1) scu[kBlockT] = wsu;
-                mf__fence_proxy_async_smem();
-                mf__mbar_arrive(&full[sg]);
-                mf__mbar_arrive(&full[su]);
-            };
             auto load_w = [&](int32_t kb, uint32_t sg, uint32_t su) {
                 if (lane == 0) {
                     tile_of[sg] = idx; /* published by the arrivals below */
@@ -564,11 +495,11 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
                     mf__tma_load_2d_hint(slots + su * C::kSlotBytes, &p.tmap_w13, &full[su], kc, wrow + p.I, pol_w);
                 }
             };
-            /* its first rows (switch 7): this unit's rows come from warps 1-3, its weights from here */
-            const bool front_unit = kOwn && p.front_rows && !published;
+            /* its first rows (switch 5): this unit's rows come from warps 1-3, its weights from here */
+            const bool front_unit = kOwn && p.x && !published;
             int32_t kb = 0;
             if constexpr (kOwn) {
-                if (!published && !from_x && !front_unit) {
+                if (!published && !front_unit) {
                     /* The CTA's first unit (W13 units come first): the weights of the K blocks the ring
                      * holds go out before publish has ended, its rows after the PDL wait. */
                     const int32_t early = kb13 < C::kSlots / 2 ? kb13 : C::kSlots / 2;
@@ -591,10 +522,6 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
                 R::wait_empty(empty, it + 1);
                 if (front_unit) {
                     load_w(kb, sg, su); /* lane 0's arrival; the other 32 are the row warp's */
-                } else if (kFp8 && from_x) { /* the weights first: the rows take a load's latency */
-                    load_w(kb, sg, su);
-                    __syncwarp();
-                    make_x(kb, sg, su);
                 } else {
                     copy_x(kb, sg, su);
                     __syncwarp();
@@ -612,11 +539,8 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
             }
             if (copy) arow = p.h + (int64_t)row * kbytes2;
             if constexpr (kFp8) srow = p.h_scales + (int64_t)row * kb2;
-            /* the box's rows: a half unit's (switch 6) 64 of them by its own map, into the slot's first 8 KB */
-            const int32_t wrow = t.e * p.H + t.nb * kBoxRows + (half > 0 ? kBoxRows / 2 : 0);
-            const CUtensorMap *const wmap = half >= 0 ? &p.tmap_w2h : &p.tmap_w2;
-            const uint32_t wbytes = half >= 0 ? kBoxBytes / 2 : kBoxBytes;
-            const int64_t ws = ((int64_t)t.e * srows2 + t.nb) * kb2; /* FP8: the box's w_scales (a half's too) */
+            const int32_t wrow = t.e * p.H + t.nb * kBoxRows;
+            const int64_t ws = ((int64_t)t.e * srows2 + t.nb) * kb2; /* FP8: the box's w_scales */
             /* The weights do not depend on h: each position's TMA goes out at once. h does: until the
              * expert's W13 tiles are all stored (done[e], polled once per position) the positions
              * wait for their h rows, which then follow for every position issued so far; the poll
@@ -650,17 +574,18 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
                 R::wait_empty(empty, it + kb);
                 if (lane == 0) {
                     tile_of[s] = idx; /* published by the arrivals */
-                    mf__mbar_arrive_expect_tx(&full[s], wbytes);
-                    mf__tma_load_2d_hint(slots + s * C::kSlotBytes, wmap, &full[s], kb * (kKBlock / C::kEsz), wrow, pol_w);
+                    mf__mbar_arrive_expect_tx(&full[s], (uint32_t)kBoxBytes);
+                    mf__tma_load_2d_hint(slots + s * C::kSlotBytes, &p.tmap_w2, &full[s], kb * (kKBlock / C::kEsz), wrow,
+                                         pol_w);
                 }
                 /* every lane's own acquire (its copies follow it), one verdict for the warp */
                 if (!ready) ready = __all_sync(0xffffffffu, ld_acquire(dep) >= target);
                 if (kb == 0 && !ready && p.l2_ahead) { /* L2 ahead (file comment): parked, so the weights of
                     unit idx + grid, W2 unit j2 (locate's arithmetic: expert t.e or a later one) */
-                    int32_t e2, nb2_, blk2, half2;
-                    if (mf__w2_unit(tb.first, L, nb2, split_e, idx + (int32_t)gridDim.x - nb13 * tb.first[L], t.e, &e2,
-                                    &nb2_, &blk2, &half2) &&
-                        lane < kb2) /* a box per lane: the unit's first 32 K blocks (a half's whole box) */
+                    int32_t e2, nb2_, blk2;
+                    if (mf__w2_unit(tb.first, L, nb2, idx + (int32_t)gridDim.x - nb13 * tb.first[L], t.e, &e2, &nb2_,
+                                    &blk2) &&
+                        lane < kb2) /* a box per lane: the unit's first 32 K blocks */
                         mf__tma_prefetch_2d(&p.tmap_w2, lane * (kKBlock / C::kEsz), e2 * p.H + nb2_ * kBoxRows);
                 }
                 if (ready) issue_h(kb + 1);
@@ -672,7 +597,7 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
             it += kb2;
         }
         if constexpr (kOwn) {
-            if (!published) { /* its own rows: the first unit read nothing of publish; the next ticket's
+            if (!published) { /* its first rows: the first unit read nothing of publish; the next ticket's
                                  stop word is its verdict */
                 __syncwarp();
                 mf__pdl_wait();
@@ -692,7 +617,7 @@ __device__ __forceinline__ void producer(const small_params &p, const tables_t &
     mf__cp_async_wait_all();
 }
 
-/* Its first rows (kOwn, switch 7, p.front_rows with p.x): warps 1-3 of the producer warpgroup, idle
+/* Its first rows (kOwn, switch 5, p.x): warps 1-3 of the producer warpgroup, idle
  * otherwise, make the activation rows of the CTA's first unit, if it is a W13 unit, from the caller's
  * x while warp 0 issues that unit's weights without waiting for publish (file comment "Its first
  * rows"). The first ticket comes from warp 0 through `front` and a named barrier; locate from it, as
@@ -713,10 +638,10 @@ __device__ __forceinline__ void front_rows(const small_params &p, const tables_t
     mf__named_barrier_sync(kBarFront, kMfWarpgroupThreads);
     const int32_t idx = *front;
     const int32_t L = p.num_experts, nb13 = p.I / kTileCols, nb2 = p.H / kTileCols;
-    int32_t cur13 = 0, cur2 = 0, half;
+    int32_t cur13 = 0, cur2 = 0;
     bool w2;
     tile_t t;
-    if (!locate<kBlockT>(tb, L, nb13, nb2, split_expert(p, tb), idx, cur13, cur2, w2, t, half) || w2) return;
+    if (!locate<kBlockT>(tb, L, nb13, nb2, idx, cur13, cur2, w2, t) || w2) return;
     const int lane = (int)(threadIdx.x & 31), w = mf__warp_id() - 1;
     const int32_t kb13 = p.H * C::kEsz / kKBlock;
     const int32_t srows13 = 2 * p.I / kBoxRows;
@@ -786,7 +711,7 @@ __device__ __forceinline__ void sum_dropped(const small_params &p, int ctid) {
  * the rows of one tile are distinct tokens. */
 template <int kBlockT>
 __device__ __forceinline__ void sum_tile(const small_params &p, const int32_t *src_table, const tile_t &t, int32_t nb2,
-                                         int32_t half, int ctid, int32_t *flags) {
+                                         int ctid, int32_t *flags) {
     static_assert(kBlockT * 16 <= kConsumerThreads, "16 threads per token row");
     const uint8_t *heap = p.view.heap[p.view.rank];
     const int32_t *ids_all = (const int32_t *)(heap + p.view.ids);
@@ -800,12 +725,9 @@ __device__ __forceinline__ void sum_tile(const small_params &p, const int32_t *s
             if (src[0] == p.view.rank && token >= 0 && token < p.T) {
                 const int32_t *ids = ids_all + (int64_t)token * p.num_topk;
                 int32_t want = 0;
-                /* by weight (switch 6's halves, file comment "The walk's end"): a valid k is worth 2,
-                 * a whole unit's row brings 2, a half's 1 */
-                const int32_t step = half < 0 ? 2 : 1;
-                for (int32_t k = 0; k < p.num_topk; k++) want += ids[k] >= 0 ? 2 : 0;
+                for (int32_t k = 0; k < p.num_topk; k++) want += ids[k] >= 0 ? 1 : 0;
                 __threadfence();
-                if (atomicAdd(arrive + (int64_t)token * nb2 + t.nb, step) + step == want) {
+                if (atomicAdd(arrive + (int64_t)token * nb2 + t.nb, 1) + 1 == want) {
                     __threadfence();
                     flag = token + 1;
                 }
@@ -822,24 +744,6 @@ __device__ __forceinline__ void sum_tile(const small_params &p, const int32_t *s
                                   (const float *)(heap + p.view.weights) + (int64_t)token * p.num_topk,
                                   (const uint16_t *)(heap + p.view.combine) + (int64_t)token * p.num_topk * p.H,
                                   p.num_topk, p.H, c);
-    }
-}
-
-/* Switch 7's half W2 unit: the staged tile's first 64 columns (warpgroup 0's: the half's weight rows;
- * warpgroup 1 computed stale rows of the slot) into the owners' combine slots at columns
- * 128 nb + 64 half: store_tile's W2 path over half the columns. */
-template <int kBlockT, int kEpiRowBytes>
-__device__ __forceinline__ void store_half(const small_params &p, const int32_t *src, const uint8_t *epi, const tile_t &t,
-                                           int32_t half, int ctid) {
-    constexpr int kChunksPerRow = kTileCols / 2 * 2 / kChunk; /* 64 BF16 columns */
-    const int64_t col_bytes = ((int64_t)t.nb * kTileCols + half * (kTileCols / 2)) * 2;
-#pragma unroll
-    for (int c = ctid; c < kBlockT * kChunksPerRow; c += kConsumerThreads) {
-        const int token = c / kChunksPerRow, ch = c % kChunksPerRow;
-        if (token < t.lo) continue;
-        uint8_t *dst;
-        if (!ret_row(p, src, (int64_t)t.row0 + token, p.H, dst)) continue;
-        *(uint4 *)(dst + col_bytes + ch * kChunk) = *(const uint4 *)(epi + token * kEpiRowBytes + ch * kChunk);
     }
 }
 
@@ -861,7 +765,6 @@ __device__ __forceinline__ void consumer(const small_params &p, const tables_t &
     const int32_t kb13 = p.H * C::kEsz / kKBlock, kb2 = p.I * C::kEsz / kKBlock;
     const uint64_t desc_slots = mf__wgmma_desc_sw128(slots);
     int32_t *const done = p.sync + 2;
-    const int32_t split_e = split_expert(p, tb); /* switch 6 */
 
     float tmp[2][kFrag];
 #pragma unroll
@@ -874,8 +777,9 @@ __device__ __forceinline__ void consumer(const small_params &p, const tables_t &
 
     const int32_t *const src = kOwn ? own_src : p.src;
     /* publish's rows, ids, weights and fault verdict (the producer waits for them before its first
-     * activation copy; with its own rows, switch 5, after its first unit); with its own rows a first
-     * W13 unit reads nothing of publish: the wait comes before the second unit, a W2 unit or the end */
+     * activation copy; with its first rows, switch 5, after its first unit); with its first rows a
+     * first W13 unit reads nothing of publish: the wait comes before the second unit, a W2 unit or
+     * the end */
     bool published = false;
     auto wait_publish = [&]() {
         if constexpr (kOwn) mf__pdl_wait();
@@ -898,8 +802,7 @@ __device__ __forceinline__ void consumer(const small_params &p, const tables_t &
         if (ctid == 0) unit[u & 1] = mf__sm90_expired ? -1 : tile_of[R::slot(it)];
         mf__named_barrier_sync(kBarEpilogue, kConsumerThreads);
         const int32_t idx = unit[u & 1];
-        int32_t half;
-        if (idx < 0 || !locate<kBlockT>(tb, L, nb13, nb2, split_e, idx, cur13, cur2, w2, t, half)) break;
+        if (idx < 0 || !locate<kBlockT>(tb, L, nb13, nb2, idx, cur13, cur2, w2, t)) break;
         if (!published && (u > 0 || w2)) wait_publish();
         if (!w2) {
             float acc[2][kFrag];
@@ -947,9 +850,8 @@ __device__ __forceinline__ void consumer(const small_params &p, const tables_t &
                 release_stage(empty, s, lane);
             }
             stage_tile<kFp8, kEpiPlain, kBlockT, 2, C::kEpiRowBytes2>(acc, epi, red, p.ue8m0, NULL, 0, t, ctid);
-            if (half < 0) store_tile<kEpiPlain, kBlockT, 2, C::kEpiRowBytes2>(p, src, NULL, true, epi, p.H, t, ctid);
-            else store_half<kBlockT, C::kEpiRowBytes2>(p, src, epi, t, half, ctid);
-            if (p.y) sum_tile<kBlockT>(p, src, t, nb2, half, ctid, sum_flags);
+            store_tile<kEpiPlain, kBlockT, 2, C::kEpiRowBytes2>(p, src, NULL, true, epi, p.H, t, ctid);
+            if (p.y) sum_tile<kBlockT>(p, src, t, nb2, ctid, sum_flags);
         }
     }
     if (!published) wait_publish();
@@ -992,13 +894,13 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_small_kernel(const __grid_co
     }
     if (p.timeline && threadIdx.x == 0) stamp(p, 1);
 
-    /* the split: 72 registers for the producer (its own rows' quantisation spilled at 40 and 64), 216
-     * for the consumers (8-token tiles need far fewer; no variant spills) */
+    /* the split: 72 registers for the producer, 216 for the consumers (8-token tiles need far fewer;
+     * no variant spills) */
     if (producer_role<72, 216>()) {
         if (mf__warp_id() == 0) {
             producer<kFp8, kBlockT, kOwn>(p, tb, own_src, slots, scales, tile_of, full, empty, last + 1);
-        } else if constexpr (kOwn) { /* warps 1-3: switch 7's first rows, else nothing */
-            if (p.front_rows) front_rows<kFp8, kBlockT>(p, tb, own_src, slots, scales, full, empty, last + 1);
+        } else if constexpr (kOwn) { /* warps 1-3: switch 5's first rows, else nothing */
+            if (p.x) front_rows<kFp8, kBlockT>(p, tb, own_src, slots, scales, full, empty, last + 1);
         }
         return;
     }
