@@ -2,7 +2,7 @@
 # bench/h200.sh — the benchmark set behind docs/PERFORMANCE.md, for one H200 (run from the repo root
 # after `make -j16 all lab`). Writes JSON records and logs into DIR and prints a short summary.
 #
-#   MF_COMMIT=<hash> bash bench/h200.sh DIR [gemm|layer|transport|balance|rebalance|capacity|smallbatch|small|timeline|overlap|all]
+#   MF_COMMIT=<hash> bash bench/h200.sh DIR [gemm|layer|transport|balance|rebalance|capacity|smallbatch|small|timeline|targets|ncu|overlap|all]
 #
 # Everything lands in DIR and in one archive DIR.tgz (the device tool returns a limited number of
 # files: take the archive).
@@ -59,10 +59,16 @@
 #        timeline_raw.jsonl (--timeline-raw) and timeline.md from them (bench/summarize.py timeline:
 #        the W2 units at the seam, mid-walk and last, the CTAs' ends, the SM-time idle at the end).
 #        Not in `all`.
+# targets: issue 27's targets in one call (~6 min): moeflow bench gemm at M = 256, 1024, 4096 for
+#        deepseek-v3 (L 32, 256), kimi-k2 (48, 384), qwen3-235b-a22b (16, 128) beside cuBLAS dense,
+#        bench/peers.py (torch) on each record, the R = 1 layer at T = 4096. Not in `all`.
+# ncu:   Nsight Compute on the TMA kernel, deepseek-v3 (~1.5 min): four launches' speed of light,
+#        memory, compute and warp state, and --set full on FP8 and BF16 W13 at L = 32, M = 4096.
+#        Not in `all`.
 # overlap: moeflow bench overlap (issue 28: two micro-batches through the split halves beside the
 #        pair back to back; deepseek-v3, T = 64, 128, R = 1, 8). Not in `all`.
 set -u
-dir=${1:?usage: bench/h200.sh DIR [gemm|layer|transport|balance|rebalance|capacity|smallbatch|small|timeline|overlap|all]}
+dir=${1:?usage: bench/h200.sh DIR [gemm|layer|transport|balance|rebalance|capacity|smallbatch|small|timeline|targets|ncu|overlap|all]}
 what=${2:-all}
 mkdir -p "$dir"
 : "${MF_COMMIT:=unknown}"
@@ -243,6 +249,41 @@ if [ "$what" = smallbatch ]; then
     tail -30 "$dir/peer.log"
     python3 bench/summarize.py smallbatch "$dir" > "$dir/table.md" 2>&1 || rc=1
     cat "$dir/table.md"
+fi
+if [ "$what" = targets ]; then
+    # issue 27's targets: M >= 256 at L at EP8 and at R = 1, beside cuBLAS dense (same process) and
+    # torch (peers.py, same call); then the R = 1 layer at T = 4096. Build every tree first: a build
+    # on the device's CPUs during this run spoiled rows of the a545663 record.
+    for pl in "deepseek-v3 32,256" "kimi-k2 48,384" "qwen3-235b-a22b 16,128"; do
+        set -- $pl
+        timeout 150 ./build/moeflow bench gemm --model "$1" -L "$2" -M 256,1024,4096 --layout expert_major --iters 10 \
+            --warmup 2 --json "$dir/gemm_$1.json" > "$dir/gemm_$1.log" 2>&1 || rc=1
+        timeout 120 python3 bench/peers.py --moeflow "$dir/gemm_$1.json" --out "$dir/gemm_$1_peers.json" --iters 10 \
+            --warmup 2 > "$dir/gemm_$1_peers.log" 2>&1 || rc=1
+    done
+    for preset in deepseek-v3 kimi-k2 qwen3-235b-a22b; do
+        timeout 60 ./build/moeflow bench layer --preset "$preset" -R 1 -T 4096 --dtype fp8 --gated --no-check --iters 10 \
+            --warmup 2 --json "$dir/layer4096_$preset.json" > "$dir/layer4096_$preset.log" 2>&1 || rc=1
+        grep -E "^ +fp8 +auto +4096 " "$dir/layer4096_$preset.log" | sed "s/^/$preset /"
+    done
+fi
+if [ "$what" = ncu ]; then
+    # Nsight Compute on one TMA launch per case (deepseek-v3): speed of light, memory, compute, warp
+    # state; `--set full` for the two W13 cases at L = 32, M = 4096
+    for c in "fp8 w13 32 4096" "bf16 w13 32 4096" "fp8 w2 32 4096" "fp8 w13 256 256"; do
+        set -- $c
+        timeout 60 ncu --clock-control none -k regex:sm90_tma_kernel -c 1 --section SpeedOfLight \
+            --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats \
+            ./build/moeflow bench gemm --model deepseek-v3 --dtype "$1" --op "$2" -L "$3" -M "$4" --layout expert_major \
+            --iters 1 --warmup 0 --no-cublas > "$dir/ncu_$1_$2_$3_$4.txt" 2>&1 || rc=1
+        grep -E "Duration|DRAM Throughput|L2 Cache Throughput|Compute \(SM\) Throughput|L2 Hit Rate" "$dir/ncu_$1_$2_$3_$4.txt" |
+            sed "s/^/$1 $2 L$3 M$4 /"
+    done
+    for dt in fp8 bf16; do
+        timeout 120 ncu --clock-control none -k regex:sm90_tma_kernel -c 1 --set full ./build/moeflow bench gemm \
+            --model deepseek-v3 --dtype $dt --op w13 -L 32 -M 4096 --layout expert_major --iters 1 --warmup 0 --no-cublas \
+            > "$dir/ncufull_${dt}_w13_32_4096.txt" 2>&1 || rc=1
+    done
 fi
 if [ "$what" = overlap ]; then
     timeout 240 ./build/moeflow bench overlap --json "$dir/overlap.json" > "$dir/overlap.log" 2>&1 || rc=1
