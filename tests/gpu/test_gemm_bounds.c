@@ -313,14 +313,21 @@ static int run_cases(const gcase_t *cs, int n) {
     return 0;
 }
 
+/* The decode family's cases: W13 + SwiGLU and W2, FP8 and BF16, L experts of 40 rows. */
+enum { kDecodeCases = 4 };
+static void decode_cases(gcase_t cs[kDecodeCases], int32_t L) {
+    static const int32_t k_op_dtype[kDecodeCases][2] = {{MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_FP8_E4M3},
+                                                         {MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_BF16},
+                                                         {MF__GEMM_OP_W2, MF_DTYPE_FP8_E4M3},
+                                                         {MF__GEMM_OP_W2, MF_DTYPE_BF16}};
+    for (int i = 0; i < kDecodeCases; i++)
+        cs[i] = (gcase_t){"decode", k_op_dtype[i][0], k_op_dtype[i][1], 512, 256, L, 40, 0};
+}
+
 static int gemm_bounds_decode(void) {
-    static const gcase_t cs[] = {
-        {"decode", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_FP8_E4M3, 512, 256, 4, 40, 0},
-        {"decode", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_BF16, 512, 256, 4, 40, 0},
-        {"decode", MF__GEMM_OP_W2, MF_DTYPE_FP8_E4M3, 512, 256, 4, 40, 0},
-        {"decode", MF__GEMM_OP_W2, MF_DTYPE_BF16, 512, 256, 4, 40, 0},
-    };
-    return run_cases(cs, 4);
+    gcase_t cs[kDecodeCases];
+    decode_cases(cs, 4);
+    return run_cases(cs, kDecodeCases);
 }
 
 /* The TMA family's cases; the last four (uneven counts over 288 tiles) serve the drain test too. */
@@ -390,13 +397,9 @@ static int drain(int32_t family, const gcase_t *cs, int n) {
 
 /* 72 experts of 40 rows: 144 W13 tiles and 288 W2 tiles of the decode family's, more than a grid. */
 static int gemm_drain_decode(void) {
-    static const gcase_t cs[] = {
-        {"decode", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_FP8_E4M3, 512, 256, 72, 40, 0},
-        {"decode", MF__GEMM_OP_W13_SWIGLU, MF_DTYPE_BF16, 512, 256, 72, 40, 0},
-        {"decode", MF__GEMM_OP_W2, MF_DTYPE_FP8_E4M3, 512, 256, 72, 40, 0},
-        {"decode", MF__GEMM_OP_W2, MF_DTYPE_BF16, 512, 256, 72, 40, 0},
-    };
-    return drain(MF__GEMM_BENCH_DECODE, cs, 4);
+    gcase_t cs[kDecodeCases];
+    decode_cases(cs, 72);
+    return drain(MF__GEMM_BENCH_DECODE, cs, kDecodeCases);
 }
 
 static int gemm_drain_tma(void) {
