@@ -90,9 +90,10 @@ int mf__gemm_small_set_timeline(uint64_t *stamps);
  * every caller (layers, benches, tests); 0 for any other value. */
 uint64_t mf__gemm_bench_launches(int32_t family);
 
-/* Raises the expired flag of a family (MF__GEMM_BENCH_DECODE or _TMA) as an expired pipeline wait would:
- * the family's later kernels drain wherever a wait has to wait, and must still end. Never cleared:
- * a test of the drain runs it in a process of its own. 0, or -1 (another family, a CUDA error). */
+/* Raises the expired flag of a family (MF__GEMM_BENCH_DECODE or MF__GEMM_BENCH_TMA) as an expired
+ * pipeline wait would: the family's later kernels drain wherever a wait has to wait, and must still
+ * end. Never cleared: a test of the drain runs it in a process of its own. 0, or -1 (another
+ * family, a CUDA error). */
 int mf__gemm_bench_expire(int32_t family);
 
 /* 1 when the library has `op` for `dtype`, else 0. */

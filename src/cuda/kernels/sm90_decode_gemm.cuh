@@ -94,7 +94,7 @@
  * So the 256 take every tile code from one thread: it writes the code, or -1 when its own wait gave
  * up (the consumers end within a tile), into a word after tile_of, then a sync of the epilogue's
  * barrier (kBarEpilogue) and all read it. The word is next written after the tile's epilogue
- * barriers, which every reader passes after reading it. Test: `cuda_gemm_drain`.
+ * barriers, which every reader passes after reading it. Test: `cuda_gemm_drain_decode`.
  *
  * FP8 (docs/DESIGN.md "Numerics"): for each 128-wide K block the four k32 wgmmas go into a temporary
  * fragment (scale-d = 0 on the first), then acc += tmp * (a_scale[column][kb] * w_scale[n/128][kb]):
