@@ -189,10 +189,7 @@ mf_result_t mf__sm90_decode_w2(const mf__gemm_choice_t *choice, const mf__gemm_s
 
 mf_result_t mf__sm90_decode_preload(void) { return mf__gemm_preload(&g_family, __func__); }
 
-int mf__sm90_decode_expire(void) {
-    const uint32_t one = 1;
-    return cudaMemcpyToSymbol(mf__sm90_expired, &one, sizeof one) == cudaSuccess ? 0 : -1;
-}
+int mf__sm90_decode_expire(void) { return mf__sm90_raise_expired(); }
 
 int mf__sm90_decode_variants(mf__gemm_variant_info_t *out, int max) {
     return mf__gemm_variants(&g_family, __func__, out, max);

@@ -563,6 +563,14 @@ __device__ __forceinline__ bool mf__mbar_wait_bounded(uint64_t *bar, uint32_t pa
     return false;
 }
 
+/* Host: raises this translation unit's (this family's) mf__sm90_expired as its first expired wait
+ * would, for the drain tests (cuda/grouped_gemm.h mf__sm90_decode_expire / mf__sm90_tma_expire).
+ * 0, or -1 on a CUDA error. */
+static inline int mf__sm90_raise_expired(void) {
+    const uint32_t one = 1;
+    return cudaMemcpyToSymbol(mf__sm90_expired, &one, sizeof one) == cudaSuccess ? 0 : -1;
+}
+
 /* At a GEMM kernel's end, one consumer thread per CTA: a wait of this family that expired (a
  * producer's records nothing) or drained is recorded in the comm's sink, whether or not this CTA's
  * consumers spun on a wait afterwards. */
